@@ -1,0 +1,37 @@
+# One image for every hsx service (producer, gpu_consumer, uploader, monitor);
+# compose.yaml picks the role with the command, e.g. `consume --job demo`.
+#
+#   docker build -t hsx .
+#   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu -t hsx:cpu .
+FROM python:3.11-slim
+
+# Where torch comes from. The default is the CUDA 12.8 build from the PyTorch
+# index; override with .../whl/cu126, .../whl/cpu, or a local mirror.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+
+# Unprivileged runtime user. /spool is created here, owned by hsx, so a named
+# volume mounted there starts out writable by that user.
+RUN groupadd --system --gid 1000 hsx \
+ && useradd --system --uid 1000 --gid hsx --create-home --home-dir /home/hsx hsx \
+ && mkdir -p /app /spool \
+ && chown hsx:hsx /spool
+
+# torch is by far the largest layer; install it on its own so changes to the
+# project do not re-download it.
+RUN pip install --no-cache-dir torch --index-url "${TORCH_INDEX}"
+
+WORKDIR /app
+COPY . /app
+RUN pip install --no-cache-dir . \
+ && hsx --help >/dev/null
+
+USER hsx
+ENV HF_HOME=/home/hsx/.cache/huggingface
+
+ENTRYPOINT ["hsx"]
+CMD ["--help"]

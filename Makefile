@@ -1,0 +1,27 @@
+# make setup: .venv with hsx and everything the demo and tests need (idempotent, fast when done)
+# make run:   setup + `hsx up` (embedded demo: nats-server, tiny model, synthetic data, local dest)
+# make test:  setup + the whole pytest suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hsx-installed
+PYTHON ?= python3
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: 2.13.0 is a CPU wheel on local disk here; an open range would pull a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/hsx up
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf hsx-demo hsx-spool .pytest_cache

@@ -1,0 +1,28 @@
+"""The GPU consumer's settings, built and validated once by the CLI. What to extract (model,
+layers, dtype, destination) is not here: it comes from the job spec the producer recorded."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsx.natsconn import NatsSettings
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerConfig:
+    nats: NatsSettings
+    job: str
+    device: str
+    spool: Path
+    node: str
+    instance: str
+    spool_high_water_bytes: int
+    # How long a batch may go without a sign of life before JetStream redelivers it. Shared by
+    # every consumer of the job (the durable holds it); in_progress() is sent well inside it.
+    ack_wait_s: float = 60.0
+    heartbeat_s: float = 5.0
+    idle_fetch_timeout_s: float = 1.0
+    stop_deadline_s: float = 120.0
+
+    @property
+    def in_progress_s(self) -> float:
+        return max(0.5, min(10.0, self.ack_wait_s / 3))

@@ -1,0 +1,50 @@
+"""One batch's forward: right-pad, run the tap, and cut each sample's rows out of the result.
+
+Right padding with an attention mask keeps every real token's computation identical to running
+the sample alone (causal attention and recurrent layers read only earlier positions). On an
+out-of-memory error the batch is split in halves and each half retried, down to single samples.
+"""
+
+import os
+
+import structlog
+import torch
+
+from gpu_consumer.model import LoadedModel
+from hsx.schemas import Sample
+
+log = structlog.get_logger("hsx.gpu_consumer.extract")
+
+# Test-only switch: raise an out-of-memory error for any forward of more padded tokens than this,
+# so the split path runs on CPU machines.
+_FAKE_OOM_ABOVE = int(os.environ.get("HSX_TEST_OOM_ABOVE_TOKENS", "0") or 0)
+
+
+def _forward(loaded: LoadedModel, samples: list[Sample]) -> list[torch.Tensor]:
+    padded_len = max(len(s.input_ids) for s in samples)
+    if _FAKE_OOM_ABOVE and len(samples) * padded_len > _FAKE_OOM_ABOVE:
+        raise torch.OutOfMemoryError(f"test switch: {len(samples)}x{padded_len} tokens > {_FAKE_OOM_ABOVE}")
+    ids = torch.full((len(samples), padded_len), loaded.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), padded_len), dtype=torch.long)
+    for row, sample in enumerate(samples):
+        ids[row, : len(sample.input_ids)] = torch.tensor(sample.input_ids, dtype=torch.long)
+        mask[row, : len(sample.input_ids)] = 1
+    with torch.inference_mode():
+        captured = loaded.tap.forward(ids.to(loaded.device), mask.to(loaded.device))
+        # [B, P, k, H], one device-to-host copy for the whole batch.
+        stacked = torch.stack(captured, dim=2).to(loaded.dtype).to("cpu")
+    return [stacked[row, : len(sample.input_ids)] for row, sample in enumerate(samples)]
+
+
+def extract_samples(loaded: LoadedModel, samples: list[Sample]) -> list[torch.Tensor]:
+    """Hidden states [T, k, H] per sample, in the order given; splits the batch on OOM."""
+    try:
+        return _forward(loaded, samples)
+    except torch.OutOfMemoryError:
+        if len(samples) == 1:
+            raise
+        if loaded.device.type == "cuda":
+            torch.cuda.empty_cache()
+        half = len(samples) // 2
+        log.warning("batch_split_on_oom", samples=len(samples), halves=[half, len(samples) - half])
+        return extract_samples(loaded, samples[:half]) + extract_samples(loaded, samples[half:])

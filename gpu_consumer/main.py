@@ -1,0 +1,60 @@
+"""`hsx consume`: connect, read the job spec, load the model once, warm up, then pull batches
+until stopped."""
+
+import asyncio
+
+import structlog
+import torch
+
+from gpu_consumer.config import ConsumerConfig
+from gpu_consumer.model import load_model
+from gpu_consumer.service import SERVICE, BatchWorker, heartbeat_loop, pull_loop
+from hsx import schemas, topology
+from hsx.events import EventPublisher
+from hsx.fsutil import make_private_dirs
+from hsx.jobs import wait_for_job_spec
+from hsx.lifecycle import stop_event_on_signals
+from hsx.natsconn import connect
+
+log = structlog.get_logger("hsx.gpu_consumer")
+
+
+def _warm_up(loaded) -> None:
+    from gpu_consumer.extract import extract_samples
+
+    extract_samples(loaded, [schemas.Sample(index=-1, source_id="warmup", input_ids=[loaded.pad_token_id] * 16)])
+
+
+async def run(cfg: ConsumerConfig) -> int:
+    stopping = stop_event_on_signals()
+    structlog.contextvars.bind_contextvars(job=cfg.job, consumer=cfg.instance)
+    make_private_dirs(cfg.spool)
+    nc = await connect(cfg.nats, name=f"hsx-consume-{cfg.job}-{cfg.instance}")
+    try:
+        js = nc.jetstream()
+        kv = await topology.ensure_topology(js)
+        spec = await wait_for_job_spec(kv, cfg.job, stopping)
+        if spec is None:
+            return 0
+        events = EventPublisher(nc, js, cfg.job)
+        await events.heartbeat(service=SERVICE, instance=cfg.instance, node=cfg.node, state="starting")
+        loaded = await asyncio.to_thread(load_model, spec.model, layers=spec.layers, dtype=spec.dtype, device=cfg.device)
+        await asyncio.to_thread(_warm_up, loaded)
+        log.info(
+            "consumer_ready", model=spec.model, layers=spec.layers, dtype=spec.dtype, device=str(loaded.device),
+            attention=loaded.attention, torch_threads=torch.get_num_threads(), node=cfg.node, spool=str(cfg.spool),
+        )
+        durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
+        sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
+        worker = BatchWorker(cfg, js, events, spec, loaded)
+        beats = asyncio.create_task(heartbeat_loop(worker, events, cfg, stopping))
+        try:
+            await pull_loop(worker, sub, cfg, stopping)
+        finally:
+            await events.heartbeat(service=SERVICE, instance=cfg.instance, node=cfg.node, state="stopping")
+            beats.cancel()
+            await sub.unsubscribe()
+        log.info("consumer_stopped")
+        return 0
+    finally:
+        await nc.drain()

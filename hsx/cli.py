@@ -1,0 +1,212 @@
+"""The `hsx` command line: parses flags, builds each service's frozen config, runs it.
+
+This is the only place that reads flags and environment variables. A user error (`HsxError`)
+prints one line, `hsx: error: ...`, and exits 2, with no traceback.
+"""
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+from pathlib import Path
+
+from hsx.errors import HsxError
+from hsx.logs import configure_logging
+from hsx.natsconn import DEFAULT_NATS_URL, NatsSettings
+
+DTYPES = ("bfloat16", "float16", "float32")
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _positive_int(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be positive, got {value}")
+        return value
+
+    return parse
+
+
+def parse_size(text: str, flag: str) -> int:
+    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = raw[-1] if raw and raw[-1] in _SIZE_UNITS else ""
+    try:
+        value = float(raw[: len(raw) - len(unit)]) * _SIZE_UNITS[unit]
+    except ValueError:
+        raise HsxError(f"{flag} {text!r}: not a size (e.g. 500G, 2T, 1048576)") from None
+    if value <= 0:
+        raise HsxError(f"{flag} {text!r}: must be positive")
+    return int(value)
+
+
+def _job_name(text: str) -> str:
+    from hsx.topology import check_name
+
+    try:
+        return check_name(text, "--job")
+    except HsxError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_nats(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nats", default=os.environ.get("HSX_NATS_URL", DEFAULT_NATS_URL),
+        help="NATS server URL(s), comma-separated (env HSX_NATS_URL, default %(default)s)",
+    )
+
+
+def _default_node() -> str:
+    from hsx.topology import node_name
+
+    return node_name(os.environ.get("HSX_NODE") or socket.gethostname())
+
+
+def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--spool", type=Path, default=Path(os.environ.get("HSX_SPOOL", "hsx-spool")),
+                        help="local spool directory for finished files (env HSX_SPOOL, default ./hsx-spool)")
+    parser.add_argument("--node", default=None, help="this node's name (env HSX_NODE, default the host name)")
+    parser.add_argument("--ack-wait", type=float, default=60.0,
+                        help="seconds without a sign of life before JetStream redelivers a message (default 60)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hsx", description="Hidden-state extraction over NATS JetStream.")
+    parser.add_argument("--log-level", default=os.environ.get("HSX_LOG_LEVEL", "info"),
+                        choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = commands.add_parser("up", help="run a whole job on this machine; starts what is not given")
+    _add_nats_optional = up.add_argument
+    _add_nats_optional("--nats", default=None, help="use this NATS server instead of starting one")
+    up.add_argument("--workdir", type=Path, default=Path("hsx-demo"), help="state, store, spool, logs (default ./hsx-demo)")
+    up.add_argument("--job", type=_job_name, default="demo")
+    up.add_argument("--model", default=None, help="model folder or cached id (default: a small random model)")
+    up.add_argument("--dataset", type=Path, default=None, help="JSONL/Parquet dataset (default: synthetic)")
+    up.add_argument("--layers", default="1,3,5")
+    up.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    up.add_argument("--dest", default=None, help="s3://bucket/prefix, file:///dir or a path (default WORKDIR/out)")
+    up.add_argument("--consumers", type=_positive_int("--consumers"), default=1)
+    up.add_argument("--uploaders", type=_positive_int("--uploaders"), default=1)
+    up.add_argument("--token-budget", type=_positive_int("--token-budget"), default=4096)
+    up.add_argument("--max-seq-len", type=_positive_int("--max-seq-len"), default=1024)
+    up.add_argument("--samples", type=_positive_int("--samples"), default=256, help="synthetic dataset size")
+    up.add_argument("--device", default="cpu")
+    up.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
+
+    produce = commands.add_parser("produce", help="plan batches and publish them for a job")
+    _add_nats(produce)
+    produce.add_argument("--job", type=_job_name, required=True)
+    produce.add_argument("--model", required=True)
+    produce.add_argument("--dataset", type=Path, required=True)
+    produce.add_argument("--layers", required=True, help="0-based decoder layer indices, e.g. 1,16,31 (-1 = last)")
+    produce.add_argument("--dest", required=True)
+    produce.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    produce.add_argument("--token-budget", type=_positive_int("--token-budget"), default=16384)
+    produce.add_argument("--max-seq-len", type=_positive_int("--max-seq-len"), default=4096)
+    produce.add_argument("--max-batch-size", type=_positive_int("--max-batch-size"), default=None)
+
+    consume = commands.add_parser("consume", help="run one GPU consumer for a job")
+    _add_nats(consume)
+    consume.add_argument("--job", type=_job_name, required=True)
+    consume.add_argument("--device", default=os.environ.get("HSX_DEVICE", "cuda:0"))
+    _add_worker_flags(consume)
+    consume.add_argument("--spool-high-water", default=os.environ.get("HSX_SPOOL_HIGH_WATER", "auto"),
+                         help="pause fetching when the job's spool holds this many bytes (e.g. 200G; "
+                              "auto = half the spool disk's free space at start)")
+
+    upload = commands.add_parser("upload", help="run one uploader for a job on this node")
+    _add_nats(upload)
+    upload.add_argument("--job", type=_job_name, required=True)
+    _add_worker_flags(upload)
+    upload.add_argument("--max-inflight", type=_positive_int("--max-inflight"), default=100)
+
+    monitor = commands.add_parser("monitor", help="follow a job's progress as a log stream")
+    _add_nats(monitor)
+    monitor.add_argument("--job", type=_job_name, required=True)
+    monitor.add_argument("--until-done", action="store_true", help="exit 0 when done, 1 when it cannot finish")
+    monitor.add_argument("--interval", type=float, default=5.0)
+
+    status = commands.add_parser("status", help="print a job's progress once")
+    _add_nats(status)
+    status.add_argument("--job", type=_job_name, required=True)
+    status.add_argument("--json", action="store_true")
+    return parser
+
+
+def _instance(node: str) -> str:
+    return f"{node}-{os.getpid()}"
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    nats = NatsSettings(url=args.nats) if getattr(args, "nats", None) else None
+    if args.command == "produce":
+        from hsx.destinations import parse_dest
+        from hsx.layers import parse_layers
+        from producer.config import ProducerConfig
+        from producer.main import run
+
+        cfg = ProducerConfig(
+            nats=nats, job=args.job, model=args.model, dataset=args.dataset, layers=tuple(parse_layers(args.layers)),
+            dest=parse_dest(args.dest), dtype=args.dtype, token_budget=args.token_budget,
+            max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
+        )
+        return asyncio.run(run(cfg))
+    if args.command == "consume":
+        from gpu_consumer.config import ConsumerConfig
+        from gpu_consumer.main import run
+        from hsx.fsutil import free_bytes, make_private_dirs
+
+        node = args.node or _default_node()
+        make_private_dirs(args.spool)
+        high_water = (free_bytes(args.spool) // 2 if args.spool_high_water == "auto"
+                      else parse_size(args.spool_high_water, "--spool-high-water"))
+        cfg = ConsumerConfig(
+            nats=nats, job=args.job, device=args.device, spool=args.spool.resolve(), node=node,
+            instance=_instance(node), spool_high_water_bytes=high_water, ack_wait_s=args.ack_wait,
+        )
+        return asyncio.run(run(cfg))
+    if args.command == "upload":
+        from uploader.config import UploaderConfig
+        from uploader.main import run
+
+        node = args.node or _default_node()
+        cfg = UploaderConfig(nats=nats, job=args.job, spool=args.spool.resolve(), node=node, instance=_instance(node),
+                             max_inflight=args.max_inflight, ack_wait_s=args.ack_wait)
+        return asyncio.run(run(cfg))
+    if args.command == "monitor":
+        from monitor.config import MonitorConfig
+        from monitor.main import run
+
+        return asyncio.run(run(MonitorConfig(nats=nats, job=args.job, interval_s=args.interval, until_done=args.until_done)))
+    if args.command == "status":
+        from hsx.status import format_status, read_status
+
+        print(format_status(asyncio.run(read_status(nats, args.job)), as_json=args.json))
+        return 0
+    if args.command == "up":
+        from hsx.up import UpConfig, run_up
+
+        return run_up(UpConfig.from_args(args))
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(level=args.log_level)
+    try:
+        return _dispatch(args)
+    except HsxError as exc:
+        print(f"hsx: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

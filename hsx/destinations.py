@@ -1,0 +1,172 @@
+"""Where finished sample files end up: `file:///dir` (or a plain path) and `s3://bucket/prefix`.
+
+One small interface: `put_verified` copies a local file to a key and returns only once the stored
+object is known to have the expected size and sha256; `has_verified` answers whether a key already
+holds exactly that object (a redelivered upload is then acked without re-uploading). Calls block;
+the uploader runs them on worker threads.
+
+S3 settings come from the standard AWS variables (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION); a custom endpoint gets path-style
+addressing, which MinIO, moto and most S3-compatible stores need.
+"""
+
+import base64
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import unquote, urlsplit
+
+from hsx.errors import HsxError
+from hsx.fsutil import atomic_copy, file_sha256
+
+MULTIPART_THRESHOLD = 64 << 20
+MULTIPART_CHUNK = 64 << 20
+
+
+class Destination(Protocol):
+    url: str
+
+    def put_verified(self, local: Path, key: str, *, size: int, sha256: str) -> None: ...
+
+    def has_verified(self, key: str, *, size: int, sha256: str) -> bool: ...
+
+    def read_bytes(self, key: str) -> bytes: ...
+
+    def keys(self) -> Iterator[str]: ...
+
+
+class VerificationError(Exception):
+    """The stored object is not what was sent; the upload is retried."""
+
+
+class FileDestination:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def put_verified(self, local: Path, key: str, *, size: int, sha256: str) -> None:
+        written_sha = atomic_copy(local, self._path(key))
+        stored_size = self._path(key).stat().st_size
+        if written_sha != sha256 or stored_size != size:
+            raise VerificationError(
+                f"{key}: stored {stored_size} bytes sha256 {written_sha[:12]}, expected {size} bytes {sha256[:12]}"
+            )
+
+    def has_verified(self, key: str, *, size: int, sha256: str) -> bool:
+        path = self._path(key)
+        try:
+            if path.stat().st_size != size:
+                return False
+        except FileNotFoundError:
+            return False
+        return file_sha256(path) == sha256
+
+    def read_bytes(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def keys(self) -> Iterator[str]:
+        if not self.root.exists():
+            return
+        for path in sorted(self.root.rglob("*.safetensors")):
+            if not path.name.startswith("."):
+                yield path.relative_to(self.root).as_posix()
+
+
+def _custom_s3_endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+class S3Destination:
+    def __init__(self, bucket: str, prefix: str, *, max_connections: int = 100) -> None:
+        import boto3
+        import botocore.config
+        from boto3.s3.transfer import TransferConfig
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        endpoint = _custom_s3_endpoint()
+        config = botocore.config.Config(
+            s3={"addressing_style": "path" if endpoint else "auto"},
+            max_pool_connections=max_connections + 4,
+            retries={"max_attempts": 5, "mode": "standard"},
+            connect_timeout=10,
+            read_timeout=120,
+        )
+        self.client = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+        # One file is one transfer; concurrency comes from the uploader running many at once.
+        self.transfer = TransferConfig(
+            multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK,
+            max_concurrency=4, use_threads=True,
+        )
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put_verified(self, local: Path, key: str, *, size: int, sha256: str) -> None:
+        full_key = self._key(key)
+        metadata = {"sha256": sha256}
+        if size < MULTIPART_THRESHOLD:
+            # The server checks the body against this checksum and refuses a mismatch.
+            with open(local, "rb") as body:
+                self.client.put_object(
+                    Bucket=self.bucket, Key=full_key, Body=body, Metadata=metadata,
+                    ChecksumSHA256=base64.b64encode(bytes.fromhex(sha256)).decode(),
+                )
+        else:
+            self.client.upload_file(
+                str(local), self.bucket, full_key,
+                ExtraArgs={"Metadata": metadata, "ChecksumAlgorithm": "SHA256"}, Config=self.transfer,
+            )
+        if not self.has_verified(key, size=size, sha256=sha256):
+            raise VerificationError(f"s3://{self.bucket}/{full_key}: stored object does not match the local file")
+
+    def has_verified(self, key: str, *, size: int, sha256: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return head["ContentLength"] == size and head.get("Metadata", {}).get("sha256") == sha256
+
+    def read_bytes(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+    def keys(self) -> Iterator[str]:
+        paginator = self.client.get_paginator("list_objects_v2")
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                yield obj["Key"][len(prefix):]
+
+
+def parse_dest(url: str) -> str:
+    """Normalise a --dest value; raise a one-line error for anything else."""
+    if url.startswith("s3://"):
+        split = urlsplit(url)
+        if not split.netloc:
+            raise HsxError(f"--dest {url!r}: an S3 destination needs a bucket, e.g. s3://bucket/prefix")
+        return url.rstrip("/")
+    if url.startswith("file://"):
+        split = urlsplit(url)
+        if split.netloc not in ("", "localhost"):
+            raise HsxError(f"--dest {url!r}: file:// URLs must be local (file:///absolute/dir)")
+        return Path(unquote(split.path)).as_uri()
+    if "://" in url:
+        raise HsxError(f"--dest {url!r}: unsupported scheme; use s3://bucket/prefix, file:///dir or a path")
+    return Path(url).expanduser().resolve().as_uri()
+
+
+def open_destination(url: str, *, max_connections: int = 100) -> Destination:
+    url = parse_dest(url)
+    split = urlsplit(url)
+    if split.scheme == "s3":
+        return S3Destination(split.netloc, split.path, max_connections=max_connections)
+    return FileDestination(Path(unquote(split.path)))

@@ -1,0 +1,53 @@
+"""Publishing progress events, heartbeats and dead letters.
+
+Progress events (`written`, `uploaded`) are published through JetStream and awaited: `hsx status`
+is computed from them. Heartbeats are fire-and-forget: losing one is harmless. Dead letters keep
+the original payload and the error, and leave the work queue only after they are stored.
+"""
+
+import time
+
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from hsx import schemas, topology
+
+log = structlog.get_logger("hsx.events")
+
+
+class EventPublisher:
+    def __init__(self, nc: NATS, js: JetStreamContext, job: str) -> None:
+        self.nc = nc
+        self.js = js
+        self.job = job
+
+    async def emit(self, event: schemas.Event) -> None:
+        subject = topology.event_subject(self.job, schemas.EVENT_KINDS[type(event)])
+        await self.js.publish(subject, schemas.encode(event))
+
+    async def heartbeat(self, *, service: str, instance: str, node: str, state: str, detail: str = "") -> None:
+        beat = schemas.Heartbeat(
+            job=self.job, service=service, instance=instance, node=node, state=state, detail=detail, sent_at=time.time()
+        )
+        if self.nc.is_connected:
+            await self.nc.publish(topology.heartbeat_subject(self.job, instance), schemas.encode(beat))
+
+    async def dead_letter(
+        self, msg: Msg, *, what: str, error: str, batch_id: str = "", sample_indices: list[int] | None = None
+    ) -> None:
+        """Store the message with its error in HSX_DEAD, then remove it from its work queue."""
+        letter = schemas.DeadLetter(
+            job=self.job,
+            what=what,
+            error=error[:2000],
+            deliveries=msg.metadata.num_delivered,
+            original_subject=msg.subject,
+            original=msg.data,
+            batch_id=batch_id,
+            sample_indices=sample_indices or [],
+        )
+        await self.js.publish(topology.dead_subject(self.job, what), schemas.encode(letter))
+        await msg.term()
+        log.error("dead_lettered", what=what, batch=batch_id, deliveries=letter.deliveries, error=letter.error)

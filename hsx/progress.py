@@ -1,0 +1,189 @@
+"""A job's progress, folded from its events and JetStream's own queue state.
+
+Counts are of distinct samples and batches: a redelivered batch announces its samples again,
+and they are counted once. Where work stands (batches queued, files waiting for upload, dead
+letters, redeliveries) is read from JetStream itself, never inferred from processes. The monitor
+keeps a tracker running; `hsx status` runs one until it has caught up with the stream, then
+reads it once.
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+
+from hsx import schemas, topology
+
+log = structlog.get_logger("hsx.progress")
+
+
+@dataclass
+class QueueState:
+    batches_queued: int = 0
+    files_queued: int = 0
+    dead_letters: int = 0
+    batch_redeliveries: int = 0
+    file_redeliveries: int = 0
+
+
+@dataclass
+class ProgressFold:
+    """Pure fold of progress events; knows nothing about NATS."""
+
+    batches: dict[str, int] = field(default_factory=dict)  # batch id -> tokens
+    written: set[int] = field(default_factory=set)
+    uploaded: dict[int, tuple[int, int]] = field(default_factory=dict)  # sample -> (tokens, bytes)
+    dead_samples: set[int] = field(default_factory=set)
+    dead_batches: set[str] = field(default_factory=set)
+    bytes_written: int = 0
+    tokens_written: int = 0
+    heartbeats: dict[str, schemas.Heartbeat] = field(default_factory=dict)
+
+    def apply(self, event: schemas.Event) -> None:
+        if isinstance(event, schemas.BatchWritten):
+            if event.batch_id not in self.batches:
+                self.batches[event.batch_id] = event.tokens
+                self.tokens_written += event.tokens
+                self.bytes_written += event.bytes
+            self.written.update(event.sample_indices)
+        elif isinstance(event, schemas.FileUploaded):
+            self.uploaded.setdefault(event.sample_index, (event.tokens, event.size))
+        elif isinstance(event, schemas.Heartbeat):
+            self.heartbeats[event.instance] = event
+        elif isinstance(event, schemas.DeadLetter):
+            self.dead_samples.update(event.sample_indices)
+            if event.batch_id:
+                self.dead_batches.add(event.batch_id)
+
+    @property
+    def tokens_uploaded(self) -> int:
+        return sum(tokens for tokens, _ in self.uploaded.values())
+
+    @property
+    def bytes_uploaded(self) -> int:
+        return sum(size for _, size in self.uploaded.values())
+
+
+class _Replay:
+    """An ordered consumer over one subject, applying every message to the fold."""
+
+    def __init__(self, js: JetStreamContext, stream: str, subject: str, fold: ProgressFold, decoder, deliver: DeliverPolicy):
+        self.js, self.stream, self.subject, self.fold, self.decoder, self.deliver = js, stream, subject, fold, decoder, deliver
+        self.caught_up = asyncio.Event()
+        self.sub = None
+
+    async def start(self) -> None:
+        info = await self.js.stream_info(self.stream, subjects_filter=self.subject)
+        if not sum((info.state.subjects or {}).values()):
+            self.caught_up.set()
+        self.sub = await self.js.subscribe(
+            self.subject, stream=self.stream, cb=self._on_msg, ordered_consumer=True, deliver_policy=self.deliver
+        )
+
+    async def _on_msg(self, msg) -> None:
+        try:
+            self.fold.apply(self.decoder.decode(msg.data))
+        except msgspec.DecodeError:
+            log.warning("undecodable_event", subject=msg.subject)
+        if msg.metadata.num_pending == 0:
+            self.caught_up.set()
+
+    async def stop(self) -> None:
+        if self.sub is not None:
+            await self.sub.unsubscribe()
+
+
+class ProgressTracker:
+    def __init__(self, js: JetStreamContext, job: str, *, heartbeats: bool = False) -> None:
+        self.js = js
+        self.job = job
+        self.fold = ProgressFold()
+        self.queues = QueueState()
+        subjects = [
+            (topology.EVENTS_STREAM, topology.event_subject(job, "written"), schemas.event_decoder, DeliverPolicy.ALL),
+            (topology.EVENTS_STREAM, topology.event_subject(job, "uploaded"), schemas.event_decoder, DeliverPolicy.ALL),
+            (topology.DEAD_STREAM, topology.dead_subject_all(job), schemas.dead_decoder, DeliverPolicy.ALL),
+        ]
+        if heartbeats:
+            subjects.append(
+                (topology.EVENTS_STREAM, topology.heartbeats_subject_all(job), schemas.event_decoder, DeliverPolicy.LAST_PER_SUBJECT)
+            )
+        self._replays = [_Replay(js, stream, subject, self.fold, dec, deliver) for stream, subject, dec, deliver in subjects]
+
+    async def start(self) -> None:
+        for replay in self._replays:
+            await replay.start()
+
+    async def wait_caught_up(self, timeout: float = 120.0) -> None:
+        await asyncio.wait_for(asyncio.gather(*(r.caught_up.wait() for r in self._replays)), timeout)
+
+    async def stop(self) -> None:
+        for replay in self._replays:
+            await replay.stop()
+
+    async def refresh_queues(self) -> QueueState:
+        job = self.job
+
+        async def count(stream: str, subject: str) -> int:
+            info = await self.js.stream_info(stream, subjects_filter=subject)
+            return sum((info.state.subjects or {}).values())
+
+        async def redelivered(stream: str, durable: str) -> int:
+            try:
+                return (await self.js.consumer_info(stream, durable)).num_redelivered or 0
+            except nats.js.errors.NotFoundError:
+                return 0
+
+        file_redeliveries = 0
+        for node in {beat.node for beat in self.fold.heartbeats.values() if beat.service == "uploader"}:
+            file_redeliveries += await redelivered(topology.FILES_STREAM, topology.upload_durable(job, node))
+        self.queues = QueueState(
+            batches_queued=await count(topology.BATCHES_STREAM, topology.batch_subject(job)),
+            files_queued=await count(topology.FILES_STREAM, topology.files_subject_all(job)),
+            dead_letters=await count(topology.DEAD_STREAM, topology.dead_subject_all(job)),
+            batch_redeliveries=await redelivered(topology.BATCHES_STREAM, topology.gpu_durable(job)),
+            file_redeliveries=file_redeliveries,
+        )
+        return self.queues
+
+
+def status_view(spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueState, *, job: str) -> dict:
+    """The fields of `hsx status --json` (DESIGN section 5), plus detail."""
+    total = spec.total_samples if spec else 0
+    uploaded = len(fold.uploaded)
+    done = spec is not None and spec.published and uploaded >= total
+    unfinished = set(range(total)) - set(fold.uploaded)
+    # Nothing is queued anywhere and every missing sample is dead: the job cannot finish by itself.
+    failed = (
+        spec is not None and spec.published and not done and queues.batches_queued == 0
+        and queues.files_queued == 0 and unfinished <= fold.dead_samples
+    )
+    return {
+        "job": job,
+        "exists": spec is not None,
+        "total_samples": total,
+        "total_tokens": spec.total_tokens if spec else 0,
+        "samples_written": len(fold.written),
+        "samples_uploaded": uploaded,
+        "tokens_written": fold.tokens_written,
+        "tokens_uploaded": fold.tokens_uploaded,
+        "bytes_written": fold.bytes_written,
+        "bytes_uploaded": fold.bytes_uploaded,
+        "batches_total": spec.total_batches if spec else 0,
+        "batches_done": len(fold.batches),
+        "batches_queued": queues.batches_queued,
+        "files_waiting_upload": queues.files_queued,
+        "dead_letters": queues.dead_letters,
+        "dead_samples": sorted(fold.dead_samples),
+        "batch_redeliveries": queues.batch_redeliveries,
+        "file_redeliveries": queues.file_redeliveries,
+        "dest": spec.dest if spec else None,
+        "done": done,
+        "failed": failed,
+        "as_of": time.time(),
+    }

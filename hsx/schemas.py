@@ -1,0 +1,143 @@
+"""Every message hsx puts on the wire or in the KV store, in one place.
+
+Each is a frozen, keyword-only msgspec Struct tagged with its version (`batch.v1`, ...). They
+evolve only by adding fields with defaults, so an older reader still decodes a newer message.
+Payloads are JSON so that `nats sub` and `nats stream view` show them readably.
+
+A payload that does not decode is poison: the receiver terminates it and dead-letters it, it
+does not crash.
+"""
+
+from typing import Union
+
+import msgspec
+
+
+class _Wire(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    pass
+
+
+class Sample(_Wire, tag="sample.v1"):
+    """One training sample, token ids inline so GPU nodes need no copy of the dataset."""
+
+    index: int  # position in the job's dataset, 0-based; also the output file name
+    source_id: str  # the row's `id` if it had one, else its row number
+    input_ids: list[int]
+    loss_mask: list[int] | None = None
+
+
+class BatchDescriptor(_Wire, tag="batch.v1"):
+    """One unit of GPU work: samples packed so that len(samples) * padded_len <= token budget."""
+
+    job: str
+    batch_id: str
+    padded_len: int
+    samples: list[Sample]
+
+
+class FileReady(_Wire, tag="file.v1"):
+    """A complete sample file sits in a node's spool and waits for upload."""
+
+    job: str
+    node: str
+    batch_id: str
+    sample_index: int
+    num_tokens: int
+    spool_path: str  # relative to the spool directory
+    key: str  # destination key relative to the destination prefix
+    size: int
+    sha256: str  # of the whole file
+
+
+class JobSpec(_Wire, tag="job.v1"):
+    """What a job is, recorded by the producer in the `hsx_jobs` KV bucket under the job name.
+
+    Consumers and uploaders read everything they need from here, so their command lines stay short
+    and every node works from the same settings.
+    """
+
+    job: str
+    model: str
+    model_revision: str
+    layers: list[int]
+    dtype: str
+    dest: str
+    token_budget: int
+    max_seq_len: int
+    dataset: str
+    plan_fingerprint: str
+    total_samples: int
+    total_tokens: int
+    total_batches: int
+    created_at: float
+    published: bool = False  # all descriptors are in the stream; a re-run publishes nothing
+
+
+# Progress events, on `hsx.events.<job>.<kind>`.
+
+
+class BatchWritten(_Wire, tag="written.v1"):
+    job: str
+    batch_id: str
+    consumer: str
+    node: str
+    sample_indices: list[int]
+    tokens: int
+    bytes: int
+    seconds: float
+    attempt: int = 1
+
+
+class FileUploaded(_Wire, tag="uploaded.v1"):
+    job: str
+    node: str
+    uploader: str
+    sample_index: int
+    key: str
+    size: int
+    tokens: int
+    already_present: bool = False
+
+
+class Heartbeat(_Wire, tag="heartbeat.v1"):
+    job: str
+    service: str  # "gpu_consumer" | "uploader" | "producer"
+    instance: str
+    node: str
+    state: str  # "starting" | "working" | "idle" | "paused" | "stopping"
+    detail: str = ""
+    sent_at: float = 0.0
+
+
+class DeadLetter(_Wire, tag="dead.v1"):
+    """A message that could not be processed; stored in HSX_DEAD with the original payload."""
+
+    job: str
+    what: str  # "batch" | "file"
+    error: str
+    deliveries: int
+    original_subject: str
+    original: bytes  # the payload as it arrived (base64 in JSON)
+    batch_id: str = ""
+    sample_indices: list[int] = []
+
+
+Event = Union[BatchWritten, FileUploaded, Heartbeat, DeadLetter]
+
+EVENT_KINDS: dict[type, str] = {
+    BatchWritten: "written",
+    FileUploaded: "uploaded",
+    Heartbeat: "heartbeat",
+    DeadLetter: "dead",
+}
+
+_encoder = msgspec.json.Encoder()
+batch_decoder = msgspec.json.Decoder(BatchDescriptor)
+file_decoder = msgspec.json.Decoder(FileReady)
+job_decoder = msgspec.json.Decoder(JobSpec)
+event_decoder = msgspec.json.Decoder(Event)
+dead_decoder = msgspec.json.Decoder(DeadLetter)
+
+
+def encode(message: _Wire) -> bytes:
+    return _encoder.encode(message)

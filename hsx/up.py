@@ -1,0 +1,214 @@
+"""`hsx up`: one whole job on this machine, each service a separate process.
+
+Starts whatever is not given: a nats-server with its JetStream store in the workdir, a small
+random-initialised model, a synthetic dataset, a local destination. Then it runs the producer,
+`--consumers` GPU consumers, `--uploaders` uploaders and the monitor, restarts a worker that
+crashes, and returns 0 when every sample is in the destination. Everything lives in the workdir,
+so running it again resumes: the producer publishes nothing twice and only unfinished work runs.
+Ctrl-C (or SIGTERM) stops every process cleanly: workers finish their batch, then exit.
+"""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from hsx.embedded import NatsServer, build_tiny_model, start_nats_server, write_synthetic_dataset
+from hsx.errors import HsxError
+from hsx.natsconn import NatsSettings, redact_url
+
+log = structlog.get_logger("hsx.up")
+
+_MAX_RESTARTS = 5
+_STOP_DEADLINE_S = 90.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpConfig:
+    workdir: Path
+    job: str
+    nats_url: str | None
+    model: str | None
+    dataset: Path | None
+    layers: str
+    dtype: str
+    dest: str | None
+    consumers: int
+    uploaders: int
+    token_budget: int
+    max_seq_len: int
+    samples: int
+    device: str
+    timeout_s: float
+    log_level: str = "info"
+
+    @classmethod
+    def from_args(cls, args) -> "UpConfig":
+        return cls(
+            workdir=args.workdir.resolve(), job=args.job, nats_url=args.nats, model=args.model, dataset=args.dataset,
+            layers=args.layers, dtype=args.dtype, dest=args.dest, consumers=args.consumers, uploaders=args.uploaders,
+            token_budget=args.token_budget, max_seq_len=args.max_seq_len, samples=args.samples, device=args.device,
+            timeout_s=args.timeout, log_level=args.log_level,
+        )
+
+
+class _Child:
+    """One service process, its log file, and how often it was restarted."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path | None) -> None:
+        self.name, self.argv, self.env, self.log_path = name, argv, env, log_path
+        self.restarts = 0
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        out = open(self.log_path, "ab") if self.log_path else None
+        self.process = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=out or None, start_new_session=True)
+        if out:
+            out.close()
+
+    def poll(self) -> int | None:
+        return self.process.poll() if self.process else None
+
+    def terminate(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, deadline: float) -> None:
+        if not self.process:
+            return
+        try:
+            self.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("child_killed_after_deadline", child=self.name)
+            self.process.kill()
+            self.process.wait()
+
+    def last_error(self) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        for line in reversed(lines):
+            if line.startswith("hsx: error:"):
+                return line.removeprefix("hsx: error:").strip()
+        return lines[-1][-300:] if lines else ""
+
+
+def _hsx(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hsx.cli", *args]
+
+
+def _stop_all(children: list[_Child]) -> None:
+    deadline = time.monotonic() + _STOP_DEADLINE_S
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.wait(deadline)
+
+
+def run_up(cfg: UpConfig) -> int:
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    logs = cfg.workdir / "logs"
+    logs.mkdir(exist_ok=True)
+    server: NatsServer | None = None
+    children: list[_Child] = []
+    interrupted = []
+
+    def on_signal(signum, _frame):
+        interrupted.append(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if cfg.nats_url:
+            nats_url = cfg.nats_url
+        else:
+            server = start_nats_server(cfg.workdir / "nats", log_file=logs / "nats-server.log")
+            nats_url = server.url
+        log.info("nats_ready", url=redact_url(nats_url), embedded=server is not None)
+        model = cfg.model or str(build_tiny_model(cfg.workdir / "model"))
+        dataset = cfg.dataset
+        if dataset is None:
+            from hsx.modelinfo import load_model_info
+
+            dataset = write_synthetic_dataset(
+                cfg.workdir / "dataset.jsonl", count=cfg.samples, vocab_size=load_model_info(model).vocab_size,
+                max_len=min(512, cfg.max_seq_len),
+            )
+        dest = cfg.dest or str(cfg.workdir / "out")
+        env = {**os.environ, "HSX_NATS_URL": nats_url, "HSX_NODE": os.environ.get("HSX_NODE", "local"),
+               "PYTHONUNBUFFERED": "1"}
+        if cfg.device == "cpu":
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.consumers)))
+        common = ["--log-level", cfg.log_level]
+
+        producer = _Child("producer", _hsx(*common, "produce", "--job", cfg.job, "--model", model, "--dataset",
+                                           str(dataset), "--layers", cfg.layers, "--dest", dest, "--dtype", cfg.dtype,
+                                           "--token-budget", str(cfg.token_budget), "--max-seq-len", str(cfg.max_seq_len)),
+                          env, logs / "producer.log")
+        producer.start()
+        while producer.poll() is None:
+            if interrupted:
+                _stop_all([producer])
+                return 130
+            time.sleep(0.1)
+        if producer.poll() != 0:
+            raise HsxError(f"producer failed: {producer.last_error()} (log: {producer.log_path})")
+        log.info("job_published", job=cfg.job, dest=dest)
+
+        spool = cfg.workdir / "spool"
+        workers = [
+            _Child(f"consumer-{i}", _hsx(*common, "consume", "--job", cfg.job, "--device", cfg.device, "--spool", str(spool)),
+                   env, logs / f"consumer-{i}.log")
+            for i in range(cfg.consumers)
+        ] + [
+            _Child(f"uploader-{i}", _hsx(*common, "upload", "--job", cfg.job, "--spool", str(spool)), env,
+                   logs / f"uploader-{i}.log")
+            for i in range(cfg.uploaders)
+        ]
+        monitor = _Child("monitor", _hsx(*common, "monitor", "--job", cfg.job, "--until-done", "--interval", "2"), env, None)
+        children = workers + [monitor]
+        for child in children:
+            child.start()
+
+        started = time.monotonic()
+        while True:
+            if interrupted:
+                log.info("stopping", reason="signal")
+                return 130
+            code = monitor.poll()
+            if code is not None:
+                break
+            if time.monotonic() - started > cfg.timeout_s:
+                raise HsxError(f"job {cfg.job} not done after --timeout {cfg.timeout_s:.0f} s; run hsx up again to resume")
+            for child in workers:
+                code = child.poll()
+                if code is None:
+                    continue
+                if code == 2 or child.restarts >= _MAX_RESTARTS:
+                    raise HsxError(f"{child.name} exited with code {code}: {child.last_error()} (log: {child.log_path})")
+                child.restarts += 1
+                log.warning("worker_restarted", worker=child.name, exit_code=code, restarts=child.restarts)
+                child.start()
+            time.sleep(0.2)
+
+        from hsx.status import format_status, read_status
+
+        view = asyncio.run(read_status(NatsSettings(url=nats_url), cfg.job))
+        print(format_status(view, as_json=False), flush=True)
+        if monitor.poll() != 0 or not view["done"]:
+            raise HsxError(
+                f"job {cfg.job} finished without {view['total_samples'] - view['samples_uploaded']} samples; "
+                f"dead samples: {view['dead_samples'][:50]} (hsx status --job {cfg.job})"
+            )
+        return 0
+    finally:
+        _stop_all(children)
+        if server is not None:
+            server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

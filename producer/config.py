@@ -1,0 +1,20 @@
+"""The producer's settings, built and validated once by the CLI."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsx.natsconn import NatsSettings
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProducerConfig:
+    nats: NatsSettings
+    job: str
+    model: str
+    dataset: Path
+    layers: tuple[int, ...]
+    dest: str
+    dtype: str
+    token_budget: int
+    max_seq_len: int
+    max_batch_size: int | None = None

@@ -1,0 +1,134 @@
+"""`hsx produce`: dataset -> plan -> job spec in KV -> one descriptor per batch.
+
+Batch ids derive from the plan's fingerprint (model, layers, dtype, budget and every sample's
+tokens), so the same dataset and settings always give the same ids; they go out as
+`Nats-Msg-Id`, and the job spec records when everything was published, so running the producer
+again publishes nothing twice. A job name already used for a different plan is refused.
+"""
+
+import asyncio
+import hashlib
+import time
+
+import msgspec
+import nats.js.errors
+import numpy as np
+import structlog
+
+from hsx import schemas, topology
+from hsx.errors import HsxError
+from hsx.layers import resolve_layers
+from hsx.modelinfo import load_model_info
+from hsx.natsconn import connect
+from producer.config import ProducerConfig
+from producer.dataset import DatasetRow, read_dataset
+from producer.planner import PlannedBatch, plan_batches
+
+log = structlog.get_logger("hsx.producer")
+
+_PUBLISH_WINDOW = 256
+
+
+def plan_fingerprint(cfg: ProducerConfig, layers: list[int], rows: list[DatasetRow]) -> str:
+    digest = hashlib.sha256()
+    digest.update(msgspec.json.encode([cfg.model, layers, cfg.dtype, cfg.token_budget, cfg.max_batch_size]))
+    for row in rows:
+        digest.update(np.asarray(row.input_ids, dtype=np.int64).tobytes())
+        digest.update(b"|" if row.loss_mask is None else np.asarray(row.loss_mask, dtype=np.int8).tobytes())
+        digest.update(row.source_id.encode() + b"\n")
+    return digest.hexdigest()
+
+
+def _descriptor(job: str, batch_id: str, batch: PlannedBatch, rows: list[DatasetRow]) -> schemas.BatchDescriptor:
+    return schemas.BatchDescriptor(
+        job=job,
+        batch_id=batch_id,
+        padded_len=batch.padded_len,
+        samples=[
+            schemas.Sample(
+                index=i, source_id=rows[i].source_id, input_ids=rows[i].input_ids, loss_mask=rows[i].loss_mask
+            )
+            for i in batch.sample_indices
+        ],
+    )
+
+
+async def _publish_all(js, cfg: ProducerConfig, fingerprint: str, batches: list[PlannedBatch], rows, max_payload: int) -> int:
+    subject = topology.batch_subject(cfg.job)
+    published = 0
+
+    async def publish_one(seq: int, batch: PlannedBatch) -> bool:
+        batch_id = f"{cfg.job}-{fingerprint[:12]}-{seq:06d}"
+        payload = schemas.encode(_descriptor(cfg.job, batch_id, batch, rows))
+        if len(payload) > max_payload:
+            raise HsxError(
+                f"batch {batch_id} encodes to {len(payload)} bytes, more than the NATS server's max_payload "
+                f"{max_payload}; lower --token-budget or raise max_payload on the server"
+            )
+        ack = await js.publish(subject, payload, headers={"Nats-Msg-Id": batch_id, "Hsx-Job": cfg.job, "Hsx-Batch": batch_id})
+        return not ack.duplicate
+
+    for start in range(0, len(batches), _PUBLISH_WINDOW):
+        window = batches[start : start + _PUBLISH_WINDOW]
+        results = await asyncio.gather(*(publish_one(start + k, b) for k, b in enumerate(window)))
+        published += sum(results)
+    return published
+
+
+async def run(cfg: ProducerConfig) -> int:
+    info = load_model_info(cfg.model)
+    layers = resolve_layers(list(cfg.layers), info.num_layers, model=cfg.model)
+    if cfg.token_budget < cfg.max_seq_len:
+        raise HsxError(
+            f"--token-budget {cfg.token_budget} is smaller than --max-seq-len {cfg.max_seq_len}: "
+            "the longest allowed sample must fit in one batch"
+        )
+    rows = read_dataset(cfg.dataset, max_seq_len=cfg.max_seq_len)
+    for row_index, row in enumerate(rows):
+        if max(row.input_ids) >= info.vocab_size:
+            raise HsxError(
+                f"{cfg.dataset}: row {row_index} (id {row.source_id}) has token id {max(row.input_ids)}, "
+                f"outside model {cfg.model}'s vocabulary of {info.vocab_size}"
+            )
+    lengths = [len(row.input_ids) for row in rows]
+    batches = plan_batches(lengths, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
+    fingerprint = plan_fingerprint(cfg, layers, rows)
+    total_tokens = sum(lengths)
+    padded = sum(b.padded_tokens for b in batches)
+    log.info(
+        "plan_ready", job=cfg.job, samples=len(rows), batches=len(batches), tokens=total_tokens,
+        packing_efficiency=round(total_tokens / padded, 4), fingerprint=fingerprint[:12],
+    )
+
+    nc = await connect(cfg.nats, name=f"hsx-producer-{cfg.job}")
+    try:
+        js = nc.jetstream()
+        kv = await topology.ensure_topology(js)
+        spec = schemas.JobSpec(
+            job=cfg.job, model=cfg.model, model_revision=info.revision, layers=layers, dtype=cfg.dtype,
+            dest=cfg.dest, token_budget=cfg.token_budget, max_seq_len=cfg.max_seq_len, dataset=str(cfg.dataset),
+            plan_fingerprint=fingerprint, total_samples=len(rows), total_tokens=total_tokens,
+            total_batches=len(batches), created_at=time.time(),
+        )
+        try:
+            existing = schemas.job_decoder.decode((await kv.get(cfg.job)).value)
+        except nats.js.errors.KeyNotFoundError:
+            existing = None
+        if existing is not None:
+            if existing.plan_fingerprint != fingerprint or existing.dest != cfg.dest:
+                raise HsxError(
+                    f"job {cfg.job} already exists with a different dataset or settings "
+                    f"(model {existing.model}, layers {existing.layers}, dest {existing.dest}, "
+                    f"{existing.total_samples} samples); use another --job name"
+                )
+            if existing.published:
+                log.info("job_already_published", job=cfg.job, batches=existing.total_batches)
+                return 0
+            spec = msgspec.structs.replace(spec, created_at=existing.created_at)
+        await kv.put(cfg.job, schemas.encode(spec))
+        published = await _publish_all(js, cfg, fingerprint, batches, rows, nc.max_payload)
+        await kv.put(cfg.job, schemas.encode(msgspec.structs.replace(spec, published=True)))
+        log.info("job_published", job=cfg.job, batches=len(batches), new=published, duplicates=len(batches) - published)
+        return 0
+    finally:
+        await nc.drain()

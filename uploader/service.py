@@ -1,0 +1,148 @@
+"""Moving one announced file from the spool to the destination, with explicit ack discipline.
+
+Per event: decode (poison -> dead letter) -> if the destination already holds exactly this
+object (size and sha256), delete the local copy and ack without re-uploading -> else check the
+local file against the event's sha256, upload, verify the stored object, delete the local file,
+publish the `uploaded` event, ack. A failing upload is retried here with backoff while the event
+is kept alive with `in_progress()`, so an S3 outage costs no deliveries and loses nothing.
+"""
+
+import asyncio
+import time
+from pathlib import Path
+
+import msgspec
+import structlog
+from nats.aio.msg import Msg
+
+from hsx import schemas
+from hsx.destinations import Destination
+from hsx.events import EventPublisher
+from hsx.fsutil import file_sha256
+from uploader.config import UploaderConfig
+
+log = structlog.get_logger("hsx.uploader")
+
+SERVICE = "uploader"
+
+
+class _PermanentFailure(Exception):
+    """Retrying cannot help (the event is wrong or its file is gone); dead-letter it."""
+
+
+class FileMover:
+    def __init__(self, cfg: UploaderConfig, dest: Destination, events: EventPublisher) -> None:
+        self.cfg = cfg
+        self.dest = dest
+        self.events = events
+        self.inflight = 0
+        self.spool_root = cfg.spool.resolve()
+
+    def _local_path(self, ready: schemas.FileReady) -> Path:
+        path = (self.spool_root / ready.spool_path).resolve()
+        if not path.is_relative_to(self.spool_root) or Path(ready.spool_path).is_absolute():
+            raise _PermanentFailure(f"spool_path {ready.spool_path!r} points outside the spool {self.spool_root}")
+        return path
+
+    def _move(self, ready: schemas.FileReady) -> bool:
+        """Blocking: returns True if the object was already in the destination."""
+        local = self._local_path(ready)
+        if self.dest.has_verified(ready.key, size=ready.size, sha256=ready.sha256):
+            local.unlink(missing_ok=True)
+            return True
+        if not local.exists():
+            raise _PermanentFailure(f"{ready.spool_path}: missing from the spool and not in the destination")
+        local_sha = file_sha256(local)
+        if local_sha != ready.sha256:
+            raise _PermanentFailure(
+                f"{ready.spool_path}: spool file sha256 {local_sha[:12]} does not match the announced {ready.sha256[:12]}"
+            )
+        self.dest.put_verified(local, ready.key, size=ready.size, sha256=ready.sha256)
+        local.unlink()
+        return False
+
+    async def _keep_alive(self, msg: Msg) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.in_progress_s)
+            try:
+                await msg.in_progress()
+            except Exception as exc:
+                log.warning("in_progress_failed", error=str(exc))
+
+    async def handle(self, msg: Msg, stopping: asyncio.Event) -> None:
+        self.inflight += 1
+        keep_alive = asyncio.create_task(self._keep_alive(msg))
+        try:
+            try:
+                ready = schemas.file_decoder.decode(msg.data)
+            except msgspec.DecodeError as exc:
+                await self.events.dead_letter(msg, what="file", error=f"file-ready event does not decode: {exc}")
+                return
+            delay = 0.5
+            while True:
+                try:
+                    already = await asyncio.to_thread(self._move, ready)
+                    break
+                except _PermanentFailure as exc:
+                    await self.events.dead_letter(
+                        msg, what="file", error=str(exc), batch_id=ready.batch_id, sample_indices=[ready.sample_index]
+                    )
+                    return
+                except Exception as exc:
+                    if stopping.is_set():
+                        await msg.nak()
+                        return
+                    log.warning("upload_retry", key=ready.key, error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.cfg.retry_max_s)
+            await self.events.emit(
+                schemas.FileUploaded(
+                    job=ready.job, node=ready.node, uploader=self.cfg.instance, sample_index=ready.sample_index,
+                    key=ready.key, size=ready.size, tokens=ready.num_tokens, already_present=already,
+                )
+            )
+            await msg.ack_sync()
+            log.debug("file_uploaded", key=ready.key, bytes=ready.size, already_present=already)
+        finally:
+            keep_alive.cancel()
+            self.inflight -= 1
+
+
+async def heartbeat_loop(mover: FileMover, events: EventPublisher, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
+    while not stopping.is_set():
+        try:
+            await events.heartbeat(service=SERVICE, instance=cfg.instance, node=cfg.node,
+                                   state="working" if mover.inflight else "idle", detail=f"inflight={mover.inflight}")
+        except Exception as exc:
+            log.warning("heartbeat_failed", error=str(exc))
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=cfg.heartbeat_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def pull_loop(mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
+    tasks: set[asyncio.Task] = set()
+    while not stopping.is_set():
+        free = cfg.max_inflight - len(tasks)
+        if free <= 0:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
+            continue
+        try:
+            msgs = await sub.fetch(min(free, 256), timeout=cfg.idle_fetch_timeout_s)
+        except asyncio.TimeoutError:
+            continue
+        except Exception as exc:
+            log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(1.0)
+            continue
+        for msg in msgs:
+            task = asyncio.create_task(mover.handle(msg, stopping))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+    if tasks:
+        started = time.monotonic()
+        log.info("finishing_inflight_uploads", inflight=len(tasks), deadline_s=cfg.stop_deadline_s)
+        await asyncio.wait(tasks, timeout=cfg.stop_deadline_s)
+        if tasks:
+            log.warning("uploads_left_unacked", count=len(tasks), waited_s=round(time.monotonic() - started, 1))
