@@ -1,0 +1,230 @@
+"""What a sample file holds is what transformers itself computes for that sample.
+
+The consumer's path (load_model -> extract_samples on a padded batch -> write_sample_file) is run
+on tiny random-weight Qwen3 and Llama models, each file is read back with safetensors, and every
+selected layer is compared with the reference we did not write: transformers' own
+`output_hidden_states`, from a separately loaded model run on the sample alone (batch of one, no
+padding). Layer i is `hidden_states[i + 1]`; the last decoder layer is the raw layer output (a
+hook of our own on the reference model), not transformers' post-norm last entry.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from gpu_consumer.extract import extract_samples
+from gpu_consumer.model import load_model
+from gpu_consumer.writer import write_sample_file
+from hsx.layout import LAYER_CONVENTION, sample_key, tensor_checksum
+from hsx.schemas import FileReady, JobSpec, Sample
+
+FAMILIES = ["qwen3", "llama"]
+NUM_LAYERS = 6  # tests/conftest.py TINY
+VOCAB = 512
+LENGTHS = [5, 17, 33, 64]  # different lengths, so every sample but the longest is padded
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@pytest.fixture(scope="module")
+def reference_models(tiny_model):
+    """One float32 reference model per family, loaded plainly by transformers (no hsx code)."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            model = AutoModelForCausalLM.from_pretrained(tiny_model(family), dtype=torch.float32)
+            cache[family] = model.eval()
+        return cache[family]
+
+    return get
+
+
+def _samples(seed: int, lengths=LENGTHS) -> list[Sample]:
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for position, length in enumerate(lengths):
+        ids = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+        # Every other sample carries a loss mask, so both the with- and without-mask files are checked.
+        mask = torch.randint(0, 2, (length,), generator=generator).tolist() if position % 2 == 0 else None
+        samples.append(Sample(index=1000 + 7 * position, source_id=f"row-{position}", input_ids=ids, loss_mask=mask))
+    return samples
+
+
+def _spec(job: str, model: Path, layers: list[int], dtype: str, samples: list[Sample]) -> JobSpec:
+    return JobSpec(
+        job=job, model=str(model), model_revision="local", layers=layers, dtype=dtype, dest="file:///tmp/unused",
+        token_budget=4096, max_seq_len=1024, dataset="in-memory", plan_fingerprint="0" * 64,
+        total_samples=len(samples), total_tokens=sum(len(s.input_ids) for s in samples), total_batches=1,
+        created_at=0.0,
+    )
+
+
+def _reference(model, input_ids: list[int]) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    """(transformers' hidden_states, raw output of every decoder layer from our own hooks), batch of 1."""
+    raw: dict[int, torch.Tensor] = {}
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        def hook(_module, _args, output, i=i):
+            raw[i] = (output[0] if isinstance(output, tuple) else output).detach().clone()
+
+        handles.append(layer.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([input_ids]), output_hidden_states=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tuple(h[0] for h in out.hidden_states), [raw[i][0] for i in range(len(model.model.layers))]
+
+
+def _extract_and_write(tmp_path: Path, model_path: Path, layers: list[int], dtype: str, samples: list[Sample]):
+    loaded = load_model(str(model_path), layers=layers, dtype=dtype, device="cpu")
+    hidden = extract_samples(loaded, samples)
+    spec = _spec("fidelity-job", model_path, layers, dtype, samples)
+    spool = tmp_path / "spool"
+    ready = [
+        write_sample_file(spool=spool, spec=spec, node="node-a", batch_id="batch-0", sample=s, hidden_states=h)
+        for s, h in zip(samples, hidden)
+    ]
+    return spec, spool, ready
+
+
+def _read(spool: Path, ready: FileReady):
+    path = spool / ready.spool_path
+    tensors = load_file(path)
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata()
+    return path, tensors, metadata
+
+
+def _check_file(spool: Path, spec: JobSpec, sample: Sample, ready: FileReady, layers: list[int]):
+    path, tensors, metadata = _read(spool, ready)
+    data = path.read_bytes()
+    # The event describes exactly the bytes on disk.
+    assert ready.size == len(data) == path.stat().st_size
+    assert ready.sha256 == hashlib.sha256(data).hexdigest()
+    assert ready.sample_index == sample.index
+    assert ready.num_tokens == len(sample.input_ids)
+    assert ready.key == ready.spool_path == sample_key(spec.job, sample.index)
+    assert ready.job == spec.job and ready.node == "node-a" and ready.batch_id == "batch-0"
+
+    T, k = len(sample.input_ids), len(layers)
+    hs = tensors["hidden_states"]
+    assert hs.shape == (T, k, 64)
+    assert hs.dtype == TORCH_DTYPES[spec.dtype]
+    assert tensors["input_ids"].dtype == torch.int64
+    assert torch.equal(tensors["input_ids"], torch.tensor(sample.input_ids, dtype=torch.int64))
+    if sample.loss_mask is None:
+        assert "loss_mask" not in tensors
+        assert set(tensors) == {"hidden_states", "input_ids"}
+    else:
+        assert torch.equal(tensors["loss_mask"].to(torch.int64), torch.tensor(sample.loss_mask))
+
+    assert metadata["job"] == spec.job
+    assert metadata["sample_index"] == str(sample.index)
+    assert metadata["source_id"] == sample.source_id
+    assert json.loads(metadata["layers"]) == layers
+    assert metadata["layer_convention"] == LAYER_CONVENTION
+    assert metadata["dtype"] == spec.dtype
+    assert metadata["num_tokens"] == str(T)
+    assert metadata["model"] == spec.model
+    assert metadata["model_revision"] == spec.model_revision
+    assert metadata["checksum"] == tensor_checksum(tensors)
+    return hs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layers", [[0, 2, 4], [4, 0, 2]], ids=["ascending", "unordered"])
+def test_float32_matches_transformers_per_sample(family, layers, tiny_model, reference_models, tmp_path):
+    model_path = tiny_model(family)
+    reference = reference_models(family)
+    samples = _samples(seed=FAMILIES.index(family) * 10 + layers[0])
+    spec, spool, ready = _extract_and_write(tmp_path, model_path, layers, "float32", samples)
+
+    assert len(ready) == len(samples)
+    for sample, event in zip(samples, ready):
+        hs = _check_file(spool, spec, sample, event, layers)
+        expected, _raw = _reference(reference, sample.input_ids)
+        assert len(expected) == NUM_LAYERS + 1
+        for j, layer in enumerate(layers):
+            torch.testing.assert_close(hs[:, j], expected[layer + 1], rtol=0, atol=1e-5,
+                                       msg=lambda m: f"{family} sample len {len(sample.input_ids)} layer {layer}: {m}")
+    # Atomic writes leave nothing but the final files behind.
+    assert sorted(p.name for p in spool.rglob("*") if p.is_file()) == sorted(Path(r.spool_path).name for r in ready)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_last_layer_is_raw_output_not_post_norm(family, tiny_model, reference_models, tmp_path):
+    last = NUM_LAYERS - 1
+    layers = [1, last]
+    samples = _samples(seed=11, lengths=[9, 40])
+    spec, spool, ready = _extract_and_write(tmp_path, tiny_model(family), layers, "float32", samples)
+    for sample, event in zip(samples, ready):
+        hs = _check_file(spool, spec, sample, event, layers)
+        expected, raw = _reference(reference_models(family), sample.input_ids)
+        # Our own hook agrees with transformers where transformers reports the raw output...
+        torch.testing.assert_close(raw[1], expected[2], rtol=0, atol=0)
+        # ...and differs from its last entry, which has the final norm applied.
+        assert not torch.allclose(raw[last], expected[last + 1], atol=1e-3)
+        torch.testing.assert_close(hs[:, 1], raw[last], rtol=0, atol=1e-5)
+        assert not torch.allclose(hs[:, 1], expected[last + 1], atol=1e-3)
+        torch.testing.assert_close(hs[:, 0], expected[2], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_stops_after_deepest_selected_layer(family, tiny_model):
+    loaded = load_model(str(tiny_model(family)), layers=[1], dtype="float32", device="cpu")
+    model = loaded.model
+    calls: dict[str, int] = {}
+
+    def counter(name):
+        def count(_module, _args):
+            calls[name] = calls.get(name, 0) + 1
+
+        return count
+
+    # Pre-hooks: they fire when a module starts, before the tap's own forward hook can stop the run.
+    modules = {f"layer{i}": layer for i, layer in enumerate(model.model.layers)}
+    modules["norm"] = model.model.norm
+    modules["lm_head"] = model.lm_head
+    handles = [module.register_forward_pre_hook(counter(name)) for name, module in modules.items()]
+    try:
+        out = extract_samples(loaded, _samples(seed=3, lengths=[6, 12, 3]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert [h.shape for h in out] == [(6, 1, 64), (12, 1, 64), (3, 1, 64)]
+    assert calls == {"layer0": 1, "layer1": 1}, calls
+
+    # The counters do see a full forward, so their silence above means something.
+    loaded.tap.remove()
+    calls.clear()
+    handles = [module.register_forward_pre_hook(counter(name)) for name, module in modules.items()]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == {name: 1 for name in modules}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_close_to_float32_reference(family, tiny_model, reference_models, tmp_path):
+    layers = [0, 3, NUM_LAYERS - 1]
+    samples = _samples(seed=5)
+    spec, spool, ready = _extract_and_write(tmp_path, tiny_model(family), layers, "bfloat16", samples)
+    for sample, event in zip(samples, ready):
+        hs = _check_file(spool, spec, sample, event, layers)
+        assert hs.dtype == torch.bfloat16
+        expected, raw = _reference(reference_models(family), sample.input_ids)
+        wanted = [expected[1], expected[4], raw[NUM_LAYERS - 1]]
+        for j, layer in enumerate(layers):
+            torch.testing.assert_close(hs[:, j].float(), wanted[j], rtol=2e-2, atol=2e-2,
+                                       msg=lambda m: f"{family} len {len(sample.input_ids)} layer {layer}: {m}")

@@ -1,0 +1,106 @@
+"""`hsx up` end to end on the embedded defaults: its own nats-server, a random tiny model, a
+synthetic dataset, a local destination. Also: a second run on the same workdir resumes and
+redoes nothing; Ctrl-C stops every process and a later run finishes the job."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from safetensors import safe_open
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["--samples", "24", "--layers", "1,3", "--token-budget", "1024", "--max-seq-len", "256"]
+
+
+def _up(workdir: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(workdir), *SMALL, *extra],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def _outputs(workdir: Path) -> list[Path]:
+    return sorted((workdir / "out" / "demo").rglob("*.safetensors"))
+
+
+def _log_events(path: Path, event: str) -> list[dict]:
+    found = []
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            if record.get("event") == event:
+                found.append(record)
+    return found
+
+
+def _dataset_lengths(workdir: Path) -> list[int]:
+    return [len(json.loads(line)["input_ids"]) for line in (workdir / "dataset.jsonl").read_text().splitlines()]
+
+
+def test_up_runs_the_embedded_demo_then_resumes_without_redoing(tmp_path):
+    workdir = tmp_path / "work"
+    first = _up(workdir)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "job demo: done" in first.stdout
+    assert "uploaded 24/24" in first.stdout
+    assert "Traceback" not in first.stderr
+    summaries = [json.loads(line) for line in first.stderr.splitlines()
+                 if line.startswith("{") and json.loads(line).get("event") == "job_summary"]
+    assert summaries and summaries[0]["samples"] == 24
+
+    files = _outputs(workdir)
+    lengths = _dataset_lengths(workdir)
+    assert len(files) == 24
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+            shape = f.get_slice("hidden_states").get_shape()
+        index = int(meta["sample_index"])
+        assert path.name == f"{index}.safetensors"
+        assert shape == [lengths[index], 2, 128]
+        assert json.loads(meta["layers"]) == [1, 3]
+    assert not list((workdir / "spool").rglob("*.safetensors"))
+    batches_first = len(_log_events(workdir / "logs" / "consumer-0.log", "batch_done"))
+    assert batches_first > 0
+
+    second = _up(workdir)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "uploaded 24/24" in second.stdout
+    assert _log_events(workdir / "logs" / "producer.log", "job_already_published")
+    assert len(_log_events(workdir / "logs" / "consumer-0.log", "batch_done")) == batches_first
+    assert _outputs(workdir) == files
+
+
+def test_ctrl_c_stops_everything_and_a_rerun_completes(tmp_path):
+    workdir = tmp_path / "work"
+    args = ["--samples", "160", "--layers", "1,3", "--token-budget", "512", "--max-seq-len", "256"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(workdir), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )
+    consumer_log = workdir / "logs" / "consumer-0.log"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (consumer_log.exists() and "batch_done" in consumer_log.read_text()):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.2)
+    assert consumer_log.exists() and "batch_done" in consumer_log.read_text(), "no batch finished within 120 s"
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert _log_events(consumer_log, "consumer_stopped"), "the consumer did not stop cleanly"
+    assert _log_events(workdir / "logs" / "uploader-0.log", "uploader_stopped")
+    server_log = (workdir / "logs" / "nats-server.log").read_text()
+    assert "Server Exiting" in server_log
+
+    rerun = subprocess.run(
+        [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(workdir), *args],
+        capture_output=True, text=True, timeout=240, cwd=REPO,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    files = _outputs(workdir)
+    assert sorted(int(p.stem) for p in files) == list(range(160))
