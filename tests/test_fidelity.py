@@ -226,5 +226,11 @@ def test_bfloat16_close_to_float32_reference(family, tiny_model, reference_model
         expected, raw = _reference(reference_models(family), sample.input_ids)
         wanted = [expected[1], expected[4], raw[NUM_LAYERS - 1]]
         for j, layer in enumerate(layers):
-            torch.testing.assert_close(hs[:, j].float(), wanted[j], rtol=2e-2, atol=2e-2,
+            got, ref = hs[:, j].float(), wanted[j]
+            # Random-init states are small (|x| < ~0.3), so tolerances scale with the reference.
+            # Measured: relative error <= 0.009, max abs error <= 0.013 * scale; the neighbouring
+            # layer (an off-by-one) is >= 0.35 away.
+            relative = ((got - ref).norm() / ref.norm()).item()
+            assert relative <= 2e-2, f"{family} len {len(sample.input_ids)} layer {layer}: relative error {relative}"
+            torch.testing.assert_close(got, ref, rtol=2e-2, atol=3e-2 * ref.abs().max().item(),
                                        msg=lambda m: f"{family} len {len(sample.input_ids)} layer {layer}: {m}")
