@@ -1,0 +1,218 @@
+"""GPU benchmark: the consumer's extraction path on a Qwen3-8B-shaped model (random weights,
+built from its config, nothing downloaded), 5 captured layers, bf16.
+
+Prints one JSON object with, for the same packed batches:
+- full_model_output_hidden_states_tokens_per_s: the baseline the one-off scripts use (whole
+  model, output_hidden_states=True, then pick the layers and copy them to the host);
+- forward_tokens_per_s: the layer tap alone (forward up to the deepest layer);
+- extract_tokens_per_s: forward + stacking + device-to-host copy (what the consumer computes);
+- pipeline_tokens_per_s: extract + safetensors files written atomically to a local spool;
+- mfu: model FLOP utilisation of the forward (against 989 TFLOP/s dense bf16);
+- gpu_busy: fraction of the pipeline's wall time the GPU spent in forwards (CUDA events);
+- write_gb_per_s: bytes written per second in the pipeline loop.
+
+Run: python bench/gpu.py [--samples 256] [--token-budget 32768] [--spool /tmp/hsx-bench-spool]
+Medians over --repeats passes over the same batches.
+"""
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpu_consumer.extract import extract_samples  # noqa: E402
+from gpu_consumer.model import LayerTap, LoadedModel  # noqa: E402
+from gpu_consumer.writer import write_sample_file  # noqa: E402
+from hsx.embedded import synthetic_lengths  # noqa: E402
+from hsx.schemas import JobSpec, Sample  # noqa: E402
+from producer.planner import plan_batches  # noqa: E402
+
+QWEN3_8B = dict(
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False,
+)
+PEAK_BF16_FLOPS = 989e12
+
+
+def forward_flops(lengths: list[int], cfg: dict, layers_run: int) -> float:
+    """Matmul FLOPs of the forward up to `layers_run` layers (causal attention counted half)."""
+    h, i, nh, nkv, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    per_token_layer = 2 * (h * nh * hd + 2 * h * nkv * hd + nh * hd * h + 3 * h * i)
+    total = 0.0
+    for t in lengths:
+        total += t * layers_run * per_token_layer
+        total += layers_run * 2 * 2 * nh * hd * t * t / 2  # QK^T and AV, causal half
+    return total
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--token-budget", type=int, default=32768)
+    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--layers", default="1,9,17,25,33")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--spool", type=Path, default=None)
+    parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
+    args = parser.parse_args()
+    shape = dict(QWEN3_8B)
+    if args.smoke:
+        shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=36, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=151936)
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        print(json.dumps({"skipped": "no CUDA device"}))
+        return 0
+    else:
+        device = torch.device("cuda")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    layers = [int(x) for x in args.layers.split(",")]
+    config = AutoConfig.for_model("qwen3", **shape)
+    config._attn_implementation = args.attn
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval().requires_grad_(False)
+    build_s = time.perf_counter() - t0
+    def with_tap() -> LoadedModel:
+        return LoadedModel(model=model, tap=LayerTap(model, layers), device=device, dtype=torch.bfloat16,
+                           pad_token_id=0, attention=args.attn)
+
+    loaded = with_tap()
+
+    lengths = synthetic_lengths(args.samples, median=500, max_len=args.max_len, seed=0).tolist()
+    rng = np.random.default_rng(0)
+    samples = [Sample(index=i, source_id=str(i), input_ids=rng.integers(0, 151936, size=n).tolist()) for i, n in enumerate(lengths)]
+    plan = plan_batches(lengths, token_budget=args.token_budget)
+    batches = [[samples[i] for i in b.sample_indices] for b in plan]
+    real_tokens = sum(lengths)
+    padded_tokens = sum(b.padded_tokens for b in plan)
+    flops = forward_flops(lengths, shape, max(layers) + 1)
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    extract_samples(loaded, batches[0][:2])  # warm-up
+    sync()
+
+    def timed(fn) -> float:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    def forward_only():
+        for batch in batches:
+            pad = max(len(s.input_ids) for s in batch)
+            ids = torch.zeros((len(batch), pad), dtype=torch.long)
+            mask = torch.zeros((len(batch), pad), dtype=torch.long)
+            for r, s in enumerate(batch):
+                ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
+                mask[r, : len(s.input_ids)] = 1
+            with torch.inference_mode():
+                loaded.tap.forward(ids.to(device), mask.to(device))
+
+    def full_model_baseline():
+        """What the one-off scripts do: the whole model with output_hidden_states, then pick layers."""
+        nonlocal loaded
+        loaded.tap.remove()
+        for batch in batches:
+            pad = max(len(s.input_ids) for s in batch)
+            ids = torch.zeros((len(batch), pad), dtype=torch.long)
+            mask = torch.zeros((len(batch), pad), dtype=torch.long)
+            for r, s in enumerate(batch):
+                ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
+                mask[r, : len(s.input_ids)] = 1
+            with torch.inference_mode():
+                out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
+                            use_cache=False, logits_to_keep=0)
+                torch.stack([out.hidden_states[i + 1] for i in layers], dim=2).cpu()
+            del out
+        loaded = with_tap()
+
+    def extract_only():
+        for batch in batches:
+            extract_samples(loaded, batch)
+
+    spool = args.spool or Path(tempfile.mkdtemp(prefix="hsx-bench-spool-"))
+    spec = JobSpec(job="bench", model="qwen3-8b-shaped-random", model_revision="none", layers=layers, dtype="bfloat16",
+                   dest="file:///dev/null", token_budget=args.token_budget, max_seq_len=args.max_len, dataset="synthetic",
+                   plan_fingerprint="x", total_samples=len(samples), total_tokens=real_tokens, total_batches=len(plan),
+                   created_at=0.0)
+    written = [0]
+    gpu_ms = [0.0]
+
+    def pipeline():
+        written[0] = 0
+        gpu_ms[0] = 0.0
+        for batch in batches:
+            began = time.perf_counter()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            outputs = extract_samples(loaded, batch)
+            if cuda:
+                end.record()
+            else:
+                gpu_ms[0] += (time.perf_counter() - began) * 1000
+            for sample, hidden in zip(batch, outputs):
+                ready = write_sample_file(spool=spool, spec=spec, node="bench", batch_id="b", sample=sample, hidden_states=hidden)
+                written[0] += ready.size
+            if cuda:
+                end.synchronize()
+                gpu_ms[0] += start.elapsed_time(end)
+        shutil.rmtree(spool / "bench", ignore_errors=True)
+
+    results = {"full": [], "forward": [], "extract": [], "pipeline": [], "gpu_busy": [], "write_gbps": []}
+    for _ in range(args.repeats):
+        results["full"].append(timed(full_model_baseline))
+        results["forward"].append(timed(forward_only))
+        results["extract"].append(timed(extract_only))
+        seconds = timed(pipeline)
+        results["pipeline"].append(seconds)
+        results["gpu_busy"].append(gpu_ms[0] / 1000 / seconds)
+        results["write_gbps"].append(written[0] / seconds / 1e9)
+    forward_s = statistics.median(results["forward"])
+    out = {
+        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu (smoke run: figures mean nothing)",
+        "torch": torch.__version__,
+        "attention": args.attn,
+        "model": "qwen3-8b-shaped (36 layers, hidden 4096), random bf16",
+        "layers": layers,
+        "samples": len(samples),
+        "batches": len(plan),
+        "real_tokens": real_tokens,
+        "packing_efficiency": round(real_tokens / padded_tokens, 4),
+        "build_s": round(build_s, 1),
+        "full_model_output_hidden_states_tokens_per_s": round(real_tokens / statistics.median(results["full"])),
+        "forward_tokens_per_s": round(real_tokens / forward_s),
+        "early_exit_ratio": round(forward_s / statistics.median(results["full"]), 4),
+        "extract_tokens_per_s": round(real_tokens / statistics.median(results["extract"])),
+        "pipeline_tokens_per_s": round(real_tokens / statistics.median(results["pipeline"])),
+        "mfu_forward": round(flops / forward_s / PEAK_BF16_FLOPS, 4),
+        "gpu_busy_pipeline": round(statistics.median(results["gpu_busy"]), 4),
+        "write_gb_per_s": round(statistics.median(results["write_gbps"]), 3),
+        "repeats": args.repeats,
+        "raw_seconds": {k: [round(x, 3) for x in v] for k, v in results.items() if k in ("full", "forward", "extract", "pipeline")},
+    }
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""CUDA-only checks (marker `gpu`; skipped cleanly without a CUDA device): the consumer's
+extraction on a GPU matches transformers' own per-sample result, and `hsx up` runs end to end
+with `--device cuda:0`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_consumer.extract import extract_samples
+from gpu_consumer.model import load_model
+from hsx.schemas import Sample
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _samples(lengths, vocab=512, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [Sample(index=i, source_id=str(i), input_ids=torch.randint(0, vocab, (n,), generator=generator).tolist())
+            for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 6e-2)])
+def test_cuda_extraction_matches_transformers_per_sample(tiny_model, dtype, atol):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model("qwen3")
+    layers = [4, 0, 2]
+    loaded = load_model(str(path), layers=layers, dtype=dtype, device="cuda:0")
+    samples = _samples([7, 33, 64, 130])
+    outputs = extract_samples(loaded, samples)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda:0").eval()
+    for sample, stored in zip(samples, outputs):
+        assert stored.dtype == loaded.dtype and stored.device.type == "cpu"
+        with torch.inference_mode():
+            states = reference(torch.tensor([sample.input_ids], device="cuda:0"), output_hidden_states=True).hidden_states
+        for j, layer in enumerate(layers):
+            expected = states[layer + 1][0].float().cpu()
+            assert torch.allclose(stored[:, j].float(), expected, atol=atol, rtol=atol), (sample.index, layer)
+
+
+def test_hsx_up_on_cuda(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(tmp_path / "w"), "--device", "cuda:0", "--samples", "64",
+         "--layers", "1,3,5"],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "uploaded 64/64" in result.stdout
+    consumer_log = (tmp_path / "w" / "logs" / "consumer-0.log").read_text().splitlines()
+    ready = [json.loads(line) for line in consumer_log if '"consumer_ready"' in line]
+    assert ready and ready[0]["device"] == "cuda:0"
