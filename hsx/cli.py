@@ -19,6 +19,14 @@ DTYPES = ("bfloat16", "float16", "float32")
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose flag errors follow the CLI's one-line format (`hsx: error: ...`, exit 2)
+    instead of a usage dump; subcommand parsers inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"hsx: error: {' '.join(message.split())} (see: {self.prog} --help)\n")
+
+
 def _positive_int(flag: str):
     def parse(text: str) -> int:
         try:
@@ -75,7 +83,7 @@ def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hsx", description="Hidden-state extraction over NATS JetStream.")
+    parser = _Parser(prog="hsx", description="Hidden-state extraction over NATS JetStream.")
     parser.add_argument("--log-level", default=os.environ.get("HSX_LOG_LEVEL", "info"),
                         choices=["debug", "info", "warning", "error"])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -36,6 +36,7 @@ class ProgressFold:
     """Pure fold of progress events; knows nothing about NATS."""
 
     batches: dict[str, int] = field(default_factory=dict)  # batch id -> tokens
+    batch_attempts: dict[str, int] = field(default_factory=dict)  # batch id -> highest delivery written
     written: set[int] = field(default_factory=set)
     uploaded: dict[int, tuple[int, int]] = field(default_factory=dict)  # sample -> (tokens, bytes)
     dead_samples: set[int] = field(default_factory=set)
@@ -50,6 +51,7 @@ class ProgressFold:
                 self.batches[event.batch_id] = event.tokens
                 self.tokens_written += event.tokens
                 self.bytes_written += event.bytes
+            self.batch_attempts[event.batch_id] = max(self.batch_attempts.get(event.batch_id, 0), event.attempt)
             self.written.update(event.sample_indices)
         elif isinstance(event, schemas.FileUploaded):
             self.uploaded.setdefault(event.sample_index, (event.tokens, event.size))
@@ -59,6 +61,13 @@ class ProgressFold:
             self.dead_samples.update(event.sample_indices)
             if event.batch_id:
                 self.dead_batches.add(event.batch_id)
+
+    @property
+    def batch_redeliveries(self) -> int:
+        """Redeliveries of batches that were then written (delivery n counts n - 1): JetStream's own
+        `num_redelivered` forgets a redelivered message once it is acked, so a recovered crash
+        would otherwise leave no trace in the counts."""
+        return sum(attempt - 1 for attempt in self.batch_attempts.values())
 
     @property
     def tokens_uploaded(self) -> int:
@@ -139,9 +148,12 @@ class ProgressTracker:
             except nats.js.errors.NotFoundError:
                 return 0
 
-        file_redeliveries = 0
-        for node in {beat.node for beat in self.fold.heartbeats.values() if beat.service == "uploader"}:
-            file_redeliveries += await redelivered(topology.FILES_STREAM, topology.upload_durable(job, node))
+        # One upload durable per node, each filtered to hsx.files.<job>.<node>.
+        file_redeliveries = sum(
+            info.num_redelivered or 0
+            for info in await self.js.consumers_info(topology.FILES_STREAM)
+            if (info.config.filter_subject or "").split(".")[2:3] == [job]
+        )
         self.queues = QueueState(
             batches_queued=await count(topology.BATCHES_STREAM, topology.batch_subject(job)),
             files_queued=await count(topology.FILES_STREAM, topology.files_subject_all(job)),
@@ -180,7 +192,8 @@ def status_view(spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueS
         "files_waiting_upload": queues.files_queued,
         "dead_letters": queues.dead_letters,
         "dead_samples": sorted(fold.dead_samples),
-        "batch_redeliveries": queues.batch_redeliveries,
+        # Written after a redelivery (from events) + redelivered and not acked yet (from JetStream).
+        "batch_redeliveries": fold.batch_redeliveries + queues.batch_redeliveries,
         "file_redeliveries": queues.file_redeliveries,
         "dest": spec.dest if spec else None,
         "done": done,

@@ -31,6 +31,12 @@ def _silent_workers(tracker: ProgressTracker, silent_after_s: float) -> list[dic
     ]
 
 
+def _live_workers(tracker: ProgressTracker, silent_after_s: float) -> int:
+    now = time.time()
+    return sum(1 for beat in tracker.fold.heartbeats.values()
+               if beat.state != "stopping" and now - beat.sent_at <= silent_after_s)
+
+
 async def run(cfg: MonitorConfig) -> int:
     stopping = stop_event_on_signals()
     structlog.contextvars.bind_contextvars(job=cfg.job)
@@ -71,7 +77,7 @@ async def run(cfg: MonitorConfig) -> int:
                     batches_queued=view["batches_queued"], spool_backlog_files=view["files_waiting_upload"],
                     redeliveries=view["batch_redeliveries"] + view["file_redeliveries"],
                     dead_letters=view["dead_letters"],
-                    workers=sum(1 for b in tracker.fold.heartbeats.values() if b.state != "stopping"),
+                    workers=_live_workers(tracker, cfg.silent_after_s),
                 )
                 for silent in _silent_workers(tracker, cfg.silent_after_s):
                     if silent["instance"] not in reported_silent:
