@@ -37,6 +37,7 @@ class ProgressFold:
 
     batches: dict[str, int] = field(default_factory=dict)  # batch id -> tokens
     batch_attempts: dict[str, int] = field(default_factory=dict)  # batch id -> highest delivery written
+    file_attempts: dict[int, int] = field(default_factory=dict)  # sample -> highest delivery uploaded
     written: set[int] = field(default_factory=set)
     uploaded: dict[int, tuple[int, int]] = field(default_factory=dict)  # sample -> (tokens, bytes)
     dead_samples: set[int] = field(default_factory=set)
@@ -55,6 +56,7 @@ class ProgressFold:
             self.written.update(event.sample_indices)
         elif isinstance(event, schemas.FileUploaded):
             self.uploaded.setdefault(event.sample_index, (event.tokens, event.size))
+            self.file_attempts[event.sample_index] = max(self.file_attempts.get(event.sample_index, 0), event.attempt)
         elif isinstance(event, schemas.Heartbeat):
             self.heartbeats[event.instance] = event
         elif isinstance(event, schemas.DeadLetter):
@@ -68,6 +70,10 @@ class ProgressFold:
         `num_redelivered` forgets a redelivered message once it is acked, so a recovered crash
         would otherwise leave no trace in the counts."""
         return sum(attempt - 1 for attempt in self.batch_attempts.values())
+
+    @property
+    def file_redeliveries(self) -> int:
+        return sum(attempt - 1 for attempt in self.file_attempts.values())
 
     @property
     def tokens_uploaded(self) -> int:
@@ -168,12 +174,16 @@ def status_view(spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueS
     """The fields of `hsx status --json` (DESIGN section 5), plus detail."""
     total = spec.total_samples if spec else 0
     uploaded = len(fold.uploaded)
-    done = spec is not None and spec.published and uploaded >= total
+    # Done: every sample is in the destination and nothing is left in flight (a batch redelivered
+    # after a crash may still be queued although its samples were already uploaded).
+    drained = queues.batches_queued == 0 and queues.files_queued == 0
+    done = spec is not None and spec.published and uploaded >= total and drained
     unfinished = set(range(total)) - set(fold.uploaded)
+    dead_samples = fold.dead_samples - set(fold.uploaded)
     # Nothing is queued anywhere and every missing sample is dead: the job cannot finish by itself.
     failed = (
-        spec is not None and spec.published and not done and queues.batches_queued == 0
-        and queues.files_queued == 0 and unfinished <= fold.dead_samples
+        spec is not None and spec.published and not done and drained and bool(unfinished)
+        and unfinished <= dead_samples
     )
     return {
         "job": job,
@@ -191,10 +201,10 @@ def status_view(spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueS
         "batches_queued": queues.batches_queued,
         "files_waiting_upload": queues.files_queued,
         "dead_letters": queues.dead_letters,
-        "dead_samples": sorted(fold.dead_samples),
+        "dead_samples": sorted(dead_samples),
         # Written after a redelivery (from events) + redelivered and not acked yet (from JetStream).
         "batch_redeliveries": fold.batch_redeliveries + queues.batch_redeliveries,
-        "file_redeliveries": queues.file_redeliveries,
+        "file_redeliveries": fold.file_redeliveries + queues.file_redeliveries,
         "dest": spec.dest if spec else None,
         "done": done,
         "failed": failed,

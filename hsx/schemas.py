@@ -97,6 +97,7 @@ class FileUploaded(_Wire, tag="uploaded.v1"):
     size: int
     tokens: int
     already_present: bool = False
+    attempt: int = 1  # delivery number of the file-ready event
 
 
 class Heartbeat(_Wire, tag="heartbeat.v1"):

@@ -21,6 +21,7 @@ class _Row(msgspec.Struct):
 
 @dataclass(frozen=True, slots=True)
 class DatasetRow:
+    where: str  # how errors name this row: "file:LINE" (JSONL, 1-based) or "file: row N" (Parquet, 0-based)
     source_id: str
     input_ids: list[int]
     loss_mask: list[int] | None
@@ -47,7 +48,7 @@ def _check_row(row: _Row, where: str, max_seq_len: int, default_id: str) -> Data
     if min(row.input_ids) < 0:
         raise HsxError(f"{where}: input_ids holds a negative token id")
     source_id = default_id if row.id is None else str(row.id)
-    return DatasetRow(source_id=source_id, input_ids=row.input_ids, loss_mask=row.loss_mask)
+    return DatasetRow(where=where, source_id=source_id, input_ids=row.input_ids, loss_mask=row.loss_mask)
 
 
 def _read_jsonl(path: Path, max_seq_len: int) -> list[DatasetRow]:

@@ -83,13 +83,26 @@ async def run(cfg: ProducerConfig) -> int:
             f"--token-budget {cfg.token_budget} is smaller than --max-seq-len {cfg.max_seq_len}: "
             "the longest allowed sample must fit in one batch"
         )
+    # Reach NATS first: an unreachable server is reported at once, not after reading a big dataset.
+    nc = await connect(cfg.nats, name=f"hsx-producer-{cfg.job}")
+    try:
+        return await _produce(cfg, nc, info, layers)
+    finally:
+        await nc.drain()
+
+
+def _read_and_check(cfg: ProducerConfig, vocab_size: int) -> list[DatasetRow]:
     rows = read_dataset(cfg.dataset, max_seq_len=cfg.max_seq_len)
-    for row_index, row in enumerate(rows):
-        if max(row.input_ids) >= info.vocab_size:
+    for row in rows:
+        if max(row.input_ids) >= vocab_size:
             raise HsxError(
-                f"{cfg.dataset}: row {row_index} (id {row.source_id}) has token id {max(row.input_ids)}, "
-                f"outside model {cfg.model}'s vocabulary of {info.vocab_size}"
+                f"{row.where}: token id {max(row.input_ids)} is outside model {cfg.model}'s vocabulary of {vocab_size}"
             )
+    return rows
+
+
+async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
+    rows = await asyncio.to_thread(_read_and_check, cfg, info.vocab_size)
     lengths = [len(row.input_ids) for row in rows]
     batches = plan_batches(lengths, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
     fingerprint = plan_fingerprint(cfg, layers, rows)
@@ -100,35 +113,32 @@ async def run(cfg: ProducerConfig) -> int:
         packing_efficiency=round(total_tokens / padded, 4), fingerprint=fingerprint[:12],
     )
 
-    nc = await connect(cfg.nats, name=f"hsx-producer-{cfg.job}")
+    js = nc.jetstream()
+    kv = await topology.ensure_topology(js)
+    spec = schemas.JobSpec(
+        job=cfg.job, model=cfg.model, model_revision=info.revision, layers=layers, dtype=cfg.dtype,
+        dest=cfg.dest, token_budget=cfg.token_budget, max_seq_len=cfg.max_seq_len, dataset=str(cfg.dataset),
+        plan_fingerprint=fingerprint, total_samples=len(rows), total_tokens=total_tokens,
+        total_batches=len(batches), created_at=time.time(),
+    )
     try:
-        js = nc.jetstream()
-        kv = await topology.ensure_topology(js)
-        spec = schemas.JobSpec(
-            job=cfg.job, model=cfg.model, model_revision=info.revision, layers=layers, dtype=cfg.dtype,
-            dest=cfg.dest, token_budget=cfg.token_budget, max_seq_len=cfg.max_seq_len, dataset=str(cfg.dataset),
-            plan_fingerprint=fingerprint, total_samples=len(rows), total_tokens=total_tokens,
-            total_batches=len(batches), created_at=time.time(),
-        )
-        try:
-            existing = schemas.job_decoder.decode((await kv.get(cfg.job)).value)
-        except nats.js.errors.KeyNotFoundError:
-            existing = None
-        if existing is not None:
-            if existing.plan_fingerprint != fingerprint or existing.dest != cfg.dest:
-                raise HsxError(
-                    f"job {cfg.job} already exists with a different dataset or settings "
-                    f"(model {existing.model}, layers {existing.layers}, dest {existing.dest}, "
-                    f"{existing.total_samples} samples); use another --job name"
-                )
-            if existing.published:
-                log.info("job_already_published", job=cfg.job, batches=existing.total_batches)
-                return 0
-            spec = msgspec.structs.replace(spec, created_at=existing.created_at)
-        await kv.put(cfg.job, schemas.encode(spec))
-        published = await _publish_all(js, cfg, fingerprint, batches, rows, nc.max_payload)
-        await kv.put(cfg.job, schemas.encode(msgspec.structs.replace(spec, published=True)))
-        log.info("job_published", job=cfg.job, batches=len(batches), new=published, duplicates=len(batches) - published)
-        return 0
-    finally:
-        await nc.drain()
+        existing = schemas.job_decoder.decode((await kv.get(cfg.job)).value)
+    except nats.js.errors.KeyNotFoundError:
+        existing = None
+    if existing is not None:
+        if existing.plan_fingerprint != fingerprint or existing.dest != cfg.dest:
+            raise HsxError(
+                f"job {cfg.job} already exists with a different dataset or settings "
+                f"(model {existing.model}, layers {existing.layers}, dest {existing.dest}, "
+                f"{existing.total_samples} samples); use another --job name"
+            )
+        if existing.published:
+            log.info("job_already_published", job=cfg.job, batches=existing.total_batches)
+            return 0
+        spec = msgspec.structs.replace(spec, created_at=existing.created_at)
+    await kv.put(cfg.job, schemas.encode(spec))
+    published = await _publish_all(js, cfg, fingerprint, batches, rows, nc.max_payload)
+    await kv.put(cfg.job, schemas.encode(msgspec.structs.replace(spec, published=True)))
+    log.info("job_published", job=cfg.job, batches=len(batches), new=published, duplicates=len(batches) - published)
+    return 0
+

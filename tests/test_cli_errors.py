@@ -132,7 +132,7 @@ def _error_cases(tmp_path: Path) -> dict[str, Case]:
         "empty-input-ids": Case({"--dataset": str(empty_ids)}, (f"{empty_ids}:4", "input_ids", "empty")),
         "longer-than-max-seq-len": Case({"--dataset": str(too_long), "--max-seq-len": "8"}, (f"{too_long}:2", "--max-seq-len 8")),
         "loss-mask-length": Case({"--dataset": str(mask_mismatch)}, (f"{mask_mismatch}:2", "loss_mask")),
-        "token-id-outside-vocab": Case({"--dataset": str(out_of_vocab)}, ("row 2", f"token id {VOCAB}", f"vocabulary of {VOCAB}")),
+        "token-id-outside-vocab": Case({"--dataset": str(out_of_vocab)}, ("vocab.jsonl:3:", f"token id {VOCAB}", f"vocabulary of {VOCAB}")),
         "unknown-layer": Case({"--layers": "1,99"}, ("layer 99", f"{NUM_LAYERS} decoder layers")),
         "duplicate-layer": Case({"--layers": "1,1"}, ("layer 1", "twice")),
         "unreachable-nats": Case({}, (dead_url,), nats_url=dead_url),

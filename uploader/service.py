@@ -51,6 +51,10 @@ class FileMover:
             local.unlink(missing_ok=True)
             return True
         if not local.exists():
+            # Another uploader may have finished the same sample (announced twice after a
+            # redelivered batch) between the check above and now: look again before calling it lost.
+            if self.dest.has_verified(ready.key, size=ready.size, sha256=ready.sha256):
+                return True
             raise _PermanentFailure(f"{ready.spool_path}: missing from the spool and not in the destination")
         local_sha = file_sha256(local)
         if local_sha != ready.sha256:
@@ -58,7 +62,7 @@ class FileMover:
                 f"{ready.spool_path}: spool file sha256 {local_sha[:12]} does not match the announced {ready.sha256[:12]}"
             )
         self.dest.put_verified(local, ready.key, size=ready.size, sha256=ready.sha256)
-        local.unlink()
+        local.unlink(missing_ok=True)  # a concurrent uploader of the same sample may have removed it
         return False
 
     async def _keep_alive(self, msg: Msg) -> None:
@@ -99,6 +103,7 @@ class FileMover:
                 schemas.FileUploaded(
                     job=ready.job, node=ready.node, uploader=self.cfg.instance, sample_index=ready.sample_index,
                     key=ready.key, size=ready.size, tokens=ready.num_tokens, already_present=already,
+                    attempt=msg.metadata.num_delivered,
                 )
             )
             await msg.ack_sync()
