@@ -38,7 +38,10 @@ async def run(cfg: ConsumerConfig) -> int:
             return 0
         events = EventPublisher(nc, js, cfg.job)
         await events.heartbeat(service=SERVICE, instance=cfg.instance, node=cfg.node, state="starting")
-        loaded = await asyncio.to_thread(load_model, spec.model, layers=spec.layers, dtype=spec.dtype, device=cfg.device)
+        loaded = await asyncio.to_thread(
+            load_model, spec.model, layers=spec.layers, dtype=spec.dtype, device=cfg.device,
+            trust_remote_code=spec.trust_remote_code,
+        )
         await asyncio.to_thread(_warm_up, loaded)
         log.info(
             "consumer_ready", model=spec.model, layers=spec.layers, dtype=spec.dtype, device=str(loaded.device),

@@ -1,10 +1,11 @@
-"""Loading the model once and capturing the selected decoder layers' outputs.
+"""Loading the model once and capturing the selected layers' outputs.
 
-Forward hooks sit on the selected layers only. The hook on the deepest selected layer raises
-`_StopForward` after capturing, so later layers, the final norm and the lm_head never run: a
-capture of layers up to L/2 costs about half a full forward. Layer i means the raw output of
+Forward hooks sit on the selected decoder layers only. The hook on the deepest selected layer
+raises `_StopForward` after capturing, so later layers, the final norm and the lm_head never run:
+a capture of layers up to L/2 costs about half a full forward. Layer i means the raw output of
 decoder layer i (0-based), which is transformers' `output_hidden_states[i + 1]` except for the
-last layer (transformers applies the final norm to that entry).
+last layer (transformers applies the final norm to that entry). The `final` selector captures the
+final norm's output instead, and the forward stops there (the lm_head still never runs).
 """
 
 from dataclasses import dataclass
@@ -14,42 +15,64 @@ import torch
 from torch import nn
 
 from hsx.errors import HsxError
+from hsx.layers import FINAL, LayerSelector
 
 log = structlog.get_logger("hsx.gpu_consumer.model")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+STORAGE_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3": torch.float8_e4m3fn,
+}
+# The forward runs in the storage dtype, except float8 storage, which is computed in bfloat16 and
+# quantized per token when the file is written.
+COMPUTE_DTYPES = {**STORAGE_DTYPES, "float8_e4m3": torch.bfloat16}
 
 
 class _StopForward(Exception):
     """Raised by the deepest hook: everything the job needs has been captured."""
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, model.base_model_prefix)
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+def decoder_stack(model: nn.Module) -> nn.Module:
+    """The module that holds `.layers` and `.norm` (`model.model` for most causal LMs)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, model.base_model_prefix, model)
+    if not isinstance(getattr(base, "layers", None), nn.ModuleList):
         raise HsxError(f"model class {type(model).__name__}: cannot find its decoder layers (no .layers ModuleList)")
-    return layers
+    return base
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    return decoder_stack(model).layers
 
 
 class LayerTap:
-    """Runs the decoder up to the deepest selected layer and returns the selected outputs."""
+    """Runs the decoder only as far as the selection needs and returns the selected states."""
 
-    def __init__(self, model: nn.Module, layers: list[int]) -> None:
+    def __init__(self, model: nn.Module, layers: list[LayerSelector]) -> None:
         self.model = model
-        self.base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, model.base_model_prefix)
+        self.base = decoder_stack(model)
         self.layers = list(layers)
-        self.deepest = max(self.layers)
-        self._captured: dict[int, torch.Tensor] = {}
-        modules = decoder_layers(model)
-        if self.deepest >= len(modules):
-            raise HsxError(f"layer {self.deepest} does not exist: the model has {len(modules)} decoder layers")
-        self._handles = [modules[i].register_forward_hook(self._hook(i)) for i in sorted(set(self.layers))]
+        modules = self.base.layers
+        indices = sorted({layer for layer in self.layers if layer != FINAL})
+        if indices and indices[-1] >= len(modules):
+            raise HsxError(f"layer {indices[-1]} does not exist: the model has {len(modules)} decoder layers")
+        self._captured: dict[LayerSelector, torch.Tensor] = {}
+        if FINAL in self.layers:
+            norm = getattr(self.base, "norm", None)
+            if not isinstance(norm, nn.Module):
+                raise HsxError(f"model class {type(model).__name__}: no final norm (.norm) to capture 'final' from")
+            self.stop_at: LayerSelector = FINAL
+            self._handles = [norm.register_forward_hook(self._hook(FINAL))]
+        else:
+            self.stop_at = indices[-1]
+            self._handles = []
+        self._handles += [modules[i].register_forward_hook(self._hook(i)) for i in indices]
 
-    def _hook(self, index: int):
+    def _hook(self, selector: LayerSelector):
         def capture(_module, _args, output):
-            self._captured[index] = output[0] if isinstance(output, tuple) else output
-            if index == self.deepest:
+            self._captured[selector] = output[0] if isinstance(output, tuple) else output
+            if selector == self.stop_at:
                 raise _StopForward
 
         return capture
@@ -62,8 +85,8 @@ class LayerTap:
         except _StopForward:
             pass
         else:
-            raise RuntimeError("the deepest selected layer never ran; the model's forward skipped it")
-        captured = [self._captured[i] for i in self.layers]
+            raise RuntimeError("the forward finished without reaching the last selected state; its hook never ran")
+        captured = [self._captured[layer] for layer in self.layers]
         self._captured.clear()
         return captured
 
@@ -77,15 +100,17 @@ class LoadedModel:
     model: nn.Module
     tap: LayerTap
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # compute dtype
     pad_token_id: int
     attention: str
 
 
-def load_model(path: str, *, layers: list[int], dtype: str, device: str) -> LoadedModel:
+def load_model(
+    path: str, *, layers: list[LayerSelector], dtype: str, device: str, trust_remote_code: bool = False
+) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = DTYPES[dtype]
+    compute_dtype = COMPUTE_DTYPES[dtype]
     try:
         target = torch.device(device)
     except RuntimeError:
@@ -94,7 +119,7 @@ def load_model(path: str, *, layers: list[int], dtype: str, device: str) -> Load
         raise HsxError(f"--device {device}: CUDA is not available on this machine")
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, local_files_only=True, trust_remote_code=False
+            path, dtype=compute_dtype, local_files_only=True, trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError) as exc:
         raise HsxError(f"model {path}: cannot load ({str(exc).splitlines()[0]})") from None
@@ -106,7 +131,7 @@ def load_model(path: str, *, layers: list[int], dtype: str, device: str) -> Load
         model=model,
         tap=LayerTap(model, layers),
         device=target,
-        dtype=torch_dtype,
+        dtype=compute_dtype,
         pad_token_id=int(pad) if isinstance(pad, int) and 0 <= pad < config.vocab_size else 0,
         attention=str(getattr(model.config, "_attn_implementation", "unknown")),
     )

@@ -7,17 +7,19 @@ import torch
 from safetensors.torch import save
 
 from hsx.fsutil import atomic_write_bytes
-from hsx.layout import sample_key, sample_metadata, tensor_checksum
+from hsx.layout import FLOAT8, quantize_float8, sample_key, sample_metadata, tensor_checksum
 from hsx.schemas import FileReady, JobSpec, Sample
 
 
 def write_sample_file(
     *, spool: Path, spec: JobSpec, node: str, batch_id: str, sample: Sample, hidden_states: torch.Tensor
 ) -> FileReady:
-    tensors = {
-        "hidden_states": hidden_states.contiguous(),
-        "input_ids": torch.tensor(sample.input_ids, dtype=torch.int64),
-    }
+    if spec.dtype == FLOAT8:
+        quantized, scale = quantize_float8(hidden_states)
+        tensors = {"hidden_states": quantized, "hidden_states_scale": scale}
+    else:
+        tensors = {"hidden_states": hidden_states.contiguous()}
+    tensors["input_ids"] = torch.tensor(sample.input_ids, dtype=torch.int64)
     if sample.loss_mask is not None:
         tensors["loss_mask"] = torch.tensor(sample.loss_mask, dtype=torch.uint8)
     metadata = sample_metadata(

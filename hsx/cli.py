@@ -15,7 +15,13 @@ from hsx.errors import HsxError
 from hsx.logs import configure_logging
 from hsx.natsconn import DEFAULT_NATS_URL, NatsSettings
 
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("bfloat16", "float16", "float32", "float8")  # float8 = e4m3 with a per-token scale
+
+
+def _storage_dtype(name: str) -> str:
+    return "float8_e4m3" if name == "float8" else name
+
+
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -117,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     produce.add_argument("--token-budget", type=_positive_int("--token-budget"), default=16384)
     produce.add_argument("--max-seq-len", type=_positive_int("--max-seq-len"), default=4096)
     produce.add_argument("--max-batch-size", type=_positive_int("--max-batch-size"), default=None)
+    produce.add_argument("--trust-remote-code", action="store_true",
+                         help="allow a model that ships its own Python code (it runs on every consumer)")
 
     consume = commands.add_parser("consume", help="run one GPU consumer for a job")
     _add_nats(consume)
@@ -160,8 +168,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         cfg = ProducerConfig(
             nats=nats, job=args.job, model=args.model, dataset=args.dataset, layers=tuple(parse_layers(args.layers)),
-            dest=parse_dest(args.dest), dtype=args.dtype, token_budget=args.token_budget,
-            max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size,
+            dest=parse_dest(args.dest), dtype=_storage_dtype(args.dtype), token_budget=args.token_budget,
+            max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size, trust_remote_code=args.trust_remote_code,
         )
         return asyncio.run(run(cfg))
     if args.command == "consume":

@@ -4,7 +4,10 @@ Key: `<job>/<shard>/<sample_index>.safetensors` under the destination prefix, th
 path in a node's spool. A shard holds SHARD_SIZE consecutive samples so no directory grows huge.
 
 Tensors: `hidden_states` [T, k, H] (k selected layers in the order given), `input_ids` [T],
-`loss_mask` [T] when known. Metadata makes the file self-describing.
+`loss_mask` [T] when known. With float8 storage, `hidden_states` is float8 e4m3 and
+`hidden_states_scale` [T, k] float32 holds one scale per token and layer:
+value = hidden_states.float() * hidden_states_scale[..., None]. Metadata makes the file
+self-describing.
 """
 
 import hashlib
@@ -17,6 +20,24 @@ SHARD_SIZE = 1000
 # Layer i is the raw output of decoder layer i (0-based): transformers' output_hidden_states[i + 1]
 # for every layer but the last, whose transformers entry has the final norm applied.
 LAYER_CONVENTION = "decoder_layer_output"
+
+
+FLOAT8 = "float8_e4m3"
+_FLOAT8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def quantize_float8(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, k, H] -> (float8 e4m3 values, float32 scales [T, k]); each token's vector of each layer
+    is scaled so that its largest magnitude maps to the format's largest finite value."""
+    values = hidden_states.float()
+    scale = values.abs().amax(dim=-1) / _FLOAT8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    quantized = (values / scale[..., None]).clamp(-_FLOAT8_MAX, _FLOAT8_MAX).to(torch.float8_e4m3fn)
+    return quantized, scale
+
+
+def dequantize_float8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return values.float() * scale[..., None]
 
 
 def sample_key(job: str, sample_index: int) -> str:
@@ -41,7 +62,7 @@ def sample_metadata(
     source_id: str,
     model: str,
     model_revision: str,
-    layers: list[int],
+    layers: list[int | str],
     dtype: str,
     num_tokens: int,
     checksum: str,

@@ -17,12 +17,19 @@ class ModelInfo:
     hidden_size: int
 
 
-def load_model_info(model: str) -> ModelInfo:
+def load_model_info(model: str, *, trust_remote_code: bool = False) -> ModelInfo:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model, local_files_only=True)
-    except (OSError, ValueError) as exc:
+        config = AutoConfig.from_pretrained(model, local_files_only=True, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise HsxError(
+                f"model {model} needs its own Python code (custom code in the model folder) to load; "
+                "hsx refuses to run it unless you pass --trust-remote-code"
+            ) from None
+        raise HsxError(f"model {model}: cannot read its config ({str(exc).splitlines()[0]})") from None
+    except OSError as exc:
         where = "folder has no usable config.json" if Path(model).is_dir() else "not a local folder and not in the local Hugging Face cache"
         raise HsxError(f"model {model}: {where} ({str(exc).splitlines()[0]})") from None
     text = config.get_text_config()

@@ -59,8 +59,8 @@ class JobSpec(_Wire, tag="job.v1"):
     job: str
     model: str
     model_revision: str
-    layers: list[int]
-    dtype: str
+    layers: list[int | str]  # decoder layer indices, or "final" for the post-norm final state
+    dtype: str  # storage dtype: bfloat16 | float16 | float32 | float8_e4m3
     dest: str
     token_budget: int
     max_seq_len: int
@@ -71,6 +71,7 @@ class JobSpec(_Wire, tag="job.v1"):
     total_batches: int
     created_at: float
     published: bool = False  # all descriptors are in the stream; a re-run publishes nothing
+    trust_remote_code: bool = False  # the model's own code may run (asked for with --trust-remote-code)
 
 
 # Progress events, on `hsx.events.<job>.<kind>`.

@@ -18,3 +18,4 @@ class ProducerConfig:
     token_budget: int
     max_seq_len: int
     max_batch_size: int | None = None
+    trust_remote_code: bool = False

@@ -76,7 +76,7 @@ async def _publish_all(js, cfg: ProducerConfig, fingerprint: str, batches: list[
 
 
 async def run(cfg: ProducerConfig) -> int:
-    info = load_model_info(cfg.model)
+    info = load_model_info(cfg.model, trust_remote_code=cfg.trust_remote_code)
     layers = resolve_layers(list(cfg.layers), info.num_layers, model=cfg.model)
     if cfg.token_budget < cfg.max_seq_len:
         raise HsxError(
@@ -119,7 +119,7 @@ async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
         job=cfg.job, model=cfg.model, model_revision=info.revision, layers=layers, dtype=cfg.dtype,
         dest=cfg.dest, token_budget=cfg.token_budget, max_seq_len=cfg.max_seq_len, dataset=str(cfg.dataset),
         plan_fingerprint=fingerprint, total_samples=len(rows), total_tokens=total_tokens,
-        total_batches=len(batches), created_at=time.time(),
+        total_batches=len(batches), created_at=time.time(), trust_remote_code=cfg.trust_remote_code,
     )
     try:
         existing = schemas.job_decoder.decode((await kv.get(cfg.job)).value)
