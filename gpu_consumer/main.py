@@ -49,7 +49,7 @@ async def run(cfg: ConsumerConfig) -> int:
         )
         durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
         sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
-        worker = BatchWorker(cfg, js, events, spec, loaded)
+        worker = BatchWorker(cfg, js, events, spec, loaded, stopping)
         beats = asyncio.create_task(heartbeat_loop(worker, events, cfg, stopping))
         try:
             await pull_loop(worker, sub, cfg, stopping)

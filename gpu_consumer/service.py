@@ -11,6 +11,7 @@ Stopping: the stop event ends fetching; the batch in hand is finished (not aband
 """
 
 import asyncio
+import errno
 import os
 import signal
 import time
@@ -32,6 +33,7 @@ from hsx.spool import spool_usage
 log = structlog.get_logger("hsx.gpu_consumer")
 
 SERVICE = "gpu_consumer"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 # Test-only switch: a marker file path. The first consumer to finish writing and announcing a
 # batch creates the marker and kills itself with SIGKILL before acking (a crash at the worst
@@ -50,13 +52,15 @@ def _maybe_crash_before_ack() -> None:
 
 class BatchWorker:
     def __init__(
-        self, cfg: ConsumerConfig, js: JetStreamContext, events: EventPublisher, spec: schemas.JobSpec, loaded: LoadedModel
+        self, cfg: ConsumerConfig, js: JetStreamContext, events: EventPublisher, spec: schemas.JobSpec,
+        loaded: LoadedModel, stopping: asyncio.Event,
     ) -> None:
         self.cfg = cfg
         self.js = js
         self.events = events
         self.spec = spec
         self.loaded = loaded
+        self.stopping = stopping
         self.state = "idle"
         self.last_batch = ""
 
@@ -68,16 +72,34 @@ class BatchWorker:
             except Exception as exc:  # a reconnect in progress; the next tick tries again
                 log.warning("in_progress_failed", error=str(exc))
 
-    def _compute_and_write(self, batch: schemas.BatchDescriptor) -> tuple[list[schemas.FileReady], int]:
-        outputs = extract_samples(self.loaded, batch.samples)
-        files = [
+    def _write_files(self, batch: schemas.BatchDescriptor, outputs: list) -> list[schemas.FileReady]:
+        return [
             write_sample_file(
                 spool=self.cfg.spool, spec=self.spec, node=self.cfg.node, batch_id=batch.batch_id,
                 sample=sample, hidden_states=hidden,
             )
             for sample, hidden in zip(batch.samples, outputs)
         ]
-        return files, sum(f.size for f in files)
+
+    async def _write_until_written(self, batch: schemas.BatchDescriptor, outputs: list) -> list[schemas.FileReady] | None:
+        """Write the batch's files; while the spool disk is full, keep the computed states and the
+        message (in_progress continues) and retry with a growing delay. None if asked to stop first."""
+        delay = 2.0
+        while True:
+            try:
+                files = await asyncio.to_thread(self._write_files, batch, outputs)
+                self.state = "working"
+                return files
+            except OSError as exc:
+                if exc.errno not in _DISK_FULL:
+                    raise
+                self.state = "disk_full"
+                log.warning("spool_disk_full", spool=str(self.cfg.spool), error=os.strerror(exc.errno), retry_in_s=delay)
+                try:
+                    await asyncio.wait_for(self.stopping.wait(), timeout=delay)
+                    return None
+                except asyncio.TimeoutError:
+                    delay = min(delay * 2, 60.0)
 
     async def handle(self, msg: Msg) -> None:
         attempt = msg.metadata.num_delivered
@@ -92,7 +114,12 @@ class BatchWorker:
         started = time.perf_counter()
         try:
             try:
-                files, written = await asyncio.to_thread(self._compute_and_write, batch)
+                outputs = await asyncio.to_thread(extract_samples, self.loaded, batch.samples)
+                files = await self._write_until_written(batch, outputs)
+                if files is None:
+                    await msg.nak()
+                    return
+                written = sum(f.size for f in files)
             except Exception as exc:
                 indices = [s.index for s in batch.samples]
                 error = f"{type(exc).__name__}: {exc}"

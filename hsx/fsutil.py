@@ -16,7 +16,16 @@ _CHUNK = 8 << 20
 
 
 def make_private_dirs(path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+    """Create path and any missing parents, each 0700 (mkdir(parents=True) gives parents 0777)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            pass
 
 
 def _fsync_dir(path: Path) -> None:

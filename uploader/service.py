@@ -19,6 +19,7 @@ from hsx import schemas
 from hsx.destinations import Destination
 from hsx.events import EventPublisher
 from hsx.fsutil import file_sha256
+from hsx.layout import sample_key
 from uploader.config import UploaderConfig
 
 log = structlog.get_logger("hsx.uploader")
@@ -38,6 +39,15 @@ class FileMover:
         self.inflight = 0
         self.spool_root = cfg.spool.resolve()
 
+    def _check_key(self, ready: schemas.FileReady) -> None:
+        """The destination key is derived, never taken on trust: an event cannot place an object
+        outside the job's prefix."""
+        if ready.job != self.cfg.job or ready.key != sample_key(ready.job, ready.sample_index):
+            raise _PermanentFailure(
+                f"event for job {ready.job!r} sample {ready.sample_index} names key {ready.key!r}; "
+                f"expected {sample_key(self.cfg.job, ready.sample_index)!r}"
+            )
+
     def _local_path(self, ready: schemas.FileReady) -> Path:
         path = (self.spool_root / ready.spool_path).resolve()
         if not path.is_relative_to(self.spool_root) or Path(ready.spool_path).is_absolute():
@@ -46,6 +56,7 @@ class FileMover:
 
     def _move(self, ready: schemas.FileReady) -> bool:
         """Blocking: returns True if the object was already in the destination."""
+        self._check_key(ready)
         local = self._local_path(ready)
         if self.dest.has_verified(ready.key, size=ready.size, sha256=ready.sha256):
             local.unlink(missing_ok=True)
