@@ -1,11 +1,15 @@
-"""Connecting to NATS: one place for connection options, start-up errors and URL redaction.
+"""Connecting to NATS: one place for connection options, credentials, start-up errors and URL
+redaction.
 
-A service that cannot reach NATS at start-up fails at once with one line naming the URL. Once
-connected, it reconnects forever: a NATS restart mid-run is an outage to ride out, not an exit.
+A service that cannot reach NATS at start-up fails at once with one line naming the URL (never a
+secret). Once connected, it reconnects forever: a NATS restart mid-run is an outage to ride out,
+not an exit. Credentials: user/password, token, a credentials file (JWT + nkey seed), and TLS
+with a CA and optionally a client certificate.
 """
 
 import asyncio
-from dataclasses import dataclass
+import ssl
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 import nats
@@ -23,8 +27,44 @@ _STARTUP_ATTEMPTS = 3
 
 @dataclass(frozen=True, kw_only=True)
 class NatsSettings:
-    url: str = DEFAULT_NATS_URL
+    url: str = field(default=DEFAULT_NATS_URL, repr=False)
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    creds_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     connect_timeout_s: float = 3.0
+
+    def __repr__(self) -> str:  # the URL may carry a password
+        return f"NatsSettings(url={redact_url(self.url)!r}, user={self.user!r}, creds_file={self.creds_file!r})"
+
+    def as_env(self) -> dict[str, str]:
+        """The settings as the HSX_NATS_* variables the CLI reads, for child processes."""
+        values = {
+            "HSX_NATS_URL": self.url, "HSX_NATS_USER": self.user, "HSX_NATS_PASSWORD": self.password,
+            "HSX_NATS_TOKEN": self.token, "HSX_NATS_CREDS": self.creds_file, "HSX_NATS_TLS_CA": self.tls_ca,
+            "HSX_NATS_TLS_CERT": self.tls_cert, "HSX_NATS_TLS_KEY": self.tls_key,
+        }
+        return {name: value for name, value in values.items() if value is not None}
+
+    def connect_options(self) -> dict:
+        options: dict = {}
+        if self.user is not None:
+            options["user"] = self.user
+        if self.password is not None:
+            options["password"] = self.password
+        if self.token is not None:
+            options["token"] = self.token
+        if self.creds_file:
+            options["user_credentials"] = self.creds_file
+        if self.tls_ca or self.tls_cert:
+            context = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+            options["tls"] = context
+        return options
 
 
 def redact_url(url: str) -> str:
@@ -60,6 +100,10 @@ async def connect(settings: NatsSettings, *, name: str) -> NATS:
     nc = NATS()
     servers = [s.strip() for s in settings.url.split(",") if s.strip()]
     try:
+        options = settings.connect_options()
+    except (OSError, ssl.SSLError) as exc:
+        raise HsxError(f"NATS TLS settings: cannot load certificate or CA ({exc})") from None
+    try:
         await nc.connect(
             servers=servers,
             name=name,
@@ -70,8 +114,15 @@ async def connect(settings: NatsSettings, *, name: str) -> NATS:
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
+            **options,
         )
-    except (nats.errors.NoServersError, OSError, asyncio.TimeoutError) as exc:
+    except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+        refused = [e for e in last_error if "authorization" in str(e).lower() or "authentication" in str(e).lower()]
+        if refused:
+            raise HsxError(
+                f"NATS at {redact_url(settings.url)} refused the credentials ({str(refused[-1]).removeprefix('nats: ')}); "
+                "check HSX_NATS_USER/HSX_NATS_PASSWORD, HSX_NATS_TOKEN or HSX_NATS_CREDS"
+            ) from None
         cause = last_error[-1] if last_error else exc
         reason = getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
         raise HsxError(

@@ -33,7 +33,7 @@ _STOP_DEADLINE_S = 90.0
 class UpConfig:
     workdir: Path
     job: str
-    nats_url: str | None
+    nats: NatsSettings | None  # None: start an embedded nats-server
     model: str | None
     dataset: Path | None
     layers: str
@@ -49,9 +49,9 @@ class UpConfig:
     log_level: str = "info"
 
     @classmethod
-    def from_args(cls, args) -> "UpConfig":
+    def from_args(cls, args, *, nats: NatsSettings | None) -> "UpConfig":
         return cls(
-            workdir=args.workdir.resolve(), job=args.job, nats_url=args.nats, model=args.model, dataset=args.dataset,
+            workdir=args.workdir.resolve(), job=args.job, nats=nats, model=args.model, dataset=args.dataset,
             layers=args.layers, dtype=args.dtype, dest=args.dest, consumers=args.consumers, uploaders=args.uploaders,
             token_budget=args.token_budget, max_seq_len=args.max_seq_len, samples=args.samples, device=args.device,
             timeout_s=args.timeout, log_level=args.log_level,
@@ -124,12 +124,12 @@ def run_up(cfg: UpConfig) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if cfg.nats_url:
-            nats_url = cfg.nats_url
+        if cfg.nats:
+            nats = cfg.nats
         else:
             server = start_nats_server(cfg.workdir / "nats", log_file=logs / "nats-server.log")
-            nats_url = server.url
-        log.info("nats_ready", url=redact_url(nats_url), embedded=server is not None)
+            nats = NatsSettings(url=server.url)
+        log.info("nats_ready", url=redact_url(nats.url), embedded=server is not None)
         model = cfg.model or str(build_tiny_model(cfg.workdir / "model"))
         dataset = cfg.dataset
         if dataset is None:
@@ -140,7 +140,7 @@ def run_up(cfg: UpConfig) -> int:
                 max_len=min(512, cfg.max_seq_len),
             )
         dest = cfg.dest or str(cfg.workdir / "out")
-        env = {**os.environ, "HSX_NATS_URL": nats_url, "HSX_NODE": os.environ.get("HSX_NODE", "local"),
+        env = {**os.environ, **nats.as_env(), "HSX_NODE": os.environ.get("HSX_NODE", "local"),
                "PYTHONUNBUFFERED": "1"}
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.consumers)))
@@ -198,7 +198,7 @@ def run_up(cfg: UpConfig) -> int:
 
         from hsx.status import format_status, read_status
 
-        view = asyncio.run(read_status(NatsSettings(url=nats_url), cfg.job))
+        view = asyncio.run(read_status(nats, cfg.job))
         print(format_status(view, as_json=False), flush=True)
         if monitor.poll() != 0 or not view["done"]:
             raise HsxError(
