@@ -41,6 +41,7 @@ async def run(cfg: ConsumerConfig) -> int:
         loaded = await asyncio.to_thread(
             load_model, spec.model, layers=spec.layers, dtype=spec.dtype, device=cfg.device,
             trust_remote_code=spec.trust_remote_code,
+            revision=None if spec.model_revision == "local" else spec.model_revision,
         )
         await asyncio.to_thread(_warm_up, loaded)
         log.info(

@@ -106,8 +106,11 @@ class LoadedModel:
 
 
 def load_model(
-    path: str, *, layers: list[LayerSelector], dtype: str, device: str, trust_remote_code: bool = False
+    path: str, *, layers: list[LayerSelector], dtype: str, device: str, trust_remote_code: bool = False,
+    revision: str | None = None,
 ) -> LoadedModel:
+    """`revision`: the cache snapshot the producer resolved (pinned so that every consumer loads the
+    weights the job spec names, even if the cache's `main` moves); None for a local folder."""
     from transformers import AutoModelForCausalLM
 
     compute_dtype = COMPUTE_DTYPES[dtype]
@@ -119,7 +122,8 @@ def load_model(
         raise HsxError(f"--device {device}: CUDA is not available on this machine")
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=compute_dtype, local_files_only=True, trust_remote_code=trust_remote_code
+            path, dtype=compute_dtype, local_files_only=True, trust_remote_code=trust_remote_code,
+            **({"revision": revision} if revision else {}),
         )
     except (OSError, ValueError) as exc:
         raise HsxError(f"model {path}: cannot load ({str(exc).splitlines()[0]})") from None
