@@ -143,7 +143,7 @@ class BatchWorker:
                 schemas.BatchWritten(
                     job=self.spec.job, batch_id=batch.batch_id, consumer=self.cfg.instance, node=self.cfg.node,
                     sample_indices=[s.index for s in batch.samples], tokens=tokens, bytes=written,
-                    seconds=round(seconds, 4), attempt=attempt,
+                    seconds=round(seconds, 4), attempt=attempt, redo=bool(batch.redo_reason),
                 )
             )
             _maybe_crash_before_ack()

@@ -46,4 +46,5 @@ def write_sample_file(
         key=key,
         size=len(data),
         sha256=hashlib.sha256(data).hexdigest(),
+        sample=sample,
     )

@@ -45,9 +45,12 @@ class ProgressFold:
     bytes_written: int = 0
     tokens_written: int = 0
     heartbeats: dict[str, schemas.Heartbeat] = field(default_factory=dict)
+    requeued: list[int] = field(default_factory=list)  # samples sent back for extraction, once per loss
 
     def apply(self, event: schemas.Event) -> None:
-        if isinstance(event, schemas.BatchWritten):
+        if isinstance(event, schemas.BatchWritten) and event.redo:
+            self.written.update(event.sample_indices)
+        elif isinstance(event, schemas.BatchWritten):
             if event.batch_id not in self.batches:
                 self.batches[event.batch_id] = event.tokens
                 self.tokens_written += event.tokens
@@ -57,6 +60,8 @@ class ProgressFold:
         elif isinstance(event, schemas.FileUploaded):
             self.uploaded.setdefault(event.sample_index, (event.tokens, event.size))
             self.file_attempts[event.sample_index] = max(self.file_attempts.get(event.sample_index, 0), event.attempt)
+        elif isinstance(event, schemas.SampleRequeued):
+            self.requeued.append(event.sample_index)
         elif isinstance(event, schemas.Heartbeat):
             self.heartbeats[event.instance] = event
         elif isinstance(event, schemas.DeadLetter):
@@ -122,6 +127,7 @@ class ProgressTracker:
         subjects = [
             (topology.EVENTS_STREAM, topology.event_subject(job, "written"), schemas.event_decoder, DeliverPolicy.ALL),
             (topology.EVENTS_STREAM, topology.event_subject(job, "uploaded"), schemas.event_decoder, DeliverPolicy.ALL),
+            (topology.EVENTS_STREAM, topology.event_subject(job, "requeued"), schemas.event_decoder, DeliverPolicy.ALL),
             (topology.DEAD_STREAM, topology.dead_subject_all(job), schemas.dead_decoder, DeliverPolicy.ALL),
         ]
         if heartbeats:
@@ -202,6 +208,7 @@ def status_view(spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueS
         "files_waiting_upload": queues.files_queued,
         "dead_letters": queues.dead_letters,
         "dead_samples": sorted(dead_samples),
+        "samples_requeued": len(fold.requeued),
         # Written after a redelivery (from events) + redelivered and not acked yet (from JetStream).
         "batch_redeliveries": fold.batch_redeliveries + queues.batch_redeliveries,
         "file_redeliveries": fold.file_redeliveries + queues.file_redeliveries,

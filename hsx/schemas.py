@@ -33,6 +33,9 @@ class BatchDescriptor(_Wire, tag="batch.v1"):
     batch_id: str
     padded_len: int
     samples: list[Sample]
+    # Set when an uploader re-queues a sample whose spool file was lost or corrupted; such a batch
+    # is not one of the job's planned batches and is not counted as one.
+    redo_reason: str = ""
 
 
 class FileReady(_Wire, tag="file.v1"):
@@ -47,6 +50,9 @@ class FileReady(_Wire, tag="file.v1"):
     key: str  # destination key relative to the destination prefix
     size: int
     sha256: str  # of the whole file
+    # The sample itself, so that an uploader that finds the spool file lost or corrupted can
+    # re-queue it for extraction without any copy of the dataset.
+    sample: Sample | None = None
 
 
 class JobSpec(_Wire, tag="job.v1"):
@@ -87,6 +93,7 @@ class BatchWritten(_Wire, tag="written.v1"):
     bytes: int
     seconds: float
     attempt: int = 1
+    redo: bool = False  # a re-queued sample, not a planned batch
 
 
 class FileUploaded(_Wire, tag="uploaded.v1"):
@@ -99,6 +106,15 @@ class FileUploaded(_Wire, tag="uploaded.v1"):
     tokens: int
     already_present: bool = False
     attempt: int = 1  # delivery number of the file-ready event
+
+
+class SampleRequeued(_Wire, tag="requeued.v1"):
+    """An uploader found a spool file lost or corrupted and sent the sample back for extraction."""
+
+    job: str
+    node: str
+    sample_index: int
+    reason: str
 
 
 class Heartbeat(_Wire, tag="heartbeat.v1"):
@@ -124,11 +140,12 @@ class DeadLetter(_Wire, tag="dead.v1"):
     sample_indices: list[int] = []
 
 
-Event = Union[BatchWritten, FileUploaded, Heartbeat, DeadLetter]
+Event = Union[BatchWritten, FileUploaded, SampleRequeued, Heartbeat, DeadLetter]
 
 EVENT_KINDS: dict[type, str] = {
     BatchWritten: "written",
     FileUploaded: "uploaded",
+    SampleRequeued: "requeued",
     Heartbeat: "heartbeat",
     DeadLetter: "dead",
 }

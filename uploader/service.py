@@ -3,7 +3,9 @@
 Per event: decode (poison -> dead letter) -> if the destination already holds exactly this
 object (size and sha256), delete the local copy and ack without re-uploading -> else check the
 local file against the event's sha256, upload, verify the stored object, delete the local file,
-publish the `uploaded` event, ack. A failing upload is retried here with backoff while the event
+publish the `uploaded` event, ack. A spool file that is lost (in neither place) or corrupted (its
+sha256 differs) is sent back for extraction: the event carries the sample's tokens, so the
+uploader publishes a one-sample batch and acks the event. A failing upload is retried here with backoff while the event
 is kept alive with `in_progress()`, so an S3 outage costs no deliveries and loses nothing.
 """
 
@@ -15,7 +17,7 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from hsx import schemas
+from hsx import schemas, topology
 from hsx.destinations import Destination
 from hsx.events import EventPublisher
 from hsx.fsutil import file_sha256
@@ -28,7 +30,11 @@ SERVICE = "uploader"
 
 
 class _PermanentFailure(Exception):
-    """Retrying cannot help (the event is wrong or its file is gone); dead-letter it."""
+    """Retrying cannot help (the event is wrong); dead-letter it."""
+
+
+class _SpoolFileLost(Exception):
+    """The spool file is gone or corrupted and the destination does not have it: extract again."""
 
 
 class FileMover:
@@ -66,10 +72,11 @@ class FileMover:
             # redelivered batch) between the check above and now: look again before calling it lost.
             if self.dest.has_verified(ready.key, size=ready.size, sha256=ready.sha256):
                 return True
-            raise _PermanentFailure(f"{ready.spool_path}: missing from the spool and not in the destination")
+            raise _SpoolFileLost(f"{ready.spool_path}: missing from the spool and not in the destination")
         local_sha = file_sha256(local)
         if local_sha != ready.sha256:
-            raise _PermanentFailure(
+            local.unlink(missing_ok=True)
+            raise _SpoolFileLost(
                 f"{ready.spool_path}: spool file sha256 {local_sha[:12]} does not match the announced {ready.sha256[:12]}"
             )
         self.dest.put_verified(local, ready.key, size=ready.size, sha256=ready.sha256)
@@ -98,6 +105,14 @@ class FileMover:
                 try:
                     already = await asyncio.to_thread(self._move, ready)
                     break
+                except _SpoolFileLost as exc:
+                    if ready.sample is None:  # an event from before events carried their sample
+                        await self.events.dead_letter(
+                            msg, what="file", error=str(exc), batch_id=ready.batch_id, sample_indices=[ready.sample_index]
+                        )
+                    else:
+                        await self._requeue(msg, ready, str(exc))
+                    return
                 except _PermanentFailure as exc:
                     await self.events.dead_letter(
                         msg, what="file", error=str(exc), batch_id=ready.batch_id, sample_indices=[ready.sample_index]
@@ -122,6 +137,25 @@ class FileMover:
         finally:
             keep_alive.cancel()
             self.inflight -= 1
+
+
+    async def _requeue(self, msg: Msg, ready: schemas.FileReady, reason: str) -> None:
+        """Publish the sample as a one-sample batch, then ack the event: its file will be announced
+        again once extracted. The batch id derives from this event, so a retry publishes it once."""
+        batch_id = f"{ready.job}-redo-{ready.sample_index}-{msg.metadata.sequence.stream}"
+        descriptor = schemas.BatchDescriptor(
+            job=ready.job, batch_id=batch_id, padded_len=len(ready.sample.input_ids), samples=[ready.sample],
+            redo_reason=reason,
+        )
+        await self.events.js.publish(
+            topology.batch_subject(ready.job), schemas.encode(descriptor),
+            headers={"Nats-Msg-Id": batch_id, "Hsx-Job": ready.job, "Hsx-Batch": batch_id},
+        )
+        await self.events.emit(
+            schemas.SampleRequeued(job=ready.job, node=ready.node, sample_index=ready.sample_index, reason=reason)
+        )
+        await msg.ack_sync()
+        log.warning("sample_requeued", sample=ready.sample_index, reason=reason, batch=batch_id)
 
 
 async def heartbeat_loop(mover: FileMover, events: EventPublisher, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
