@@ -63,6 +63,7 @@ class BatchWorker:
         self.stopping = stopping
         self.state = "idle"
         self.last_batch = ""
+        self.detail = ""  # why the worker is not working, when it is paused or waiting
 
     async def _keep_alive(self, msg: Msg) -> None:
         while True:
@@ -88,12 +89,13 @@ class BatchWorker:
         while True:
             try:
                 files = await asyncio.to_thread(self._write_files, batch, outputs)
-                self.state = "working"
+                self.state, self.detail = "working", ""
                 return files
             except OSError as exc:
                 if exc.errno not in _DISK_FULL:
                     raise
                 self.state = "disk_full"
+                self.detail = f"spool disk full ({self.cfg.spool}), retrying in {delay:.0f} s"
                 log.warning("spool_disk_full", spool=str(self.cfg.spool), error=os.strerror(exc.errno), retry_in_s=delay)
                 try:
                     await asyncio.wait_for(self.stopping.wait(), timeout=delay)
@@ -164,7 +166,7 @@ async def heartbeat_loop(worker: BatchWorker, events: EventPublisher, cfg: Consu
     while not stopping.is_set():
         try:
             await events.heartbeat(service=SERVICE, instance=cfg.instance, node=cfg.node, state=worker.state,
-                                   detail=worker.last_batch)
+                                   detail=worker.detail or worker.last_batch)
         except Exception as exc:
             log.warning("heartbeat_failed", error=str(exc))
         try:
@@ -182,6 +184,7 @@ async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asy
                 log.warning("spool_high_water_paused", spool_bytes=used, high_water=cfg.spool_high_water_bytes)
                 paused = True
             worker.state = "paused"
+            worker.detail = f"spool holds {used} bytes, high-water mark {cfg.spool_high_water_bytes}"
             try:
                 await asyncio.wait_for(stopping.wait(), timeout=2.0)
             except asyncio.TimeoutError:
@@ -190,7 +193,7 @@ async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asy
         if paused:
             log.info("spool_resumed", spool_bytes=used)
             paused = False
-            worker.state = "idle"
+            worker.state, worker.detail = "idle", ""
         try:
             msgs = await sub.fetch(1, timeout=cfg.idle_fetch_timeout_s)
         except asyncio.TimeoutError:
@@ -200,4 +203,9 @@ async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asy
             await asyncio.sleep(1.0)
             continue
         for msg in msgs:
-            await worker.handle(msg)
+            try:
+                await worker.handle(msg)
+            except Exception as exc:
+                # A NATS outage while announcing or acking: the batch stays unacked and is
+                # redelivered after the ack wait (its files are rewritten identically).
+                log.warning("batch_interrupted", error=f"{type(exc).__name__}: {exc}")

@@ -15,6 +15,9 @@ from hsx.errors import HsxError
 from hsx.logs import configure_logging
 from hsx.natsconn import DEFAULT_NATS_URL, NatsSettings
 
+ON_LONG = ("error", "truncate", "skip")  # producer/lengths.py
+_ON_LONG_HELP = ("a sample longer than --max-seq-len: error (default), truncate to its first --max-seq-len tokens, "
+                 "or skip it; truncated and skipped rows are counted in hsx status and listed in the job's report")
 DTYPES = ("bfloat16", "float16", "float32", "float8")  # float8 = e4m3 with a per-token scale
 
 
@@ -67,10 +70,33 @@ def _job_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _add_nats(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--nats", default=os.environ.get("HSX_NATS_URL", DEFAULT_NATS_URL),
-        help="NATS server URL(s), comma-separated (env HSX_NATS_URL, default %(default)s)",
+def _add_nats(parser: argparse.ArgumentParser, *, embedded: bool = False) -> None:
+    env = os.environ.get
+    if embedded:
+        parser.add_argument("--nats", default=None, help="use this NATS server instead of starting one")
+    else:
+        parser.add_argument(
+            "--nats", default=env("HSX_NATS_URL", DEFAULT_NATS_URL),
+            help="NATS server URL(s), comma-separated (env HSX_NATS_URL, default %(default)s)",
+        )
+    auth = parser.add_argument_group("NATS credentials (prefer the environment for secrets: flags show in ps)")
+    auth.add_argument("--nats-user", default=env("HSX_NATS_USER"), help="env HSX_NATS_USER")
+    auth.add_argument("--nats-password", default=env("HSX_NATS_PASSWORD"), help="env HSX_NATS_PASSWORD")
+    auth.add_argument("--nats-token", default=env("HSX_NATS_TOKEN"), help="env HSX_NATS_TOKEN")
+    auth.add_argument("--nats-creds", default=env("HSX_NATS_CREDS"), help="credentials file (JWT + nkey), env HSX_NATS_CREDS")
+    auth.add_argument("--nats-tls-ca", default=env("HSX_NATS_TLS_CA"), help="CA bundle, env HSX_NATS_TLS_CA")
+    auth.add_argument("--nats-tls-cert", default=env("HSX_NATS_TLS_CERT"), help="client certificate, env HSX_NATS_TLS_CERT")
+    auth.add_argument("--nats-tls-key", default=env("HSX_NATS_TLS_KEY"), help="client key, env HSX_NATS_TLS_KEY")
+
+
+def _nats_settings(args: argparse.Namespace) -> NatsSettings | None:
+    if not getattr(args, "nats", None):
+        return None
+    return NatsSettings(
+        url=args.nats, user=getattr(args, "nats_user", None), password=getattr(args, "nats_password", None),
+        token=getattr(args, "nats_token", None), creds_file=getattr(args, "nats_creds", None),
+        tls_ca=getattr(args, "nats_tls_ca", None), tls_cert=getattr(args, "nats_tls_cert", None),
+        tls_key=getattr(args, "nats_tls_key", None),
     )
 
 
@@ -95,12 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     up = commands.add_parser("up", help="run a whole job on this machine; starts what is not given")
-    _add_nats_optional = up.add_argument
-    _add_nats_optional("--nats", default=None, help="use this NATS server instead of starting one")
+    _add_nats(up, embedded=True)
     up.add_argument("--workdir", type=Path, default=Path("hsx-demo"), help="state, store, spool, logs (default ./hsx-demo)")
     up.add_argument("--job", type=_job_name, default="demo")
     up.add_argument("--model", default=None, help="model folder or cached id (default: a small random model)")
-    up.add_argument("--dataset", type=Path, default=None, help="JSONL/Parquet dataset (default: synthetic)")
+    up.add_argument("--dataset", type=Path, default=None,
+                    help="JSONL/Parquet file or datasets save_to_disk folder (default: synthetic)")
     up.add_argument("--layers", default="1,3,5")
     up.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     up.add_argument("--dest", default=None, help="s3://bucket/prefix, file:///dir or a path (default WORKDIR/out)")
@@ -108,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--uploaders", type=_positive_int("--uploaders"), default=1)
     up.add_argument("--token-budget", type=_positive_int("--token-budget"), default=4096)
     up.add_argument("--max-seq-len", type=_positive_int("--max-seq-len"), default=1024)
+    up.add_argument("--on-long", choices=ON_LONG, default="error", help=_ON_LONG_HELP)
     up.add_argument("--samples", type=_positive_int("--samples"), default=256, help="synthetic dataset size")
     up.add_argument("--device", default="cpu")
     up.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
@@ -116,13 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nats(produce)
     produce.add_argument("--job", type=_job_name, required=True)
     produce.add_argument("--model", required=True)
-    produce.add_argument("--dataset", type=Path, required=True)
+    produce.add_argument("--dataset", type=Path, required=True,
+                         help="JSONL/Parquet file or datasets save_to_disk folder: input_ids rows or chat messages rows")
     produce.add_argument("--layers", required=True, help="0-based decoder layer indices, e.g. 1,16,31 (-1 = last)")
     produce.add_argument("--dest", required=True)
     produce.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     produce.add_argument("--token-budget", type=_positive_int("--token-budget"), default=16384)
     produce.add_argument("--max-seq-len", type=_positive_int("--max-seq-len"), default=4096)
     produce.add_argument("--max-batch-size", type=_positive_int("--max-batch-size"), default=None)
+    produce.add_argument("--on-long", choices=ON_LONG, default="error", help=_ON_LONG_HELP)
     produce.add_argument("--trust-remote-code", action="store_true",
                          help="allow a model that ships its own Python code (it runs on every consumer)")
 
@@ -151,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nats(status)
     status.add_argument("--job", type=_job_name, required=True)
     status.add_argument("--json", action="store_true")
+
+    verify = commands.add_parser("verify", help="check every sample file of a job in its destination")
+    _add_nats(verify)
+    verify.add_argument("--job", type=_job_name, required=True)
+    verify.add_argument("--recompute", type=_positive_int("--recompute"), default=0, metavar="K",
+                        help="also recompute K random samples on the CPU and compare (loads the model)")
+    verify.add_argument("--seed", type=int, default=None, help="seed for choosing the recomputed samples (default: random, reported)")
+    verify.add_argument("--workers", type=_positive_int("--workers"), default=16, help="objects read at once (default 16)")
+    verify.add_argument("--json", action="store_true")
     return parser
 
 
@@ -159,7 +197,7 @@ def _instance(node: str) -> str:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    nats = NatsSettings(url=args.nats) if getattr(args, "nats", None) else None
+    nats = _nats_settings(args)
     if args.command == "produce":
         from hsx.destinations import parse_dest
         from hsx.layers import parse_layers
@@ -170,6 +208,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             nats=nats, job=args.job, model=args.model, dataset=args.dataset, layers=tuple(parse_layers(args.layers)),
             dest=parse_dest(args.dest), dtype=_storage_dtype(args.dtype), token_budget=args.token_budget,
             max_seq_len=args.max_seq_len, max_batch_size=args.max_batch_size, trust_remote_code=args.trust_remote_code,
+            on_long=args.on_long,
         )
         return asyncio.run(run(cfg))
     if args.command == "consume":
@@ -204,10 +243,17 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(format_status(asyncio.run(read_status(nats, args.job)), as_json=args.json))
         return 0
+    if args.command == "verify":
+        from hsx.verify import fetch_job_spec, format_report, verify
+
+        spec = asyncio.run(fetch_job_spec(nats, args.job))
+        report = verify(spec, recompute=args.recompute, seed=args.seed, workers=args.workers)
+        print(format_report(report, as_json=args.json))
+        return 0 if report["ok"] else 1
     if args.command == "up":
         from hsx.up import UpConfig, run_up
 
-        return run_up(UpConfig.from_args(args))
+        return run_up(UpConfig.from_args(args, nats=nats))
     raise AssertionError(args.command)
 
 

@@ -31,6 +31,20 @@ def _silent_workers(tracker: ProgressTracker, silent_after_s: float) -> list[dic
     ]
 
 
+_DEGRADED_STATES = ("paused", "retrying", "disk_full")
+
+
+def _degraded_workers(tracker: ProgressTracker, silent_after_s: float) -> list[dict]:
+    """Live workers that say they cannot make progress: a consumer paused at the spool's high-water
+    mark or waiting for disk space, an uploader retrying a failing destination."""
+    now = time.time()
+    return [
+        {"instance": beat.instance, "service": beat.service, "node": beat.node, "state": beat.state, "detail": beat.detail}
+        for beat in tracker.fold.heartbeats.values()
+        if beat.state in _DEGRADED_STATES and now - beat.sent_at <= silent_after_s
+    ]
+
+
 def _live_workers(tracker: ProgressTracker, silent_after_s: float) -> int:
     now = time.time()
     return sum(1 for beat in tracker.fold.heartbeats.values()
@@ -79,6 +93,8 @@ async def run(cfg: MonitorConfig) -> int:
                     dead_letters=view["dead_letters"],
                     workers=_live_workers(tracker, cfg.silent_after_s),
                 )
+                for degraded in _degraded_workers(tracker, cfg.silent_after_s):
+                    log.warning("worker_degraded", **degraded)
                 for silent in _silent_workers(tracker, cfg.silent_after_s):
                     if silent["instance"] not in reported_silent:
                         log.warning("consumer_silent", **silent)

@@ -43,6 +43,8 @@ class FileMover:
         self.dest = dest
         self.events = events
         self.inflight = 0
+        self.retrying = 0  # uploads waiting out a destination failure
+        self.last_error = ""
         self.spool_root = cfg.spool.resolve()
 
     def _check_key(self, ready: schemas.FileReady) -> None:
@@ -92,6 +94,14 @@ class FileMover:
                 log.warning("in_progress_failed", error=str(exc))
 
     async def handle(self, msg: Msg, stopping: asyncio.Event) -> None:
+        try:
+            await self._handle(msg, stopping)
+        except Exception as exc:
+            # A NATS outage while reporting or acking: the event stays unacked and comes back after
+            # the ack wait; the destination then already holds the object and it is acked at once.
+            log.warning("file_interrupted", error=f"{type(exc).__name__}: {exc}")
+
+    async def _handle(self, msg: Msg, stopping: asyncio.Event) -> None:
         self.inflight += 1
         keep_alive = asyncio.create_task(self._keep_alive(msg))
         try:
@@ -122,8 +132,13 @@ class FileMover:
                     if stopping.is_set():
                         await msg.nak()
                         return
-                    log.warning("upload_retry", key=ready.key, error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
-                    await asyncio.sleep(delay)
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    log.warning("upload_retry", key=ready.key, error=self.last_error, retry_in_s=delay)
+                    self.retrying += 1
+                    try:
+                        await asyncio.sleep(delay)
+                    finally:
+                        self.retrying -= 1
                     delay = min(delay * 2, self.cfg.retry_max_s)
             await self.events.emit(
                 schemas.FileUploaded(
@@ -161,8 +176,11 @@ class FileMover:
 async def heartbeat_loop(mover: FileMover, events: EventPublisher, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
     while not stopping.is_set():
         try:
-            await events.heartbeat(service=SERVICE, instance=cfg.instance, node=cfg.node,
-                                   state="working" if mover.inflight else "idle", detail=f"inflight={mover.inflight}")
+            if mover.retrying:
+                state, detail = "retrying", f"{mover.retrying} uploads waiting to retry: {mover.last_error[:200]}"
+            else:
+                state, detail = ("working" if mover.inflight else "idle"), f"inflight={mover.inflight}"
+            await events.heartbeat(service=SERVICE, instance=cfg.instance, node=cfg.node, state=state, detail=detail)
         except Exception as exc:
             log.warning("heartbeat_failed", error=str(exc))
         try:

@@ -1,0 +1,341 @@
+"""`hsx verify`: check a job's destination against its spec, sample by sample.
+
+For every sample 0..total_samples-1: the file is at its key, loads as safetensors, its checksum
+metadata matches its tensors (a flipped data byte), and it is the file of that sample of that job
+(metadata job, sample_index, layers, dtype, num_tokens; tensor shapes and dtypes; input_ids equal
+to the dataset's row when the dataset is readable here). Keys under `<job>/` that are not sample
+files are reported. `--recompute K` reruns K random readable samples alone, from scratch, with the
+GPU consumer's own model code on the CPU in float32, and compares them with the stored states.
+
+Outcome per sample, in order of the first failure: missing (no object), corrupt (does not load,
+or its checksum does not match its tensors), mismatching (a sound file, but not the one this key
+should hold). This module reads the job spec and the destination; it writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import secrets
+import time
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from hsx import schemas, topology
+from hsx.data import (
+    SCALE_TENSOR,
+    STORAGE_DTYPES,
+    SampleFileError,
+    dequantize,
+    load_sample,
+    open_job_folder,
+    relative_sample_key,
+)
+from hsx.errors import HsxError
+from hsx.jobs import read_job_spec
+from hsx.layout import FLOAT8, sample_key, tensor_checksum
+from hsx.natsconn import NatsSettings, connect
+
+log = structlog.get_logger("hsx.verify")
+
+PROGRESS_EVERY = 5000
+# Recomputed (float32, CPU) vs stored: float32 by absolute error, the rest by ||stored - ref|| / ||ref||.
+FLOAT32_ATOL = 1e-4
+RELATIVE_TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, FLOAT8: 8e-2}
+
+
+async def fetch_job_spec(settings: NatsSettings, job: str) -> schemas.JobSpec:
+    nc = await connect(settings, name=f"hsx-verify-{job}")
+    try:
+        kv = await topology.ensure_topology(nc.jetstream())
+        spec = await read_job_spec(kv, job)
+    finally:
+        await nc.drain()
+    if spec is None:
+        raise HsxError(f"job {job} not found in KV bucket {topology.JOBS_BUCKET} (run hsx produce --job {job} first)")
+    return spec
+
+
+def expected_token_ids(spec: schemas.JobSpec) -> list[list[int]] | None:
+    """Every sample's token ids in index order, from the dataset the spec names; None when that
+    dataset cannot be read on this machine (the comparison is then skipped and reported so)."""
+    from producer.dataset import read_dataset
+
+    try:
+        rows = read_dataset(Path(spec.dataset), max_seq_len=spec.max_seq_len)
+    except HsxError as exc:
+        log.warning("verify_token_ids_skipped", job=spec.job, dataset=spec.dataset, reason=str(exc))
+        return None
+    if len(rows) != spec.total_samples:
+        log.warning("verify_token_ids_skipped", job=spec.job, dataset=spec.dataset,
+                    reason=f"it has {len(rows)} rows, the job has {spec.total_samples} samples (changed since?)")
+        return None
+    return [row.input_ids for row in rows]
+
+
+def expected_hidden_size(spec: schemas.JobSpec) -> int | None:
+    """The model's hidden size when its config is readable here, else None (then every file
+    must agree with the most common size among the files)."""
+    from hsx.modelinfo import load_model_info
+
+    try:
+        return load_model_info(spec.model, trust_remote_code=getattr(spec, "trust_remote_code", False)).hidden_size
+    except HsxError as exc:
+        log.warning("verify_hidden_size_from_files", job=spec.job, model=spec.model, reason=str(exc))
+        return None
+
+
+@dataclass
+class _Outcome:
+    index: int
+    status: str  # "ok" | "missing" | "corrupt" | "mismatching"
+    reason: str = ""  # corrupt: "load" | "checksum" | "read"
+    checks: list[str] = field(default_factory=list)  # mismatching: the failed checks' names
+    details: list[str] = field(default_factory=list)
+    hidden_size: int | None = None
+
+
+def check_sample(
+    data: bytes, *, spec: schemas.JobSpec, index: int, expected_ids: list[int] | None, hidden_size: int | None
+) -> _Outcome:
+    """Every check on one sample file's bytes (already known to be at the sample's key)."""
+    try:
+        tensors, metadata = load_sample(data)
+    except SampleFileError as exc:
+        return _Outcome(index, "corrupt", reason="load", details=[str(exc)])
+    stored_checksum = metadata.get("checksum")
+    actual = tensor_checksum(tensors)
+    if stored_checksum != actual:
+        return _Outcome(index, "corrupt", reason="checksum",
+                        details=[f"metadata checksum {stored_checksum} but the tensors hash to {actual}"])
+
+    failed: dict[str, str] = {}
+
+    def expect(check: str, good: bool, detail: str) -> None:
+        if not good and check not in failed:
+            failed[check] = detail
+
+    expect("job", metadata.get("job") == spec.job, f"metadata job is {metadata.get('job')!r}")
+    expect("sample_index", metadata.get("sample_index") == str(index),
+           f"metadata sample_index is {metadata.get('sample_index')!r}, the key is sample {index}'s")
+    try:
+        layers = json.loads(metadata.get("layers", "null"))
+    except json.JSONDecodeError:
+        layers = metadata.get("layers")
+    expect("layers", layers == list(spec.layers), f"metadata layers {layers!r}, the job has {list(spec.layers)}")
+    expect("dtype", metadata.get("dtype") == spec.dtype, f"metadata dtype {metadata.get('dtype')!r}, the job has {spec.dtype!r}")
+
+    ids = tensors.get("input_ids")
+    hidden = tensors.get("hidden_states")
+    expect("input_ids", ids is not None and ids.dim() == 1 and ids.dtype == torch.int64,
+           "no input_ids tensor" if ids is None else f"input_ids {ids.dtype} {tuple(ids.shape)}, expected int64 [T]")
+    if expected_ids is not None and "input_ids" not in failed:
+        expect("input_ids", ids.tolist() == expected_ids, "input_ids differ from the dataset's row")
+    tokens = len(expected_ids) if expected_ids is not None else (ids.shape[0] if "input_ids" not in failed else None)
+    expect("num_tokens", tokens is not None and metadata.get("num_tokens") == str(tokens),
+           f"metadata num_tokens {metadata.get('num_tokens')!r}, the sample has {tokens} tokens")
+
+    storage = STORAGE_DTYPES.get(spec.dtype)
+    found_h = None
+    if hidden is None:
+        expect("hidden_states", False, "no hidden_states tensor")
+    else:
+        found_h = hidden.shape[-1] if hidden.dim() == 3 else None
+        shape_ok = (hidden.dim() == 3 and hidden.shape[1] == len(spec.layers)
+                    and (tokens is None or hidden.shape[0] == tokens)
+                    and (hidden_size is None or hidden.shape[2] == hidden_size))
+        want = f"[{tokens if tokens is not None else 'T'}, {len(spec.layers)}, {hidden_size or 'H'}]"
+        expect("hidden_states", shape_ok, f"hidden_states shape {list(hidden.shape)}, expected {want}")
+        expect("hidden_states", hidden.dtype == storage, f"hidden_states dtype {hidden.dtype}, expected {storage}")
+    scale = tensors.get(SCALE_TENSOR)
+    if spec.dtype == FLOAT8:
+        expect(SCALE_TENSOR, scale is not None and scale.dtype == torch.float32 and hidden is not None
+               and tuple(scale.shape) == tuple(hidden.shape[:-1]),
+               f"{SCALE_TENSOR} {None if scale is None else (scale.dtype, tuple(scale.shape))}, expected float32 [T, k]")
+    else:
+        expect(SCALE_TENSOR, scale is None, f"a {SCALE_TENSOR} tensor in a {spec.dtype} file")
+    mask = tensors.get("loss_mask")
+    if mask is not None:
+        expect("loss_mask", mask.dim() == 1 and tokens is not None and mask.shape[0] == tokens,
+               f"loss_mask shape {list(mask.shape)}, expected [{tokens}]")
+    if failed:
+        return _Outcome(index, "mismatching", checks=list(failed), details=list(failed.values()), hidden_size=found_h)
+    return _Outcome(index, "ok", hidden_size=found_h)
+
+
+def _read_and_check(dest, spec, index, expected_ids, hidden_size) -> _Outcome:
+    try:
+        data = dest.read_bytes(relative_sample_key(spec.job, index))
+    except FileNotFoundError:
+        return _Outcome(index, "missing")
+    except Exception as exc:  # S3: NoSuchKey is missing; anything else (after retries) is unreadable
+        response = getattr(exc, "response", None)
+        code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+        if code in ("404", "NoSuchKey", "NotFound"):
+            return _Outcome(index, "missing")
+        return _Outcome(index, "corrupt", reason="read", details=[f"{type(exc).__name__}: {exc}"])
+    return check_sample(data, spec=spec, index=index, expected_ids=expected_ids, hidden_size=hidden_size)
+
+
+def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[list[int]] | None) -> list[dict]:
+    from gpu_consumer.extract import extract_samples
+    from gpu_consumer.model import load_model
+    from hsx.schemas import Sample
+
+    started = time.monotonic()
+    kwargs = {"trust_remote_code": True} if getattr(spec, "trust_remote_code", False) else {}
+    loaded = load_model(spec.model, layers=list(spec.layers), dtype="float32", device="cpu", **kwargs)
+    log.info("verify_model_loaded", model=spec.model, seconds=round(time.monotonic() - started, 2))
+    results = []
+    for index in indices:
+        tensors, metadata = load_sample(dest.read_bytes(relative_sample_key(spec.job, index)))
+        ids = token_ids[index] if token_ids is not None else tensors["input_ids"].tolist()
+        sample = Sample(index=index, source_id=metadata.get("source_id", str(index)), input_ids=list(ids))
+        reference = extract_samples(loaded, [sample])[0].float()
+        stored = dequantize(tensors).float()
+        if stored.shape != reference.shape:
+            results.append({"sample_index": index, "ok": False, "max_abs_error": None, "relative_error": None,
+                            "detail": f"stored shape {list(stored.shape)}, recomputed {list(reference.shape)}"})
+            continue
+        diff = stored - reference
+        max_abs = diff.abs().max().item() if diff.numel() else 0.0
+        ref_norm = reference.norm().item()
+        relative = diff.norm().item() / ref_norm if ref_norm > 0 else (0.0 if max_abs == 0 else float("inf"))
+        if spec.dtype == "float32":
+            ok, tolerance = max_abs <= FLOAT32_ATOL, {"max_abs_error": FLOAT32_ATOL}
+        else:
+            limit = RELATIVE_TOLERANCE[spec.dtype]
+            ok, tolerance = relative <= limit, {"relative_error": limit}
+        results.append({"sample_index": index, "ok": bool(ok), "max_abs_error": max_abs,
+                        "relative_error": relative, "tolerance": tolerance})
+        log.info("verify_recomputed", sample_index=index, max_abs_error=max_abs, relative_error=relative, ok=ok)
+    return results
+
+
+def verify(
+    spec: schemas.JobSpec, *, recompute: int = 0, seed: int | None = None, workers: int = 16
+) -> dict[str, Any]:
+    """Check the job's destination against its spec; the report (see `format_report`)."""
+    started = time.monotonic()
+    job, total = spec.job, spec.total_samples
+    if spec.dtype not in STORAGE_DTYPES:
+        raise HsxError(f"job {job}: unknown storage dtype {spec.dtype!r} in its spec")
+    dest = open_job_folder(spec.dest, job, max_connections=workers)
+    log.info("verify_started", job=job, dest=spec.dest, total_samples=total, workers=workers)
+
+    token_ids = expected_token_ids(spec)
+    if token_ids is not None:
+        token_note = f"compared with dataset {spec.dataset}"
+    else:
+        token_note = f"not compared: dataset {spec.dataset} is not readable on this machine (see log)"
+    hidden_size = expected_hidden_size(spec)
+
+    listed = set(dest.keys())
+    expected_keys = {relative_sample_key(job, i): i for i in range(total)}
+    extra = sorted(f"{job}/{key}" for key in listed - expected_keys.keys())
+
+    outcomes: list[_Outcome] = []
+    absent = [i for key, i in expected_keys.items() if key not in listed]
+    outcomes += [_Outcome(i, "missing") for i in absent]
+    to_read = iter(i for key, i in expected_keys.items() if key in listed)
+    done = len(absent)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hsx-verify") as pool:
+        pending: set = set()
+        while True:
+            for index in to_read:
+                pending.add(pool.submit(_read_and_check, dest, spec, index,
+                                        None if token_ids is None else token_ids[index], hidden_size))
+                if len(pending) >= workers * 4:
+                    break
+            if not pending:
+                break
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in finished:
+                outcomes.append(future.result())
+                done += 1
+                if done % PROGRESS_EVERY == 0:
+                    log.info("verify_progress", job=job, checked=done, total=total,
+                             problems=sum(o.status != "ok" for o in outcomes),
+                             seconds=round(time.monotonic() - started, 1))
+
+    if hidden_size is None:
+        # No model config here: every file must agree with the most common hidden size.
+        sizes = Counter(o.hidden_size for o in outcomes if o.status == "ok" and o.hidden_size is not None)
+        if sizes:
+            common = sizes.most_common(1)[0][0]
+            for o in outcomes:
+                if o.status == "ok" and o.hidden_size != common:
+                    o.status, o.checks, o.details = "mismatching", ["hidden_states"], [
+                        f"hidden size {o.hidden_size}, the other files have {common}"]
+    outcomes.sort(key=lambda o: o.index)
+
+    readable = [o.index for o in outcomes if o.status in ("ok", "mismatching")]
+    seed = secrets.randbelow(2**31) if seed is None else seed
+    chosen = sorted(random.Random(seed).sample(readable, min(recompute, len(readable)))) if recompute else []
+    recomputed = _recompute(spec, dest, chosen, token_ids) if chosen else []
+
+    missing = [o.index for o in outcomes if o.status == "missing"]
+    corrupt = [{"sample_index": o.index, "key": sample_key(job, o.index), "reason": o.reason, "detail": "; ".join(o.details)}
+               for o in outcomes if o.status == "corrupt"]
+    mismatching = [{"sample_index": o.index, "key": sample_key(job, o.index), "checks": o.checks, "detail": "; ".join(o.details)}
+                   for o in outcomes if o.status == "mismatching"]
+    ok = not missing and not corrupt and not mismatching and not extra and all(r["ok"] for r in recomputed)
+    report = {
+        "job": job,
+        "dest": spec.dest,
+        "dtype": spec.dtype,
+        "layers": list(spec.layers),
+        "total_samples": total,
+        "samples_checked": len(outcomes),
+        "samples_ok": sum(o.status == "ok" for o in outcomes),
+        "missing": missing,
+        "corrupt": corrupt,
+        "mismatching": mismatching,
+        "extra_keys": extra,
+        "token_ids": token_note,
+        "token_ids_checked": token_ids is not None,
+        "hidden_size": hidden_size,
+        "recompute": {"requested": recompute, "seed": seed if recompute else None, "indices": chosen, "results": recomputed},
+        "seconds": round(time.monotonic() - started, 2),
+        "ok": ok,
+    }
+    log.info("verify_done", job=job, ok=ok, checked=len(outcomes), missing=len(missing), corrupt=len(corrupt),
+             mismatching=len(mismatching), extra_keys=len(extra), seconds=report["seconds"])
+    return report
+
+
+def _some(items: list, limit: int = 20) -> str:
+    return ", ".join(map(str, items[:limit])) + (f", ... ({len(items)} in all)" if len(items) > limit else "")
+
+
+def format_report(report: dict[str, Any], *, as_json: bool) -> str:
+    if as_json:
+        return json.dumps(report, sort_keys=True)
+    lines = [
+        f"job {report['job']}: {'OK' if report['ok'] else 'PROBLEMS FOUND'}",
+        f"  dest     {report['dest']}",
+        f"  checked  {report['samples_checked']}/{report['total_samples']} samples, {report['samples_ok']} ok",
+        f"  tokens   {report['token_ids']}",
+        f"  missing  {len(report['missing'])}" + (f": {_some(report['missing'])}" if report["missing"] else ""),
+        f"  corrupt  {len(report['corrupt'])}",
+    ]
+    lines += [f"    {c['key']}: {c['reason']} ({c['detail']})" for c in report["corrupt"][:20]]
+    lines.append(f"  mismatching {len(report['mismatching'])}")
+    lines += [f"    {m['key']}: {', '.join(m['checks'])} ({m['detail']})" for m in report["mismatching"][:20]]
+    lines.append(f"  extra keys {len(report['extra_keys'])}" + (f": {_some(report['extra_keys'])}" if report["extra_keys"] else ""))
+    rec = report["recompute"]
+    if rec["requested"]:
+        lines.append(f"  recomputed {len(rec['results'])} of {rec['requested']} requested (seed {rec['seed']}): {rec['indices']}")
+        for r in rec["results"]:
+            if r["max_abs_error"] is None:
+                lines.append(f"    sample {r['sample_index']}: FAIL ({r['detail']})")
+            else:
+                lines.append(f"    sample {r['sample_index']}: {'ok' if r['ok'] else 'FAIL'} max abs error {r['max_abs_error']:.3g}, "
+                             f"relative error {r['relative_error']:.3g} (limit {r['tolerance']})")
+    return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""`hsx.data.HiddenStateDataset` over a real finished job, and `hsx verify` over S3 with float8.
+
+One float8 job of COUNT samples runs through the real pipeline into a moto S3 bucket. The reader's
+items are compared with the objects read independently (boto3 + safetensors); the same objects
+copied to a local folder are read through file:// and a plain path; a DataLoader with two worker
+processes returns every sample exactly once. `hsx verify` passes on the S3 job (recomputing two
+samples within the float8 tolerance) and names an object replaced with one flipped byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import boto3
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+from test_e2e_s3 import check_ok, start_monitor, wait_until_done, write_dataset
+from test_verify import Services, data_offset, run_cli
+
+from hsx.data import HiddenStateDataset, dequantize
+from hsx.errors import HsxError
+from hsx.layout import sample_key
+
+COUNT = 10
+LAYERS = [1, 5]
+HIDDEN = 64
+
+
+@pytest.fixture(scope="module")
+def s3_job(nats_server, s3_server, tiny_model, tmp_path_factory):
+    """A finished float8 job in s3://<bucket>/prefix, with AWS settings in this process too."""
+    tmp = tmp_path_factory.mktemp("data-job")
+    services = Services(nats_server.url, tmp)
+    env = {
+        "AWS_ENDPOINT_URL_S3": s3_server, "AWS_ACCESS_KEY_ID": "testing-key-id",
+        "AWS_SECRET_ACCESS_KEY": "testing-secret-key-do-not-log", "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(tmp / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "aws-creds"),
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        bucket = f"hsx-{uuid.uuid4().hex[:10]}"
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        job = f"d{uuid.uuid4().hex[:8]}"
+        rows = write_dataset(tmp / "data.jsonl", COUNT, min_len=3, max_len=90, seed=5)
+        try:
+            check_ok(services.hsx(
+                "produce", "--job", job, "--model", str(tiny_model("qwen3")), "--dataset", str(tmp / "data.jsonl"),
+                "--layers", ",".join(map(str, LAYERS)), "--dest", f"s3://{bucket}/prefix", "--dtype", "float8",
+                "--token-budget", "256", "--max-seq-len", "128", env=env,
+            ), "hsx produce")
+            spool = tmp / "spool"
+            workers = [services.service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), env=env, name="consume"),
+                       services.service("upload", "--job", job, "--spool", str(spool), env=env, name="upload")]
+            wait_until_done(start_monitor(services.service, job, env), workers)
+        finally:
+            services.stop_all()
+        yield SimpleNamespace(job=job, bucket=bucket, rows=rows, env=env, nats_url=nats_server.url,
+                              url=f"s3://{bucket}/prefix/{job}", tmp=tmp)
+
+
+def read_object(s3_job, index: int) -> bytes:
+    return boto3.client("s3").get_object(Bucket=s3_job.bucket, Key=f"prefix/{sample_key(s3_job.job, index)}")["Body"].read()
+
+
+def header_metadata(data: bytes) -> dict:
+    return json.loads(data[8 : data_offset(data)])["__metadata__"]
+
+
+def keep_list_in_worker(batch: list) -> list:
+    """Runs in the DataLoader worker: each item, and whether this worker reads through a
+    destination client it opened itself (a boto3 client must not be inherited across fork)."""
+    dataset = torch.utils.data.get_worker_info().dataset
+    own_client = dataset._dest is not None and dataset._pid == os.getpid()
+    return [(item, os.getpid(), own_client) for item in batch]
+
+
+def test_items_equal_the_stored_files(s3_job):
+    dataset = HiddenStateDataset(s3_job.url)
+    assert len(dataset) == COUNT
+    for i in range(COUNT):
+        data = read_object(s3_job, i)
+        stored = load_safetensors(data)
+        item = dataset[i]
+        tokens = len(s3_job.rows[i]["input_ids"])
+        assert item["sample_index"] == i and item["metadata"] == header_metadata(data), item["metadata"]
+        assert stored["hidden_states"].dtype == torch.float8_e4m3fn, stored["hidden_states"].dtype
+        expected = stored["hidden_states"].float() * stored["hidden_states_scale"][..., None]
+        assert item["hidden_states"].dtype == torch.float32 and item["hidden_states"].shape == (tokens, len(LAYERS), HIDDEN)
+        assert torch.equal(item["hidden_states"], expected), f"sample {i}: dequantized values differ"
+        assert item["input_ids"].tolist() == s3_job.rows[i]["input_ids"], f"sample {i}: input_ids"
+        assert item["loss_mask"].tolist() == s3_job.rows[i]["loss_mask"], f"sample {i}: loss_mask"
+        assert "hidden_states_scale" not in item
+
+
+def test_raw_float8_and_concatenated_layers(s3_job):
+    index = 3
+    stored = load_safetensors(read_object(s3_job, index))
+    raw = HiddenStateDataset(s3_job.url, dequantize=False)[index]
+    assert raw["hidden_states"].dtype == torch.float8_e4m3fn
+    assert torch.equal(raw["hidden_states"].view(torch.uint8), stored["hidden_states"].view(torch.uint8))
+    assert torch.equal(raw["hidden_states_scale"], stored["hidden_states_scale"])
+    assert torch.equal(dequantize(raw), HiddenStateDataset(s3_job.url)[index]["hidden_states"])
+
+    concat = HiddenStateDataset(s3_job.url, concat_layers=True)[index]["hidden_states"]
+    tokens = len(s3_job.rows[index]["input_ids"])
+    real = stored["hidden_states"].float() * stored["hidden_states_scale"][..., None]
+    assert concat.shape == (tokens, len(LAYERS) * HIDDEN)
+    assert torch.equal(concat, real.reshape(tokens, len(LAYERS) * HIDDEN))
+    # DFlash's feature: layer j's vector at columns [j*H, (j+1)*H).
+    assert torch.equal(concat[:, HIDDEN:], real[:, 1])
+
+
+def test_dataloader_with_two_workers_reads_every_sample_once(s3_job):
+    dataset = HiddenStateDataset(s3_job.url)
+    dataset[0]  # this process now holds a client; the forked workers must open their own
+    loader = torch.utils.data.DataLoader(dataset, batch_size=3, shuffle=True, num_workers=2,
+                                         collate_fn=keep_list_in_worker, generator=torch.Generator().manual_seed(0))
+    results = [entry for batch in loader for entry in batch]
+    seen = [item["sample_index"] for item, _pid, _own in results]
+    assert sorted(seen) == list(range(COUNT)), seen
+    assert len({pid for _item, pid, _own in results}) == 2 and os.getpid() not in {pid for _i, pid, _o in results}
+    assert all(own for _item, _pid, own in results), "a worker read through a client it did not open"
+
+
+def test_file_url_and_plain_path_read_the_same_files(s3_job):
+    root = s3_job.tmp / "copy" / "out"
+    for i in range(COUNT):
+        path = root / sample_key(s3_job.job, i)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(read_object(s3_job, i))
+    # Neither an unfinished temp file nor a file whose name is not a sample index is a sample.
+    (root / s3_job.job / "00000" / ".4.safetensors.0123abcd.tmp").write_bytes(b"partial")
+    (root / s3_job.job / "00000" / "notes.safetensors").write_bytes(b"not a sample")
+    from_s3 = HiddenStateDataset(s3_job.url)
+    with pytest.raises(HsxError, match="no sample files of job nosuchjob"):
+        HiddenStateDataset(f"s3://{s3_job.bucket}/prefix/nosuchjob")
+    for url in (Path(root / s3_job.job).as_uri(), str(root / s3_job.job) + "/"):
+        local = HiddenStateDataset(url)
+        assert len(local) == COUNT and local.job == s3_job.job, url
+        assert local.sample_indices == list(range(COUNT)), local.sample_indices
+        for i in (0, COUNT - 1):
+            assert torch.equal(local[i]["hidden_states"], from_s3[i]["hidden_states"]), (url, i)
+
+
+def test_verify_over_s3_float8(s3_job, monkeypatch):
+    for key, value in s3_job.env.items():
+        monkeypatch.setenv(key, value)
+    code, out, err = run_cli("verify", "--job", s3_job.job, "--nats", s3_job.nats_url, "--json", "--recompute", "2", "--seed", "3")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] is True, f"{report}\n{err[-3000:]}"
+    assert report["samples_checked"] == COUNT and report["dtype"] == "float8_e4m3", report
+    results = report["recompute"]["results"]
+    assert len(results) == 2, report["recompute"]
+    for r in results:
+        # float8 keeps about 2 significant digits: a real, nonzero error, inside the limit.
+        assert r["ok"] and 1e-3 < r["relative_error"] <= 8e-2, r
+
+    index = 6
+    key = f"prefix/{sample_key(s3_job.job, index)}"
+    original = read_object(s3_job, index)
+    damaged = bytearray(original)
+    damaged[data_offset(original) + 5] ^= 0x10
+    client = boto3.client("s3")
+    client.put_object(Bucket=s3_job.bucket, Key=key, Body=bytes(damaged))
+    try:
+        code, out, err = run_cli("verify", "--job", s3_job.job, "--nats", s3_job.nats_url, "--json")
+    finally:
+        client.put_object(Bucket=s3_job.bucket, Key=key, Body=original)
+    report = json.loads(out)
+    assert code == 1, report
+    assert [(c["sample_index"], c["reason"]) for c in report["corrupt"]] == [(index, "checksum")], report
+    assert report["missing"] == [] and report["mismatching"] == [], report
