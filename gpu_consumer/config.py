@@ -19,6 +19,8 @@ class ConsumerConfig:
     # How long a batch may go without a sign of life before JetStream redelivers it. Shared by
     # every consumer of the job (the durable holds it); in_progress() is sent well inside it.
     ack_wait_s: float = 60.0
+    # A failing batch is retried after retry_delay_s x its delivery number.
+    retry_delay_s: float = 2.0
     heartbeat_s: float = 5.0
     idle_fetch_timeout_s: float = 1.0
     stop_deadline_s: float = 120.0

@@ -36,6 +36,22 @@ def _forward(loaded: LoadedModel, samples: list[Sample]) -> list[torch.Tensor]:
     return [stacked[row, : len(sample.input_ids)] for row, sample in enumerate(samples)]
 
 
+def extract_isolating(
+    loaded: LoadedModel, samples: list[Sample]
+) -> tuple[list[tuple[Sample, torch.Tensor]], list[tuple[Sample, str]]]:
+    """For a batch that keeps failing: bisect it so that only the samples that fail on their own
+    are given up. Returns (sample, states) for those that work and (sample, error) for the rest."""
+    try:
+        return list(zip(samples, extract_samples(loaded, samples))), []
+    except Exception as exc:
+        if len(samples) == 1:
+            return [], [(samples[0], f"{type(exc).__name__}: {exc}")]
+    half = len(samples) // 2
+    good_a, bad_a = extract_isolating(loaded, samples[:half])
+    good_b, bad_b = extract_isolating(loaded, samples[half:])
+    return good_a + good_b, bad_a + bad_b
+
+
 def extract_samples(loaded: LoadedModel, samples: list[Sample]) -> list[torch.Tensor]:
     """Hidden states [T, k, H] per sample, in the order given; splits the batch on OOM."""
     try:

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from gpu_consumer.config import ConsumerConfig
-from gpu_consumer.extract import extract_samples
+from gpu_consumer.extract import extract_isolating, extract_samples
 from gpu_consumer.model import LoadedModel
 from gpu_consumer.writer import write_sample_file
 from hsx import schemas, topology
@@ -73,22 +73,22 @@ class BatchWorker:
             except Exception as exc:  # a reconnect in progress; the next tick tries again
                 log.warning("in_progress_failed", error=str(exc))
 
-    def _write_files(self, batch: schemas.BatchDescriptor, outputs: list) -> list[schemas.FileReady]:
+    def _write_files(self, batch: schemas.BatchDescriptor, extracted: list) -> list[schemas.FileReady]:
         return [
             write_sample_file(
                 spool=self.cfg.spool, spec=self.spec, node=self.cfg.node, batch_id=batch.batch_id,
                 sample=sample, hidden_states=hidden,
             )
-            for sample, hidden in zip(batch.samples, outputs)
+            for sample, hidden in extracted
         ]
 
-    async def _write_until_written(self, batch: schemas.BatchDescriptor, outputs: list) -> list[schemas.FileReady] | None:
+    async def _write_until_written(self, batch: schemas.BatchDescriptor, extracted: list) -> list[schemas.FileReady] | None:
         """Write the batch's files; while the spool disk is full, keep the computed states and the
         message (in_progress continues) and retry with a growing delay. None if asked to stop first."""
         delay = 2.0
         while True:
             try:
-                files = await asyncio.to_thread(self._write_files, batch, outputs)
+                files = await asyncio.to_thread(self._write_files, batch, extracted)
                 self.state, self.detail = "working", ""
                 return files
             except OSError as exc:
@@ -115,24 +115,44 @@ class BatchWorker:
         keep_alive = asyncio.create_task(self._keep_alive(msg))
         started = time.perf_counter()
         try:
+            failed: list[tuple[schemas.Sample, str]] = []
             try:
-                outputs = await asyncio.to_thread(extract_samples, self.loaded, batch.samples)
-                files = await self._write_until_written(batch, outputs)
-                if files is None:
-                    await msg.nak()
-                    return
-                written = sum(f.size for f in files)
+                extracted = list(zip(batch.samples, await asyncio.to_thread(extract_samples, self.loaded, batch.samples)))
             except Exception as exc:
-                indices = [s.index for s in batch.samples]
-                error = f"{type(exc).__name__}: {exc}"
-                if attempt >= topology.BATCH_MAX_DELIVER:
+                if attempt < topology.BATCH_MAX_DELIVER:
+                    delay = self.cfg.retry_delay_s * attempt
+                    log.warning("batch_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
+                    await msg.nak(delay=delay)
+                    return
+                # Last delivery: give up only the samples that fail on their own.
+                extracted, failed = await asyncio.to_thread(extract_isolating, self.loaded, batch.samples)
+                if not extracted:
                     await self.events.dead_letter(
-                        msg, what="batch", error=error, batch_id=batch.batch_id, sample_indices=indices
+                        msg, what="batch", error=failed[0][1], batch_id=batch.batch_id,
+                        sample_indices=[s.index for s, _ in failed],
                     )
-                else:
-                    log.warning("batch_failed", error=error, retry_in_s=2.0 * attempt)
-                    await msg.nak(delay=2.0 * attempt)
+                    return
+            try:
+                files = await self._write_until_written(batch, extracted)
+            except Exception as exc:
+                delay = self.cfg.retry_delay_s * attempt
+                log.warning("batch_write_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
+                await msg.nak(delay=delay)
                 return
+            if files is None:
+                await msg.nak()
+                return
+            written = sum(f.size for f in files)
+            if failed:
+                poisoned = [s for s, _ in failed]
+                await self.events.store_dead_letter(
+                    what="batch", error="; ".join(f"sample {s.index}: {e}" for s, e in failed), subject=msg.subject,
+                    payload=schemas.encode(msgspec.structs.replace(
+                        batch, batch_id=f"{batch.batch_id}-poison", padded_len=max(len(s.input_ids) for s in poisoned),
+                        samples=poisoned,
+                    )),
+                    deliveries=attempt, batch_id=batch.batch_id, sample_indices=[s.index for s in poisoned],
+                )
             subject = topology.file_subject(self.spec.job, self.cfg.node)
             for ready in files:
                 await self.js.publish(
@@ -140,11 +160,11 @@ class BatchWorker:
                     headers={"Nats-Msg-Id": f"{batch.batch_id}:{ready.sample_index}:{attempt}", "Hsx-Job": self.spec.job},
                 )
             seconds = time.perf_counter() - started
-            tokens = sum(len(s.input_ids) for s in batch.samples)
+            tokens = sum(f.num_tokens for f in files)
             await self.events.emit(
                 schemas.BatchWritten(
                     job=self.spec.job, batch_id=batch.batch_id, consumer=self.cfg.instance, node=self.cfg.node,
-                    sample_indices=[s.index for s in batch.samples], tokens=tokens, bytes=written,
+                    sample_indices=[f.sample_index for f in files], tokens=tokens, bytes=written,
                     seconds=round(seconds, 4), attempt=attempt, redo=bool(batch.redo_reason),
                 )
             )

@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--spool-high-water", default=os.environ.get("HSX_SPOOL_HIGH_WATER", "auto"),
                          help="pause fetching when the job's spool holds this many bytes (e.g. 200G; "
                               "auto = half the spool disk's free space at start)")
+    consume.add_argument("--retry-delay", type=float, default=float(os.environ.get("HSX_RETRY_DELAY", "2")),
+                         help="a failing batch is retried after this many seconds x its delivery number "
+                              "(env HSX_RETRY_DELAY, default 2)")
 
     upload = commands.add_parser("upload", help="run one uploader for a job on this node")
     _add_nats(upload)
@@ -189,6 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--seed", type=int, default=None, help="seed for choosing the recomputed samples (default: random, reported)")
     verify.add_argument("--workers", type=_positive_int("--workers"), default=16, help="objects read at once (default 16)")
     verify.add_argument("--json", action="store_true")
+
+    dead = commands.add_parser("dead", help="list or retry a job's dead letters (HSX_DEAD)")
+    dead_commands = dead.add_subparsers(dest="dead_command", required=True, metavar="ACTION")
+    dead_list = dead_commands.add_parser("list", help="show each dead letter: samples, deliveries, error")
+    dead_retry = dead_commands.add_parser("retry", help="send dead letters back to their queue")
+    for action in (dead_list, dead_retry):
+        _add_nats(action)
+        action.add_argument("--job", type=_job_name, required=True)
+        action.add_argument("--json", action="store_true")
+    selection = dead_retry.add_mutually_exclusive_group(required=True)
+    selection.add_argument("--seq", type=_positive_int("--seq"), action="append",
+                           help="the dead letter's sequence number from `hsx dead list` (repeatable)")
+    selection.add_argument("--all", action="store_true", help="every dead letter of the job")
     return parser
 
 
@@ -223,6 +239,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         cfg = ConsumerConfig(
             nats=nats, job=args.job, device=args.device, spool=args.spool.resolve(), node=node,
             instance=_instance(node), spool_high_water_bytes=high_water, ack_wait_s=args.ack_wait,
+            retry_delay_s=args.retry_delay,
         )
         return asyncio.run(run(cfg))
     if args.command == "upload":
@@ -243,6 +260,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(format_status(asyncio.run(read_status(nats, args.job)), as_json=args.json))
         return 0
+    if args.command == "dead":
+        from hsx.dead import run_list, run_retry
+
+        if args.dead_command == "list":
+            return run_list(nats, args.job, as_json=args.json)
+        return run_retry(nats, args.job, seqs=None if args.all else args.seq, as_json=args.json)
     if args.command == "verify":
         from hsx.verify import fetch_job_spec, format_report, verify
 

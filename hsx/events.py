@@ -34,20 +34,25 @@ class EventPublisher:
         if self.nc.is_connected:
             await self.nc.publish(topology.heartbeat_subject(self.job, instance), schemas.encode(beat))
 
+    async def store_dead_letter(
+        self, *, what: str, error: str, subject: str, payload: bytes, deliveries: int, batch_id: str = "",
+        sample_indices: list[int] | None = None,
+    ) -> None:
+        """Store a payload that cannot be processed, with its error, in HSX_DEAD."""
+        letter = schemas.DeadLetter(
+            job=self.job, what=what, error=error[:2000], deliveries=deliveries, original_subject=subject,
+            original=payload, batch_id=batch_id, sample_indices=sample_indices or [],
+        )
+        await self.js.publish(topology.dead_subject(self.job, what), schemas.encode(letter))
+        log.error("dead_lettered", what=what, batch=batch_id, samples=letter.sample_indices[:20],
+                  deliveries=deliveries, error=letter.error)
+
     async def dead_letter(
         self, msg: Msg, *, what: str, error: str, batch_id: str = "", sample_indices: list[int] | None = None
     ) -> None:
         """Store the message with its error in HSX_DEAD, then remove it from its work queue."""
-        letter = schemas.DeadLetter(
-            job=self.job,
-            what=what,
-            error=error[:2000],
-            deliveries=msg.metadata.num_delivered,
-            original_subject=msg.subject,
-            original=msg.data,
-            batch_id=batch_id,
-            sample_indices=sample_indices or [],
+        await self.store_dead_letter(
+            what=what, error=error, subject=msg.subject, payload=msg.data, deliveries=msg.metadata.num_delivered,
+            batch_id=batch_id, sample_indices=sample_indices,
         )
-        await self.js.publish(topology.dead_subject(self.job, what), schemas.encode(letter))
         await msg.term()
-        log.error("dead_lettered", what=what, batch=batch_id, deliveries=letter.deliveries, error=letter.error)
