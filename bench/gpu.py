@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_consumer.extract import extract_samples  # noqa: E402
 from gpu_consumer.model import LayerTap, LoadedModel  # noqa: E402
+from gpu_consumer.staging import HostStaging  # noqa: E402
 from gpu_consumer.writer import write_sample_file  # noqa: E402
 from hsx.embedded import synthetic_lengths  # noqa: E402
 from hsx.schemas import JobSpec, Sample  # noqa: E402
@@ -86,9 +87,11 @@ def main() -> int:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
     build_s = time.perf_counter() - t0
+    staging = HostStaging() if device.type == "cuda" else None
+
     def with_tap() -> LoadedModel:
         return LoadedModel(model=model, tap=LayerTap(model, layers), device=device, dtype=torch.bfloat16,
-                           pad_token_id=0, attention=args.attn)
+                           pad_token_id=0, attention=args.attn, staging=staging)
 
     loaded = with_tap()
 

@@ -30,10 +30,21 @@ def _forward(loaded: LoadedModel, samples: list[Sample]) -> list[torch.Tensor]:
         ids[row, : len(sample.input_ids)] = torch.tensor(sample.input_ids, dtype=torch.long)
         mask[row, : len(sample.input_ids)] = 1
     with torch.inference_mode():
-        captured = loaded.tap.forward(ids.to(loaded.device), mask.to(loaded.device))
+        captured = loaded.tap.forward(ids.to(loaded.device, non_blocking=True), mask.to(loaded.device, non_blocking=True))
         # [B, P, k, H], one device-to-host copy for the whole batch.
-        stacked = torch.stack(captured, dim=2).to(loaded.dtype).to("cpu")
-    return [stacked[row, : len(sample.input_ids)] for row, sample in enumerate(samples)]
+        stacked = torch.stack(captured, dim=2).to(loaded.dtype)
+        if loaded.staging is not None:
+            host = loaded.staging.take(stacked.shape, stacked.dtype)
+            host.copy_(stacked, non_blocking=True)
+            torch.cuda.current_stream(loaded.device).synchronize()
+        else:
+            host = stacked.to("cpu")
+    return [host[row, : len(sample.input_ids)] for row, sample in enumerate(samples)]
+
+
+def _own(loaded: LoadedModel, states: list[torch.Tensor]) -> list[torch.Tensor]:
+    """States that outlive further forwards: views into a staging slot are copied out."""
+    return [state.clone() for state in states] if loaded.staging is not None else states
 
 
 def extract_isolating(
@@ -48,6 +59,7 @@ def extract_isolating(
             return [], [(samples[0], f"{type(exc).__name__}: {exc}")]
     half = len(samples) // 2
     good_a, bad_a = extract_isolating(loaded, samples[:half])
+    good_a = list(zip([s for s, _ in good_a], _own(loaded, [t for _, t in good_a])))
     good_b, bad_b = extract_isolating(loaded, samples[half:])
     return good_a + good_b, bad_a + bad_b
 
@@ -63,4 +75,5 @@ def extract_samples(loaded: LoadedModel, samples: list[Sample]) -> list[torch.Te
             torch.cuda.empty_cache()
         half = len(samples) // 2
         log.warning("batch_split_on_oom", samples=len(samples), halves=[half, len(samples) - half])
-        return extract_samples(loaded, samples[:half]) + extract_samples(loaded, samples[half:])
+        first = _own(loaded, extract_samples(loaded, samples[:half]))
+        return first + extract_samples(loaded, samples[half:])

@@ -14,6 +14,7 @@ import structlog
 import torch
 from torch import nn
 
+from gpu_consumer.staging import HostStaging
 from hsx.errors import HsxError
 from hsx.layers import FINAL, LayerSelector
 
@@ -103,6 +104,7 @@ class LoadedModel:
     dtype: torch.dtype  # compute dtype
     pad_token_id: int
     attention: str
+    staging: HostStaging | None = None  # pinned host buffers, on CUDA devices
 
 
 def load_model(
@@ -138,4 +140,5 @@ def load_model(
         dtype=compute_dtype,
         pad_token_id=int(pad) if isinstance(pad, int) and 0 <= pad < config.vocab_size else 0,
         attention=str(getattr(model.config, "_attn_implementation", "unknown")),
+        staging=HostStaging() if target.type == "cuda" else None,
     )

@@ -44,6 +44,24 @@ def test_cuda_extraction_matches_transformers_per_sample(tiny_model, dtype, atol
             assert torch.allclose(stored[:, j].float(), expected, atol=atol, rtol=atol), (sample.index, layer)
 
 
+def test_pinned_staging_survives_oom_splits_and_isolation(tiny_model, monkeypatch):
+    """On CUDA the states come back through a ring of reused pinned buffers; batches split on OOM
+    or bisected for poison must still return every sample's own states."""
+    import gpu_consumer.extract as extract
+
+    path = tiny_model("qwen3")
+    loaded = load_model(str(path), layers=[1, 3], dtype="float32", device="cuda:0")
+    assert loaded.staging is not None
+    samples = _samples([5, 9, 14, 20, 26, 31, 40, 50])
+    whole = [t.clone() for t in extract_samples(loaded, samples)]
+    monkeypatch.setattr(extract, "_FAKE_OOM_ABOVE", 60)  # forces splits down to 1-2 samples
+    split = [t.clone() for t in extract_samples(loaded, samples)]  # views are valid until the ring turns
+    good, bad = extract.extract_isolating(loaded, samples)
+    assert not bad
+    for expected, got, (sample, isolated) in zip(whole, split, good):
+        assert torch.allclose(expected, got, atol=1e-4) and torch.allclose(expected, isolated, atol=1e-4), sample.index
+
+
 def test_hsx_up_on_cuda(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(tmp_path / "w"), "--device", "cuda:0", "--samples", "64",
