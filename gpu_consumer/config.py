@@ -21,6 +21,9 @@ class ConsumerConfig:
     ack_wait_s: float = 60.0
     # A failing batch is retried after retry_delay_s x its delivery number.
     retry_delay_s: float = 2.0
+    # Sample files are serialised, hashed and written on this many threads (safetensors, hashlib
+    # and file writes release the GIL).
+    writer_threads: int = 8
     heartbeat_s: float = 5.0
     idle_fetch_timeout_s: float = 1.0
     stop_deadline_s: float = 120.0

@@ -58,6 +58,7 @@ async def run(cfg: ConsumerConfig) -> int:
             await events.heartbeat(service=SERVICE, instance=cfg.instance, node=cfg.node, state="stopping")
             beats.cancel()
             await sub.unsubscribe()
+            worker.close()
         log.info("consumer_stopped")
         return 0
     finally:

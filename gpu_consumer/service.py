@@ -1,13 +1,17 @@
 """The GPU consumer's pull loop and per-batch ack discipline.
 
 Per batch: decode (poison -> dead letter) -> forward on a worker thread while the loop sends
-`in_progress()` -> write each sample file atomically -> publish one file-ready event per file,
-each awaited -> publish the batch's progress event -> `ack_sync()`. A crash anywhere before the
-ack leaves the batch in the work queue; the redelivery rewrites the same files (same content,
-same names) and announces them again, and the uploader acks an already-uploaded file without
-re-uploading. Nothing is skipped because a file exists.
+`in_progress()` -> write each sample file atomically (on a pool of writer threads) -> publish one
+file-ready event per file, each awaited -> publish the batch's progress event -> `ack_sync()`.
+A crash anywhere before the ack leaves the batch in the work queue; the redelivery rewrites the
+same files (same content, same names) and announces them again, and the uploader acks an
+already-uploaded file without re-uploading. Nothing is skipped because a file exists.
 
-Stopping: the stop event ends fetching; the batch in hand is finished (not abandoned) first.
+Two stages overlap: while batch N is written, announced and acked, batch N+1's forward runs.
+Batch N+2's forward starts only once batch N is finished, which is also what lets the host
+staging ring (two pinned buffers) hand out views without copying.
+
+Stopping: the stop event ends fetching; batches in hand are finished (not abandoned) first.
 """
 
 import asyncio
@@ -15,10 +19,13 @@ import errno
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 import structlog
+import torch
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
@@ -28,6 +35,7 @@ from gpu_consumer.model import LoadedModel
 from gpu_consumer.writer import write_sample_file
 from hsx import schemas, topology
 from hsx.events import EventPublisher
+from hsx.natsconn import through_outage
 from hsx.spool import spool_usage
 
 log = structlog.get_logger("hsx.gpu_consumer")
@@ -50,6 +58,19 @@ def _maybe_crash_before_ack() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@dataclass
+class _Computed:
+    """A batch whose forward is done and whose files are still to be written and announced."""
+
+    msg: Msg
+    batch: schemas.BatchDescriptor
+    attempt: int
+    started: float
+    keep_alive: asyncio.Task
+    extracted: list[tuple[schemas.Sample, torch.Tensor]]
+    failed: list[tuple[schemas.Sample, str]] = field(default_factory=list)
+
+
 class BatchWorker:
     def __init__(
         self, cfg: ConsumerConfig, js: JetStreamContext, events: EventPublisher, spec: schemas.JobSpec,
@@ -64,6 +85,7 @@ class BatchWorker:
         self.state = "idle"
         self.last_batch = ""
         self.detail = ""  # why the worker is not working, when it is paused or waiting
+        self._writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="hsx-writer")
 
     async def _keep_alive(self, msg: Msg) -> None:
         while True:
@@ -73,24 +95,25 @@ class BatchWorker:
             except Exception as exc:  # a reconnect in progress; the next tick tries again
                 log.warning("in_progress_failed", error=str(exc))
 
-    def _write_files(self, batch: schemas.BatchDescriptor, extracted: list) -> list[schemas.FileReady]:
-        return [
-            write_sample_file(
-                spool=self.cfg.spool, spec=self.spec, node=self.cfg.node, batch_id=batch.batch_id,
-                sample=sample, hidden_states=hidden,
-            )
-            for sample, hidden in extracted
-        ]
+    def _write_one(self, batch_id: str, sample: schemas.Sample, hidden: torch.Tensor) -> schemas.FileReady:
+        return write_sample_file(
+            spool=self.cfg.spool, spec=self.spec, node=self.cfg.node, batch_id=batch_id, sample=sample,
+            hidden_states=hidden,
+        )
 
-    async def _write_until_written(self, batch: schemas.BatchDescriptor, extracted: list) -> list[schemas.FileReady] | None:
+    async def _write_until_written(self, computed: _Computed) -> list[schemas.FileReady] | None:
         """Write the batch's files; while the spool disk is full, keep the computed states and the
         message (in_progress continues) and retry with a growing delay. None if asked to stop first."""
+        loop = asyncio.get_running_loop()
         delay = 2.0
         while True:
             try:
-                files = await asyncio.to_thread(self._write_files, batch, extracted)
+                files = await asyncio.gather(*(
+                    loop.run_in_executor(self._writers, self._write_one, computed.batch.batch_id, sample, hidden)
+                    for sample, hidden in computed.extracted
+                ))
                 self.state, self.detail = "working", ""
-                return files
+                return list(files)
             except OSError as exc:
                 if exc.errno not in _DISK_FULL:
                     raise
@@ -103,83 +126,101 @@ class BatchWorker:
                 except asyncio.TimeoutError:
                     delay = min(delay * 2, 60.0)
 
-    async def handle(self, msg: Msg) -> None:
+    async def compute(self, msg: Msg) -> _Computed | None:
+        """Stage 1: decode and run the forward. Returns None when the message was settled here
+        (poison dead-lettered, or a failure nak'ed for a later retry)."""
         attempt = msg.metadata.num_delivered
         try:
             batch = schemas.batch_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
             await self.events.dead_letter(msg, what="batch", error=f"descriptor does not decode: {exc}")
-            return
-        structlog.contextvars.bind_contextvars(batch=batch.batch_id, attempt=attempt)
+            return None
         self.state, self.last_batch = "working", batch.batch_id
+        log_ = log.bind(batch=batch.batch_id, attempt=attempt)
         keep_alive = asyncio.create_task(self._keep_alive(msg))
         started = time.perf_counter()
         try:
-            failed: list[tuple[schemas.Sample, str]] = []
             try:
-                extracted = list(zip(batch.samples, await asyncio.to_thread(extract_samples, self.loaded, batch.samples)))
+                outputs = await asyncio.to_thread(extract_samples, self.loaded, batch.samples)
+                return _Computed(msg, batch, attempt, started, keep_alive, list(zip(batch.samples, outputs)))
             except Exception as exc:
                 if attempt < topology.BATCH_MAX_DELIVER:
                     delay = self.cfg.retry_delay_s * attempt
-                    log.warning("batch_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
+                    log_.warning("batch_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
                     await msg.nak(delay=delay)
-                    return
-                # Last delivery: give up only the samples that fail on their own.
-                extracted, failed = await asyncio.to_thread(extract_isolating, self.loaded, batch.samples)
-                if not extracted:
-                    await self.events.dead_letter(
-                        msg, what="batch", error=failed[0][1], batch_id=batch.batch_id,
-                        sample_indices=[s.index for s, _ in failed],
-                    )
-                    return
+                    keep_alive.cancel()
+                    return None
+            # Last delivery: give up only the samples that fail on their own.
+            extracted, failed = await asyncio.to_thread(extract_isolating, self.loaded, batch.samples)
+            if not extracted:
+                keep_alive.cancel()
+                await self.events.dead_letter(
+                    msg, what="batch", error=failed[0][1], batch_id=batch.batch_id, sample_indices=[s.index for s, _ in failed]
+                )
+                return None
+            return _Computed(msg, batch, attempt, started, keep_alive, extracted, failed)
+        except BaseException:
+            keep_alive.cancel()
+            raise
+
+    async def finish(self, computed: _Computed) -> None:
+        """Stage 2: write the files, announce them, report progress, and only then ack."""
+        msg, batch, attempt = computed.msg, computed.batch, computed.attempt
+        log_ = log.bind(batch=batch.batch_id, attempt=attempt)
+        try:
             try:
-                files = await self._write_until_written(batch, extracted)
+                files = await self._write_until_written(computed)
             except Exception as exc:
                 delay = self.cfg.retry_delay_s * attempt
-                log.warning("batch_write_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
+                log_.warning("batch_write_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
                 await msg.nak(delay=delay)
                 return
             if files is None:
                 await msg.nak()
                 return
-            written = sum(f.size for f in files)
-            if failed:
-                poisoned = [s for s, _ in failed]
+            if computed.failed:
+                poisoned = [s for s, _ in computed.failed]
                 await self.events.store_dead_letter(
-                    what="batch", error="; ".join(f"sample {s.index}: {e}" for s, e in failed), subject=msg.subject,
+                    what="batch", error="; ".join(f"sample {s.index}: {e}" for s, e in computed.failed),
+                    subject=msg.subject,
                     payload=schemas.encode(msgspec.structs.replace(
                         batch, batch_id=f"{batch.batch_id}-poison", padded_len=max(len(s.input_ids) for s in poisoned),
                         samples=poisoned,
                     )),
                     deliveries=attempt, batch_id=batch.batch_id, sample_indices=[s.index for s in poisoned],
                 )
+            # From here on a NATS outage is waited out, not left to a redelivery that would redo
+            # the batch after the ack wait: each step is idempotent (file events carry a
+            # Nats-Msg-Id; progress is folded per batch and sample).
             subject = topology.file_subject(self.spec.job, self.cfg.node)
             for ready in files:
-                await self.js.publish(
-                    subject, schemas.encode(ready),
-                    headers={"Nats-Msg-Id": f"{batch.batch_id}:{ready.sample_index}:{attempt}", "Hsx-Job": self.spec.job},
+                headers = {"Nats-Msg-Id": f"{batch.batch_id}:{ready.sample_index}:{attempt}", "Hsx-Job": self.spec.job}
+                await through_outage(
+                    lambda ready=ready, headers=headers: self.js.publish(subject, schemas.encode(ready), headers=headers),
+                    what="announce_file", stopping=self.stopping,
                 )
-            seconds = time.perf_counter() - started
+            seconds = time.perf_counter() - computed.started
             tokens = sum(f.num_tokens for f in files)
-            await self.events.emit(
-                schemas.BatchWritten(
-                    job=self.spec.job, batch_id=batch.batch_id, consumer=self.cfg.instance, node=self.cfg.node,
-                    sample_indices=[f.sample_index for f in files], tokens=tokens, bytes=written,
-                    seconds=round(seconds, 4), attempt=attempt, redo=bool(batch.redo_reason),
-                )
+            written = sum(f.size for f in files)
+            written_event = schemas.BatchWritten(
+                job=self.spec.job, batch_id=batch.batch_id, consumer=self.cfg.instance, node=self.cfg.node,
+                sample_indices=[f.sample_index for f in files], tokens=tokens, bytes=written,
+                seconds=round(seconds, 4), attempt=attempt, redo=bool(batch.redo_reason),
             )
+            await through_outage(lambda: self.events.emit(written_event), what="report_written", stopping=self.stopping)
             _maybe_crash_before_ack()
-            await msg.ack_sync()
-            log.info("batch_done", samples=len(files), tokens=tokens, bytes=written, seconds=round(seconds, 3),
-                     tokens_per_s=round(tokens / seconds, 1))
+            await through_outage(msg.ack_sync, what="ack_batch", stopping=self.stopping)
+            log_.info("batch_done", samples=len(files), tokens=tokens, bytes=written, seconds=round(seconds, 3),
+                      tokens_per_s=round(tokens / seconds, 1))
         finally:
-            keep_alive.cancel()
-            self.state = "idle"
-            structlog.contextvars.unbind_contextvars("batch", "attempt")
+            computed.keep_alive.cancel()
 
     def spool_full(self) -> tuple[bool, int]:
         _, used = spool_usage(self.cfg.spool, self.spec.job)
         return used >= self.cfg.spool_high_water_bytes, used
+
+    def close(self) -> None:
+        self._writers.shutdown(wait=True)
 
 
 async def heartbeat_loop(worker: BatchWorker, events: EventPublisher, cfg: ConsumerConfig, stopping: asyncio.Event) -> None:
@@ -195,7 +236,22 @@ async def heartbeat_loop(worker: BatchWorker, events: EventPublisher, cfg: Consu
             pass
 
 
+async def _finish_guarded(worker: BatchWorker, computed: _Computed) -> None:
+    try:
+        await worker.finish(computed)
+    except Exception as exc:
+        # A NATS outage while announcing or acking: the batch stays unacked and is redelivered
+        # after the ack wait (its files are rewritten identically).
+        log.warning("batch_interrupted", batch=computed.batch.batch_id, error=f"{type(exc).__name__}: {exc}")
+
+
+async def _settle(task: asyncio.Task | None) -> None:
+    if task is not None:
+        await task
+
+
 async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asyncio.Event) -> None:
+    finishing: asyncio.Task | None = None
     paused = False
     while not stopping.is_set():
         full, used = worker.spool_full()
@@ -217,6 +273,10 @@ async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asy
         try:
             msgs = await sub.fetch(1, timeout=cfg.idle_fetch_timeout_s)
         except asyncio.TimeoutError:
+            await _settle(finishing)  # idle: nothing to overlap with
+            finishing = None
+            if worker.state == "working":
+                worker.state = "idle"
             continue
         except Exception as exc:  # NATS reconnecting: wait and fetch again
             log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
@@ -224,8 +284,12 @@ async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asy
             continue
         for msg in msgs:
             try:
-                await worker.handle(msg)
+                computed = await worker.compute(msg)
             except Exception as exc:
-                # A NATS outage while announcing or acking: the batch stays unacked and is
-                # redelivered after the ack wait (its files are rewritten identically).
                 log.warning("batch_interrupted", error=f"{type(exc).__name__}: {exc}")
+                continue
+            # Batch N must be finished before batch N+1's finish starts (and before batch N+2's
+            # forward reuses its staging buffer); batch N+1's forward has just run alongside it.
+            await _settle(finishing)
+            finishing = asyncio.create_task(_finish_guarded(worker, computed)) if computed else None
+    await _settle(finishing)
