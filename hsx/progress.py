@@ -196,6 +196,10 @@ def status_view(spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueS
         "exists": spec is not None,
         "total_samples": total,
         "total_tokens": spec.total_tokens if spec else 0,
+        # --on-long: rows truncated to --max-seq-len or skipped; listed in the job's input report.
+        "samples_truncated": spec.samples_truncated if spec else 0,
+        "samples_skipped": spec.samples_skipped if spec else 0,
+        "input_report": f"{topology.DATASETS_BUCKET}/{spec.report_object}" if spec and spec.report_object else None,
         "samples_written": len(fold.written),
         "samples_uploaded": uploaded,
         "tokens_written": fold.tokens_written,

@@ -78,6 +78,14 @@ class JobSpec(_Wire, tag="job.v1"):
     created_at: float
     published: bool = False  # all descriptors are in the stream; a re-run publishes nothing
     trust_remote_code: bool = False  # the model's own code may run (asked for with --trust-remote-code)
+    # The samples as planned (tokenized once, after --on-long), in object store bucket hsx_datasets:
+    # a producer re-run reads them from there, never re-reads or re-tokenizes the dataset.
+    tokenized_object: str = ""  # "<job>.tokens.arrow"; "" for jobs made before it existed
+    report_object: str = ""  # "<job>.report.json": which rows were truncated or skipped, and how chats were tokenized
+    dataset_digest: str = ""  # sha256 of the dataset's bytes, to refuse a changed dataset on a re-run
+    on_long: str = "error"  # --on-long: error | truncate | skip
+    samples_truncated: int = 0
+    samples_skipped: int = 0
 
 
 # Progress events, on `hsx.events.<job>.<kind>`.

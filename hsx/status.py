@@ -42,6 +42,9 @@ def format_status(view: dict, *, as_json: bool) -> str:
         f"  redeliveries {view['batch_redeliveries'] + view['file_redeliveries']}, dead letters {view['dead_letters']}",
         f"  dest     {view['dest']}",
     ]
+    if view.get("samples_truncated") or view.get("samples_skipped"):
+        lines.append(f"  inputs   {view['samples_truncated']} truncated, {view['samples_skipped']} skipped "
+                     f"(longer than max_seq_len; report: object store {view['input_report']})")
     if view["dead_samples"]:
         lines.append(f"  dead samples {view['dead_samples'][:20]}{' ...' if len(view['dead_samples']) > 20 else ''}")
     return "\n".join(lines)

@@ -22,11 +22,13 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
+    ObjectStoreConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
 from hsx.errors import HsxError
 
@@ -37,6 +39,8 @@ FILES_STREAM = "HSX_FILES"
 EVENTS_STREAM = "HSX_EVENTS"
 DEAD_STREAM = "HSX_DEAD"
 JOBS_BUCKET = "hsx_jobs"
+# Object store: each job's tokenized dataset (`<job>.tokens.arrow`) and input report (`<job>.report.json`).
+DATASETS_BUCKET = "hsx_datasets"
 
 DAY = 24 * 3600.0
 
@@ -161,6 +165,20 @@ async def ensure_topology(js: JetStreamContext) -> KeyValue:
         return await js.create_key_value(
             bucket=JOBS_BUCKET, description="hsx job specs, key = job name", history=1,
             storage=StorageType.FILE,
+        )
+
+
+async def ensure_datasets_store(js: JetStreamContext) -> ObjectStore:
+    """Create (idempotently) and return the object store bucket of tokenized datasets and reports."""
+    try:
+        return await js.object_store(DATASETS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_object_store(
+            DATASETS_BUCKET,
+            config=ObjectStoreConfig(
+                description="hsx tokenized datasets (<job>.tokens.arrow) and input reports (<job>.report.json)",
+                storage=StorageType.FILE,
+            ),
         )
 
 

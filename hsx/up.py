@@ -47,6 +47,7 @@ class UpConfig:
     device: str
     timeout_s: float
     log_level: str = "info"
+    on_long: str = "error"  # passed to hsx produce --on-long
 
     @classmethod
     def from_args(cls, args, *, nats: NatsSettings | None) -> "UpConfig":
@@ -54,7 +55,7 @@ class UpConfig:
             workdir=args.workdir.resolve(), job=args.job, nats=nats, model=args.model, dataset=args.dataset,
             layers=args.layers, dtype=args.dtype, dest=args.dest, consumers=args.consumers, uploaders=args.uploaders,
             token_budget=args.token_budget, max_seq_len=args.max_seq_len, samples=args.samples, device=args.device,
-            timeout_s=args.timeout, log_level=args.log_level,
+            timeout_s=args.timeout, log_level=args.log_level, on_long=args.on_long,
         )
 
 
@@ -148,7 +149,8 @@ def run_up(cfg: UpConfig) -> int:
 
         producer = _Child("producer", _hsx(*common, "produce", "--job", cfg.job, "--model", model, "--dataset",
                                            str(dataset), "--layers", cfg.layers, "--dest", dest, "--dtype", cfg.dtype,
-                                           "--token-budget", str(cfg.token_budget), "--max-seq-len", str(cfg.max_seq_len)),
+                                           "--token-budget", str(cfg.token_budget), "--max-seq-len", str(cfg.max_seq_len),
+                                           "--on-long", cfg.on_long),
                           env, logs / "producer.log")
         producer.start()
         while producer.poll() is None:

@@ -18,4 +18,5 @@ class ProducerConfig:
     token_budget: int
     max_seq_len: int
     max_batch_size: int | None = None
+    on_long: str = "error"  # error | truncate | skip (producer/lengths.py)
     trust_remote_code: bool = False

@@ -1,7 +1,13 @@
-"""`hsx produce`: dataset -> plan -> job spec in KV -> one descriptor per batch.
+"""`hsx produce`: dataset -> samples (stored) -> plan -> job spec in KV -> one descriptor per batch.
+
+The dataset is read and its chat rows tokenized once (`producer/inputs.py`); the resulting samples
+are stored with the job in the object store (`producer/stored.py`) before the job spec names them.
+A re-run for an existing job plans from that stored copy, never from the dataset again, so a
+tokenizer or template changed since cannot change the plan (the dataset's bytes are only hashed,
+to refuse a different dataset under the same job name).
 
 Batch ids derive from the plan's fingerprint (model, layers, dtype, budget and every sample's
-tokens), so the same dataset and settings always give the same ids; they go out as
+tokens), so the same samples and settings always give the same ids; they go out as
 `Nats-Msg-Id`, and the job spec records when everything was published, so running the producer
 again publishes nothing twice. A job name already used for a different plan is refused.
 """
@@ -11,17 +17,19 @@ import hashlib
 import time
 
 import msgspec
-import nats.js.errors
 import numpy as np
 import structlog
 
 from hsx import schemas, topology
 from hsx.errors import HsxError
+from hsx.jobs import read_job_spec
 from hsx.layers import resolve_layers
 from hsx.modelinfo import load_model_info
 from hsx.natsconn import connect
 from producer.config import ProducerConfig
-from producer.dataset import DatasetRow, read_dataset
+from producer import stored
+from producer.dataset import DatasetRow, dataset_digest
+from producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
 from producer.planner import PlannedBatch, plan_batches
 
 log = structlog.get_logger("hsx.producer")
@@ -91,18 +99,55 @@ async def run(cfg: ProducerConfig) -> int:
         await nc.drain()
 
 
-def _read_and_check(cfg: ProducerConfig, vocab_size: int) -> list[DatasetRow]:
-    rows = read_dataset(cfg.dataset, max_seq_len=cfg.max_seq_len)
-    for row in rows:
-        if max(row.input_ids) >= vocab_size:
-            raise HsxError(
-                f"{row.where}: token id {max(row.input_ids)} is outside model {cfg.model}'s vocabulary of {vocab_size}"
-            )
-    return rows
+def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
+    """A re-run uses the stored samples; refuse it when it asks for different ones."""
+    if (existing.max_seq_len, existing.on_long) != (cfg.max_seq_len, cfg.on_long):
+        raise HsxError(
+            f"job {cfg.job} already exists with --max-seq-len {existing.max_seq_len} --on-long {existing.on_long} "
+            f"(this run: --max-seq-len {cfg.max_seq_len} --on-long {cfg.on_long}); its samples were made with "
+            "those; run with the same settings or use another --job name"
+        )
+    if existing.dataset_digest and dataset_digest(cfg.dataset) != existing.dataset_digest:
+        raise HsxError(
+            f"job {cfg.job} already exists with a different dataset: {cfg.dataset} is not the data the job was made "
+            f"from ({existing.dataset}, sha256 {existing.dataset_digest[:12]}...); use another --job name"
+        )
+
+
+async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | None):
+    """(samples, freshly read inputs or None when the samples come from the job's stored copy)."""
+    if existing is not None and existing.tokenized_object:
+        await asyncio.to_thread(_check_same_inputs, cfg, existing)
+        rows = await stored.load_tokenized(js, cfg.job, spec=existing)
+        await asyncio.to_thread(check_vocab, rows, model=cfg.model, vocab_size=info.vocab_size)
+        log.info("samples_from_store", job=cfg.job, samples=len(rows), bucket=topology.DATASETS_BUCKET,
+                 object=existing.tokenized_object)
+        return rows, None
+    inputs = await asyncio.to_thread(
+        tokenized_rows, cfg.dataset, model=cfg.model, vocab_size=info.vocab_size, max_seq_len=cfg.max_seq_len,
+        on_long=cfg.on_long, trust_remote_code=cfg.trust_remote_code,
+    )
+    return inputs.rows, inputs
+
+
+async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs) -> tuple[str, str]:
+    tokens = await stored.store_tokenized(js, cfg.job, inputs.rows)
+    report = await stored.store_report(js, cfg.job, report_document(
+        job=cfg.job, dataset=cfg.dataset, max_seq_len=cfg.max_seq_len, on_long=cfg.on_long, inputs=inputs,
+    ))
+    log.info("samples_stored", job=cfg.job, bucket=topology.DATASETS_BUCKET, object=tokens, samples=len(inputs.rows))
+    (log.warning if inputs.long else log.info)(
+        "input_report", job=cfg.job, bucket=topology.DATASETS_BUCKET, object=report,
+        samples_truncated=inputs.truncated, samples_skipped=inputs.skipped, max_seq_len=cfg.max_seq_len,
+    )
+    return tokens, report
 
 
 async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
-    rows = await asyncio.to_thread(_read_and_check, cfg, info.vocab_size)
+    js = nc.jetstream()
+    kv = await topology.ensure_topology(js)
+    existing = await read_job_spec(kv, cfg.job)
+    rows, inputs = await _job_rows(cfg, js, info, existing)
     lengths = [len(row.input_ids) for row in rows]
     batches = plan_batches(lengths, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
     fingerprint = plan_fingerprint(cfg, layers, rows)
@@ -111,20 +156,8 @@ async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
     log.info(
         "plan_ready", job=cfg.job, samples=len(rows), batches=len(batches), tokens=total_tokens,
         packing_efficiency=round(total_tokens / padded, 4), fingerprint=fingerprint[:12],
+        from_store=inputs is None,
     )
-
-    js = nc.jetstream()
-    kv = await topology.ensure_topology(js)
-    spec = schemas.JobSpec(
-        job=cfg.job, model=cfg.model, model_revision=info.revision, layers=layers, dtype=cfg.dtype,
-        dest=cfg.dest, token_budget=cfg.token_budget, max_seq_len=cfg.max_seq_len, dataset=str(cfg.dataset),
-        plan_fingerprint=fingerprint, total_samples=len(rows), total_tokens=total_tokens,
-        total_batches=len(batches), created_at=time.time(), trust_remote_code=cfg.trust_remote_code,
-    )
-    try:
-        existing = schemas.job_decoder.decode((await kv.get(cfg.job)).value)
-    except nats.js.errors.KeyNotFoundError:
-        existing = None
     if existing is not None:
         if existing.plan_fingerprint != fingerprint or existing.dest != cfg.dest:
             raise HsxError(
@@ -135,10 +168,23 @@ async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
         if existing.published:
             log.info("job_already_published", job=cfg.job, batches=existing.total_batches)
             return 0
-        spec = msgspec.structs.replace(spec, created_at=existing.created_at)
+    if inputs is not None:
+        tokens_object, report_object = await _store_inputs(cfg, js, inputs)
+        digest = await asyncio.to_thread(dataset_digest, cfg.dataset)
+        truncated, skipped = inputs.truncated, inputs.skipped
+    else:
+        tokens_object, report_object = existing.tokenized_object, existing.report_object
+        digest, truncated, skipped = existing.dataset_digest, existing.samples_truncated, existing.samples_skipped
+    spec = schemas.JobSpec(
+        job=cfg.job, model=cfg.model, model_revision=info.revision, layers=layers, dtype=cfg.dtype,
+        dest=cfg.dest, token_budget=cfg.token_budget, max_seq_len=cfg.max_seq_len, dataset=str(cfg.dataset),
+        plan_fingerprint=fingerprint, total_samples=len(rows), total_tokens=total_tokens,
+        total_batches=len(batches), created_at=existing.created_at if existing else time.time(),
+        trust_remote_code=cfg.trust_remote_code, tokenized_object=tokens_object, report_object=report_object,
+        dataset_digest=digest, on_long=cfg.on_long, samples_truncated=truncated, samples_skipped=skipped,
+    )
     await kv.put(cfg.job, schemas.encode(spec))
     published = await _publish_all(js, cfg, fingerprint, batches, rows, nc.max_payload)
     await kv.put(cfg.job, schemas.encode(msgspec.structs.replace(spec, published=True)))
     log.info("job_published", job=cfg.job, batches=len(batches), new=published, duplicates=len(batches) - published)
     return 0
-
