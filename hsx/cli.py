@@ -267,10 +267,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             return run_list(nats, args.job, as_json=args.json)
         return run_retry(nats, args.job, seqs=None if args.all else args.seq, as_json=args.json)
     if args.command == "verify":
-        from hsx.verify import fetch_job_spec, format_report, verify
+        from hsx.verify import fetch_job, format_report, verify
 
-        spec = asyncio.run(fetch_job_spec(nats, args.job))
-        report = verify(spec, recompute=args.recompute, seed=args.seed, workers=args.workers)
+        spec, token_ids = asyncio.run(fetch_job(nats, args.job))
+        report = verify(spec, token_ids, recompute=args.recompute, seed=args.seed, workers=args.workers)
         print(format_report(report, as_json=args.json))
         return 0 if report["ok"] else 1
     if args.command == "up":

@@ -50,19 +50,27 @@ FLOAT32_ATOL = 1e-4
 RELATIVE_TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, FLOAT8: 8e-2}
 
 
-async def fetch_job_spec(settings: NatsSettings, job: str) -> schemas.JobSpec:
+async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, list[list[int]] | None]:
+    """The job spec, and every sample's token ids as the producer planned them (from the tokenized
+    dataset stored with the job; for jobs made before it was stored, from the dataset file)."""
+    from producer.stored import load_tokenized
+
     nc = await connect(settings, name=f"hsx-verify-{job}")
     try:
-        kv = await topology.ensure_topology(nc.jetstream())
+        js = nc.jetstream()
+        kv = await topology.ensure_topology(js)
         spec = await read_job_spec(kv, job)
+        if spec is None:
+            raise HsxError(f"job {job} not found in KV bucket {topology.JOBS_BUCKET} (run hsx produce --job {job} first)")
+        if spec.tokenized_object:
+            rows = await load_tokenized(js, job, spec=spec)
+            return spec, [row.input_ids for row in rows]
     finally:
         await nc.drain()
-    if spec is None:
-        raise HsxError(f"job {job} not found in KV bucket {topology.JOBS_BUCKET} (run hsx produce --job {job} first)")
-    return spec
+    return spec, expected_token_ids_from_dataset(spec)
 
 
-def expected_token_ids(spec: schemas.JobSpec) -> list[list[int]] | None:
+def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> list[list[int]] | None:
     """Every sample's token ids in index order, from the dataset the spec names; None when that
     dataset cannot be read on this machine (the comparison is then skipped and reported so)."""
     from producer.dataset import read_dataset
@@ -219,7 +227,8 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
 
 
 def verify(
-    spec: schemas.JobSpec, *, recompute: int = 0, seed: int | None = None, workers: int = 16
+    spec: schemas.JobSpec, token_ids: list[list[int]] | None, *, recompute: int = 0, seed: int | None = None,
+    workers: int = 16,
 ) -> dict[str, Any]:
     """Check the job's destination against its spec; the report (see `format_report`)."""
     started = time.monotonic()
@@ -229,9 +238,8 @@ def verify(
     dest = open_job_folder(spec.dest, job, max_connections=workers)
     log.info("verify_started", job=job, dest=spec.dest, total_samples=total, workers=workers)
 
-    token_ids = expected_token_ids(spec)
     if token_ids is not None:
-        token_note = f"compared with dataset {spec.dataset}"
+        token_note = "compared with the job's tokenized dataset"
     else:
         token_note = f"not compared: dataset {spec.dataset} is not readable on this machine (see log)"
     hidden_size = expected_hidden_size(spec)

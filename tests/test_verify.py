@@ -201,9 +201,10 @@ def test_stray_sample_file_is_an_extra_key(file_job):
                                 "extra_keys": [sample_key(file_job.job, COUNT)]}, report
 
 
-def test_unreadable_dataset_skips_token_ids_but_still_catches_a_swap(file_job, tmp_path):
-    """Without the dataset on this machine, the token-id comparison is skipped and said so; the
-    metadata still names a file under another sample's key."""
+def test_token_ids_come_from_the_job_not_the_dataset_file(file_job, tmp_path):
+    """Token ids are compared with the tokenized dataset stored with the job, so verify needs no
+    copy of the dataset: with the file moved away, a swapped file is still caught by its
+    sample_index and by its token ids."""
     dataset = file_job.out.parent / "data.jsonl"
     moved = tmp_path / "data.jsonl"
     target_path = file_job.out / sample_key(file_job.job, 1)
@@ -214,9 +215,10 @@ def test_unreadable_dataset_skips_token_ids_but_still_catches_a_swap(file_job, t
             code, report = verify_in_process(file_job.job, file_job.nats_url)
         finally:
             shutil.move(moved, dataset)
-    assert code == 1 and report["token_ids_checked"] is False, report
-    assert "not readable" in report["token_ids"], report
-    assert [(m["sample_index"], "sample_index" in m["checks"]) for m in report["mismatching"]] == [(1, True)], report
+    assert code == 1 and report["token_ids_checked"] is True, report
+    assert "tokenized dataset" in report["token_ids"], report
+    assert [(m["sample_index"], "sample_index" in m["checks"], "input_ids" in m["checks"])
+            for m in report["mismatching"]] == [(1, True, True)], report
 
 
 def test_unknown_job_is_a_user_error(file_job):
