@@ -11,4 +11,5 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 timeout 240 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -rA 2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
-timeout ${BENCH_TIMEOUT:-300} python3 bench/gpu.py --samples ${BENCH_SAMPLES:-256} --repeats 3 --spool /tmp/hsx-bench-spool 2>&1 | tail -40 | tee "$OUT/gpu-bench.json"
+timeout ${BENCH_TIMEOUT:-300} python3 bench/gpu.py --samples ${BENCH_SAMPLES:-256} --repeats ${BENCH_REPEATS:-3} --spool /tmp/hsx-bench-spool 2> "$OUT/gpu-bench.log" | tee "$OUT/gpu-bench.json"
+tail -5 "$OUT/gpu-bench.log"
