@@ -2,6 +2,7 @@
 until stopped."""
 
 import asyncio
+import time
 
 import structlog
 import torch
@@ -9,6 +10,7 @@ import torch
 from gpu_consumer.config import ConsumerConfig
 from gpu_consumer.model import load_model
 from gpu_consumer.service import SERVICE, BatchWorker, heartbeat_loop, pull_loop
+from gpu_consumer.writer import remove_orphaned_temp_files
 from hsx import schemas, topology
 from hsx.events import EventPublisher
 from hsx.fsutil import make_private_dirs
@@ -26,6 +28,7 @@ def _warm_up(loaded) -> None:
 
 
 async def run(cfg: ConsumerConfig) -> int:
+    started_at = time.time()
     stopping = stop_event_on_signals()
     structlog.contextvars.bind_contextvars(job=cfg.job, consumer=cfg.instance)
     make_private_dirs(cfg.spool)
@@ -44,6 +47,9 @@ async def run(cfg: ConsumerConfig) -> int:
             revision=None if spec.model_revision == "local" else spec.model_revision,
         )
         await asyncio.to_thread(_warm_up, loaded)
+        orphans = await asyncio.to_thread(remove_orphaned_temp_files, cfg.spool, cfg.job, older_than=started_at)
+        if orphans:
+            log.info("spool_temp_files_removed", count=orphans, reason="left by a writer that was killed")
         log.info(
             "consumer_ready", model=spec.model, layers=spec.layers, dtype=spec.dtype, device=str(loaded.device),
             attention=loaded.attention, torch_threads=torch.get_num_threads(), node=cfg.node, spool=str(cfg.spool),

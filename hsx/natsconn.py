@@ -9,6 +9,8 @@ with a CA and optionally a client certificate.
 
 import asyncio
 import ssl
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
@@ -23,6 +25,9 @@ log = structlog.get_logger("hsx.nats")
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 _STARTUP_ATTEMPTS = 3
+# How long finishing a message (announce, report, ack) keeps trying through a NATS outage before
+# leaving the message to its redelivery.
+OUTAGE_RETRY_S = 120.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,3 +138,23 @@ async def connect(settings: NatsSettings, *, name: str) -> NATS:
     nc.options["max_reconnect_attempts"] = -1
     nc.options["reconnect_time_wait"] = 1.0
     return nc
+
+
+async def through_outage(
+    operation: Callable[[], Awaitable], *, what: str, stopping: asyncio.Event | None = None,
+    give_up_after_s: float = OUTAGE_RETRY_S, retry_s: float = 1.0,
+):
+    """Await `operation()` (an idempotent publish or ack) until it succeeds, riding out a NATS
+    outage: a disconnect, a server restart, JetStream not answering yet. Without this, one
+    failed publish or ack while finishing a message would leave the message to its ack wait
+    (a minute or more) and redo its work. Raises the last error once `give_up_after_s` have
+    passed or `stopping` is set; the message is then redelivered as usual."""
+    started = time.monotonic()
+    while True:
+        try:
+            return await operation()
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+            if time.monotonic() - started >= give_up_after_s or (stopping is not None and stopping.is_set()):
+                raise
+            log.warning("nats_retry", what=what, error=str(exc) or type(exc).__name__, retry_in_s=retry_s)
+            await asyncio.sleep(retry_s)

@@ -8,6 +8,7 @@ is dead-lettered), naming the dead samples.
 import asyncio
 import time
 
+import nats.errors
 import structlog
 
 from hsx import topology
@@ -69,7 +70,10 @@ async def run(cfg: MonitorConfig) -> int:
         reported_silent: set[str] = set()
         try:
             while not stopping.is_set():
-                spec = await wait_for_job_spec(kv, cfg.job, stopping)
+                try:
+                    spec = await wait_for_job_spec(kv, cfg.job, stopping)
+                except (nats.errors.Error, asyncio.TimeoutError) as exc:  # NATS reconnecting: keep the last spec
+                    log.warning("job_spec_unavailable", error=str(exc) or type(exc).__name__)
                 if spec is None:
                     break
                 try:

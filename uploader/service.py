@@ -22,6 +22,7 @@ from hsx.destinations import Destination
 from hsx.events import EventPublisher
 from hsx.fsutil import file_sha256
 from hsx.layout import sample_key
+from hsx.natsconn import through_outage
 from uploader.config import UploaderConfig
 
 log = structlog.get_logger("hsx.uploader")
@@ -121,7 +122,7 @@ class FileMover:
                             msg, what="file", error=str(exc), batch_id=ready.batch_id, sample_indices=[ready.sample_index]
                         )
                     else:
-                        await self._requeue(msg, ready, str(exc))
+                        await self._requeue(msg, ready, str(exc), stopping)
                     return
                 except _PermanentFailure as exc:
                     await self.events.dead_letter(
@@ -140,21 +141,22 @@ class FileMover:
                     finally:
                         self.retrying -= 1
                     delay = min(delay * 2, self.cfg.retry_max_s)
-            await self.events.emit(
-                schemas.FileUploaded(
-                    job=ready.job, node=ready.node, uploader=self.cfg.instance, sample_index=ready.sample_index,
-                    key=ready.key, size=ready.size, tokens=ready.num_tokens, already_present=already,
-                    attempt=msg.metadata.num_delivered,
-                )
+            # The object is stored and verified: a NATS outage from here on is waited out rather
+            # than left to the ack wait (reporting twice is harmless: progress counts samples).
+            uploaded = schemas.FileUploaded(
+                job=ready.job, node=ready.node, uploader=self.cfg.instance, sample_index=ready.sample_index,
+                key=ready.key, size=ready.size, tokens=ready.num_tokens, already_present=already,
+                attempt=msg.metadata.num_delivered,
             )
-            await msg.ack_sync()
+            await through_outage(lambda: self.events.emit(uploaded), what="report_uploaded", stopping=stopping)
+            await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
             log.debug("file_uploaded", key=ready.key, bytes=ready.size, already_present=already)
         finally:
             keep_alive.cancel()
             self.inflight -= 1
 
 
-    async def _requeue(self, msg: Msg, ready: schemas.FileReady, reason: str) -> None:
+    async def _requeue(self, msg: Msg, ready: schemas.FileReady, reason: str, stopping: asyncio.Event) -> None:
         """Publish the sample as a one-sample batch, then ack the event: its file will be announced
         again once extracted. The batch id derives from this event, so a retry publishes it once."""
         batch_id = f"{ready.job}-redo-{ready.sample_index}-{msg.metadata.sequence.stream}"
@@ -162,14 +164,16 @@ class FileMover:
             job=ready.job, batch_id=batch_id, padded_len=len(ready.sample.input_ids), samples=[ready.sample],
             redo_reason=reason,
         )
-        await self.events.js.publish(
-            topology.batch_subject(ready.job), schemas.encode(descriptor),
-            headers={"Nats-Msg-Id": batch_id, "Hsx-Job": ready.job, "Hsx-Batch": batch_id},
+        await through_outage(
+            lambda: self.events.js.publish(
+                topology.batch_subject(ready.job), schemas.encode(descriptor),
+                headers={"Nats-Msg-Id": batch_id, "Hsx-Job": ready.job, "Hsx-Batch": batch_id},
+            ),
+            what="requeue_sample", stopping=stopping,
         )
-        await self.events.emit(
-            schemas.SampleRequeued(job=ready.job, node=ready.node, sample_index=ready.sample_index, reason=reason)
-        )
-        await msg.ack_sync()
+        requeued = schemas.SampleRequeued(job=ready.job, node=ready.node, sample_index=ready.sample_index, reason=reason)
+        await through_outage(lambda: self.events.emit(requeued), what="report_requeued", stopping=stopping)
+        await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
         log.warning("sample_requeued", sample=ready.sample_index, reason=reason, batch=batch_id)
 
 
