@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_consumer.extract import extract_samples  # noqa: E402
+from gpu_consumer.extract import extract_samples, pad_batch  # noqa: E402
 from gpu_consumer.model import LayerTap, LoadedModel  # noqa: E402
 from gpu_consumer.staging import HostStaging  # noqa: E402
 from gpu_consumer.writer import write_sample_file  # noqa: E402
@@ -169,12 +169,7 @@ def main() -> int:
 
     def forward_only():
         for batch in batches:
-            pad = max(len(s.input_ids) for s in batch)
-            ids = torch.zeros((len(batch), pad), dtype=torch.long)
-            mask = torch.zeros((len(batch), pad), dtype=torch.long)
-            for r, s in enumerate(batch):
-                ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
-                mask[r, : len(s.input_ids)] = 1
+            ids, mask = pad_batch(batch, 0)
             with torch.inference_mode():
                 loaded.tap.forward(ids.to(device), mask.to(device))
 
@@ -183,12 +178,7 @@ def main() -> int:
         nonlocal loaded
         loaded.tap.remove()
         for batch in batches:
-            pad = max(len(s.input_ids) for s in batch)
-            ids = torch.zeros((len(batch), pad), dtype=torch.long)
-            mask = torch.zeros((len(batch), pad), dtype=torch.long)
-            for r, s in enumerate(batch):
-                ids[r, : len(s.input_ids)] = torch.tensor(s.input_ids)
-                mask[r, : len(s.input_ids)] = 1
+            ids, mask = pad_batch(batch, 0)
             with torch.inference_mode():
                 out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
                             use_cache=False, logits_to_keep=0)

@@ -20,15 +20,22 @@ log = structlog.get_logger("hsx.gpu_consumer.extract")
 _FAKE_OOM_ABOVE = int(os.environ.get("HSX_TEST_OOM_ABOVE_TOKENS", "0") or 0)
 
 
-def _forward(loaded: LoadedModel, samples: list[Sample]) -> list[torch.Tensor]:
+def pad_batch(samples: list[Sample], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [B, P] token ids and attention mask (1 on real tokens)."""
     padded_len = max(len(s.input_ids) for s in samples)
-    if _FAKE_OOM_ABOVE and len(samples) * padded_len > _FAKE_OOM_ABOVE:
-        raise torch.OutOfMemoryError(f"test switch: {len(samples)}x{padded_len} tokens > {_FAKE_OOM_ABOVE}")
-    ids = torch.full((len(samples), padded_len), loaded.pad_token_id, dtype=torch.long)
+    ids = torch.full((len(samples), padded_len), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(samples), padded_len), dtype=torch.long)
     for row, sample in enumerate(samples):
         ids[row, : len(sample.input_ids)] = torch.tensor(sample.input_ids, dtype=torch.long)
         mask[row, : len(sample.input_ids)] = 1
+    return ids, mask
+
+
+def _forward(loaded: LoadedModel, samples: list[Sample]) -> list[torch.Tensor]:
+    padded_len = max(len(s.input_ids) for s in samples)
+    if _FAKE_OOM_ABOVE and len(samples) * padded_len > _FAKE_OOM_ABOVE:
+        raise torch.OutOfMemoryError(f"test switch: {len(samples)}x{padded_len} tokens > {_FAKE_OOM_ABOVE}")
+    ids, mask = pad_batch(samples, loaded.pad_token_id)
     with torch.inference_mode():
         captured = loaded.tap.forward(ids.to(loaded.device, non_blocking=True), mask.to(loaded.device, non_blocking=True))
         # [B, P, k, H], one device-to-host copy for the whole batch.

@@ -24,6 +24,13 @@ async def read_job_spec(kv: KeyValue, job: str) -> schemas.JobSpec | None:
         raise HsxError(f"job {job}: the job spec in KV bucket hsx_jobs does not decode ({exc})") from None
 
 
+async def require_job_spec(kv: KeyValue, job: str) -> schemas.JobSpec:
+    spec = await read_job_spec(kv, job)
+    if spec is None:
+        raise HsxError(f"job {job} not found in KV bucket hsx_jobs (run hsx produce --job {job} first)")
+    return spec
+
+
 async def wait_for_job_spec(kv: KeyValue, job: str, stopping: asyncio.Event, *, poll_s: float = 2.0) -> schemas.JobSpec | None:
     """The job's spec once the producer has recorded it; None if asked to stop first."""
     announced = False

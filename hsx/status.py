@@ -3,8 +3,7 @@
 import json
 
 from hsx import topology
-from hsx.errors import HsxError
-from hsx.jobs import read_job_spec
+from hsx.jobs import require_job_spec
 from hsx.natsconn import NatsSettings, connect
 from hsx.progress import ProgressTracker, status_view
 
@@ -14,9 +13,7 @@ async def read_status(settings: NatsSettings, job: str) -> dict:
     try:
         js = nc.jetstream()
         kv = await topology.ensure_topology(js)
-        spec = await read_job_spec(kv, job)
-        if spec is None:
-            raise HsxError(f"job {job} not found in KV bucket {topology.JOBS_BUCKET} (run hsx produce --job {job} first)")
+        spec = await require_job_spec(kv, job)
         tracker = ProgressTracker(js, job)
         await tracker.start()
         try:

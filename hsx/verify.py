@@ -38,7 +38,7 @@ from hsx.data import (
     relative_sample_key,
 )
 from hsx.errors import HsxError
-from hsx.jobs import read_job_spec
+from hsx.jobs import require_job_spec
 from hsx.layout import FLOAT8, sample_key, tensor_checksum
 from hsx.natsconn import NatsSettings, connect
 
@@ -59,9 +59,7 @@ async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, 
     try:
         js = nc.jetstream()
         kv = await topology.ensure_topology(js)
-        spec = await read_job_spec(kv, job)
-        if spec is None:
-            raise HsxError(f"job {job} not found in KV bucket {topology.JOBS_BUCKET} (run hsx produce --job {job} first)")
+        spec = await require_job_spec(kv, job)
         if spec.tokenized_object:
             rows = await load_tokenized(js, job, spec=spec)
             return spec, [row.input_ids for row in rows]
