@@ -9,10 +9,10 @@ import torch
 
 from gpu_consumer.config import ConsumerConfig
 from gpu_consumer.model import load_model
-from gpu_consumer.service import SERVICE, BatchWorker, heartbeat_loop, pull_loop
+from gpu_consumer.service import SERVICE, BatchWorker, pull_loop
 from gpu_consumer.writer import remove_orphaned_temp_files
 from hsx import schemas, topology
-from hsx.events import EventPublisher
+from hsx.events import EventPublisher, heartbeat_loop
 from hsx.fsutil import make_private_dirs
 from hsx.jobs import wait_for_job_spec
 from hsx.lifecycle import stop_event_on_signals
@@ -57,7 +57,10 @@ async def run(cfg: ConsumerConfig) -> int:
         durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
         sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
         worker = BatchWorker(cfg, js, events, spec, loaded, stopping)
-        beats = asyncio.create_task(heartbeat_loop(worker, events, cfg, stopping))
+        beats = asyncio.create_task(heartbeat_loop(
+            events, service=SERVICE, instance=cfg.instance, node=cfg.node, interval_s=cfg.heartbeat_s, stopping=stopping,
+            state=worker.heartbeat_state,
+        ))
         try:
             await pull_loop(worker, sub, cfg, stopping)
         finally:

@@ -215,6 +215,9 @@ class BatchWorker:
         finally:
             computed.keep_alive.cancel()
 
+    def heartbeat_state(self) -> tuple[str, str]:
+        return self.state, self.detail or self.last_batch
+
     def spool_full(self) -> tuple[bool, int]:
         _, used = spool_usage(self.cfg.spool, self.spec.job)
         return used >= self.cfg.spool_high_water_bytes, used
@@ -223,17 +226,6 @@ class BatchWorker:
         self._writers.shutdown(wait=True)
 
 
-async def heartbeat_loop(worker: BatchWorker, events: EventPublisher, cfg: ConsumerConfig, stopping: asyncio.Event) -> None:
-    while not stopping.is_set():
-        try:
-            await events.heartbeat(service=SERVICE, instance=cfg.instance, node=cfg.node, state=worker.state,
-                                   detail=worker.detail or worker.last_batch)
-        except Exception as exc:
-            log.warning("heartbeat_failed", error=str(exc))
-        try:
-            await asyncio.wait_for(stopping.wait(), timeout=cfg.heartbeat_s)
-        except asyncio.TimeoutError:
-            pass
 
 
 async def _finish_guarded(worker: BatchWorker, computed: _Computed) -> None:

@@ -5,7 +5,9 @@ is computed from them. Heartbeats are fire-and-forget: losing one is harmless. D
 the original payload and the error, and leave the work queue only after they are stored.
 """
 
+import asyncio
 import time
+from collections.abc import Callable
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -56,3 +58,20 @@ class EventPublisher:
             batch_id=batch_id, sample_indices=sample_indices,
         )
         await msg.term()
+
+
+async def heartbeat_loop(
+    events: EventPublisher, *, service: str, instance: str, node: str, interval_s: float, stopping: asyncio.Event,
+    state: Callable[[], tuple[str, str]],
+) -> None:
+    """Send `state()` (state, detail) as a heartbeat every `interval_s` until stopping."""
+    while not stopping.is_set():
+        try:
+            current, detail = state()
+            await events.heartbeat(service=service, instance=instance, node=node, state=current, detail=detail)
+        except Exception as exc:
+            log.warning("heartbeat_failed", error=str(exc))
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=interval_s)
+        except asyncio.TimeoutError:
+            pass

@@ -7,13 +7,13 @@ import structlog
 
 from hsx import topology
 from hsx.destinations import open_destination
-from hsx.events import EventPublisher
+from hsx.events import EventPublisher, heartbeat_loop
 from hsx.fsutil import make_private_dirs
 from hsx.jobs import wait_for_job_spec
 from hsx.lifecycle import stop_event_on_signals
 from hsx.natsconn import connect
 from uploader.config import UploaderConfig
-from uploader.service import SERVICE, FileMover, heartbeat_loop, pull_loop
+from uploader.service import SERVICE, FileMover, pull_loop
 
 log = structlog.get_logger("hsx.uploader")
 
@@ -35,7 +35,10 @@ async def run(cfg: UploaderConfig) -> int:
         sub = await js.pull_subscribe_bind(durable=durable, stream=topology.FILES_STREAM)
         mover = FileMover(cfg, dest, events)
         log.info("uploader_ready", dest=dest.url, node=cfg.node, durable=durable, max_inflight=cfg.max_inflight)
-        beats = asyncio.create_task(heartbeat_loop(mover, events, cfg, stopping))
+        beats = asyncio.create_task(heartbeat_loop(
+            events, service=SERVICE, instance=cfg.instance, node=cfg.node, interval_s=cfg.heartbeat_s, stopping=stopping,
+            state=mover.heartbeat_state,
+        ))
         try:
             await pull_loop(mover, sub, cfg, stopping)
         finally:

@@ -86,6 +86,11 @@ class FileMover:
         local.unlink(missing_ok=True)  # a concurrent uploader of the same sample may have removed it
         return False
 
+    def heartbeat_state(self) -> tuple[str, str]:
+        if self.retrying:
+            return "retrying", f"{self.retrying} uploads waiting to retry: {self.last_error[:200]}"
+        return ("working" if self.inflight else "idle"), f"inflight={self.inflight}"
+
     async def _keep_alive(self, msg: Msg) -> None:
         while True:
             await asyncio.sleep(self.cfg.in_progress_s)
@@ -177,20 +182,6 @@ class FileMover:
         log.warning("sample_requeued", sample=ready.sample_index, reason=reason, batch=batch_id)
 
 
-async def heartbeat_loop(mover: FileMover, events: EventPublisher, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
-    while not stopping.is_set():
-        try:
-            if mover.retrying:
-                state, detail = "retrying", f"{mover.retrying} uploads waiting to retry: {mover.last_error[:200]}"
-            else:
-                state, detail = ("working" if mover.inflight else "idle"), f"inflight={mover.inflight}"
-            await events.heartbeat(service=SERVICE, instance=cfg.instance, node=cfg.node, state=state, detail=detail)
-        except Exception as exc:
-            log.warning("heartbeat_failed", error=str(exc))
-        try:
-            await asyncio.wait_for(stopping.wait(), timeout=cfg.heartbeat_s)
-        except asyncio.TimeoutError:
-            pass
 
 
 async def pull_loop(mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
