@@ -34,7 +34,7 @@ from gpu_consumer.extract import extract_isolating, extract_samples
 from gpu_consumer.model import LoadedModel
 from gpu_consumer.writer import write_sample_file
 from hsx import schemas, topology
-from hsx.events import EventPublisher
+from hsx.events import EventPublisher, keep_in_progress
 from hsx.natsconn import through_outage
 from hsx.spool import spool_usage
 
@@ -87,14 +87,6 @@ class BatchWorker:
         self.detail = ""  # why the worker is not working, when it is paused or waiting
         self._writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="hsx-writer")
 
-    async def _keep_alive(self, msg: Msg) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.in_progress_s)
-            try:
-                await msg.in_progress()
-            except Exception as exc:  # a reconnect in progress; the next tick tries again
-                log.warning("in_progress_failed", error=str(exc))
-
     def _write_one(self, batch_id: str, sample: schemas.Sample, hidden: torch.Tensor) -> schemas.FileReady:
         return write_sample_file(
             spool=self.cfg.spool, spec=self.spec, node=self.cfg.node, batch_id=batch_id, sample=sample,
@@ -137,7 +129,7 @@ class BatchWorker:
             return None
         self.state, self.last_batch = "working", batch.batch_id
         log_ = log.bind(batch=batch.batch_id, attempt=attempt)
-        keep_alive = asyncio.create_task(self._keep_alive(msg))
+        keep_alive = asyncio.create_task(keep_in_progress(msg, interval_s=self.cfg.in_progress_s))
         started = time.perf_counter()
         try:
             try:

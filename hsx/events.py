@@ -75,3 +75,14 @@ async def heartbeat_loop(
             await asyncio.wait_for(stopping.wait(), timeout=interval_s)
         except asyncio.TimeoutError:
             pass
+
+
+async def keep_in_progress(msg: Msg, *, interval_s: float) -> None:
+    """Tell JetStream every `interval_s` that `msg` is still being worked on (run as a task and
+    cancel it when the message is settled), so only a dead worker's message is redelivered."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await msg.in_progress()
+        except Exception as exc:  # a reconnect in progress; the next tick tries again
+            log.warning("in_progress_failed", error=str(exc))

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
+from test_inputs import assistant_spans
 from test_e2e_s3 import check_ok, logs_of, read_dir_objects, start_monitor, status, wait_until_done
 
 LAYERS = [1, 15, 29]  # SmolLM2-135M has 30 decoder layers; 29 is the last (stored pre-norm)
@@ -83,17 +84,6 @@ def smollm2(tmp_path_factory) -> Path:
     return folder
 
 
-def _assistant_spans(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
-    spans, current = [], []
-    for token, bit in zip(ids + [None], mask + [0]):
-        if bit:
-            current.append(token)
-        elif current:
-            spans.append(tokenizer.decode(current))
-            current = []
-    return spans
-
-
 @torch.inference_mode()
 def _reference(model, input_ids: list[int]) -> tuple[dict[int, torch.Tensor], tuple[torch.Tensor, ...]]:
     """(raw output of each decoder layer in LAYERS [T, H], transformers' hidden_states)."""
@@ -148,7 +138,7 @@ def test_smollm2_chat_rows_end_to_end(smollm2, hsx, hsx_service, job_name, tmp_p
         # The tokens are transformers' own rendering of the conversation with the model's template.
         expected_ids = list(tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=True)["input_ids"])
         assert ids == expected_ids, f"conversation {i}: input_ids differ from apply_chat_template"
-        spans = _assistant_spans(tokenizer, ids, mask)
+        spans = assistant_spans(tokenizer, ids, mask)
         assert spans == [m["content"] + "<|im_end|>" for m in conversation if m["role"] == "assistant"], spans
         assert sum(mask) == sum(len(tokenizer.encode(s, add_special_tokens=False)) for s in spans)
 

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 
 from hsx import schemas, topology
 from hsx.destinations import Destination
-from hsx.events import EventPublisher
+from hsx.events import EventPublisher, keep_in_progress
 from hsx.fsutil import file_sha256
 from hsx.layout import sample_key
 from hsx.natsconn import through_outage
@@ -91,14 +91,6 @@ class FileMover:
             return "retrying", f"{self.retrying} uploads waiting to retry: {self.last_error[:200]}"
         return ("working" if self.inflight else "idle"), f"inflight={self.inflight}"
 
-    async def _keep_alive(self, msg: Msg) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.in_progress_s)
-            try:
-                await msg.in_progress()
-            except Exception as exc:
-                log.warning("in_progress_failed", error=str(exc))
-
     async def handle(self, msg: Msg, stopping: asyncio.Event) -> None:
         try:
             await self._handle(msg, stopping)
@@ -109,7 +101,7 @@ class FileMover:
 
     async def _handle(self, msg: Msg, stopping: asyncio.Event) -> None:
         self.inflight += 1
-        keep_alive = asyncio.create_task(self._keep_alive(msg))
+        keep_alive = asyncio.create_task(keep_in_progress(msg, interval_s=self.cfg.in_progress_s))
         try:
             try:
                 ready = schemas.file_decoder.decode(msg.data)
