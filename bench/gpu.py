@@ -13,7 +13,8 @@ Prints one JSON object with, for the same packed batches:
 - gpu_busy: bare forward time of the same batches / the consumer loop's wall time;
 - write_gb_per_s: bytes written per second in the pipeline loop.
 
-Run: python bench/gpu.py [--samples 256] [--token-budget 32768] [--spool /tmp/hsx-bench-spool]
+Run: python bench/gpu.py [--plan-samples 100000 --batches 8] [--token-budget 32768]
+     [--spool /tmp/hsx-bench-spool --spool /dev/shm/hsx-bench-spool]
 Medians over --repeats passes over the same batches.
 """
 
@@ -33,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_consumer.extract import extract_samples, pad_batch  # noqa: E402
-from gpu_consumer.model import LayerTap, LoadedModel  # noqa: E402
+from gpu_consumer.model import LayerTap, LoadedModel, choose_attention  # noqa: E402
 from gpu_consumer.staging import HostStaging  # noqa: E402
 from gpu_consumer.writer import write_sample_file  # noqa: E402
 from hsx.embedded import synthetic_lengths  # noqa: E402
@@ -102,13 +103,16 @@ async def _service_pass(loaded, batches, spec, spool: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--plan-samples", type=int, default=100_000,
+                        help="plan a job of this many samples and measure a few of its batches")
+    parser.add_argument("--batches", type=int, default=8, help="batches measured, spread evenly over the plan")
     parser.add_argument("--token-budget", type=int, default=32768)
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--layers", default="1,9,17,25,33")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--spool", type=Path, default=None)
-    parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--spool", type=Path, action="append", default=None,
+                        help="spool directory for the consumer-loop pass; repeat to measure several disks")
+    parser.add_argument("--attn", default=None, help="attention implementation (default: what the consumer picks)")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
     args = parser.parse_args()
     from hsx.logs import configure_logging
@@ -128,6 +132,7 @@ def main() -> int:
 
     layers = [int(x) for x in args.layers.split(",")]
     config = AutoConfig.for_model("qwen3", **shape)
+    args.attn = args.attn or choose_attention(device, torch.bfloat16) or "sdpa"
     config._attn_implementation = args.attn
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -143,11 +148,19 @@ def main() -> int:
 
     loaded = with_tap()
 
-    lengths = synthetic_lengths(args.samples, median=500, max_len=args.max_len, seed=0).tolist()
+    # The batches of a real job: plan a large synthetic dataset as the producer would, then take a
+    # few batches spread evenly over the plan (long and short ones alike). Their padding is what a
+    # whole job's is; a small dataset planned on its own would be dominated by its long tail.
+    all_lengths = synthetic_lengths(args.plan_samples, median=500, max_len=args.max_len, seed=0).tolist()
+    full_plan = plan_batches(all_lengths, token_budget=args.token_budget)
+    step = len(full_plan) / args.batches
+    plan = [full_plan[int(i * step + step / 2)] for i in range(min(args.batches, len(full_plan)))]
     rng = np.random.default_rng(0)
-    samples = [Sample(index=i, source_id=str(i), input_ids=rng.integers(0, 151936, size=n).tolist()) for i, n in enumerate(lengths)]
-    plan = plan_batches(lengths, token_budget=args.token_budget)
-    batches = [[samples[i] for i in b.sample_indices] for b in plan]
+    samples = [Sample(index=i, source_id=str(i), input_ids=rng.integers(0, 151936, size=all_lengths[i]).tolist())
+               for b in plan for i in b.sample_indices]
+    by_index = {s.index: s for s in samples}
+    batches = [[by_index[i] for i in b.sample_indices] for b in plan]
+    lengths = [len(s.input_ids) for s in samples]
     real_tokens = sum(lengths)
     padded_tokens = sum(b.padded_tokens for b in plan)
     flops = forward_flops(lengths, shape, max(layers) + 1)
@@ -190,32 +203,35 @@ def main() -> int:
         for batch in batches:
             extract_samples(loaded, batch)
 
-    spool = args.spool or Path(tempfile.mkdtemp(prefix="hsx-bench-spool-"))
+    spools = args.spool or [Path(tempfile.mkdtemp(prefix="hsx-bench-spool-"))]
     spec = JobSpec(job="bench", model="qwen3-8b-shaped-random", model_revision="none", layers=layers, dtype="bfloat16",
                    dest="file:///dev/null", token_budget=args.token_budget, max_seq_len=args.max_len, dataset="synthetic",
-                   plan_fingerprint="x", total_samples=len(samples), total_tokens=real_tokens, total_batches=len(plan),
+                   plan_fingerprint="x", total_samples=args.plan_samples, total_tokens=real_tokens, total_batches=len(plan),
                    created_at=0.0)
     written = [0]
 
-    def pipeline():
+    def pipeline(spool: Path):
         """The real consumer service loop (gpu_consumer.service.pull_loop) against a real
         nats-server: fetch, forward, files written on the writer pool while the next batch
         computes, file-ready events, progress events, ack. No uploader: files stay in the spool."""
         written[0] = asyncio.run(_service_pass(loaded, batches, spec, spool))
         shutil.rmtree(spool / "bench", ignore_errors=True)
 
-    results = {"full": [], "forward": [], "extract": [], "pipeline": [], "gpu_busy": [], "write_gbps": []}
+    results = {"full": [], "forward": [], "extract": []}
+    per_spool = {str(spool): {"pipeline": [], "gpu_busy": [], "write_gbps": []} for spool in spools}
     for _ in range(args.repeats):
         results["full"].append(timed(full_model_baseline))
         forward_seconds = timed(forward_only)
         results["forward"].append(forward_seconds)
         results["extract"].append(timed(extract_only))
-        seconds = timed(pipeline)
-        results["pipeline"].append(seconds)
-        # The forward alone of the same batches over the service's wall time: the share of the
-        # run the GPU spent on the work that matters.
-        results["gpu_busy"].append(forward_seconds / seconds)
-        results["write_gbps"].append(written[0] / seconds / 1e9)
+        for spool in spools:
+            seconds = timed(lambda: pipeline(spool))
+            figures = per_spool[str(spool)]
+            figures["pipeline"].append(seconds)
+            # The forward alone of the same batches over the service's wall time: the share of
+            # the run the GPU spent on the work that matters.
+            figures["gpu_busy"].append(forward_seconds / seconds)
+            figures["write_gbps"].append(written[0] / seconds / 1e9)
     forward_s = statistics.median(results["forward"])
     out = {
         "gpu": torch.cuda.get_device_name(0) if cuda else "cpu (smoke run: figures mean nothing)",
@@ -223,8 +239,8 @@ def main() -> int:
         "attention": args.attn,
         "model": "qwen3-8b-shaped (36 layers, hidden 4096), random bf16",
         "layers": layers,
+        "plan": f"{len(plan)} batches spread over the plan of {args.plan_samples} samples ({len(full_plan)} batches)",
         "samples": len(samples),
-        "batches": len(plan),
         "real_tokens": real_tokens,
         "packing_efficiency": round(real_tokens / padded_tokens, 4),
         "build_s": round(build_s, 1),
@@ -232,12 +248,18 @@ def main() -> int:
         "forward_tokens_per_s": round(real_tokens / forward_s),
         "early_exit_ratio": round(forward_s / statistics.median(results["full"]), 4),
         "extract_tokens_per_s": round(real_tokens / statistics.median(results["extract"])),
-        "pipeline_tokens_per_s": round(real_tokens / statistics.median(results["pipeline"])),
         "mfu_forward": round(flops / forward_s / PEAK_BF16_FLOPS, 4),
-        "gpu_busy_pipeline": round(statistics.median(results["gpu_busy"]), 4),
-        "write_gb_per_s": round(statistics.median(results["write_gbps"]), 3),
+        "pipeline_by_spool": {
+            spool: {
+                "tokens_per_s": round(real_tokens / statistics.median(figures["pipeline"])),
+                "gpu_busy": round(statistics.median(figures["gpu_busy"]), 4),
+                "write_gb_per_s": round(statistics.median(figures["write_gbps"]), 3),
+                "raw_seconds": [round(x, 3) for x in figures["pipeline"]],
+            }
+            for spool, figures in per_spool.items()
+        },
         "repeats": args.repeats,
-        "raw_seconds": {k: [round(x, 3) for x in v] for k, v in results.items() if k in ("full", "forward", "extract", "pipeline")},
+        "raw_seconds": {k: [round(x, 3) for x in v] for k, v in results.items()},
     }
     print(json.dumps(out, indent=1))
     return 0

@@ -8,6 +8,7 @@ last layer (transformers applies the final norm to that entry). The `final` sele
 final norm's output instead, and the forward stops there (the lm_head still never runs).
 """
 
+import importlib.util
 from dataclasses import dataclass
 
 import structlog
@@ -107,6 +108,19 @@ class LoadedModel:
     staging: HostStaging | None = None  # pinned host buffers, on CUDA devices
 
 
+def choose_attention(
+    device: torch.device, compute_dtype: torch.dtype, *, flash_attn_installed: bool | None = None
+) -> str | None:
+    """flash-attention 2 on a CUDA device in 16-bit when the package is installed (it skips the
+    padding inside the attention); otherwise None: transformers' own choice for the model (SDPA
+    where the model supports it). flash-attn has no float32 or CPU path."""
+    if flash_attn_installed is None:
+        flash_attn_installed = importlib.util.find_spec("flash_attn") is not None
+    if device.type == "cuda" and compute_dtype in (torch.bfloat16, torch.float16) and flash_attn_installed:
+        return "flash_attention_2"
+    return None
+
+
 def load_model(
     path: str, *, layers: list[LayerSelector], dtype: str, device: str, trust_remote_code: bool = False,
     revision: str | None = None,
@@ -122,9 +136,12 @@ def load_model(
         raise HsxError(f"--device {device!r} is not a torch device (use cpu, cuda or cuda:N)") from None
     if target.type == "cuda" and not torch.cuda.is_available():
         raise HsxError(f"--device {device}: CUDA is not available on this machine")
+    attention = choose_attention(target, compute_dtype)
+    attention_kwargs = {"attn_implementation": attention} if attention else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=compute_dtype, local_files_only=True, trust_remote_code=trust_remote_code,
+            **attention_kwargs,
             **({"revision": revision} if revision else {}),
         )
     except (OSError, ValueError) as exc:

@@ -9,9 +9,11 @@ already-uploaded file without re-uploading. Nothing is skipped because a file ex
 
 Two stages overlap: while batch N is written, announced and acked, batch N+1's forward runs.
 Batch N+2's forward starts only once batch N is finished, which is also what lets the host
-staging ring (two pinned buffers) hand out views without copying.
+staging ring (two pinned buffers) hand out views without copying. The next descriptor is fetched
+while the current one computes.
 
-Stopping: the stop event ends fetching; batches in hand are finished (not abandoned) first.
+Stopping: the stop event ends fetching; batches in hand are finished (not abandoned) first, and a
+descriptor fetched ahead but not started is nak'ed back to the stream.
 """
 
 import asyncio
@@ -234,46 +236,92 @@ async def _settle(task: asyncio.Task | None) -> None:
         await task
 
 
+@dataclass
+class _Fetched:
+    msgs: list[Msg]
+    # A descriptor fetched ahead waits for the batch before it, possibly longer than the ack wait
+    # on a slow device: it is kept alive until its own forward starts.
+    keep_alive: asyncio.Task | None = None
+
+    def started(self) -> None:
+        if self.keep_alive is not None:
+            self.keep_alive.cancel()
+
+
+async def _fetch_one(sub, cfg: ConsumerConfig, *, ahead: bool) -> _Fetched:
+    msgs = await sub.fetch(1, timeout=cfg.idle_fetch_timeout_s)
+    if ahead and msgs:
+        return _Fetched(msgs, asyncio.create_task(keep_in_progress(msgs[0], interval_s=cfg.in_progress_s)))
+    return _Fetched(msgs)
+
+
+async def _return_unstarted(prefetch: asyncio.Task | None) -> None:
+    """Hand back a descriptor fetched ahead but never started (we are stopping): nak'ed, it goes to
+    another consumer at once instead of after the ack wait."""
+    if prefetch is None:
+        return
+    try:
+        fetched = await prefetch
+    except Exception:
+        return
+    fetched.started()
+    for msg in fetched.msgs:
+        try:
+            await msg.nak()
+        except Exception as exc:  # NATS gone: the ack wait hands it back instead
+            log.warning("prefetched_batch_not_returned", error=str(exc) or type(exc).__name__)
+
+
 async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asyncio.Event) -> None:
     finishing: asyncio.Task | None = None
+    # The next descriptor is fetched while the current batch computes, so the GPU does not wait
+    # for a round trip to NATS between batches.
+    prefetch: asyncio.Task | None = None
     paused = False
-    while not stopping.is_set():
-        full, used = worker.spool_full()
-        if full:
-            if not paused:
-                log.warning("spool_high_water_paused", spool_bytes=used, high_water=cfg.spool_high_water_bytes)
-                paused = True
-            worker.state = "paused"
-            worker.detail = f"spool holds {used} bytes, high-water mark {cfg.spool_high_water_bytes}"
-            try:
-                await asyncio.wait_for(stopping.wait(), timeout=2.0)
-            except asyncio.TimeoutError:
-                pass
-            continue
-        if paused:
-            log.info("spool_resumed", spool_bytes=used)
-            paused = False
-            worker.state, worker.detail = "idle", ""
-        try:
-            msgs = await sub.fetch(1, timeout=cfg.idle_fetch_timeout_s)
-        except asyncio.TimeoutError:
-            await _settle(finishing)  # idle: nothing to overlap with
-            finishing = None
-            if worker.state == "working":
-                worker.state = "idle"
-            continue
-        except Exception as exc:  # NATS reconnecting: wait and fetch again
-            log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
-            await asyncio.sleep(1.0)
-            continue
-        for msg in msgs:
-            try:
-                computed = await worker.compute(msg)
-            except Exception as exc:
-                log.warning("batch_interrupted", error=f"{type(exc).__name__}: {exc}")
+    try:
+        while not stopping.is_set():
+            full, used = worker.spool_full()
+            if full:
+                if not paused:
+                    log.warning("spool_high_water_paused", spool_bytes=used, high_water=cfg.spool_high_water_bytes)
+                    paused = True
+                worker.state = "paused"
+                worker.detail = f"spool holds {used} bytes, high-water mark {cfg.spool_high_water_bytes}"
+                try:
+                    await asyncio.wait_for(stopping.wait(), timeout=2.0)
+                except asyncio.TimeoutError:
+                    pass
                 continue
-            # Batch N must be finished before batch N+1's finish starts (and before batch N+2's
-            # forward reuses its staging buffer); batch N+1's forward has just run alongside it.
-            await _settle(finishing)
-            finishing = asyncio.create_task(_finish_guarded(worker, computed)) if computed else None
-    await _settle(finishing)
+            if paused:
+                log.info("spool_resumed", spool_bytes=used)
+                paused = False
+                worker.state, worker.detail = "idle", ""
+            fetching, prefetch = prefetch or asyncio.create_task(_fetch_one(sub, cfg, ahead=False)), None
+            try:
+                fetched = await fetching
+            except asyncio.TimeoutError:
+                await _settle(finishing)  # idle: nothing to overlap with
+                finishing = None
+                if worker.state == "working":
+                    worker.state = "idle"
+                continue
+            except Exception as exc:  # NATS reconnecting: wait and fetch again
+                log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(1.0)
+                continue
+            fetched.started()
+            for msg in fetched.msgs:
+                if not stopping.is_set():
+                    prefetch = asyncio.create_task(_fetch_one(sub, cfg, ahead=True))
+                try:
+                    computed = await worker.compute(msg)
+                except Exception as exc:
+                    log.warning("batch_interrupted", error=f"{type(exc).__name__}: {exc}")
+                    continue
+                # Batch N must be finished before batch N+1's finish starts (and before batch N+2's
+                # forward reuses its staging buffer); batch N+1's forward has just run alongside it.
+                await _settle(finishing)
+                finishing = asyncio.create_task(_finish_guarded(worker, computed)) if computed else None
+    finally:
+        await _return_unstarted(prefetch)
+        await _settle(finishing)

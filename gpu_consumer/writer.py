@@ -1,19 +1,16 @@
 """Writing one sample's file into the spool, atomically, and describing it for the uploader."""
 
-import hashlib
-import json
 import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 
-from hsx.fsutil import atomic_write_bytes
-from hsx.layout import FLOAT8, quantize_float8, sample_key, sample_metadata, tensor_checksum
+from hsx import samplefile
+from hsx.layout import FLOAT8, quantize_float8, sample_key, sample_metadata
 from hsx.schemas import FileReady, JobSpec, Sample
 
 
-# hsx.fsutil.atomic_write_bytes writes `.<name>.<hex>.tmp` next to the file, then renames it.
+# hsx.fsutil.atomic_write writes `.<name>.<hex>.tmp` next to the file, then renames it.
 _TEMP_NAME = re.compile(r"^\..+\.safetensors\.[0-9a-f]+\.tmp$")
 
 
@@ -33,21 +30,6 @@ def remove_orphaned_temp_files(spool: Path, job: str, *, older_than: float) -> i
         except FileNotFoundError:
             pass
     return removed
-
-
-def _canonical_header(data: bytes) -> bytes:
-    """The same file with its JSON header's keys sorted.
-
-    safetensors writes the metadata map in a per-process random order (a Rust HashMap), so the
-    same sample written by two processes (a batch redelivered after a crash) had different bytes
-    and sha256: the uploader then uploaded it again, or, seeing the older event last, took it for
-    lost and re-extracted it. Sorted, compact JSON of the same keys and values has the original's
-    length, so the space padding and the tensor offsets stay as they are."""
-    length = int.from_bytes(data[:8], "little")
-    header = json.dumps(json.loads(data[8 : 8 + length]), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    if len(header) > length:  # not expected; keep the file as written rather than re-lay it out
-        return data
-    return b"".join((data[:8], header.ljust(length, b" "), memoryview(data)[8 + length :]))
 
 
 def write_sample_file(
@@ -70,11 +52,9 @@ def write_sample_file(
         layers=spec.layers,
         dtype=spec.dtype,
         num_tokens=len(sample.input_ids),
-        checksum=tensor_checksum(tensors),
     )
-    data = _canonical_header(save(tensors, metadata=metadata))
     key = sample_key(spec.job, sample.index)
-    atomic_write_bytes(spool / key, data)
+    size, digest = samplefile.write(spool / key, tensors, metadata)
     return FileReady(
         job=spec.job,
         node=node,
@@ -83,7 +63,7 @@ def write_sample_file(
         num_tokens=len(sample.input_ids),
         spool_path=key,
         key=key,
-        size=len(data),
-        sha256=hashlib.sha256(data).hexdigest(),
+        size=size,
+        digest=digest,
         sample=sample,
     )

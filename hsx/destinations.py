@@ -1,7 +1,7 @@
 """Where finished sample files end up: `file:///dir` (or a plain path) and `s3://bucket/prefix`.
 
 One small interface: `put_verified` copies a local file to a key and returns only once the stored
-object is known to have the expected size and sha256; `has_verified` answers whether a key already
+object is known to have the expected size and digest (hsx.samplefile); `has_verified` answers whether a key already
 holds exactly that object (a redelivered upload is then acked without re-uploading). Calls block;
 the uploader runs them on worker threads.
 
@@ -10,7 +10,6 @@ AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION); a custom endpoint
 addressing, which MinIO, moto and most S3-compatible stores need.
 """
 
-import base64
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,18 +17,20 @@ from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
 from hsx.errors import HsxError
-from hsx.fsutil import atomic_copy, file_sha256
+from hsx.fsutil import atomic_copy
+from hsx.samplefile import DigestCheck, SampleFileCorrupt, checked_file_digest
 
 MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNK = 64 << 20
+DIGEST_METADATA = "hsx-digest"  # S3 user metadata: the sample file's digest, compared by has_verified
 
 
 class Destination(Protocol):
     url: str
 
-    def put_verified(self, local: Path, key: str, *, size: int, sha256: str) -> None: ...
+    def put_verified(self, local: Path, key: str, *, size: int, digest: str) -> None: ...
 
-    def has_verified(self, key: str, *, size: int, sha256: str) -> bool: ...
+    def has_verified(self, key: str, *, size: int, digest: str) -> bool: ...
 
     def read_bytes(self, key: str) -> bytes: ...
 
@@ -48,22 +49,27 @@ class FileDestination:
     def _path(self, key: str) -> Path:
         return self.root / key
 
-    def put_verified(self, local: Path, key: str, *, size: int, sha256: str) -> None:
-        written_sha = atomic_copy(local, self._path(key))
+    def put_verified(self, local: Path, key: str, *, size: int, digest: str) -> None:
+        check = DigestCheck()  # the bytes copied are checked in the same pass
+        atomic_copy(local, self._path(key), observe=check.update)
         stored_size = self._path(key).stat().st_size
-        if written_sha != sha256 or stored_size != size:
+        try:
+            written = check.result()
+        except SampleFileCorrupt as exc:
+            written = f"corrupt ({exc})"
+        if written != digest or stored_size != size:
             raise VerificationError(
-                f"{key}: stored {stored_size} bytes sha256 {written_sha[:12]}, expected {size} bytes {sha256[:12]}"
+                f"{key}: stored {stored_size} bytes with digest {written[:80]}, expected {size} bytes {digest[:12]}"
             )
 
-    def has_verified(self, key: str, *, size: int, sha256: str) -> bool:
+    def has_verified(self, key: str, *, size: int, digest: str) -> bool:
         path = self._path(key)
         try:
             if path.stat().st_size != size:
                 return False
-        except FileNotFoundError:
+            return checked_file_digest(path) == digest
+        except (FileNotFoundError, SampleFileCorrupt):
             return False
-        return file_sha256(path) == sha256
 
     def read_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
@@ -107,25 +113,25 @@ class S3Destination:
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def put_verified(self, local: Path, key: str, *, size: int, sha256: str) -> None:
+    def put_verified(self, local: Path, key: str, *, size: int, digest: str) -> None:
         full_key = self._key(key)
-        metadata = {"sha256": sha256}
+        metadata = {DIGEST_METADATA: digest}
+        # The client sends a CRC32 of the body (cheap next to sha256) and the server refuses a
+        # body that does not match it: the object is the local file, which the uploader checked.
         if size < MULTIPART_THRESHOLD:
-            # The server checks the body against this checksum and refuses a mismatch.
             with open(local, "rb") as body:
                 self.client.put_object(
-                    Bucket=self.bucket, Key=full_key, Body=body, Metadata=metadata,
-                    ChecksumSHA256=base64.b64encode(bytes.fromhex(sha256)).decode(),
+                    Bucket=self.bucket, Key=full_key, Body=body, Metadata=metadata, ChecksumAlgorithm="CRC32",
                 )
         else:
             self.client.upload_file(
                 str(local), self.bucket, full_key,
-                ExtraArgs={"Metadata": metadata, "ChecksumAlgorithm": "SHA256"}, Config=self.transfer,
+                ExtraArgs={"Metadata": metadata, "ChecksumAlgorithm": "CRC32"}, Config=self.transfer,
             )
-        if not self.has_verified(key, size=size, sha256=sha256):
+        if not self.has_verified(key, size=size, digest=digest):
             raise VerificationError(f"s3://{self.bucket}/{full_key}: stored object does not match the local file")
 
-    def has_verified(self, key: str, *, size: int, sha256: str) -> bool:
+    def has_verified(self, key: str, *, size: int, digest: str) -> bool:
         from botocore.exceptions import ClientError
 
         try:
@@ -134,7 +140,7 @@ class S3Destination:
             if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise
-        return head["ContentLength"] == size and head.get("Metadata", {}).get("sha256") == sha256
+        return head["ContentLength"] == size and head.get("Metadata", {}).get(DIGEST_METADATA) == digest
 
     def read_bytes(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()

@@ -4,10 +4,10 @@ A reader (the uploader, a trainer reading a file:// destination) sees either no 
 file, never a prefix of one, whatever moment the writer dies at.
 """
 
-import hashlib
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 FILE_MODE = 0o600
@@ -40,15 +40,14 @@ def _temp_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.tmp")
 
 
-def atomic_write_bytes(final: Path, data: bytes | memoryview) -> None:
+def atomic_write(final: Path, write: Callable[[int], None]) -> None:
+    """Create `final` atomically: `write(fd)` fills a new temp file beside it (0600), which is then
+    fsynced and renamed over `final`. A failure removes the temp file and leaves `final` as it was."""
     make_private_dirs(final.parent)
     tmp = _temp_path(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
+        write(fd)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -59,32 +58,31 @@ def atomic_write_bytes(final: Path, data: bytes | memoryview) -> None:
     _fsync_dir(final.parent)
 
 
-def atomic_copy(source: Path, final: Path) -> str:
-    """Copy source to final atomically; return the sha256 of the bytes written."""
-    make_private_dirs(final.parent)
-    tmp = _temp_path(final)
-    digest = hashlib.sha256()
-    try:
-        with open(source, "rb") as src, open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "wb") as dst:
-            while chunk := src.read(_CHUNK):
-                digest.update(chunk)
-                dst.write(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    return digest.hexdigest()
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+def atomic_write_bytes(final: Path, data: bytes | memoryview) -> None:
+    atomic_write(final, lambda fd: _write_all(fd, data))
+
+
+def atomic_copy(source: Path, final: Path, *, observe: Callable[[memoryview], None] | None = None) -> None:
+    """Copy source to final atomically; `observe` sees every chunk copied, in order (to check the
+    bytes written in the same pass)."""
+
+    def copy(fd: int) -> None:
+        with open(source, "rb") as src:
+            buffer = bytearray(_CHUNK)
+            while size := src.readinto(buffer):
+                chunk = memoryview(buffer)[:size]
+                if observe is not None:
+                    observe(chunk)
+                _write_all(fd, chunk)
+
+    atomic_write(final, copy)
 
 
 def free_bytes(path: Path) -> int:

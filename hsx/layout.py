@@ -10,12 +10,11 @@ value = hidden_states.float() * hidden_states_scale[..., None]. Metadata makes t
 self-describing.
 """
 
-import hashlib
 import json
 
 import torch
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: `checksum` is the sha256 of the data section (hsx.samplefile)
 SHARD_SIZE = 1000
 # Layer i is the raw output of decoder layer i (0-based): transformers' output_hidden_states[i + 1]
 # for every layer but the last, whose transformers entry has the final norm applied.
@@ -44,18 +43,6 @@ def sample_key(job: str, sample_index: int) -> str:
     return f"{job}/{sample_index // SHARD_SIZE:05d}/{sample_index}.safetensors"
 
 
-def tensor_checksum(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over every tensor's raw bytes in name order: the file's content, independent of
-    the safetensors header (which holds this checksum)."""
-    digest = hashlib.sha256()
-    for name in sorted(tensors):
-        tensor = tensors[name].contiguous()
-        digest.update(name.encode())
-        if tensor.numel():
-            digest.update(tensor.view(torch.uint8).numpy())  # the buffer itself, no copy
-    return "sha256:" + digest.hexdigest()
-
-
 def sample_metadata(
     *,
     job: str,
@@ -66,8 +53,8 @@ def sample_metadata(
     layers: list[int | str],
     dtype: str,
     num_tokens: int,
-    checksum: str,
 ) -> dict[str, str]:
+    """The metadata every sample file carries; the writer adds `checksum` (hsx.samplefile)."""
     return {
         "format": "pt",
         "hsx_format_version": FORMAT_VERSION,
@@ -80,5 +67,4 @@ def sample_metadata(
         "layer_convention": LAYER_CONVENTION,
         "dtype": dtype,
         "num_tokens": str(num_tokens),
-        "checksum": checksum,
     }

@@ -38,7 +38,7 @@ class BatchDescriptor(_Wire, tag="batch.v1"):
     redo_reason: str = ""
 
 
-class FileReady(_Wire, tag="file.v1"):
+class FileReady(_Wire, tag="file.v2"):
     """A complete sample file sits in a node's spool and waits for upload."""
 
     job: str
@@ -49,7 +49,7 @@ class FileReady(_Wire, tag="file.v1"):
     spool_path: str  # relative to the spool directory
     key: str  # destination key relative to the destination prefix
     size: int
-    sha256: str  # of the whole file
+    digest: str  # hsx.samplefile: sha256 of the file's header, which holds the sha256 of its data
     # The sample itself, so that an uploader that finds the spool file lost or corrupted can
     # re-queue it for extraction without any copy of the dataset.
     sample: Sample | None = None

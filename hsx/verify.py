@@ -39,7 +39,8 @@ from hsx.data import (
 )
 from hsx.errors import HsxError
 from hsx.jobs import require_job_spec
-from hsx.layout import FLOAT8, sample_key, tensor_checksum
+from hsx.layout import FLOAT8, sample_key
+from hsx.samplefile import SampleFileCorrupt, checked_digest
 from hsx.natsconn import NatsSettings, connect
 
 log = structlog.get_logger("hsx.verify")
@@ -115,11 +116,10 @@ def check_sample(
         tensors, metadata = load_sample(data)
     except SampleFileError as exc:
         return _Outcome(index, "corrupt", reason="load", details=[str(exc)])
-    stored_checksum = metadata.get("checksum")
-    actual = tensor_checksum(tensors)
-    if stored_checksum != actual:
-        return _Outcome(index, "corrupt", reason="checksum",
-                        details=[f"metadata checksum {stored_checksum} but the tensors hash to {actual}"])
+    try:
+        checked_digest([data])
+    except SampleFileCorrupt as exc:
+        return _Outcome(index, "corrupt", reason="checksum", details=[str(exc)])
 
     failed: dict[str, str] = {}
 

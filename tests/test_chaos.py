@@ -21,7 +21,6 @@ with the services' logs. Each test prints one `CHAOS ...` line with what it meas
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import signal
 import threading
@@ -41,10 +40,12 @@ from botocore.exceptions import ClientError
 
 from conftest import _free_port
 from hsx import schemas, topology
+from hsx.destinations import DIGEST_METADATA
 from hsx.embedded import start_nats_server
 from test_crash_recovery import wait_settled
 from test_e2e_s3 import (
     _metadata,
+    digest_and_checksum,
     check_final_status,
     check_outputs,
     logs_of,
@@ -250,7 +251,7 @@ def test_consumers_sigkilled_three_times_give_the_same_bytes_as_an_undisturbed_r
 
 class SpoolDeletionWatcher(threading.Thread):
     """Every `period` s: lists the job's finished spool files; each one that is gone since the last
-    look must already have its object in the bucket, with the size and sha256 the file had.
+    look must already have its object in the bucket, with the size and digest the file had.
 
     No grace period: the uploader deletes a file only after `put_verified` returned (a HEAD showed
     the object complete), so when the watcher sees the file gone the object exists already. A
@@ -260,7 +261,7 @@ class SpoolDeletionWatcher(threading.Thread):
         super().__init__(daemon=True, name="spool-watcher")
         self.root, self.spool, self.bucket, self.prefix, self.period = spool / job, spool, bucket, prefix, period
         self.client = boto3.client("s3")
-        self.present: dict[Path, tuple[int, str]] = {}  # file -> (size, sha256) when first seen
+        self.present: dict[Path, tuple[int, str]] = {}  # file -> (size, digest) when first seen
         self.seen: set[Path] = set()
         self.checked: set[str] = set()  # keys whose file was seen deleted, object verified at that moment
         self.problems: list[str] = []
@@ -274,16 +275,17 @@ class SpoolDeletionWatcher(threading.Thread):
             now = set()
         gone = [p for p in self.present if p not in now]
         for path in gone:
-            size, sha = self.present.pop(path)
+            size, digest = self.present.pop(path)
             key = f"{self.prefix}/{path.relative_to(self.spool).as_posix()}"
             try:
                 head = self.client.head_object(Bucket=self.bucket, Key=key)
             except ClientError as exc:
                 self.problems.append(f"{path.name} left the spool but s3://{self.bucket}/{key} is not there ({exc})")
                 continue
-            if head["ContentLength"] != size or head.get("Metadata", {}).get("sha256") != sha:
+            stored = head.get("Metadata", {}).get(DIGEST_METADATA)
+            if head["ContentLength"] != size or stored != digest:
                 self.problems.append(f"{path.name} left the spool but the object holds {head['ContentLength']} bytes "
-                                     f"sha256 {head.get('Metadata', {}).get('sha256')}, not {size} bytes {sha}")
+                                     f"digest {stored}, not {size} bytes {digest}")
                 continue
             self.checked.add(key)
         for path in now - self.present.keys():
@@ -291,7 +293,7 @@ class SpoolDeletionWatcher(threading.Thread):
                 data = path.read_bytes()  # files are renamed into place whole: this is the final content
             except FileNotFoundError:
                 continue
-            self.present[path] = (len(data), hashlib.sha256(data).hexdigest())
+            self.present[path] = (len(data), digest_and_checksum(data)[0])
             self.seen.add(path)
         self.looks += 1
 

@@ -9,6 +9,7 @@ The helpers here are shared with tests/test_crash_recovery.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -20,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from hsx.layout import SHARD_SIZE, tensor_checksum
+from hsx.layout import SHARD_SIZE
 
 LAYERS = [0, 2, 5]  # of the tiny qwen3's 6 decoder layers: 5 is the last (pre-norm in hsx, post-norm in HF)
 HIDDEN = 64
@@ -125,8 +126,15 @@ def check_sample_file(data: bytes, key: str, *, job: str, rows: list[dict]) -> d
     assert metadata["job"] == job and metadata["source_id"] == row["id"], f"{key}: metadata {metadata}"
     assert json.loads(metadata["layers"]) == LAYERS and metadata["dtype"] == "float32", f"{key}: metadata {metadata}"
     assert metadata["num_tokens"] == str(tokens), f"{key}: metadata num_tokens {metadata['num_tokens']}"
-    assert metadata["checksum"] == tensor_checksum(tensors), f"{key}: checksum in metadata does not match its tensors"
+    assert metadata["checksum"] == digest_and_checksum(data)[1], f"{key}: checksum in metadata does not match its data"
     return tensors
+
+
+def digest_and_checksum(data: bytes) -> tuple[str, str]:
+    """A sample file's digest (sha256 of its first 8 + header bytes) and the checksum its header
+    should hold (sha256 of everything after the header), computed here with hashlib alone."""
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    return hashlib.sha256(data[:header_end]).hexdigest(), "sha256:" + hashlib.sha256(data[header_end:]).hexdigest()
 
 
 def _metadata(data: bytes) -> dict[str, str]:

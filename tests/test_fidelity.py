@@ -8,7 +8,6 @@ padding). Layer i is `hidden_states[i + 1]`; the last decoder layer is the raw l
 hook of our own on the reference model), not transformers' post-norm last entry.
 """
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -21,8 +20,9 @@ from transformers import AutoModelForCausalLM
 from gpu_consumer.extract import extract_samples
 from gpu_consumer.model import load_model
 from gpu_consumer.writer import write_sample_file
-from hsx.layout import LAYER_CONVENTION, sample_key, tensor_checksum
+from hsx.layout import LAYER_CONVENTION, sample_key
 from hsx.schemas import FileReady, JobSpec, Sample
+from test_e2e_s3 import digest_and_checksum
 
 FAMILIES = ["qwen3", "llama"]
 NUM_LAYERS = 6  # tests/conftest.py TINY
@@ -108,7 +108,8 @@ def _check_file(spool: Path, spec: JobSpec, sample: Sample, ready: FileReady, la
     data = path.read_bytes()
     # The event describes exactly the bytes on disk.
     assert ready.size == len(data) == path.stat().st_size
-    assert ready.sha256 == hashlib.sha256(data).hexdigest()
+    digest, checksum = digest_and_checksum(data)
+    assert ready.digest == digest
     assert ready.sample_index == sample.index
     assert ready.num_tokens == len(sample.input_ids)
     assert ready.key == ready.spool_path == sample_key(spec.job, sample.index)
@@ -135,7 +136,7 @@ def _check_file(spool: Path, spec: JobSpec, sample: Sample, ready: FileReady, la
     assert metadata["num_tokens"] == str(T)
     assert metadata["model"] == spec.model
     assert metadata["model_revision"] == spec.model_revision
-    assert metadata["checksum"] == tensor_checksum(tensors)
+    assert metadata["checksum"] == checksum
     return hs
 
 

@@ -79,3 +79,16 @@ def test_an_unknown_model_id_is_a_one_line_error(hsx, job_name, tmp_path):
     assert lines[0].startswith("hsx: error: model no-such-org/no-such-model:")
     assert "not a local folder" in lines[0] and "not in the local Hugging Face cache" in lines[0]
     assert "Traceback" not in result.stderr
+
+
+def test_flash_attention_only_where_it_can_run():
+    import torch
+
+    from gpu_consumer.model import choose_attention
+
+    cuda, cpu = torch.device("cuda:0"), torch.device("cpu")
+    assert choose_attention(cuda, torch.bfloat16, flash_attn_installed=True) == "flash_attention_2"
+    assert choose_attention(cuda, torch.float16, flash_attn_installed=True) == "flash_attention_2"
+    assert choose_attention(cuda, torch.float32, flash_attn_installed=True) is None  # no float32 kernels
+    assert choose_attention(cpu, torch.bfloat16, flash_attn_installed=True) is None
+    assert choose_attention(cuda, torch.bfloat16, flash_attn_installed=False) is None

@@ -29,7 +29,7 @@ async def _publish_events(url: str, job: str, node: str, events: list[schemas.Fi
 
 def _event(job: str, index: int, spool_path: str, key: str | None = None) -> schemas.FileReady:
     return schemas.FileReady(job=job, node="testnode", batch_id="forged", sample_index=index, num_tokens=3,
-                             spool_path=spool_path, key=key or f"{job}/00000/{index}.safetensors", size=5, sha256="0" * 64)
+                             spool_path=spool_path, key=key or f"{job}/00000/{index}.safetensors", size=5, digest="0" * 64)
 
 
 def test_hostile_events_are_dead_lettered_and_nothing_outside_is_touched(hsx, hsx_service, nats_server, tiny_model,

@@ -1,5 +1,5 @@
 """Spool files lost or corrupted while their file-ready events are pending: the uploader notices
-(missing file / sha256 mismatch), sends those samples back for extraction, and the job still
+(missing file / data not matching its checksum), sends those samples back for extraction, and the job still
 ends with every sample in the destination exactly once and correct."""
 
 import time

@@ -1,12 +1,13 @@
 """Moving one announced file from the spool to the destination, with explicit ack discipline.
 
 Per event: decode (poison -> dead letter) -> if the destination already holds exactly this
-object (size and sha256), delete the local copy and ack without re-uploading -> else check the
-local file against the event's sha256, upload, verify the stored object, delete the local file,
-publish the `uploaded` event, ack. A spool file that is lost (in neither place) or corrupted (its
-sha256 differs) is sent back for extraction: the event carries the sample's tokens, so the
-uploader publishes a one-sample batch and acks the event. A failing upload is retried here with backoff while the event
-is kept alive with `in_progress()`, so an S3 outage costs no deliveries and loses nothing.
+object (size and digest), delete the local copy and ack without re-uploading -> else check the
+local file (hsx.samplefile: its data against the checksum in its header, its digest against the
+event's), upload, verify the stored object, delete the local file, publish the `uploaded` event,
+ack. A spool file that is lost (in neither place) or corrupted is sent back for extraction: the
+event carries the sample's tokens, so the uploader publishes a one-sample batch and acks the
+event. A failing upload is retried here with backoff while the event is kept alive with
+`in_progress()`, so an S3 outage costs no deliveries and loses nothing.
 """
 
 import asyncio
@@ -20,9 +21,9 @@ from nats.aio.msg import Msg
 from hsx import schemas, topology
 from hsx.destinations import Destination
 from hsx.events import EventPublisher, keep_in_progress
-from hsx.fsutil import file_sha256
 from hsx.layout import sample_key
 from hsx.natsconn import through_outage
+from hsx.samplefile import SampleFileCorrupt, checked_file_digest
 from uploader.config import UploaderConfig
 
 log = structlog.get_logger("hsx.uploader")
@@ -67,22 +68,26 @@ class FileMover:
         """Blocking: returns True if the object was already in the destination."""
         self._check_key(ready)
         local = self._local_path(ready)
-        if self.dest.has_verified(ready.key, size=ready.size, sha256=ready.sha256):
+        if self.dest.has_verified(ready.key, size=ready.size, digest=ready.digest):
             local.unlink(missing_ok=True)
             return True
         if not local.exists():
             # Another uploader may have finished the same sample (announced twice after a
             # redelivered batch) between the check above and now: look again before calling it lost.
-            if self.dest.has_verified(ready.key, size=ready.size, sha256=ready.sha256):
+            if self.dest.has_verified(ready.key, size=ready.size, digest=ready.digest):
                 return True
             raise _SpoolFileLost(f"{ready.spool_path}: missing from the spool and not in the destination")
-        local_sha = file_sha256(local)
-        if local_sha != ready.sha256:
+        try:
+            local_digest = checked_file_digest(local)
+        except SampleFileCorrupt as exc:
+            local.unlink(missing_ok=True)
+            raise _SpoolFileLost(f"{ready.spool_path}: spool file is corrupt: {exc}") from None
+        if local_digest != ready.digest:
             local.unlink(missing_ok=True)
             raise _SpoolFileLost(
-                f"{ready.spool_path}: spool file sha256 {local_sha[:12]} does not match the announced {ready.sha256[:12]}"
+                f"{ready.spool_path}: spool file digest {local_digest[:12]} does not match the announced {ready.digest[:12]}"
             )
-        self.dest.put_verified(local, ready.key, size=ready.size, sha256=ready.sha256)
+        self.dest.put_verified(local, ready.key, size=ready.size, digest=ready.digest)
         local.unlink(missing_ok=True)  # a concurrent uploader of the same sample may have removed it
         return False
 

@@ -1,0 +1,177 @@
+"""The bytes of one sample file, and their digest.
+
+A sample file is a standard safetensors file (any safetensors reader loads it) with two
+properties the library's own writer does not give:
+
+- Deterministic bytes: the header is sorted, compact JSON (safetensors writes its metadata map in
+  a per-process random order, so a redone batch would have produced different bytes).
+- A checksum inside: the metadata key `checksum` holds `sha256:<hex>` of the data section (every
+  byte after the header). The file's *digest* is the sha256 of its first 8 + header bytes, which
+  therefore covers the data too. Checking a file (`checked_digest`) is one pass: hash the header,
+  hash the data, compare the data's hash with the one the header holds.
+
+Writing (`write`) is one pass too, straight from the tensors' memory: the data section
+is written at its final offset chunk by chunk, each chunk hashed while it is still in cache, then
+the header (whose length does not depend on the checksum's value) is written in front. There is no
+serialised copy of the file in memory and no second hashing pass, which is what made the
+consumer's writes (and so the GPU) wait (docs/PERFORMANCE.md).
+"""
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from hsx.fsutil import atomic_write
+
+CHECKSUM_KEY = "checksum"
+_CHECKSUM_PREFIX = "sha256:"
+_PLACEHOLDER = _CHECKSUM_PREFIX + "0" * 64
+_CHUNK = 1 << 20  # hashed then written while it is still in the CPU cache
+_MAX_HEADER = 100 << 20  # safetensors refuses larger headers too
+
+_SAFETENSORS_DTYPES = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
+    torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class SampleFileCorrupt(ValueError):
+    """The bytes are not a sound sample file: truncated, a damaged header, or data that does not
+    match the checksum in the header."""
+
+
+def _header(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
+    text = json.dumps({"__metadata__": metadata, **entries}, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    encoded = text.encode()
+    encoded += b" " * (-len(encoded) % 8)  # safetensors pads the header so the data starts 8-aligned
+    return len(encoded).to_bytes(8, "little") + encoded
+
+
+def _flat_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without copying when it is already contiguous."""
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def write(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
+    """Write `tensors` and `metadata` (plus the checksum) atomically to `final`.
+
+    Returns (file size, digest). Tensors are laid out widest element first, then by name, so every
+    tensor starts aligned to its element size, as safetensors' own writer does."""
+    entries: dict[str, dict] = {}
+    buffers: list[memoryview] = []
+    offset = 0
+    for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)):
+        tensor = tensors[name]
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} has no safetensors name")
+        data = _flat_bytes(tensor)
+        entries[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                         "data_offsets": [offset, offset + data.nbytes]}
+        buffers.append(data)
+        offset += data.nbytes
+    if CHECKSUM_KEY in metadata:
+        raise ValueError(f"metadata key {CHECKSUM_KEY!r} is the writer's own")
+    data_start = len(_header(entries, {**metadata, CHECKSUM_KEY: _PLACEHOLDER}))
+    result: list[str] = []
+
+    def write(fd: int) -> None:
+        checksum = hashlib.sha256()
+        position = data_start
+        for buffer in buffers:
+            for start in range(0, buffer.nbytes, _CHUNK):
+                chunk = buffer[start : start + _CHUNK]
+                checksum.update(chunk)  # releases the GIL: writer threads hash in parallel
+                _pwrite_all(fd, chunk, position)
+                position += chunk.nbytes
+        header = _header(entries, {**metadata, CHECKSUM_KEY: _CHECKSUM_PREFIX + checksum.hexdigest()})
+        assert len(header) == data_start
+        _pwrite_all(fd, header, 0)
+        result.append(hashlib.sha256(header).hexdigest())
+
+    atomic_write(final, write)
+    return data_start + offset, result[0]
+
+
+def _pwrite_all(fd: int, data: memoryview | bytes, position: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, position)
+        view, position = view[written:], position + written
+
+
+class DigestCheck:
+    """Fed a sample file's bytes in order (any chunking), gives its digest after checking that the
+    data matches the checksum in the header. One pass; it keeps only the header in memory."""
+
+    def __init__(self) -> None:
+        self._head = bytearray()
+        self._header_end: int | None = None  # 8 + the header length, once the first 8 bytes are in
+        self._in_header = True
+        self._digest = ""
+        self._expected_checksum = ""
+        self._data_len = 0
+        self._data_seen = 0
+        self._data_hash = hashlib.sha256()
+
+    def update(self, chunk: bytes | memoryview) -> None:
+        view = memoryview(chunk)
+        while self._in_header:
+            target = 8 if self._header_end is None else self._header_end
+            take = target - len(self._head)
+            self._head += view[:take]
+            view = view[take:]
+            if len(self._head) < target:
+                return
+            if self._header_end is None:
+                self._header_end = 8 + int.from_bytes(self._head, "little")
+                if self._header_end > _MAX_HEADER:
+                    raise SampleFileCorrupt(f"the header claims {self._header_end - 8} bytes")
+                continue
+            self._read_header(bytes(self._head))
+            self._in_header = False
+        self._data_hash.update(view)
+        self._data_seen += view.nbytes
+
+    def _read_header(self, header: bytes) -> None:
+        try:
+            parsed = json.loads(header[8:])
+            metadata = parsed.pop("__metadata__")
+            self._expected_checksum = metadata[CHECKSUM_KEY]
+            self._data_len = max((entry["data_offsets"][1] for entry in parsed.values()), default=0)
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise SampleFileCorrupt(f"the header does not parse as a sample file's ({type(exc).__name__}: {exc})") from None
+        self._digest = hashlib.sha256(header).hexdigest()
+
+    def result(self) -> str:
+        """The digest; SampleFileCorrupt if the file was short, long, or its data was changed."""
+        if self._in_header:
+            raise SampleFileCorrupt(f"the file ends inside its header ({len(self._head)} bytes)")
+        if self._data_seen != self._data_len:
+            raise SampleFileCorrupt(f"the data section has {self._data_seen} bytes, the header describes {self._data_len}")
+        actual = _CHECKSUM_PREFIX + self._data_hash.hexdigest()
+        if actual != self._expected_checksum:
+            raise SampleFileCorrupt(f"the header's checksum is {self._expected_checksum}, the data hashes to {actual}")
+        return self._digest
+
+
+def checked_digest(chunks: Iterable[bytes | memoryview]) -> str:
+    check = DigestCheck()
+    for chunk in chunks:
+        check.update(chunk)
+    return check.result()
+
+
+def read_chunks(path: Path, chunk_size: int = 8 << 20) -> Iterable[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            yield chunk
+
+
+def checked_file_digest(path: Path) -> str:
+    """The digest of the sample file at `path`, after checking it (one read)."""
+    return checked_digest(read_chunks(path))
