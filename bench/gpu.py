@@ -101,6 +101,26 @@ async def _service_pass(loaded, batches, spec, spool: Path) -> int:
     return sum(p.stat().st_size for p in (spool / spec.job).rglob("*.safetensors"))
 
 
+def _compare_compiled(model, forward_only, timed, repeats: int, real_tokens: int, flops: float) -> int:
+    """An experiment, not the consumer's path: what fusing each decoder layer's element-wise work
+    with torch.compile would buy the forward."""
+    eager = statistics.median(timed(forward_only) for _ in range(repeats))
+    start = time.perf_counter()
+    for layer in model.model.layers:
+        layer.compile(dynamic=True)
+    first = timed(forward_only)  # pays for compiling
+    compile_s = time.perf_counter() - start - first
+    compiled = statistics.median(timed(forward_only) for _ in range(repeats))
+    print(json.dumps({
+        "forward_eager_tokens_per_s": round(real_tokens / eager), "mfu_eager": round(flops / eager / PEAK_BF16_FLOPS, 4),
+        "forward_compiled_tokens_per_s": round(real_tokens / compiled),
+        "mfu_compiled": round(flops / compiled / PEAK_BF16_FLOPS, 4),
+        "compiled_vs_eager": round(eager / compiled, 3), "first_compiled_pass_s": round(first + max(compile_s, 0), 1),
+        "repeats": repeats,
+    }, indent=1))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--plan-samples", type=int, default=100_000,
@@ -113,6 +133,8 @@ def main() -> int:
     parser.add_argument("--spool", type=Path, action="append", default=None,
                         help="spool directory for the consumer-loop pass; repeat to measure several disks")
     parser.add_argument("--attn", default=None, help="attention implementation (default: what the consumer picks)")
+    parser.add_argument("--compile-layers", action="store_true",
+                        help="only compare the forward eager vs with each decoder layer torch.compile'd")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
     args = parser.parse_args()
     from hsx.logs import configure_logging
@@ -185,6 +207,9 @@ def main() -> int:
             ids, mask = pad_batch(batch, 0)
             with torch.inference_mode():
                 loaded.tap.forward(ids.to(device), mask.to(device))
+
+    if args.compile_layers:
+        return _compare_compiled(model, forward_only, timed, args.repeats, real_tokens, flops)
 
     def full_model_baseline():
         """What the one-off scripts do: the whole model with output_hidden_states, then pick layers."""
