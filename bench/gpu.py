@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_consumer.extract import extract_samples, pad_batch  # noqa: E402
-from gpu_consumer.model import LayerTap, LoadedModel, choose_attention  # noqa: E402
+from gpu_consumer.model import LayerTap, LoadedModel, choose_attention, decoder_layers  # noqa: E402
 from gpu_consumer.staging import HostStaging  # noqa: E402
 from gpu_consumer.writer import write_sample_file  # noqa: E402
 from hsx.embedded import synthetic_lengths  # noqa: E402
@@ -59,8 +59,10 @@ def forward_flops(lengths: list[int], cfg: dict, layers_run: int) -> float:
     return total
 
 
-async def _service_pass(loaded, batches, spec, spool: Path) -> int:
-    """One pass of the real consumer loop over `batches`; returns bytes written."""
+async def _service_pass(loaded, batches, spec, spool: Path) -> tuple[int, float]:
+    """One pass of the real consumer loop over `batches`; returns (bytes written, seconds from the
+    loop's start to the last batch acked). Starting NATS and publishing come before the clock
+    starts; tearing down and deleting the files after it stops."""
     from gpu_consumer.config import ConsumerConfig
     from gpu_consumer.service import BatchWorker, pull_loop
     from hsx import schemas, topology
@@ -85,12 +87,14 @@ async def _service_pass(loaded, batches, spec, spool: Path) -> int:
                              instance="bench-1", spool_high_water_bytes=1 << 60, idle_fetch_timeout_s=0.05)
         stopping = asyncio.Event()
         worker = BatchWorker(cfg, js, EventPublisher(nc, js, spec.job), spec, loaded, stopping)
+        started = time.perf_counter()
         loop_task = asyncio.create_task(pull_loop(worker, sub, cfg, stopping))
         while True:
             info = await js.consumer_info(topology.BATCHES_STREAM, durable)
             if info.num_pending == 0 and info.num_ack_pending == 0:
                 break
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.01)
+        seconds = time.perf_counter() - started
         stopping.set()
         await loop_task
         worker.close()
@@ -98,7 +102,7 @@ async def _service_pass(loaded, batches, spec, spool: Path) -> int:
         await nc.drain()
     finally:
         server.stop()
-    return sum(p.stat().st_size for p in (spool / spec.job).rglob("*.safetensors"))
+    return sum(p.stat().st_size for p in (spool / spec.job).rglob("*.safetensors")), seconds
 
 
 def _compare_compiled(model, forward_only, timed, repeats: int, real_tokens: int, flops: float) -> int:
@@ -133,6 +137,9 @@ def main() -> int:
     parser.add_argument("--spool", type=Path, action="append", default=None,
                         help="spool directory for the consumer-loop pass; repeat to measure several disks")
     parser.add_argument("--attn", default=None, help="attention implementation (default: what the consumer picks)")
+    parser.add_argument("--compile", action="store_true",
+                        help="every hsx path with torch.compile'd decoder layers (hsx consume --compile); "
+                             "the full-model baseline is then skipped (it would be compiled too)")
     parser.add_argument("--compile-layers", action="store_true",
                         help="only compare the forward eager vs with each decoder layer torch.compile'd")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
@@ -161,6 +168,9 @@ def main() -> int:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.eval().requires_grad_(False)
+    if args.compile:
+        for layer in decoder_layers(model):
+            layer.compile(dynamic=True)
     build_s = time.perf_counter() - t0
     staging = HostStaging() if device.type == "cuda" else None
 
@@ -192,8 +202,12 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
 
-    extract_samples(loaded, batches[0][:2])  # warm-up
+    warm_start = time.perf_counter()
+    extract_samples(loaded, batches[0][:2])  # warm-up (and compiling, with --compile)
+    if args.compile:
+        extract_samples(loaded, batches[0])
     sync()
+    warm_up_s = time.perf_counter() - warm_start
 
     def timed(fn) -> float:
         sync()
@@ -233,31 +247,34 @@ def main() -> int:
                    dest="file:///dev/null", token_budget=args.token_budget, max_seq_len=args.max_len, dataset="synthetic",
                    plan_fingerprint="x", total_samples=args.plan_samples, total_tokens=real_tokens, total_batches=len(plan),
                    created_at=0.0)
-    written = [0]
 
-    def pipeline(spool: Path):
+    def pipeline(spool: Path) -> tuple[int, float]:
         """The real consumer service loop (gpu_consumer.service.pull_loop) against a real
         nats-server: fetch, forward, files written on the writer pool while the next batch
         computes, file-ready events, progress events, ack. No uploader: files stay in the spool."""
-        written[0] = asyncio.run(_service_pass(loaded, batches, spec, spool))
+        sync()
+        written, seconds = asyncio.run(_service_pass(loaded, batches, spec, spool))
         shutil.rmtree(spool / "bench", ignore_errors=True)
+        return written, seconds
 
     results = {"full": [], "forward": [], "extract": []}
     per_spool = {str(spool): {"pipeline": [], "gpu_busy": [], "write_gbps": []} for spool in spools}
     for _ in range(args.repeats):
-        results["full"].append(timed(full_model_baseline))
+        if not args.compile:
+            results["full"].append(timed(full_model_baseline))
         forward_seconds = timed(forward_only)
         results["forward"].append(forward_seconds)
         results["extract"].append(timed(extract_only))
         for spool in spools:
-            seconds = timed(lambda: pipeline(spool))
+            written, seconds = pipeline(spool)
             figures = per_spool[str(spool)]
             figures["pipeline"].append(seconds)
             # The forward alone of the same batches over the service's wall time: the share of
             # the run the GPU spent on the work that matters.
             figures["gpu_busy"].append(forward_seconds / seconds)
-            figures["write_gbps"].append(written[0] / seconds / 1e9)
+            figures["write_gbps"].append(written / seconds / 1e9)
     forward_s = statistics.median(results["forward"])
+    full_s = statistics.median(results["full"]) if results["full"] else None
     out = {
         "gpu": torch.cuda.get_device_name(0) if cuda else "cpu (smoke run: figures mean nothing)",
         "torch": torch.__version__,
@@ -269,9 +286,11 @@ def main() -> int:
         "real_tokens": real_tokens,
         "packing_efficiency": round(real_tokens / padded_tokens, 4),
         "build_s": round(build_s, 1),
-        "full_model_output_hidden_states_tokens_per_s": round(real_tokens / statistics.median(results["full"])),
+        "compiled_layers": args.compile,
+        "warm_up_s": round(warm_up_s, 1),
+        "full_model_output_hidden_states_tokens_per_s": round(real_tokens / full_s) if full_s else None,
         "forward_tokens_per_s": round(real_tokens / forward_s),
-        "early_exit_ratio": round(forward_s / statistics.median(results["full"]), 4),
+        "early_exit_ratio": round(forward_s / full_s, 4) if full_s else None,
         "extract_tokens_per_s": round(real_tokens / statistics.median(results["extract"])),
         "mfu_forward": round(flops / forward_s / PEAK_BF16_FLOPS, 4),
         "pipeline_by_spool": {

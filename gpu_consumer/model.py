@@ -123,7 +123,7 @@ def choose_attention(
 
 def load_model(
     path: str, *, layers: list[LayerSelector], dtype: str, device: str, trust_remote_code: bool = False,
-    revision: str | None = None,
+    revision: str | None = None, compile_layers: bool = False,
 ) -> LoadedModel:
     """`revision`: the cache snapshot the producer resolved (pinned so that every consumer loads the
     weights the job spec names, even if the cache's `main` moves); None for a local folder."""
@@ -148,6 +148,11 @@ def load_model(
         raise HsxError(f"model {path}: cannot load ({str(exc).splitlines()[0]})") from None
     model.to(target).eval()
     model.requires_grad_(False)
+    if compile_layers:
+        # Per layer, not the whole model: the layer tap's hooks end the forward early, and every
+        # layer shares one compiled graph. dynamic: each batch has its own [B, P].
+        for layer in decoder_layers(model):
+            layer.compile(dynamic=True)
     config = model.config.get_text_config()
     pad = getattr(config, "pad_token_id", None)
     return LoadedModel(

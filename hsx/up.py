@@ -48,6 +48,7 @@ class UpConfig:
     timeout_s: float
     log_level: str = "info"
     on_long: str = "error"  # passed to hsx produce --on-long
+    compile_layers: bool = False  # passed to hsx consume --compile
 
     @classmethod
     def from_args(cls, args, *, nats: NatsSettings | None) -> "UpConfig":
@@ -55,7 +56,7 @@ class UpConfig:
             workdir=args.workdir.resolve(), job=args.job, nats=nats, model=args.model, dataset=args.dataset,
             layers=args.layers, dtype=args.dtype, dest=args.dest, consumers=args.consumers, uploaders=args.uploaders,
             token_budget=args.token_budget, max_seq_len=args.max_seq_len, samples=args.samples, device=args.device,
-            timeout_s=args.timeout, log_level=args.log_level, on_long=args.on_long,
+            timeout_s=args.timeout, log_level=args.log_level, on_long=args.on_long, compile_layers=args.compile,
         )
 
 
@@ -164,7 +165,8 @@ def run_up(cfg: UpConfig) -> int:
 
         spool = cfg.workdir / "spool"
         workers = [
-            _Child(f"consumer-{i}", _hsx(*common, "consume", "--job", cfg.job, "--device", cfg.device, "--spool", str(spool)),
+            _Child(f"consumer-{i}", _hsx(*common, "consume", "--job", cfg.job, "--device", cfg.device, "--spool", str(spool),
+                                             *(["--compile"] if cfg.compile_layers else [])),
                    env, logs / f"consumer-{i}.log")
             for i in range(cfg.consumers)
         ] + [

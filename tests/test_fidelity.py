@@ -83,8 +83,10 @@ def _reference(model, input_ids: list[int]) -> tuple[tuple[torch.Tensor, ...], l
     return tuple(h[0] for h in out.hidden_states), [raw[i][0] for i in range(len(model.model.layers))]
 
 
-def _extract_and_write(tmp_path: Path, model_path: Path, layers: list[int], dtype: str, samples: list[Sample]):
-    loaded = load_model(str(model_path), layers=layers, dtype=dtype, device="cpu")
+def _extract_and_write(
+    tmp_path: Path, model_path: Path, layers: list[int], dtype: str, samples: list[Sample], *, compile_layers: bool = False,
+):
+    loaded = load_model(str(model_path), layers=layers, dtype=dtype, device="cpu", compile_layers=compile_layers)
     hidden = extract_samples(loaded, samples)
     spec = _spec("fidelity-job", model_path, layers, dtype, samples)
     spool = tmp_path / "spool"
@@ -158,6 +160,18 @@ def test_float32_matches_transformers_per_sample(family, layers, tiny_model, ref
                                        msg=lambda m: f"{family} sample len {len(sample.input_ids)} layer {layer}: {m}")
     # Atomic writes leave nothing but the final files behind.
     assert sorted(p.name for p in spool.rglob("*") if p.is_file()) == sorted(Path(r.spool_path).name for r in ready)
+
+
+def test_compiled_layers_match_transformers_per_sample(tiny_model, reference_models, tmp_path):
+    """`hsx consume --compile`: the same states, through torch.compile'd decoder layers."""
+    layers = [4, 0, 2]
+    samples = _samples(seed=5)
+    spec, spool, ready = _extract_and_write(tmp_path, tiny_model("qwen3"), layers, "float32", samples, compile_layers=True)
+    for sample, event in zip(samples, ready):
+        hs = _check_file(spool, spec, sample, event, layers)
+        expected, _raw = _reference(reference_models("qwen3"), sample.input_ids)
+        for j, layer in enumerate(layers):
+            torch.testing.assert_close(hs[:, j], expected[layer + 1], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -25,13 +25,14 @@ def _samples(lengths, vocab=512, seed=0):
             for i, n in enumerate(lengths)]
 
 
+@pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 6e-2)])
-def test_cuda_extraction_matches_transformers_per_sample(tiny_model, dtype, atol):
+def test_cuda_extraction_matches_transformers_per_sample(tiny_model, dtype, atol, compile_layers):
     from transformers import AutoModelForCausalLM
 
     path = tiny_model("qwen3")
     layers = [4, 0, 2]
-    loaded = load_model(str(path), layers=layers, dtype=dtype, device="cuda:0")
+    loaded = load_model(str(path), layers=layers, dtype=dtype, device="cuda:0", compile_layers=compile_layers)
     samples = _samples([7, 33, 64, 130])
     outputs = extract_samples(loaded, samples)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda:0").eval()

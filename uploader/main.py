@@ -43,6 +43,7 @@ async def run(cfg: UploaderConfig) -> int:
             await pull_loop(mover, sub, cfg, stopping)
         finally:
             beats.cancel()
+            mover.close()
             await sub.unsubscribe()
         log.info("uploader_stopped")
         return 0

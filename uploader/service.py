@@ -12,6 +12,7 @@ event. A failing upload is retried here with backoff while the event is kept ali
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -48,6 +49,10 @@ class FileMover:
         self.retrying = 0  # uploads waiting out a destination failure
         self.last_error = ""
         self.spool_root = cfg.spool.resolve()
+        # One thread per upload in flight: asyncio's default pool (at most 32 threads) would cap
+        # the concurrency below --max-inflight, and against a distant S3 endpoint it is the latency
+        # of many concurrent requests that sets the throughput.
+        self._threads = ThreadPoolExecutor(max_workers=cfg.max_inflight, thread_name_prefix="hsx-upload")
 
     def _check_key(self, ready: schemas.FileReady) -> None:
         """The destination key is derived, never taken on trust: an event cannot place an object
@@ -91,6 +96,9 @@ class FileMover:
         local.unlink(missing_ok=True)  # a concurrent uploader of the same sample may have removed it
         return False
 
+    def close(self) -> None:
+        self._threads.shutdown(wait=True)
+
     def heartbeat_state(self) -> tuple[str, str]:
         if self.retrying:
             return "retrying", f"{self.retrying} uploads waiting to retry: {self.last_error[:200]}"
@@ -116,7 +124,7 @@ class FileMover:
             delay = 0.5
             while True:
                 try:
-                    already = await asyncio.to_thread(self._move, ready)
+                    already = await asyncio.get_running_loop().run_in_executor(self._threads, self._move, ready)
                     break
                 except _SpoolFileLost as exc:
                     if ready.sample is None:  # an event from before events carried their sample
