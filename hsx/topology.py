@@ -10,10 +10,21 @@ scale by binding many processes to one durable:
 - `gpu-<job>` on HSX_BATCHES, filtered to `hsx.batches.<job>`: every GPU process of the job.
 - `upload-<job>-<node>` on HSX_FILES, filtered to `hsx.files.<job>.<node>`: every uploader of a node,
   because only that node's spool holds those files.
+
+On a JetStream cluster every stream and bucket can be replicated (`hsx produce --replicas 3`);
+consumers follow their stream. Creating the topology waits out a JetStream that does not answer
+(a leader election after a server died), so a service started meanwhile waits rather than exits.
+docs/OPERATIONS.md lists the names and the `nats` commands that show them.
 """
 
+import asyncio
 import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import TypeVar
 
+import nats.errors
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
@@ -31,8 +42,11 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from hsx.errors import HsxError
+from hsx.natsconn import OUTAGE_RETRY_S
 
 log = structlog.get_logger("hsx.topology")
+
+T = TypeVar("T")
 
 BATCHES_STREAM = "HSX_BATCHES"
 FILES_STREAM = "HSX_FILES"
@@ -149,42 +163,141 @@ STREAMS: tuple[StreamConfig, ...] = (
 )
 
 
-async def ensure_topology(js: JetStreamContext) -> KeyValue:
-    """Create or update every stream and the jobs bucket; return the bucket."""
-    for config in STREAMS:
+def kv_stream(bucket: str) -> str:
+    """The stream behind a KV bucket, as `nats stream ls --all` shows it."""
+    return f"KV_{bucket}"
+
+
+def object_store_stream(bucket: str) -> str:
+    """The stream behind an object store bucket, as `nats stream ls --all` shows it."""
+    return f"OBJ_{bucket}"
+
+
+_STREAM_EXISTS_DIFFERENTLY = 10058  # JetStream error code: stream name in use with another configuration
+
+
+# JetStream's error code while a cluster has no metadata leader (an election after a server died
+# takes seconds): wait. A 503 without it, or no responder at all, means no JetStream: say so.
+_JETSTREAM_TEMPORARILY_UNAVAILABLE = 10008
+_JETSTREAM_UNAVAILABLE = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.ServiceUnavailableError)
+
+
+async def _while_unavailable(operation: Callable[[], Awaitable[T]], *, what: str) -> T:
+    """Run an idempotent topology operation, waiting out a JetStream that does not answer yet (up
+    to OUTAGE_RETRY_S): a service started while a cluster elects new leaders waits, not exits."""
+    started = time.monotonic()
+    while True:
         try:
-            await js.add_stream(config)
-        except nats.js.errors.BadRequestError as exc:
-            if exc.err_code != 10058:  # stream name already in use with a different configuration
-                raise
-            await js.update_stream(config)
-            log.info("stream_updated", stream=config.name)
+            return await operation()
+        except _JETSTREAM_UNAVAILABLE as exc:
+            no_jetstream = isinstance(exc, nats.js.errors.ServiceUnavailableError) and (
+                exc.err_code != _JETSTREAM_TEMPORARILY_UNAVAILABLE
+            )
+            if no_jetstream:
+                raise HsxError(
+                    f"NATS has no JetStream for hsx ({exc.description or 'nothing answers the JetStream API'}) "
+                    f"while setting up {what}: start nats-server with JetStream (-js, or a jetstream {{}} block) "
+                    "and enable it for the account hsx uses"
+                ) from None
+            if time.monotonic() - started >= OUTAGE_RETRY_S:
+                raise HsxError(
+                    f"JetStream did not answer for {OUTAGE_RETRY_S:.0f} s while setting up {what} "
+                    f"({exc}); in a cluster, check that a majority of the servers are up"
+                ) from None
+            log.warning("jetstream_unavailable", what=what, error=str(exc) or type(exc).__name__, retry_in_s=1.0)
+            await asyncio.sleep(1.0)
+
+
+async def ensure_topology(js: JetStreamContext, *, replicas: int | None = None) -> KeyValue:
+    """Create or update every stream and both buckets; return the jobs bucket.
+
+    `replicas` is how many servers of a JetStream cluster hold each stream and bucket (R1 on a
+    single server, R3 on a three-node cluster). None keeps whatever exists and creates R1: only
+    the process given --replicas changes it, so a consumer started without the flag never
+    scales a replicated stream back down. Consumers inherit their stream's replica count."""
+    return await _while_unavailable(lambda: _ensure_topology(js, replicas), what="the hsx streams and buckets")
+
+
+async def _ensure_topology(js: JetStreamContext, replicas: int | None) -> KeyValue:
     try:
-        return await js.key_value(JOBS_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        return await js.create_key_value(
-            bucket=JOBS_BUCKET, description="hsx job specs, key = job name", history=1,
-            storage=StorageType.FILE,
-        )
+        for config in STREAMS:
+            await _ensure_stream(js, config, replicas)
+        await _ensure_datasets_store(js, replicas)
+        return await _ensure_jobs_bucket(js, replicas)
+    except nats.js.errors.APIError as exc:
+        unavailable = isinstance(exc, _JETSTREAM_UNAVAILABLE)
+        if replicas and replicas > 1 and not unavailable and exc.err_code != _STREAM_EXISTS_DIFFERENTLY:
+            raise HsxError(
+                f"--replicas {replicas}: JetStream refused it ({exc.description}); replicated streams need a "
+                f"JetStream cluster of at least {replicas} servers (docs/OPERATIONS.md, Multi-node)"
+            ) from None
+        raise
 
 
 async def ensure_datasets_store(js: JetStreamContext) -> ObjectStore:
-    """Create (idempotently) and return the object store bucket of tokenized datasets and reports."""
+    """Return the object store bucket of tokenized datasets and reports, created if missing (R1;
+    `ensure_topology` has usually created it already, with the replicas asked for)."""
+    return await _while_unavailable(lambda: _ensure_datasets_store(js, None), what=f"bucket {DATASETS_BUCKET}")
+
+
+async def _replicas_of(js: JetStreamContext, stream: str) -> int | None:
     try:
-        return await js.object_store(DATASETS_BUCKET)
+        return (await js.stream_info(stream)).config.num_replicas or 1
+    except nats.js.errors.NotFoundError:
+        return None
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig, replicas: int | None) -> None:
+    wanted = replace(config, num_replicas=replicas or await _replicas_of(js, config.name) or 1)
+    try:
+        await js.add_stream(wanted)
+    except nats.js.errors.BadRequestError as exc:
+        if exc.err_code != _STREAM_EXISTS_DIFFERENTLY:
+            raise
+        await js.update_stream(wanted)
+        log.info("stream_updated", stream=config.name, replicas=wanted.num_replicas)
+
+
+async def _scale_bucket(js: JetStreamContext, stream: str, replicas: int | None) -> None:
+    """A KV or object store bucket is a stream: scale it like one when asked to."""
+    if replicas is None:
+        return
+    info = await js.stream_info(stream)
+    if (info.config.num_replicas or 1) != replicas:
+        await js.update_stream(replace(info.config, num_replicas=replicas))
+        log.info("stream_updated", stream=stream, replicas=replicas)
+
+
+async def _ensure_jobs_bucket(js: JetStreamContext, replicas: int | None) -> KeyValue:
+    try:
+        kv = await js.key_value(JOBS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_key_value(
+            bucket=JOBS_BUCKET, description="hsx job specs, key = job name", history=1,
+            storage=StorageType.FILE, replicas=replicas or 1,
+        )
+    await _scale_bucket(js, kv_stream(JOBS_BUCKET), replicas)
+    return kv
+
+
+async def _ensure_datasets_store(js: JetStreamContext, replicas: int | None) -> ObjectStore:
+    try:
+        store = await js.object_store(DATASETS_BUCKET)
     except nats.js.errors.BucketNotFoundError:
         return await js.create_object_store(
             DATASETS_BUCKET,
             config=ObjectStoreConfig(
                 description="hsx tokenized datasets (<job>.tokens.arrow) and input reports (<job>.report.json)",
-                storage=StorageType.FILE,
+                storage=StorageType.FILE, replicas=replicas or 1,
             ),
         )
+    await _scale_bucket(js, object_store_stream(DATASETS_BUCKET), replicas)
+    return store
 
 
 async def ensure_gpu_consumer(js: JetStreamContext, job: str, *, ack_wait_s: float = BATCH_ACK_WAIT_S) -> str:
     durable = gpu_durable(job)
-    await js.add_consumer(
+    await _while_unavailable(lambda: js.add_consumer(
         BATCHES_STREAM,
         ConsumerConfig(
             durable_name=durable,
@@ -196,7 +309,7 @@ async def ensure_gpu_consumer(js: JetStreamContext, job: str, *, ack_wait_s: flo
             max_deliver=BATCH_MAX_DELIVER,
             max_ack_pending=10_000,
         ),
-    )
+    ), what=f"consumer {durable}")
     return durable
 
 
@@ -204,7 +317,7 @@ async def ensure_upload_consumer(
     js: JetStreamContext, job: str, node: str, *, ack_wait_s: float = FILE_ACK_WAIT_S
 ) -> str:
     durable = upload_durable(job, node)
-    await js.add_consumer(
+    await _while_unavailable(lambda: js.add_consumer(
         FILES_STREAM,
         ConsumerConfig(
             durable_name=durable,
@@ -216,5 +329,5 @@ async def ensure_upload_consumer(
             max_deliver=FILE_MAX_DELIVER,
             max_ack_pending=100_000,
         ),
-    )
+    ), what=f"consumer {durable}")
     return durable

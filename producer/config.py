@@ -20,3 +20,6 @@ class ProducerConfig:
     max_batch_size: int | None = None
     on_long: str = "error"  # error | truncate | skip (producer/lengths.py)
     trust_remote_code: bool = False
+    # Servers of a JetStream cluster holding each hsx stream and bucket; None keeps what exists
+    # (R1 when creating). docs/OPERATIONS.md, Multi-node.
+    replicas: int | None = None

@@ -1,0 +1,203 @@
+"""Every message hsx publishes names its job in a header, and its batch and sample where it has
+one (hsx/headers.py), so `nats sub` / `nats stream get` tell whose a message is without decoding it.
+
+One small real job, choreographed so that every kind of message is made: descriptors (read back
+from HSX_BATCHES before any consumer runs), file-ready events (read back from HSX_FILES before any
+uploader runs), a lost spool file (a re-queued one-sample batch and a `requeued` event), a file
+event naming a key outside the job (a dead letter of one sample), `hsx dead retry` of it, and
+`written`/`uploaded` events and heartbeats (read back from HSX_EVENTS and HSX_DEAD afterwards).
+A core subscription on `hsx.>` also records every message as published, including the ones a work
+queue deletes once acked, and each must carry `Hsx-Job`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import msgspec
+import nats
+
+from hsx import headers as H
+from hsx import schemas, topology
+from test_e2e_s3 import check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done, write_dataset
+
+NODE = "testnode"  # conftest's HSX_NODE
+INJECTED = "Test-Injected"  # marks the messages this test publishes itself
+
+
+class Recorder:
+    """Every message published on `subject` (core NATS), recorded on a thread of its own."""
+
+    def __init__(self, url: str, subject: str) -> None:
+        self.url, self.subject = url, subject
+        self.messages: list[tuple[str, dict[str, str], bytes]] = []
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        self._stop = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        nc = await nats.connect(self.url)
+
+        async def record(msg) -> None:
+            self.messages.append((msg.subject, dict(msg.headers or {}), msg.data))
+
+        await nc.subscribe(self.subject, cb=record)
+        await nc.flush()
+        self._ready.set()
+        await self._stop.wait()
+        await nc.drain()
+
+    def __enter__(self) -> Recorder:
+        self._thread.start()
+        assert self._ready.wait(10), "recorder did not subscribe"
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def on(self, prefix: str) -> list[tuple[str, dict[str, str], bytes]]:
+        return [m for m in list(self.messages) if m[0].startswith(prefix)]
+
+
+async def _stored(url: str, stream: str, subject: str) -> list:
+    """Every message of `stream` on `subject` (wildcards allowed), read with the message-get API,
+    which also reads work-queue streams without consuming from them."""
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(stream, subjects_filter=subject)
+        count = sum((info.state.subjects or {}).values())
+        messages, seq = [], info.state.first_seq
+        while len(messages) < count:
+            message = await js.get_msg(stream, seq=seq, subject=subject, next=True)
+            messages.append(message)
+            seq = message.seq + 1
+        return messages
+    finally:
+        await nc.drain()
+
+
+def stored(url: str, stream: str, subject: str) -> list:
+    return asyncio.run(_stored(url, stream, subject))
+
+
+async def _publish(url: str, subject: str, payload: bytes) -> None:
+    nc = await nats.connect(url)
+    await nc.jetstream().publish(subject, payload, headers={INJECTED: "1"})
+    await nc.drain()
+
+
+def sample_objects(out) -> dict[str, bytes]:
+    """The destination's sample files (the job's own records under `<job>/_hsx/` left out)."""
+    return {key: data for key, data in read_dir_objects(out).items() if "/_hsx/" not in key}
+
+
+def wait_for(what: str, condition, timeout: float = 60.0, *procs) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert all(p.poll() is None for p in procs), f"a service exited while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+
+
+def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name):
+    url, job = nats_server.url, job_name
+    rows = write_dataset(tmp_path / "data.jsonl", 10, min_len=8, max_len=48, seed=5)
+    out, spool = tmp_path / "out", tmp_path / "spool"
+    with Recorder(url, "hsx.>") as recorder:
+        produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
+                token_budget=128, max_seq_len=64, env=None)
+
+        # Descriptors, read back before any consumer takes them.
+        descriptors = stored(url, topology.BATCHES_STREAM, topology.batch_subject(job))
+        assert len(descriptors) == status(hsx, job, None)["batches_total"] > 1
+        batch_of_sample: dict[int, str] = {}
+        for message in descriptors:
+            batch = schemas.batch_decoder.decode(message.data)
+            assert message.headers == {H.JOB: job, H.BATCH: batch.batch_id, H.MSG_ID: batch.batch_id}
+            batch_of_sample.update({sample.index: batch.batch_id for sample in batch.samples})
+        assert sorted(batch_of_sample) == list(range(len(rows)))
+
+        # File-ready events, read back before any uploader takes them.
+        consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), name="consume")
+        files_subject = topology.file_subject(job, NODE)
+        wait_for("every sample written", lambda: len(stored(url, topology.FILES_STREAM, files_subject)) == len(rows),
+                 90, consumer)
+        announced = {}
+        for message in stored(url, topology.FILES_STREAM, files_subject):
+            ready = schemas.file_decoder.decode(message.data)
+            assert ready.batch_id == batch_of_sample[ready.sample_index]
+            assert message.headers == {
+                H.JOB: job, H.BATCH: ready.batch_id, H.SAMPLE: str(ready.sample_index),
+                H.MSG_ID: f"{ready.batch_id}:{ready.sample_index}:1",
+            }
+            announced[ready.sample_index] = ready
+
+        # A lost spool file (re-queued as a one-sample batch) and an event naming a key outside the
+        # job (dead-lettered with its batch and sample).
+        lost = 3
+        (spool / announced[lost].spool_path).unlink()
+        bad = msgspec.structs.replace(announced[7], key="../outside.safetensors")
+        asyncio.run(_publish(url, files_subject, schemas.encode(bad)))
+
+        uploader = hsx_service("upload", "--job", job, "--spool", str(spool), name="upload")
+        wait_until_done(start_monitor(hsx_service, job, None), [consumer, uploader])
+        check_outputs(sample_objects(out), job=job, rows=rows)
+
+        # Dead letters, read back; then sent back by `hsx dead retry` (and dead-lettered again).
+        letters = stored(url, topology.DEAD_STREAM, topology.dead_subject_all(job))
+        assert len(letters) == 1
+        assert letters[0].headers == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: "7"}
+        retried = hsx("dead", "retry", "--job", job, "--all")
+        assert retried.returncode == 0, retried.stderr
+        wait_for("the retried event to be dead-lettered again",
+                 lambda: len(recorder.on(f"hsx.dead.{job}.")) == 2, 30, uploader)
+
+        # Progress events and heartbeats, read back.
+        events = stored(url, topology.EVENTS_STREAM, f"hsx.events.{job}.>")
+    kinds = {}
+    for message in events:
+        kinds.setdefault(message.subject.split(".")[3], []).append(message)
+    assert set(kinds) == {"written", "uploaded", "requeued", "heartbeat"}, sorted(kinds)
+
+    (requeued,) = kinds["requeued"]
+    redo_batch = requeued.headers[H.BATCH]
+    assert redo_batch.startswith(f"{job}-redo-{lost}-")
+    assert requeued.headers == {H.JOB: job, H.BATCH: redo_batch, H.SAMPLE: str(lost)}
+    batch_of_sample[lost] = redo_batch
+
+    written_batches = set()
+    for message in kinds["written"]:
+        written = schemas.event_decoder.decode(message.data)
+        assert message.headers == {H.JOB: job, H.BATCH: written.batch_id}
+        written_batches.add(written.batch_id)
+    assert written_batches == {schemas.batch_decoder.decode(d.data).batch_id for d in descriptors} | {redo_batch}
+
+    uploaded_samples = set()
+    for message in kinds["uploaded"]:
+        uploaded = schemas.event_decoder.decode(message.data)
+        assert message.headers == {H.JOB: job, H.BATCH: batch_of_sample[uploaded.sample_index],
+                                   H.SAMPLE: str(uploaded.sample_index)}
+        uploaded_samples.add(uploaded.sample_index)
+    assert uploaded_samples == set(range(len(rows)))
+
+    for message in kinds["heartbeat"]:
+        assert message.headers == {H.JOB: job}, message.headers
+
+    # Everything hsx published for the job, as published: the re-queued descriptor (acked and gone
+    # from HSX_BATCHES by now), the retried dead letter, every event and heartbeat.
+    published = [(subject, headers) for subject, headers, _ in recorder.on("hsx.") if f".{job}." in subject + "."]
+    ours = [(subject, headers) for subject, headers in published if INJECTED not in headers]
+    assert len(ours) > 3 * len(rows)
+    assert all(headers.get(H.JOB) == job for _, headers in ours), [m for m in ours if m[1].get(H.JOB) != job][:5]
+    (redo,) = [h for s, h in ours if s == topology.batch_subject(job) and h.get(H.BATCH) == redo_batch]
+    assert redo == {H.JOB: job, H.BATCH: redo_batch, H.SAMPLE: str(lost), H.MSG_ID: redo_batch}
+    (retry,) = [h for _, h in ours if H.RETRY_OF in h]
+    assert retry == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: "7", H.RETRY_OF: str(letters[0].seq),
+                     H.MSG_ID: f"{bad.batch_id}:retry:{letters[0].seq}"}
+    dead_again = recorder.on(f"hsx.dead.{job}.")[-1][1]
+    assert dead_again == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: "7"}
