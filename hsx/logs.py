@@ -2,25 +2,30 @@
 
 JSON lines when stderr is not a terminal (containers, log shippers, `hsx up` children), a
 readable console when it is. Context (job, batch, attempt) is bound with contextvars per message.
+The monitor, whose log is its product, sends it to stdout instead (or above its progress bar).
 """
 
 import logging
 import os
 import sys
+from typing import TextIO
 
 import structlog
 
 
-def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
+def configure_logging(*, json: bool | None = None, level: str = "info", file: TextIO | None = None) -> None:
+    """`file` (default stderr) receives the lines; JSON unless it is a terminal, when `json` is None."""
     # Hugging Face progress bars would interleave with the structured stream.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    file = sys.stderr if file is None else file
+    on_terminal = getattr(file, "isatty", lambda: False)()
     if json is None:
-        json = not sys.stderr.isatty()
+        json = not on_terminal
     renderer = (
         structlog.processors.JSONRenderer()
         if json
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        else structlog.dev.ConsoleRenderer(colors=on_terminal)
     )
     structlog.configure(
         processors=[
@@ -32,6 +37,6 @@ def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=file),
         cache_logger_on_first_use=True,
     )

@@ -1,11 +1,16 @@
-"""`hsx monitor`: one `progress` line per interval, `consumer_silent` for a worker whose
-heartbeat stopped, and a `job_summary` when every sample is in the destination.
+"""`hsx monitor`: one reading of the job per interval, shown as a `progress` JSON line (stdout not a
+terminal) or a progress bar redrawn in place (a terminal), and served as Prometheus metrics with
+--metrics-port; `consumer_silent` for a worker whose heartbeat stopped, `worker_degraded` for one
+that cannot make progress, and a `job_summary` when every sample is in the destination.
 
-With --until-done it exits 0 once the job is done, and 1 once it cannot finish (everything left
-is dead-lettered), naming the dead samples.
+Its log is its product, so it goes to stdout (`hsx: error:` lines stay on stderr). With
+--until-done it exits 0 once the job is done, and 1 once it cannot finish (everything left is
+dead-lettered), naming the dead samples.
 """
 
 import asyncio
+import shutil
+import sys
 import time
 
 import nats.errors
@@ -14,45 +19,45 @@ import structlog
 from hsx import topology
 from hsx.jobs import wait_for_job_spec
 from hsx.lifecycle import stop_event_on_signals
+from hsx.logs import configure_logging
 from hsx.natsconn import connect
 from hsx.progress import ProgressTracker, status_view
+from monitor.bar import TerminalBar, render_bar
 from monitor.config import MonitorConfig
-from monitor.rates import RateWindow, eta_seconds
+from monitor.metrics import JobCollector, serve_metrics
+from monitor.rates import RateWindow
+from monitor.report import degraded_workers, progress_line, silent_workers, summary_line, take_reading
 
 log = structlog.get_logger("hsx.monitor")
 
 
-def _silent_workers(tracker: ProgressTracker, silent_after_s: float) -> list[dict]:
-    now = time.time()
-    return [
-        {"instance": beat.instance, "service": beat.service, "node": beat.node, "last_batch": beat.detail,
-         "silent_s": round(now - beat.sent_at, 1)}
-        for beat in tracker.fold.heartbeats.values()
-        if beat.state != "stopping" and now - beat.sent_at > silent_after_s
-    ]
-
-
-_DEGRADED_STATES = ("paused", "retrying", "disk_full")
-
-
-def _degraded_workers(tracker: ProgressTracker, silent_after_s: float) -> list[dict]:
-    """Live workers that say they cannot make progress: a consumer paused at the spool's high-water
-    mark or waiting for disk space, an uploader retrying a failing destination."""
-    now = time.time()
-    return [
-        {"instance": beat.instance, "service": beat.service, "node": beat.node, "state": beat.state, "detail": beat.detail}
-        for beat in tracker.fold.heartbeats.values()
-        if beat.state in _DEGRADED_STATES and now - beat.sent_at <= silent_after_s
-    ]
-
-
-def _live_workers(tracker: ProgressTracker, silent_after_s: float) -> int:
-    now = time.time()
-    return sum(1 for beat in tracker.fold.heartbeats.values()
-               if beat.state != "stopping" and now - beat.sent_at <= silent_after_s)
+def _open_output(cfg: MonitorConfig) -> TerminalBar | None:
+    """Point the process's log at stdout: as JSON lines, or above a bar that holds the last line."""
+    if cfg.output == "bar":
+        bar = TerminalBar(sys.stdout)
+        configure_logging(json=False, level=cfg.log_level, file=bar.above)
+        return bar
+    configure_logging(json=True, level=cfg.log_level, file=sys.stdout)
+    return None
 
 
 async def run(cfg: MonitorConfig) -> int:
+    bar = _open_output(cfg)
+    collector = JobCollector(cfg.job) if cfg.metrics_port else None
+    server = serve_metrics(collector, host=cfg.metrics_host, port=cfg.metrics_port) if collector else None
+    if server is not None:
+        log.info("metrics_serving", url=f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics")
+    try:
+        return await _follow(cfg, bar, collector)
+    finally:
+        if bar is not None:
+            bar.finish()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCollector | None) -> int:
     stopping = stop_event_on_signals()
     structlog.contextvars.bind_contextvars(job=cfg.job)
     nc = await connect(cfg.nats, name=f"hsx-monitor-{cfg.job}")
@@ -83,34 +88,29 @@ async def run(cfg: MonitorConfig) -> int:
                 view = status_view(spec, tracker.fold, tracker.queues, job=cfg.job)
                 token_rate.add(view["tokens_written"])
                 sample_rate.add(view["samples_uploaded"])
-                tokens_per_s = token_rate.per_second()
-                eta = eta_seconds(view["total_tokens"] - view["tokens_written"], tokens_per_s)
-                log.info(
-                    "progress",
-                    samples_uploaded=view["samples_uploaded"], samples_written=view["samples_written"],
-                    samples_total=view["total_samples"], tokens_done=view["tokens_written"],
-                    tokens_total=view["total_tokens"], samples_per_s=round(sample_rate.per_second(), 2),
-                    tokens_per_s=round(tokens_per_s, 1), eta_s=None if eta is None else round(eta, 1),
-                    batches_done=view["batches_done"], batches_total=view["batches_total"],
-                    batches_queued=view["batches_queued"], spool_backlog_files=view["files_waiting_upload"],
-                    redeliveries=view["batch_redeliveries"] + view["file_redeliveries"],
-                    dead_letters=view["dead_letters"],
-                    workers=_live_workers(tracker, cfg.silent_after_s),
+                now = time.time()
+                heartbeats = tracker.fold.heartbeats
+                reading = take_reading(
+                    view, heartbeats, now=now, silent_after_s=cfg.silent_after_s,
+                    tokens_per_s=token_rate.per_second(), samples_per_s=sample_rate.per_second(),
                 )
-                for degraded in _degraded_workers(tracker, cfg.silent_after_s):
+                if collector is not None:
+                    collector.update(reading)
+                if bar is not None:
+                    bar.draw(render_bar(reading, job=cfg.job, width=shutil.get_terminal_size().columns))
+                else:
+                    log.info("progress", **progress_line(reading))
+                for degraded in degraded_workers(heartbeats, now=now, silent_after_s=cfg.silent_after_s):
                     log.warning("worker_degraded", **degraded)
-                for silent in _silent_workers(tracker, cfg.silent_after_s):
-                    if silent["instance"] not in reported_silent:
-                        log.warning("consumer_silent", **silent)
-                        reported_silent.add(silent["instance"])
-                reported_silent &= {s["instance"] for s in _silent_workers(tracker, cfg.silent_after_s)}
+                silent = silent_workers(heartbeats, now=now, silent_after_s=cfg.silent_after_s)
+                for worker in silent:
+                    if worker["instance"] not in reported_silent:
+                        log.warning("consumer_silent", **worker)
+                        reported_silent.add(worker["instance"])
+                # A worker that beats again and then falls silent is reported again.
+                reported_silent &= {worker["instance"] for worker in silent}
                 if view["done"] and not summarised:
-                    log.info(
-                        "job_summary", samples=view["samples_uploaded"], tokens=view["tokens_uploaded"],
-                        bytes=view["bytes_uploaded"], batches=view["batches_done"], dest=view["dest"],
-                        redeliveries=view["batch_redeliveries"] + view["file_redeliveries"],
-                        dead_letters=view["dead_letters"], monitored_s=round(time.monotonic() - started, 1),
-                    )
+                    log.info("job_summary", **summary_line(reading, monitored_s=time.monotonic() - started))
                     summarised = True
                     if cfg.until_done:
                         return 0

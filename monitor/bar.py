@@ -1,0 +1,142 @@
+"""The terminal view of `hsx monitor`: one progress line redrawn in place, log lines printed above it.
+
+`render_bar` is a pure function of a reading and a width; `TerminalBar` owns the terminal line.
+Chosen when stdout is a terminal (`--format auto`) or with `--format bar`; the JSON lines are
+the other view of the same reading.
+"""
+
+import threading
+from typing import TextIO
+
+from monitor.report import Reading, live_workers_by_service, percent_uploaded, silent_count
+
+_BAR_CELLS = 20
+_SERVICE_SHORT = {"gpu_consumer": "gpu", "uploader": "up", "producer": "prod"}
+_CLEAR_LINE = "\r\x1b[2K"
+
+
+def _count(value: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:.1f}{unit}"
+    return f"{value:.0f}"
+
+
+def _size(value: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= size:
+            return f"{value / size:.1f} {unit}"
+    return f"{value} B"
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+def _cells(fraction: float) -> str:
+    filled = min(_BAR_CELLS, max(0, int(fraction * _BAR_CELLS)))
+    return "[" + "#" * filled + "." * (_BAR_CELLS - filled) + "]"
+
+
+def _fit(parts: list[str], width: int, separator: str) -> str:
+    """The parts that fit in `width - 1` columns (the last column would make a terminal wrap), in
+    order of importance: one that does not fit is left out, never cut in the middle."""
+    line = parts[0][: max(0, width - 1)]
+    for part in parts[1:]:
+        if len(line) + len(separator) + len(part) <= width - 1:
+            line += separator + part
+    return line
+
+
+def render_bar(reading: Reading, *, job: str, width: int = 200) -> str:
+    """One line, at most `width - 1` characters."""
+    view = reading.view
+    if view["done"]:
+        return _fit([
+            f"{job} done: {view['samples_uploaded']}/{view['total_samples']} samples",
+            f"{_count(view['tokens_uploaded'])} tokens", _size(view["bytes_uploaded"]),
+            f"{view['batches_done']} batches",
+            f"redeliveries {view['batch_redeliveries'] + view['file_redeliveries']}",
+            f"dead letters {view['dead_letters']}",
+        ], width, ", ")
+    percent = percent_uploaded(view)
+    workers = " ".join(f"{count} {_SERVICE_SHORT.get(service, service)}"
+                       for service, count in live_workers_by_service(reading).items()) or "none"
+    silent = silent_count(reading)
+    parts = [
+        f"{job} {_cells(percent / 100)} {percent:5.1f}% {view['samples_uploaded']}/{view['total_samples']}",
+        f"ETA {_duration(reading.eta_s)}",
+        f"{_count(reading.tokens_per_s)} tok/s",
+    ]
+    if view["failed"]:
+        parts.append("FAILED: only dead samples left")
+    if view["dead_letters"]:
+        parts.append(f"dead letters {view['dead_letters']}")
+    parts.append(f"workers {workers}" + (f" ({silent} silent)" if silent else ""))
+    if reading.spool:
+        parts.append("spool " + ", ".join(f"{node} {_size(used)}" for node, (_files, used) in reading.spool.items()))
+    parts.append(f"batches {view['batches_done']}/{view['batches_total']}")
+    return _fit(parts, width, " | ")
+
+
+class TerminalBar:
+    """Draws one line in place on `stream`; text written to `above` appears above it.
+
+    structlog writes through `above` while the bar is on screen, so warnings and the summary
+    scroll up and the bar stays the last line.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.line = ""
+        self._lock = threading.Lock()  # structlog may log from another thread
+        self.above = _Above(self)
+
+    def draw(self, line: str) -> None:
+        with self._lock:
+            self.line = line
+            self.stream.write(_CLEAR_LINE + line)
+            self.stream.flush()
+
+    def print_above(self, text: str) -> None:
+        with self._lock:
+            self.stream.write(_CLEAR_LINE + text.rstrip("\n") + "\n" + self.line)
+            self.stream.flush()
+
+    def finish(self) -> None:
+        """Leave the last drawing on screen and move below it."""
+        with self._lock:
+            if self.line:
+                self.stream.write("\n")
+                self.stream.flush()
+            self.line = ""
+
+
+class _Above:
+    """A file for structlog's PrintLogger: whole lines go above the bar."""
+
+    def __init__(self, bar: TerminalBar) -> None:
+        self.bar = bar
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        while "\n" in self.pending:
+            line, self.pending = self.pending.split("\n", 1)
+            self.bar.print_above(line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:  # structlog's console renderer colours only a terminal
+        return self.bar.stream.isatty()

@@ -1,0 +1,276 @@
+"""`hsx monitor` on real runs: its /metrics and its JSON lines agree with `hsx status --json`
+before, during and after a job; on a terminal it draws the bar instead; a GPU consumer killed
+mid-run is named with its instance, node and the last batch it worked on, and its node's spool
+backlog is reported in bytes.
+
+Real nats-server, tiny real model on the CPU, every service a subprocess. The monitors run with
+their stdout and stderr in separate files (or a pty), since what is on stdout is what is tested.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import REPO, _env, _free_port
+from hsx.spool import spool_usage
+from monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS
+from test_chaos import log_events, sigkill
+from test_e2e_s3 import logs_of, produce, status, write_dataset
+
+NODE = "testnode"  # HSX_NODE of every service the fixtures start
+
+# Each metric and the field of `hsx status --json` it must equal once the job is done.
+METRIC_STATUS_FIELDS = {
+    "hsx_samples_written_total": "samples_written",
+    "hsx_samples_uploaded_total": "samples_uploaded",
+    "hsx_tokens_written_total": "tokens_written",
+    "hsx_tokens_uploaded_total": "tokens_uploaded",
+    "hsx_bytes_written_total": "bytes_written",
+    "hsx_bytes_uploaded_total": "bytes_uploaded",
+    "hsx_batches_done_total": "batches_done",
+    "hsx_samples_requeued_total": "samples_requeued",
+    "hsx_job_samples": "total_samples",
+    "hsx_job_tokens": "total_tokens",
+    "hsx_job_batches": "batches_total",
+    "hsx_batches_pending": "batches_queued",
+    "hsx_files_pending": "files_waiting_upload",
+    "hsx_dead_letters": "dead_letters",
+    "hsx_job_done": "done",
+    "hsx_job_failed": "failed",
+}
+COUNTERS = [name for name in METRIC_STATUS_FIELDS if name.endswith("_total")]
+
+
+@pytest.fixture
+def spawn(nats_server, tmp_path):
+    """Start `hsx ARGS` with stdout and stderr in their own files (or stdout on a given fd)."""
+    started: list[subprocess.Popen] = []
+
+    def start(*args: str, name: str, stdout=None, env: dict | None = None) -> subprocess.Popen:
+        out = open(tmp_path / f"{name}.out", "wb") if stdout is None else None
+        err = open(tmp_path / f"{name}.err", "wb")
+        process = subprocess.Popen([sys.executable, "-m", "hsx.cli", *args], env=_env(nats_server.url, env),
+                                   stdout=out if stdout is None else stdout, stderr=err, cwd=REPO)
+        process.out_path, process.err_path = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        process.log_path = process.out_path  # for logs_of / log_events
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def metric(samples: dict, name: str, job: str, **labels) -> float | None:
+    return samples.get((name, tuple(sorted({"job": job, **labels}.items()))))
+
+
+def wait_for(condition, *, timeout: float, what: str, procs, period: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout:.0f} s\n{logs_of(*procs)}")
+        time.sleep(period)
+
+
+def json_lines(process) -> list[dict]:
+    """Every line the monitor wrote to stdout, each of which must be one JSON object."""
+    records = []
+    for number, line in enumerate(Path(process.out_path).read_text().splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            pytest.fail(f"{process.out_path}:{number} is not JSON: {line[:300]!r}")
+    return records
+
+
+class PtyReader(threading.Thread):
+    """Everything a child writes to the terminal side of a pty."""
+
+    def __init__(self, master: int) -> None:
+        super().__init__(daemon=True)
+        self.master, self.data = master, b""
+
+    def run(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                return
+            if not chunk:
+                return
+            self.data += chunk
+
+
+def test_metrics_and_json_lines_agree_with_status_and_a_terminal_gets_the_bar(
+    tmp_path, hsx, hsx_service, spawn, tiny_model, job_name,
+):
+    job = job_name
+    write_dataset(tmp_path / "data.jsonl", 24, min_len=4, max_len=120, seed=5)
+    spool = tmp_path / "spool"
+    produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(tmp_path / "out"),
+            token_budget=256, max_seq_len=128, env=None)
+    port = _free_port()
+    monitor = spawn("monitor", "--job", job, "--interval", "0.5", "--metrics-port", str(port), name="monitor-json")
+    master, terminal = os.openpty()
+    bar_monitor = spawn("monitor", "--job", job, "--interval", "0.5", "--until-done", name="monitor-bar",
+                        stdout=terminal, env={"COLUMNS": "250"})
+    os.close(terminal)
+    screen = PtyReader(master)
+    screen.start()
+
+    def scraped() -> dict | None:
+        try:
+            samples = scrape(port)
+        except OSError:  # not listening yet
+            return None
+        return samples if metric(samples, "hsx_job_samples", job) is not None else None
+
+    # Before any worker: the job's size is known, nothing is done, the ETA is unknown.
+    before = wait_for(scraped, timeout=30, what="the first /metrics reading", procs=[monitor])
+    planned = status(hsx, job, None)
+    for name, field in METRIC_STATUS_FIELDS.items():
+        assert metric(before, name, job) == planned[field], (name, before)
+    assert planned["samples_written"] == 0 and planned["batches_queued"] == planned["batches_total"] >= 3, planned
+    assert math.isnan(metric(before, "hsx_eta_seconds", job))
+
+    workers = [hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), name="consume"),
+               hsx_service("upload", "--job", job, "--spool", str(spool), name="upload")]
+    procs = [monitor, *workers]
+    readings = [before]
+
+    def done() -> bool:
+        assert all(w.poll() is None for w in workers), f"a worker exited\n{logs_of(*procs)}"
+        readings.append(scrape(port))
+        return metric(readings[-1], "hsx_job_done", job) == 1
+
+    wait_for(done, timeout=90, what="hsx_job_done 1", procs=procs, period=0.3)
+    final = status(hsx, job, None)
+    after = scrape(port)
+    assert final["done"] and final["samples_uploaded"] == 24, final
+    for name, field in METRIC_STATUS_FIELDS.items():
+        assert metric(after, name, job) == final[field], (name, metric(after, name, job), final[field])
+    assert metric(after, "hsx_redeliveries", job, queue="batches") == final["batch_redeliveries"]
+    assert metric(after, "hsx_redeliveries", job, queue="files") == final["file_redeliveries"]
+    assert metric(after, "hsx_eta_seconds", job) == 0
+    # Counters never went down from one scrape to the next.
+    for name in COUNTERS:
+        values = [metric(r, name, job) for r in readings]
+        assert values == sorted(values), (name, values)
+    assert len(readings) >= 2
+    # Both workers are alive and say so, from node testnode.
+    for service in ("gpu_consumer", "uploader"):
+        live = sum(value for (name, labels), value in after.items()
+                   if name == "hsx_workers" and ("service", service) in labels and ("state", "silent") not in labels)
+        assert live == 1, (service, after)
+
+    # The spool drains to nothing, and the heartbeats say so (they come every 5 s).
+    assert spool_usage(spool, job) == (0, 0)
+    wait_for(lambda: metric(scrape(port), "hsx_spool_bytes", job, node=NODE) == 0, timeout=20,
+             what="hsx_spool_bytes 0 for the drained spool", procs=procs)
+    assert metric(scrape(port), "hsx_spool_files", job, node=NODE) == 0
+
+    # The terminal got the bar: redrawn in place, no JSON, and the summary once done.
+    assert bar_monitor.wait(timeout=30) == 0, logs_of(bar_monitor)
+    screen.join(timeout=10)
+    os.close(master)
+    drawn = screen.data.decode(errors="replace")
+    (tmp_path / "terminal.txt").write_text(drawn)  # what a person would have seen, for a failure's post-mortem
+    assert drawn.count("\r\x1b[2K") >= 2, drawn[-2000:]
+    assert f"{job} [" in drawn and "ETA" in drawn and "tok/s" in drawn and "workers" in drawn, drawn[-2000:]
+    assert f"{job} done: 24/24 samples" in drawn, drawn[-2000:]
+    assert '{"' not in drawn, drawn[-2000:]
+    assert "job_summary" in drawn  # the log line, printed above the bar
+
+    # Not a terminal: JSON lines on stdout, nothing on stderr.
+    monitor.terminate()
+    assert monitor.wait(timeout=30) == 0, logs_of(monitor)
+    assert Path(monitor.err_path).read_text() == ""
+    records = json_lines(monitor)
+    progress = [r for r in records if r["event"] == "progress"]
+    assert len(progress) >= 3
+    for record in progress:
+        assert set(PROGRESS_FIELDS) <= set(record), sorted(set(PROGRESS_FIELDS) - set(record))
+    last = progress[-1]
+    assert (last["samples_total"], last["samples_written"], last["samples_uploaded"], last["percent"]) == (24, 24, 24, 100.0)
+    assert (last["tokens_done"], last["bytes_uploaded"]) == (final["tokens_written"], final["bytes_uploaded"])
+    assert (last["batches_done"], last["batches_total"]) == (final["batches_done"], final["batches_total"])
+    assert last["done"] is True and last["eta_s"] == 0 and last["spool_bytes"] == {NODE: 0}
+    assert last["workers_by_service"] == {"gpu_consumer": 1, "uploader": 1}
+    summaries = [r for r in records if r["event"] == "job_summary"]
+    assert len(summaries) == 1 and set(SUMMARY_FIELDS) <= set(summaries[0]), summaries
+    assert (summaries[0]["samples"], summaries[0]["bytes"]) == (24, final["bytes_uploaded"])
+
+
+def test_a_consumer_killed_mid_run_is_named_with_its_node_and_last_batch(
+    tmp_path, hsx, hsx_service, spawn, tiny_model, job_name,
+):
+    """The consumer pauses at a 1-byte spool high-water mark after its first batches (no uploader
+    runs), so its heartbeat's detail is the pause's reason: the monitor must still name the last
+    batch. Then it is SIGKILLed with its spool full and batches left in the queue."""
+    job = job_name
+    write_dataset(tmp_path / "data.jsonl", 16, min_len=4, max_len=60, seed=9)
+    spool = tmp_path / "spool"
+    produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(tmp_path / "out"),
+            token_budget=128, max_seq_len=64, env=None)
+    port = _free_port()
+    monitor = spawn("monitor", "--job", job, "--interval", "0.5", "--silent-after", "7", "--metrics-port", str(port),
+                    name="monitor")
+    consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool),
+                           "--spool-high-water", "1", name="consume")
+    procs = [monitor, consumer]
+
+    def paused() -> bool:
+        assert consumer.poll() is None, f"the consumer exited\n{logs_of(*procs)}"
+        return any(r["service"] == "gpu_consumer" and r["state"] == "paused" for r in log_events(monitor, "worker_degraded"))
+
+    wait_for(paused, timeout=60, what="the monitor seeing the consumer paused", procs=procs)
+    done = log_events(consumer, "batch_done")
+    assert done, logs_of(consumer)
+    worked_on = [r["batch"] for r in done]
+    instance = done[-1]["consumer"]  # the id the consumer gives itself, in every log line
+    sigkill(consumer)
+
+    def reported() -> list[dict]:
+        return [r for r in log_events(monitor, "consumer_silent") if r["instance"] == instance]
+
+    silent = wait_for(reported, timeout=30, what="consumer_silent for the killed consumer", procs=procs)
+    assert len(silent) == 1, silent  # reported once, not every interval
+    assert silent[0]["node"] == NODE and silent[0]["service"] == "gpu_consumer", silent
+    assert silent[0]["last_batch"] == worked_on[-1], (silent, worked_on)
+    assert silent[0]["last_state"] == "paused" and silent[0]["silent_s"] > 7, silent
+
+    # The job is unfinished: batches are still queued; the node's spool holds what was written.
+    view = status(hsx, job, None)
+    assert 0 < view["batches_done"] < view["batches_total"] and view["batches_queued"] > 0, view
+    files, used = spool_usage(spool, job)
+    assert used > 0 and files == view["samples_written"], (files, used, view)
+    samples = scrape(port)
+    assert metric(samples, "hsx_workers", job, service="gpu_consumer", node=NODE, state="silent") == 1, samples
+    assert metric(samples, "hsx_spool_bytes", job, node=NODE) == used
+    assert metric(samples, "hsx_spool_files", job, node=NODE) == files
+    last = [r for r in log_events(monitor, "progress")][-1]
+    assert last["spool_bytes"] == {NODE: used} and last["workers_silent"] == 1 and last["workers"] == 0, last
