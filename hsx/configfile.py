@@ -1,0 +1,131 @@
+"""The job file (`hsx --config hsx.toml COMMAND`): which table holds each flag, reading the TOML,
+and checking every table and key name.
+
+Keys are the long flag names with `_` (or `-`), in a table named after their command
+(`[consume] spool_high_water`), except for what several commands share: `[nats]` holds the
+connection (`url` is --nats, `user` is --nats-user, ...), `[job]` what defines the job (`name` is
+--job, then `model`, `layers`, `token_budget`, ...), and the global `log_level` sits above every
+table. So each setting has exactly one place in the file.
+
+This module knows the layout and TOML. It knows neither argparse nor the environment, and it
+does not convert values (hsx/settings.py does, with each flag's own parser). An error names the
+file, the table and the key, never a value.
+"""
+
+import difflib
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsx.errors import HsxError
+
+# Flags that define the job (what the producer records in the job spec), by argparse dest, and
+# their key in [job]. Every command that has one of these flags reads it from [job].
+_JOB_KEYS = {
+    "job": "name", "model": "model", "dataset": "dataset", "layers": "layers", "dtype": "dtype", "dest": "dest",
+    "token_budget": "token_budget", "max_seq_len": "max_seq_len", "max_batch_size": "max_batch_size",
+    "on_long": "on_long", "trust_remote_code": "trust_remote_code",
+}
+
+
+@dataclass(frozen=True, order=True)
+class Place:
+    """Where a setting lives in the file: `table` is "" for the top level."""
+
+    table: str
+    key: str
+
+    @property
+    def dotted(self) -> str:
+        """The TOML dotted key (`consume.device`), which is also how `hsx config show` names it."""
+        return f"{self.table}.{self.key}" if self.table else self.key
+
+    def __str__(self) -> str:
+        return f"[{self.table}] {self.key}" if self.table else self.key
+
+
+def place_of(command: str, dest: str, *, of_a_job: bool) -> Place:
+    """The place of flag `dest` of `command` ("" for the global flags before the command).
+    `of_a_job`: the command works on a job (it has --job), so the job's settings come from [job];
+    another command's --dest (hsx sync) is its own, in its own table."""
+    if not command:
+        return Place("", dest)
+    if dest == "nats":
+        return Place("nats", "url")
+    if dest.startswith("nats_"):
+        return Place("nats", dest.removeprefix("nats_"))
+    if of_a_job and dest in _JOB_KEYS:
+        return Place("job", _JOB_KEYS[dest])
+    return Place(command, dest)
+
+
+def read_toml(path: Path, *, given_by: str) -> dict:
+    """The parsed file; a missing, unreadable or malformed file is a one-line HsxError.
+    `given_by` says where the path came from (--config or HSX_CONFIG), for the error."""
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except FileNotFoundError:
+        raise HsxError(f"{path}: no such config file (from {given_by})") from None
+    except IsADirectoryError:
+        raise HsxError(f"{path}: is a directory, not a config file (from {given_by})") from None
+    except OSError as exc:
+        raise HsxError(f"{path}: cannot read the config file ({exc.strerror or exc}) (from {given_by})") from None
+    except tomllib.TOMLDecodeError as exc:
+        # tomllib's messages name the line and column, never the text there.
+        raise HsxError(f"{path}: not valid TOML: {exc}") from None
+
+
+def check_names(data: dict, path: Path, known: dict[Place, str],
+                command_line_only: dict[Place, str]) -> dict[Place, tuple[str, object]]:
+    """Every value of the file by place, as (the key as written, value), after checking that each
+    table and key is one of `known` ({place: its flag, e.g. "--nats-user"}); `command_line_only`
+    are flags a file may not set, named in the error. Values are not checked here. A key spelled
+    with `-` is the same key as with `_`."""
+    tables = {place.table for place in known if place.table}
+    found: dict[Place, tuple[str, object]] = {}
+    for name, value in data.items():
+        if isinstance(value, dict) and _normal(name) in tables:
+            for key, inner in value.items():
+                _add(found, Place(_normal(name), _normal(key)), key, inner, path, known, command_line_only)
+        elif isinstance(value, dict) and Place("", _normal(name)) not in known:
+            close = difflib.get_close_matches(_normal(name), sorted(tables), n=1)
+            hint = f"did you mean [{close[0]}]?" if close else f"tables: {', '.join(_table_order(tables))}"
+            raise HsxError(f"{path} [{name}]: unknown table ({hint})")
+        else:
+            _add(found, Place("", _normal(name)), name, value, path, known, command_line_only)
+    return found
+
+
+def _add(found: dict, place: Place, written: str, value: object, path: Path, known: dict[Place, str],
+         command_line_only: dict[Place, str]) -> None:
+    where = f"{path} [{place.table}] {written}" if place.table else f"{path} {written}"
+    if place not in known and place in command_line_only:
+        raise HsxError(f"{where}: {command_line_only[place]} is given on the command line only, not in a file")
+    if place not in known:
+        raise HsxError(f"{where}: unknown key here ({_hint(place, known)})")
+    if place in found:
+        raise HsxError(f"{where}: given twice (as {found[place][0]} and {written})")
+    found[place] = (written, value)
+
+
+def _hint(place: Place, known: dict[Place, str]) -> str:
+    flag = "--" + place.key.replace("_", "-")
+    elsewhere = sorted({other for other, other_flag in known.items() if other_flag == flag or other.key == place.key})
+    if elsewhere:
+        return f"{known[elsewhere[0]]} is set as " + " or ".join(str(other) for other in elsewhere)
+    here = sorted(other.key for other in known if other.table == place.table)
+    close = difflib.get_close_matches(place.key, here, n=1)
+    if close:
+        return f"did you mean {close[0]}?"
+    table = f"[{place.table}]" if place.table else "the top level"
+    return f"keys in {table}: {', '.join(here)}" if here else f"{table} has no keys"
+
+
+def _table_order(tables: set[str]) -> list[str]:
+    shared = [name for name in ("nats", "job") if name in tables]
+    return shared + sorted(tables - set(shared))
+
+
+def _normal(name: str) -> str:
+    return name.replace("-", "_")

@@ -1,0 +1,357 @@
+"""Which value each flag takes, and where it came from: flag > environment > config file > default.
+
+hsx/cli.py declares the flags with argparse as usual, names the environment variable of a flag
+(`declare_env`), the redaction of a secret one (`declare_secret`) and the flags a file may not
+set (`declare_command_line_only`); then `defer_defaults` replaces every default with argparse's
+"absent" sentinel, so that after parsing, a flag in the namespace is one that was given. `resolve`
+fills in the others from the environment, the config file (hsx/configfile.py) and the declared
+default, in that order, checks the required ones, and records each source for `hsx config show`.
+
+An environment or file value goes through the flag's own parser (type, choices), so it is held to
+the same rules as the flag. A value that is wrong is a one-line HsxError naming the variable, or
+the file, table and key; a secret's value is never quoted, and `describe` shows it redacted.
+"""
+
+import argparse
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsx import configfile
+from hsx.configfile import Place
+from hsx.errors import HsxError
+
+_CONFIG_DEST = "config"  # the global --config: where the file is; it is resolved before the file is read
+
+
+def hide(_value: str) -> str:
+    """The redaction of a secret with nothing in it worth showing (a password, a token)."""
+    return "***"
+
+
+def declare_env(parser: argparse.ArgumentParser, **variables: str) -> None:
+    """Environment variable per flag dest: it sets the flag when the flag is not given."""
+    for dest, variable in variables.items():
+        _action(parser, dest).hsx_env = variable
+
+
+def declare_secret(parser: argparse.ArgumentParser, **redactions: Callable[[str], str]) -> None:
+    """Flag dest -> how to show its value (`hide`, or e.g. redact_url for a URL that may hold a
+    password). Errors about a secret's value never quote it."""
+    for dest, redaction in redactions.items():
+        _action(parser, dest).hsx_redact = redaction
+
+
+def declare_command_line_only(parser: argparse.ArgumentParser, *dests: str) -> None:
+    """Flags a config file may not set."""
+    for dest in dests:
+        _action(parser, dest).hsx_in_file = False
+
+
+def defer_defaults(parser: argparse.ArgumentParser) -> None:
+    """Makes every flag of `parser` and its subcommands absent unless given, keeping its default
+    and whether it is required for `resolve` (a required flag, or one of a required group of
+    exclusive flags, may come from the file)."""
+    for _, sub in _all_parsers(parser, ""):
+        for action in _flags(sub):
+            if not hasattr(action, "hsx_default"):
+                action.hsx_default, action.hsx_required = action.default, action.required
+                action.default, action.required = argparse.SUPPRESS, False
+        for group in sub._mutually_exclusive_groups:
+            if group.required:
+                group.required = False
+                sub.hsx_one_required = [*getattr(sub, "hsx_one_required", []), tuple(group._group_actions)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    name: str  # its place in the config file, dotted: "consume.device", "log_level"
+    flag: str  # "--device"
+    env: str | None  # the variable that sets it, if any
+    value: object
+    source: str  # "flag", "env", "file" or "default"
+    redact: Callable[[str], str] | None = None
+
+    @property
+    def shown(self) -> object:
+        """The value as `hsx config show` prints it: secrets redacted, paths as text."""
+        if self.value is None:
+            return None
+        if self.redact is not None:
+            return self.redact(str(self.value))
+        return str(self.value) if isinstance(self.value, Path) else self.value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolution:
+    command: str  # "consume", "dead list"
+    config_file: Path | None
+    settings: tuple[Setting, ...]
+
+
+def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str],
+            *, require: bool = True) -> Resolution:
+    """Sets every flag of the chosen command on `args` (given, or from the environment, the file,
+    the default) and `args.config` to the file read, if any, and says where each came from. With
+    `require`, a required flag that no layer sets is an error as argparse would give it."""
+    names, path = _chosen_path(parser, args)
+    config_file, given_by = _config_file(parser, args, environ)
+    from_file = _read_file(parser, config_file, given_by) if config_file else {}
+    # hsx up hands the file on to the processes it starts.
+    setattr(args, _CONFIG_DEST, str(config_file) if config_file else None)
+    settings, missing = [], []
+    of_a_job = _tables_of_a_job(parser)
+    for table, action in ((table, action) for table, sub in path for action in _flags(sub)):
+        if action.dest == _CONFIG_DEST:
+            continue
+        place = configfile.place_of(table, action.dest, of_a_job=table in of_a_job)
+        variable = getattr(action, "hsx_env", None)
+        if action.dest in vars(args):
+            value, source = getattr(args, action.dest), "flag"
+        elif variable and environ.get(variable):
+            value, source = _from_env(action, environ[variable], variable), "env"
+        elif _in_file(action) and place in from_file:
+            value, source = _from_file(action, *from_file[place]), "file"
+        else:
+            value, source = _default(action), "default"
+        setattr(args, action.dest, value)
+        if getattr(action, "hsx_required", False) and value is None:
+            missing.append(_flag(action))
+        settings.append(Setting(name=place.dotted, flag=_flag(action), env=variable, value=value, source=source,
+                                redact=getattr(action, "hsx_redact", None)))
+    if missing and require:
+        path[-1][1].error(f"the following arguments are required: {', '.join(missing)}")
+    for group in getattr(path[-1][1], "hsx_one_required", []) if require else []:
+        if all(getattr(args, action.dest) in (None, False) for action in group):
+            path[-1][1].error(f"one of the arguments {' '.join(_flag(action) for action in group)} is required")
+    return Resolution(command=" ".join(names), config_file=config_file, settings=tuple(settings))
+
+
+def describe(resolution: Resolution, environment: Mapping[str, str | None], *, as_json: bool) -> str:
+    """`hsx config show`: every setting, its (redacted) value and its source; `environment` is
+    what other libraries read themselves (AWS_*), already redacted by the caller."""
+    if as_json:
+        return json.dumps({
+            "command": resolution.command,
+            "config_file": str(resolution.config_file) if resolution.config_file else None,
+            "settings": {s.name: {"value": s.shown, "source": s.source, "flag": s.flag, "env": s.env}
+                         for s in resolution.settings},
+            "environment": dict(environment),
+        }, indent=2)
+    file = f"config file {resolution.config_file}" if resolution.config_file else "no config file"
+    lines = [f"hsx {resolution.command} ({file}); precedence: flag > env > file > default"]
+    width = max(len(s.name) for s in resolution.settings) + 2
+    for s in sorted(resolution.settings, key=_table_first):
+        origin = {"flag": s.flag, "env": s.env, "file": "file", "default": "default"}[s.source]
+        source = s.source if origin == s.source else f"{s.source} {origin}"
+        lines.append(f"  {s.name:<{width}}{_text(s.shown):<32} {source}")
+    if environment:
+        lines.append("read by the S3 client itself (AWS_*):")
+        lines += [f"  {name:<{width}}{_text(value)}" for name, value in environment.items()]
+    return "\n".join(lines)
+
+
+def _table_first(setting: Setting) -> int:
+    """Display order: the global flags, [nats], [job], then the command's own table."""
+    table = setting.name.partition(".")[0] if "." in setting.name else ""
+    return {"": 0, "nats": 1, "job": 2}.get(table, 3)
+
+
+def _text(value: object) -> str:
+    if value is None:
+        return "-"
+    if value == "":
+        return '""'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+# -- the argparse tree -------------------------------------------------------------------------
+# argparse has no public way to list a parser's flags, subcommands and exclusive groups;
+# `_actions`, `_SubParsersAction` and `_mutually_exclusive_groups` have been stable since 3.2.
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+
+def _all_parsers(parser: argparse.ArgumentParser, table: str):
+    """(table, parser) for the parser and every subcommand below it; a subcommand's flags live in
+    the table of its top-level command (`dead list` and `dead retry` share [dead])."""
+    yield table, parser
+    sub = _subcommands(parser)
+    if sub is not None:
+        seen = set()
+        for name, child in sub.choices.items():
+            if id(child) not in seen:  # aliases map to the same parser
+                seen.add(id(child))
+                yield from _all_parsers(child, table or name)
+
+
+def command_names(parser: argparse.ArgumentParser) -> list[str]:
+    """The top-level subcommands, in the order declared."""
+    sub = _subcommands(parser)
+    return list(sub.choices) if sub is not None else []
+
+
+def _tables_of_a_job(parser: argparse.ArgumentParser) -> set[str]:
+    """The top-level commands that take --job somewhere (`dead` through `dead list`)."""
+    return {table for table, sub in _all_parsers(parser, "") if table and any(a.dest == "job" for a in _flags(sub))}
+
+
+def _chosen_path(parser: argparse.ArgumentParser,
+                 args: argparse.Namespace) -> tuple[list[str], list[tuple[str, argparse.ArgumentParser]]]:
+    """The chosen subcommand names (["dead", "list"]) and [(table, parser)] from the top parser
+    down to the chosen subcommand."""
+    names, path, current = [], [("", parser)], parser
+    while (sub := _subcommands(current)) is not None and getattr(args, sub.dest, None):
+        names.append(getattr(args, sub.dest))
+        current = sub.choices[names[-1]]
+        path.append((names[0], current))
+    return names, path
+
+
+def _action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    for action in parser._actions:
+        if action.dest == dest:
+            return action
+    raise AssertionError(f"{parser.prog} has no flag with dest {dest!r}")
+
+
+def _flag(action: argparse.Action) -> str:
+    return max(action.option_strings, key=len)
+
+
+def _in_file(action: argparse.Action) -> bool:
+    return getattr(action, "hsx_in_file", True)
+
+
+# -- the config file -----------------------------------------------------------------------------
+
+
+def _config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 environ: Mapping[str, str]) -> tuple[Path | None, str]:
+    if getattr(args, _CONFIG_DEST, None):
+        return Path(getattr(args, _CONFIG_DEST)), "--config"
+    variable = getattr(_action(parser, _CONFIG_DEST), "hsx_env", None)
+    if variable and environ.get(variable):
+        return Path(environ[variable]), variable
+    return None, ""
+
+
+def file_layout(parser: argparse.ArgumentParser) -> tuple[dict[Place, argparse.Action], dict[Place, str]]:
+    """Every key a file may set, with the flag that reads it (the first command's, where several
+    share it); and the flags a file may not set, by the place they would have."""
+    layout: dict[Place, argparse.Action] = {}
+    command_line_only: dict[Place, str] = {}
+    of_a_job = _tables_of_a_job(parser)
+    for table, sub in _all_parsers(parser, ""):
+        for action in _flags(sub):
+            place = configfile.place_of(table, action.dest, of_a_job=table in of_a_job)
+            if _in_file(action):
+                layout.setdefault(place, action)
+            else:
+                command_line_only.setdefault(place, _flag(action))
+    return layout, command_line_only
+
+
+def _read_file(parser: argparse.ArgumentParser, path: Path, given_by: str) -> dict[Place, tuple[object, str]]:
+    """Every value of the file with where it is written, for the error messages. The whole file is
+    checked, not only the chosen command's tables: a typo in [upload] fails `hsx consume` too."""
+    layout, command_line_only = file_layout(parser)
+    written = configfile.check_names(configfile.read_toml(path, given_by=given_by), path,
+                                     {place: _flag(action) for place, action in layout.items()}, command_line_only)
+    values = {}
+    for place, (key, raw) in written.items():
+        where = f"{path} [{place.table}] {key}" if place.table else f"{path} {key}"
+        _from_file(layout[place], raw, where)  # the check; each command converts with its own flag
+        values[place] = (raw, where)
+    return values
+
+
+# -- converting values ---------------------------------------------------------------------------
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _kind(action: argparse.Action) -> str:
+    if action.nargs == 0:
+        return "bool"  # store_true and the like
+    if action.type is int or getattr(action.type, "expects", None) is int:
+        return "int"
+    if action.type is float:
+        return "float"
+    return "text"
+
+
+def _from_env(action: argparse.Action, text: str, variable: str) -> object:
+    if _kind(action) == "bool":
+        if text.strip().lower() in _TRUE + _FALSE:
+            return text.strip().lower() in _TRUE
+        raise HsxError(f"{variable}: expected 1 or 0, got {_quote(action, text)}")
+    return _parse(action, text.strip(), variable)
+
+
+def _from_file(action: argparse.Action, value: object, where: str) -> object:
+    kind = _kind(action)
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise HsxError(f"{where}: expected true or false, got {_quote(action, value)}")
+    # A text flag takes a TOML integer too (spool_high_water = 1073741824), never a float.
+    accepted = {"int": (int,), "float": (int, float), "text": (str, int)}[kind]
+    if isinstance(value, bool) or not isinstance(value, accepted):
+        raise HsxError(f"{where}: expected {_EXPECTED[kind]}, got {_quote(action, value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise HsxError(f"{where}: expected a finite number, got {_quote(action, value)}")
+    return _parse(action, str(value), where)
+
+
+_EXPECTED = {"int": "an integer", "float": "a number", "text": "a string"}
+
+
+def _parse(action: argparse.Action, text: str, where: str) -> object:
+    """`text` through the flag's own type and choices, as argparse would parse it."""
+    kind = _kind(action)
+    try:
+        value = action.type(text) if callable(action.type) else text
+    except argparse.ArgumentTypeError as exc:
+        raise HsxError(f"{where}: {_unless_secret(action, str(exc))}") from None
+    except HsxError as exc:
+        raise HsxError(f"{where}: {_unless_secret(action, str(exc))}") from None
+    except (TypeError, ValueError):
+        raise HsxError(f"{where}: expected {_EXPECTED[kind]}, got {_quote(action, text)}") from None
+    if action.choices is not None and value not in action.choices:
+        raise HsxError(f"{where}: expected one of {', '.join(map(str, action.choices))}, got {_quote(action, text)}")
+    return value
+
+
+def _default(action: argparse.Action) -> object:
+    default = action.hsx_default
+    # argparse parses a text default with the flag's type; keep that behaviour.
+    if isinstance(default, str) and callable(action.type):
+        return action.type(default)
+    return default
+
+
+def _quote(action: argparse.Action, value: object) -> str:
+    """The value for an error: JSON-quoted, or only its kind for a secret (or a table/array)."""
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array (write it as on the command line, e.g. a comma-separated string)"
+    if getattr(action, "hsx_redact", None) is not None:
+        kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+        return kinds.get(type(value), "a value") + " (not shown: secret)"
+    return json.dumps(value) if isinstance(value, (str, int, float, bool)) else type(value).__name__
+
+
+def _unless_secret(action: argparse.Action, message: str) -> str:
+    return "not a valid value (not shown: secret)" if getattr(action, "hsx_redact", None) is not None else message
