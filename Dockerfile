@@ -1,5 +1,5 @@
-# One image for every hsx service (producer, gpu_consumer, uploader, monitor);
-# compose.yaml picks the role with the command, e.g. `consume --job demo`.
+# One image for every hsx service (demo-init, producer, consumers, uploader,
+# monitor); compose.yaml picks the role with the command, e.g. `consume --job demo`.
 #
 #   docker build -t hsx .
 #   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu -t hsx:cpu .
@@ -14,12 +14,12 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 
-# Unprivileged runtime user. /spool is created here, owned by hsx, so a named
-# volume mounted there starts out writable by that user.
+# Unprivileged runtime user. /spool and /demo are created here, owned by hsx, so
+# the named volumes compose mounts there start out writable by that user.
 RUN groupadd --system --gid 1000 hsx \
  && useradd --system --uid 1000 --gid hsx --create-home --home-dir /home/hsx hsx \
- && mkdir -p /app /spool \
- && chown hsx:hsx /spool
+ && mkdir -p /app /spool /demo \
+ && chown hsx:hsx /spool /demo
 
 # torch is by far the largest layer; install it on its own so changes to the
 # project do not re-download it.

@@ -23,13 +23,15 @@ COMPOSE_FILE = REPO / "compose.yaml"
 ENV_EXAMPLE = REPO / ".env.example"
 
 INFRA_SERVICES = ("nats", "minio", "minio-init")
-# service -> the hsx subcommand it runs
+# service -> the hsx subcommand it runs (gpu_consumer is in the `gpu` profile)
 HSX_SERVICES = {
     "producer": "produce",
-    "gpu_consumer": "consume",
+    "consumer": "consume",
     "uploader": "upload",
     "monitor": "monitor",
 }
+GPU_SERVICES = {"gpu_consumer": "consume"}
+PROFILES = ("gpu",)
 NATS_URL = "nats://nats:4222"
 
 
@@ -54,10 +56,12 @@ def compose(tmp_path_factory):
     empty_env.write_text("")
     env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": str(scratch)}
 
-    def run(*args, files=(COMPOSE_FILE,), env_file=empty_env):
+    def run(*args, files=(COMPOSE_FILE,), env_file=empty_env, profiles=()):
         cmd = [str(binary), "--project-directory", str(REPO), "--env-file", str(env_file)]
         for f in files:
             cmd += ["-f", str(f)]
+        for profile in profiles:
+            cmd += ["--profile", profile]
         return subprocess.run(
             [*cmd, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=30
         )
@@ -76,15 +80,28 @@ def config(compose) -> dict:
     return _config(compose)
 
 
+@pytest.fixture(scope="module")
+def gpu_config(compose) -> dict:
+    return _config(compose, profiles=["gpu"])
+
+
 # --- validity ---------------------------------------------------------------
 
 
-def test_compose_file_is_valid_without_warnings(compose):
-    proc = compose("config", "-q")
+# ids: a bare "gpu" would be taken for the gpu marker (tests/conftest.py) and skipped without CUDA.
+@pytest.mark.parametrize("profiles", [(), *((p,) for p in PROFILES)], ids=lambda p: "profile-" + ("+".join(p) or "none"))
+def test_compose_file_is_valid_without_warnings(compose, profiles):
+    proc = compose("config", "-q", profiles=profiles)
     assert proc.returncode == 0, proc.stderr
     # Compose reports unset variables without a default, obsolete attributes
     # etc. as warnings on stderr with exit code 0; the file must have none.
     assert proc.stderr.strip() == ""
+
+
+def test_profiles_are_the_documented_ones(compose):
+    proc = compose("config", "--profiles")
+    assert proc.returncode == 0, proc.stderr
+    assert set(proc.stdout.split()) == set(PROFILES)
 
 
 def test_env_example_lists_every_variable_with_its_default(compose, config):
@@ -97,6 +114,7 @@ def test_env_example_lists_every_variable_with_its_default(compose, config):
     assert used == listed
     # The values in .env.example are exactly compose.yaml's defaults.
     assert _config(compose, env_file=ENV_EXAMPLE) == config
+    assert _config(compose, env_file=ENV_EXAMPLE, profiles=["gpu"]) == _config(compose, profiles=["gpu"])
 
 
 def test_variables_reach_the_services(compose, tmp_path):
@@ -104,16 +122,25 @@ def test_variables_reach_the_services(compose, tmp_path):
     env_file.write_text(
         "HSX_JOB=job7\nHSX_NODE=gpu-box-3\nHSX_BUCKET=bkt\nHSX_PREFIX=hs\n"
         "HSX_LAYERS=2,4\nMINIO_ROOT_USER=alice\nMINIO_ROOT_PASSWORD=s3cr3t-pass\n"
+        "HSX_MODEL=/models/m\nHSX_DATASET=/datasets/d.parquet\nHSX_DTYPE=float8\nHSX_TOKEN_BUDGET=32768\n"
+        "HSX_MAX_SEQ_LEN=8192\nHSX_COMPILE=1\nHSX_LOG_LEVEL=debug\n"
     )
-    services = _config(compose, env_file=env_file)["services"]
-    for name in HSX_SERVICES:
+    services = _config(compose, env_file=env_file, profiles=["gpu"])["services"]
+    for name in {**HSX_SERVICES, **GPU_SERVICES}:
         cmd = services[name]["command"]
         assert cmd[cmd.index("--job") + 1] == "job7", name
+        assert services[name]["environment"]["HSX_LOG_LEVEL"] == "debug", name
     producer = services["producer"]["command"]
     assert producer[producer.index("--dest") + 1] == "s3://bkt/hs"
     assert producer[producer.index("--layers") + 1] == "2,4"
-    assert services["gpu_consumer"]["environment"]["HSX_NODE"] == "gpu-box-3"
-    assert services["uploader"]["environment"]["HSX_NODE"] == "gpu-box-3"
+    for flag, value in {"--model": "/models/m", "--dataset": "/datasets/d.parquet", "--dtype": "float8",
+                        "--token-budget": "32768", "--max-seq-len": "8192"}.items():
+        assert producer[producer.index(flag) + 1] == value, flag
+    demo = services["demo-init"]["command"]
+    assert demo[demo.index("--model") + 1] == "/models/m" and demo[demo.index("--dataset") + 1] == "/datasets/d.parquet"
+    for name in ("consumer", "gpu_consumer", "uploader"):
+        assert services[name]["environment"]["HSX_NODE"] == "gpu-box-3", name
+    assert services["gpu_consumer"]["environment"]["HSX_COMPILE"] == "1"
     up_env = services["uploader"]["environment"]
     minio_env = services["minio"]["environment"]
     assert up_env["AWS_ACCESS_KEY_ID"] == minio_env["MINIO_ROOT_USER"] == "alice"
@@ -124,26 +151,79 @@ def test_variables_reach_the_services(compose, tmp_path):
 # --- structure --------------------------------------------------------------
 
 
-def test_all_services_exist(config):
-    assert set(INFRA_SERVICES) | set(HSX_SERVICES) <= set(config["services"])
+def test_all_services_exist(config, gpu_config):
+    assert set(config["services"]) == set(INFRA_SERVICES) | set(HSX_SERVICES) | {"demo-init"}
+    assert set(gpu_config["services"]) == set(config["services"]) | set(GPU_SERVICES)
 
 
-def test_hsx_services_share_one_image_and_run_their_subcommand(config):
-    services = config["services"]
-    images = {services[name]["image"] for name in HSX_SERVICES}
+def test_hsx_services_share_one_image_and_run_their_subcommand(gpu_config):
+    services = gpu_config["services"]
+    hsx_services = {**HSX_SERVICES, **GPU_SERVICES}
+    images = {services[name]["image"] for name in [*hsx_services, "demo-init"]}
     assert len(images) == 1
-    for name, subcommand in HSX_SERVICES.items():
+    for name, subcommand in hsx_services.items():
         svc = services[name]
         assert Path(svc["build"]["context"]) == REPO, name
         assert (REPO / svc["build"]["dockerfile"]).is_file(), name
+        assert not svc.get("entrypoint"), name  # the image's: hsx
         assert svc["command"][0] == subcommand, name
+    assert services["demo-init"]["entrypoint"] == ["python", "-m", "hsx.demo"]
 
 
-def test_hsx_services_use_compose_nats_and_wait_for_it(config):
-    for name in HSX_SERVICES:
-        svc = config["services"][name]
+def test_hsx_services_use_compose_nats_and_wait_for_it(gpu_config):
+    for name in {**HSX_SERVICES, **GPU_SERVICES}:
+        svc = gpu_config["services"][name]
         assert svc["environment"].get("HSX_NATS_URL") == NATS_URL, name
         assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+
+
+def test_demo_defaults_come_from_demo_init(config):
+    """With nothing set, the job's model and dataset are what demo-init builds into the `demo`
+    volume, and everything that reads them waits for it and mounts that volume."""
+    services = config["services"]
+    init = services["demo-init"]
+    assert init["restart"] == "no"
+    demo_mount = next(v for v in init["volumes"] if v["target"] == "/demo")
+    assert demo_mount["type"] == "volume" and not demo_mount.get("read_only")
+    folder = init["command"][init["command"].index("--folder") + 1]
+    producer = services["producer"]["command"]
+    for flag in ("--model", "--dataset"):
+        path = producer[producer.index(flag) + 1]
+        assert path.startswith(folder + "/"), (flag, path)
+        assert init["command"][init["command"].index(flag) + 1] == path, flag
+    for name in ("producer", "consumer"):
+        svc = services[name]
+        assert svc["depends_on"]["demo-init"]["condition"] == "service_completed_successfully", name
+        mount = next(v for v in svc["volumes"] if v["target"] == "/demo")
+        assert mount["source"] == demo_mount["source"] and mount["read_only"], name
+
+
+def test_cpu_consumer_by_default_gpu_consumer_by_profile(compose, config, gpu_config, tmp_path):
+    cpu = config["services"]["consumer"]
+    assert cpu["command"][cpu["command"].index("--device") + 1] == "cpu"
+    assert cpu["deploy"]["replicas"] == 1
+    assert "deploy" not in cpu or not cpu["deploy"].get("resources", {}).get("reservations")
+    gpu = gpu_config["services"]["gpu_consumer"]
+    assert gpu["profiles"] == ["gpu"]
+    assert gpu["command"][gpu["command"].index("--device") + 1] == "cuda:0"
+    env_file = tmp_path / "gpu-node.env"
+    env_file.write_text("HSX_CPU_CONSUMERS=0\n")
+    assert _config(compose, env_file=env_file)["services"]["consumer"]["deploy"]["replicas"] == 0
+
+
+def test_restart_policies_and_healthchecks(gpu_config):
+    services = gpu_config["services"]
+    for name in ("minio-init", "demo-init"):
+        assert services[name]["restart"] == "no", name
+    assert services["producer"]["restart"] == "on-failure"
+    for name in ("nats", "minio", "consumer", "gpu_consumer", "uploader", "monitor"):
+        assert services[name]["restart"] == "unless-stopped", name
+    for name in ("nats", "minio", "monitor"):
+        health = services[name]["healthcheck"]
+        assert not health.get("disable", False) and health["test"][0] in ("CMD", "CMD-SHELL"), name
+    assert services["monitor"]["healthcheck"]["test"][1:4] == ["hsx", "status", "--job"]
+    for name in ("consumer", "gpu_consumer", "uploader"):
+        assert services[name]["stop_grace_period"], name  # the batch or uploads in hand finish
 
 
 def test_nats_has_jetstream_storage_and_a_healthcheck(config):
@@ -169,38 +249,52 @@ def test_minio_init_creates_the_bucket_before_producer_and_uploader(config):
         assert dep["condition"] == "service_completed_successfully", name
 
 
-def test_gpu_consumer_reserves_an_nvidia_gpu(config):
-    devices = config["services"]["gpu_consumer"]["deploy"]["resources"]["reservations"]["devices"]
-    assert any(
-        d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) and d.get("count") == 1
-        for d in devices
-    ), devices
+def test_gpu_consumer_reserves_one_named_nvidia_gpu(gpu_config):
+    devices = gpu_config["services"]["gpu_consumer"]["deploy"]["resources"]["reservations"]["devices"]
+    # device_ids, not count: copies of the service for GPUs 1, 2, ... each get their own GPU
+    # (every `count: 1` service would get the first one).
+    assert devices == [{"driver": "nvidia", "device_ids": ["0"], "capabilities": ["gpu"]}], devices
 
 
-def test_uploader_and_consumer_share_the_spool_volume(config):
+def test_uploader_and_consumers_share_the_spool_volume(gpu_config):
     def spool(name):
-        mounts = [v for v in config["services"][name].get("volumes", []) if v["target"] == "/spool"]
+        mounts = [v for v in gpu_config["services"][name].get("volumes", []) if v["target"] == "/spool"]
         assert len(mounts) == 1, (name, mounts)
         assert mounts[0]["type"] == "volume", name
         return mounts[0]["source"]
 
     source = spool("uploader")
-    assert source == spool("gpu_consumer")
-    assert source in config["volumes"]
+    assert source == spool("consumer") == spool("gpu_consumer")
+    assert source in gpu_config["volumes"]
 
 
-def test_uploader_scales_onto_one_durable(config):
-    services = config["services"]
-    assert "container_name" not in services["uploader"]
-    node = services["uploader"]["environment"]["HSX_NODE"]
+@pytest.mark.parametrize("name", ["uploader", "consumer"])
+def test_scaled_services_bind_one_durable_and_can_run_many_copies(gpu_config, name):
+    # `config` takes no --scale; what makes `up --scale uploader=8` work is checked here: no fixed
+    # container name, no host port, the node name shared with the consumers (one durable).
+    services = gpu_config["services"]
+    assert "container_name" not in services[name]
+    assert not services[name].get("ports")
+    node = services[name]["environment"]["HSX_NODE"]
     assert node and node == services["gpu_consumer"]["environment"]["HSX_NODE"]
 
 
-def test_producer_mounts_model_and_dataset_read_only(config):
+def test_producer_mounts_model_and_dataset_read_only(compose, config, tmp_path):
     mounts = {v["target"]: v for v in config["services"]["producer"]["volumes"]}
-    for target in ("/models", "/datasets"):
-        assert mounts[target]["type"] == "bind" and mounts[target]["read_only"], target
-    assert config["services"]["producer"]["restart"] == "on-failure"
+    for target in ("/models", "/datasets", "/demo"):
+        assert mounts[target]["read_only"], target
+    # Unset, the host folders are empty named volumes (nothing on the host needed for the demo);
+    # a host path is a bind mount.
+    assert mounts["/models"]["type"] == "volume" and mounts["/models"]["source"] in config["volumes"]
+    env_file = tmp_path / "real.env"
+    env_file.write_text("HSX_MODEL_DIR=/srv/models\nHSX_DATASET_DIR=./data\n")
+    services = _config(compose, env_file=env_file, profiles=["gpu"])["services"]
+    for name in ("producer", "consumer", "gpu_consumer"):
+        mounts = {v["target"]: v for v in services[name]["volumes"]}
+        assert mounts["/models"]["type"] == "bind" and mounts["/models"]["source"] == "/srv/models", name
+        assert mounts["/models"]["read_only"], name
+    datasets = next(v for v in services["producer"]["volumes"] if v["target"] == "/datasets")
+    assert datasets["type"] == "bind" and Path(datasets["source"]) == REPO / "data"
 
 
 # --- the validator can fail ---------------------------------------------------
@@ -242,3 +336,32 @@ def test_broken_copy_is_rejected(compose, tmp_path, case):
     proc = compose("config", "-q", files=[_copy_with_service(tmp_path, extra)])
     assert proc.returncode != 0
     assert needle in proc.stderr, proc.stderr
+
+
+# --- the documented one-consumer-per-GPU override ------------------------------
+
+
+def _documented_override(tmp_path: Path) -> Path:
+    text = (REPO / "docs" / "OPERATIONS.md").read_text()
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if b.startswith("# compose.override.yaml")]
+    assert len(blocks) == 1, "docs/OPERATIONS.md should show one compose.override.yaml"
+    path = tmp_path / "compose.override.yaml"
+    path.write_text(blocks[0])
+    return path
+
+
+def test_documented_gpu_override_gives_each_copy_its_own_gpu(compose, tmp_path):
+    files = (COMPOSE_FILE, _documented_override(tmp_path))
+    proc = compose("config", "-q", files=files, profiles=["gpu"])
+    assert proc.returncode == 0 and proc.stderr.strip() == "", proc.stderr
+    services = _config(compose, files=files, profiles=["gpu"])["services"]
+    gpus = {name: svc for name, svc in services.items() if name.startswith("gpu_consumer")}
+    assert len(gpus) > 1
+    for name, svc in gpus.items():
+        index = name.rsplit("_", 1)[1] if name != "gpu_consumer" else "0"
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "device_ids": [index], "capabilities": ["gpu"]}], (name, devices)
+        assert svc["command"] == services["gpu_consumer"]["command"], name  # cuda:0 = the one GPU it sees
+        assert svc["volumes"] == services["gpu_consumer"]["volumes"], name
+        assert svc["environment"] == services["gpu_consumer"]["environment"], name
+        assert svc["profiles"] == ["gpu"], name

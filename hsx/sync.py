@@ -1,0 +1,214 @@
+"""`hsx sync`: upload a directory (training checkpoints, logs) to a destination, pass after pass.
+
+Each pass walks the directory and uploads every regular file whose bytes the destination does not
+hold yet, under `<dest>/<prefix>/<path relative to the directory>`, through the destinations'
+verified put (hsx/destinations.py: size and sha256 checked after the upload; S3 user metadata
+`hsx-sha256`). What a pass uploaded is remembered by size and mtime: an untouched file is not read
+again, a touched one is hashed and uploaded only if its bytes changed. The first pass of a process
+asks the destination instead, so a restarted sync re-uploads nothing that is already there.
+
+A failing upload, or a file that changes while it is uploaded (a checkpoint still being written),
+is retried with backoff and then left to the next pass; the pass goes on with the other files.
+The first SIGTERM/SIGINT lets the file in hand finish, then the sync exits 0.
+
+Upload only: a file deleted here stays in the destination, and symlinked directories are not
+followed. This module knows directories and the destination interface; not NATS, not jobs.
+"""
+
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import structlog
+from botocore.exceptions import BotoCoreError, ClientError
+
+from hsx.destinations import Destination, VerificationError, file_sha256, open_destination, parse_dest
+from hsx.errors import HsxError
+from hsx.lifecycle import stop_flag_on_signals
+
+log = structlog.get_logger("hsx.sync")
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd]?)")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_UPLOAD_ERRORS = (OSError, VerificationError, BotoCoreError, ClientError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    source: Path  # an existing directory, resolved
+    dest: str  # normalised destination URL, --prefix included
+    every_s: float | None  # seconds from one pass's start to the next; None: one pass (--once)
+    retries: int = 5  # attempts per file and pass
+    backoff_s: float = 1.0  # first retry delay, doubled per attempt
+    backoff_max_s: float = 60.0
+
+
+def parse_duration(text: str, flag: str) -> float:
+    """`90`, `90s`, `30m`, `2h`, `1d`, `1h30m`, `1.5h` -> seconds; anything else is a one-line error."""
+    raw = text.strip().lower()
+    parts = _DURATION_PART.findall(raw)
+    if not raw or "".join(number + unit for number, unit in parts) != raw:
+        raise HsxError(f"{flag} {text!r}: not a duration (e.g. 90s, 30m, 2h, 1h30m)")
+    seconds = sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
+    if seconds <= 0:
+        raise HsxError(f"{flag} {text!r}: must be longer than zero")
+    return seconds
+
+
+def check_source(path: Path) -> Path:
+    """The directory to sync, resolved; a one-line error when it is not one."""
+    if not path.exists():
+        raise HsxError(f"PATH {str(path)!r}: no such directory")
+    if not path.is_dir():
+        raise HsxError(f"PATH {str(path)!r}: not a directory (hsx sync uploads the files under a directory)")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise HsxError(f"PATH {str(path)!r}: not readable")
+    return path.resolve()
+
+
+def dest_url(dest: str, prefix: str, *, source: Path) -> str:
+    """--dest with --prefix appended, normalised; a file:// destination inside PATH is refused
+    (every pass would upload the previous pass's copies)."""
+    url = parse_dest(dest)
+    prefix = prefix.strip("/")
+    if prefix:
+        url = f"{url}/{prefix}"
+    split = urlsplit(url)
+    if split.scheme == "file" and Path(unquote(split.path)).resolve().is_relative_to(source):
+        raise HsxError(f"--dest {dest!r} is inside PATH {str(source)!r}; choose a destination outside it")
+    return url
+
+
+@dataclass(frozen=True, slots=True)
+class _Uploaded:
+    """A file as it was when its bytes were last known to be in the destination."""
+
+    size: int
+    mtime_ns: int
+    sha256: str
+
+
+@dataclass
+class PassResult:
+    uploaded: list[str] = field(default_factory=list)
+    unchanged: int = 0
+    failed: list[str] = field(default_factory=list)
+    bytes_uploaded: int = 0
+    stopped: bool = False  # a signal ended the pass before every file was seen
+
+
+class _FileChanged(Exception):
+    """The file's size or mtime moved while it was hashed and uploaded."""
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def _files(source: Path):
+    """(key, path) of every regular file under source, in a stable order; symlinked dirs not followed."""
+    def unreadable(exc: OSError) -> None:  # a directory we cannot list is said, not skipped silently
+        log.warning("sync_directory_unreadable", path=exc.filename, error=exc.strerror)
+
+    for root, dirs, names in os.walk(source, onerror=unreadable):
+        dirs.sort()
+        for name in sorted(names):
+            path = Path(root) / name
+            if path.is_file():
+                yield path.relative_to(source).as_posix(), path
+
+
+class Syncer:
+    """One directory to one destination; remembers what it uploaded between passes."""
+
+    def __init__(self, cfg: SyncConfig, dest: Destination, stopping: threading.Event) -> None:
+        self.cfg, self.dest, self.stopping = cfg, dest, stopping
+        self.known: dict[str, _Uploaded] = {}
+
+    def run_pass(self) -> PassResult:
+        result = PassResult()
+        started = time.monotonic()
+        for key, path in _files(self.cfg.source):
+            if self.stopping.is_set():
+                result.stopped = True
+                break
+            try:
+                outcome, size = self._sync_file(key, path)
+            except FileNotFoundError:
+                log.info("sync_file_vanished", key=key)  # deleted between the listing and now: nothing to do
+                continue
+            if outcome == "uploaded":
+                result.uploaded.append(key)
+                result.bytes_uploaded += size
+            elif outcome == "unchanged":
+                result.unchanged += 1
+            else:
+                result.failed.append(key)
+        log.info("sync_pass_done", source=str(self.cfg.source), dest=self.dest.url, uploaded=len(result.uploaded),
+                 unchanged=result.unchanged, failed=len(result.failed), bytes_uploaded=result.bytes_uploaded,
+                 seconds=round(time.monotonic() - started, 2), stopped=result.stopped)
+        return result
+
+    def _sync_file(self, key: str, path: Path) -> tuple[str, int]:
+        """("uploaded" | "unchanged" | "failed", size); FileNotFoundError when the file is gone."""
+        size, mtime_ns = _stat(path)
+        known = self.known.get(key)
+        if known is not None and (known.size, known.mtime_ns) == (size, mtime_ns):
+            return "unchanged", size
+        for attempt in range(1, self.cfg.retries + 1):
+            try:
+                return self._attempt(key, path, known)
+            except FileNotFoundError:
+                raise
+            except (*_UPLOAD_ERRORS, _FileChanged) as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                if attempt == self.cfg.retries or self.stopping.is_set():
+                    log.error("sync_file_failed", key=key, attempts=attempt, error=error)
+                    return "failed", size
+                delay = min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2 ** (attempt - 1))
+                log.warning("sync_upload_retry", key=key, attempt=attempt, retry_in_s=delay, error=error)
+                if self.stopping.wait(delay):
+                    log.error("sync_file_failed", key=key, attempts=attempt, error=error, reason="stopping")
+                    return "failed", size
+        raise AssertionError("unreachable")
+
+    def _attempt(self, key: str, path: Path, known: _Uploaded | None) -> tuple[str, int]:
+        """Hash the file as it is now; upload it unless the destination already holds those bytes
+        (known from an earlier pass, else asked); raise _FileChanged if it moved meanwhile."""
+        started = time.monotonic()
+        stat = _stat(path)
+        sha256 = file_sha256(path)
+        if known is not None:
+            there = (known.size, known.sha256) == (stat[0], sha256)  # touched, same bytes
+        else:
+            there = self.dest.has_sha256(key, size=stat[0], sha256=sha256)  # from an earlier process
+        if not there:
+            self.dest.put_file_verified(path, key, size=stat[0], sha256=sha256)
+        if _stat(path) != stat:
+            raise _FileChanged("it changed while it was hashed or uploaded (still being written?)")
+        self.known[key] = _Uploaded(stat[0], stat[1], sha256)
+        if there:
+            return "unchanged", stat[0]
+        log.info("sync_file_uploaded", key=key, bytes=stat[0], sha256=sha256[:16],
+                 seconds=round(time.monotonic() - started, 3))
+        return "uploaded", stat[0]
+
+
+def run_sync(cfg: SyncConfig) -> int:
+    """Pass after pass until a signal (exit 0); with --once, one pass (exit 1 if a file failed)."""
+    stopping = stop_flag_on_signals()
+    syncer = Syncer(cfg, open_destination(cfg.dest, max_connections=8), stopping)
+    log.info("sync_started", source=str(cfg.source), dest=syncer.dest.url, every_s=cfg.every_s)
+    while True:
+        started = time.monotonic()
+        result = syncer.run_pass()
+        if cfg.every_s is None:
+            return 1 if result.failed else 0
+        if stopping.wait(max(0.0, started + cfg.every_s - time.monotonic())):
+            log.info("sync_stopped", source=str(cfg.source), dest=syncer.dest.url)
+            return 0

@@ -1,0 +1,97 @@
+"""The job bundle: everything resuming a job on another machine needs, next to its samples.
+
+Under `<dest>/<job>/_hsx/` (`hsx.layout.bundle_key`), beside the shard folders:
+
+- `job.json`: the job spec, the same JSON as in KV bucket `hsx_jobs` (tag `job.v1`);
+- `tokens.arrow`: the tokenized samples, byte for byte the object `<job>.tokens.arrow` of object
+  store `hsx_datasets` (format `hsx.tokens.v1`, see producer/stored.py);
+- `plan.json`: the batch plan, `{"format": "hsx.plan.v1", "job", "plan_fingerprint",
+  "token_budget", "max_batch_size", "total_samples", "batches": [{"batch_id", "padded_len",
+  "sample_indices"}]}` in publishing order;
+- `report.json`: the input report (`<job>.report.json`: rows truncated or skipped by --on-long).
+
+The producer writes it once the job is published and again on every re-run, through the
+destination's verified put (size and sha256); a file already there with the same bytes is left
+alone, so a re-run is cheap and a bundle lost with a crash is completed. This module knows the
+bundle's layout; the producer decides when to write it.
+"""
+
+import asyncio
+import hashlib
+import json
+
+import structlog
+from botocore.exceptions import BotoCoreError, ClientError
+from nats.js import JetStreamContext
+
+from hsx import schemas
+from hsx.destinations import VerificationError, open_destination
+from hsx.errors import HsxError
+from hsx.layout import bundle_key
+from producer import stored
+from producer.planner import PlannedBatch, plan_batch_id
+
+log = structlog.get_logger("hsx.producer")
+
+PLAN_FORMAT = "hsx.plan.v1"
+SPEC_FILE = "job.json"
+TOKENS_FILE = "tokens.arrow"
+PLAN_FILE = "plan.json"
+REPORT_FILE = "report.json"
+
+
+def plan_document(spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_batch_size: int | None) -> dict:
+    return {
+        "format": PLAN_FORMAT,
+        "job": spec.job,
+        "plan_fingerprint": spec.plan_fingerprint,
+        "token_budget": spec.token_budget,
+        "max_batch_size": max_batch_size,
+        "total_samples": spec.total_samples,
+        "batches": [
+            {"batch_id": plan_batch_id(spec.job, spec.plan_fingerprint, seq), "padded_len": batch.padded_len,
+             "sample_indices": list(batch.sample_indices)}
+            for seq, batch in enumerate(batches)
+        ],
+    }
+
+
+async def _bundle_files(js: JetStreamContext, spec: schemas.JobSpec, batches: list[PlannedBatch],
+                        max_batch_size: int | None) -> dict[str, bytes]:
+    files = {
+        SPEC_FILE: schemas.encode(spec),
+        PLAN_FILE: json.dumps(plan_document(spec, batches, max_batch_size=max_batch_size), separators=(",", ":")).encode(),
+    }
+    # Jobs made before the samples were stored have neither object; their bundle lacks them too.
+    if spec.tokenized_object:
+        files[TOKENS_FILE] = await stored.stored_bytes(js, spec.tokenized_object)
+    if spec.report_object:
+        files[REPORT_FILE] = await stored.stored_bytes(js, spec.report_object)
+    return files
+
+
+def _put_missing(dest_url: str, job: str, files: dict[str, bytes]) -> list[str]:
+    """Put each file whose key does not already hold its bytes; the names written."""
+    dest = open_destination(dest_url, max_connections=4)
+    written = []
+    for name, data in files.items():
+        key = bundle_key(job, name)
+        if dest.has_sha256(key, size=len(data), sha256=hashlib.sha256(data).hexdigest()):
+            continue
+        dest.put_bytes_verified(data, key)
+        written.append(name)
+    return written
+
+
+async def write_bundle(js: JetStreamContext, spec: schemas.JobSpec, batches: list[PlannedBatch], *,
+                       max_batch_size: int | None) -> None:
+    files = await _bundle_files(js, spec, batches, max_batch_size)
+    try:
+        written = await asyncio.to_thread(_put_missing, spec.dest, spec.job, files)
+    except (OSError, VerificationError, BotoCoreError, ClientError) as exc:  # after the S3 client's own retries
+        raise HsxError(
+            f"job {spec.job} is published, but writing its bundle to {spec.dest}/{bundle_key(spec.job, '')} failed "
+            f"({type(exc).__name__}: {exc}); run hsx produce again to retry"
+        ) from exc
+    log.info("bundle_written", job=spec.job, dest=spec.dest, prefix=bundle_key(spec.job, ""), written=written,
+             unchanged=sorted(set(files) - set(written)), bytes=sum(len(files[name]) for name in written))
