@@ -12,7 +12,7 @@ from gpu_consumer.model import load_model
 from gpu_consumer.service import SERVICE, BatchWorker, pull_loop
 from gpu_consumer.writer import remove_orphaned_temp_files
 from hsx import schemas, topology
-from hsx.events import EventPublisher, heartbeat_loop
+from hsx.events import EventPublisher, goodbye_heartbeat, heartbeat_loop
 from hsx.fsutil import make_private_dirs
 from hsx.jobs import wait_for_job_spec
 from hsx.lifecycle import stop_event_on_signals
@@ -64,7 +64,7 @@ async def run(cfg: ConsumerConfig) -> int:
         try:
             await pull_loop(worker, sub, cfg, stopping)
         finally:
-            await events.heartbeat(service=SERVICE, instance=cfg.instance, node=cfg.node, state="stopping")
+            await goodbye_heartbeat(events, service=SERVICE, instance=cfg.instance, node=cfg.node, state=worker.heartbeat_state)
             beats.cancel()
             await sub.unsubscribe()
             worker.close()

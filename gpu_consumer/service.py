@@ -36,7 +36,8 @@ from gpu_consumer.extract import extract_isolating, extract_samples
 from gpu_consumer.model import LoadedModel
 from gpu_consumer.writer import write_sample_file
 from hsx import schemas, topology
-from hsx.events import EventPublisher, keep_in_progress
+from hsx.events import EventPublisher, WorkerState, keep_in_progress
+from hsx.headers import message_headers
 from hsx.natsconn import through_outage
 from hsx.spool import spool_usage
 
@@ -188,7 +189,10 @@ class BatchWorker:
             # Nats-Msg-Id; progress is folded per batch and sample).
             subject = topology.file_subject(self.spec.job, self.cfg.node)
             for ready in files:
-                headers = {"Nats-Msg-Id": f"{batch.batch_id}:{ready.sample_index}:{attempt}", "Hsx-Job": self.spec.job}
+                headers = message_headers(
+                    self.spec.job, batch=batch.batch_id, sample=ready.sample_index,
+                    msg_id=f"{batch.batch_id}:{ready.sample_index}:{attempt}",
+                )
                 await through_outage(
                     lambda ready=ready, headers=headers: self.js.publish(subject, schemas.encode(ready), headers=headers),
                     what="announce_file", stopping=self.stopping,
@@ -209,8 +213,9 @@ class BatchWorker:
         finally:
             computed.keep_alive.cancel()
 
-    def heartbeat_state(self) -> tuple[str, str]:
-        return self.state, self.detail or self.last_batch
+    def heartbeat_state(self) -> WorkerState:
+        files, used = spool_usage(self.cfg.spool, self.spec.job)
+        return WorkerState(state=self.state, detail=self.detail, last_batch=self.last_batch, spool_files=files, spool_bytes=used)
 
     def spool_full(self) -> tuple[bool, int]:
         _, used = spool_usage(self.cfg.spool, self.spec.job)

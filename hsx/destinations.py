@@ -5,11 +5,17 @@ object is known to have the expected size and digest (hsx.samplefile); `has_veri
 holds exactly that object (a redelivered upload is then acked without re-uploading). Calls block;
 the uploader runs them on worker threads.
 
+Files that are not sample files (the job bundle the producer writes under `<job>/_hsx/`, the
+directories `hsx sync` uploads) go through `put_bytes_verified` / `put_file_verified` and
+`has_sha256`: the same verified put, checked by size and the sha256 of the whole content (S3 user
+metadata `hsx-sha256`; a file:// destination re-reads the stored file).
+
 S3 settings come from the standard AWS variables (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL,
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION); a custom endpoint gets path-style
 addressing, which MinIO, moto and most S3-compatible stores need.
 """
 
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,20 +23,38 @@ from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
 from hsx.errors import HsxError
-from hsx.fsutil import atomic_copy
+from hsx.fsutil import atomic_copy, atomic_write_bytes
 from hsx.samplefile import DigestCheck, SampleFileCorrupt, checked_file_digest
 
 MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNK = 64 << 20
 DIGEST_METADATA = "hsx-digest"  # S3 user metadata: the sample file's digest, compared by has_verified
+SHA256_METADATA = "hsx-sha256"  # S3 user metadata: sha256 of any other file's bytes, compared by has_sha256
+_HASH_CHUNK = 8 << 20
+
+
+def file_sha256(path: Path) -> str:
+    """The hex sha256 of a file's bytes, read in chunks (checkpoints are larger than memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        while chunk := source.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class Destination(Protocol):
     url: str
+    latency_bound: bool  # throughput comes from many requests in flight (remote object stores)
 
     def put_verified(self, local: Path, key: str, *, size: int, digest: str) -> None: ...
 
     def has_verified(self, key: str, *, size: int, digest: str) -> bool: ...
+
+    def put_bytes_verified(self, data: bytes, key: str) -> None: ...
+
+    def put_file_verified(self, local: Path, key: str, *, size: int, sha256: str) -> None: ...
+
+    def has_sha256(self, key: str, *, size: int, sha256: str) -> bool: ...
 
     def read_bytes(self, key: str) -> bytes: ...
 
@@ -42,6 +66,8 @@ class VerificationError(Exception):
 
 
 class FileDestination:
+    latency_bound = False
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.url = root.as_uri()
@@ -71,6 +97,34 @@ class FileDestination:
         except (FileNotFoundError, SampleFileCorrupt):
             return False
 
+    def put_bytes_verified(self, data: bytes, key: str) -> None:
+        atomic_write_bytes(self._path(key), data)
+        if not self.has_sha256(key, size=len(data), sha256=hashlib.sha256(data).hexdigest()):
+            raise VerificationError(f"{key}: the stored file does not hold the bytes written")
+
+    def put_file_verified(self, local: Path, key: str, *, size: int, sha256: str) -> None:
+        copied = hashlib.sha256()  # the bytes copied, hashed in the same pass: a file that changed
+        count = 0                  # since the caller hashed it is caught here, not stored silently
+
+        def observe(chunk: memoryview) -> None:
+            nonlocal count
+            copied.update(chunk)
+            count += len(chunk)
+
+        atomic_copy(local, self._path(key), observe=observe)
+        if (count, copied.hexdigest()) != (size, sha256):
+            raise VerificationError(
+                f"{key}: copied {count} bytes with sha256 {copied.hexdigest()[:12]}, expected {size} bytes "
+                f"{sha256[:12]} (did {local} change while it was copied?)"
+            )
+
+    def has_sha256(self, key: str, *, size: int, sha256: str) -> bool:
+        path = self._path(key)
+        try:
+            return path.stat().st_size == size and file_sha256(path) == sha256
+        except FileNotFoundError:
+            return False
+
     def read_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
 
@@ -87,6 +141,8 @@ def _custom_s3_endpoint() -> str | None:
 
 
 class S3Destination:
+    latency_bound = True
+
     def __init__(self, bucket: str, prefix: str, *, max_connections: int = 100) -> None:
         import boto3
         import botocore.config
@@ -132,15 +188,48 @@ class S3Destination:
             raise VerificationError(f"s3://{self.bucket}/{full_key}: stored object does not match the local file")
 
     def has_verified(self, key: str, *, size: int, digest: str) -> bool:
+        head = self._head(key)
+        return head is not None and head["ContentLength"] == size and head.get("Metadata", {}).get(DIGEST_METADATA) == digest
+
+    def put_bytes_verified(self, data: bytes, key: str) -> None:
+        sha256 = hashlib.sha256(data).hexdigest()
+        self.client.put_object(
+            Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={SHA256_METADATA: sha256}, ChecksumAlgorithm="CRC32",
+        )
+        if not self.has_sha256(key, size=len(data), sha256=sha256):
+            raise VerificationError(f"s3://{self.bucket}/{self._key(key)}: stored object does not match the bytes sent")
+
+    def put_file_verified(self, local: Path, key: str, *, size: int, sha256: str) -> None:
+        if size < MULTIPART_THRESHOLD:
+            # Send exactly the bytes hashed here: a file that changed since the caller hashed it is
+            # refused instead of stored under a sha256 it does not have.
+            data = local.read_bytes()
+            if (len(data), hashlib.sha256(data).hexdigest()) != (size, sha256):
+                raise VerificationError(f"{local}: changed since it was hashed ({len(data)} bytes now, {size} expected)")
+            self.put_bytes_verified(data, key)
+            return
+        # Multipart parts are read by the transfer's threads; a file that changes meanwhile is the
+        # caller's to notice (hsx sync compares size and mtime before hashing and after the upload).
+        self.client.upload_file(
+            str(local), self.bucket, self._key(key),
+            ExtraArgs={"Metadata": {SHA256_METADATA: sha256}, "ChecksumAlgorithm": "CRC32"}, Config=self.transfer,
+        )
+        if not self.has_sha256(key, size=size, sha256=sha256):
+            raise VerificationError(f"s3://{self.bucket}/{self._key(key)}: stored object does not match {local}")
+
+    def has_sha256(self, key: str, *, size: int, sha256: str) -> bool:
+        head = self._head(key)
+        return head is not None and head["ContentLength"] == size and head.get("Metadata", {}).get(SHA256_METADATA) == sha256
+
+    def _head(self, key: str) -> dict | None:
         from botocore.exceptions import ClientError
 
         try:
-            head = self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return self.client.head_object(Bucket=self.bucket, Key=self._key(key))
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return False
+                return None
             raise
-        return head["ContentLength"] == size and head.get("Metadata", {}).get(DIGEST_METADATA) == digest
 
     def read_bytes(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()

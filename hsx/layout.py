@@ -2,6 +2,7 @@
 
 Key: `<job>/<shard>/<sample_index>.safetensors` under the destination prefix, the same relative
 path in a node's spool. A shard holds SHARD_SIZE consecutive samples so no directory grows huge.
+The job's bundle (what resuming it elsewhere needs) is under `<job>/_hsx/`.
 
 Tensors: `hidden_states` [T, k, H] (k selected layers in the order given), `input_ids` [T],
 `loss_mask` [T] when known. With float8 storage, `hidden_states` is float8 e4m3 and
@@ -41,6 +42,16 @@ def dequantize_float8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 
 def sample_key(job: str, sample_index: int) -> str:
     return f"{job}/{sample_index // SHARD_SIZE:05d}/{sample_index}.safetensors"
+
+
+# The job bundle (producer/bundle.py: spec, tokenized samples, batch plan, input report) sits
+# beside the shards under `<job>/_hsx/`; the underscore keeps it apart from the five-digit shard
+# folders, and readers of sample files (hsx verify, HiddenStateDataset) pass over it.
+BUNDLE_DIR = "_hsx"
+
+
+def bundle_key(job: str, name: str) -> str:
+    return f"{job}/{BUNDLE_DIR}/{name}"
 
 
 def sample_metadata(

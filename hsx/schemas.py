@@ -130,9 +130,14 @@ class Heartbeat(_Wire, tag="heartbeat.v1"):
     service: str  # "gpu_consumer" | "uploader" | "producer"
     instance: str
     node: str
-    state: str  # "starting" | "working" | "idle" | "paused" | "stopping"
-    detail: str = ""
+    state: str  # "starting" | "working" | "idle" | "paused" | "disk_full" | "retrying" | "stopping"
+    detail: str = ""  # why the worker is not working (paused, disk_full, retrying); free text
     sent_at: float = 0.0
+    # Added within heartbeat.v1 (defaults keep older senders and receivers working):
+    last_batch: str = ""  # the batch a GPU consumer last started; "" for other services
+    # The job's finished files in this node's spool when the beat was sent; -1: not measured.
+    spool_files: int = -1
+    spool_bytes: int = -1
 
 
 class DeadLetter(_Wire, tag="dead.v1"):

@@ -49,6 +49,10 @@ class UpConfig:
     log_level: str = "info"
     on_long: str = "error"  # passed to hsx produce --on-long
     compile_layers: bool = False  # passed to hsx consume --compile
+    trust_remote_code: bool = False  # passed to hsx produce --trust-remote-code
+    # The job file (--config or HSX_CONFIG), passed to every process started, so its [consume],
+    # [upload], [monitor] and [produce] settings apply to them; what up passes as a flag wins.
+    config_file: Path | None = None
 
     @classmethod
     def from_args(cls, args, *, nats: NatsSettings | None) -> "UpConfig":
@@ -57,6 +61,7 @@ class UpConfig:
             layers=args.layers, dtype=args.dtype, dest=args.dest, consumers=args.consumers, uploaders=args.uploaders,
             token_budget=args.token_budget, max_seq_len=args.max_seq_len, samples=args.samples, device=args.device,
             timeout_s=args.timeout, log_level=args.log_level, on_long=args.on_long, compile_layers=args.compile,
+            trust_remote_code=args.trust_remote_code, config_file=Path(args.config).resolve() if args.config else None,
         )
 
 
@@ -105,6 +110,19 @@ def _hsx(*args: str) -> list[str]:
     return [sys.executable, "-m", "hsx.cli", *args]
 
 
+def global_flags(cfg: UpConfig) -> list[str]:
+    """The flags before the command that every process up starts gets."""
+    return ["--log-level", cfg.log_level, *(["--config", str(cfg.config_file)] if cfg.config_file else [])]
+
+
+def produce_args(cfg: UpConfig, *, model: str, dataset: Path, dest: str) -> list[str]:
+    """`hsx produce` and its flags for this job, the model, dataset and destination resolved."""
+    return ["produce", "--job", cfg.job, "--model", model, "--dataset", str(dataset), "--layers", cfg.layers,
+            "--dest", dest, "--dtype", cfg.dtype, "--token-budget", str(cfg.token_budget),
+            "--max-seq-len", str(cfg.max_seq_len), "--on-long", cfg.on_long,
+            *(["--trust-remote-code"] if cfg.trust_remote_code else [])]
+
+
 def _stop_all(children: list[_Child]) -> None:
     deadline = time.monotonic() + _STOP_DEADLINE_S
     for child in children:
@@ -137,8 +155,9 @@ def run_up(cfg: UpConfig) -> int:
         if dataset is None:
             from hsx.modelinfo import load_model_info
 
+            info = load_model_info(model, trust_remote_code=cfg.trust_remote_code)
             dataset = write_synthetic_dataset(
-                cfg.workdir / "dataset.jsonl", count=cfg.samples, vocab_size=load_model_info(model).vocab_size,
+                cfg.workdir / "dataset.jsonl", count=cfg.samples, vocab_size=info.vocab_size,
                 max_len=min(512, cfg.max_seq_len),
             )
         dest = cfg.dest or str(cfg.workdir / "out")
@@ -146,12 +165,9 @@ def run_up(cfg: UpConfig) -> int:
                "PYTHONUNBUFFERED": "1"}
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.consumers)))
-        common = ["--log-level", cfg.log_level]
+        common = global_flags(cfg)
 
-        producer = _Child("producer", _hsx(*common, "produce", "--job", cfg.job, "--model", model, "--dataset",
-                                           str(dataset), "--layers", cfg.layers, "--dest", dest, "--dtype", cfg.dtype,
-                                           "--token-budget", str(cfg.token_budget), "--max-seq-len", str(cfg.max_seq_len),
-                                           "--on-long", cfg.on_long),
+        producer = _Child("producer", _hsx(*common, *produce_args(cfg, model=model, dataset=dataset, dest=dest)),
                           env, logs / "producer.log")
         producer.start()
         while producer.poll() is None:

@@ -4,8 +4,9 @@ For every sample 0..total_samples-1: the file is at its key, loads as safetensor
 metadata matches its tensors (a flipped data byte), and it is the file of that sample of that job
 (metadata job, sample_index, layers, dtype, num_tokens; tensor shapes and dtypes; input_ids equal
 to the dataset's row when the dataset is readable here). Keys under `<job>/` that are not sample
-files are reported. `--recompute K` reruns K random readable samples alone, from scratch, with the
-GPU consumer's own model code on the CPU in float32, and compares them with the stored states.
+files are reported, except the job bundle under `<job>/_hsx/`. `--recompute K` reruns K random
+readable samples alone, from scratch, with the GPU consumer's own model code on the CPU in
+float32, and compares them with the stored states.
 
 Outcome per sample, in order of the first failure: missing (no object), corrupt (does not load,
 or its checksum does not match its tensors), mismatching (a sound file, but not the one this key
@@ -39,7 +40,7 @@ from hsx.data import (
 )
 from hsx.errors import HsxError
 from hsx.jobs import require_job_spec
-from hsx.layout import FLOAT8, sample_key
+from hsx.layout import BUNDLE_DIR, FLOAT8, sample_key
 from hsx.samplefile import SampleFileCorrupt, checked_digest
 from hsx.natsconn import NatsSettings, connect
 
@@ -244,7 +245,8 @@ def verify(
 
     listed = set(dest.keys())
     expected_keys = {relative_sample_key(job, i): i for i in range(total)}
-    extra = sorted(f"{job}/{key}" for key in listed - expected_keys.keys())
+    # The job bundle under `_hsx/` belongs to the job (producer/bundle.py); it is not a stray key.
+    extra = sorted(f"{job}/{key}" for key in listed - expected_keys.keys() if not key.startswith(f"{BUNDLE_DIR}/"))
 
     outcomes: list[_Outcome] = []
     absent = [i for key, i in expected_keys.items() if key not in listed]

@@ -10,6 +10,8 @@ Batch ids derive from the plan's fingerprint (model, layers, dtype, budget and e
 tokens), so the same samples and settings always give the same ids; they go out as
 `Nats-Msg-Id`, and the job spec records when everything was published, so running the producer
 again publishes nothing twice. A job name already used for a different plan is refused.
+Once the job is published, its bundle (spec, samples, plan, report) goes to the destination under
+`<job>/_hsx/` (producer/bundle.py), on every run, so the job can be resumed elsewhere.
 """
 
 import asyncio
@@ -22,15 +24,16 @@ import structlog
 
 from hsx import schemas, topology
 from hsx.errors import HsxError
+from hsx.headers import message_headers
 from hsx.jobs import read_job_spec
 from hsx.layers import resolve_layers
 from hsx.modelinfo import load_model_info
 from hsx.natsconn import connect
 from producer.config import ProducerConfig
-from producer import stored
+from producer import bundle, stored
 from producer.dataset import DatasetRow, dataset_digest
 from producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
-from producer.planner import PlannedBatch, plan_batches
+from producer.planner import PlannedBatch, plan_batch_id, plan_batches
 
 log = structlog.get_logger("hsx.producer")
 
@@ -66,14 +69,14 @@ async def _publish_all(js, cfg: ProducerConfig, fingerprint: str, batches: list[
     published = 0
 
     async def publish_one(seq: int, batch: PlannedBatch) -> bool:
-        batch_id = f"{cfg.job}-{fingerprint[:12]}-{seq:06d}"
+        batch_id = plan_batch_id(cfg.job, fingerprint, seq)
         payload = schemas.encode(_descriptor(cfg.job, batch_id, batch, rows))
         if len(payload) > max_payload:
             raise HsxError(
                 f"batch {batch_id} encodes to {len(payload)} bytes, more than the NATS server's max_payload "
                 f"{max_payload}; lower --token-budget or raise max_payload on the server"
             )
-        ack = await js.publish(subject, payload, headers={"Nats-Msg-Id": batch_id, "Hsx-Job": cfg.job, "Hsx-Batch": batch_id})
+        ack = await js.publish(subject, payload, headers=message_headers(cfg.job, batch=batch_id, msg_id=batch_id))
         return not ack.duplicate
 
     for start in range(0, len(batches), _PUBLISH_WINDOW):
@@ -145,7 +148,7 @@ async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs) -> tuple[str, s
 
 async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
     js = nc.jetstream()
-    kv = await topology.ensure_topology(js)
+    kv = await topology.ensure_topology(js, replicas=cfg.replicas)
     existing = await read_job_spec(kv, cfg.job)
     rows, inputs = await _job_rows(cfg, js, info, existing)
     lengths = [len(row.input_ids) for row in rows]
@@ -167,6 +170,7 @@ async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
             )
         if existing.published:
             log.info("job_already_published", job=cfg.job, batches=existing.total_batches)
+            await bundle.write_bundle(js, existing, batches, max_batch_size=cfg.max_batch_size)
             return 0
     if inputs is not None:
         tokens_object, report_object = await _store_inputs(cfg, js, inputs)
@@ -185,6 +189,8 @@ async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
     )
     await kv.put(cfg.job, schemas.encode(spec))
     published = await _publish_all(js, cfg, fingerprint, batches, rows, nc.max_payload)
-    await kv.put(cfg.job, schemas.encode(msgspec.structs.replace(spec, published=True)))
+    spec = msgspec.structs.replace(spec, published=True)
+    await kv.put(cfg.job, schemas.encode(spec))
     log.info("job_published", job=cfg.job, batches=len(batches), new=published, duplicates=len(batches) - published)
+    await bundle.write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
     return 0

@@ -37,3 +37,9 @@ def plan_batches(lengths: list[int], *, token_budget: int, max_batch_size: int |
         batches.append(PlannedBatch(sample_indices=tuple(members), padded_len=padded_len))
         start += len(members)
     return batches
+
+
+def plan_batch_id(job: str, fingerprint: str, seq: int) -> str:
+    """The id of the plan's `seq`-th batch: the same samples and settings (the plan's fingerprint)
+    always give the same ids, which go out as `Nats-Msg-Id` and into the job bundle's plan."""
+    return f"{job}-{fingerprint[:12]}-{seq:06d}"

@@ -104,6 +104,15 @@ async def _get(store, name: str) -> bytes:
     return buffer.getvalue()
 
 
+async def stored_bytes(js: JetStreamContext, name: str) -> bytes:
+    """One stored object byte for byte (the job bundle copies them to the destination)."""
+    store = await topology.ensure_datasets_store(js)
+    try:
+        return await _get(store, name)
+    except nats.js.errors.ObjectNotFoundError:
+        raise HsxError(f"object {name} in object store bucket {topology.DATASETS_BUCKET} is missing") from None
+
+
 async def store_tokenized(js: JetStreamContext, job: str, rows: list[DatasetRow]) -> str:
     """Store the job's samples (index order); returns the object name."""
     store = await topology.ensure_datasets_store(js)

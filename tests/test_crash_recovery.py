@@ -58,6 +58,8 @@ class BucketWatcher(threading.Thread):
             if key in self.seen:
                 continue
             self.seen.add(key)
+            if key.startswith(f"{self.prefix}/{self.job}/_hsx/"):
+                continue  # the job bundle, written by the producer (tests/test_bundle.py checks it)
             if not self.pattern.fullmatch(key):
                 self.problems.append(f"unexpected key {key!r} appeared")
                 continue

@@ -44,7 +44,7 @@ def test_undecodable_descriptor_is_dead_lettered_and_the_job_completes(hsx, hsx_
     hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, name="consumer")
     hsx_service("upload", "--job", job_name, "--spool", spool, name="uploader")
     monitor = hsx("monitor", "--job", job_name, "--until-done", "--interval", "0.5", timeout=120)
-    assert monitor.returncode == 0, monitor.stderr[-2000:]
+    assert monitor.returncode == 0, (monitor.stdout + monitor.stderr)[-2000:]
 
     status = json.loads(hsx("status", "--job", job_name, "--json").stdout)
     assert status["done"] and status["samples_uploaded"] == count

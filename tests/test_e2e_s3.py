@@ -143,7 +143,9 @@ def _metadata(data: bytes) -> dict[str, str]:
 
 
 def check_outputs(objects: dict[str, bytes], *, job: str, rows: list[dict]) -> dict[int, dict[str, torch.Tensor]]:
-    """Exactly one complete file per sample, under exactly the expected keys; returns them by index."""
+    """Exactly one complete file per sample, under exactly the expected keys; returns them by index.
+    The job bundle under `<job>/_hsx/` (tests/test_bundle.py checks it) is not a sample file."""
+    objects = {key: data for key, data in objects.items() if not key.startswith(f"{job}/_hsx/")}
     expected = {expected_key(job, i) for i in range(len(rows))}
     missing, extra = sorted(expected - set(objects)), sorted(set(objects) - expected)
     assert not missing and not extra, f"{len(objects)} objects for {len(rows)} samples; missing {missing[:10]}, extra {extra[:10]}"

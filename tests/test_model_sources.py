@@ -52,7 +52,7 @@ def test_a_model_id_resolves_from_the_local_hub_cache_offline(hsx, hsx_service, 
     consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, env=env, name="consumer")
     hsx_service("upload", "--job", job_name, "--spool", spool, env=env, name="uploader")
     monitor = hsx("monitor", "--job", job_name, "--until-done", "--interval", "0.5", timeout=120)
-    assert monitor.returncode == 0, monitor.stderr[-2000:] + consumer.log_path.read_text()[-2000:]
+    assert monitor.returncode == 0, (monitor.stdout + monitor.stderr)[-2000:] + consumer.log_path.read_text()[-2000:]
 
     files = sorted(out.rglob("*.safetensors"))
     assert len(files) == len(rows)

@@ -36,7 +36,7 @@ def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(hsx, hsx_s
     monitor = hsx("monitor", "--job", job_name, "--until-done", "--interval", "0.5", timeout=120)
     # The planned samples are all uploaded but the job spec says 6 samples: done. The extra batch's
     # good samples are written too; the poisoned one is dead.
-    assert monitor.returncode == 0, monitor.stderr[-3000:]
+    assert monitor.returncode == 0, (monitor.stdout + monitor.stderr)[-3000:]
     letters = json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
     assert len(letters) == 1, letters
     letter = letters[0]

@@ -48,7 +48,8 @@ def test_up_runs_the_embedded_demo_then_resumes_without_redoing(tmp_path):
     assert "job demo: done" in first.stdout
     assert "uploaded 24/24" in first.stdout
     assert "Traceback" not in first.stderr
-    summaries = [json.loads(line) for line in first.stderr.splitlines()
+    # The monitor's lines are on stdout (its output is its product); hsx up's own log is on stderr.
+    summaries = [json.loads(line) for line in first.stdout.splitlines()
                  if line.startswith("{") and json.loads(line).get("event") == "job_summary"]
     assert summaries and summaries[0]["samples"] == 24
 

@@ -7,7 +7,7 @@ import structlog
 
 from hsx import topology
 from hsx.destinations import open_destination
-from hsx.events import EventPublisher, heartbeat_loop
+from hsx.events import EventPublisher, goodbye_heartbeat, heartbeat_loop
 from hsx.fsutil import make_private_dirs
 from hsx.jobs import wait_for_job_spec
 from hsx.lifecycle import stop_event_on_signals
@@ -45,6 +45,7 @@ async def run(cfg: UploaderConfig) -> int:
             beats.cancel()
             mover.close()
             await sub.unsubscribe()
+            await goodbye_heartbeat(events, service=SERVICE, instance=cfg.instance, node=cfg.node, state=mover.heartbeat_state)
         log.info("uploader_stopped")
         return 0
     finally:
