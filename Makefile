@@ -1,10 +1,11 @@
 # make setup: .venv with hsx and everything the demo and tests need (idempotent, fast when done)
 # make run:   setup + `hsx up` (embedded demo: nats-server, tiny model, synthetic data, local dest)
-# make test:  setup + the whole pytest suite
+# make test:  setup + the whole pytest suite, on TEST_WORKERS pytest-xdist workers (default 2)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hsx-installed
 PYTHON ?= python3
+TEST_WORKERS ?= 2
 
 .PHONY: setup run test bench clean
 
@@ -24,7 +25,7 @@ run: setup
 	$(VENV)/bin/hsx up
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf hsx-demo hsx-spool .pytest_cache

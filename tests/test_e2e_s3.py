@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from hsx.layout import SHARD_SIZE
+from hsx.layout import SHARD_SIZE, bundle_key
 
 LAYERS = [0, 2, 5]  # of the tiny qwen3's 6 decoder layers: 5 is the last (pre-norm in hsx, post-norm in HF)
 HIDDEN = 64
@@ -142,10 +142,14 @@ def _metadata(data: bytes) -> dict[str, str]:
     return json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
 
 
+def sample_objects(objects: dict[str, bytes], job: str) -> dict[str, bytes]:
+    """The objects that are not the job bundle under `<job>/_hsx/` (tests/test_bundle.py checks it)."""
+    return {key: data for key, data in objects.items() if not key.startswith(bundle_key(job, ""))}
+
+
 def check_outputs(objects: dict[str, bytes], *, job: str, rows: list[dict]) -> dict[int, dict[str, torch.Tensor]]:
-    """Exactly one complete file per sample, under exactly the expected keys; returns them by index.
-    The job bundle under `<job>/_hsx/` (tests/test_bundle.py checks it) is not a sample file."""
-    objects = {key: data for key, data in objects.items() if not key.startswith(f"{job}/_hsx/")}
+    """Exactly one complete file per sample, under exactly the expected keys; returns them by index."""
+    objects = sample_objects(objects, job)
     expected = {expected_key(job, i) for i in range(len(rows))}
     missing, extra = sorted(expected - set(objects)), sorted(set(objects) - expected)
     assert not missing and not extra, f"{len(objects)} objects for {len(rows)} samples; missing {missing[:10]}, extra {extra[:10]}"

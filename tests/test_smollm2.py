@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 from test_inputs import assistant_spans
-from test_e2e_s3 import check_ok, logs_of, read_dir_objects, start_monitor, status, wait_until_done
+from test_e2e_s3 import check_ok, logs_of, read_dir_objects, sample_objects, start_monitor, status, wait_until_done
 
 LAYERS = [1, 15, 29]  # SmolLM2-135M has 30 decoder layers; 29 is the last (stored pre-norm)
 # Float32 on both sides, but hsx runs padded batches and the reference one sample alone, so the
@@ -119,7 +119,7 @@ def test_smollm2_chat_rows_end_to_end(smollm2, hsx, hsx_service, job_name, tmp_p
     assert view["done"] and view["samples_uploaded"] == len(CONVERSATIONS), view
     assert view["batches_total"] > 1, view  # a budget of 256 tokens splits the four conversations
 
-    objects = read_dir_objects(out)
+    objects = sample_objects(read_dir_objects(out), job_name)
     assert len(objects) == len(CONVERSATIONS), sorted(objects)
     reference = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     last = reference.config.num_hidden_layers - 1
