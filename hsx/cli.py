@@ -21,7 +21,7 @@ from hsx.errors import HsxError
 from hsx.logs import configure_logging
 from hsx.natsconn import DEFAULT_NATS_URL, NatsSettings, redact_url
 from hsx.settings import (command_names, declare_command_line_only, declare_env, declare_secret, defer_defaults,
-                          describe, hide, resolve)
+                          describe, hide, positive_int, resolve)
 
 ON_LONG = ("error", "truncate", "skip")  # producer/lengths.py
 _ON_LONG_HELP = ("a sample longer than --max-seq-len: error (default), truncate to its first --max-seq-len tokens, "
@@ -59,19 +59,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"hsx: error: {' '.join(message.split())} (see: {self.prog} --help)\n")
 
-
-def _positive_int(flag: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be positive, got {value}")
-        return value
-
-    parse.expects = int  # a config file must give a TOML integer, not "16384" (hsx/settings.py)
-    return parse
 
 
 def _metrics_port(text: str) -> int:
@@ -193,12 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--layers", default="1,3,5")
     up.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     up.add_argument("--dest", default=None, help="s3://bucket/prefix, file:///dir or a path (default WORKDIR/out)")
-    up.add_argument("--consumers", type=_positive_int("--consumers"), default=1)
-    up.add_argument("--uploaders", type=_positive_int("--uploaders"), default=1)
-    up.add_argument("--token-budget", type=_positive_int("--token-budget"), default=4096)
-    up.add_argument("--max-seq-len", type=_positive_int("--max-seq-len"), default=1024)
+    up.add_argument("--consumers", type=positive_int("--consumers"), default=1)
+    up.add_argument("--uploaders", type=positive_int("--uploaders"), default=1)
+    up.add_argument("--token-budget", type=positive_int("--token-budget"), default=4096)
+    up.add_argument("--max-seq-len", type=positive_int("--max-seq-len"), default=1024)
     up.add_argument("--on-long", choices=ON_LONG, default="error", help=_ON_LONG_HELP)
-    up.add_argument("--samples", type=_positive_int("--samples"), default=256, help="synthetic dataset size")
+    up.add_argument("--samples", type=positive_int("--samples"), default=256, help="synthetic dataset size")
     up.add_argument("--device", default="cpu")
     up.add_argument("--compile", action="store_true", help="consumers torch.compile the decoder layers (hsx consume --compile)")
     up.add_argument("--trust-remote-code", action="store_true",
@@ -214,13 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     produce.add_argument("--layers", required=True, help="0-based decoder layer indices, e.g. 1,16,31 (-1 = last)")
     produce.add_argument("--dest", required=True)
     produce.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    produce.add_argument("--token-budget", type=_positive_int("--token-budget"), default=16384)
-    produce.add_argument("--max-seq-len", type=_positive_int("--max-seq-len"), default=4096)
-    produce.add_argument("--max-batch-size", type=_positive_int("--max-batch-size"), default=None)
+    produce.add_argument("--token-budget", type=positive_int("--token-budget"), default=16384)
+    produce.add_argument("--max-seq-len", type=positive_int("--max-seq-len"), default=4096)
+    produce.add_argument("--max-batch-size", type=positive_int("--max-batch-size"), default=None)
     produce.add_argument("--on-long", choices=ON_LONG, default="error", help=_ON_LONG_HELP)
     produce.add_argument("--trust-remote-code", action="store_true",
                          help="allow a model that ships its own Python code (it runs on every consumer)")
-    produce.add_argument("--replicas", type=_positive_int("--replicas"), default=None,
+    produce.add_argument("--replicas", type=positive_int("--replicas"), default=None,
                          help="servers of a JetStream cluster that hold each hsx stream and bucket, e.g. 3 "
                               "(env HSX_REPLICAS; default: keep what exists, 1 when creating)")
     declare_env(produce, replicas="HSX_REPLICAS")
@@ -246,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nats(upload)
     upload.add_argument("--job", type=_job_name, required=True)
     _add_worker_flags(upload)
-    upload.add_argument("--max-inflight", type=_positive_int("--max-inflight"), default=100)
+    upload.add_argument("--max-inflight", type=positive_int("--max-inflight"), default=100)
 
     monitor = commands.add_parser("monitor", help="follow a job's progress as a log stream")
     _add_nats(monitor)
@@ -273,10 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="check every sample file of a job in its destination")
     _add_nats(verify)
     verify.add_argument("--job", type=_job_name, required=True)
-    verify.add_argument("--recompute", type=_positive_int("--recompute"), default=0, metavar="K",
+    verify.add_argument("--recompute", type=positive_int("--recompute"), default=0, metavar="K",
                         help="also recompute K random samples on the CPU and compare (loads the model)")
     verify.add_argument("--seed", type=int, default=None, help="seed for choosing the recomputed samples (default: random, reported)")
-    verify.add_argument("--workers", type=_positive_int("--workers"), default=16, help="objects read at once (default 16)")
+    verify.add_argument("--workers", type=positive_int("--workers"), default=16, help="objects read at once (default 16)")
     verify.add_argument("--json", action="store_true")
 
     sync = commands.add_parser("sync", help="upload a directory (e.g. checkpoints) to a destination, again every --every")
@@ -286,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     passes = sync.add_mutually_exclusive_group(required=True)
     passes.add_argument("--every", help="time from one pass's start to the next, e.g. 30m, 2h, 90s")
     passes.add_argument("--once", action="store_true", help="one pass, then exit (1 if a file could not be uploaded)")
-    sync.add_argument("--retries", type=_positive_int("--retries"), default=5,
+    sync.add_argument("--retries", type=positive_int("--retries"), default=5,
                       help="attempts per file and pass, with backoff, before it is left to the next pass (default 5)")
 
     dead = commands.add_parser("dead", help="list or retry a job's dead letters (HSX_DEAD)")
@@ -298,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
         action.add_argument("--job", type=_job_name, required=True)
         action.add_argument("--json", action="store_true")
     selection = dead_retry.add_mutually_exclusive_group(required=True)
-    selection.add_argument("--seq", type=_positive_int("--seq"), action="append",
+    selection.add_argument("--seq", type=positive_int("--seq"), action="append",
                            help="the dead letter's sequence number from `hsx dead list` (repeatable)")
     selection.add_argument("--all", action="store_true", help="every dead letter of the job")
     # Which samples to retry is asked for per run; a file must not retry anything by itself.

@@ -20,6 +20,7 @@ import structlog
 
 from hsx.errors import HsxError
 from hsx.logs import configure_logging
+from hsx.settings import positive_int
 
 log = structlog.get_logger("hsx.demo")
 
@@ -60,23 +61,13 @@ def prepare_demo(cfg: DemoConfig) -> None:
         log.info("demo_dataset_not_needed", dataset=str(cfg.dataset), reason="outside the demo folder: the user's own")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hsx.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", type=Path, required=True, help="build only inside this folder")
     parser.add_argument("--model", type=Path, required=True, help="the job's model path")
     parser.add_argument("--dataset", type=Path, required=True, help="the job's dataset path")
-    parser.add_argument("--samples", type=_positive, default=256, help="synthetic dataset size (default 256)")
-    parser.add_argument("--max-len", type=_positive, default=DEMO_MAX_LEN,
+    parser.add_argument("--samples", type=positive_int("--samples"), default=256, help="synthetic dataset size (default 256)")
+    parser.add_argument("--max-len", type=positive_int("--max-len"), default=DEMO_MAX_LEN,
                         help=f"the producer's --max-seq-len; samples are at most min(this, {DEMO_MAX_LEN}) tokens")
     args = parser.parse_args(argv)
     configure_logging()

@@ -355,3 +355,19 @@ def _quote(action: argparse.Action, value: object) -> str:
 
 def _unless_secret(action: argparse.Action, message: str) -> str:
     return "not a valid value (not shown: secret)" if getattr(action, "hsx_redact", None) is not None else message
+
+
+def positive_int(flag: str):
+    """An argparse type for a positive integer flag; its error names the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be positive, got {value}")
+        return value
+
+    parse.expects = int  # a config file must give a TOML integer, not "16384"
+    return parse
