@@ -341,7 +341,9 @@ def test_uploader_sigkilled_mid_upload_never_deletes_an_unstored_file(
         # Every file waits in the spool first, so the uploader starts with a full queue of work.
         wait_for(lambda: len(watcher.present) == count, timeout=60, what="every sample file in the spool",
                  procs=[consumer], alive=[consumer])
-        upload_args = ("upload", "--job", job, "--spool", str(spool), "--ack-wait", "2")
+        # 16 uploads in flight: with one thread per upload, a hundred would empty the spool before
+        # the watcher has seen five land, and there would be nothing left to kill it in the middle of.
+        upload_args = ("upload", "--job", job, "--spool", str(spool), "--ack-wait", "2", "--max-inflight", "16")
         first = hsx_service(*upload_args, env=env, name="upload-killed")
         wait_for(watcher.clean(lambda: len(watcher.checked) >= 5), timeout=60, what="the first uploads",
                  procs=[first, consumer], alive=[first, consumer], period=0.01)
