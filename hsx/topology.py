@@ -61,7 +61,12 @@ DAY = 24 * 3600.0
 # Deliveries of one message before it is dead-lettered. A batch fails for real (bad token id,
 # a model that cannot take it) far less often than a GPU process dies holding it, so give it room.
 BATCH_MAX_DELIVER = 5
-FILE_MAX_DELIVER = 10
+# File events are delivered without limit. Every delivery is idempotent, a failing upload is
+# retried inside the uploader (keeping the event alive), and a bad event is dead-lettered at once,
+# so only uploaders dying or NATS outages use deliveries up. A cap would strand the event: after
+# the last delivery JetStream keeps it in the work queue but never hands it out again, and the
+# job could never finish (10 uploader restarts on a node over a long run would be enough).
+FILE_MAX_DELIVER = -1
 # Redelivery happens this long after the last sign of life; busy workers send in_progress()
 # well inside it, so only a dead worker's message is redelivered.
 BATCH_ACK_WAIT_S = 60.0
