@@ -35,7 +35,6 @@ Prints one JSON object. About 1.5 minutes on 2 cores with the defaults (16 files
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import shutil
@@ -54,7 +53,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.pipeline import CpuWindow, JobEvents, _process_cpu_s, _wait_until  # noqa: E402
+from bench.pipeline import (  # noqa: E402
+    _DAY_S, _RELEASE_S, CpuWindow, JobEvents, _cpu_s, _pause_until, _wait_until,
+)
 from gpu_consumer.writer import write_sample_file  # noqa: E402
 from hsx import schemas, topology  # noqa: E402
 from hsx.embedded import start_nats_server, synthetic_lengths  # noqa: E402
@@ -66,8 +67,6 @@ from uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 
 JOB = "bench"
 NODE = "bench"
-_DAY_S = 86400.0
-_RELEASE_S = 0.3
 REPO = Path(__file__).resolve().parent.parent
 AWS_DEFAULTS = {"max_concurrent_requests": 10, "multipart_threshold": "8MB", "multipart_chunksize": "8MB"}
 
@@ -105,20 +104,6 @@ def _start_moto(log_path: Path) -> tuple[subprocess.Popen, str]:
             time.sleep(0.05)
     process.kill()
     raise HsxError("moto server did not start within 30 s")
-
-
-async def _pause_until(nc, stream: str, durable: str, delay_s: float) -> float:
-    """Pause a durable (JetStream consumer pause, nats-server >= 2.11) until `delay_s` from now;
-    returns the time.monotonic() at which it resumes. Pull requests waiting at the server are
-    served the moment the pause runs out (an explicit unpause would leave them waiting until they
-    expire), so a short pause is the release."""
-    until = datetime.datetime.fromtimestamp(time.time() + delay_s, datetime.timezone.utc)
-    resumes = time.monotonic() + delay_s
-    body = json.dumps({"pause_until": until.isoformat().replace("+00:00", "Z")}).encode()
-    reply = json.loads((await nc.request(f"$JS.API.CONSUMER.PAUSE.{stream}.{durable}", body)).data)
-    if "error" in reply or not reply.get("paused"):
-        raise HsxError(f"cannot pause {stream}/{durable}: {reply}")
-    return resumes
 
 
 def _spec(args, dest: str) -> schemas.JobSpec:
@@ -201,9 +186,9 @@ class Bench:
         bucket = self.new_bucket()
         self.fresh_spool()
         startup_s, _ = self._aws("s3", "ls", f"s3://{bucket}")
-        moto0 = _process_cpu_s(self.moto_pid)
+        moto0 = _cpu_s(self.moto_pid)
         seconds, cpu = self._aws("s3", "cp", "--recursive", "--quiet", str(self.spool / JOB), f"s3://{bucket}/aws/{JOB}")
-        moto_cpu = _process_cpu_s(self.moto_pid) - moto0
+        moto_cpu = _cpu_s(self.moto_pid) - moto0
         self.check_and_drop(bucket, "aws")
         return {"seconds": seconds, "startup_s": startup_s, "cpu_s": {"aws": round(cpu, 2), "moto": round(moto_cpu, 2)}}
 
