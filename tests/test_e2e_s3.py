@@ -73,6 +73,15 @@ def status(hsx, job: str, env: dict | None) -> dict:
     return json.loads(check_ok(hsx("status", "--job", job, "--json", env=env, timeout=60), "hsx status").stdout)
 
 
+def wait_until_spooled(hsx, consumer: subprocess.Popen, job: str, count: int, timeout: float = 90) -> None:
+    """Until the consumer has written all `count` samples (no uploader runs: they wait in its spool)."""
+    deadline = time.monotonic() + timeout
+    while status(hsx, job, None)["samples_written"] < count:
+        assert consumer.poll() is None, "the consumer exited before writing every sample"
+        assert time.monotonic() < deadline, f"the consumer did not write {count} samples within {timeout:.0f} s"
+        time.sleep(0.5)
+
+
 def wait_until_done(monitor: subprocess.Popen, workers: list[subprocess.Popen], timeout: float = PIPELINE_TIMEOUT_S) -> float:
     """Wait for `hsx monitor --until-done` to exit 0; fail with every log on timeout, on a bad exit,
     or as soon as a worker dies. Returns the seconds waited."""

@@ -3,12 +3,12 @@ uploaded by the next one (with a limit, JetStream would keep it queued forever a
 never finish)."""
 
 import asyncio
-import time
 
 from hsx import topology
 from hsx.natsconn import NatsSettings, connect
 from test_e2e_s3 import (
-    check_final_status, check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done, write_dataset,
+    check_final_status, check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done,
+    wait_until_spooled, write_dataset,
 )
 
 NODE = "testnode"  # tests/conftest.py gives every service this node
@@ -41,10 +41,7 @@ def test_a_file_event_redelivered_many_times_is_still_uploaded(hsx, hsx_service,
             token_budget=128, max_seq_len=64, env=None)
     spool = tmp_path / "spool"
     consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), name="consumer")
-    deadline = time.monotonic() + 90
-    while status(hsx, job_name, None)["samples_written"] < 6:
-        assert consumer.poll() is None and time.monotonic() < deadline, "the consumer did not write every sample"
-        time.sleep(0.5)
+    wait_until_spooled(hsx, consumer, job_name, 6)
 
     deliveries = asyncio.run(_take_without_acking(nats_server.url, job_name, DELIVERIES))
     assert deliveries == list(range(1, DELIVERIES + 1)), deliveries  # the same event, delivered again each time

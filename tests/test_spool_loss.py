@@ -2,11 +2,9 @@
 (missing file / data not matching its checksum), sends those samples back for extraction, and the job still
 ends with every sample in the destination exactly once and correct."""
 
-import time
-
 from test_e2e_s3 import (
     Reference, check_final_status, check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done,
-    write_dataset,
+    wait_until_spooled, write_dataset,
 )
 
 
@@ -17,10 +15,7 @@ def test_lost_and_corrupted_spool_files_are_extracted_again(hsx, hsx_service, ti
             token_budget=256, max_seq_len=64, env=None)
     spool = tmp_path / "spool"
     consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), name="consumer")
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and status(hsx, job_name, None)["samples_written"] < 12:
-        assert consumer.poll() is None
-        time.sleep(0.5)
+    wait_until_spooled(hsx, consumer, job_name, 12)
     files = sorted((spool / job_name).rglob("*.safetensors"), key=lambda p: int(p.stem))
     assert len(files) == 12, "every sample should be waiting in the spool (no uploader yet)"
     lost, corrupted = files[:2], files[5:7]
