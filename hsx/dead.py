@@ -1,6 +1,7 @@
 """`hsx dead list` and `hsx dead retry`: the job's dead letters in HSX_DEAD, and sending them back.
 
-A dead letter holds the original payload, its subject, the error and how often it was delivered.
+A dead letter holds the original payload (hsx/deadletter.py), its subject, the error and how often
+it was delivered.
 Retrying publishes the payload again to its original subject under a new message id (the batch id
 alone would be dropped as a duplicate inside the stream's duplicate window), then deletes the
 dead letter. A crash between the two retries it twice at worst: extraction and upload are
@@ -14,6 +15,7 @@ import msgspec
 import structlog
 
 from hsx import schemas, topology
+from hsx.deadletter import resendable
 from hsx.errors import HsxError
 from hsx.headers import message_headers
 from hsx.natsconn import NatsSettings, connect
@@ -45,6 +47,10 @@ async def _read_letters(js, job: str) -> list[tuple[int, schemas.DeadLetter]]:
 def _payload_batch_id(letter: schemas.DeadLetter) -> str:
     """The batch id of the payload sent back: a poisoned batch's remaining samples travel as
     `<batch>-poison`, so the payload, not the letter, names the batch that will run."""
+    if letter.batch is not None:
+        return letter.batch.batch_id
+    if letter.file is not None:
+        return letter.file.batch_id
     decoder = schemas.batch_decoder if letter.what == "batch" else schemas.file_decoder
     try:
         return decoder.decode(letter.original).batch_id
@@ -83,9 +89,14 @@ async def retry_dead(settings: NatsSettings, job: str, seqs: list[int] | None) -
             letters = [(seq, letter) for seq, letter in letters if seq in set(seqs)]
         retried = []
         for seq, letter in letters:
+            payload = resendable(letter)
+            if payload is None:
+                log.error("dead_letter_not_resendable", seq=seq, samples=letter.sample_indices,
+                          reason="the letter could not keep its payload (larger than the server's max_payload)")
+                continue
             message_id = f"{letter.batch_id or letter.what}:retry:{seq}"
             single = letter.sample_indices[0] if len(letter.sample_indices) == 1 else None
-            await js.publish(letter.original_subject, letter.original, headers=message_headers(
+            await js.publish(letter.original_subject, payload, headers=message_headers(
                 job, batch=_payload_batch_id(letter), sample=single, msg_id=message_id, retry_of=seq,
             ))
             await js.delete_msg(topology.DEAD_STREAM, seq)

@@ -16,9 +16,15 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from hsx import schemas, topology
+from hsx.deadletter import build_letters, hold_for_test
 from hsx.headers import message_headers
+from hsx.natsconn import through_outage
 
 log = structlog.get_logger("hsx.events")
+
+# Sent with each heartbeat: JetStream then removes the subject's earlier messages (the stream
+# allows it: topology.STREAMS, allow_rollup_hdrs).
+HEARTBEAT_ROLLUP = {"Nats-Rollup": "sub"}
 
 
 class EventPublisher:
@@ -38,33 +44,46 @@ class EventPublisher:
 
     async def heartbeat(
         self, *, service: str, instance: str, node: str, state: str, detail: str = "", last_batch: str = "",
-        spool_files: int = -1, spool_bytes: int = -1,
+        spool_files: int = -1, spool_bytes: int = -1, stalled_s: float = 0.0,
     ) -> None:
         beat = schemas.Heartbeat(
             job=self.job, service=service, instance=instance, node=node, state=state, detail=detail,
             last_batch=last_batch, spool_files=spool_files, spool_bytes=spool_bytes, sent_at=time.time(),
+            stalled_s=stalled_s,
         )
         if self.nc.is_connected:
+            # Rollup: the stream keeps only this instance's last beat (HSX_EVENTS has no age limit,
+            # and a long job sends millions of beats); the monitor reads only the last one anyway.
             await self.nc.publish(
-                topology.heartbeat_subject(self.job, instance), schemas.encode(beat), headers=message_headers(self.job)
+                topology.heartbeat_subject(self.job, instance), schemas.encode(beat),
+                headers={**message_headers(self.job), **HEARTBEAT_ROLLUP},
             )
 
     async def store_dead_letter(
         self, *, what: str, error: str, subject: str, payload: bytes, deliveries: int, batch_id: str = "",
-        sample_indices: list[int] | None = None,
+        sample_indices: list[int] | None = None, source_seq: int = 0, part: str = "",
     ) -> None:
-        """Store a payload that cannot be processed, with its error, in HSX_DEAD."""
-        letter = schemas.DeadLetter(
-            job=self.job, what=what, error=error[:2000], deliveries=deliveries, original_subject=subject,
-            original=payload, batch_id=batch_id, sample_indices=sample_indices or [],
+        """Store a payload that cannot be processed, with its error, in HSX_DEAD (as one letter, or
+        several when one would not fit: hsx/deadletter.py). Waits out a NATS outage: a letter that
+        is not stored must not let its message leave the work queue."""
+        letters = build_letters(
+            job=self.job, what=what, error=error, subject=subject, payload=payload, deliveries=deliveries,
+            max_payload=self.nc.max_payload, source_seq=source_seq, part=part, batch_id=batch_id,
+            sample_indices=sample_indices,
         )
-        single = letter.sample_indices[0] if len(letter.sample_indices) == 1 else None
-        await self.js.publish(
-            topology.dead_subject(self.job, what), schemas.encode(letter),
-            headers=message_headers(self.job, batch=batch_id, sample=single),
-        )
-        log.error("dead_lettered", what=what, batch=batch_id, samples=letter.sample_indices[:20],
-                  deliveries=deliveries, error=letter.error)
+        await hold_for_test()
+        for stored in letters:
+            letter = stored.letter
+            single = letter.sample_indices[0] if len(letter.sample_indices) == 1 else None
+            headers = message_headers(self.job, batch=letter.batch_id, sample=single, msg_id=stored.msg_id)
+            await through_outage(
+                lambda stored=stored, headers=headers: self.js.publish(
+                    topology.dead_subject(self.job, what), stored.payload, headers=headers
+                ),
+                what="store_dead_letter",
+            )
+            log.error("dead_lettered", what=what, batch=letter.batch_id, samples=letter.sample_indices[:20],
+                      deliveries=deliveries, error=letter.error, payload_kept=not letter.original_truncated)
 
     async def dead_letter(
         self, msg: Msg, *, what: str, error: str, batch_id: str = "", sample_indices: list[int] | None = None
@@ -72,9 +91,9 @@ class EventPublisher:
         """Store the message with its error in HSX_DEAD, then remove it from its work queue."""
         await self.store_dead_letter(
             what=what, error=error, subject=msg.subject, payload=msg.data, deliveries=msg.metadata.num_delivered,
-            batch_id=batch_id, sample_indices=sample_indices,
+            batch_id=batch_id, sample_indices=sample_indices, source_seq=msg.metadata.sequence.stream,
         )
-        await msg.term()
+        await through_outage(msg.term, what="remove_dead_lettered")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +105,7 @@ class WorkerState:
     last_batch: str = ""
     spool_files: int = -1
     spool_bytes: int = -1
+    stalled_s: float = 0.0  # state "stalled": how long the forward of last_batch has run
 
 
 async def heartbeat_loop(
@@ -100,6 +120,7 @@ async def heartbeat_loop(
             await events.heartbeat(
                 service=service, instance=instance, node=node, state=report.state, detail=report.detail,
                 last_batch=report.last_batch, spool_files=report.spool_files, spool_bytes=report.spool_bytes,
+                stalled_s=report.stalled_s,
             )
         except Exception as exc:
             log.warning("heartbeat_failed", error=str(exc))

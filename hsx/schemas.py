@@ -53,6 +53,7 @@ class FileReady(_Wire, tag="file.v2"):
     # The sample itself, so that an uploader that finds the spool file lost or corrupted can
     # re-queue it for extraction without any copy of the dataset.
     sample: Sample | None = None
+    plan: str = ""  # the writing consumer's JobSpec.plan_tag, passed on to the `uploaded` event
 
 
 class JobSpec(_Wire, tag="job.v1"):
@@ -87,6 +88,13 @@ class JobSpec(_Wire, tag="job.v1"):
     samples_truncated: int = 0
     samples_skipped: int = 0
 
+    @property
+    def plan_tag(self) -> str:
+        """The plan's short name, carried by progress events so that events of another plan under
+        the same job name (a deleted and re-created job, stray publishers) never count toward this
+        one; the same 12 characters as in the plan's batch ids (producer/planner.py)."""
+        return self.plan_fingerprint[:12]
+
 
 # Progress events, on `hsx.events.<job>.<kind>`.
 
@@ -102,6 +110,7 @@ class BatchWritten(_Wire, tag="written.v1"):
     seconds: float
     attempt: int = 1
     redo: bool = False  # a re-queued sample, not a planned batch
+    plan: str = ""  # JobSpec.plan_tag of the consumer's job spec; "" from consumers before it existed
 
 
 class FileUploaded(_Wire, tag="uploaded.v1"):
@@ -114,6 +123,7 @@ class FileUploaded(_Wire, tag="uploaded.v1"):
     tokens: int
     already_present: bool = False
     attempt: int = 1  # delivery number of the file-ready event
+    plan: str = ""  # JobSpec.plan_tag of the plan that wrote the file (FileReady.plan); "" from older senders
 
 
 class SampleRequeued(_Wire, tag="requeued.v1"):
@@ -130,27 +140,52 @@ class Heartbeat(_Wire, tag="heartbeat.v1"):
     service: str  # "gpu_consumer" | "uploader" | "producer"
     instance: str
     node: str
-    state: str  # "starting" | "working" | "idle" | "paused" | "disk_full" | "retrying" | "stopping"
-    detail: str = ""  # why the worker is not working (paused, disk_full, retrying); free text
+    state: str  # "starting" | "working" | "idle" | "paused" | "disk_full" | "stalled" | "retrying" | "refused" | "stopping"
+    # Why the worker is not working (paused, disk_full, retrying); free text. For "refused" (an
+    # uploader whose destination refuses writes) the one-line reason, which `hsx status` reports.
+    detail: str = ""
     sent_at: float = 0.0
     # Added within heartbeat.v1 (defaults keep older senders and receivers working):
     last_batch: str = ""  # the batch a GPU consumer last started; "" for other services
     # The job's finished files in this node's spool when the beat was sent; -1: not measured.
     spool_files: int = -1
     spool_bytes: int = -1
+    # With state "stalled": seconds the forward of `last_batch` has been running (past its bound).
+    stalled_s: float = 0.0
 
 
 class DeadLetter(_Wire, tag="dead.v1"):
-    """A message that could not be processed; stored in HSX_DEAD with the original payload."""
+    """A message that could not be processed; stored in HSX_DEAD with what retrying it needs.
+
+    A payload that decodes travels as itself (`batch` or `file`, plain JSON, readable in `nats
+    stream view` and no larger than it was), so a letter is its payload plus a bounded envelope
+    (`dead_letter_headroom`): it always fits where the payload fit. Only a payload that does not
+    decode is kept as bytes in `original` (base64), cut to fit.
+    """
 
     job: str
     what: str  # "batch" | "file"
     error: str
     deliveries: int
     original_subject: str
-    original: bytes  # the payload as it arrived (base64 in JSON)
+    original: bytes = b""  # a payload that does not decode, as it arrived (base64 in JSON); else empty
     batch_id: str = ""
     sample_indices: list[int] = []
+    batch: BatchDescriptor | None = None  # the descriptor to send back, when what == "batch"
+    file: FileReady | None = None  # the file-ready event to send back, when what == "file"
+    source_seq: int = 0  # the payload's sequence in its work-queue stream (0: not from one)
+    original_truncated: bool = False  # `original` was cut to fit the server's max_payload
+
+
+# A dead letter's error text is cut to this many characters.
+DEAD_LETTER_ERROR_CHARS = 2000
+
+
+def dead_letter_headroom(samples: int) -> int:
+    """Bytes a dead letter may add around the payload it carries: the error (each character
+    escaped as \\uXXXX at worst), subject, names and counters, and one index per sample. A
+    descriptor of `samples` samples that fits max_payload minus this can always be dead-lettered."""
+    return 6 * DEAD_LETTER_ERROR_CHARS + 1024 + 21 * samples
 
 
 Event = Union[BatchWritten, FileUploaded, SampleRequeued, Heartbeat, DeadLetter]

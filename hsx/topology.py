@@ -52,6 +52,9 @@ BATCHES_STREAM = "HSX_BATCHES"
 FILES_STREAM = "HSX_FILES"
 EVENTS_STREAM = "HSX_EVENTS"
 DEAD_STREAM = "HSX_DEAD"
+# JetStream's own advisories for messages that used up max_deliver, kept so none is lost while no
+# hsx process listens (hsx/exhausted.py acts on them).
+ADVISORIES_STREAM = "HSX_ADVISORIES"
 JOBS_BUCKET = "hsx_jobs"
 # Object store: each job's tokenized dataset (`<job>.tokens.arrow`) and input report (`<job>.report.json`).
 DATASETS_BUCKET = "hsx_datasets"
@@ -121,6 +124,27 @@ def dead_subject_all(job: str) -> str:
     return f"hsx.dead.{job}.*"
 
 
+def job_subjects(job: str) -> dict[str, str]:
+    """Stream -> the subject filter holding every message of `job` there: what `hsx jobs delete`
+    purges. A job name is one subject token, so `hsx.events.<job>.>` holds no other job's."""
+    return {
+        BATCHES_STREAM: batch_subject(job),
+        FILES_STREAM: f"hsx.files.{job}.>",
+        EVENTS_STREAM: f"hsx.events.{job}.>",
+        DEAD_STREAM: f"hsx.dead.{job}.>",
+        ADVISORIES_STREAM: max_deliveries_subject(BATCHES_STREAM, gpu_durable(job)),
+    }
+
+
+def max_deliveries_subject(stream: str, durable: str) -> str:
+    """The subject of the server's advisory for a message of `durable` that used up max_deliver."""
+    return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{durable}"
+
+
+def exhausted_durable(job: str) -> str:
+    return f"exhausted-{job}"
+
+
 def gpu_durable(job: str) -> str:
     return f"gpu-{job}"
 
@@ -155,13 +179,32 @@ STREAMS: tuple[StreamConfig, ...] = (
         subjects=["hsx.events.>"],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
-        max_age=30 * DAY,
+        # No age limit: `done` is folded from every `written`/`uploaded` event since the job began,
+        # so a long job, or one paused for weeks and resumed, must not lose its early events.
+        # Retention follows the job: `hsx jobs delete` purges its subjects. Heartbeats, the only
+        # events sent forever, are published with `Nats-Rollup: sub` (hsx/events.py), so each
+        # worker's subject keeps only its last beat.
+        max_age=0,
+        allow_rollup_hdrs=True,
     ),
     StreamConfig(
         name=DEAD_STREAM,
         description="hsx dead letters: messages that failed max_deliver times, with their error",
         subjects=["hsx.dead.>"],
         retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        # No age limit either: a letter is the only record of its samples (`hsx status` calls the
+        # job failed from it, `hsx dead retry` resends it); it goes with the job, or when retried.
+        max_age=0,
+        # A letter's message id is its payload's stream and sequence: the consumer on its last
+        # delivery and the exhausted-message reaper may both store one; only the first is kept.
+        duplicate_window=DAY,
+    ),
+    StreamConfig(
+        name=ADVISORIES_STREAM,
+        description="hsx: JetStream's advisories for hsx messages that used up their deliveries, until dead-lettered",
+        subjects=[max_deliveries_subject(BATCHES_STREAM, "*"), max_deliveries_subject(FILES_STREAM, "*")],
+        retention=RetentionPolicy.WORK_QUEUE,
         storage=StorageType.FILE,
         max_age=90 * DAY,
     ),
@@ -313,6 +356,24 @@ async def ensure_gpu_consumer(js: JetStreamContext, job: str, *, ack_wait_s: flo
             ack_wait=ack_wait_s,
             max_deliver=BATCH_MAX_DELIVER,
             max_ack_pending=10_000,
+        ),
+    ), what=f"consumer {durable}")
+    return durable
+
+
+async def ensure_exhausted_consumer(js: JetStreamContext, job: str) -> str:
+    """The durable over the job's max-deliveries advisories, shared by every GPU consumer of the job."""
+    durable = exhausted_durable(job)
+    await _while_unavailable(lambda: js.add_consumer(
+        ADVISORIES_STREAM,
+        ConsumerConfig(
+            durable_name=durable,
+            description=f"batches of job {job} that used up their deliveries, to dead-letter",
+            filter_subject=max_deliveries_subject(BATCHES_STREAM, gpu_durable(job)),
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=30.0,
+            max_deliver=-1,
         ),
     ), what=f"consumer {durable}")
     return durable

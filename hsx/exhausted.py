@@ -1,0 +1,142 @@
+"""Batches that used up their deliveries: dead-lettered with their samples, removed from the queue.
+
+A work-queue message that reaches max_deliver stays in its stream but is never delivered again,
+so without this a batch whose consumer died on it every time (OOM killer, segfault, SIGKILL), or
+whose last delivery was lost in a NATS outage, would hold its job forever: neither done nor
+failed. Two ways find such a batch:
+
+- JetStream's advisory (`$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.HSX_BATCHES.gpu-<job>`, with
+  the stream sequence), kept in stream HSX_ADVISORIES so that none is lost while no process
+  listens, and read through the job's durable `exhausted-<job>`;
+- a sweep, the backstop for an advisory that was never stored (a leader election at that moment):
+  when the job's durable has nothing left to deliver and nothing in flight, every message of the
+  job still in the stream at or below the durable's delivered sequence has used up its deliveries.
+
+Each is stored as a dead letter naming its samples (message id from its stream sequence, so two
+finders store one letter), then deleted from the work queue, then its advisory is acked; a crash
+between the steps redoes them. Every GPU consumer of the job runs this beside its pull loop.
+`hsx dead retry` sends the samples back.
+"""
+
+import asyncio
+import json
+import time
+
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+
+from hsx import topology
+from hsx.events import EventPublisher
+
+log = structlog.get_logger("hsx.exhausted")
+
+SWEEP_INTERVAL_S = 30.0
+
+
+def _error(deliveries: int) -> str:
+    return (
+        f"delivered {deliveries} times and never finished: each consumer that took it died, was killed or "
+        "stopped, or its result could not be reported (check the consumers' logs and the host's OOM killer "
+        "for this batch); hsx dead retry sends it back"
+    )
+
+
+async def dead_letter_exhausted(js: JetStreamContext, events: EventPublisher, *, seq: int, deliveries: int) -> bool:
+    """Dead-letter the batch at stream sequence `seq` and delete it from the work queue. False if
+    it is no longer there (acked, or another finder was first)."""
+    try:
+        raw = await js.get_msg(topology.BATCHES_STREAM, seq)
+    except nats.js.errors.NotFoundError:
+        return False
+    if raw.subject != topology.batch_subject(events.job):
+        return False
+    await events.store_dead_letter(
+        what="batch", error=_error(deliveries), subject=raw.subject, payload=raw.data or b"",
+        deliveries=deliveries, source_seq=seq,
+    )
+    try:
+        await js.delete_msg(topology.BATCHES_STREAM, seq)
+    except nats.js.errors.NotFoundError:
+        pass
+    return True
+
+
+async def sweep(js: JetStreamContext, events: EventPublisher) -> int:
+    """Dead-letter every batch of the job that has used up its deliveries although no advisory
+    said so; returns how many."""
+    job = events.job
+    info = await js.consumer_info(topology.BATCHES_STREAM, topology.gpu_durable(job))
+    # Something pending or in flight may still be finished; only a durable with neither proves
+    # that what is left below its delivered sequence will never be delivered again.
+    if info.num_pending or info.num_ack_pending:
+        return 0
+    delivered_up_to = info.delivered.stream_seq if info.delivered else 0
+    found, seq = 0, 0
+    while True:
+        try:
+            raw = await js.get_msg(topology.BATCHES_STREAM, seq + 1, subject=topology.batch_subject(job), next=True)
+        except nats.js.errors.NotFoundError:
+            return found
+        if raw.seq > delivered_up_to:
+            return found
+        log.warning("exhausted_batch_swept", seq=raw.seq)
+        found += await dead_letter_exhausted(js, events, seq=raw.seq, deliveries=topology.BATCH_MAX_DELIVER)
+        seq = raw.seq
+
+
+async def _on_advisory(js: JetStreamContext, events: EventPublisher, msg) -> None:
+    try:
+        advisory = json.loads(msg.data)
+        seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", topology.BATCH_MAX_DELIVER))
+    except (ValueError, KeyError, TypeError):
+        log.warning("advisory_unreadable", subject=msg.subject)
+        await msg.term()
+        return
+    if await dead_letter_exhausted(js, events, seq=seq, deliveries=deliveries):
+        log.warning("exhausted_batch_dead_lettered", seq=seq, deliveries=deliveries)
+    await msg.ack_sync()
+
+
+async def reap_exhausted(js: JetStreamContext, events: EventPublisher, stopping: asyncio.Event) -> None:
+    """Until stopping: dead-letter the job's batches that used up their deliveries."""
+    sub = None
+    while sub is None:
+        try:
+            durable = await topology.ensure_exhausted_consumer(js, events.job)
+            sub = await js.pull_subscribe_bind(durable=durable, stream=topology.ADVISORIES_STREAM)
+        except Exception:
+            log.warning("exhausted_reaper_not_started", retry_in_s=5.0, exc_info=True)
+            try:
+                await asyncio.wait_for(stopping.wait(), timeout=5.0)
+                return
+            except asyncio.TimeoutError:
+                pass
+    next_sweep = time.monotonic()
+    try:
+        while not stopping.is_set():
+            try:
+                msgs = await sub.fetch(16, timeout=2.0)
+            except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                msgs = []
+            except Exception as exc:  # NATS reconnecting: the advisories wait in their stream
+                log.warning("advisory_fetch_failed", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(1.0)
+                continue
+            for msg in msgs:
+                try:
+                    await _on_advisory(js, events, msg)
+                except Exception:  # left unacked: the advisory comes back after its ack wait
+                    log.warning("exhausted_batch_not_dead_lettered", subject=msg.subject, exc_info=True)
+            if time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + SWEEP_INTERVAL_S
+                try:
+                    await sweep(js, events)
+                except Exception:
+                    log.warning("exhausted_sweep_failed", exc_info=True)
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:
+            pass
