@@ -240,7 +240,11 @@ def main() -> int:
 
     def extract_only():
         for batch in batches:
-            extract_samples(loaded, batch)
+            # As the consumer does: the copy goes into pinned buffers leased to the batch.
+            lease = staging.lease() if staging is not None else None
+            extract_samples(loaded, batch, lease=lease)
+            if lease is not None:
+                lease.release()
 
     spools = args.spool or [Path(tempfile.mkdtemp(prefix="hsx-bench-spool-"))]
     spec = JobSpec(job="bench", model="qwen3-8b-shaped-random", model_revision="none", layers=layers, dtype="bfloat16",

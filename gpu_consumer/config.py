@@ -27,6 +27,12 @@ class ConsumerConfig:
     # torch.compile each decoder layer (fuses the element-wise work between the matmuls): 1.36x the
     # forward on an H200 for a Qwen3-8B shape, for ~20 s of compiling at start (docs/PERFORMANCE.md).
     compile_layers: bool = False
+    # A forward running longer than stall_factor x what its batch should take at this consumer's
+    # measured pace, and never less than stall_after_s, is stalled: its batch is released to
+    # another consumer and the heartbeat says `stalled` (gpu_consumer/stall.py). The floor covers
+    # a first forward's compiling; a real device hang lasts far longer.
+    stall_after_s: float = 300.0
+    stall_factor: float = 10.0
     heartbeat_s: float = 5.0
     idle_fetch_timeout_s: float = 1.0
     stop_deadline_s: float = 120.0

@@ -3,14 +3,22 @@
 Right padding with an attention mask keeps every real token's computation identical to running
 the sample alone (causal attention and recurrent layers read only earlier positions). On an
 out-of-memory error the batch is split in halves and each half retried, down to single samples.
+
+Given a staging lease (gpu_consumer/staging.py), every forward copies its states into a host
+buffer of that lease, and the states returned are views into those buffers: valid until the
+lease is released, which the caller does once it has written them. Without one, each forward's
+states are copied into ordinary host memory the caller owns.
 """
 
 import os
+import time
+from pathlib import Path
 
 import structlog
 import torch
 
 from gpu_consumer.model import LoadedModel
+from gpu_consumer.staging import StagingLease
 from hsx.schemas import Sample
 
 log = structlog.get_logger("hsx.gpu_consumer.extract")
@@ -18,6 +26,23 @@ log = structlog.get_logger("hsx.gpu_consumer.extract")
 # Test-only switch: raise an out-of-memory error for any forward of more padded tokens than this,
 # so the split path runs on CPU machines.
 _FAKE_OOM_ABOVE = int(os.environ.get("HSX_TEST_OOM_ABOVE_TOKENS", "0") or 0)
+# Test-only switch: HSX_TEST_HANG_SAMPLE=<sample index> with HSX_TEST_HANG_MARKER=<path>. The first
+# forward holding that sample (the one that creates the marker) hangs, as a wedged device would,
+# until <path>.release exists; forwards that find the marker there already run normally.
+_HANG_SAMPLE = os.environ.get("HSX_TEST_HANG_SAMPLE")
+_HANG_MARKER = os.environ.get("HSX_TEST_HANG_MARKER", "")
+
+
+def _maybe_hang(samples: list[Sample]) -> None:
+    if not any(str(sample.index) == _HANG_SAMPLE for sample in samples):
+        return
+    try:
+        Path(_HANG_MARKER).touch(exist_ok=False)
+    except FileExistsError:
+        return
+    log.warning("test_forward_hanging", sample=int(_HANG_SAMPLE), until=f"{_HANG_MARKER}.release")
+    while not Path(f"{_HANG_MARKER}.release").exists():
+        time.sleep(0.1)
 
 
 def pad_batch(samples: list[Sample], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,56 +56,66 @@ def pad_batch(samples: list[Sample], pad_token_id: int) -> tuple[torch.Tensor, t
     return ids, mask
 
 
-def _forward(loaded: LoadedModel, samples: list[Sample]) -> list[torch.Tensor]:
+def _forward(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | None) -> list[torch.Tensor]:
     padded_len = max(len(s.input_ids) for s in samples)
     if _FAKE_OOM_ABOVE and len(samples) * padded_len > _FAKE_OOM_ABOVE:
         raise torch.OutOfMemoryError(f"test switch: {len(samples)}x{padded_len} tokens > {_FAKE_OOM_ABOVE}")
+    if _HANG_SAMPLE:
+        _maybe_hang(samples)
     ids, mask = pad_batch(samples, loaded.pad_token_id)
     with torch.inference_mode():
         captured = loaded.tap.forward(ids.to(loaded.device, non_blocking=True), mask.to(loaded.device, non_blocking=True))
         # [B, P, k, H], one device-to-host copy for the whole batch.
         stacked = torch.stack(captured, dim=2).to(loaded.dtype)
-        if loaded.staging is not None:
-            host = loaded.staging.take(stacked.shape, stacked.dtype)
-            host.copy_(stacked, non_blocking=True)
-            torch.cuda.current_stream(loaded.device).synchronize()
+        if lease is not None:
+            cuda = loaded.device.type == "cuda"
+            host = lease.take(stacked.shape, stacked.dtype)
+            host.copy_(stacked, non_blocking=cuda)
+            if cuda:
+                torch.cuda.current_stream(loaded.device).synchronize()
         else:
             host = stacked.to("cpu")
     return [host[row, : len(sample.input_ids)] for row, sample in enumerate(samples)]
 
 
-def _own(loaded: LoadedModel, states: list[torch.Tensor]) -> list[torch.Tensor]:
-    """States that outlive further forwards: views into a staging slot are copied out."""
-    return [state.clone() for state in states] if loaded.staging is not None else states
-
-
 def extract_isolating(
-    loaded: LoadedModel, samples: list[Sample]
+    loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None
 ) -> tuple[list[tuple[Sample, torch.Tensor]], list[tuple[Sample, str]]]:
     """For a batch that keeps failing: bisect it so that only the samples that fail on their own
     are given up. Returns (sample, states) for those that work and (sample, error) for the rest."""
     try:
-        return list(zip(samples, extract_samples(loaded, samples))), []
+        return list(zip(samples, extract_samples(loaded, samples, lease=lease))), []
     except Exception as exc:
         if len(samples) == 1:
             return [], [(samples[0], f"{type(exc).__name__}: {exc}")]
     half = len(samples) // 2
-    good_a, bad_a = extract_isolating(loaded, samples[:half])
-    good_a = list(zip([s for s, _ in good_a], _own(loaded, [t for _, t in good_a])))
-    good_b, bad_b = extract_isolating(loaded, samples[half:])
+    # The first half's states stay in their leased buffers while the second half runs.
+    good_a, bad_a = extract_isolating(loaded, samples[:half], lease=lease)
+    good_b, bad_b = extract_isolating(loaded, samples[half:], lease=lease)
     return good_a + good_b, bad_a + bad_b
 
 
-def extract_samples(loaded: LoadedModel, samples: list[Sample]) -> list[torch.Tensor]:
+def extract_samples(
+    loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None
+) -> list[torch.Tensor]:
     """Hidden states [T, k, H] per sample, in the order given; splits the batch on OOM."""
+    mark = lease.mark() if lease is not None else 0
     try:
-        return _forward(loaded, samples)
-    except torch.OutOfMemoryError:
-        if len(samples) == 1:
-            raise
-        if loaded.device.type == "cuda":
-            torch.cuda.empty_cache()
-        half = len(samples) // 2
-        log.warning("batch_split_on_oom", samples=len(samples), halves=[half, len(samples) - half])
-        first = _own(loaded, extract_samples(loaded, samples[:half]))
-        return first + extract_samples(loaded, samples[half:])
+        try:
+            return _forward(loaded, samples, lease)
+        except torch.OutOfMemoryError:
+            if len(samples) == 1:
+                raise
+            if loaded.device.type == "cuda":
+                torch.cuda.empty_cache()
+            half = len(samples) // 2
+            log.warning("batch_split_on_oom", samples=len(samples), halves=[half, len(samples) - half])
+            # The first half's states stay in their leased buffers while the second half runs.
+            first = extract_samples(loaded, samples[:half], lease=lease)
+            return first + extract_samples(loaded, samples[half:], lease=lease)
+    except BaseException:
+        # Nothing will read what this call copied: its buffers go back to the pool now, so a
+        # lease holds only the states that will be written.
+        if lease is not None:
+            lease.release_since(mark)
+        raise

@@ -13,10 +13,11 @@ from gpu_consumer.service import SERVICE, BatchWorker, pull_loop
 from gpu_consumer.writer import remove_orphaned_temp_files
 from hsx import schemas, topology
 from hsx.events import EventPublisher, goodbye_heartbeat, heartbeat_loop
+from hsx.exhausted import reap_exhausted
 from hsx.fsutil import make_private_dirs
 from hsx.jobs import wait_for_job_spec
 from hsx.lifecycle import stop_event_on_signals
-from hsx.natsconn import connect
+from hsx.natsconn import close_connection, connect
 
 log = structlog.get_logger("hsx.gpu_consumer")
 
@@ -25,6 +26,21 @@ def _warm_up(loaded) -> None:
     from gpu_consumer.extract import extract_samples
 
     extract_samples(loaded, [schemas.Sample(index=-1, source_id="warmup", input_ids=[loaded.pad_token_id] * 16)])
+
+
+# The reaper's steps are each idempotent, so one cut short at shutdown is redone by whoever reads
+# the advisory next; a NATS outage must not hold the consumer's exit for its retry budget.
+_REAPER_STOP_S = 5.0
+
+
+async def _stop_reaper(reaper: asyncio.Task, stopping: asyncio.Event) -> None:
+    if stopping.is_set():
+        await asyncio.wait({reaper}, timeout=_REAPER_STOP_S)
+    if not reaper.done():  # the pull loop failed, or the reaper is waiting out an outage
+        reaper.cancel()
+    outcome = (await asyncio.gather(reaper, return_exceptions=True))[0]
+    if isinstance(outcome, Exception):
+        log.error("exhausted_reaper_failed", error=f"{type(outcome).__name__}: {outcome}")
 
 
 async def run(cfg: ConsumerConfig) -> int:
@@ -61,9 +77,11 @@ async def run(cfg: ConsumerConfig) -> int:
             events, service=SERVICE, instance=cfg.instance, node=cfg.node, interval_s=cfg.heartbeat_s, stopping=stopping,
             state=worker.heartbeat_state,
         ))
+        reaper = asyncio.create_task(reap_exhausted(js, events, stopping))
         try:
             await pull_loop(worker, sub, cfg, stopping)
         finally:
+            await _stop_reaper(reaper, stopping)
             await goodbye_heartbeat(events, service=SERVICE, instance=cfg.instance, node=cfg.node, state=worker.heartbeat_state)
             beats.cancel()
             await sub.unsubscribe()
@@ -71,4 +89,4 @@ async def run(cfg: ConsumerConfig) -> int:
         log.info("consumer_stopped")
         return 0
     finally:
-        await nc.drain()
+        await close_connection(nc)

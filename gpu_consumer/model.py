@@ -18,6 +18,7 @@ from torch import nn
 from gpu_consumer.staging import HostStaging
 from hsx.errors import HsxError
 from hsx.layers import FINAL, LayerSelector
+from hsx.logs import route_transformers_logging
 
 log = structlog.get_logger("hsx.gpu_consumer.model")
 
@@ -129,6 +130,7 @@ def load_model(
     weights the job spec names, even if the cache's `main` moves); None for a local folder."""
     from transformers import AutoModelForCausalLM
 
+    route_transformers_logging()
     compute_dtype = COMPUTE_DTYPES[dtype]
     try:
         target = torch.device(device)

@@ -8,9 +8,11 @@ same files (same content, same names) and announces them again, and the uploader
 already-uploaded file without re-uploading. Nothing is skipped because a file exists.
 
 Two stages overlap: while batch N is written, announced and acked, batch N+1's forward runs.
-Batch N+2's forward starts only once batch N is finished, which is also what lets the host
-staging ring (two pinned buffers) hand out views without copying. The next descriptor is fetched
-while the current one computes.
+Batch N+2's forward starts only once batch N is finished. Files are written straight from the
+host buffers the forward copied into, leased to that batch until its files are written
+(gpu_consumer/staging.py), so at most two batches' states are leased at once. The next
+descriptor is fetched while the current one computes, unless the spool is near its high-water mark: a consumer paused
+there, or stuck in a stalled forward (gpu_consumer/stall.py), holds no batch it has not started.
 
 Stopping: the stop event ends fetching; batches in hand are finished (not abandoned) first, and a
 descriptor fetched ahead but not started is nak'ed back to the stream.
@@ -21,8 +23,10 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -34,6 +38,8 @@ from nats.js import JetStreamContext
 from gpu_consumer.config import ConsumerConfig
 from gpu_consumer.extract import extract_isolating, extract_samples
 from gpu_consumer.model import LoadedModel
+from gpu_consumer.stall import ForwardPace, ReleasedBatch, Stall
+from gpu_consumer.staging import StagingLease
 from gpu_consumer.writer import write_sample_file
 from hsx import schemas, topology
 from hsx.events import EventPublisher, WorkerState, keep_in_progress
@@ -61,6 +67,17 @@ def _maybe_crash_before_ack() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+# Test-only switch: a sample index. A consumer kills itself with SIGKILL when it starts a batch
+# holding that sample, as a batch that takes its process down every time would (host OOM killer,
+# segfault).
+_CRASH_ON_SAMPLE = os.environ.get("HSX_TEST_CRASH_ON_SAMPLE")
+
+
+def _maybe_crash_on(batch: schemas.BatchDescriptor) -> None:
+    if _CRASH_ON_SAMPLE and any(str(sample.index) == _CRASH_ON_SAMPLE for sample in batch.samples):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 @dataclass
 class _Computed:
     """A batch whose forward is done and whose files are still to be written and announced."""
@@ -72,6 +89,8 @@ class _Computed:
     keep_alive: asyncio.Task
     extracted: list[tuple[schemas.Sample, torch.Tensor]]
     failed: list[tuple[schemas.Sample, str]] = field(default_factory=list)
+    # The host buffers `extracted` are views into (None without staging): released by finish().
+    lease: StagingLease | None = None
 
 
 class BatchWorker:
@@ -88,6 +107,9 @@ class BatchWorker:
         self.state = "idle"
         self.last_batch = ""
         self.detail = ""  # why the worker is not working, when it is paused or waiting
+        self.pace = ForwardPace(stall_after_s=cfg.stall_after_s, stall_factor=cfg.stall_factor)
+        self.stall: Stall | None = None  # the forward past its bound, while it runs
+        self.batch_bytes = _full_batch_bytes(spec, loaded)
         self._writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="hsx-writer")
 
     def _write_one(self, batch_id: str, sample: schemas.Sample, hidden: torch.Tensor) -> schemas.FileReady:
@@ -106,7 +128,12 @@ class BatchWorker:
                 files = await asyncio.gather(*(
                     loop.run_in_executor(self._writers, self._write_one, computed.batch.batch_id, sample, hidden)
                     for sample, hidden in computed.extracted
-                ))
+                ), return_exceptions=True)
+                # Every write has ended before a failure is acted on: the others still read the
+                # batch's leased host buffers, which must not be released (and reused) under them.
+                errors = [outcome for outcome in files if isinstance(outcome, BaseException)]
+                if errors:
+                    raise errors[0]
                 self.state, self.detail = "working", ""
                 return list(files)
             except OSError as exc:
@@ -121,32 +148,105 @@ class BatchWorker:
                 except asyncio.TimeoutError:
                     delay = min(delay * 2, 60.0)
 
-    async def compute(self, msg: Msg) -> _Computed | None:
+    async def _watched(
+        self, run: Callable, batch: schemas.BatchDescriptor, keep_alive: asyncio.Task,
+        on_stall: Callable[[], Awaitable[None]] | None,
+    ):
+        """`run(loaded, samples)` on a thread, watched. Past the batch's stall bound the forward is
+        stalled: in_progress stops, so JetStream hands the batch to another consumer after the ack
+        wait, `on_stall` hands back what the pull loop holds, and the heartbeat says `stalled`. A
+        thread cannot be interrupted, so the forward is still awaited; if it ends after all, its
+        result is used (a late ack of a redelivered batch is harmless: same files, file events
+        carry their delivery in their msg ids, progress counts each batch and sample once), but
+        a failure is not settled from here (`ReleasedBatch`): a nak would hand out the copy
+        another consumer is working on."""
+        bound = self.pace.bound_s(batch)
+        began = time.monotonic()
+        forward = asyncio.ensure_future(asyncio.to_thread(run, self.loaded, batch.samples))
+        done, _ = await asyncio.wait({forward}, timeout=bound)
+        if done:
+            result = forward.result()
+            self.pace.add(batch, time.monotonic() - began)
+            return result
+        keep_alive.cancel()
+        self.stall = Stall(batch_id=batch.batch_id, began=began, bound_s=bound)
+        log.warning("forward_stalled", batch=batch.batch_id, running_s=round(bound, 1), bound_s=round(bound, 1),
+                    padded_tokens=self.pace.padded_tokens(batch), released_after_s=self.cfg.ack_wait_s)
+        try:
+            if on_stall is not None:
+                await on_stall()
+            try:
+                result = await forward
+            except Exception as exc:
+                log.warning("stalled_forward_failed", batch=batch.batch_id, error=f"{type(exc).__name__}: {exc}",
+                            seconds=round(time.monotonic() - began, 1))
+                raise ReleasedBatch(batch.batch_id) from exc
+        finally:
+            self.stall = None
+        log.warning("stalled_forward_finished", batch=batch.batch_id, seconds=round(time.monotonic() - began, 1))
+        return result
+
+    async def compute(
+        self, msg: Msg, *, on_stall: Callable[[], Awaitable[None]] | None = None
+    ) -> _Computed | None:
         """Stage 1: decode and run the forward. Returns None when the message was settled here
-        (poison dead-lettered, or a failure nak'ed for a later retry)."""
+        (poison dead-lettered, or a failure nak'ed for a later retry), or was released by a
+        stalled forward that then failed.
+
+        The batch's states are copied into host buffers leased to this batch alone
+        (gpu_consumer/staging.py), and its files are written straight from them while the next
+        batch computes: the lease goes with the returned batch and `finish` releases it once the
+        files are written; a batch that comes to nothing releases it here."""
+        lease = self.loaded.staging.lease() if self.loaded.staging is not None else None
+        try:
+            computed = await self._compute_batch(msg, lease, on_stall)
+        except asyncio.CancelledError:
+            # The forward's thread may still be copying into the lease: its buffers stay leased
+            # (the consumer is going down).
+            raise
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
+        if computed is None:
+            if lease is not None:
+                lease.release()
+            return None
+        computed.lease = lease
+        return computed
+
+    async def _compute_batch(
+        self, msg: Msg, lease: StagingLease | None, on_stall: Callable[[], Awaitable[None]] | None
+    ) -> _Computed | None:
         attempt = msg.metadata.num_delivered
         try:
             batch = schemas.batch_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
             await self.events.dead_letter(msg, what="batch", error=f"descriptor does not decode: {exc}")
             return None
+        _maybe_crash_on(batch)
         self.state, self.last_batch = "working", batch.batch_id
         log_ = log.bind(batch=batch.batch_id, attempt=attempt)
         keep_alive = asyncio.create_task(keep_in_progress(msg, interval_s=self.cfg.in_progress_s))
         started = time.perf_counter()
         try:
             try:
-                outputs = await asyncio.to_thread(extract_samples, self.loaded, batch.samples)
+                outputs = await self._watched(partial(extract_samples, lease=lease), batch, keep_alive, on_stall)
                 return _Computed(msg, batch, attempt, started, keep_alive, list(zip(batch.samples, outputs)))
+            except ReleasedBatch:
+                return None
             except Exception as exc:
                 if attempt < topology.BATCH_MAX_DELIVER:
                     delay = self.cfg.retry_delay_s * attempt
-                    log_.warning("batch_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
+                    log_.warning("batch_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay, exc_info=True)
                     await msg.nak(delay=delay)
                     keep_alive.cancel()
                     return None
             # Last delivery: give up only the samples that fail on their own.
-            extracted, failed = await asyncio.to_thread(extract_isolating, self.loaded, batch.samples)
+            try:
+                extracted, failed = await self._watched(partial(extract_isolating, lease=lease), batch, keep_alive, on_stall)
+            except ReleasedBatch:
+                return None
             if not extracted:
                 keep_alive.cancel()
                 await self.events.dead_letter(
@@ -166,12 +266,17 @@ class BatchWorker:
             try:
                 files = await self._write_until_written(computed)
             except Exception as exc:
+                error = f"writing to the spool {self.cfg.spool} failed: {type(exc).__name__}: {exc}"
+                if attempt >= topology.BATCH_MAX_DELIVER:
+                    # A nak now would strand the batch in the work queue for good.
+                    await self.events.dead_letter(msg, what="batch", error=error, batch_id=batch.batch_id)
+                    return
                 delay = self.cfg.retry_delay_s * attempt
-                log_.warning("batch_write_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
+                log_.warning("batch_write_failed", error=error, retry_in_s=delay, exc_info=True)
                 await msg.nak(delay=delay)
                 return
             if files is None:
-                await msg.nak()
+                await give_back(self.js, msg)
                 return
             if computed.failed:
                 poisoned = [s for s, _ in computed.failed]
@@ -183,6 +288,7 @@ class BatchWorker:
                         samples=poisoned,
                     )),
                     deliveries=attempt, batch_id=batch.batch_id, sample_indices=[s.index for s in poisoned],
+                    source_seq=msg.metadata.sequence.stream, part=":poison",
                 )
             # From here on a NATS outage is waited out, not left to a redelivery that would redo
             # the batch after the ack wait: each step is idempotent (file events carry a
@@ -203,7 +309,7 @@ class BatchWorker:
             written_event = schemas.BatchWritten(
                 job=self.spec.job, batch_id=batch.batch_id, consumer=self.cfg.instance, node=self.cfg.node,
                 sample_indices=[f.sample_index for f in files], tokens=tokens, bytes=written,
-                seconds=round(seconds, 4), attempt=attempt, redo=bool(batch.redo_reason),
+                seconds=round(seconds, 4), attempt=attempt, redo=bool(batch.redo_reason), plan=self.spec.plan_tag,
             )
             await through_outage(lambda: self.events.emit(written_event), what="report_written", stopping=self.stopping)
             _maybe_crash_before_ack()
@@ -212,19 +318,61 @@ class BatchWorker:
                       tokens_per_s=round(tokens / seconds, 1))
         finally:
             computed.keep_alive.cancel()
+            if computed.lease is not None:
+                # Every write has ended (_write_until_written waits for all of them), written or
+                # not: the buffers may go to the next batch.
+                computed.lease.release()
 
     def heartbeat_state(self) -> WorkerState:
         files, used = spool_usage(self.cfg.spool, self.spec.job)
+        stall = self.stall
+        if stall is not None:  # whatever the other stage says: this worker's forward is hung
+            running = stall.running_s()
+            return WorkerState(
+                state="stalled", last_batch=stall.batch_id, spool_files=files, spool_bytes=used,
+                stalled_s=round(running, 1),
+                detail=f"forward of batch {stall.batch_id} running {running:.0f} s, bound {stall.bound_s:.0f} s; "
+                       f"batch released to other consumers",
+            )
         return WorkerState(state=self.state, detail=self.detail, last_batch=self.last_batch, spool_files=files, spool_bytes=used)
 
     def spool_full(self) -> tuple[bool, int]:
         _, used = spool_usage(self.cfg.spool, self.spec.job)
         return used >= self.cfg.spool_high_water_bytes, used
 
+    def room_for(self, used: int, batches: int) -> bool:
+        """Whether `batches` more full batches fit in the spool below the high-water mark."""
+        return used + batches * self.batch_bytes < self.cfg.spool_high_water_bytes
+
     def close(self) -> None:
         self._writers.shutdown(wait=True)
 
 
+def _full_batch_bytes(spec: schemas.JobSpec, loaded: LoadedModel) -> int:
+    """About the most a batch adds to the spool: the token budget's states at the compute dtype
+    (float8 files are smaller). 0 when the model does not say its hidden size."""
+    try:
+        hidden = int(loaded.model.config.get_text_config().hidden_size)
+    except (AttributeError, TypeError, ValueError):
+        return 0
+    return spec.token_budget * len(spec.layers) * hidden * torch.empty((), dtype=loaded.dtype).element_size()
+
+
+
+
+async def give_back(js: JetStreamContext, msg: Msg) -> None:
+    """Hand back a batch this consumer will not finish (it is stopping). A nak sends it to another
+    consumer at once; on its last delivery a nak would strand it (JetStream never delivers it
+    again), so a fresh copy is published first and the spent one removed. A crash between the two
+    leaves both: the batch runs twice, which is harmless (same files, progress counts samples)."""
+    if msg.metadata.num_delivered < topology.BATCH_MAX_DELIVER:
+        await msg.nak()
+        return
+    seq = msg.metadata.sequence.stream
+    headers = {**(msg.headers or {}), "Nats-Msg-Id": f"requeue:{seq}"}
+    await through_outage(lambda: js.publish(msg.subject, msg.data, headers=headers), what="requeue_batch")
+    await through_outage(msg.term, what="remove_requeued_batch")
+    log.info("batch_requeued_fresh", seq=seq, deliveries=msg.metadata.num_delivered)
 
 
 async def _finish_guarded(worker: BatchWorker, computed: _Computed) -> None:
@@ -233,7 +381,7 @@ async def _finish_guarded(worker: BatchWorker, computed: _Computed) -> None:
     except Exception as exc:
         # A NATS outage while announcing or acking: the batch stays unacked and is redelivered
         # after the ack wait (its files are rewritten identically).
-        log.warning("batch_interrupted", batch=computed.batch.batch_id, error=f"{type(exc).__name__}: {exc}")
+        log.warning("batch_interrupted", batch=computed.batch.batch_id, error=f"{type(exc).__name__}: {exc}", exc_info=True)
 
 
 async def _settle(task: asyncio.Task | None) -> None:
@@ -260,9 +408,11 @@ async def _fetch_one(sub, cfg: ConsumerConfig, *, ahead: bool) -> _Fetched:
     return _Fetched(msgs)
 
 
-async def _return_unstarted(prefetch: asyncio.Task | None) -> None:
-    """Hand back a descriptor fetched ahead but never started (we are stopping): nak'ed, it goes to
-    another consumer at once instead of after the ack wait."""
+async def _return_unstarted(prefetch: asyncio.Task | None, js: JetStreamContext) -> None:
+    """Hand back a descriptor fetched ahead but never started (we are stopping, paused at the
+    high-water mark, or stuck in a stalled forward): it goes to another consumer at once instead
+    of waiting here, kept alive, for as long as that lasts (`give_back`). Its next delivery
+    counts as one: JetStream has no way to return a message uncounted."""
     if prefetch is None:
         return
     try:
@@ -272,7 +422,7 @@ async def _return_unstarted(prefetch: asyncio.Task | None) -> None:
     fetched.started()
     for msg in fetched.msgs:
         try:
-            await msg.nak()
+            await give_back(js, msg)
         except Exception as exc:  # NATS gone: the ack wait hands it back instead
             log.warning("prefetched_batch_not_returned", error=str(exc) or type(exc).__name__)
 
@@ -283,10 +433,25 @@ async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asy
     # for a round trip to NATS between batches.
     prefetch: asyncio.Task | None = None
     paused = False
+
+    async def release_ahead() -> None:
+        nonlocal prefetch
+        held, prefetch = prefetch, None
+        await _return_unstarted(held, worker.js)
+
     try:
         while not stopping.is_set():
             full, used = worker.spool_full()
+            if not full and finishing is not None and not finishing.done() and not worker.room_for(used, 1):
+                # The batch being written may take the spool past the mark: let it land before
+                # fetching one that could then not be started.
+                await _settle(finishing)
+                finishing = None
+                full, used = worker.spool_full()
             if full:
+                if prefetch is not None:
+                    # Kept, it would wait here with in_progress for as long as the pause lasts.
+                    await release_ahead()
                 if not paused:
                     log.warning("spool_high_water_paused", spool_bytes=used, high_water=cfg.spool_high_water_bytes)
                     paused = True
@@ -316,17 +481,27 @@ async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asy
                 continue
             fetched.started()
             for msg in fetched.msgs:
-                if not stopping.is_set():
+                # A redelivered batch may be what killed its last consumer: it runs alone (the
+                # batch before it finished first, nothing fetched ahead), so that dying on it
+                # again costs no other batch one of its deliveries.
+                if msg.metadata.num_delivered > 1:
+                    await _settle(finishing)
+                    finishing = None
+                elif not stopping.is_set() and worker.room_for(used, 2):
+                    # Only what can be started: near the high-water mark (this batch and the one
+                    # being written still to land), a descriptor fetched ahead would be held
+                    # through the pause that follows.
                     prefetch = asyncio.create_task(_fetch_one(sub, cfg, ahead=True))
                 try:
-                    computed = await worker.compute(msg)
+                    computed = await worker.compute(msg, on_stall=release_ahead)
                 except Exception as exc:
-                    log.warning("batch_interrupted", error=f"{type(exc).__name__}: {exc}")
+                    log.warning("batch_interrupted", error=f"{type(exc).__name__}: {exc}", exc_info=True)
                     continue
                 # Batch N must be finished before batch N+1's finish starts (and before batch N+2's
-                # forward reuses its staging buffer); batch N+1's forward has just run alongside it.
+                # forward leases staging buffers: two batches leased at most); batch N+1's forward
+                # has just run alongside it.
                 await _settle(finishing)
                 finishing = asyncio.create_task(_finish_guarded(worker, computed)) if computed else None
     finally:
-        await _return_unstarted(prefetch)
+        await _return_unstarted(prefetch, worker.js)
         await _settle(finishing)

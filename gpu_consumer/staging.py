@@ -1,31 +1,120 @@
-"""Pinned host buffers for device-to-host copies of captured states.
+"""Host buffers for device-to-host copies of captured states, leased to one batch at a time.
 
 A copy from pageable host memory runs at a few GB/s and blocks; into pinned (page-locked) memory
 it runs at full PCIe/NVLink-C2C speed and can be asynchronous. Pinned allocations are slow to
-make, so buffers are kept and reused: a ring of `slots` buffers, each grown to the largest batch
-seen. A tensor handed out stays valid until its slot comes round again (`slots` calls later), so
-callers must be done with a batch's states (written to disk) by then, or copy them.
+make, so buffers are kept and reused. A batch takes its buffers through a lease
+(`HostStaging.lease()`): every forward the batch runs (one, or several when it is split on OOM
+or bisected on its last delivery) copies into a buffer of its own, and no buffer of the lease is
+handed out again until the whole lease is released. The consumer releases a batch's lease once
+its files are written (or when the batch is settled without writing any), because the files are
+written straight from these buffers while the next batch's forward runs.
+
+What it does not know: batches, files, messages. It hands out buffers and takes them back.
+
+Memory: a `take` gets the smallest free buffer that fits, else a new one 1.25x the request. A
+forward that fails gives its buffers back at once (`release_since`), so a lease holds only the
+buffers of forwards whose states will be written, and their rows never overlap: without splits,
+one buffer of the batch's states, as the former 2-slot ring held; split, one per fragment. The
+consumer has at most two batches leased at once (batch N being written while N+1 computes;
+N+2's forward starts after N is finished), so the leased bytes are bounded by about two batches'
+states plus a split batch's fragments. Released buffers are kept for reuse, but never more than
+leased + free = twice the largest buffer: the smallest are dropped first (to torch's host
+allocator, which may reuse them).
+
+Not pinned (`pin=False`, the default without CUDA) the pool works the same in ordinary memory,
+which is how the CPU tests run the real pool.
 """
+
+import threading
 
 import torch
 
+_HEADROOM = 1.25  # a slightly larger batch next time still fits
+
 
 class HostStaging:
-    def __init__(self, *, slots: int = 2) -> None:
-        self._buffers: list[torch.Tensor | None] = [None] * slots
-        self._next = 0
+    """The pool. Thread-safe: forwards take on a worker thread, the event loop releases."""
 
-    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
-        slot = self._next
-        self._next = (self._next + 1) % len(self._buffers)
-        buffer = self._buffers[slot]
-        if buffer is None or buffer.numel() < nbytes:
-            # Grow with headroom so a slightly larger batch does not allocate again.
-            buffer = torch.empty(int(nbytes * 1.25) + 1, dtype=torch.uint8, pin_memory=True)
-            self._buffers[slot] = buffer
-        return buffer[:nbytes].view(dtype).view(shape)
+    def __init__(self, *, pin: bool | None = None) -> None:
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._leased_bytes = 0
+        self._largest = 0
+
+    def lease(self) -> "StagingLease":
+        return StagingLease(self)
 
     @property
-    def slots(self) -> int:
+    def leased_bytes(self) -> int:
+        return self._leased_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Leased and free buffers together: what the pool keeps allocated."""
+        with self._lock:
+            return self._leased_bytes + sum(buffer.numel() for buffer in self._free)
+
+    def _acquire(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fits = [i for i, buffer in enumerate(self._free) if buffer.numel() >= nbytes]
+            if fits:
+                buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+                self._leased_bytes += buffer.numel()
+                return buffer
+        # Outside the lock: a pinned allocation can take a while, and releases need not wait for it.
+        buffer = torch.empty(int(nbytes * _HEADROOM) + 1, dtype=torch.uint8, pin_memory=self.pin)
+        with self._lock:
+            self._leased_bytes += buffer.numel()
+            self._largest = max(self._largest, buffer.numel())
+        return buffer
+
+    def _give_back(self, buffers: list[torch.Tensor]) -> None:
+        if not buffers:
+            return
+        with self._lock:
+            self._leased_bytes -= sum(buffer.numel() for buffer in buffers)
+            self._free.extend(buffers)
+            self._free.sort(key=lambda buffer: buffer.numel())
+            free = sum(buffer.numel() for buffer in self._free)
+            while self._free and self._leased_bytes + free > 2 * self._largest:
+                free -= self._free.pop(0).numel()
+
+
+class StagingLease:
+    """The buffers one batch's forwards copied into. None is handed out again before `release()`;
+    a tensor from `take` is valid until then, and must not be read after it."""
+
+    def __init__(self, pool: HostStaging) -> None:
+        self._pool = pool
+        self._buffers: list[torch.Tensor] = []
+        self._released = False
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        if self._released:
+            raise RuntimeError("staging lease already released")
+        nbytes = shape.numel() * dtype.itemsize
+        buffer = self._pool._acquire(nbytes)
+        self._buffers.append(buffer)
+        return buffer[:nbytes].view(dtype).view(shape)
+
+    def mark(self) -> int:
+        """A point to give back to if what follows fails (`release_since`)."""
         return len(self._buffers)
+
+    def release_since(self, mark: int) -> None:
+        """Give back the buffers taken after `mark`: those of a forward that failed, whose states
+        nobody will read."""
+        returned, self._buffers = self._buffers[mark:], self._buffers[:mark]
+        self._pool._give_back(returned)
+
+    def release(self) -> None:
+        """Give back every buffer (the batch's files are written, or it will write none).
+        Idempotent."""
+        if not self._released:
+            self._released = True
+            self.release_since(0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.numel() for buffer in self._buffers)

@@ -66,4 +66,5 @@ def write_sample_file(
         size=size,
         digest=digest,
         sample=sample,
+        plan=spec.plan_tag,
     )

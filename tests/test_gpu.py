@@ -1,6 +1,7 @@
 """CUDA-only checks (marker `gpu`; skipped cleanly without a CUDA device): the consumer's
-extraction on a GPU matches transformers' own per-sample result, and `hsx up` runs end to end
-with `--device cuda:0`."""
+extraction on a GPU matches transformers' own per-sample result, files written from pinned
+buffers while the next batch splits hold their own states, and `hsx up` runs end to end with
+`--device cuda:0`."""
 
 import json
 import os
@@ -46,21 +47,38 @@ def test_cuda_extraction_matches_transformers_per_sample(tiny_model, dtype, atol
 
 
 def test_pinned_staging_survives_oom_splits_and_isolation(tiny_model, monkeypatch):
-    """On CUDA the states come back through a ring of reused pinned buffers; batches split on OOM
-    or bisected for poison must still return every sample's own states."""
+    """On CUDA the states come back in pinned buffers leased per batch; batches split on OOM or
+    bisected for poison must still return every sample's own states, and one lease's states
+    stay valid while another lease's forwards run."""
     import gpu_consumer.extract as extract
 
     path = tiny_model("qwen3")
     loaded = load_model(str(path), layers=[1, 3], dtype="float32", device="cuda:0")
-    assert loaded.staging is not None
+    assert loaded.staging is not None and loaded.staging.pin
     samples = _samples([5, 9, 14, 20, 26, 31, 40, 50])
-    whole = [t.clone() for t in extract_samples(loaded, samples)]
+    whole = extract_samples(loaded, samples)  # no lease: copies of its own
     monkeypatch.setattr(extract, "_FAKE_OOM_ABOVE", 60)  # forces splits down to 1-2 samples
-    split = [t.clone() for t in extract_samples(loaded, samples)]  # views are valid until the ring turns
-    good, bad = extract.extract_isolating(loaded, samples)
-    assert not bad
+    split_lease, isolating_lease = loaded.staging.lease(), loaded.staging.lease()
+    split = extract_samples(loaded, samples, lease=split_lease)
+    good, bad = extract.extract_isolating(loaded, samples, lease=isolating_lease)
+    assert not bad and split[0].is_pinned()
     for expected, got, (sample, isolated) in zip(whole, split, good):
         assert torch.allclose(expected, got, atol=1e-4) and torch.allclose(expected, isolated, atol=1e-4), sample.index
+    split_lease.release()
+    isolating_lease.release()
+    assert loaded.staging.leased_bytes == 0
+
+
+@pytest.mark.parametrize("name", ["oom_split", "oom_poison_last_delivery"])
+def test_batch_files_written_from_pinned_buffers_during_the_next_batchs_split_hold_their_own_states(
+    nats_server, tiny_model, job_name, tmp_path, monkeypatch, name
+):
+    """tests/test_staging.py's overlap on CUDA: batch N's files held open on the writer threads
+    while batch N+1 splits on OOM (and, on its last delivery, bisects around a sample too long to
+    run even alone; a bad token id would trip a device-side assert and end the CUDA context)."""
+    from test_staging import CASES, check_overlap
+
+    check_overlap(nats_server, tiny_model, job_name, tmp_path, monkeypatch, device="cuda:0", case=CASES[name], atol=1e-4)
 
 
 def test_hsx_up_on_cuda(tmp_path):
