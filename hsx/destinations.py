@@ -8,13 +8,21 @@ the uploader runs them on worker threads.
 Files that are not sample files (the job bundle the producer writes under `<job>/_hsx/`, the
 directories `hsx sync` uploads) go through `put_bytes_verified` / `put_file_verified` and
 `has_sha256`: the same verified put, checked by size and the sha256 of the whole content (S3 user
-metadata `hsx-sha256`; a file:// destination re-reads the stored file).
+metadata `hsx-sha256`; a file:// destination re-reads the stored file). `probe` writes, reads
+back and deletes a small object: the producer's check that a job's files can go there at all.
+
+Each destination also knows its own errors: `refusal(exc)` tells a refusal, which no retry fixes
+until a person does (a missing bucket, wrong or expired credentials, a denied permission, a
+read-only or full file system), from a fault that may pass (a connection reset, a 503), and
+words it as one line naming the destination, with no secret in it. `reconnect()` opens a fresh
+client, so credentials fixed in the credentials file are picked up without a restart.
 
 S3 settings come from the standard AWS variables (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL,
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION); a custom endpoint gets path-style
 addressing, which MinIO, moto and most S3-compatible stores need.
 """
 
+import errno
 import hashlib
 import os
 from collections.abc import Iterator
@@ -58,7 +66,39 @@ class Destination(Protocol):
 
     def read_bytes(self, key: str) -> bytes: ...
 
+    def delete(self, key: str) -> None: ...
+
     def keys(self) -> Iterator[str]: ...
+
+    def refusal(self, exc: BaseException) -> str | None: ...
+
+    def reconnect(self) -> None: ...
+
+
+_REASON_CHARS = 300  # a refusal's reason is cut to this: it travels in heartbeats and status lines
+
+# file:// errors that stay until someone acts: permissions, a read-only or full file system, a
+# file where a directory of the destination belongs.
+_FILE_REFUSALS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR, errno.EISDIR}
+_FILE_REFUSALS_ANYWHERE = {errno.EROFS, errno.ENOSPC, errno.EDQUOT}  # os.write names no file
+
+# S3 error codes no retry fixes: the bucket, the credentials, the clock or the permissions must
+# change first.
+_S3_REFUSALS = {
+    "NoSuchBucket", "AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidAccessKeyId",
+    "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired", "InvalidBucketName",
+    "NotSignedUp", "AuthorizationHeaderMalformed", "InvalidSecurity", "RequestTimeTooSkewed", "RequestExpired",
+    "PermanentRedirect", "InvalidPayer", "UnauthorizedAccess",
+}
+_S3_REFUSAL_STATUS = {401, 403}  # a response without a body to name its error (HEAD) says only this
+_S3_HINTS = {
+    "AccessDenied": "the uploader needs s3:PutObject, s3:GetObject and s3:ListBucket on the prefix",
+    "403": "a HEAD refusal carries no reason: wrong key or secret, an expired token, or a missing permission",
+}
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:_REASON_CHARS]
 
 
 class VerificationError(Exception):
@@ -128,12 +168,29 @@ class FileDestination:
     def read_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
 
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
     def keys(self) -> Iterator[str]:
         if not self.root.exists():
             return
         for path in sorted(self.root.rglob("*.safetensors")):
             if not path.name.startswith("."):
                 yield path.relative_to(self.root).as_posix()
+
+    def refusal(self, exc: BaseException) -> str | None:
+        """A refusal only when the error is the destination's: a spool file the uploader cannot
+        read is not the destination refusing."""
+        if not isinstance(exc, OSError) or exc.errno not in _FILE_REFUSALS:
+            return None
+        named = [Path(name) for name in (exc.filename, exc.filename2) if name]
+        if any(path.is_relative_to(self.root) for path in named) or (not named and exc.errno in _FILE_REFUSALS_ANYWHERE):
+            where = f" ({named[0]})" if named else ""
+            return _one_line(f"{self.url}: {exc.strerror or os.strerror(exc.errno)}{where}")
+        return None
+
+    def reconnect(self) -> None:
+        """Nothing to reopen: every call goes to the file system afresh."""
 
 
 def _custom_s3_endpoint() -> str | None:
@@ -144,7 +201,6 @@ class S3Destination:
     latency_bound = True
 
     def __init__(self, bucket: str, prefix: str, *, max_connections: int = 100) -> None:
-        import boto3
         import botocore.config
         from boto3.s3.transfer import TransferConfig
 
@@ -159,15 +215,58 @@ class S3Destination:
             connect_timeout=10,
             read_timeout=120,
         )
-        self.client = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+        self._endpoint, self._config = endpoint, config
+        self.reconnect()
         # One file is one transfer; concurrency comes from the uploader running many at once.
         self.transfer = TransferConfig(
             multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK,
             max_concurrency=4, use_threads=True,
         )
 
+    def reconnect(self) -> None:
+        """A new session and client: credentials are read again (environment, credentials file)."""
+        import boto3
+
+        self._session = boto3.session.Session()
+        self.client = self._session.client("s3", endpoint_url=self._endpoint, config=self._config)
+
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
+
+    def refusal(self, exc: BaseException) -> str | None:
+        """S3's own error codes, looked for through the exception's causes (boto3's transfer
+        manager wraps the ClientError of a multipart upload in an S3UploadFailedError)."""
+        from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
+
+        seen = set()
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+                return self._redact(f"{self.url}: {exc}")
+            if isinstance(exc, ClientError):
+                error = exc.response.get("Error", {})
+                code = str(error.get("Code", ""))
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if code in _S3_REFUSALS or code.startswith("KMS.") or status in _S3_REFUSAL_STATUS:
+                    operation = f" on {exc.operation_name}" if exc.operation_name else ""
+                    hint = f"; {_S3_HINTS[code]}" if code in _S3_HINTS else ""
+                    return self._redact(f"{self.url}: {code} ({error.get('Message', '')}){operation}{hint}")
+                return None
+            exc = exc.__cause__ or exc.__context__
+        return None
+
+    def _redact(self, text: str) -> str:
+        """S3 does not quote secrets in its errors; this makes sure no message carries one."""
+        from botocore.credentials import Credentials
+
+        secrets = [os.environ.get(name, "") for name in ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")]
+        credentials = self._session.get_credentials()
+        if type(credentials) is Credentials:  # refreshable credentials would be fetched again to read
+            secrets += [credentials.secret_key or "", credentials.token or ""]
+        for secret in secrets:
+            if len(secret) >= 8:
+                text = text.replace(secret, "***")
+        return _one_line(text)
 
     def put_verified(self, local: Path, key: str, *, size: int, digest: str) -> None:
         full_key = self._key(key)
@@ -227,12 +326,30 @@ class S3Destination:
         try:
             return self.client.head_object(Bucket=self.bucket, Key=self._key(key))
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            code = exc.response.get("Error", {}).get("Code")
+            if code in ("404", "NoSuchKey", "NotFound"):
                 return None
+            if code in ("401", "403"):
+                self._name_head_refusal(key)
             raise
+
+    def _name_head_refusal(self, key: str) -> None:
+        """A refused HEAD has no body, so no error code: a one-byte GET of the same key gets the
+        code (SignatureDoesNotMatch, InvalidAccessKeyId, ExpiredToken, AccessDenied, ...) and
+        raises it; the refusal then names the cause instead of a bare 403."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.get_object(Bucket=self.bucket, Key=self._key(key), Range="bytes=0-0")["Body"].close()
+        except ClientError as named:
+            if named.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey", "NotFound", "403", "401"):
+                raise
 
     def read_bytes(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def keys(self) -> Iterator[str]:
         paginator = self.client.get_paginator("list_objects_v2")
@@ -265,3 +382,16 @@ def open_destination(url: str, *, max_connections: int = 100) -> Destination:
     if split.scheme == "s3":
         return S3Destination(split.netloc, split.path, max_connections=max_connections)
     return FileDestination(Path(unquote(split.path)))
+
+
+PROBE_BYTES = b"hsx destination probe: written, read back and deleted before a job is published\n"
+
+
+def probe(dest: Destination, key: str) -> None:
+    """Write a small object at `key`, read it back and delete it: the three things a job needs of
+    its destination (the uploaders put and verify, the producer's bundle is read back by resumes).
+    Raises what the destination raised; `dest.refusal(exc)` words it."""
+    dest.put_bytes_verified(PROBE_BYTES, key)
+    if dest.read_bytes(key) != PROBE_BYTES:
+        raise VerificationError(f"{key}: reading the probe object back gave other bytes than were written")
+    dest.delete(key)

@@ -13,3 +13,10 @@ class HsxError(Exception):
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()))
+
+
+class JobFailed(HsxError):
+    """The job ran but cannot finish (dead samples, a destination refusing uploads): exit 1, as
+    `hsx monitor --until-done` does; 2 stays for input the user must correct before running."""
+
+    exit_code = 1

@@ -19,7 +19,11 @@ class UploaderConfig:
     heartbeat_s: float = 5.0
     idle_fetch_timeout_s: float = 1.0
     stop_deadline_s: float = 60.0
+    retry_base_s: float = 1.0  # a transient failure's retries wait up to 1, 2, 4, ... s (jittered)
     retry_max_s: float = 30.0
+    # While the destination refuses (hsx.destinations: a missing bucket, bad credentials, ...),
+    # one upload in hand tries again this often (jittered) and the others wait for it.
+    probe_every_s: float = 30.0
 
     @property
     def in_progress_s(self) -> float:

@@ -11,7 +11,7 @@ from hsx.events import EventPublisher, goodbye_heartbeat, heartbeat_loop
 from hsx.fsutil import make_private_dirs
 from hsx.jobs import wait_for_job_spec
 from hsx.lifecycle import stop_event_on_signals
-from hsx.natsconn import connect
+from hsx.natsconn import close_connection, connect
 from uploader.config import UploaderConfig
 from uploader.service import SERVICE, FileMover, pull_loop
 
@@ -49,4 +49,4 @@ async def run(cfg: UploaderConfig) -> int:
         log.info("uploader_stopped")
         return 0
     finally:
-        await nc.drain()
+        await close_connection(nc)

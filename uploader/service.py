@@ -6,8 +6,15 @@ local file (hsx.samplefile: its data against the checksum in its header, its dig
 event's), upload, verify the stored object, delete the local file, publish the `uploaded` event,
 ack. A spool file that is lost (in neither place) or corrupted is sent back for extraction: the
 event carries the sample's tokens, so the uploader publishes a one-sample batch and acks the
-event. A failing upload is retried here with backoff while the event is kept alive with
+event. A failing upload is retried here with jittered backoff while the event is kept alive with
 `in_progress()`, so an S3 outage costs no deliveries and loses nothing.
+
+A destination that refuses (`Destination.refusal`: a missing bucket, bad or expired credentials,
+a denied permission) is not retried like an outage: the uploader says so at once in its
+heartbeat (state `refused`, the reason as detail), which `hsx status` and the monitor report as
+the job's failure; it stops fetching, keeps the events in hand alive and their files spooled,
+and lets one of them try again every `probe_every_s` with a fresh client. The first upload that
+gets through ends the refusal and the others follow.
 """
 
 import asyncio
@@ -21,6 +28,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from hsx import schemas, topology
+from hsx.backoff import jittered, retry_delay
 from hsx.destinations import Destination
 from hsx.events import EventPublisher, WorkerState, keep_in_progress
 from hsx.headers import message_headers
@@ -51,6 +59,11 @@ class FileMover:
         self.inflight = 0
         self.retrying = 0  # uploads waiting out a destination failure
         self.last_error = ""
+        self.refused = ""  # why the destination refuses writes, while it does
+        self._refused_since = 0.0
+        self._accepting = asyncio.Event()  # set unless refused: what the held uploads wait for
+        self._accepting.set()
+        self._probing = False  # one held upload is trying the destination again
         self.spool_root = cfg.spool.resolve()
         # Against S3 it is the latency of many concurrent requests that sets the throughput: one
         # thread per upload in flight (asyncio's default pool, at most 32 threads, would cap it).
@@ -106,7 +119,9 @@ class FileMover:
 
     def heartbeat_state(self) -> WorkerState:
         files, used = spool_usage(self.cfg.spool, self.cfg.job)
-        if self.retrying:
+        if self.refused:
+            state, detail = "refused", self.refused
+        elif self.retrying:
             state, detail = "retrying", f"{self.retrying} uploads waiting to retry: {self.last_error[:200]}"
         else:
             state, detail = ("working" if self.inflight else "idle"), f"inflight={self.inflight}"
@@ -118,7 +133,7 @@ class FileMover:
         except Exception as exc:
             # A NATS outage while reporting or acking: the event stays unacked and comes back after
             # the ack wait; the destination then already holds the object and it is acked at once.
-            log.warning("file_interrupted", error=f"{type(exc).__name__}: {exc}")
+            log.warning("file_interrupted", error=f"{type(exc).__name__}: {exc}", exc_info=True)
 
     async def _handle(self, msg: Msg, stopping: asyncio.Event) -> None:
         self.inflight += 1
@@ -129,10 +144,16 @@ class FileMover:
             except msgspec.DecodeError as exc:
                 await self.events.dead_letter(msg, what="file", error=f"file-ready event does not decode: {exc}")
                 return
-            delay = 0.5
+            attempt = 0
             while True:
+                probe = False
+                if self.refused:
+                    probe = await self._wait_for_turn(stopping)
+                    if stopping.is_set():
+                        await msg.nak()
+                        return
                 try:
-                    already = await asyncio.get_running_loop().run_in_executor(self._threads, self._move, ready)
+                    already = await self._try_move(ready, probe=probe)
                     break
                 except _SpoolFileLost as exc:
                     if ready.sample is None:  # an event from before events carried their sample
@@ -151,20 +172,27 @@ class FileMover:
                     if stopping.is_set():
                         await msg.nak()
                         return
+                    reason = self.dest.refusal(exc)
+                    if reason is not None:
+                        await self._refused_by_destination(reason, key=ready.key, probe=probe)
+                        continue
                     self.last_error = f"{type(exc).__name__}: {exc}"
-                    log.warning("upload_retry", key=ready.key, error=self.last_error, retry_in_s=delay)
+                    delay = retry_delay(attempt, base_s=self.cfg.retry_base_s, cap_s=self.cfg.retry_max_s)
+                    attempt += 1
+                    log.warning("upload_retry", key=ready.key, error=self.last_error, retry_in_s=round(delay, 2))
                     self.retrying += 1
                     try:
                         await asyncio.sleep(delay)
                     finally:
                         self.retrying -= 1
-                    delay = min(delay * 2, self.cfg.retry_max_s)
+            if self.refused:
+                await self._destination_accepts()
             # The object is stored and verified: a NATS outage from here on is waited out rather
             # than left to the ack wait (reporting twice is harmless: progress counts samples).
             uploaded = schemas.FileUploaded(
                 job=ready.job, node=ready.node, uploader=self.cfg.instance, sample_index=ready.sample_index,
                 key=ready.key, size=ready.size, tokens=ready.num_tokens, already_present=already,
-                attempt=msg.metadata.num_delivered,
+                attempt=msg.metadata.num_delivered, plan=ready.plan,
             )
             await through_outage(
                 lambda: self.events.emit(uploaded, batch_id=ready.batch_id), what="report_uploaded", stopping=stopping,
@@ -174,6 +202,76 @@ class FileMover:
         finally:
             keep_alive.cancel()
             self.inflight -= 1
+
+    async def _try_move(self, ready: schemas.FileReady, *, probe: bool) -> bool:
+        """One attempt; a probe first opens a fresh client (credentials fixed in the credentials
+        file count from the next probe on), then hands the probing turn on, whatever happened."""
+        loop = asyncio.get_running_loop()
+        try:
+            if probe:
+                await loop.run_in_executor(self._threads, self.dest.reconnect)
+            return await loop.run_in_executor(self._threads, self._move, ready)
+        finally:
+            if probe:
+                self._probing = False
+
+    async def _wait_for_turn(self, stopping: asyncio.Event) -> bool:
+        """While the destination refuses, one upload in hand is the probe: it tries again every
+        `probe_every_s` (jittered); the others wait until it gets through, so a refusing
+        destination sees one request per interval, not one per upload held. True: this upload
+        is the probe and tries once now."""
+        while self.refused and not stopping.is_set():
+            if not self._probing:
+                self._probing = True
+                keep_turn = False
+                try:
+                    try:
+                        await asyncio.wait_for(stopping.wait(), timeout=jittered(self.cfg.probe_every_s))
+                    except asyncio.TimeoutError:
+                        pass
+                    keep_turn = bool(self.refused) and not stopping.is_set()
+                    if keep_turn:
+                        return True
+                finally:
+                    if not keep_turn:
+                        self._probing = False
+                continue
+            try:
+                await asyncio.wait_for(self._accepting.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+        return False
+
+    async def _refused_by_destination(self, reason: str, *, key: str, probe: bool) -> None:
+        if reason != self.refused:
+            if not self.refused:
+                self._refused_since = time.monotonic()
+            self.refused = reason
+            self._accepting.clear()
+            log.error("destination_refused", dest=self.dest.url, reason=reason, key=key,
+                      probe_every_s=self.cfg.probe_every_s)
+            await self._beat()
+        elif probe:
+            log.warning("destination_still_refused", dest=self.dest.url, reason=reason, key=key,
+                        refused_s=round(time.monotonic() - self._refused_since, 1))
+
+    async def _destination_accepts(self) -> None:
+        log.info("destination_accepts", dest=self.dest.url, refused_s=round(time.monotonic() - self._refused_since, 1))
+        self.refused = ""
+        self._accepting.set()
+        await self._beat()
+
+    async def _beat(self) -> None:
+        """A heartbeat now rather than at the next tick: a refusal is the job's failure reason in
+        `hsx status`, and its end clears it."""
+        try:
+            report = await asyncio.to_thread(self.heartbeat_state)
+            await self.events.heartbeat(
+                service=SERVICE, instance=self.cfg.instance, node=self.cfg.node, state=report.state,
+                detail=report.detail, spool_files=report.spool_files, spool_bytes=report.spool_bytes,
+            )
+        except Exception as exc:  # the heartbeat loop says it again within its interval
+            log.warning("heartbeat_failed", error=str(exc))
 
 
     async def _requeue(self, msg: Msg, ready: schemas.FileReady, reason: str, stopping: asyncio.Event) -> None:
@@ -203,11 +301,13 @@ async def pull_loop(mover: FileMover, sub, cfg: UploaderConfig, stopping: asynci
     tasks: set[asyncio.Task] = set()
     while not stopping.is_set():
         free = cfg.max_inflight - len(tasks)
-        if free <= 0:
+        # While the destination refuses, the uploads in hand wait for it (one of them probing):
+        # events fetched now would only be held as well. With none in hand, one is fetched to probe.
+        if free <= 0 or (mover.refused and tasks):
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
             continue
         try:
-            msgs = await sub.fetch(min(free, 256), timeout=cfg.idle_fetch_timeout_s)
+            msgs = await sub.fetch(1 if mover.refused else min(free, 256), timeout=cfg.idle_fetch_timeout_s)
         except asyncio.TimeoutError:
             continue
         except Exception as exc:
