@@ -93,12 +93,17 @@ def _wait_for_ports(
 
 def start_nats_server(
     store: Path, *, port: int = -1, monitoring_port: int = -1, log_file: Path | None = None,
-    extra_args: tuple[str, ...] = (),
+    extra_args: tuple[str, ...] = (), max_payload: int | None = None,
 ) -> NatsServer:
     """JetStream on 127.0.0.1, store in `store`, client and HTTP monitoring ports as given (free
-    ones by default); returns once it accepts."""
+    ones by default); returns once it accepts. `max_payload` (bytes) lowers the server's message
+    size limit, which has no command-line flag, through a configuration file."""
     store.mkdir(parents=True, exist_ok=True)
     ports_dir = _fresh_ports_dir(store)
+    if max_payload is not None:
+        config = store / "nats-server.conf"
+        config.write_text(f"max_payload: {int(max_payload)}\n")
+        extra_args = ("-c", str(config), *extra_args)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     process = subprocess.Popen(
         [str(nats_server_binary()), "-js", "-a", "127.0.0.1", "-p", str(port), "-m", str(monitoring_port),

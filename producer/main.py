@@ -9,8 +9,15 @@ to refuse a different dataset under the same job name).
 Batch ids derive from the plan's fingerprint (model, layers, dtype, budget and every sample's
 tokens), so the same samples and settings always give the same ids; they go out as
 `Nats-Msg-Id`, and the job spec records when everything was published, so running the producer
-again publishes nothing twice. A job name already used for a different plan is refused.
-Once the job is published, its bundle (spec, samples, plan, report) goes to the destination under
+again publishes nothing twice. A re-run of a job that is not published yet (a producer that
+stopped mid-publish) publishes only the batches neither queued nor finished (producer/resume.py),
+so it publishes nothing twice even after the stream's 24 h duplicate window. A job name already
+used for a different plan is refused once the job is published (`hsx jobs delete` frees it);
+before that, the re-run replaces the spec, provided no worker has started on the old one.
+
+Nothing is written for a job until everything that can refuse it has been checked
+(producer/preflight.py): every descriptor fits the server's max_payload, and the destination
+takes a write. Once the job is published, its bundle (spec, samples, plan, report) goes to the destination under
 `<job>/_hsx/` (producer/bundle.py), on every run, so the job can be resumed elsewhere.
 """
 
@@ -30,7 +37,8 @@ from hsx.layers import resolve_layers
 from hsx.modelinfo import load_model_info
 from hsx.natsconn import connect
 from producer.config import ProducerConfig
-from producer import bundle, stored
+from hsx.jobadmin import count_messages, live_workers
+from producer import bundle, preflight, resume, stored
 from producer.dataset import DatasetRow, dataset_digest
 from producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
 from producer.planner import PlannedBatch, plan_batch_id, plan_batches
@@ -64,26 +72,33 @@ def _descriptor(job: str, batch_id: str, batch: PlannedBatch, rows: list[Dataset
     )
 
 
-async def _publish_all(js, cfg: ProducerConfig, fingerprint: str, batches: list[PlannedBatch], rows, max_payload: int) -> int:
-    subject = topology.batch_subject(cfg.job)
-    published = 0
+def _descriptors(job: str, fingerprint: str, batches: list[PlannedBatch], rows):
+    """Every descriptor of the plan, made one at a time (the preflight check measures and drops each)."""
+    for seq, batch in enumerate(batches):
+        yield _descriptor(job, plan_batch_id(job, fingerprint, seq), batch, rows)
 
-    async def publish_one(seq: int, batch: PlannedBatch) -> bool:
+
+async def _publish_all(js, cfg: ProducerConfig, fingerprint: str, batches: list[PlannedBatch], rows, *,
+                       skip: set[str], msg_id_suffix: str = "") -> tuple[int, list[int]]:
+    """Publish every batch whose id is not in `skip`; (how many the stream took as new, the
+    sequence numbers of those it called duplicates)."""
+    subject = topology.batch_subject(cfg.job)
+    todo = [seq for seq in range(len(batches)) if plan_batch_id(cfg.job, fingerprint, seq) not in skip]
+    published, duplicates = 0, []
+
+    async def publish_one(seq: int) -> bool:
         batch_id = plan_batch_id(cfg.job, fingerprint, seq)
-        payload = schemas.encode(_descriptor(cfg.job, batch_id, batch, rows))
-        if len(payload) > max_payload:
-            raise HsxError(
-                f"batch {batch_id} encodes to {len(payload)} bytes, more than the NATS server's max_payload "
-                f"{max_payload}; lower --token-budget or raise max_payload on the server"
-            )
-        ack = await js.publish(subject, payload, headers=message_headers(cfg.job, batch=batch_id, msg_id=batch_id))
+        payload = schemas.encode(_descriptor(cfg.job, batch_id, batches[seq], rows))
+        headers = message_headers(cfg.job, batch=batch_id, msg_id=batch_id + msg_id_suffix)
+        ack = await js.publish(subject, payload, headers=headers)
         return not ack.duplicate
 
-    for start in range(0, len(batches), _PUBLISH_WINDOW):
-        window = batches[start : start + _PUBLISH_WINDOW]
-        results = await asyncio.gather(*(publish_one(start + k, b) for k, b in enumerate(window)))
+    for start in range(0, len(todo), _PUBLISH_WINDOW):
+        window = todo[start : start + _PUBLISH_WINDOW]
+        results = await asyncio.gather(*(publish_one(seq) for seq in window))
         published += sum(results)
-    return published
+        duplicates += [seq for seq, new in zip(window, results) if not new]
+    return published, duplicates
 
 
 async def run(cfg: ProducerConfig) -> int:
@@ -120,7 +135,14 @@ def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
 async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | None):
     """(samples, freshly read inputs or None when the samples come from the job's stored copy)."""
     if existing is not None and existing.tokenized_object:
-        await asyncio.to_thread(_check_same_inputs, cfg, existing)
+        try:
+            await asyncio.to_thread(_check_same_inputs, cfg, existing)
+        except HsxError:
+            if existing.published:
+                raise
+            # Not published yet: the re-run may replace the job with other inputs (see _produce).
+            existing = None
+    if existing is not None and existing.tokenized_object:
         rows = await stored.load_tokenized(js, cfg.job, spec=existing)
         await asyncio.to_thread(check_vocab, rows, model=cfg.model, vocab_size=info.vocab_size)
         log.info("samples_from_store", job=cfg.job, samples=len(rows), bucket=topology.DATASETS_BUCKET,
@@ -161,17 +183,27 @@ async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
         packing_efficiency=round(total_tokens / padded, 4), fingerprint=fingerprint[:12],
         from_store=inputs is None,
     )
-    if existing is not None:
-        if existing.plan_fingerprint != fingerprint or existing.dest != cfg.dest:
+    replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != cfg.dest)
+    if existing is not None and existing.published:
+        if replaces:
             raise HsxError(
                 f"job {cfg.job} already exists with a different dataset or settings "
                 f"(model {existing.model}, layers {existing.layers}, dest {existing.dest}, "
-                f"{existing.total_samples} samples); use another --job name"
+                f"{existing.total_samples} samples); use another --job name, or delete the job first "
+                f"(hsx jobs delete {cfg.job})"
             )
-        if existing.published:
-            log.info("job_already_published", job=cfg.job, batches=existing.total_batches)
-            await bundle.write_bundle(js, existing, batches, max_batch_size=cfg.max_batch_size)
-            return 0
+        log.info("job_already_published", job=cfg.job, batches=existing.total_batches)
+        await bundle.write_bundle(js, existing, batches, max_batch_size=cfg.max_batch_size)
+        return 0
+    # Everything that can refuse the job, before anything of it is written.
+    checked = await asyncio.to_thread(
+        preflight.check_payloads, _descriptors(cfg.job, fingerprint, batches, rows), max_payload=nc.max_payload,
+        token_budget=cfg.token_budget, max_seq_len=cfg.max_seq_len,
+    )
+    await asyncio.to_thread(preflight.check_destination, cfg.dest, cfg.job)
+    log.info("preflight_passed", job=cfg.job, batches=checked, max_payload=nc.max_payload, dest=cfg.dest)
+    if replaces:
+        await _replace_unpublished(js, cfg, existing, fingerprint)
     if inputs is not None:
         tokens_object, report_object = await _store_inputs(cfg, js, inputs)
         digest = await asyncio.to_thread(dataset_digest, cfg.dataset)
@@ -183,14 +215,67 @@ async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
         job=cfg.job, model=cfg.model, model_revision=info.revision, layers=layers, dtype=cfg.dtype,
         dest=cfg.dest, token_budget=cfg.token_budget, max_seq_len=cfg.max_seq_len, dataset=str(cfg.dataset),
         plan_fingerprint=fingerprint, total_samples=len(rows), total_tokens=total_tokens,
-        total_batches=len(batches), created_at=existing.created_at if existing else time.time(),
+        total_batches=len(batches), created_at=existing.created_at if existing and not replaces else time.time(),
         trust_remote_code=cfg.trust_remote_code, tokenized_object=tokens_object, report_object=report_object,
         dataset_digest=digest, on_long=cfg.on_long, samples_truncated=truncated, samples_skipped=skipped,
     )
     await kv.put(cfg.job, schemas.encode(spec))
-    published = await _publish_all(js, cfg, fingerprint, batches, rows, nc.max_payload)
+    # Queued or finished already: a producer stopped mid-publish, or one racing this one.
+    accounted = await resume.accounted_batch_ids(js, cfg.job)
+    already = sum(plan_batch_id(cfg.job, fingerprint, seq) in accounted for seq in range(len(batches)))
+    published, duplicates = await _publish_all(js, cfg, fingerprint, batches, rows, skip=accounted)
+    republished = await _republish_forgotten(js, cfg, spec, batches, rows, duplicates)
     spec = msgspec.structs.replace(spec, published=True)
     await kv.put(cfg.job, schemas.encode(spec))
-    log.info("job_published", job=cfg.job, batches=len(batches), new=published, duplicates=len(batches) - published)
+    log.info("job_published", job=cfg.job, batches=len(batches), new=published + republished,
+             duplicates=len(duplicates) - republished, already_queued_or_done=already)
     await bundle.write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
     return 0
+
+
+async def _republish_forgotten(js, cfg: ProducerConfig, spec: schemas.JobSpec, batches: list[PlannedBatch], rows,
+                               duplicates: list[int]) -> int:
+    """Publish again the batches the stream called duplicates but holds nowhere: their ids are
+    remembered (for the duplicate window) from a job of this name that was deleted or replaced
+    since. They go out under an id of this job's making; any other duplicate is queued or done."""
+    if not duplicates:
+        return 0
+    accounted = await resume.accounted_batch_ids(js, cfg.job)
+    forgotten = {plan_batch_id(cfg.job, spec.plan_fingerprint, seq) for seq in duplicates} - accounted
+    if not forgotten:
+        return 0
+    new, _ = await _publish_all(
+        js, cfg, spec.plan_fingerprint, batches, rows,
+        skip={plan_batch_id(cfg.job, spec.plan_fingerprint, seq) for seq in range(len(batches))} - forgotten,
+        msg_id_suffix=f"@{spec.created_at!r}",
+    )
+    log.warning("batches_republished", job=cfg.job, batches=len(forgotten), new=new,
+                reason="the stream remembered their ids from an earlier job of this name, which holds them no more")
+    return new
+
+
+async def _replace_unpublished(js, cfg: ProducerConfig, existing: schemas.JobSpec, fingerprint: str) -> None:
+    """A job never fully published takes other settings on a re-run, as long as nothing has worked
+    on the old ones: no worker alive (it read the old spec at start), nothing written, dead or
+    waiting for upload. Its orphan batches are dropped from the queue first."""
+    alive = await live_workers(js, cfg.job)
+    job = cfg.job
+    progress = {
+        "batches written": await count_messages(js, topology.EVENTS_STREAM, topology.event_subject(job, "written")),
+        "dead letters": await count_messages(js, topology.DEAD_STREAM, topology.dead_subject_all(job)),
+        "files waiting for upload": await count_messages(js, topology.FILES_STREAM, topology.files_subject_all(job)),
+    }
+    worked = {what: count for what, count in progress.items() if count}
+    if alive or worked:
+        found = f"{len(alive)} live workers ({'; '.join(alive[:3])})" if alive else ", ".join(
+            f"{count} {what}" for what, count in worked.items())
+        raise HsxError(
+            f"job {cfg.job} exists with other settings (dest {existing.dest}, {existing.total_samples} samples, plan "
+            f"{existing.plan_fingerprint[:12]}) and is not fully published, but it has {found}; "
+            f"delete it first (hsx jobs delete {cfg.job}) or use another --job name"
+        )
+    orphans = await count_messages(js, topology.BATCHES_STREAM, topology.batch_subject(cfg.job))
+    if orphans:
+        await js.purge_stream(topology.BATCHES_STREAM, subject=topology.batch_subject(cfg.job))
+    log.warning("job_spec_replaced", job=cfg.job, old_plan=existing.plan_fingerprint[:12], plan=fingerprint[:12],
+                old_dest=existing.dest, dest=cfg.dest, orphan_batches_dropped=orphans)
