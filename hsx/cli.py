@@ -226,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--compile", action="store_true",
                          help="torch.compile the decoder layers: a faster forward after ~20 s of compiling "
                               "(env HSX_COMPILE=1)")
+    consume.add_argument("--stall-after", type=float, default=300.0,
+                         help="a forward running 10x longer than its batch should take at this consumer's pace, "
+                              "and at least this many seconds, is stalled: its batch is released to another "
+                              "consumer and the heartbeat says so (default 300)")
     declare_env(consume, device="HSX_DEVICE", spool_high_water="HSX_SPOOL_HIGH_WATER", retry_delay="HSX_RETRY_DELAY",
                 compile="HSX_COMPILE")
 
@@ -234,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     upload.add_argument("--job", type=_job_name, required=True)
     _add_worker_flags(upload)
     upload.add_argument("--max-inflight", type=positive_int("--max-inflight"), default=100)
+    upload.add_argument("--probe-every", type=float, default=30.0,
+                        help="while the destination refuses uploads (missing bucket, bad credentials, denied), "
+                             "try it again every this many seconds (env HSX_PROBE_EVERY, default 30)")
+    declare_env(upload, probe_every="HSX_PROBE_EVERY")
 
     monitor = commands.add_parser("monitor", help="follow a job's progress as a log stream")
     _add_nats(monitor)
@@ -256,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nats(status)
     status.add_argument("--job", type=_job_name, required=True)
     status.add_argument("--json", action="store_true")
+    status.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds to read the job's events before giving up (default 120)")
 
     verify = commands.add_parser("verify", help="check every sample file of a job in its destination")
     _add_nats(verify)
@@ -290,6 +300,22 @@ def build_parser() -> argparse.ArgumentParser:
     selection.add_argument("--all", action="store_true", help="every dead letter of the job")
     # Which samples to retry is asked for per run; a file must not retry anything by itself.
     declare_command_line_only(dead_retry, "seq", "all")
+
+    jobs = commands.add_parser("jobs", help="list the jobs NATS holds, or delete one so that its name can be reused")
+    jobs_commands = jobs.add_subparsers(dest="jobs_command", required=True, metavar="ACTION")
+    jobs_list = jobs_commands.add_parser(
+        "list", help="each job: published, samples, batches and files queued, created, destination")
+    jobs_delete = jobs_commands.add_parser(
+        "delete", help="purge a job's messages, durables, job spec and stored samples (not its output in the "
+                       "destination); refused while its workers are alive unless --force")
+    for action in (jobs_list, jobs_delete):
+        _add_nats(action)
+        action.add_argument("--json", action="store_true")
+    jobs_delete.add_argument("job", type=_job_name, metavar="JOB")
+    jobs_delete.add_argument("--force", action="store_true",
+                             help="delete even while workers of the job are alive (they lose their durables)")
+    # Deleting is asked for per run; a file must not force it.
+    declare_command_line_only(jobs_delete, "force")
 
     config = commands.add_parser("config", help="inspect settings: hsx config show COMMAND")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -336,10 +362,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         make_private_dirs(args.spool)
         high_water = (free_bytes(args.spool) // 2 if args.spool_high_water == "auto"
                       else parse_size(args.spool_high_water, "--spool-high-water"))
+        if not args.stall_after > 0:
+            raise HsxError(f"--stall-after must be a positive number of seconds, got {args.stall_after}")
         cfg = ConsumerConfig(
             nats=nats, job=args.job, device=args.device, spool=args.spool.resolve(), node=node,
             instance=_instance(node), spool_high_water_bytes=high_water, ack_wait_s=args.ack_wait,
-            retry_delay_s=args.retry_delay, compile_layers=args.compile,
+            retry_delay_s=args.retry_delay, compile_layers=args.compile, stall_after_s=args.stall_after,
         )
         return asyncio.run(run(cfg))
     if args.command == "upload":
@@ -347,8 +375,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from uploader.main import run
 
         node = _node(args.node)
+        if not args.probe_every > 0:
+            raise HsxError(f"--probe-every must be a positive number of seconds, got {args.probe_every}")
         cfg = UploaderConfig(nats=nats, job=args.job, spool=args.spool.resolve(), node=node, instance=_instance(node),
-                             max_inflight=args.max_inflight, ack_wait_s=args.ack_wait)
+                             max_inflight=args.max_inflight, ack_wait_s=args.ack_wait, probe_every_s=args.probe_every)
         return asyncio.run(run(cfg))
     if args.command == "monitor":
         from monitor.config import MonitorConfig
@@ -364,7 +394,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "status":
         from hsx.status import format_status, read_status
 
-        print(format_status(asyncio.run(read_status(nats, args.job)), as_json=args.json))
+        if args.timeout <= 0:
+            raise HsxError(f"--timeout must be positive, got {args.timeout:g}")
+        print(format_status(asyncio.run(read_status(nats, args.job, timeout_s=args.timeout)), as_json=args.json))
         return 0
     if args.command == "dead":
         from hsx.dead import run_list, run_retry
@@ -372,6 +404,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.dead_command == "list":
             return run_list(nats, args.job, as_json=args.json)
         return run_retry(nats, args.job, seqs=None if args.all else args.seq, as_json=args.json)
+    if args.command == "jobs":
+        from hsx.jobadmin import run_delete, run_list
+
+        if args.jobs_command == "list":
+            return run_list(nats, as_json=args.json)
+        return run_delete(nats, args.job, force=args.force, as_json=args.json)
     if args.command == "verify":
         from hsx.verify import fetch_job, format_report, verify
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx.errors import HsxError
+from hsx.logs import route_transformers_logging
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,6 +22,7 @@ class ModelInfo:
 def load_model_info(model: str, *, trust_remote_code: bool = False) -> ModelInfo:
     from transformers import AutoConfig
 
+    route_transformers_logging()
     try:
         config = AutoConfig.from_pretrained(model, local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as exc:

@@ -158,3 +158,22 @@ async def through_outage(
                 raise
             log.warning("nats_retry", what=what, error=str(exc) or type(exc).__name__, retry_in_s=retry_s)
             await asyncio.sleep(retry_s)
+
+
+async def close_connection(nc: NATS) -> None:
+    """Close `nc` whatever state it is in, at the end of a command or service. Drain (finish what
+    is in flight) when connected; during an outage `drain()` raises ConnectionReconnectingError and
+    there is nothing to drain to, so just close: a process asked to stop while NATS is down still
+    exits cleanly, its unacked messages are redelivered as usual."""
+    if nc.is_closed:
+        return
+    if nc.is_connected:
+        try:
+            await nc.drain()
+            return
+        except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:  # the server went away mid-drain
+            log.warning("nats_drain_failed", error=str(exc) or type(exc).__name__)
+    try:
+        await nc.close()
+    except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+        log.warning("nats_close_failed", error=str(exc) or type(exc).__name__)

@@ -5,6 +5,11 @@ and they are counted once. Where work stands (batches queued, files waiting for 
 letters, redeliveries) is read from JetStream itself, never inferred from processes. The monitor
 keeps a tracker running; `hsx status` runs one until it has caught up with the stream, then
 reads it once.
+
+Only the job's plan counts: `written` and `uploaded` events carry the plan they belong to
+(JobSpec.plan_tag); those of another plan under the same job name are set aside, and so are
+sample indices outside the plan. `done` means every planned sample is in the destination, never
+that enough events arrived.
 """
 
 import asyncio
@@ -33,8 +38,15 @@ class QueueState:
 
 @dataclass
 class ProgressFold:
-    """Pure fold of progress events; knows nothing about NATS."""
+    """Pure fold of progress events; knows nothing about NATS.
 
+    `plan` (JobSpec.plan_tag) set: `written` and `uploaded` events of another plan are counted in
+    `other_plan_events` and otherwise ignored. Events without a plan (from hsx before events
+    carried one) are taken as this plan's, so a job running across an upgrade still finishes.
+    """
+
+    plan: str = ""
+    other_plan_events: int = 0
     batches: dict[str, int] = field(default_factory=dict)  # batch id -> tokens
     batch_attempts: dict[str, int] = field(default_factory=dict)  # batch id -> highest delivery written
     file_attempts: dict[int, int] = field(default_factory=dict)  # sample -> highest delivery uploaded
@@ -48,6 +60,9 @@ class ProgressFold:
     requeued: list[int] = field(default_factory=list)  # samples sent back for extraction, once per loss
 
     def apply(self, event: schemas.Event) -> None:
+        if isinstance(event, (schemas.BatchWritten, schemas.FileUploaded)) and self.plan and event.plan not in ("", self.plan):
+            self.other_plan_events += 1
+            return
         if isinstance(event, schemas.BatchWritten) and event.redo:
             self.written.update(event.sample_indices)
         elif isinstance(event, schemas.BatchWritten):
@@ -119,10 +134,10 @@ class _Replay:
 
 
 class ProgressTracker:
-    def __init__(self, js: JetStreamContext, job: str, *, heartbeats: bool = False) -> None:
+    def __init__(self, js: JetStreamContext, job: str, *, plan: str = "", heartbeats: bool = False) -> None:
         self.js = js
         self.job = job
-        self.fold = ProgressFold()
+        self.fold = ProgressFold(plan=plan)
         self.queues = QueueState()
         subjects = [
             (topology.EVENTS_STREAM, topology.event_subject(job, "written"), schemas.event_decoder, DeliverPolicy.ALL),
@@ -140,8 +155,14 @@ class ProgressTracker:
         for replay in self._replays:
             await replay.start()
 
-    async def wait_caught_up(self, timeout: float = 120.0) -> None:
-        await asyncio.wait_for(asyncio.gather(*(r.caught_up.wait() for r in self._replays)), timeout)
+    async def wait_caught_up(self, timeout: float | None = 120.0) -> None:
+        await asyncio.wait_for(self._all_caught_up(), timeout)
+
+    async def _all_caught_up(self) -> None:
+        # One after the other, not gather(): a gather cancelled by the timeout leaves a future whose
+        # CancelledError asyncio then logs as "never retrieved".
+        for replay in self._replays:
+            await replay.caught_up.wait()
 
     async def stop(self) -> None:
         for replay in self._replays:
@@ -176,21 +197,52 @@ class ProgressTracker:
         return self.queues
 
 
-def status_view(spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueState, *, job: str) -> dict:
-    """The fields of `hsx status --json` (DESIGN section 5), plus detail."""
-    total = spec.total_samples if spec else 0
-    uploaded = len(fold.uploaded)
-    # Done: every sample is in the destination and nothing is left in flight (a batch redelivered
-    # after a crash may still be queued although its samples were already uploaded).
-    drained = queues.batches_queued == 0 and queues.files_queued == 0
-    done = spec is not None and spec.published and uploaded >= total and drained
-    unfinished = set(range(total)) - set(fold.uploaded)
-    dead_samples = fold.dead_samples - set(fold.uploaded)
-    # Nothing is queued anywhere and every missing sample is dead: the job cannot finish by itself.
-    failed = (
-        spec is not None and spec.published and not done and drained and bool(unfinished)
-        and unfinished <= dead_samples
+def destination_refusals(heartbeats: dict[str, schemas.Heartbeat], *, now: float, live_s: float) -> list[dict]:
+    """Uploaders that say, in a heartbeat younger than `live_s`, that the destination refuses
+    their writes; newest first. Told by live heartbeats, so a refusal ends with the uploader that
+    saw it: a stopped or killed one leaves no stale failure behind for the next run."""
+    refused = sorted(
+        (beat for beat in heartbeats.values()
+         if beat.service == "uploader" and beat.state == "refused" and now - beat.sent_at <= live_s),
+        key=lambda beat: beat.sent_at, reverse=True,
     )
+    return [{"uploader": beat.instance, "node": beat.node, "reason": beat.detail} for beat in refused]
+
+
+def status_view(
+    spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueState, *, job: str, now: float | None = None,
+    live_s: float = 30.0,
+) -> dict:
+    """The fields of `hsx status --json` (DESIGN section 5), plus detail. Heartbeats older than
+    `live_s` at `now` (default: the time now) are not taken as the word of a live worker."""
+    total = spec.total_samples if spec else 0
+    # Samples outside the plan (a descriptor published by hand, a stray event) are reported, never
+    # counted: one of them must not stand in for a planned sample that is missing.
+    outside_uploaded = [i for i in fold.uploaded if not 0 <= i < total]
+    outside = set(outside_uploaded).union(i for i in fold.written if not 0 <= i < total)
+    uploaded = len(fold.uploaded) - len(outside_uploaded)
+    # Done: every planned sample has an `uploaded` event of this plan (distinct indices within
+    # range(total), so their number is total only when none is missing) and nothing is left in
+    # flight (a batch redelivered after a crash may still be queued although its samples were
+    # already uploaded).
+    drained = queues.batches_queued == 0 and queues.files_queued == 0
+    done = spec is not None and spec.published and uploaded == total and drained
+    dead_samples = {i for i in fold.dead_samples if i not in fold.uploaded}
+    # Nothing is queued anywhere and every missing sample is dead: the job cannot finish by itself.
+    failed = spec is not None and spec.published and not done and drained
+    if failed:
+        unfinished = set(range(total)).difference(fold.uploaded)
+        failed = bool(unfinished) and unfinished <= dead_samples
+    failure_reason = (
+        f"{len(dead_samples)} samples dead-lettered and nothing else left to run (hsx dead list --job {job})"
+        if failed else None
+    )
+    # A refusing destination (a missing bucket, bad credentials, a denied permission) is a failure
+    # for as long as it lasts: nothing is uploaded until someone fixes it, then it clears by itself.
+    refusals = [] if done else destination_refusals(fold.heartbeats, now=time.time() if now is None else now, live_s=live_s)
+    if refusals:
+        failed = True
+        failure_reason = f"the destination refuses uploads: {refusals[0]['reason']}"
     return {
         "job": job,
         "exists": spec is not None,
@@ -200,12 +252,16 @@ def status_view(spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueS
         "samples_truncated": spec.samples_truncated if spec else 0,
         "samples_skipped": spec.samples_skipped if spec else 0,
         "input_report": f"{topology.DATASETS_BUCKET}/{spec.report_object}" if spec and spec.report_object else None,
-        "samples_written": len(fold.written),
+        "samples_written": len(fold.written) - len(outside.intersection(fold.written)),
         "samples_uploaded": uploaded,
         "tokens_written": fold.tokens_written,
-        "tokens_uploaded": fold.tokens_uploaded,
+        "tokens_uploaded": fold.tokens_uploaded - sum(fold.uploaded[i][0] for i in outside_uploaded),
         "bytes_written": fold.bytes_written,
-        "bytes_uploaded": fold.bytes_uploaded,
+        "bytes_uploaded": fold.bytes_uploaded - sum(fold.uploaded[i][1] for i in outside_uploaded),
+        # Set aside, not counted: sample indices outside range(total_samples), and `written` or
+        # `uploaded` events of another plan under this job name.
+        "samples_outside_plan": len(outside),
+        "events_other_plan": fold.other_plan_events,
         "batches_total": spec.total_batches if spec else 0,
         "batches_done": len(fold.batches),
         "batches_queued": queues.batches_queued,
@@ -219,5 +275,8 @@ def status_view(spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueS
         "dest": spec.dest if spec else None,
         "done": done,
         "failed": failed,
+        "failure_reason": failure_reason,  # one line; None unless failed
+        "destination_error": refusals[0]["reason"] if refusals else None,
+        "destination_refusals": refusals,  # [{uploader, node, reason}] of live uploaders refused
         "as_of": time.time(),
     }

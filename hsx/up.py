@@ -20,7 +20,7 @@ from pathlib import Path
 import structlog
 
 from hsx.embedded import NatsServer, build_tiny_model, start_nats_server, write_synthetic_dataset
-from hsx.errors import HsxError
+from hsx.errors import HsxError, JobFailed
 from hsx.natsconn import NatsSettings, redact_url
 
 log = structlog.get_logger("hsx.up")
@@ -221,7 +221,13 @@ def run_up(cfg: UpConfig) -> int:
         view = asyncio.run(read_status(nats, cfg.job))
         print(format_status(view, as_json=False), flush=True)
         if monitor.poll() != 0 or not view["done"]:
-            raise HsxError(
+            if view.get("destination_error"):
+                # Stopping the uploaders leaves their files in the spool: a run after the fix resumes.
+                raise JobFailed(
+                    f"job {cfg.job} stopped with {view['total_samples'] - view['samples_uploaded']} samples not "
+                    f"uploaded: {view['failure_reason']}; fix it and run hsx up again to resume"
+                )
+            raise JobFailed(
                 f"job {cfg.job} finished without {view['total_samples'] - view['samples_uploaded']} samples; "
                 f"dead samples: {view['dead_samples'][:50]} (hsx status --job {cfg.job})"
             )

@@ -42,7 +42,7 @@ from hsx.errors import HsxError
 from hsx.jobs import require_job_spec
 from hsx.layout import BUNDLE_DIR, FLOAT8, sample_key
 from hsx.samplefile import SampleFileCorrupt, checked_digest
-from hsx.natsconn import NatsSettings, connect
+from hsx.natsconn import NatsSettings, close_connection, connect
 
 log = structlog.get_logger("hsx.verify")
 
@@ -66,7 +66,7 @@ async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, 
             rows = await load_tokenized(js, job, spec=spec)
             return spec, [row.input_ids for row in rows]
     finally:
-        await nc.drain()
+        await close_connection(nc)
     return spec, expected_token_ids_from_dataset(spec)
 
 

@@ -78,7 +78,8 @@ def render_bar(reading: Reading, *, job: str, width: int = 200) -> str:
         f"{_count(reading.tokens_per_s)} tok/s",
     ]
     if view["failed"]:
-        parts.append("FAILED: only dead samples left")
+        refused = view.get("destination_error")
+        parts.append("FAILED: destination refuses uploads" if refused else "FAILED: only dead samples left")
     if view["dead_letters"]:
         parts.append(f"dead letters {view['dead_letters']}")
     parts.append(f"workers {workers}" + (f" ({silent} silent)" if silent else ""))
@@ -122,7 +123,7 @@ class TerminalBar:
 
 
 class _Above:
-    """A file for structlog's PrintLogger: whole lines go above the bar."""
+    """The file hsx.logs' logging handler writes to while the bar is shown: whole lines go above the bar."""
 
     def __init__(self, bar: TerminalBar) -> None:
         self.bar = bar

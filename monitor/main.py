@@ -1,11 +1,13 @@
 """`hsx monitor`: one reading of the job per interval, shown as a `progress` JSON line (stdout not a
 terminal) or a progress bar redrawn in place (a terminal), and served as Prometheus metrics with
---metrics-port; `consumer_silent` for a worker whose heartbeat stopped, `worker_degraded` for one
-that cannot make progress, and a `job_summary` when every sample is in the destination.
+--metrics-port; `consumer_silent` for a worker whose heartbeat stopped, `consumer_stalled` for a
+GPU consumer whose forward ran past its bound, `worker_degraded` for one that cannot make
+progress, `destination_failed` (and `destination_recovered`) when uploaders say the destination
+refuses them, and a `job_summary` when every sample is in the destination.
 
 Its log is its product, so it goes to stdout (`hsx: error:` lines stay on stderr). With
 --until-done it exits 0 once the job is done, and 1 once it cannot finish (everything left is
-dead-lettered), naming the dead samples.
+dead-lettered, or the destination refuses uploads), naming why.
 """
 
 import asyncio
@@ -20,13 +22,15 @@ from hsx import topology
 from hsx.jobs import wait_for_job_spec
 from hsx.lifecycle import stop_event_on_signals
 from hsx.logs import configure_logging
-from hsx.natsconn import connect
+from hsx.natsconn import close_connection, connect
 from hsx.progress import ProgressTracker, status_view
 from monitor.bar import TerminalBar, render_bar
 from monitor.config import MonitorConfig
 from monitor.metrics import JobCollector, serve_metrics
 from monitor.rates import RateWindow
-from monitor.report import degraded_workers, progress_line, silent_workers, summary_line, take_reading
+from monitor.report import (
+    degraded_workers, progress_line, silent_workers, stalled_workers, summary_line, take_reading,
+)
 
 log = structlog.get_logger("hsx.monitor")
 
@@ -67,12 +71,14 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
         spec = await wait_for_job_spec(kv, cfg.job, stopping)
         if spec is None:
             return 0
-        tracker = ProgressTracker(js, cfg.job, heartbeats=True)
+        tracker = ProgressTracker(js, cfg.job, plan=spec.plan_tag, heartbeats=True)
         await tracker.start()
         started = time.monotonic()
         token_rate, sample_rate = RateWindow(), RateWindow()
         summarised = False
         reported_silent: set[str] = set()
+        reported_stalled: set[tuple[str, str]] = set()  # (instance, batch)
+        refusal: str | None = None  # the destination's refusal last logged
         try:
             while not stopping.is_set():
                 try:
@@ -85,7 +91,7 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                     await tracker.refresh_queues()
                 except Exception as exc:  # NATS reconnecting: report on the next tick
                     log.warning("queue_state_unavailable", error=str(exc) or type(exc).__name__)
-                view = status_view(spec, tracker.fold, tracker.queues, job=cfg.job)
+                view = status_view(spec, tracker.fold, tracker.queues, job=cfg.job, live_s=cfg.silent_after_s)
                 token_rate.add(view["tokens_written"])
                 sample_rate.add(view["samples_uploaded"])
                 now = time.time()
@@ -109,13 +115,27 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                         reported_silent.add(worker["instance"])
                 # A worker that beats again and then falls silent is reported again.
                 reported_silent &= {worker["instance"] for worker in silent}
+                stalled = stalled_workers(heartbeats, now=now, silent_after_s=cfg.silent_after_s)
+                for worker in stalled:
+                    if (worker["instance"], worker["batch"]) not in reported_stalled:
+                        log.warning("consumer_stalled", **worker)
+                        reported_stalled.add((worker["instance"], worker["batch"]))
+                reported_stalled &= {(worker["instance"], worker["batch"]) for worker in stalled}
+                if view["destination_error"] != refusal:
+                    if view["destination_error"]:
+                        log.error("destination_failed", dest=view["dest"], reason=view["destination_error"],
+                                  uploaders=len(view["destination_refusals"]))
+                    else:
+                        log.info("destination_recovered", dest=view["dest"])
+                    refusal = view["destination_error"]
                 if view["done"] and not summarised:
                     log.info("job_summary", **summary_line(reading, monitored_s=time.monotonic() - started))
                     summarised = True
                     if cfg.until_done:
                         return 0
                 if view["failed"] and cfg.until_done:
-                    log.error("job_failed", dead_samples=view["dead_samples"], dead_letters=view["dead_letters"],
+                    log.error("job_failed", reason=view["failure_reason"], dead_samples=view["dead_samples"],
+                              dead_letters=view["dead_letters"],
                               samples_uploaded=view["samples_uploaded"], samples_total=view["total_samples"])
                     return 1
                 try:
@@ -126,4 +146,4 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
             await tracker.stop()
         return 0
     finally:
-        await nc.drain()
+        await close_connection(nc)

@@ -80,7 +80,8 @@ class JobCollector(Collector):
         yield gauge("hsx_eta_seconds", "Seconds until every sample is uploaded at the current rates (NaN: unknown)",
                     math.nan if reading.eta_s is None else reading.eta_s)
         yield gauge("hsx_job_done", "1 when every sample is in the destination and nothing is queued", int(view["done"]))
-        yield gauge("hsx_job_failed", "1 when nothing is queued and every missing sample is dead-lettered", int(view["failed"]))
+        yield gauge("hsx_job_failed", "1 when the job cannot finish by itself: every missing sample is dead-lettered, "
+                    "or the destination refuses uploads", int(view["failed"]))
 
         workers = GaugeMetricFamily(
             "hsx_workers", "Workers by service, node and last heartbeat state (silent: heartbeat stopped)",

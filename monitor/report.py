@@ -28,7 +28,8 @@ SUMMARY_FIELDS = (
 
 SILENT = "silent"  # the state reported for a worker whose heartbeat stopped
 _GONE = "stopping"  # said by a worker on its way out: it is gone, not silent
-_DEGRADED_STATES = ("paused", "retrying", "disk_full")
+STALLED = "stalled"  # a GPU consumer whose forward ran past its bound (gpu_consumer/stall.py)
+_DEGRADED_STATES = ("paused", "retrying", "disk_full", "refused", STALLED)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,11 +85,22 @@ def silent_workers(heartbeats: dict[str, schemas.Heartbeat], *, now: float, sile
 
 def degraded_workers(heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float) -> list[dict]:
     """Live workers that say they cannot make progress: a consumer paused at the spool's high-water
-    mark or waiting for disk space, an uploader retrying a failing destination."""
+    mark, waiting for disk space or stuck in a stalled forward, an uploader retrying a failing destination or refused by it."""
     return [
         {"instance": beat.instance, "service": beat.service, "node": beat.node, "state": beat.state, "detail": beat.detail}
         for beat in heartbeats.values()
         if beat.state in _DEGRADED_STATES and not _is_silent(beat, now, silent_after_s)
+    ]
+
+
+def stalled_workers(heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float) -> list[dict]:
+    """Live GPU consumers whose forward has run past its bound: the batch it is stuck on (released
+    to the other consumers) and for how long, as of the consumer's last heartbeat."""
+    return [
+        {"instance": beat.instance, "service": beat.service, "node": beat.node, "batch": beat.last_batch,
+         "stalled_s": beat.stalled_s, "detail": beat.detail}
+        for beat in heartbeats.values()
+        if beat.state == STALLED and not _is_silent(beat, now, silent_after_s)
     ]
 
 

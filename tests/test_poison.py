@@ -34,8 +34,8 @@ def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(hsx, hsx_s
                            name="consumer")
     uploader = hsx_service("upload", "--job", job_name, "--spool", spool, name="uploader")
     monitor = hsx("monitor", "--job", job_name, "--until-done", "--interval", "0.5", timeout=120)
-    # The planned samples are all uploaded but the job spec says 6 samples: done. The extra batch's
-    # good samples are written too; the poisoned one is dead.
+    # Done: every planned sample (0-5) is uploaded; the extra batch's good samples are written too
+    # but do not count toward it (they are outside the plan); the poisoned one is dead.
     assert monitor.returncode == 0, (monitor.stdout + monitor.stderr)[-3000:]
     letters = json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
     assert len(letters) == 1, letters
@@ -43,9 +43,11 @@ def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(hsx, hsx_s
     assert letter["samples"] == [7] and letter["deliveries"] == topology.BATCH_MAX_DELIVER
     assert "sample 7" in letter["error"] and ("index out of range" in letter["error"] or "IndexError" in letter["error"])
     names = {key.rsplit("/", 1)[-1] for key in read_dir_objects(out)}
+    assert {f"{i}.safetensors" for i in range(6)} <= names, sorted(names)
     assert {"6.safetensors", "8.safetensors"} <= names and "7.safetensors" not in names
     view = json.loads(hsx("status", "--job", job_name, "--json").stdout)
     assert view["dead_letters"] == 1 and view["dead_samples"] == [7]
+    assert view["done"] and view["samples_uploaded"] == 6 and view["samples_outside_plan"] == 2, view
 
     retried = hsx("dead", "retry", "--job", job_name, "--seq", str(letter["seq"]))
     assert retried.returncode == 0, retried.stderr

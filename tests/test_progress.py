@@ -1,6 +1,8 @@
 """The progress fold counts distinct samples and batches, so redeliveries never inflate
 progress, and a job whose every missing sample is dead is reported as failed, not running."""
 
+import msgspec
+
 from hsx import schemas
 from hsx.progress import ProgressFold, QueueState, status_view
 from monitor.rates import RateWindow, eta_seconds
@@ -50,6 +52,23 @@ def test_failed_when_everything_left_is_dead_and_nothing_is_queued():
     assert status_view(_spec(), fold, QueueState(dead_letters=1), job="j")["failed"]
     # Still work queued somewhere: not failed yet.
     assert not status_view(_spec(), fold, QueueState(dead_letters=1, files_queued=1), job="j")["failed"]
+
+
+def test_done_needs_every_planned_sample_of_this_plan():
+    """Events of another plan and indices outside range(total) are set aside, never counted; an
+    event without a plan (from hsx before events carried one) is taken as this plan's."""
+    fold = ProgressFold(plan="p1")
+    stray = [msgspec.structs.replace(_uploaded(i), plan="p0") for i in range(4)]  # a former job of this name
+    stray += [msgspec.structs.replace(_uploaded(i), plan="p1") for i in (4, 5, 6)]  # past the plan's 4 samples
+    stray.append(msgspec.structs.replace(_written("b9", [0, 1, 2, 3]), plan="p0"))
+    for event in stray + [msgspec.structs.replace(_uploaded(i), plan="p1") for i in (0, 1)] + [_uploaded(2)]:
+        fold.apply(schemas.event_decoder.decode(schemas.encode(event)))
+    view = status_view(_spec(), fold, QueueState(), job="j")
+    assert not view["done"] and view["samples_uploaded"] == 3 and view["samples_written"] == 0, view
+    assert view["samples_outside_plan"] == 3 and view["events_other_plan"] == 5, view
+    assert (view["tokens_uploaded"], view["bytes_uploaded"]) == (30, 300), view
+    fold.apply(msgspec.structs.replace(_uploaded(3), plan="p1"))
+    assert status_view(_spec(), fold, QueueState(), job="j")["done"]
 
 
 def test_rate_window_and_eta():

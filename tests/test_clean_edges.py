@@ -1,0 +1,205 @@
+"""Clean edges (docs/RELIABILITY.md): a status that cannot read its events in time says so in one
+line; a service stopped while NATS is down exits 0 without a traceback; events are kept as long
+as the job (no age limit) while heartbeats stay one per worker; the stdlib logging of the
+libraries underneath comes out in hsx's JSON stream, and an exception keeps its traceback."""
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import nats
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
+
+from conftest import REPO, _free_port
+from hsx import schemas, topology
+from hsx.embedded import start_nats_server
+from hsx.events import EventPublisher
+from test_chaos import log_events, wait_for
+from test_e2e_s3 import logs_of, produce, write_dataset
+from test_nats_names import documented_names
+
+DAY = 24 * 3600.0
+
+
+def _spec_json(job: str) -> bytes:
+    return msgspec.json.encode({
+        "type": "job.v1", "job": job, "model": "m", "model_revision": "local", "layers": [1], "dtype": "bfloat16",
+        "dest": "file:///nonexistent", "token_budget": 64, "max_seq_len": 32, "dataset": "d",
+        "plan_fingerprint": "ab" * 32, "total_samples": 20_000, "total_tokens": 160_000, "total_batches": 10_000,
+        "created_at": 0.0, "published": True,
+    })
+
+
+def test_status_past_its_timeout_prints_one_line_and_no_traceback(hsx, nats_server, job_name):
+    events = 20_000
+
+    async def setup() -> None:
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        kv = await topology.ensure_topology(js)
+        await kv.put(job_name, _spec_json(job_name))
+        subject = topology.event_subject(job_name, "uploaded")
+        for index in range(events):
+            await nc.publish(subject, msgspec.json.encode({
+                "type": "uploaded.v1", "job": job_name, "node": "n", "uploader": "u", "sample_index": index,
+                "key": f"{job_name}/00000/{index}.safetensors", "size": 1, "tokens": 8, "plan": "abababababab",
+            }))
+        await nc.flush()
+        for _ in range(100):  # stored?
+            info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=subject)
+            if sum((info.state.subjects or {}).values()) == events:
+                break
+            await asyncio.sleep(0.1)
+        await nc.drain()
+
+    asyncio.run(setup())
+    # Reading 20,000 events takes far longer than 50 ms.
+    result = hsx("status", "--job", job_name, "--timeout", "0.05")
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hsx: error:") and "not all read within 0.05 s" in lines[0], lines
+    assert "--timeout" in lines[0]
+
+
+def test_services_stopped_while_nats_is_down_exit_0_without_a_traceback(tmp_path, hsx, hsx_service, tiny_model, job_name):
+    store, port = tmp_path / "nats", _free_port()
+    server = start_nats_server(store, port=port, log_file=tmp_path / "nats-server.log")
+    try:
+        env = {"HSX_NATS_URL": server.url}
+        write_dataset(tmp_path / "data.jsonl", 6, min_len=4, max_len=12, seed=5)
+        produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(tmp_path / "out"),
+                token_budget=64, max_seq_len=16, env=env)
+        spool = str(tmp_path / "spool")
+        services = [
+            hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, env=env, name="consume"),
+            hsx_service("upload", "--job", job_name, "--spool", spool, env=env, name="upload"),
+            hsx_service("monitor", "--job", job_name, "--interval", "0.5", env=env, name="monitor"),
+        ]
+        monitor = services[2]
+        # Each in its steady state (the job done, workers idle), not still starting up.
+        wait_for(lambda: log_events(monitor, "job_summary"), timeout=60, what="job done", procs=services, alive=services)
+        server.stop()
+        wait_for(lambda: all(log_events(proc, "nats_disconnected") for proc in services), timeout=20,
+                 what="every service saw NATS go", procs=services, alive=services)
+        signalled = time.monotonic()
+        for proc in services:
+            proc.send_signal(signal.SIGTERM)
+        took = {}
+        while len(took) < len(services):
+            for proc in services:
+                if proc.args[3] not in took and proc.poll() is not None:
+                    took[proc.args[3]] = round(time.monotonic() - signalled, 1)
+            running = [proc for proc in services if proc.poll() is None]
+            assert not running or time.monotonic() - signalled < 30, (
+                f"{running[0].args[3]} did not stop within 30 s of SIGTERM\n{logs_of(running[0])}")
+            time.sleep(0.05)
+        print(f"\nEDGES stopped_while_nats_down: seconds from SIGTERM to exit {took}")
+        for proc in services:
+            text = proc.log_path.read_text()
+            assert proc.returncode == 0 and "ConnectionReconnectingError" not in text, (
+                f"{proc.args[3]} exited {proc.returncode}\n{logs_of(proc)}")
+            # No traceback printed on the way out: every line is one of the log stream's JSON lines.
+            raw = [line for line in text.splitlines() if not line.startswith("{")]
+            assert not raw, f"{proc.args[3]} printed lines outside its JSON log:\n" + "\n".join(raw[-40:])
+    finally:
+        server.stop()
+
+
+def test_events_are_kept_as_long_as_the_job_and_heartbeats_stay_one_per_worker(tmp_path, job_name):
+    """An existing HSX_EVENTS (30 days) and HSX_DEAD (90 days) are updated in place: no age limit,
+    nothing lost; heartbeats roll up to the last one per worker; the docs say the same."""
+    server = start_nats_server(tmp_path / "nats", log_file=tmp_path / "nats-server.log")
+
+    async def run() -> None:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        # The streams as an earlier hsx created them.
+        for name, subject, age in ((topology.EVENTS_STREAM, "hsx.events.>", 30 * DAY), (topology.DEAD_STREAM, "hsx.dead.>", 90 * DAY)):
+            await js.add_stream(StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS,
+                                             storage=StorageType.FILE, max_age=age))
+        events = EventPublisher(nc, js, job_name)
+        early = schemas.FileUploaded(job=job_name, node="n", uploader="u", sample_index=0, key="k", size=1, tokens=1)
+        await events.emit(early)
+
+        await topology.ensure_topology(js)
+        for name in (topology.EVENTS_STREAM, topology.DEAD_STREAM):
+            info = await js.stream_info(name)
+            assert not info.config.max_age, f"{name} still drops messages after {info.config.max_age} s"
+        info = await js.stream_info(topology.EVENTS_STREAM)
+        assert info.config.allow_rollup_hdrs and info.state.messages == 1, info
+
+        for beat in range(25):
+            for instance in ("node-1-101", "node-1-102"):
+                await events.heartbeat(service="uploader", instance=instance, node="node-1", state="idle", detail=f"beat {beat}")
+            await events.emit(msgspec.structs.replace(early, sample_index=beat + 1))
+        await nc.flush()
+        info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=f"hsx.events.{job_name}.>")
+        assert info.state.subjects == {
+            topology.event_subject(job_name, "uploaded"): 26,
+            topology.heartbeat_subject(job_name, "node-1-101"): 1,
+            topology.heartbeat_subject(job_name, "node-1-102"): 1,
+        }, info.state.subjects
+        last = await js.get_last_msg(topology.EVENTS_STREAM, topology.heartbeat_subject(job_name, "node-1-102"))
+        assert schemas.event_decoder.decode(last.data).detail == "beat 24"
+        await nc.drain()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop()
+    for stream in (topology.EVENTS_STREAM, topology.DEAD_STREAM):
+        kind = documented_names(job="j", node="n")[stream]["kind"]
+        assert "days" not in kind and "no age limit" in kind, f"docs/OPERATIONS.md: {stream}: {kind}"
+    readme = (REPO / "README.md").read_text()
+    assert "| Limits, 30 days |" not in readme and "| Limits, 90 days |" not in readme
+
+
+LOGGING_SCRIPT = """
+import logging, sys, warnings
+import structlog
+from hsx.logs import configure_logging
+from hsx.modelinfo import load_model_info
+
+configure_logging(json=True, level="info")
+structlog.contextvars.bind_contextvars(job="jlog")
+log = structlog.get_logger("hsx.test")
+log.info("own_event", answer=42)
+logging.getLogger("nats.aio.client").warning("nats says %s", "hello")
+logging.getLogger("botocore.credentials").debug("below the level")
+try:
+    1 / 0
+except ZeroDivisionError:
+    log.warning("own_failure", exc_info=True)
+    logging.getLogger("botocore.endpoint").error("library failure", exc_info=True)
+load_model_info(sys.argv[1])  # imports transformers, as the producer does
+from transformers.utils import logging as transformers_logging
+transformers_logging.get_logger("transformers.modeling_utils").warning("transformers says hello")
+warnings.warn("a python warning")
+"""
+
+
+def test_library_logging_comes_out_as_json_lines_with_tracebacks(tiny_model):
+    result = subprocess.run([sys.executable, "-c", LOGGING_SCRIPT, str(tiny_model("qwen3"))], capture_output=True,
+                            text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    records = []
+    for line in result.stderr.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            raise AssertionError(f"not a JSON line: {line!r}\n{result.stderr}") from None
+    by_event = {record["event"]: record for record in records}
+    own, nats_line = by_event["own_event"], by_event["nats says hello"]
+    assert set(nats_line) == set(own) - {"answer"}, (own, nats_line)
+    assert nats_line["level"] == "warning" and nats_line["logger"] == "nats.aio.client" and nats_line["job"] == "jlog"
+    assert own["logger"] == "hsx.test" and "below the level" not in result.stderr
+    for event in ("own_failure", "library failure"):
+        trace = by_event[event].get("exception", "")
+        assert trace.startswith("Traceback") and "ZeroDivisionError: division by zero" in trace, by_event[event]
+    assert by_event["transformers says hello"]["logger"] == "transformers.modeling_utils"
+    assert any("a python warning" in record["event"] and record["logger"] == "py.warnings" for record in records), records
