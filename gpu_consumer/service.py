@@ -11,11 +11,16 @@ Two stages overlap: while batch N is written, announced and acked, batch N+1's f
 Batch N+2's forward starts only once batch N is finished. Files are written straight from the
 host buffers the forward copied into, leased to that batch until its files are written
 (gpu_consumer/staging.py), so at most two batches' states are leased at once. The next
-descriptor is fetched while the current one computes, unless the spool is near its high-water mark: a consumer paused
-there, or stuck in a stalled forward (gpu_consumer/stall.py), holds no batch it has not started.
+descriptor is fetched while the current one computes, unless the spool is near its high-water
+mark or the current batch is a redelivery (it runs alone: it may be what killed its last
+consumer): a consumer paused there, or stuck in a stalled forward (gpu_consumer/stall.py), holds
+no batch it has not started.
 
 Stopping: the stop event ends fetching; batches in hand are finished (not abandoned) first, and a
-descriptor fetched ahead but not started is nak'ed back to the stream.
+descriptor fetched ahead but not started is handed back (`give_back`: a nak, or on its last
+delivery a fresh copy, so a stop never strands it). A batch that fails on its last delivery is
+dead-lettered, never nak'ed; one whose deliveries are used up by crashes is dead-lettered by the
+exhausted-batch reaper (hsx/exhausted.py) that runs beside this loop.
 """
 
 import asyncio

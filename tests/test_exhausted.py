@@ -183,6 +183,17 @@ def test_nats_restart_while_dead_lettering_loses_nothing(tmp_path, hsx, hsx_serv
         server.stop()
 
 
+async def _one_batch_queued(js, job: str, *, samples: int, ack_wait_s: float):
+    """The job's durable (with this ack wait), one batch published to its queue, and a bound pull
+    subscription: (durable, batch, subscription)."""
+    await topology.ensure_topology(js)
+    durable = await topology.ensure_gpu_consumer(js, job, ack_wait_s=ack_wait_s)
+    batch = schemas.BatchDescriptor(job=job, batch_id=f"{job}-b0", padded_len=3, samples=[
+        schemas.Sample(index=i, source_id=str(i), input_ids=[1, 2, 3]) for i in range(samples)])
+    await js.publish(topology.batch_subject(job), schemas.encode(batch), headers={"Nats-Msg-Id": batch.batch_id})
+    return durable, batch, await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
+
+
 def test_sweep_dead_letters_a_spent_batch_whose_advisory_was_lost(nats_server, job_name):
     from hsx.exhausted import sweep
 
@@ -190,12 +201,7 @@ def test_sweep_dead_letters_a_spent_batch_whose_advisory_was_lost(nats_server, j
         nc = await nats.connect(nats_server.url)
         try:
             js = nc.jetstream()
-            await topology.ensure_topology(js)
-            durable = await topology.ensure_gpu_consumer(js, job_name, ack_wait_s=0.5)
-            batch = schemas.BatchDescriptor(job=job_name, batch_id=f"{job_name}-b0", padded_len=3, samples=[
-                schemas.Sample(index=i, source_id=str(i), input_ids=[1, 2, 3]) for i in range(2)])
-            await js.publish(topology.batch_subject(job_name), schemas.encode(batch))
-            sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
+            durable, batch, sub = await _one_batch_queued(js, job_name, samples=2, ack_wait_s=0.5)
             for _ in range(topology.BATCH_MAX_DELIVER):  # every delivery taken and never acked
                 await sub.fetch(1, timeout=5)
                 await asyncio.sleep(0.7)
@@ -230,12 +236,7 @@ def test_a_batch_handed_back_on_its_last_delivery_is_queued_fresh(nats_server, j
         nc = await nats.connect(nats_server.url)
         try:
             js = nc.jetstream()
-            await topology.ensure_topology(js)
-            durable = await topology.ensure_gpu_consumer(js, job_name, ack_wait_s=30)
-            batch = schemas.BatchDescriptor(job=job_name, batch_id=f"{job_name}-b0", padded_len=3, samples=[
-                schemas.Sample(index=0, source_id="0", input_ids=[1, 2, 3])])
-            await js.publish(topology.batch_subject(job_name), schemas.encode(batch), headers={"Nats-Msg-Id": batch.batch_id})
-            sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
+            _, batch, sub = await _one_batch_queued(js, job_name, samples=1, ack_wait_s=30)
             for delivery in range(1, topology.BATCH_MAX_DELIVER + 1):
                 (msg,) = await sub.fetch(1, timeout=5)
                 assert msg.metadata.num_delivered == delivery
