@@ -9,6 +9,7 @@ final norm's output instead, and the forward stops there (the lm_head still neve
 """
 
 import importlib.util
+import os
 from dataclasses import dataclass
 
 import structlog
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from gpu_consumer.staging import HostStaging
+from hsx.devices import visible_text
 from hsx.errors import HsxError
 from hsx.layers import FINAL, LayerSelector
 from hsx.logs import route_transformers_logging
@@ -138,6 +140,9 @@ def load_model(
         raise HsxError(f"--device {device!r} is not a torch device (use cpu, cuda or cuda:N)") from None
     if target.type == "cuda" and not torch.cuda.is_available():
         raise HsxError(f"--device {device}: CUDA is not available on this machine")
+    if target.type == "cuda" and target.index is not None and target.index >= torch.cuda.device_count():
+        raise HsxError(f"--device {device}: there is no GPU {target.index}: "
+                       f"{visible_text(torch.cuda.device_count(), os.environ.get('CUDA_VISIBLE_DEVICES'))}")
     attention = choose_attention(target, compute_dtype)
     attention_kwargs = {"attn_implementation": attention} if attention else {}
     try:

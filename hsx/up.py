@@ -2,10 +2,12 @@
 
 Starts whatever is not given: a nats-server with its JetStream store in the workdir, a small
 random-initialised model, a synthetic dataset, a local destination. Then it runs the producer,
-`--consumers` GPU consumers, `--uploaders` uploaders and the monitor, restarts a worker that
-crashes, and returns 0 when every sample is in the destination. Everything lives in the workdir,
-so running it again resumes: the producer publishes nothing twice and only unfinished work runs.
-Ctrl-C (or SIGTERM) stops every process cleanly: workers finish their batch, then exit.
+`--consumers` GPU consumers per device (`--device cuda`: every visible GPU, or those of
+`--devices`; hsx/devices.py), each its own process on its own device, `--uploaders` uploaders
+sharing the consumers' spool, and the monitor; it restarts a worker that crashes, and returns 0
+when every sample is in the destination. Everything lives in the workdir, so running it again
+resumes: the producer publishes nothing twice and only unfinished work runs. Ctrl-C (or SIGTERM)
+stops every process cleanly: workers finish their batch, then exit.
 """
 
 import asyncio
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import structlog
 
+from hsx.devices import node_devices
 from hsx.embedded import NatsServer, build_tiny_model, start_nats_server, write_synthetic_dataset
 from hsx.errors import HsxError, JobFailed
 from hsx.natsconn import NatsSettings, redact_url
@@ -44,7 +47,8 @@ class UpConfig:
     token_budget: int
     max_seq_len: int
     samples: int
-    device: str
+    device: str  # as given: cpu, cuda, cuda:N
+    devices: tuple[str, ...]  # the device of each consumer group, from --device and --devices (hsx/devices.py)
     timeout_s: float
     log_level: str = "info"
     on_long: str = "error"  # passed to hsx produce --on-long
@@ -60,7 +64,8 @@ class UpConfig:
             workdir=args.workdir.resolve(), job=args.job, nats=nats, model=args.model, dataset=args.dataset,
             layers=args.layers, dtype=args.dtype, dest=args.dest, consumers=args.consumers, uploaders=args.uploaders,
             token_budget=args.token_budget, max_seq_len=args.max_seq_len, samples=args.samples, device=args.device,
-            timeout_s=args.timeout, log_level=args.log_level, on_long=args.on_long, compile_layers=args.compile,
+            devices=tuple(node_devices(args.device, args.devices)), timeout_s=args.timeout, log_level=args.log_level,
+            on_long=args.on_long, compile_layers=args.compile,
             trust_remote_code=args.trust_remote_code, config_file=Path(args.config).resolve() if args.config else None,
         )
 
@@ -123,6 +128,16 @@ def produce_args(cfg: UpConfig, *, model: str, dataset: Path, dest: str) -> list
             *(["--trust-remote-code"] if cfg.trust_remote_code else [])]
 
 
+def consumer_args(cfg: UpConfig, *, spool: Path) -> list[tuple[str, list[str]]]:
+    """(name, `hsx consume` and its flags) of each consumer: `--consumers` per device, each process
+    on its own device, all on one spool (the node's uploaders read it). Each process names its
+    own instance (`<node>-<pid>`), so their heartbeats are told apart."""
+    per_device = [device for device in cfg.devices for _ in range(cfg.consumers)]
+    return [(f"consumer-{i}", ["consume", "--job", cfg.job, "--device", device, "--spool", str(spool),
+                               *(["--compile"] if cfg.compile_layers else [])])
+            for i, device in enumerate(per_device)]
+
+
 def _stop_all(children: list[_Child]) -> None:
     deadline = time.monotonic() + _STOP_DEADLINE_S
     for child in children:
@@ -180,11 +195,11 @@ def run_up(cfg: UpConfig) -> int:
         log.info("job_published", job=cfg.job, dest=dest)
 
         spool = cfg.workdir / "spool"
+        consumers = consumer_args(cfg, spool=spool)
+        log.info("consumers_planned", devices=list(cfg.devices), per_device=cfg.consumers,
+                 consumers={name: args[args.index("--device") + 1] for name, args in consumers})
         workers = [
-            _Child(f"consumer-{i}", _hsx(*common, "consume", "--job", cfg.job, "--device", cfg.device, "--spool", str(spool),
-                                             *(["--compile"] if cfg.compile_layers else [])),
-                   env, logs / f"consumer-{i}.log")
-            for i in range(cfg.consumers)
+            _Child(name, _hsx(*common, *args), env, logs / f"{name}.log") for name, args in consumers
         ] + [
             _Child(f"uploader-{i}", _hsx(*common, "upload", "--job", cfg.job, "--spool", str(spool)), env,
                    logs / f"uploader-{i}.log")

@@ -1,7 +1,8 @@
 """CUDA-only checks (marker `gpu`; skipped cleanly without a CUDA device): the consumer's
 extraction on a GPU matches transformers' own per-sample result, files written from pinned
-buffers while the next batch splits hold their own states, and `hsx up` runs end to end with
-`--device cuda:0`."""
+buffers while the next batch splits hold their own states, `hsx up` runs end to end with
+`--device cuda:0`, and with `--device cuda` on every visible GPU (hsx/devices.py with torch's own
+device count)."""
 
 import json
 import os
@@ -92,3 +93,51 @@ def test_hsx_up_on_cuda(tmp_path):
     consumer_log = (tmp_path / "w" / "logs" / "consumer-0.log").read_text().splitlines()
     ready = [json.loads(line) for line in consumer_log if '"consumer_ready"' in line]
     assert ready and ready[0]["device"] == "cuda:0"
+
+
+def test_device_enumeration_sees_the_real_gpus(tiny_model):
+    """hsx/devices.py with torch's own count: `cuda` is every visible GPU, the last one can be
+    chosen, one past it is refused (by `hsx up` and by a consumer's model load) naming what is
+    visible, and CUDA_VISIBLE_DEVICES is honoured."""
+    from hsx.devices import node_devices
+    from hsx.errors import HsxError
+
+    count = torch.cuda.device_count()
+    assert count >= 1
+    assert node_devices("cuda", None) == [f"cuda:{i}" for i in range(count)]
+    assert node_devices("cuda", str(count - 1)) == [f"cuda:{count - 1}"]
+    visible = f"{count} GPU{'s' if count > 1 else ''} visible"
+    with pytest.raises(HsxError, match=f"no GPU {count}: {visible}"):
+        node_devices("cuda", f"0,{count}")
+    with pytest.raises(HsxError, match=f"no GPU {count}: {visible}"):
+        node_devices(f"cuda:{count}", None)
+    with pytest.raises(HsxError, match=f"no GPU {count}: {visible}"):
+        load_model(str(tiny_model("qwen3")), layers=[1], dtype="float32", device=f"cuda:{count}")
+    probe = "from hsx.devices import node_devices; print(node_devices('cuda', None))"
+    for hidden, expected in ((str(count - 1), "['cuda:0']"), ("", None)):
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO,
+                                env={**os.environ, "CUDA_VISIBLE_DEVICES": hidden})
+        if expected:
+            assert result.returncode == 0 and result.stdout.strip() == expected, result.stderr[-2000:]
+        else:
+            assert result.returncode != 0 and "no GPU visible" in result.stderr, result.stderr[-2000:]
+
+
+def test_hsx_up_runs_consumers_on_every_gpu(tmp_path):
+    """`hsx up --device cuda --consumers 2`: two consumers per visible GPU, each its own process,
+    instance and device, one spool; the job finishes."""
+    count = torch.cuda.device_count()
+    result = subprocess.run(
+        [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(tmp_path / "w"), "--device", "cuda", "--consumers", "2",
+         "--samples", "64", "--layers", "1,3"],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "uploaded 64/64" in result.stdout
+    ready = []
+    for i in range(2 * count):
+        log = (tmp_path / "w" / "logs" / f"consumer-{i}.log").read_text().splitlines()
+        ready += [json.loads(line) for line in log if '"consumer_ready"' in line][:1]
+    assert sorted(record["device"] for record in ready) == sorted(f"cuda:{i}" for i in range(count) for _ in range(2))
+    assert len({record["consumer"] for record in ready}) == 2 * count
+    assert not (tmp_path / "w" / "logs" / f"consumer-{2 * count}.log").exists()

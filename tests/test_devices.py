@@ -1,0 +1,157 @@
+"""Every GPU of a node: which devices `hsx up` runs its consumers on, and what it refuses.
+
+`plan_devices` is given the number of visible GPUs, so 0, 1 and 4 are checked on the CPU; `hsx
+up` is built from its real flags with torch's count replaced (in this process), down to the
+`hsx consume` command line of each consumer it would start, without starting any. The refusals
+run the real CLI as processes with CUDA_VISIBLE_DEVICES="" (no GPU visible, also on a GPU
+machine). tests/test_gpu.py runs the enumeration and `hsx up --device cuda` on a real GPU.
+"""
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import hsx.devices
+from hsx.cli import build_parser
+from hsx.devices import check_consumer_device, plan_devices, visible_text
+from hsx.errors import HsxError
+from hsx.settings import resolve
+from hsx.up import UpConfig, consumer_args
+from test_cli_errors import assert_one_line_error
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("visible, expected", [
+    (1, ["cuda:0"]),
+    (4, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]),
+])
+def test_cuda_is_every_visible_gpu(visible, expected):
+    assert plan_devices("cuda", None, visible=visible) == expected
+
+
+@pytest.mark.parametrize("visible", [0, 1, 4])
+def test_cpu_is_one_device_whatever_is_visible(visible):
+    assert plan_devices("cpu", None, visible=visible) == ["cpu"]
+
+
+def test_devices_choose_among_the_visible_gpus_in_the_order_given():
+    assert plan_devices("cuda", "0,2", visible=4) == ["cuda:0", "cuda:2"]
+    assert plan_devices("cuda", " 3 , 1", visible=4) == ["cuda:3", "cuda:1"]
+    assert plan_devices("cuda", "0", visible=1) == ["cuda:0"]
+    assert plan_devices("cuda:2", None, visible=4) == ["cuda:2"]
+    assert plan_devices("cuda:0", None, visible=1) == ["cuda:0"]
+
+
+@pytest.mark.parametrize("device, devices, visible, needles", [
+    ("cuda", None, 0, ("--device cuda", "no GPU visible", "--device cpu")),
+    ("cuda", "0,2", 0, ("--devices 0,2", "no GPU visible")),
+    ("cuda", "0,4", 4, ("--devices 0,4", "no GPU 4", "4 GPUs visible (cuda:0 to cuda:3)")),
+    ("cuda", "1", 1, ("--devices 1", "no GPU 1", "1 GPU visible (cuda:0)")),
+    ("cuda", "0,2,0", 4, ("--devices 0,2,0", "GPU 0 is given twice")),
+    ("cuda", "0,x", 4, ("--devices '0,x'", "e.g. 0,2", "'x'")),
+    ("cuda", "0,,1", 4, ("--devices '0,,1'",)),
+    ("cuda", "-1", 4, ("--devices '-1'",)),
+    ("cpu", "0,2", 4, ("--devices 0,2", "--device is cpu", "--device cuda --devices 0,2")),
+    ("cuda:1", "0,2", 4, ("--device is cuda:1", "--device cuda:1 alone", "--device cuda --devices 0,2")),
+    ("cuda:4", None, 4, ("--device cuda:4", "no GPU 4", "4 GPUs visible")),
+    ("cuda:0", None, 0, ("--device cuda:0", "no GPU visible")),
+    ("cuda:x", None, 4, ("--device 'cuda:x'", "cuda:N")),
+])
+def test_refusals_name_the_flag_and_what_is_visible(device, devices, visible, needles):
+    with pytest.raises(HsxError) as raised:
+        plan_devices(device, devices, visible=visible)
+    message = str(raised.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_cuda_visible_devices_is_named_when_set():
+    assert visible_text(2, "4,5") == "2 GPUs visible (cuda:0 to cuda:1) with CUDA_VISIBLE_DEVICES='4,5'"
+    with pytest.raises(HsxError, match="no GPU visible with CUDA_VISIBLE_DEVICES=''"):
+        plan_devices("cuda", None, visible=0, cuda_visible_devices="")
+
+
+def test_consume_takes_one_device():
+    assert check_consumer_device("cuda:1") == "cuda:1" and check_consumer_device("cpu") == "cpu"
+    with pytest.raises(HsxError, match=r"use --device cuda:0 .* hsx up --device cuda"):
+        check_consumer_device("cuda")
+
+
+def _up_config(argv: list[str], monkeypatch, visible: int) -> UpConfig:
+    """UpConfig from `hsx up ARGV` as the CLI builds it, with `visible` GPUs as torch's count."""
+    monkeypatch.setattr(hsx.devices, "cuda_device_count", lambda: visible)
+    parser = build_parser()
+    args = parser.parse_args(["up", *argv])
+    resolve(parser, args, {})
+    return UpConfig.from_args(args, nats=None)
+
+
+def _devices_of(consumers: list[tuple[str, list[str]]]) -> list[str]:
+    return [args[args.index("--device") + 1] for _, args in consumers]
+
+
+def test_up_starts_one_consumer_per_visible_gpu(monkeypatch, tmp_path):
+    cfg = _up_config(["--device", "cuda", "--compile"], monkeypatch, visible=4)
+    assert cfg.devices == ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
+    consumers = consumer_args(cfg, spool=tmp_path / "spool")
+    assert [name for name, _ in consumers] == ["consumer-0", "consumer-1", "consumer-2", "consumer-3"]
+    assert _devices_of(consumers) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    for _, args in consumers:  # one spool for the node, the job's flags on each
+        assert args[:3] == ["consume", "--job", "demo"] and "--compile" in args
+        assert args[args.index("--spool") + 1] == str(tmp_path / "spool")
+
+
+def test_up_consumers_is_per_device_and_devices_chooses(monkeypatch, tmp_path):
+    cfg = _up_config(["--device", "cuda", "--devices", "2,0", "--consumers", "2"], monkeypatch, visible=4)
+    consumers = consumer_args(cfg, spool=tmp_path)
+    assert _devices_of(consumers) == ["cuda:2", "cuda:2", "cuda:0", "cuda:0"]
+    assert len({name for name, _ in consumers}) == 4  # each its own process, log file and instance
+    cpu = consumer_args(_up_config(["--consumers", "3"], monkeypatch, visible=4), spool=tmp_path)
+    assert _devices_of(cpu) == ["cpu", "cpu", "cpu"]
+    one = consumer_args(_up_config(["--device", "cuda:1"], monkeypatch, visible=4), spool=tmp_path)
+    assert _devices_of(one) == ["cuda:1"]
+
+
+def test_up_asks_torch_only_for_a_gpu(monkeypatch):
+    def fail():
+        raise AssertionError("torch asked for a CPU run")
+
+    monkeypatch.setattr(hsx.devices, "cuda_device_count", fail)
+    parser = build_parser()
+    args = parser.parse_args(["up", "--consumers", "2"])
+    resolve(parser, args, {})
+    assert UpConfig.from_args(args, nats=None).devices == ("cpu",)
+
+
+def test_the_cli_refuses_with_one_line(tmp_path, subtests):
+    """The real `hsx`, no GPU visible; nothing is started (NATS points nowhere, no workdir made)."""
+    workdir = tmp_path / "never"
+    cases = {
+        "consume --device cuda": (["consume", "--job", "j", "--device", "cuda", "--spool", str(tmp_path / "s")],
+                                  ("--device cuda", "--device cuda:0", "hsx up --device cuda")),
+        "up --device cuda, none visible": (["up", "--workdir", str(workdir), "--device", "cuda"],
+                                           ("--device cuda", "no GPU visible with CUDA_VISIBLE_DEVICES=''")),
+        "up --devices without cuda": (["up", "--workdir", str(workdir), "--devices", "0,2"],
+                                      ("--devices 0,2", "--device is cpu", "--device cuda --devices 0,2")),
+        "up --devices twice": (["up", "--workdir", str(workdir), "--device", "cuda", "--devices", "1,1"],
+                               ("--devices 1,1", "GPU 1 is given twice")),
+    }
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HSX_NATS_URL": "nats://127.0.0.1:1", "PYTHONUNBUFFERED": "1"}
+
+    def run(argv):
+        return subprocess.run([sys.executable, "-m", "hsx.cli", *argv], env=env, capture_output=True, text=True,
+                              timeout=120, cwd=REPO)
+
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        results = dict(zip(cases, pool.map(run, [argv for argv, _ in cases.values()])))
+    for name, (_, needles) in cases.items():
+        with subtests.test(case=name):
+            assert results[name].returncode == 2
+            assert_one_line_error(results[name], *needles)
+    assert not workdir.exists() and not (tmp_path / "s").exists()
