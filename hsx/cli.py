@@ -180,13 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--layers", default="1,3,5")
     up.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     up.add_argument("--dest", default=None, help="s3://bucket/prefix, file:///dir or a path (default WORKDIR/out)")
-    up.add_argument("--consumers", type=positive_int("--consumers"), default=1)
+    up.add_argument("--consumers", type=positive_int("--consumers"), default=1,
+                    help="consumers per device (default 1): --device cuda --consumers 2 on 4 GPUs starts 8")
     up.add_argument("--uploaders", type=positive_int("--uploaders"), default=1)
     up.add_argument("--token-budget", type=positive_int("--token-budget"), default=4096)
     up.add_argument("--max-seq-len", type=positive_int("--max-seq-len"), default=1024)
     up.add_argument("--on-long", choices=ON_LONG, default="error", help=_ON_LONG_HELP)
     up.add_argument("--samples", type=positive_int("--samples"), default=256, help="synthetic dataset size")
-    up.add_argument("--device", default="cpu")
+    up.add_argument("--device", default="cpu",
+                    help="where the consumers run: cpu (default), cuda:N, or cuda for every visible GPU "
+                         "(CUDA_VISIBLE_DEVICES honoured), one consumer per GPU")
+    up.add_argument("--devices", default=None, metavar="LIST",
+                    help="with --device cuda: only these GPUs, e.g. 0,2 (default: every visible GPU)")
     up.add_argument("--compile", action="store_true", help="consumers torch.compile the decoder layers (hsx consume --compile)")
     up.add_argument("--trust-remote-code", action="store_true",
                     help="allow a model that ships its own Python code (hsx produce --trust-remote-code)")
@@ -274,7 +279,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also recompute K random samples on the CPU and compare (loads the model)")
     verify.add_argument("--seed", type=int, default=None, help="seed for choosing the recomputed samples (default: random, reported)")
     verify.add_argument("--workers", type=positive_int("--workers"), default=16, help="objects read at once (default 16)")
+    verify.add_argument("--list", action="store_true",
+                        help="list the job's folder even when its index is complete, to report stray keys too")
     verify.add_argument("--json", action="store_true")
+
+    index = commands.add_parser("index", help="write a job's index of stored samples (<job>/_hsx/index.arrow), "
+                                              "which readers use instead of listing; exit 1 if it is incomplete")
+    index_commands = index.add_subparsers(dest="index_command", required=True, metavar="ACTION")
+    index_build = index_commands.add_parser(
+        "build", help="from the job's uploaded events in NATS (what the monitor does when the job is done)")
+    _add_nats(index_build)
+    index_build.add_argument("--job", type=_job_name, required=True)
+    index_rebuild = index_commands.add_parser(
+        "rebuild", help="from the destination alone: list the job's folder and read each file's header")
+    index_rebuild.add_argument("url", metavar="JOB_URL", help="the job's folder: s3://bucket/prefix/JOB, file:///out/JOB or a path")
+    index_rebuild.add_argument("--workers", type=positive_int("--workers"), default=32, help="headers read at once (default 32)")
+    for action in (index_build, index_rebuild):
+        action.add_argument("--json", action="store_true")
 
     sync = commands.add_parser("sync", help="upload a directory (e.g. checkpoints) to a destination, again every --every")
     sync.add_argument("path", type=Path, metavar="PATH", help="the directory whose files are uploaded")
@@ -356,8 +377,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "consume":
         from gpu_consumer.config import ConsumerConfig
         from gpu_consumer.main import run
+        from hsx.devices import check_consumer_device
         from hsx.fsutil import free_bytes, make_private_dirs
 
+        check_consumer_device(args.device)
         node = _node(args.node)
         make_private_dirs(args.spool)
         high_water = (free_bytes(args.spool) // 2 if args.spool_high_water == "auto"
@@ -414,9 +437,19 @@ def _dispatch(args: argparse.Namespace) -> int:
         from hsx.verify import fetch_job, format_report, verify
 
         spec, token_ids = asyncio.run(fetch_job(nats, args.job))
-        report = verify(spec, token_ids, recompute=args.recompute, seed=args.seed, workers=args.workers)
+        report = verify(spec, token_ids, recompute=args.recompute, seed=args.seed, workers=args.workers,
+                        list_folder=args.list)
         print(format_report(report, as_json=args.json))
         return 0 if report["ok"] else 1
+    if args.command == "index":
+        from hsx.index import format_summary, rebuild_job_index, run_build
+
+        if args.index_command == "build":
+            built = asyncio.run(run_build(nats, args.job))
+        else:
+            built = rebuild_job_index(args.url, workers=args.workers)
+        print(format_summary(built, as_json=args.json))
+        return 0 if built.complete else 1
     if args.command == "sync":
         from hsx.sync import SyncConfig, check_source, dest_url, parse_duration, run_sync
 

@@ -7,6 +7,10 @@ it knows nothing about NATS, job specs or how the files were made.
 
 With a torch DataLoader, each worker process opens its own destination client on its first
 `__getitem__` (a boto3 client must not cross a fork), so `num_workers > 0` works over S3.
+
+Which samples a job has comes from its index (`<job>/_hsx/index.arrow`, hsx/index.py) when that
+is complete: two GETs, whatever the job's size. Otherwise the folder is listed, and a
+`dataset_listing` log line says why.
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ import re
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import structlog
 import torch
 from safetensors.torch import load as _load_safetensors
 
 from hsx.destinations import Destination, open_destination, parse_dest
 from hsx.errors import HsxError
+from hsx.index import read_index
 from hsx.layout import FLOAT8, dequantize_float8, sample_key
+
+log = structlog.get_logger("hsx.data")
 
 # Metadata `dtype` -> the dtype of the stored `hidden_states` tensor.
 STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -119,28 +127,33 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     `sample_index`, `metadata`. Float8 files are dequantized to float32 unless `dequantize=False`,
     which returns the raw float8 tensor and `hidden_states_scale` [T, k]. A folder with no sample
     files is an error (a mistyped URL must not read as an empty dataset).
+
+    `sample_tokens` holds each sample's token count when the job's index was read (for length
+    grouping without opening a file), else None.
     """
 
     def __init__(self, url: str, *, concat_layers: bool = False, dequantize: bool = True) -> None:
         self.url, self.job = split_job_url(url)
         self.concat_layers = concat_layers
         self.dequantize = dequantize
-        # The listing client is dropped here: each process that reads opens its own.
-        listing = open_destination(self.url, max_connections=4)
-        found = {}
-        for key in listing.keys():
-            index = sample_index_of(self.job, key)
-            if index is not None:
-                found[index] = key
-        if not found:
+        # The opening client is dropped here: each process that reads opens its own.
+        folder = open_destination(self.url, max_connections=4)
+        index, why_not = read_index(folder, self.job)
+        self.sample_tokens: list[int] | None = None
+        if index is not None:
+            self.sample_indices: list[int] = index.sample_indices.tolist()
+            self.sample_tokens = index.table.column("tokens").to_numpy().tolist()
+        else:
+            log.info("dataset_listing", url=self.url, reason=why_not)
+            self.sample_indices = sorted(
+                i for i in (sample_index_of(self.job, key) for key in folder.keys()) if i is not None)
+        if not self.sample_indices:
             raise HsxError(f"{self.url}: no sample files of job {self.job} there")
-        self.sample_indices: list[int] = sorted(found)
-        self._keys: list[str] = [found[i] for i in self.sample_indices]
         self._dest: Destination | None = None
         self._pid: int | None = None
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self.sample_indices)
 
     def _destination(self) -> Destination:
         if self._dest is None or self._pid != os.getpid():
@@ -157,7 +170,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} samples")
-        key = self._keys[i]
+        key = relative_sample_key(self.job, self.sample_indices[i])
         try:
             tensors, metadata = load_sample(self._destination().read_bytes(key))
         except SampleFileError as exc:

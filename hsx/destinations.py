@@ -10,6 +10,8 @@ directories `hsx sync` uploads) go through `put_bytes_verified` / `put_file_veri
 `has_sha256`: the same verified put, checked by size and the sha256 of the whole content (S3 user
 metadata `hsx-sha256`; a file:// destination re-reads the stored file). `probe` writes, reads
 back and deletes a small object: the producer's check that a job's files can go there at all.
+`read_prefix` reads an object's first bytes and learns its size in one request (`hsx index
+rebuild` reads each sample file's header with it).
 
 Each destination also knows its own errors: `refusal(exc)` tells a refusal, which no retry fixes
 until a person does (a missing bucket, wrong or expired credentials, a denied permission, a
@@ -65,6 +67,8 @@ class Destination(Protocol):
     def has_sha256(self, key: str, *, size: int, sha256: str) -> bool: ...
 
     def read_bytes(self, key: str) -> bytes: ...
+
+    def read_prefix(self, key: str, length: int) -> tuple[bytes, int]: ...
 
     def delete(self, key: str) -> None: ...
 
@@ -167,6 +171,11 @@ class FileDestination:
 
     def read_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
+
+    def read_prefix(self, key: str, length: int) -> tuple[bytes, int]:
+        """The first `length` bytes (fewer if the file is shorter) and the file's size."""
+        with open(self._path(key), "rb") as source:
+            return source.read(length), os.fstat(source.fileno()).st_size
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
@@ -347,6 +356,14 @@ class S3Destination:
 
     def read_bytes(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+    def read_prefix(self, key: str, length: int) -> tuple[bytes, int]:
+        """The first `length` bytes (fewer if the object is shorter) and the object's size, in one
+        ranged GET: its Content-Range ends with the whole size."""
+        response = self.client.get_object(Bucket=self.bucket, Key=self._key(key), Range=f"bytes=0-{length - 1}")
+        data = response["Body"].read()
+        content_range = response.get("ContentRange")  # "bytes 0-65535/1234567"; absent if S3 sent it all
+        return data, int(content_range.rsplit("/", 1)[1]) if content_range else len(data)
 
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))

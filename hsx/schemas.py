@@ -124,6 +124,9 @@ class FileUploaded(_Wire, tag="uploaded.v1"):
     already_present: bool = False
     attempt: int = 1  # delivery number of the file-ready event
     plan: str = ""  # JobSpec.plan_tag of the plan that wrote the file (FileReady.plan); "" from older senders
+    # The stored object's digest (FileReady.digest, checked by the verified put): these events are
+    # the journal the job's index is compacted from (hsx/index.py); "" from older senders.
+    digest: str = ""
 
 
 class SampleRequeued(_Wire, tag="requeued.v1"):

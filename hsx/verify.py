@@ -3,14 +3,17 @@
 For every sample 0..total_samples-1: the file is at its key, loads as safetensors, its checksum
 metadata matches its tensors (a flipped data byte), and it is the file of that sample of that job
 (metadata job, sample_index, layers, dtype, num_tokens; tensor shapes and dtypes; input_ids equal
-to the dataset's row when the dataset is readable here). Keys under `<job>/` that are not sample
-files are reported, except the job bundle under `<job>/_hsx/`. `--recompute K` reruns K random
+to the dataset's row when the dataset is readable here). What is stored comes from the job's
+index (`<job>/_hsx/index.arrow`, hsx/index.py) when it is complete, with no LIST; otherwise, or
+with `--list`, from listing `<job>/`, and then keys there that are not sample files are reported
+too, except the job bundle under `<job>/_hsx/`. `--recompute K` reruns K random
 readable samples alone, from scratch, with the GPU consumer's own model code on the CPU in
 float32, and compares them with the stored states.
 
 Outcome per sample, in order of the first failure: missing (no object), corrupt (does not load,
 or its checksum does not match its tensors), mismatching (a sound file, but not the one this key
-should hold). This module reads the job spec and the destination; it writes nothing.
+should hold; with the index, also a file whose digest is not the one the index recorded). This
+module reads the job spec and the destination; it writes nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from hsx.data import (
     relative_sample_key,
 )
 from hsx.errors import HsxError
+from hsx.index import INDEX_KEY, read_index
 from hsx.jobs import require_job_spec
 from hsx.layout import BUNDLE_DIR, FLOAT8, sample_key
 from hsx.samplefile import SampleFileCorrupt, checked_digest
@@ -110,15 +114,17 @@ class _Outcome:
 
 
 def check_sample(
-    data: bytes, *, spec: schemas.JobSpec, index: int, expected_ids: list[int] | None, hidden_size: int | None
+    data: bytes, *, spec: schemas.JobSpec, index: int, expected_ids: list[int] | None, hidden_size: int | None,
+    indexed_digest: str | None = None,
 ) -> _Outcome:
-    """Every check on one sample file's bytes (already known to be at the sample's key)."""
+    """Every check on one sample file's bytes (already known to be at the sample's key); with
+    `indexed_digest`, also that it is the file the job's index recorded."""
     try:
         tensors, metadata = load_sample(data)
     except SampleFileError as exc:
         return _Outcome(index, "corrupt", reason="load", details=[str(exc)])
     try:
-        checked_digest([data])
+        digest = checked_digest([data])
     except SampleFileCorrupt as exc:
         return _Outcome(index, "corrupt", reason="checksum", details=[str(exc)])
 
@@ -171,12 +177,15 @@ def check_sample(
     if mask is not None:
         expect("loss_mask", mask.dim() == 1 and tokens is not None and mask.shape[0] == tokens,
                f"loss_mask shape {list(mask.shape)}, expected [{tokens}]")
+    # Last: when the file is another sample's, the checks above say more than its digest does.
+    expect("index", indexed_digest is None or digest == indexed_digest,
+           f"digest {digest[:12]}, the index recorded {(indexed_digest or '')[:12]} (replaced since it was stored?)")
     if failed:
         return _Outcome(index, "mismatching", checks=list(failed), details=list(failed.values()), hidden_size=found_h)
     return _Outcome(index, "ok", hidden_size=found_h)
 
 
-def _read_and_check(dest, spec, index, expected_ids, hidden_size) -> _Outcome:
+def _read_and_check(dest, spec, index, expected_ids, hidden_size, indexed_digest) -> _Outcome:
     try:
         data = dest.read_bytes(relative_sample_key(spec.job, index))
     except FileNotFoundError:
@@ -187,7 +196,8 @@ def _read_and_check(dest, spec, index, expected_ids, hidden_size) -> _Outcome:
         if code in ("404", "NoSuchKey", "NotFound"):
             return _Outcome(index, "missing")
         return _Outcome(index, "corrupt", reason="read", details=[f"{type(exc).__name__}: {exc}"])
-    return check_sample(data, spec=spec, index=index, expected_ids=expected_ids, hidden_size=hidden_size)
+    return check_sample(data, spec=spec, index=index, expected_ids=expected_ids, hidden_size=hidden_size,
+                        indexed_digest=indexed_digest)
 
 
 def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[list[int]] | None) -> list[dict]:
@@ -227,7 +237,7 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
 
 def verify(
     spec: schemas.JobSpec, token_ids: list[list[int]] | None, *, recompute: int = 0, seed: int | None = None,
-    workers: int = 16,
+    workers: int = 16, list_folder: bool = False,
 ) -> dict[str, Any]:
     """Check the job's destination against its spec; the report (see `format_report`)."""
     started = time.monotonic()
@@ -243,10 +253,20 @@ def verify(
         token_note = f"not compared: dataset {spec.dataset} is not readable on this machine (see log)"
     hidden_size = expected_hidden_size(spec)
 
-    listed = set(dest.keys())
+    job_index, why_not = (None, "--list given") if list_folder else read_index(dest, job, spec=spec)
     expected_keys = {relative_sample_key(job, i): i for i in range(total)}
-    # The job bundle under `_hsx/` belongs to the job (producer/bundle.py); it is not a stray key.
-    extra = sorted(f"{job}/{key}" for key in listed - expected_keys.keys() if not key.startswith(f"{BUNDLE_DIR}/"))
+    if job_index is not None:
+        # A complete index names every sample's key: nothing to list, and no stray keys looked for.
+        listed = {relative_sample_key(job, i) for i in job_index.sample_indices.tolist()}
+        # Complete: row i is sample i. Null digests (from uploaders before events carried them) skip the check.
+        indexed_digests = [d.hex() if d else None for d in job_index.table.column("digest").to_pylist()]
+        extra: list[str] = []
+    else:
+        log.info("verify_listing", job=job, reason=why_not)
+        indexed_digests = None
+        listed = set(dest.keys())
+        # The job bundle under `_hsx/` belongs to the job (producer/bundle.py); it is not a stray key.
+        extra = sorted(f"{job}/{key}" for key in listed - expected_keys.keys() if not key.startswith(f"{BUNDLE_DIR}/"))
 
     outcomes: list[_Outcome] = []
     absent = [i for key, i in expected_keys.items() if key not in listed]
@@ -258,7 +278,8 @@ def verify(
         while True:
             for index in to_read:
                 pending.add(pool.submit(_read_and_check, dest, spec, index,
-                                        None if token_ids is None else token_ids[index], hidden_size))
+                                        None if token_ids is None else token_ids[index], hidden_size,
+                                        indexed_digests[index] if indexed_digests else None))
                 if len(pending) >= workers * 4:
                     break
             if not pending:
@@ -306,6 +327,7 @@ def verify(
         "corrupt": corrupt,
         "mismatching": mismatching,
         "extra_keys": extra,
+        "stored_from": "index" if job_index is not None else "listing",
         "token_ids": token_note,
         "token_ids_checked": token_ids is not None,
         "hidden_size": hidden_size,
@@ -336,7 +358,10 @@ def format_report(report: dict[str, Any], *, as_json: bool) -> str:
     lines += [f"    {c['key']}: {c['reason']} ({c['detail']})" for c in report["corrupt"][:20]]
     lines.append(f"  mismatching {len(report['mismatching'])}")
     lines += [f"    {m['key']}: {', '.join(m['checks'])} ({m['detail']})" for m in report["mismatching"][:20]]
-    lines.append(f"  extra keys {len(report['extra_keys'])}" + (f": {_some(report['extra_keys'])}" if report["extra_keys"] else ""))
+    if report.get("stored_from") == "index":
+        lines.append(f"  extra keys not looked for: what is stored came from {INDEX_KEY} (--list lists the folder)")
+    else:
+        lines.append(f"  extra keys {len(report['extra_keys'])}" + (f": {_some(report['extra_keys'])}" if report["extra_keys"] else ""))
     rec = report["recompute"]
     if rec["requested"]:
         lines.append(f"  recomputed {len(rec['results'])} of {rec['requested']} requested (seed {rec['seed']}): {rec['indices']}")

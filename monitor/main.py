@@ -3,7 +3,9 @@ terminal) or a progress bar redrawn in place (a terminal), and served as Prometh
 --metrics-port; `consumer_silent` for a worker whose heartbeat stopped, `consumer_stalled` for a
 GPU consumer whose forward ran past its bound, `worker_degraded` for one that cannot make
 progress, `destination_failed` (and `destination_recovered`) when uploaders say the destination
-refuses them, and a `job_summary` when every sample is in the destination.
+refuses them, and a `job_summary` when every sample is in the destination. Then it writes the
+job's index (`<job>/_hsx/index.arrow`, hsx/index.py) from the `uploaded` events, so that readers
+open the job without listing it.
 
 Its log is its product, so it goes to stdout (`hsx: error:` lines stay on stderr). With
 --until-done it exits 0 once the job is done, and 1 once it cannot finish (everything left is
@@ -18,7 +20,8 @@ import time
 import nats.errors
 import structlog
 
-from hsx import topology
+from hsx import schemas, topology
+from hsx.index import build_job_index
 from hsx.jobs import wait_for_job_spec
 from hsx.lifecycle import stop_event_on_signals
 from hsx.logs import configure_logging
@@ -59,6 +62,16 @@ async def run(cfg: MonitorConfig) -> int:
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+async def _write_index(js, spec: schemas.JobSpec) -> None:
+    """A job without its index is still whole (readers list it instead), so a failure here is a
+    warning naming the command that redoes it, not the monitor's failure."""
+    try:
+        await build_job_index(js, spec)
+    except Exception as exc:
+        log.warning("index_not_written", dest=spec.dest, error=f"{type(exc).__name__}: {exc}"[:300],
+                    retry=f"hsx index build --job {spec.job}")
 
 
 async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCollector | None) -> int:
@@ -131,6 +144,7 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                 if view["done"] and not summarised:
                     log.info("job_summary", **summary_line(reading, monitored_s=time.monotonic() - started))
                     summarised = True
+                    await _write_index(js, spec)
                     if cfg.until_done:
                         return 0
                 if view["failed"] and cfg.until_done:

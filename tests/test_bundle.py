@@ -125,7 +125,9 @@ def test_s3_bundle_matches_the_job_and_verify_ignores_it(tmp_path, hsx, hsx_serv
     prefix = f"hs/{job_name}/_hsx/"
     listed = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
     files = {key[len(prefix):]: s3.get_object(Bucket=bucket, Key=key)["Body"].read() for key in listed}
-    _check_bundle(files, state, rows)
+    # Beside the bundle, the index the monitor writes when the job is done (hsx/index.py).
+    assert "index.arrow" in files, sorted(files)
+    _check_bundle({name: data for name, data in files.items() if name != "index.arrow"}, state, rows)
     for key in listed:  # stored with its sha256, as the verified put checks it
         head = s3.head_object(Bucket=bucket, Key=key)
         assert head["Metadata"]["hsx-sha256"] == hashlib.sha256(files[key[len(prefix):]]).hexdigest()
@@ -134,9 +136,9 @@ def test_s3_bundle_matches_the_job_and_verify_ignores_it(tmp_path, hsx, hsx_serv
     report = json.loads(result.stdout or "{}")
     assert result.returncode == 0 and report["ok"] and report["extra_keys"] == [], (
         f"{result.stdout}\n{result.stderr[-3000:]}\n{logs_of(*workers)}")
-    # Control: a stray key beside the bundle is still reported.
+    # Control: a stray key beside the bundle is still reported by a verify that lists.
     s3.put_object(Bucket=bucket, Key=f"hs/{job_name}/stray.bin", Body=b"x")
-    result = hsx("verify", "--job", job_name, "--json", env=env)
+    result = hsx("verify", "--job", job_name, "--json", "--list", env=env)
     assert result.returncode == 1 and json.loads(result.stdout)["extra_keys"] == [f"{job_name}/stray.bin"], result.stdout
 
 

@@ -209,12 +209,13 @@ def test_compose_services_run_a_demo_job_to_the_bucket(compose_project, nats_ser
             time.sleep(1.0)
         assert view["samples_uploaded"] == view["total_samples"] == DEMO_SAMPLES and view["dead_letters"] == 0
 
-        # `docker compose logs -f monitor` is the log stream: progress lines, then the summary.
+        # `docker compose logs -f monitor` is the log stream: progress lines, the summary, then the
+        # job's index written into the bucket.
         monitor_log = next(path for label, _, path in node.processes if label == "monitor-0")
         deadline = time.monotonic() + 15
-        while '"job_summary"' not in monitor_log.read_text() and time.monotonic() < deadline:
+        while '"index_written"' not in monitor_log.read_text() and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert '"job_summary"' in monitor_log.read_text(), node.logs()
+        assert '"job_summary"' in monitor_log.read_text() and '"index_written"' in monitor_log.read_text(), node.logs()
     finally:
         codes = node.stop_all()
     # SIGTERM (docker compose stop) ends every service cleanly.
@@ -229,7 +230,7 @@ def test_compose_services_run_a_demo_job_to_the_bucket(compose_project, nats_ser
     keys = {obj["Key"][len(prefix) + 1:] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
             for obj in page.get("Contents", [])}
     samples = {sample_key(job, i) for i in range(DEMO_SAMPLES)}
-    bundle = {bundle_key(job, name) for name in BUNDLE_FILES}
+    bundle = {bundle_key(job, name) for name in BUNDLE_FILES | {"index.arrow"}}
     assert keys == samples | bundle, f"missing {sorted(samples | bundle - keys)[:10]}, extra {sorted(keys - samples - bundle)[:10]}"
 
     def read(key: str) -> bytes:

@@ -94,8 +94,8 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def verify_in_process(job: str, nats_url: str) -> tuple[int, dict]:
-    code, out, err = run_cli("verify", "--job", job, "--nats", nats_url, "--json")
+def verify_in_process(job: str, nats_url: str, *flags: str) -> tuple[int, dict]:
+    code, out, err = run_cli("verify", "--job", job, "--nats", nats_url, "--json", *flags)
     assert out, f"verify printed no report (exit {code})\n{err[-3000:]}"
     return code, json.loads(out)
 
@@ -130,6 +130,7 @@ def test_verify_passes_and_recomputes(file_job, services):
     assert report["samples_checked"] == COUNT and report["samples_ok"] == COUNT, report
     assert problems(report) == {"missing": [], "corrupt": [], "mismatching": [], "extra_keys": []}, report
     assert report["token_ids_checked"] is True and report["hidden_size"] == 64, report
+    assert report["stored_from"] == "index", report  # the monitor wrote it when the job was done
     recompute = report["recompute"]
     assert recompute["seed"] == 11 and len(recompute["indices"]) == 3, recompute
     assert [r["sample_index"] for r in recompute["results"]] == recompute["indices"], recompute
@@ -187,6 +188,7 @@ def test_other_samples_file_under_a_key_is_mismatching(file_job):
     [entry] = report["mismatching"]
     assert entry["sample_index"] == target and "sample_index" in entry["checks"], entry
     assert "input_ids" in entry["checks"], entry  # compared with the dataset's row
+    assert "index" in entry["checks"], entry  # not the file the job's index recorded
     text = format_report(report, as_json=False)
     assert "PROBLEMS FOUND" in text and f"{sample_key(file_job.job, target)}: sample_index" in text, text
 
@@ -195,8 +197,11 @@ def test_stray_sample_file_is_an_extra_key(file_job):
     stray = file_job.out / sample_key(file_job.job, COUNT)  # one past the job's last sample
     with restored(stray):
         shutil.copyfile(file_job.out / sample_key(file_job.job, 0), stray)
-        code, report = verify_in_process(file_job.job, file_job.nats_url)
-    assert code == 1, report
+        _code, from_index = verify_in_process(file_job.job, file_job.nats_url)
+        # Only a listing finds keys that are not the job's samples; the index names those that are.
+        code, report = verify_in_process(file_job.job, file_job.nats_url, "--list")
+    assert from_index["ok"] and from_index["stored_from"] == "index", from_index
+    assert code == 1 and report["stored_from"] == "listing", report
     assert problems(report) == {"missing": [], "corrupt": [], "mismatching": [],
                                 "extra_keys": [sample_key(file_job.job, COUNT)]}, report
 

@@ -192,7 +192,7 @@ class FileMover:
             uploaded = schemas.FileUploaded(
                 job=ready.job, node=ready.node, uploader=self.cfg.instance, sample_index=ready.sample_index,
                 key=ready.key, size=ready.size, tokens=ready.num_tokens, already_present=already,
-                attempt=msg.metadata.num_delivered, plan=ready.plan,
+                attempt=msg.metadata.num_delivered, plan=ready.plan, digest=ready.digest,
             )
             await through_outage(
                 lambda: self.events.emit(uploaded, batch_id=ready.batch_id), what="report_uploaded", stopping=stopping,

@@ -1,0 +1,347 @@
+"""The index of what a job has stored: one Arrow IPC file, `<job>/_hsx/index.arrow`, that readers
+(`HiddenStateDataset`, `hsx verify`, trainers) GET instead of listing the job's folder.
+
+One row per stored sample, in sample-index order: `sample_index` int64, `key` (relative to the
+destination prefix: `<job>/<shard>/<sample_index>.safetensors`), `size` (bytes), `tokens`,
+`digest` (32 bytes: hsx.samplefile's digest of the stored file; null for samples reported by
+uploaders from before `uploaded` events carried it). The schema's metadata `hsx.index` is JSON:
+`format` (hsx.index.v1), `job`, `plan` (JobSpec.plan_tag), `total_samples`, `source` (`events`
+or `destination`).
+
+Where it comes from. The journal is the job's `uploaded` events in HSX_EVENTS: an uploader
+publishes one for each verified put, and for each object it finds already stored, before it acks
+the file event. An uploader killed at any point therefore leaves no stored sample without its
+event: the unacked file event comes back, the next uploader finds the object and reports it. The
+index object is compacted from that journal (`index_from_events`) by the monitor when the job is
+done and by `hsx index build --job J`. `hsx index rebuild JOB_URL` makes it from the destination
+alone (`index_from_destination`: a LIST and one ranged GET of each file's header), for when the
+journal is gone (the job deleted from NATS) or the index is in doubt.
+
+Readers use the index only when it is complete: made for the job's current plan (the bundle's
+`job.json`, or the spec the caller has) and holding every one of its samples. Then opening a job
+is two GETs and no LIST; otherwise they list and say why (`read_index` returns the reason).
+This module knows the output layout, the bundle and the destinations; it never writes samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+import structlog
+
+from hsx import schemas
+from hsx.destinations import Destination, open_destination, parse_dest
+from hsx.errors import HsxError
+from hsx.layout import BUNDLE_DIR, sample_key
+
+log = structlog.get_logger("hsx.index")
+
+INDEX_FORMAT = "hsx.index.v1"
+INDEX_FILE = "index.arrow"
+METADATA_KEY = b"hsx.index"
+# Keys relative to the job's folder (hsx.data.open_job_folder): the index, and the job spec that
+# the producer writes into the bundle (producer/bundle.py, SPEC_FILE).
+INDEX_KEY = f"{BUNDLE_DIR}/{INDEX_FILE}"
+BUNDLE_SPEC_KEY = f"{BUNDLE_DIR}/job.json"
+DIGEST_BYTES = 32
+# A sample file's header is a few hundred bytes; one ranged GET of this much almost always holds it.
+HEADER_PROBE_BYTES = 64 << 10
+
+SCHEMA = pa.schema([
+    ("sample_index", pa.int64()),
+    ("key", pa.string()),
+    ("size", pa.int64()),
+    ("tokens", pa.int64()),
+    ("digest", pa.binary(DIGEST_BYTES)),
+])
+
+
+class NotAnIndex(HsxError):
+    """The object at the index's key is not an hsx index."""
+
+
+@dataclass(frozen=True)
+class StoredIndex:
+    job: str
+    plan: str
+    total_samples: int
+    source: str  # "events" | "destination"
+    table: pa.Table
+
+    @property
+    def sample_indices(self) -> np.ndarray:
+        return self.table.column("sample_index").to_numpy()
+
+    @property
+    def complete(self) -> bool:
+        """Every sample of the plan is in it, once each (rows are written in sample-index order)."""
+        return self.table.num_rows == self.total_samples and bool(
+            np.array_equal(self.sample_indices, np.arange(self.total_samples)))
+
+    def summary(self) -> dict:
+        return {"job": self.job, "plan": self.plan, "source": self.source, "samples": self.table.num_rows,
+                "total_samples": self.total_samples, "complete": self.complete,
+                "bytes": int(self.table.column("size").to_numpy().sum()),
+                "tokens": int(self.table.column("tokens").to_numpy().sum())}
+
+    def to_bytes(self) -> bytes:
+        # No timestamp: the same rows give the same bytes, so two monitors writing one job's index
+        # at once put identical objects and each one's verified put holds.
+        metadata = {"format": INDEX_FORMAT, "job": self.job, "plan": self.plan, "total_samples": self.total_samples,
+                    "source": self.source}
+        table = self.table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata).encode()})
+        sink = pa.BufferOutputStream()
+        # zstd: the index, keys and sizes shrink several times; the digests do not, and stay the bulk.
+        with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+            writer.write_table(table)
+        return sink.getvalue().to_pybytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StoredIndex:
+        try:
+            table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
+            metadata = json.loads((table.schema.metadata or {})[METADATA_KEY])
+            if metadata.get("format") != INDEX_FORMAT:
+                raise ValueError(f"format {metadata.get('format')!r}, expected {INDEX_FORMAT!r}")
+            if not table.schema.remove_metadata().equals(SCHEMA):
+                raise ValueError(f"columns {table.schema.names}, expected {SCHEMA.names}")
+            return cls(job=metadata["job"], plan=metadata["plan"], total_samples=int(metadata["total_samples"]),
+                       source=metadata["source"], table=table.replace_schema_metadata(None))
+        except (pa.ArrowException, KeyError, TypeError, ValueError) as exc:
+            raise NotAnIndex(f"not an hsx index ({type(exc).__name__}: {exc})") from None
+
+
+def make_index(*, job: str, plan: str, total_samples: int, source: str, sample_index: Sequence[int] | np.ndarray,
+               size: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+               digest: Sequence[str | None]) -> StoredIndex:
+    """An index from parallel columns (any order; digests as hex, None or "" when unknown)."""
+    order = np.argsort(np.asarray(sample_index, dtype=np.int64), kind="stable")
+    indices = np.asarray(sample_index, dtype=np.int64)[order]
+    table = pa.table({
+        "sample_index": pa.array(indices, pa.int64()),
+        "key": pa.array([sample_key(job, int(i)) for i in indices], pa.string()),
+        "size": pa.array(np.asarray(size, dtype=np.int64)[order], pa.int64()),
+        "tokens": pa.array(np.asarray(tokens, dtype=np.int64)[order], pa.int64()),
+        "digest": pa.array([bytes.fromhex(digest[i]) if digest[i] else None for i in order], pa.binary(DIGEST_BYTES)),
+    }, schema=SCHEMA)
+    return StoredIndex(job=job, plan=plan, total_samples=total_samples, source=source, table=table)
+
+
+def job_folder(dest: str, job: str, *, max_connections: int = 16) -> Destination:
+    """The destination rooted at `<dest>/<job>`, which the index's keys are relative to: what
+    hsx.data.open_job_folder opens, without importing torch into the monitor."""
+    return open_destination(f"{parse_dest(dest)}/{job}", max_connections=max_connections)
+
+
+def _is_missing(exc: BaseException) -> bool:
+    if isinstance(exc, FileNotFoundError):
+        return True
+    response = getattr(exc, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+def bundle_spec(folder: Destination) -> schemas.JobSpec | None:
+    """The job spec the producer put into the bundle; None for a job from before bundles."""
+    try:
+        data = folder.read_bytes(BUNDLE_SPEC_KEY)
+    except Exception as exc:
+        if _is_missing(exc):
+            return None
+        raise
+    try:
+        return schemas.job_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise HsxError(f"{folder.url}/{BUNDLE_SPEC_KEY}: the bundle's job spec does not decode ({exc})") from None
+
+
+def read_index(folder: Destination, job: str, *, spec: schemas.JobSpec | None = None) -> tuple[StoredIndex | None, str]:
+    """(the index, "") when the job folder holds a complete one for `spec` (by default the
+    bundle's job.json; a job without a bundle is taken at the index's word); else (None, why)."""
+    if spec is None:
+        spec = bundle_spec(folder)
+    try:
+        index = StoredIndex.from_bytes(folder.read_bytes(INDEX_KEY))
+    except NotAnIndex as exc:
+        return None, f"{INDEX_KEY} is {exc}"
+    except Exception as exc:
+        if _is_missing(exc):
+            return None, f"no {INDEX_KEY} (run hsx index build --job {job}, or hsx index rebuild)"
+        raise
+    if index.job != job:
+        return None, f"{INDEX_KEY} is job {index.job}'s"
+    if spec is not None and (index.plan, index.total_samples) != (spec.plan_tag, spec.total_samples):
+        return None, (f"{INDEX_KEY} is of plan {index.plan} ({index.total_samples} samples), the job's is "
+                      f"{spec.plan_tag} ({spec.total_samples} samples)")
+    if not index.complete:
+        return None, f"{INDEX_KEY} holds {index.table.num_rows} of the job's {index.total_samples} samples"
+    return index, ""
+
+
+def write_index(folder: Destination, index: StoredIndex) -> int:
+    """Put the index with the destinations' verified put; the bytes written."""
+    data = index.to_bytes()
+    folder.put_bytes_verified(data, INDEX_KEY)
+    return len(data)
+
+
+async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600.0) -> StoredIndex:
+    """The index compacted from the job's `uploaded` events (this plan's, within the plan's
+    samples; for a sample reported more than once the last report stands, as the last put does)."""
+    from nats.js.api import DeliverPolicy
+
+    from hsx import topology
+
+    total, job = spec.total_samples, spec.job
+    size = np.full(total, -1, dtype=np.int64)  # -1: no `uploaded` event for the sample
+    tokens = np.zeros(total, dtype=np.int64)
+    digests: list[str] = [""] * total
+    subject = topology.event_subject(job, "uploaded")
+    info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=subject)
+    if sum((info.state.subjects or {}).values()):
+        caught_up = asyncio.Event()
+
+        async def on_msg(msg) -> None:
+            try:
+                event = schemas.event_decoder.decode(msg.data)
+            except msgspec.DecodeError:
+                log.warning("undecodable_event", subject=msg.subject)
+                event = None
+            if (isinstance(event, schemas.FileUploaded) and event.plan in ("", spec.plan_tag)
+                    and 0 <= event.sample_index < total):
+                size[event.sample_index] = event.size
+                tokens[event.sample_index] = event.tokens
+                digests[event.sample_index] = event.digest
+            if msg.metadata.num_pending == 0:
+                caught_up.set()
+
+        sub = await js.subscribe(subject, stream=topology.EVENTS_STREAM, cb=on_msg, ordered_consumer=True,
+                                 deliver_policy=DeliverPolicy.ALL)
+        try:
+            await asyncio.wait_for(caught_up.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            raise HsxError(f"job {job}: its uploaded events were not all read within {timeout_s:g} s") from None
+        finally:
+            await sub.unsubscribe()
+    stored = np.nonzero(size >= 0)[0]
+    return make_index(job=job, plan=spec.plan_tag, total_samples=total, source="events", sample_index=stored,
+                      size=size[stored], tokens=tokens[stored], digest=[digests[i] for i in stored])
+
+
+def _header_entry(folder: Destination, key: str) -> tuple[int, int, str]:
+    """(size, tokens, digest) of the sample file at `key`, from its header alone."""
+    head, size = folder.read_prefix(key, HEADER_PROBE_BYTES)
+    end = 8 + int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+    if not 8 < end <= size:
+        raise ValueError(f"header length runs past the end of the file ({size} bytes)")
+    if end > len(head):
+        head, _ = folder.read_prefix(key, end)
+    metadata = json.loads(head[8:end])["__metadata__"]
+    return size, int(metadata["num_tokens"]), hashlib.sha256(head[:end]).hexdigest()
+
+
+def index_from_destination(folder: Destination, spec: schemas.JobSpec, *, workers: int = 32) -> tuple[StoredIndex, list[str]]:
+    """The index made by listing the job folder and reading each sample file's header; also the
+    keys whose header does not read (left out: hsx verify names what is wrong with them)."""
+    from hsx.data import sample_index_of  # hsx.data imports torch; the monitor never needs this
+
+    found = sorted((i, key) for key in folder.keys()
+                   if (i := sample_index_of(spec.job, key)) is not None and i < spec.total_samples)
+    entries, unreadable = [], []
+
+    def read(item: tuple[int, str]):
+        try:
+            return item, _header_entry(folder, item[1])
+        except Exception as exc:  # a damaged header, an object gone since the LIST: not indexed
+            return item, f"{type(exc).__name__}: {exc}"
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hsx-index") as pool:
+        for (i, key), entry in pool.map(read, found):
+            if isinstance(entry, str):
+                log.warning("index_entry_unreadable", key=f"{spec.job}/{key}", error=entry)
+                unreadable.append(f"{spec.job}/{key}")
+            else:
+                entries.append((i, *entry))
+    columns = list(zip(*entries)) if entries else [[], [], [], []]
+    index = make_index(job=spec.job, plan=spec.plan_tag, total_samples=spec.total_samples, source="destination",
+                       sample_index=columns[0], size=columns[1], tokens=columns[2], digest=columns[3])
+    return index, unreadable
+
+
+@contextlib.contextmanager
+def _destination_errors(where: str) -> Iterator[None]:
+    """What the destination raised, after the S3 client's own retries, as one line naming it."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from hsx.destinations import VerificationError
+
+    try:
+        yield
+    except (OSError, VerificationError, BotoCoreError, ClientError) as exc:
+        raise HsxError(f"{where}: {type(exc).__name__}: {exc}") from exc
+
+
+async def build_job_index(js, spec: schemas.JobSpec) -> StoredIndex:
+    """`hsx index build` and the monitor at the job's end: compact the events, write the index."""
+    started = time.monotonic()
+    index = await index_from_events(js, spec)
+    with _destination_errors(f"writing the index to {spec.dest}/{spec.job}/{INDEX_KEY}"):
+        written = await asyncio.to_thread(lambda: write_index(job_folder(spec.dest, spec.job, max_connections=4), index))
+    log.info("index_written", **index.summary(), key=f"{spec.job}/{INDEX_KEY}", dest=spec.dest, index_bytes=written,
+             seconds=round(time.monotonic() - started, 2))
+    return index
+
+
+def rebuild_job_index(url: str, *, workers: int = 32) -> StoredIndex:
+    """`hsx index rebuild JOB_URL`: the index from the destination alone (the bundle's spec, a
+    LIST, each file's header), written over whatever index was there."""
+    from hsx.data import split_job_url
+
+    started = time.monotonic()
+    folder_url, job = split_job_url(url)
+    folder = open_destination(folder_url, max_connections=workers)
+    with _destination_errors(f"rebuilding the index of {folder_url}"):
+        spec = bundle_spec(folder)
+        if spec is None:
+            raise HsxError(f"{folder_url}: no job bundle there ({BUNDLE_SPEC_KEY}); the index needs the job's spec")
+        if spec.job != job:
+            raise HsxError(f"{folder_url}: its bundle is job {spec.job}'s, not {job}'s")
+        index, unreadable = index_from_destination(folder, spec, workers=workers)
+        written = write_index(folder, index)
+    log.info("index_written", **index.summary(), key=f"{job}/{INDEX_KEY}", dest=folder_url, index_bytes=written,
+             unreadable=len(unreadable), seconds=round(time.monotonic() - started, 2))
+    return index
+
+
+async def run_build(settings, job: str) -> StoredIndex:
+    """`hsx index build --job J`: the spec from KV bucket hsx_jobs, the index from the events."""
+    from hsx import topology
+    from hsx.jobs import require_job_spec
+    from hsx.natsconn import close_connection, connect
+
+    nc = await connect(settings, name=f"hsx-index-{job}")
+    try:
+        js = nc.jetstream()
+        spec = await require_job_spec(await topology.ensure_topology(js), job)
+        return await build_job_index(js, spec)
+    finally:
+        await close_connection(nc)
+
+
+def format_summary(index: StoredIndex, *, as_json: bool) -> str:
+    summary = index.summary()
+    if as_json:
+        return json.dumps(summary, sort_keys=True)
+    state = "complete" if summary["complete"] else "INCOMPLETE (readers will list the folder instead)"
+    return (f"job {summary['job']}: index of {summary['samples']}/{summary['total_samples']} samples from "
+            f"{summary['source']}, {state}; {summary['bytes']} bytes, {summary['tokens']} tokens stored")
