@@ -65,16 +65,22 @@ def s3_server():
     server.stop()
 
 
+def aws_test_env(endpoint: str, tmp: Path) -> dict[str, str]:
+    """The AWS variables that point boto3 and awscli at the moto server, with config files in
+    `tmp` (never ~/.aws)."""
+    return {
+        "AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": "testing-key-id",
+        "AWS_SECRET_ACCESS_KEY": "testing-secret-key-do-not-log", "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(tmp / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "aws-creds"),
+    }
+
+
 @pytest.fixture
 def s3_env(s3_server, monkeypatch, tmp_path):
     """AWS settings for this process and its children, and a fresh bucket; returns (bucket, env)."""
     import boto3
 
-    values = {
-        "AWS_ENDPOINT_URL_S3": s3_server, "AWS_ACCESS_KEY_ID": "testing-key-id",
-        "AWS_SECRET_ACCESS_KEY": "testing-secret-key-do-not-log", "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": str(tmp_path / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "aws-creds"),
-    }
+    values = aws_test_env(s3_server, tmp_path)
     for key, value in values.items():
         monkeypatch.setenv(key, value)
     bucket = f"hsx-{uuid.uuid4().hex[:10]}"

@@ -38,7 +38,7 @@ import pytest
 import torch
 from botocore.exceptions import ClientError
 
-from conftest import _free_port
+from conftest import _free_port, aws_test_env
 from hsx import schemas, topology
 from hsx.destinations import DIGEST_METADATA
 from hsx.embedded import start_nats_server
@@ -464,11 +464,7 @@ class StoppableS3:
 def stoppable_s3(monkeypatch, tmp_path):
     s3 = StoppableS3()
     s3.start()
-    values = {
-        "AWS_ENDPOINT_URL_S3": s3.url, "AWS_ACCESS_KEY_ID": "testing-key-id",
-        "AWS_SECRET_ACCESS_KEY": "testing-secret-key-do-not-log", "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": str(tmp_path / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "aws-creds"),
-    }
+    values = aws_test_env(s3.url, tmp_path)
     for key, value in values.items():
         monkeypatch.setenv(key, value)
     bucket = f"hsx-{uuid.uuid4().hex[:10]}"

@@ -19,6 +19,7 @@ import boto3
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
+from conftest import aws_test_env
 from test_e2e_s3 import check_ok, start_monitor, wait_until_done, write_dataset
 from test_verify import Services, data_offset, run_cli
 
@@ -36,11 +37,7 @@ def s3_job(nats_server, s3_server, tiny_model, tmp_path_factory):
     """A finished float8 job in s3://<bucket>/prefix, with AWS settings in this process too."""
     tmp = tmp_path_factory.mktemp("data-job")
     services = Services(nats_server.url, tmp)
-    env = {
-        "AWS_ENDPOINT_URL_S3": s3_server, "AWS_ACCESS_KEY_ID": "testing-key-id",
-        "AWS_SECRET_ACCESS_KEY": "testing-secret-key-do-not-log", "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": str(tmp / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "aws-creds"),
-    }
+    env = aws_test_env(s3_server, tmp)
     with pytest.MonkeyPatch.context() as patch:
         for key, value in env.items():
             patch.setenv(key, value)

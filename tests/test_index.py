@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import boto3
 import pytest
+from conftest import aws_test_env
 from test_e2e_s3 import check_ok, logs_of, start_monitor, wait_until_done, write_dataset
 from test_verify import Services, run_cli
 
@@ -40,11 +41,7 @@ def s3_job(nats_server, s3_server, tiny_model, tmp_path_factory):
     """A finished job in s3://<bucket>/prefix, with AWS settings in this process too."""
     tmp = tmp_path_factory.mktemp("index-job")
     services = Services(nats_server.url, tmp)
-    env = {
-        "AWS_ENDPOINT_URL_S3": s3_server, "AWS_ACCESS_KEY_ID": "testing-key-id",
-        "AWS_SECRET_ACCESS_KEY": "testing-secret-key-do-not-log", "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": str(tmp / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "aws-creds"),
-    }
+    env = aws_test_env(s3_server, tmp)
     with pytest.MonkeyPatch.context() as patch:
         for key, value in env.items():
             patch.setenv(key, value)
