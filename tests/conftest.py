@@ -7,6 +7,7 @@
 - `hsx`: runs the real `hsx` CLI as a subprocess; `hsx_service` starts a long-running one.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -73,6 +74,21 @@ def aws_test_env(endpoint: str, tmp: Path) -> dict[str, str]:
         "AWS_SECRET_ACCESS_KEY": "testing-secret-key-do-not-log", "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_CONFIG_FILE": str(tmp / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "aws-creds"),
     }
+
+
+@contextlib.contextmanager
+def aws_bucket(endpoint: str, tmp: Path):
+    """`aws_test_env` set in this process for the block, and a fresh bucket: yields (env, bucket),
+    env for the children too. For module-scoped fixtures, which cannot use `monkeypatch`."""
+    import boto3
+
+    env = aws_test_env(endpoint, tmp)
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        bucket = f"hsx-{uuid.uuid4().hex[:10]}"
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        yield env, bucket
 
 
 @pytest.fixture

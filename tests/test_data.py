@@ -19,7 +19,7 @@ import boto3
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
-from conftest import aws_test_env
+from conftest import aws_bucket
 from test_e2e_s3 import check_ok, start_monitor, wait_until_done, write_dataset
 from test_verify import Services, data_offset, run_cli
 
@@ -37,12 +37,7 @@ def s3_job(nats_server, s3_server, tiny_model, tmp_path_factory):
     """A finished float8 job in s3://<bucket>/prefix, with AWS settings in this process too."""
     tmp = tmp_path_factory.mktemp("data-job")
     services = Services(nats_server.url, tmp)
-    env = aws_test_env(s3_server, tmp)
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in env.items():
-            patch.setenv(key, value)
-        bucket = f"hsx-{uuid.uuid4().hex[:10]}"
-        boto3.client("s3").create_bucket(Bucket=bucket)
+    with aws_bucket(s3_server, tmp) as (env, bucket):
         job = f"d{uuid.uuid4().hex[:8]}"
         rows = write_dataset(tmp / "data.jsonl", COUNT, min_len=3, max_len=90, seed=5)
         try:
