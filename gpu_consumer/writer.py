@@ -33,16 +33,21 @@ def remove_orphaned_temp_files(spool: Path, job: str, *, older_than: float) -> i
 
 
 def write_sample_file(
-    *, spool: Path, spec: JobSpec, node: str, batch_id: str, sample: Sample, hidden_states: torch.Tensor
+    *, spool: Path, spec: JobSpec, node: str, batch_id: str, sample: Sample, hidden_states: torch.Tensor,
+    sync_dir: bool = True,
 ) -> FileReady:
+    """Write the sample's file into the spool (fsynced, renamed into place) and describe it.
+    `sync_dir=False`: the caller fsyncs the file's folder (`hsx.fsutil.fsync_dir`) once for all
+    the files it writes there, before it announces any of them."""
     if spec.dtype == FLOAT8:
         quantized, scale = quantize_float8(hidden_states)
         tensors = {"hidden_states": quantized, "hidden_states_scale": scale}
     else:
         tensors = {"hidden_states": hidden_states.contiguous()}
     tensors["input_ids"] = torch.tensor(sample.input_ids, dtype=torch.int64)
-    if sample.loss_mask is not None:
-        tensors["loss_mask"] = torch.tensor(sample.loss_mask, dtype=torch.uint8)
+    mask = sample.mask()  # from loss_spans, or from the per-token list of older descriptors
+    if mask is not None:
+        tensors["loss_mask"] = torch.tensor(mask, dtype=torch.uint8)
     metadata = sample_metadata(
         job=spec.job,
         sample_index=sample.index,
@@ -54,7 +59,7 @@ def write_sample_file(
         num_tokens=len(sample.input_ids),
     )
     key = sample_key(spec.job, sample.index)
-    size, digest = samplefile.write(spool / key, tensors, metadata)
+    size, digest = samplefile.write(spool / key, tensors, metadata, sync_dir=sync_dir)
     return FileReady(
         job=spec.job,
         node=node,

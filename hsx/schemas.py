@@ -17,13 +17,29 @@ class _Wire(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     pass
 
 
-class Sample(_Wire, tag="sample.v1"):
-    """One training sample, token ids inline so GPU nodes need no copy of the dataset."""
+class Sample(_Wire, tag="sample.v1", omit_defaults=True):
+    """One training sample, token ids inline so GPU nodes need no copy of the dataset.
+
+    Its loss mask travels as `loss_spans`, the half-open [start, end) runs of 1s (a reply is one
+    run: a few bytes instead of one int per token); `loss_mask`, one 0/1 per token, is what
+    producers before spans sent and may still sit in a stream. Neither: the row has no mask;
+    `loss_spans == []`: a mask of all 0s. Readers call `mask()`, which takes either. Fields at
+    their default are left out of the JSON (older readers default them the same way)."""
 
     index: int  # position in the job's dataset, 0-based; also the output file name
     source_id: str  # the row's `id` if it had one, else its row number
     input_ids: list[int]
     loss_mask: list[int] | None = None
+    loss_spans: list[tuple[int, int]] | None = None
+
+    def mask(self) -> list[int] | None:
+        """The per-token 0/1 loss mask, from `loss_spans` or `loss_mask`; None when the sample has none."""
+        if self.loss_spans is None:
+            return self.loss_mask
+        mask = [0] * len(self.input_ids)
+        for start, end in self.loss_spans:
+            mask[start:end] = [1] * (end - start)
+        return mask
 
 
 class BatchDescriptor(_Wire, tag="batch.v1"):

@@ -23,6 +23,7 @@ import random
 import secrets
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ from hsx.index import INDEX_KEY, read_index
 from hsx.jobs import require_job_spec
 from hsx.layout import BUNDLE_DIR, FLOAT8, sample_key
 from hsx.samplefile import SampleFileCorrupt, checked_digest
+from hsx.tokens import load_table
 from hsx.natsconn import NatsSettings, close_connection, connect
 
 log = structlog.get_logger("hsx.verify")
@@ -56,25 +58,23 @@ FLOAT32_ATOL = 1e-4
 RELATIVE_TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, FLOAT8: 8e-2}
 
 
-async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, list[list[int]] | None]:
+async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, Sequence[list[int]] | None]:
     """The job spec, and every sample's token ids as the producer planned them (from the tokenized
-    dataset stored with the job; for jobs made before it was stored, from the dataset file)."""
-    from producer.stored import load_tokenized
-
+    dataset stored with the job; for jobs made before it was stored, from the dataset file):
+    `token_ids[i]` reads sample i's from a temp file (hsx/tokens.py), so a job of any size fits."""
     nc = await connect(settings, name=f"hsx-verify-{job}")
     try:
         js = nc.jetstream()
         kv = await topology.ensure_topology(js)
         spec = await require_job_spec(kv, job)
         if spec.tokenized_object:
-            rows = await load_tokenized(js, job, spec=spec)
-            return spec, [row.input_ids for row in rows]
+            return spec, (await load_table(js, job, spec=spec)).token_ids
     finally:
         await close_connection(nc)
     return spec, expected_token_ids_from_dataset(spec)
 
 
-def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> list[list[int]] | None:
+def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> Sequence[list[int]] | None:
     """Every sample's token ids in index order, from the dataset the spec names; None when that
     dataset cannot be read on this machine (the comparison is then skipped and reported so)."""
     from producer.dataset import read_dataset
@@ -88,7 +88,7 @@ def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> list[list[int]] | 
         log.warning("verify_token_ids_skipped", job=spec.job, dataset=spec.dataset,
                     reason=f"it has {len(rows)} rows, the job has {spec.total_samples} samples (changed since?)")
         return None
-    return [row.input_ids for row in rows]
+    return rows.token_ids
 
 
 def expected_hidden_size(spec: schemas.JobSpec) -> int | None:

@@ -4,7 +4,7 @@ Under `<dest>/<job>/_hsx/` (`hsx.layout.bundle_key`), beside the shard folders:
 
 - `job.json`: the job spec, the same JSON as in KV bucket `hsx_jobs` (tag `job.v1`);
 - `tokens.arrow`: the tokenized samples, byte for byte the object `<job>.tokens.arrow` of object
-  store `hsx_datasets` (format `hsx.tokens.v1`, see producer/stored.py);
+  store `hsx_datasets` (format `hsx.tokens.v1`, see hsx/tokens.py), streamed through a temp file;
 - `plan.json`: the batch plan, `{"format": "hsx.plan.v1", "job", "plan_fingerprint",
   "token_budget", "max_batch_size", "total_samples", "batches": [{"batch_id", "padded_len",
   "sample_indices"}]}` in publishing order;
@@ -19,6 +19,8 @@ bundle's layout; the producer decides when to write it.
 import asyncio
 import hashlib
 import json
+import tempfile
+from pathlib import Path
 
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
@@ -28,7 +30,7 @@ from hsx import schemas
 from hsx.destinations import VerificationError, open_destination
 from hsx.errors import HsxError
 from hsx.layout import bundle_key
-from producer import stored
+from hsx.tokens import download
 from producer.planner import PlannedBatch, plan_batch_id
 
 log = structlog.get_logger("hsx.producer")
@@ -57,41 +59,56 @@ def plan_document(spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_bat
 
 
 async def _bundle_files(js: JetStreamContext, spec: schemas.JobSpec, batches: list[PlannedBatch],
-                        max_batch_size: int | None) -> dict[str, bytes]:
+                        max_batch_size: int | None, folder: Path) -> dict[str, Path]:
+    """Every bundle file, as a file in `folder`: the stored objects are copied there from the
+    object store (streamed; the samples object of a large job is gigabytes)."""
     files = {
         SPEC_FILE: schemas.encode(spec),
         PLAN_FILE: json.dumps(plan_document(spec, batches, max_batch_size=max_batch_size), separators=(",", ":")).encode(),
     }
-    # Jobs made before the samples were stored have neither object; their bundle lacks them too.
-    if spec.tokenized_object:
-        files[TOKENS_FILE] = await stored.stored_bytes(js, spec.tokenized_object)
-    if spec.report_object:
-        files[REPORT_FILE] = await stored.stored_bytes(js, spec.report_object)
-    return files
-
-
-def _put_missing(dest_url: str, job: str, files: dict[str, bytes]) -> list[str]:
-    """Put each file whose key does not already hold its bytes; the names written."""
-    dest = open_destination(dest_url, max_connections=4)
-    written = []
+    paths = {}
     for name, data in files.items():
+        paths[name] = folder / name
+        paths[name].write_bytes(data)
+    # Jobs made before the samples were stored have neither object; their bundle lacks them too.
+    for name, obj in ((TOKENS_FILE, spec.tokenized_object), (REPORT_FILE, spec.report_object)):
+        if obj:
+            paths[name] = folder / name
+            with open(paths[name], "wb") as file:
+                await download(js, obj, file)
+    return paths
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _put_missing(dest_url: str, job: str, files: dict[str, Path]) -> tuple[list[str], int]:
+    """Put each file whose key does not already hold its bytes; (the names written, their bytes)."""
+    dest = open_destination(dest_url, max_connections=4)
+    written, size = [], 0
+    for name, path in files.items():
         key = bundle_key(job, name)
-        if dest.has_sha256(key, size=len(data), sha256=hashlib.sha256(data).hexdigest()):
+        length, digest = path.stat().st_size, _sha256(path)
+        if dest.has_sha256(key, size=length, sha256=digest):
             continue
-        dest.put_bytes_verified(data, key)
+        dest.put_file_verified(path, key, size=length, sha256=digest)
         written.append(name)
-    return written
+        size += length
+    return written, size
 
 
 async def write_bundle(js: JetStreamContext, spec: schemas.JobSpec, batches: list[PlannedBatch], *,
                        max_batch_size: int | None) -> None:
-    files = await _bundle_files(js, spec, batches, max_batch_size)
-    try:
-        written = await asyncio.to_thread(_put_missing, spec.dest, spec.job, files)
-    except (OSError, VerificationError, BotoCoreError, ClientError) as exc:  # after the S3 client's own retries
-        raise HsxError(
-            f"job {spec.job} is published, but writing its bundle to {spec.dest}/{bundle_key(spec.job, '')} failed "
-            f"({type(exc).__name__}: {exc}); run hsx produce again to retry"
-        ) from exc
+    with tempfile.TemporaryDirectory(prefix="hsx-bundle-") as folder:
+        files = await _bundle_files(js, spec, batches, max_batch_size, Path(folder))
+        try:
+            written, size = await asyncio.to_thread(_put_missing, spec.dest, spec.job, files)
+        except (OSError, VerificationError, BotoCoreError, ClientError) as exc:  # after the S3 client's own retries
+            raise HsxError(
+                f"job {spec.job} is published, but writing its bundle to {spec.dest}/{bundle_key(spec.job, '')} "
+                f"failed ({type(exc).__name__}: {exc}); run hsx produce again to retry"
+            ) from exc
     log.info("bundle_written", job=spec.job, dest=spec.dest, prefix=bundle_key(spec.job, ""), written=written,
-             unchanged=sorted(set(files) - set(written)), bytes=sum(len(files[name]) for name in written))
+             unchanged=sorted(set(files) - set(written)), bytes=size)

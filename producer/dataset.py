@@ -2,8 +2,17 @@
 
 A row is either pre-tokenized, `input_ids` (list of int) with optional `loss_mask` (same length,
 0/1), or a chat, `messages` (list of {role, content}); both may carry an `id`. This module checks
-each row's shape and returns `DatasetRow` (pre-tokenized) or `ChatRow` (to be tokenized by
-`producer/chat.py`); it does not tokenize, apply --max-seq-len, or know about batches or NATS.
+each row's shape and yields pre-tokenized rows as columnar `TokenChunk`s (hsx/tokens.py) and chat
+rows as `ChatRow`s (to be tokenized by `producer/chat.py`), in dataset order; it does not tokenize,
+apply --max-seq-len, or know about batches or NATS.
+
+Memory: Parquet and save_to_disk folders are read one Arrow record batch at a time; a batch of
+well-formed token rows (integer ids, none negative or null, masks of 0/1 as long as the ids) is
+checked with NumPy and handed on as arrays, never as Python lists. A batch with anything else
+(chat rows, a bad row, unexpected types) goes row by row through the same checks as JSONL, so
+the error names the same row with the same words. JSONL is decoded line by line (msgspec) and
+handed on in chunks of at most 8,192 rows and about 1M tokens. Arrow batches are checked 1,024
+rows at a time, so the checks' temporaries stay small whatever the rows' lengths.
 
 Every problem names the file (or folder) and the row: JSONL by 1-based line number ("data.jsonl:7"),
 Parquet and save_to_disk folders by 0-based row index ("data.parquet: row 6"; for a folder the index
@@ -22,8 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from hsx.errors import HsxError
+from hsx.tokens import SampleTable, SampleTableBuilder, TokenChunk, TokenRow
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -37,14 +50,8 @@ class _Row(msgspec.Struct):
     messages: list[dict[str, Any]] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class DatasetRow:
-    """A tokenized row: what one sample of the job is made of."""
-
-    where: str  # how errors name this row: "file:LINE" (JSONL, 1-based) or "file: row N" (0-based)
-    source_id: str
-    input_ids: list[int]
-    loss_mask: list[int] | None
+# A tokenized row: what one sample of the job is made of (one at a time; a job's are a SampleTable).
+DatasetRow = TokenRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +64,10 @@ class ChatRow:
 
 
 SourceRow = DatasetRow | ChatRow
+SourceItem = TokenChunk | ChatRow  # what `read_source` yields
+_ROWS_PER_CHUNK = 8192
+_TOKENS_PER_CHUNK = 1 << 20
+_ROWS_PER_READ = 1024  # Arrow rows checked at once
 
 _row_decoder = msgspec.json.Decoder(_Row)
 
@@ -106,6 +117,27 @@ def _check_row(row: _Row, where: str, default_id: str) -> SourceRow:
     return DatasetRow(where=where, source_id=source_id, input_ids=row.input_ids, loss_mask=row.loss_mask)
 
 
+def _chunked(rows: Iterator[SourceRow]) -> Iterator[SourceItem]:
+    """Consecutive token rows gathered into chunks (of at most 8,192 rows and about 1M tokens:
+    rows as Python lists cost some 40 bytes a token); chat rows passed on in their place."""
+    pending: list[DatasetRow] = []
+    tokens = 0
+    for row in rows:
+        if isinstance(row, ChatRow):
+            if pending:
+                yield TokenChunk.from_rows(pending)
+                pending, tokens = [], 0
+            yield row
+            continue
+        pending.append(row)
+        tokens += len(row.input_ids)
+        if len(pending) >= _ROWS_PER_CHUNK or tokens >= _TOKENS_PER_CHUNK:
+            yield TokenChunk.from_rows(pending)
+            pending, tokens = [], 0
+    if pending:
+        yield TokenChunk.from_rows(pending)
+
+
 def _read_jsonl(path: Path) -> Iterator[SourceRow]:
     with open(path, "rb") as f:
         for line_number, line in enumerate(f, start=1):
@@ -138,20 +170,87 @@ def _require_columns(names: list[str], what: str) -> list[str]:
     return columns
 
 
-def _read_parquet(path: Path) -> Iterator[SourceRow]:
+def _int_lists(column: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
+    """(offsets from 0, values in their own integer dtype, not copied) of a list-of-integers
+    column without null values; None for any other column."""
+    kind = column.type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
+        return None
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    if values.null_count:
+        return None
+    if pa.types.is_uint64(kind.value_type) and len(values) and pc.max(values).as_py() >= 1 << 63:
+        return None
+    return offsets - offsets[0], values.to_numpy(zero_copy_only=False)
+
+
+def _fast_chunk(batch: pa.RecordBatch, name: str, start: int) -> TokenChunk | None:
+    """The record batch as a chunk when every row is a well-formed token row (the checks of
+    `_check_row`, vectorized); None when any row needs the row-by-row path (a chat row, a bad
+    row, an unexpected type): that path then raises the error naming the row, or takes it."""
+    n = batch.num_rows
+    names = batch.schema.names
+    if "messages" in names and batch.column("messages").null_count != n:
+        return None
+    if "input_ids" not in names or batch.column("input_ids").null_count:
+        return None
+    parts = _int_lists(batch.column("input_ids"))
+    if parts is None:
+        return None
+    offsets, values = parts
+    lengths = np.diff(offsets)
+    if not lengths.all() or (len(values) and values.min() < 0):
+        return None
+    masks = has_mask = None
+    if "loss_mask" in names and batch.column("loss_mask").null_count != n:
+        column = batch.column("loss_mask")
+        mask_parts = _int_lists(column)
+        if mask_parts is None:
+            return None
+        mask_offsets, mask_values = mask_parts
+        has_mask = column.is_valid().to_numpy(zero_copy_only=False)
+        if not np.array_equal(np.diff(mask_offsets)[has_mask], lengths[has_mask]):
+            return None
+        if ((mask_values != 0) & (mask_values != 1)).any():
+            return None
+        masks = np.zeros(len(values), dtype=np.uint8)
+        masks[np.repeat(has_mask, lengths)] = mask_values[np.repeat(has_mask, np.diff(mask_offsets))]
+    positions = pc.cast(pa.array(np.arange(start, start + n, dtype=np.int64)), pa.string())
+    source_ids = positions
+    if "id" in names and batch.column("id").null_count != n:
+        ids = batch.column("id")
+        if not (pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type) or pa.types.is_integer(ids.type)):
+            return None
+        ids = pc.cast(ids, pa.string())
+        source_ids = pc.if_else(pc.is_null(ids), positions, ids) if ids.null_count else ids
+    return TokenChunk(values=values, offsets=offsets, masks=masks, has_mask=has_mask, source_ids=source_ids,
+                      wheres=pc.binary_join_element_wise(f"{name}: row ", positions, ""))
+
+
+def _record_batch_items(batches: Iterator[pa.RecordBatch], name: str, start: int = 0) -> Iterator[SourceItem]:
+    for whole in batches:
+        # Slices (zero-copy) of a few rows: the checks' temporaries grow with the tokens at hand.
+        for offset in range(0, whole.num_rows, _ROWS_PER_READ):
+            batch = whole.slice(offset, _ROWS_PER_READ)
+            chunk = _fast_chunk(batch, name, start)
+            if chunk is not None:
+                yield chunk
+            else:
+                yield from _chunked(_convert_records(iter(batch.to_pylist()), name, start=start))
+            start += batch.num_rows
+
+
+def _read_parquet(path: Path) -> Iterator[SourceItem]:
     import pyarrow.parquet as pq
 
     try:
-        parquet = pq.ParquetFile(path)
+        # No pre-buffering: it keeps every column chunk read so far (memory growing with the file).
+        parquet = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
     except Exception as exc:  # pyarrow raises several types for a file that is not Parquet
         raise HsxError(f"{path}: not a readable Parquet file ({exc})") from None
     columns = _require_columns(parquet.schema_arrow.names, str(path))
-
-    def records() -> Iterator[dict]:
-        for record_batch in parquet.iter_batches(columns=columns, batch_size=8192):
-            yield from record_batch.to_pylist()
-
-    yield from _convert_records(records(), str(path))
+    yield from _record_batch_items(parquet.iter_batches(columns=columns, batch_size=_ROWS_PER_READ), str(path))
 
 
 def saved_dataset_files(folder: Path) -> list[Path]:
@@ -184,27 +283,25 @@ def saved_dataset_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_saved_folder(folder: Path) -> Iterator[SourceRow]:
-    import pyarrow as pa
-
+def _read_saved_folder(folder: Path) -> Iterator[SourceItem]:
     files = saved_dataset_files(folder)
     start = 0
     for file in files:
         try:
-            reader = pa.ipc.open_stream(pa.memory_map(str(file)))
+            # Read, not memory-mapped: every mapped page touched would count in the process's RSS.
+            reader = pa.ipc.open_stream(pa.OSFile(str(file)))
         except (pa.ArrowInvalid, OSError) as exc:
             raise HsxError(f"dataset {folder}: {file.name} is not a readable Arrow stream ({exc})") from None
         columns = _require_columns(reader.schema.names, f"dataset {folder}: {file.name}")
         count = 0
 
-        def records() -> Iterator[dict]:
+        def batches() -> Iterator[pa.RecordBatch]:
             nonlocal count
             for record_batch in reader:
-                batch = record_batch.select(columns).to_pylist()
-                count += len(batch)
-                yield from batch
+                count += record_batch.num_rows
+                yield record_batch.select(columns)
 
-        yield from _convert_records(records(), str(folder), start=start)
+        yield from _record_batch_items(batches(), str(folder), start=start)
         start += count
 
 
@@ -217,34 +314,44 @@ def _check_path(path: Path) -> None:
         )
 
 
-def read_rows(path: Path) -> list[SourceRow]:
-    """Every row of the dataset, checked, in dataset order."""
+def read_source(path: Path) -> Iterator[SourceItem]:
+    """Every row of the dataset, checked, in dataset order: runs of token rows as `TokenChunk`s,
+    chat rows one by one. An error for a dataset without rows."""
     _check_path(path)
     if path.is_dir():
-        rows = list(_read_saved_folder(path))
+        items = _read_saved_folder(path)
     elif path.suffix.lower() in JSONL_SUFFIXES:
-        rows = list(_read_jsonl(path))
+        items = _chunked(_read_jsonl(path))
     else:
-        rows = list(_read_parquet(path))
-    if not rows:
+        items = _read_parquet(path)
+    empty = True
+    for item in items:
+        empty = False
+        yield item
+    if empty:
         raise HsxError(f"dataset {path} has no rows")
-    return rows
 
 
-def read_dataset(path: Path, *, max_seq_len: int | None = None) -> list[DatasetRow]:
-    """A dataset of pre-tokenized rows only (chat rows are an error here: tokenizing them needs
-    the model's tokenizer, see `producer/chat.py`). With `max_seq_len`, a longer row is an error.
+def read_dataset(path: Path, *, max_seq_len: int | None = None) -> SampleTable:
+    """A dataset of pre-tokenized rows only, as a table (chat rows are an error here: tokenizing
+    them needs the model's tokenizer, see `producer/chat.py`). With `max_seq_len`, a longer row
+    is an error.
 
-    Kept for callers that want the raw token rows; the producer itself goes through
-    `producer.inputs.tokenized_rows`, and the rows a job was actually planned from are
-    `producer.stored.load_tokenized`."""
-    rows = read_rows(path)
-    for row in rows:
-        if isinstance(row, ChatRow):
-            raise HsxError(f"{row.where}: a chat row; it needs the model's tokenizer (use producer.stored.load_tokenized)")
-        if max_seq_len is not None and len(row.input_ids) > max_seq_len:
-            raise HsxError(f"{row.where}: {len(row.input_ids)} tokens is longer than --max-seq-len {max_seq_len}")
-    return rows  # type: ignore[return-value]
+    For jobs made before their samples were stored (`hsx verify`); the producer itself goes
+    through `producer.inputs.tokenized_rows`, and the samples a job was actually planned from
+    are `hsx.tokens.load_table`."""
+    builder = SampleTableBuilder()
+    for item in read_source(path):
+        if isinstance(item, ChatRow):
+            raise HsxError(f"{item.where}: a chat row; it needs the model's tokenizer (use hsx.tokens.load_table)")
+        builder.add(item)
+    table = builder.finish()
+    if max_seq_len is not None:
+        long = np.flatnonzero(table.lengths > max_seq_len)
+        if len(long):
+            i = int(long[0])
+            raise HsxError(f"{table.where(i)}: {table.lengths[i]} tokens is longer than --max-seq-len {max_seq_len}")
+    return table
 
 
 def dataset_digest(path: Path) -> str:

@@ -3,18 +3,25 @@
 `tokenized_rows` is everything the producer does to a dataset before planning; what it returns
 is what gets stored (`producer/stored.py`), planned and published. `report_document` is the
 job's input report. No NATS here.
+
+Token rows stream from the reader into a columnar `SampleTable` (hsx/tokens.py: tokens spilled to
+a temp file, a few numbers per sample in memory). Chat rows keep a place in the table while the
+dataset is read; `_tokenize` then turns them into tokens, in order, and each result is written
+into its place as it comes, so only the conversations' text is held meanwhile.
 """
 
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import structlog
 
 from hsx.errors import HsxError
 from producer.chat import ChatTemplateInfo, ChatTokenizer
-from producer.dataset import ChatRow, DatasetRow, read_rows
-from producer.lengths import LongSample, apply_on_long
+from hsx.tokens import SampleTable, SampleTableBuilder
+from producer.dataset import ChatRow, DatasetRow, read_source
+from producer.lengths import LongSample, apply_on_long_table
 
 log = structlog.get_logger("hsx.producer")
 
@@ -23,7 +30,7 @@ _PROGRESS_EVERY_S = 10.0
 
 @dataclass(frozen=True, kw_only=True)
 class Inputs:
-    rows: list[DatasetRow]  # the job's samples; rows[i] is sample i
+    samples: SampleTable  # the job's samples; sample i at index i
     long: list[LongSample]  # rows truncated or skipped by --on-long
     rows_read: int
     chat_rows: int
@@ -38,11 +45,12 @@ class Inputs:
         return sum(1 for entry in self.long if entry.action == "skipped")
 
 
-def check_vocab(rows: list[DatasetRow], *, model: str, vocab_size: int) -> None:
-    for row in rows:
-        top = max(row.input_ids)
-        if top >= vocab_size:
-            raise HsxError(f"{row.where}: token id {top} is outside model {model}'s vocabulary of {vocab_size}")
+def check_vocab(samples: SampleTable, *, model: str, vocab_size: int) -> None:
+    outside = np.flatnonzero(samples.row_max >= vocab_size)
+    if len(outside):
+        i = int(outside[0])
+        raise HsxError(f"{samples.where(i)}: token id {samples.row_max[i]} is outside model {model}'s "
+                       f"vocabulary of {vocab_size}")
 
 
 def _tokenize(rows: list, *, model: str, trust_remote_code: bool) -> tuple[list[DatasetRow], ChatTemplateInfo | None]:
@@ -71,15 +79,28 @@ def _tokenize(rows: list, *, model: str, trust_remote_code: bool) -> tuple[list[
 def tokenized_rows(
     path: Path, *, model: str, vocab_size: int, max_seq_len: int, on_long: str, trust_remote_code: bool = False
 ) -> Inputs:
-    source = read_rows(path)
-    tokenized, chat = _tokenize(source, model=model, trust_remote_code=trust_remote_code)
-    rows, long = apply_on_long(tokenized, max_seq_len=max_seq_len, on_long=on_long)
-    if not rows:
-        raise HsxError(f"dataset {path}: all {len(source)} rows are longer than --max-seq-len {max_seq_len} "
+    builder = SampleTableBuilder()
+    chats: list[ChatRow] = []
+    places: list[int] = []
+    for item in read_source(path):
+        if isinstance(item, ChatRow):
+            places.append(builder.reserve(where=item.where, source_id=item.source_id))
+            chats.append(item)
+        else:
+            builder.add(item)
+    rows_read = builder.rows
+    chat = None
+    if chats:
+        tokenized, chat = _tokenize(chats, model=model, trust_remote_code=trust_remote_code)
+        for place, row in zip(places, tokenized, strict=True):
+            builder.fill(place, row.input_ids, row.loss_mask)
+        del chats, tokenized
+    samples, long = apply_on_long_table(builder.finish(), max_seq_len=max_seq_len, on_long=on_long)
+    if not len(samples):
+        raise HsxError(f"dataset {path}: all {rows_read} rows are longer than --max-seq-len {max_seq_len} "
                        "and --on-long skip leaves no samples")
-    check_vocab(rows, model=model, vocab_size=vocab_size)
-    return Inputs(rows=rows, long=long, rows_read=len(source),
-                  chat_rows=sum(1 for row in source if isinstance(row, ChatRow)), chat=chat)
+    check_vocab(samples, model=model, vocab_size=vocab_size)
+    return Inputs(samples=samples, long=long, rows_read=rows_read, chat_rows=len(places), chat=chat)
 
 
 def report_document(*, job: str, dataset: Path, max_seq_len: int, on_long: str, inputs: Inputs) -> dict:
@@ -92,7 +113,7 @@ def report_document(*, job: str, dataset: Path, max_seq_len: int, on_long: str, 
         "on_long": on_long,
         "rows_read": inputs.rows_read,
         "chat_rows": inputs.chat_rows,
-        "samples": len(inputs.rows),
+        "samples": len(inputs.samples),
         "samples_truncated": inputs.truncated,
         "samples_skipped": inputs.skipped,
         "chat_template": None if inputs.chat is None else {

@@ -6,12 +6,17 @@
   0..N-1 without gaps.
 
 Every truncated or skipped row is listed (`LongSample`) for the job's report, which names the
-row, its source id, its original length and what was done. Pure functions; no NATS, no files.
+row, its source id, its original length and what was done. The policy is decided from the
+samples' lengths alone (`apply_on_long_table`: a job's SampleTable, nothing copied); no NATS.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from hsx.errors import HsxError
+from hsx.tokens import SampleTable
 from producer.dataset import DatasetRow
 
 ON_LONG = ("error", "truncate", "skip")
@@ -27,30 +32,56 @@ class LongSample:
     kept_length: int
 
 
-def apply_on_long(rows: list[DatasetRow], *, max_seq_len: int, on_long: str) -> tuple[list[DatasetRow], list[LongSample]]:
-    """(the job's samples in index order, the rows that were truncated or skipped)."""
+def _decide(lengths: np.ndarray, name: Callable[[int], tuple[str, str]], *, max_seq_len: int,
+            on_long: str) -> tuple[np.ndarray, np.ndarray, list[LongSample]]:
+    """(indices of the rows kept, their lengths after cutting, the rows truncated or skipped);
+    `name(i)` is row i's (where, source_id)."""
     if on_long not in ON_LONG:
         raise HsxError(f"--on-long {on_long!r}: use one of {', '.join(ON_LONG)}")
-    kept: list[DatasetRow] = []
+    lengths = np.asarray(lengths, dtype=np.int64)
+    long_rows = np.flatnonzero(lengths > max_seq_len)
+    if not len(long_rows):
+        return np.arange(len(lengths)), lengths, []
+    if on_long == "error":
+        i = int(long_rows[0])
+        raise HsxError(
+            f"{name(i)[0]}: {lengths[i]} tokens is longer than --max-seq-len {max_seq_len} "
+            "(raise --max-seq-len, pass --on-long truncate or --on-long skip, or remove the row)"
+        )
     long: list[LongSample] = []
-    for row in rows:
-        length = len(row.input_ids)
-        if length <= max_seq_len:
-            kept.append(row)
-            continue
-        if on_long == "error":
-            raise HsxError(
-                f"{row.where}: {length} tokens is longer than --max-seq-len {max_seq_len} "
-                "(raise --max-seq-len, pass --on-long truncate or --on-long skip, or remove the row)"
-            )
-        if on_long == "skip":
-            long.append(LongSample(where=row.where, source_id=row.source_id, original_length=length,
+    if on_long == "skip":
+        kept = np.flatnonzero(lengths <= max_seq_len)
+        for i in long_rows.tolist():
+            where, source_id = name(i)
+            long.append(LongSample(where=where, source_id=source_id, original_length=int(lengths[i]),
                                    action="skipped", sample_index=None, kept_length=0))
-            continue
-        long.append(LongSample(where=row.where, source_id=row.source_id, original_length=length,
-                               action="truncated", sample_index=len(kept), kept_length=max_seq_len))
-        kept.append(DatasetRow(
-            where=row.where, source_id=row.source_id, input_ids=row.input_ids[:max_seq_len],
-            loss_mask=None if row.loss_mask is None else row.loss_mask[:max_seq_len],
-        ))
-    return kept, long
+        return kept, lengths[kept], long
+    for i in long_rows.tolist():
+        where, source_id = name(i)
+        long.append(LongSample(where=where, source_id=source_id, original_length=int(lengths[i]),
+                               action="truncated", sample_index=i, kept_length=max_seq_len))
+    return np.arange(len(lengths)), np.minimum(lengths, max_seq_len), long
+
+
+def apply_on_long_table(table: SampleTable, *, max_seq_len: int, on_long: str) -> tuple[SampleTable, list[LongSample]]:
+    """(the job's samples in index order, the rows that were truncated or skipped)."""
+    kept, lengths, long = _decide(table.lengths, lambda i: (table.where(i), table.source_id(i)),
+                                  max_seq_len=max_seq_len, on_long=on_long)
+    if not long:
+        return table, long
+    return table.select(kept, lengths), long
+
+
+def apply_on_long(rows: list[DatasetRow], *, max_seq_len: int, on_long: str) -> tuple[list[DatasetRow], list[LongSample]]:
+    """`apply_on_long_table` for a few rows as Python values."""
+    lengths = np.fromiter((len(row.input_ids) for row in rows), dtype=np.int64, count=len(rows))
+    kept, kept_lengths, long = _decide(lengths, lambda i: (rows[i].where, rows[i].source_id),
+                                       max_seq_len=max_seq_len, on_long=on_long)
+    out = []
+    for i, length in zip(kept.tolist(), kept_lengths.tolist()):
+        row = rows[i]
+        if length < len(row.input_ids):
+            row = DatasetRow(where=row.where, source_id=row.source_id, input_ids=row.input_ids[:length],
+                             loss_mask=None if row.loss_mask is None else row.loss_mask[:length])
+        out.append(row)
+    return out, long

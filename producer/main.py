@@ -39,7 +39,8 @@ from hsx.natsconn import connect
 from producer.config import ProducerConfig
 from hsx.jobadmin import count_messages, live_workers
 from producer import bundle, preflight, resume, stored
-from producer.dataset import DatasetRow, dataset_digest
+from hsx.tokens import SampleTable
+from producer.dataset import dataset_digest
 from producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
 from producer.planner import PlannedBatch, plan_batch_id, plan_batches
 
@@ -48,27 +49,33 @@ log = structlog.get_logger("hsx.producer")
 _PUBLISH_WINDOW = 256
 
 
-def plan_fingerprint(cfg: ProducerConfig, layers: list[int], rows: list[DatasetRow]) -> str:
+def plan_fingerprint(cfg: ProducerConfig, layers: list[int], samples: SampleTable) -> str:
+    """sha256 over the settings and, per sample in index order, its tokens as int64 bytes, its
+    mask as int8 bytes (b"|" without one) and its source id and a newline. The byte stream is
+    the one of every hsx before the columnar table (batch ids of existing jobs must not change),
+    fed from the table a run of samples at a time."""
     digest = hashlib.sha256()
     digest.update(msgspec.json.encode([cfg.model, layers, cfg.dtype, cfg.token_budget, cfg.max_batch_size]))
-    for row in rows:
-        digest.update(np.asarray(row.input_ids, dtype=np.int64).tobytes())
-        digest.update(b"|" if row.loss_mask is None else np.asarray(row.loss_mask, dtype=np.int8).tobytes())
-        digest.update(row.source_id.encode() + b"\n")
+    for first, offsets, tokens, masks in samples.runs():
+        count = len(offsets) - 1
+        wide = tokens.astype(np.int64)
+        narrow = None if masks is None else masks.view(np.int8)
+        ids = samples.source_ids.slice(first, count).to_pylist()
+        has_mask = samples.has_mask[first : first + count].tolist()
+        bounds = offsets.tolist()
+        for k in range(count):
+            start, end = bounds[k], bounds[k + 1]
+            digest.update(wide[start:end])
+            digest.update(narrow[start:end] if has_mask[k] else b"|")
+            digest.update(ids[k].encode() + b"\n")
     return digest.hexdigest()
 
 
-def _descriptor(job: str, batch_id: str, batch: PlannedBatch, rows: list[DatasetRow]) -> schemas.BatchDescriptor:
+def _descriptor(job: str, batch_id: str, batch: PlannedBatch, samples: SampleTable) -> schemas.BatchDescriptor:
+    # Built when published (or measured), from the table's offsets: one descriptor's tokens at a time.
     return schemas.BatchDescriptor(
-        job=job,
-        batch_id=batch_id,
-        padded_len=batch.padded_len,
-        samples=[
-            schemas.Sample(
-                index=i, source_id=rows[i].source_id, input_ids=rows[i].input_ids, loss_mask=rows[i].loss_mask
-            )
-            for i in batch.sample_indices
-        ],
+        job=job, batch_id=batch_id, padded_len=batch.padded_len,
+        samples=[samples.sample(i) for i in batch.sample_indices],
     )
 
 
@@ -133,7 +140,7 @@ def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
 
 
 async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | None):
-    """(samples, freshly read inputs or None when the samples come from the job's stored copy)."""
+    """(samples table, freshly read inputs or None when the samples come from the job's stored copy)."""
     if existing is not None and existing.tokenized_object:
         try:
             await asyncio.to_thread(_check_same_inputs, cfg, existing)
@@ -152,15 +159,15 @@ async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | N
         tokenized_rows, cfg.dataset, model=cfg.model, vocab_size=info.vocab_size, max_seq_len=cfg.max_seq_len,
         on_long=cfg.on_long, trust_remote_code=cfg.trust_remote_code,
     )
-    return inputs.rows, inputs
+    return inputs.samples, inputs
 
 
 async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs) -> tuple[str, str]:
-    tokens = await stored.store_tokenized(js, cfg.job, inputs.rows)
+    tokens = await stored.store_tokenized(js, cfg.job, inputs.samples)
     report = await stored.store_report(js, cfg.job, report_document(
         job=cfg.job, dataset=cfg.dataset, max_seq_len=cfg.max_seq_len, on_long=cfg.on_long, inputs=inputs,
     ))
-    log.info("samples_stored", job=cfg.job, bucket=topology.DATASETS_BUCKET, object=tokens, samples=len(inputs.rows))
+    log.info("samples_stored", job=cfg.job, bucket=topology.DATASETS_BUCKET, object=tokens, samples=len(inputs.samples))
     (log.warning if inputs.long else log.info)(
         "input_report", job=cfg.job, bucket=topology.DATASETS_BUCKET, object=report,
         samples_truncated=inputs.truncated, samples_skipped=inputs.skipped, max_seq_len=cfg.max_seq_len,
@@ -173,10 +180,17 @@ async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
     kv = await topology.ensure_topology(js, replicas=cfg.replicas)
     existing = await read_job_spec(kv, cfg.job)
     rows, inputs = await _job_rows(cfg, js, info, existing)
-    lengths = [len(row.input_ids) for row in rows]
-    batches = plan_batches(lengths, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
-    fingerprint = plan_fingerprint(cfg, layers, rows)
-    total_tokens = sum(lengths)
+    try:
+        return await _plan_and_publish(cfg, nc, js, kv, info, layers, existing, rows, inputs)
+    finally:
+        rows.close()  # the spilled tokens' temp files
+
+
+async def _plan_and_publish(cfg: ProducerConfig, nc, js, kv, info, layers: list[int], existing, rows: SampleTable,
+                            inputs: Inputs | None) -> int:
+    batches = plan_batches(rows.lengths, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
+    fingerprint = await asyncio.to_thread(plan_fingerprint, cfg, layers, rows)
+    total_tokens = rows.total_tokens
     padded = sum(b.padded_tokens for b in batches)
     log.info(
         "plan_ready", job=cfg.job, samples=len(rows), batches=len(batches), tokens=total_tokens,

@@ -9,6 +9,8 @@ not hours into a run. Pure function; knows nothing about NATS or models.
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class PlannedBatch:
@@ -20,14 +22,19 @@ class PlannedBatch:
         return len(self.sample_indices) * self.padded_len
 
 
-def plan_batches(lengths: list[int], *, token_budget: int, max_batch_size: int | None = None) -> list[PlannedBatch]:
+def plan_batches(lengths, *, token_budget: int, max_batch_size: int | None = None) -> list[PlannedBatch]:
+    """`lengths`: every sample's token count (a list or a NumPy array), sample i at index i."""
     if token_budget <= 0:
         raise ValueError("token_budget must be positive")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    lengths = np.asarray(lengths, dtype=np.int64)
+    # Longest first, ties by index: a stable sort of the negated lengths.
+    order = np.argsort(-lengths, kind="stable")
+    sorted_lengths = lengths[order].tolist()
+    order = order.tolist()
     batches: list[PlannedBatch] = []
     start = 0
     while start < len(order):
-        padded_len = lengths[order[start]]
+        padded_len = sorted_lengths[start]
         if padded_len > token_budget:
             raise ValueError(f"sample {order[start]} has {padded_len} tokens, more than the token budget {token_budget}")
         size = token_budget // padded_len

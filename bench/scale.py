@@ -1,0 +1,168 @@
+"""Benchmark: the producer alone at scale, peak memory and time (issue 11 item 1, "a producer in
+bounded memory").
+
+For each size it writes (once, cached under --cache) a pre-tokenized Parquet dataset of N samples
+with lognormal lengths (median --median, clipped to [16, --max-len], seeded) and a loss mask over
+each row's second half, starts a fresh nats-server (temp store, max_payload raised to fit the
+budget's descriptors), and runs the real `hsx produce` as a child process to a file://
+destination. It reports the producer's peak RSS (`ru_maxrss` of that child, from `os.wait4`),
+wall time, time per sample and per million tokens, the batches published, and the size of the
+stored samples object. No GPU and no consumer: only the producer's reading, storing, planning
+and publishing are measured.
+
+`--flat` adds the "flat in tokens per sample" check: the same sample count at median 100 and
+median 1,000 tokens.
+
+Run: python bench/scale.py [--sizes 100000,300000] [--median 500] [--flat 100000]
+     [--token-budget 32768] [--repeats 1]
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+from hsx.embedded import build_tiny_model, start_nats_server  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = "benchscale"
+VOCAB = 2048  # the embedded tiny model's vocabulary
+ROWS_PER_GROUP = 16384
+
+
+def lognormal_lengths(count: int, *, median: int, max_len: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    lengths = rng.lognormal(mean=math.log(median), sigma=0.8, size=count)
+    return np.clip(lengths.astype(np.int64), 16, max_len)
+
+
+def write_dataset(path: Path, *, count: int, median: int, max_len: int, seed: int) -> int:
+    """A Parquet file of `count` rows (id, input_ids, loss_mask); returns its total tokens."""
+    lengths = lognormal_lengths(count, median=median, max_len=max_len, seed=seed)
+    if path.exists():
+        return int(lengths.sum())
+    rng = np.random.default_rng(seed + 1)
+    schema = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
+    tmp = path.with_suffix(".partial")
+    with pq.ParquetWriter(tmp, schema) as writer:
+        for start in range(0, count, ROWS_PER_GROUP):
+            part = lengths[start : start + ROWS_PER_GROUP]
+            offsets = np.zeros(len(part) + 1, dtype=np.int32)
+            np.cumsum(part, out=offsets[1:])
+            values = rng.integers(0, VOCAB, size=int(offsets[-1]), dtype=np.int32)
+            # Mask: 0 over the first half of each row (the prompt), 1 over the rest (the reply).
+            position = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], part)
+            mask = (position >= np.repeat(part // 2, part)).astype(np.int8)
+            writer.write_table(pa.table({
+                "id": pa.array([f"s{start + k}" for k in range(len(part))]),
+                "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
+                "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask)),
+            }, schema=schema))
+    os.replace(tmp, path)
+    return int(lengths.sum())
+
+
+async def _spec(url: str) -> dict:
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        js = nc.jetstream()
+        entry = await (await js.key_value("hsx_jobs")).get(JOB)
+        spec = json.loads(entry.value)
+        store = await js.object_store("hsx_datasets")
+        info = await store.get_info(spec["tokenized_object"])
+        spec["_tokens_object_bytes"] = info.size
+        return spec
+    finally:
+        await nc.close()
+
+
+def run_once(dataset: Path, model: Path, *, samples: int, tokens: int, budget: int, max_len: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="hsx-scale-") as tmp:
+        # A descriptor of the whole budget plus its dead-letter headroom must fit max_payload.
+        server = start_nats_server(Path(tmp) / "nats", max_payload=8 * 1024 * 1024)
+        try:
+            command = [
+                sys.executable, "-m", "hsx.cli", "produce", "--nats", server.url, "--job", JOB,
+                "--model", str(model), "--dataset", str(dataset), "--layers", "1,3", "--dest",
+                f"file://{tmp}/dest", "--token-budget", str(budget), "--max-seq-len", str(max_len),
+            ]
+            env = {**os.environ, "PYTHONPATH": str(REPO)}
+            log = Path(tmp) / "produce.log"
+            started = time.monotonic()
+            with open(log, "wb") as out:  # a file, not a pipe: a full pipe would block the child
+                child = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+                _, status, usage = os.wait4(child.pid, 0)
+            wall = time.monotonic() - started
+            stderr = log.read_text(errors="replace")
+            if os.waitstatus_to_exitcode(status) != 0:
+                sys.exit(f"hsx produce exited {os.waitstatus_to_exitcode(status)}\n{stderr[-3000:]}")
+            spec = asyncio.run(_spec(server.url))
+        finally:
+            server.stop()
+    assert spec["published"] and spec["total_samples"] == samples and spec["total_tokens"] == tokens, spec
+    return {
+        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
+        "wall_s": round(wall, 2),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        "us_per_sample": round(wall / samples * 1e6, 1),
+        "s_per_million_tokens": round(wall / tokens * 1e6, 3),
+        "batches": spec["total_batches"],
+        "tokens_object_mb": round(spec["_tokens_object_bytes"] / 1e6, 1),
+        "bytes_per_token_rss": round(usage.ru_maxrss * 1024 / tokens, 2),
+    }
+
+
+def measure(cache: Path, model: Path, *, samples: int, median: int, max_len: int, budget: int, seed: int,
+            repeats: int) -> dict:
+    dataset = cache / f"scale-{samples}-m{median}-x{max_len}-s{seed}.parquet"
+    started = time.monotonic()
+    tokens = write_dataset(dataset, count=samples, median=median, max_len=max_len, seed=seed)
+    made = time.monotonic() - started
+    runs = [run_once(dataset, model, samples=samples, tokens=tokens, budget=budget, max_len=max_len)
+            for _ in range(repeats)]
+    result = {"samples": samples, "median_tokens": median, "tokens": tokens, "dataset_mb": round(dataset.stat().st_size / 1e6, 1),
+              "dataset_write_s": round(made, 1), "runs": runs}
+    for key in ("peak_rss_mb", "wall_s", "us_per_sample", "s_per_million_tokens"):
+        result[key] = statistics.median(run[key] for run in runs)
+    print(json.dumps(result), file=sys.stderr, flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="100000,300000", help="sample counts, comma-separated")
+    parser.add_argument("--median", type=int, default=500)
+    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--token-budget", type=int, default=32768)
+    parser.add_argument("--flat", type=int, default=0, help="also run this many samples at median 100 and 1,000")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "hsx-scale-data")
+    args = parser.parse_args()
+    args.cache.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(args.cache / "model")
+    common = dict(max_len=args.max_len, budget=args.token_budget, seed=args.seed, repeats=args.repeats)
+    results = {"sizes": [measure(args.cache, model, samples=int(n), median=args.median, **common)
+                         for n in args.sizes.split(",") if n]}
+    if args.flat:
+        results["flat"] = [measure(args.cache, model, samples=args.flat, median=m, **common) for m in (100, 1000)]
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
