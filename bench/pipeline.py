@@ -36,8 +36,15 @@ announcing that token's 4 KiB takes microseconds, so the ratio measures what the
 a forward-bound job (processes and threads sharing the cores, events, acks), not disk bandwidth.
 A wider or deeper model only makes each pass slower (--hidden, --intermediate, --num-layers).
 
+With --include-startup, also `with_startup`: the same job timed with start-up on both sides
+(issue 11 item 4): the pipeline, nothing paused, from launching producer, consumer and uploader
+(one each, the consumer's threads and the uploader's --max-inflight as `hsx up` gives them) to
+the last upload; the bare loop as a fresh process (imports, model load, warm-up, forwards) from
+launch to exit; ratio = bare seconds / pipeline seconds.
+
 Run: .venv/bin/python bench/pipeline.py [--samples 48] [--repeats 3] [--threads N]
-     [--token-budget 2048] [--upload-samples 1000] [--max-inflight N] [--skip-scaling] [--keep]
+     [--token-budget 2048] [--upload-samples 1000] [--max-inflight N] [--skip-scaling]
+     [--include-startup] [--keep]
 About 5 minutes on 2 idle cores with the defaults (efficiency only: --skip-scaling, about 1).
 Linux only (CPU accounting reads /proc).
 """
@@ -292,12 +299,16 @@ class Bench:
         shutil.rmtree(self.out / job, ignore_errors=True)
 
     async def pipeline_pass(self, job: str, inp: JobInput, *, consumers: int, uploaders: int,
-                            read_batches: bool = False) -> dict:
-        """Everything ready and idle, then the batches released: seconds until the last upload."""
+                            read_batches: bool = False, include_startup: bool = False) -> dict:
+        """Everything ready and idle, then the batches released: seconds until the last upload.
+        `include_startup`: nothing paused, seconds from starting the processes (the producer
+        and the services together) until the last upload; CPU from when all are ready."""
         durable = await topology.ensure_gpu_consumer(self.js, job)
-        await _pause_until(self.nc, topology.BATCHES_STREAM, durable, _DAY_S)
+        if not include_startup:
+            await _pause_until(self.nc, topology.BATCHES_STREAM, durable, _DAY_S)
         events = JobEvents()
         await events.start(self.nc, job)
+        launched = time.monotonic()
         run = await self.start_job(job, inp, events, consumers=consumers, uploaders=uploaders)
         workers = run.consumers + run.uploaders
         try:
@@ -305,8 +316,11 @@ class Bench:
             cpu = CpuWindow({"consumers": [c.process.pid for c in run.consumers],
                              "uploaders": [c.process.pid for c in run.uploaders],
                              "nats_server": [self.nats_pid], "bench": [os.getpid()]})
-            started = await _pause_until(self.nc, topology.BATCHES_STREAM, durable, _RELEASE_S)
-            await asyncio.sleep(started - time.monotonic())
+            if include_startup:
+                started = launched
+            else:
+                started = await _pause_until(self.nc, topology.BATCHES_STREAM, durable, _RELEASE_S)
+                await asyncio.sleep(started - time.monotonic())
             cpu.start()
             await _wait_until(lambda: len(events.uploaded) >= run.spec.total_samples, workers, "the last upload")
             cpu.stop()
@@ -384,6 +398,46 @@ async def _forward_pass(loaded, batches: list[schemas.BatchDescriptor], *, main_
             "cpu_s": {"bench": round(cpu, 2), "others": round(others, 2), "others_cores": round(others / seconds, 2)}}
 
 
+def _bare_forward_main(args) -> int:
+    """`--bare-forward`: the baseline with its start-up, as its own process: import, load the
+    model, warm up, run LayerTap.forward over the batches of --batches (JSON lines), exit."""
+    torch.set_num_threads(args.threads)
+    decoder = msgspec.json.Decoder(schemas.BatchDescriptor)
+    batches = [decoder.decode(line) for line in Path(args.batches).read_bytes().splitlines() if line]
+    loaded = load_model(args.model, layers=[int(x) for x in args.layers.split(",")], dtype=args.dtype, device="cpu")
+    _forward_one(loaded, batches[-1])  # warm-up, as the consumer does
+    for batch in batches:
+        _forward_one(loaded, batch)
+    return 0
+
+
+async def _with_startup(args, bench: Bench, inp: JobInput, spec: schemas.JobSpec,
+                        batches: list[schemas.BatchDescriptor]) -> dict:
+    """Start-up included on both sides: the pipeline from launching its processes (nothing
+    paused) to the last upload, against the bare loop as a fresh process (imports, model load,
+    warm-up, the forwards) from launch to exit; both with the consumer's thread count."""
+    batch_file = bench.workdir / "batches.jsonl"
+    batch_file.write_bytes(b"\n".join(schemas.encode(b) for b in batches) + b"\n")
+    env = bench._env(1)
+    forward, pipeline = [], []
+    for i in range(args.repeats):
+        pipeline.append(await bench.pipeline_pass(f"start-{i}", inp, consumers=1, uploaders=1, include_startup=True))
+        launched = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(Path(__file__).resolve()), "--bare-forward", "--model", str(inp.model),
+            "--layers", ",".join(str(x) for x in spec.layers), "--dtype", spec.dtype, "--batches", str(batch_file),
+            "--threads", str(args.threads), env=env)
+        if await proc.wait() != 0:
+            raise HsxError("the bare forward process failed")
+        forward.append({"seconds": time.monotonic() - launched})
+    forward_s, pipeline_s = _median(forward, "seconds"), _median(pipeline, "seconds")
+    return {"forward_s": round(forward_s, 2), "pipeline_s": round(pipeline_s, 2),
+            "ratio": round(forward_s / pipeline_s, 4), "target": 0.90,
+            "pipeline_startup_s": round(_median(pipeline, "startup_s"), 2),
+            "cpu_s_pipeline_after_ready": _median_cpu(pipeline),
+            "raw_seconds": {"forward": _raw(forward), "pipeline": _raw(pipeline)}}
+
+
 def _median(passes: list[dict], key: str) -> float:
     return statistics.median(p[key] for p in passes)
 
@@ -396,7 +450,7 @@ def _raw(passes: list[dict]) -> list[float]:
     return [round(p["seconds"], 2) for p in passes]
 
 
-async def _efficiency(args, bench: Bench, inp: JobInput) -> tuple[dict, schemas.JobSpec]:
+async def _efficiency(args, bench: Bench, inp: JobInput) -> tuple[dict, schemas.JobSpec, list]:
     forward, forward_main, pipeline = [], [], []
     loaded = batches = None
     for i in range(args.repeats):
@@ -439,7 +493,7 @@ async def _efficiency(args, bench: Bench, inp: JobInput) -> tuple[dict, schemas.
     if forward_main:
         out["forward_main_thread"] = {"tokens_per_s": round(spec.total_tokens / _median(forward_main, "seconds"), 1),
                                       "cpu_s": _median_cpu(forward_main), "raw_seconds": _raw(forward_main)}
-    return out, spec
+    return out, spec, batches
 
 
 async def run(args, workdir: Path) -> dict:
@@ -460,7 +514,7 @@ async def run(args, workdir: Path) -> dict:
                                             max_len=args.max_len),
             layers=args.layers, token_budget=args.token_budget,
         )
-        efficiency, spec = await _efficiency(args, bench, inp)
+        efficiency, spec, batches = await _efficiency(args, bench, inp)
         out = {
             "config": {
                 "model": {k: v for k, v in shape.items() if k != "max_position_embeddings"}, "layers": spec.layers,
@@ -472,6 +526,8 @@ async def run(args, workdir: Path) -> dict:
             },
             "efficiency": efficiency,
         }
+        if args.include_startup:
+            out["with_startup"] = await _with_startup(args, bench, inp, spec, batches)
         if args.skip_scaling:
             return out
 
@@ -529,7 +585,16 @@ def main() -> int:
                         help="also time the forward loop on the main thread (as bench/gpu.py does)")
     parser.add_argument("--skip-scaling", action="store_true", help="efficiency only")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, store, output)")
+    parser.add_argument("--include-startup", action="store_true",
+                        help="also time both sides with their start-up (with_startup): the pipeline from launch, "
+                             "the bare loop as a fresh process")
+    parser.add_argument("--bare-forward", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--batches", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.bare_forward:
+        return _bare_forward_main(args)
     from hsx.logs import configure_logging
 
     configure_logging(json=True, level="warning")

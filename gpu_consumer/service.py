@@ -1,8 +1,10 @@
 """The GPU consumer's pull loop and per-batch ack discipline.
 
 Per batch: decode (poison -> dead letter) -> forward on a worker thread while the loop sends
-`in_progress()` -> write each sample file atomically (on a pool of writer threads) -> publish one
-file-ready event per file, each awaited -> publish the batch's progress event -> `ack_sync()`.
+`in_progress()` -> write each sample file atomically (fsynced, renamed; a pool of writer threads,
+each writing a share of the batch), then fsync each folder once -> publish one file-ready event
+per file, their acks awaited together (`publish_all`) -> publish the batch's progress event ->
+`ack_sync()`.
 A crash anywhere before the ack leaves the batch in the work queue; the redelivery rewrites the
 same files (same content, same names) and announces them again, and the uploader acks an
 already-uploaded file without re-uploading. Nothing is skipped because a file exists.
@@ -35,6 +37,7 @@ from functools import partial
 from pathlib import Path
 
 import msgspec
+import nats.errors
 import structlog
 import torch
 from nats.aio.msg import Msg
@@ -48,6 +51,7 @@ from gpu_consumer.staging import StagingLease
 from gpu_consumer.writer import write_sample_file
 from hsx import schemas, topology
 from hsx.events import EventPublisher, WorkerState, keep_in_progress
+from hsx.fsutil import fsync_dir
 from hsx.headers import message_headers
 from hsx.natsconn import through_outage
 from hsx.spool import spool_usage
@@ -118,10 +122,21 @@ class BatchWorker:
         self._writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="hsx-writer")
 
     def _write_one(self, batch_id: str, sample: schemas.Sample, hidden: torch.Tensor) -> schemas.FileReady:
+        """Its folder is fsynced by the caller (`_sync_folders`), once for the batch's files."""
         return write_sample_file(
             spool=self.cfg.spool, spec=self.spec, node=self.cfg.node, batch_id=batch_id, sample=sample,
-            hidden_states=hidden,
+            hidden_states=hidden, sync_dir=False,
         )
+
+    def _write_some(self, batch_id: str, part: list[tuple[schemas.Sample, torch.Tensor]]) -> list[schemas.FileReady]:
+        """One writer thread's share of a batch's files, in order."""
+        return [self._write_one(batch_id, sample, hidden) for sample, hidden in part]
+
+    def _sync_folders(self, files: list[schemas.FileReady]) -> None:
+        """fsync each folder the batch's files were renamed into: after this their names are as
+        durable as their bytes (each file was fsynced before its rename), so they may be announced."""
+        for folder in {(self.cfg.spool / f.spool_path).parent for f in files}:
+            fsync_dir(folder)
 
     async def _write_until_written(self, computed: _Computed) -> list[schemas.FileReady] | None:
         """Write the batch's files; while the spool disk is full, keep the computed states and the
@@ -130,17 +145,24 @@ class BatchWorker:
         delay = 2.0
         while True:
             try:
-                files = await asyncio.gather(*(
-                    loop.run_in_executor(self._writers, self._write_one, computed.batch.batch_id, sample, hidden)
-                    for sample, hidden in computed.extracted
+                # One job per writer thread, each a contiguous share of the batch (not one job per
+                # file: a future and two thread hand-offs per small file cost more than its write).
+                extracted = computed.extracted
+                share = -(-len(extracted) // max(1, self.cfg.writer_threads))
+                parts = await asyncio.gather(*(
+                    loop.run_in_executor(self._writers, self._write_some, computed.batch.batch_id,
+                                         extracted[start:start + share])
+                    for start in range(0, len(extracted), share)
                 ), return_exceptions=True)
                 # Every write has ended before a failure is acted on: the others still read the
                 # batch's leased host buffers, which must not be released (and reused) under them.
-                errors = [outcome for outcome in files if isinstance(outcome, BaseException)]
+                errors = [outcome for outcome in parts if isinstance(outcome, BaseException)]
                 if errors:
                     raise errors[0]
+                files = [ready for part in parts for ready in part]
+                await loop.run_in_executor(self._writers, self._sync_folders, files)
                 self.state, self.detail = "working", ""
-                return list(files)
+                return files
             except OSError as exc:
                 if exc.errno not in _DISK_FULL:
                     raise
@@ -299,15 +321,13 @@ class BatchWorker:
             # the batch after the ack wait: each step is idempotent (file events carry a
             # Nats-Msg-Id; progress is folded per batch and sample).
             subject = topology.file_subject(self.spec.job, self.cfg.node)
-            for ready in files:
-                headers = message_headers(
+            await publish_all(self.js, [
+                (subject, schemas.encode(ready), message_headers(
                     self.spec.job, batch=batch.batch_id, sample=ready.sample_index,
                     msg_id=f"{batch.batch_id}:{ready.sample_index}:{attempt}",
-                )
-                await through_outage(
-                    lambda ready=ready, headers=headers: self.js.publish(subject, schemas.encode(ready), headers=headers),
-                    what="announce_file", stopping=self.stopping,
-                )
+                ))
+                for ready in files
+            ], what="announce_file", stopping=self.stopping)
             seconds = time.perf_counter() - computed.started
             tokens = sum(f.num_tokens for f in files)
             written = sum(f.size for f in files)
@@ -363,6 +383,38 @@ def _full_batch_bytes(spec: schemas.JobSpec, loaded: LoadedModel) -> int:
     return spec.token_budget * len(spec.layers) * hidden * torch.empty((), dtype=loaded.dtype).element_size()
 
 
+
+
+# How long the acks of a batch's announcements are awaited together before the missing ones are
+# published again one by one (their msg ids make a repeat harmless).
+_PUBLISH_ACK_WAIT_S = 10.0
+
+
+async def publish_all(
+    js: JetStreamContext, messages: list[tuple[str, bytes, dict[str, str]]], *, what: str,
+    stopping: asyncio.Event | None = None,
+) -> None:
+    """Publish every (subject, payload, headers) to JetStream, each stored before this returns.
+
+    The publishes go out back to back and their acks are awaited together (`publish_async`): one
+    round trip for a batch's files instead of one each. Any that failed or had no ack within
+    _PUBLISH_ACK_WAIT_S (a NATS outage) is published again on its own through the outage, as
+    before; every message must carry a Nats-Msg-Id, so one stored twice is kept once."""
+    futures: list[asyncio.Future] = []
+    try:
+        for subject, payload, headers in messages:
+            futures.append(await js.publish_async(subject, payload, headers=headers))
+    except (nats.errors.Error, asyncio.TimeoutError) as exc:  # disconnected: the rest go one by one below
+        log.warning("publish_async_failed", what=what, error=str(exc) or type(exc).__name__)
+    if futures:
+        _, late = await asyncio.wait(futures, timeout=_PUBLISH_ACK_WAIT_S)
+        for future in late:
+            future.cancel()  # frees its slot in the client's pending-publish window
+    again = [message for i, message in enumerate(messages)
+             if i >= len(futures) or futures[i].cancelled() or futures[i].exception() is not None]
+    for subject, payload, headers in again:
+        await through_outage(lambda subject=subject, payload=payload, headers=headers: js.publish(
+            subject, payload, headers=headers), what=what, stopping=stopping)
 
 
 async def give_back(js: JetStreamContext, msg: Msg) -> None:

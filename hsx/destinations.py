@@ -13,6 +13,12 @@ back and deletes a small object: the producer's check that a job's files can go 
 `read_prefix` reads an object's first bytes and learns its size in one request (`hsx index
 rebuild` reads each sample file's header with it).
 
+A file:// destination on the spool's own file system also takes a spool file by renaming it
+(`move_verified`): no copy and no second fsync of the bytes; the caller has checked them, and
+the stored file is verified to be that very inode (spool files are never written in place) with
+the announced size. The rename is made durable by an fsync of the folder that concurrent moves
+into it share (`FolderSync`).
+
 Each destination also knows its own errors: `refusal(exc)` tells a refusal, which no retry fixes
 until a person does (a missing bucket, wrong or expired credentials, a denied permission, a
 read-only or full file system), from a fault that may pass (a connection reset, a 503), and
@@ -27,13 +33,14 @@ addressing, which MinIO, moto and most S3-compatible stores need.
 import errno
 import hashlib
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
 from hsx.errors import HsxError
-from hsx.fsutil import atomic_copy, atomic_write_bytes
+from hsx.fsutil import atomic_copy, atomic_write_bytes, fsync_dir, make_private_dirs
 from hsx.samplefile import DigestCheck, SampleFileCorrupt, checked_file_digest
 
 MULTIPART_THRESHOLD = 64 << 20
@@ -59,6 +66,8 @@ class Destination(Protocol):
     def put_verified(self, local: Path, key: str, *, size: int, digest: str) -> None: ...
 
     def has_verified(self, key: str, *, size: int, digest: str) -> bool: ...
+
+    def move_verified(self, local: Path, key: str, *, size: int, checked: os.stat_result) -> bool: ...
 
     def put_bytes_verified(self, data: bytes, key: str) -> None: ...
 
@@ -109,12 +118,71 @@ class VerificationError(Exception):
     """The stored object is not what was sent; the upload is retried."""
 
 
+class FolderSync:
+    """Group commit of folder fsyncs: `sync(folder)` returns once an fsync of `folder` that began
+    after the call has ended, so every rename into it made before the call is durable. Callers
+    that arrive while one runs share the next: many renames, few fsyncs (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._asked: dict[Path, int] = {}  # per folder: syncs asked for so far
+        self._done: dict[Path, int] = {}  # per folder: syncs asked for before the last one that ended began
+        self._running: set[Path] = set()
+
+    def sync(self, folder: Path) -> None:
+        with self._lock:
+            mine = self._asked[folder] = self._asked.get(folder, 0) + 1
+            while self._done.get(folder, 0) < mine:
+                if folder in self._running:
+                    self._lock.wait()
+                    continue
+                self._running.add(folder)
+                covers = self._asked[folder]
+                self._lock.release()
+                try:
+                    fsync_dir(folder)
+                finally:
+                    self._lock.acquire()
+                    self._running.discard(folder)
+                    self._lock.notify_all()
+                self._done[folder] = max(self._done.get(folder, 0), covers)
+
+
 class FileDestination:
     latency_bound = False
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.url = root.as_uri()
+        self._folders = FolderSync()
+        self._devices: dict[Path, int] = {}  # folder -> st_dev, for move_verified
+
+    def move_verified(self, local: Path, key: str, *, size: int, checked: os.stat_result) -> bool:
+        """Store the spool file `local` under `key` by renaming it, when both are on one file
+        system; False, with nothing done, when they are not (the caller copies instead).
+
+        `checked` is the local file's fstat taken while the caller checked its bytes against the
+        announced digest: the stored file must be that inode (spool files are only ever replaced,
+        never written in place, so the inode's bytes are the checked ones) with `size` bytes.
+        The consumer fsynced those bytes; the rename is durable once its folder is fsynced, which
+        concurrent moves into the folder share. FileNotFoundError if `local` is gone meanwhile."""
+        final = self._path(key)
+        folder = final.parent
+        make_private_dirs(folder)
+        device = self._devices.get(folder)
+        if device is None:
+            device = self._devices[folder] = folder.stat().st_dev
+        if device != checked.st_dev:
+            return False
+        os.rename(local, final)
+        stored = final.stat()
+        if (stored.st_ino, stored.st_size) != (checked.st_ino, size):
+            raise VerificationError(
+                f"{key}: the file renamed into place (inode {stored.st_ino}, {stored.st_size} bytes) is not the one "
+                f"checked (inode {checked.st_ino}, {size} bytes): it was replaced meanwhile"
+            )
+        self._folders.sync(folder)
+        return True
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -276,6 +344,9 @@ class S3Destination:
             if len(secret) >= 8:
                 text = text.replace(secret, "***")
         return _one_line(text)
+
+    def move_verified(self, local: Path, key: str, *, size: int, checked: os.stat_result) -> bool:
+        return False  # an object store is never the spool's file system: put_verified copies
 
     def put_verified(self, local: Path, key: str, *, size: int, digest: str) -> None:
         full_key = self._key(key)

@@ -28,6 +28,11 @@ def make_private_dirs(path: Path) -> None:
             pass
 
 
+def fsync_dir(path: Path) -> None:
+    """Make the names created in (or renamed into) `path` durable."""
+    _fsync_dir(path)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -40,9 +45,11 @@ def _temp_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.tmp")
 
 
-def atomic_write(final: Path, write: Callable[[int], None]) -> None:
+def atomic_write(final: Path, write: Callable[[int], None], *, sync_dir: bool = True) -> None:
     """Create `final` atomically: `write(fd)` fills a new temp file beside it (0600), which is then
-    fsynced and renamed over `final`. A failure removes the temp file and leaves `final` as it was."""
+    fsynced and renamed over `final`. A failure removes the temp file and leaves `final` as it was.
+    `sync_dir=False` leaves the rename itself to the caller's `fsync_dir` of the folder (one for
+    many files: the file is not durable under its name until then)."""
     make_private_dirs(final.parent)
     tmp = _temp_path(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
@@ -55,7 +62,8 @@ def atomic_write(final: Path, write: Callable[[int], None]) -> None:
         raise
     os.close(fd)
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    if sync_dir:
+        _fsync_dir(final.parent)
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

@@ -57,8 +57,11 @@ def _flat_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def write(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
-    """Write `tensors` and `metadata` (plus the checksum) atomically to `final`.
+def write(
+    final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *, sync_dir: bool = True
+) -> tuple[int, str]:
+    """Write `tensors` and `metadata` (plus the checksum) atomically to `final` (`sync_dir`: as
+    hsx.fsutil.atomic_write).
 
     Returns (file size, digest). Tensors are laid out widest element first, then by name, so every
     tensor starts aligned to its element size, as safetensors' own writer does."""
@@ -93,7 +96,7 @@ def write(final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str
         _pwrite_all(fd, header, 0)
         result.append(hashlib.sha256(header).hexdigest())
 
-    atomic_write(final, write)
+    atomic_write(final, write, sync_dir=sync_dir)
     return data_start + offset, result[0]
 
 

@@ -4,7 +4,9 @@ Per event: decode (poison -> dead letter) -> if the destination already holds ex
 object (size and digest), delete the local copy and ack without re-uploading -> else check the
 local file (hsx.samplefile: its data against the checksum in its header, its digest against the
 event's), upload, verify the stored object, delete the local file, publish the `uploaded` event,
-ack. A spool file that is lost (in neither place) or corrupted is sent back for extraction: the
+ack. A file:// destination on the spool's file system takes the checked file by a rename instead
+of a copy (`Destination.move_verified`: verified to be the checked inode, its folder fsynced).
+A spool file that is lost (in neither place) or corrupted is sent back for extraction: the
 event carries the sample's tokens, so the uploader publishes a one-sample batch and acks the
 event. A failing upload is retried here with jittered backoff while the event is kept alive with
 `in_progress()`, so an S3 outage costs no deliveries and loses nothing.
@@ -34,7 +36,7 @@ from hsx.events import EventPublisher, WorkerState, keep_in_progress
 from hsx.headers import message_headers
 from hsx.layout import sample_key
 from hsx.natsconn import through_outage
-from hsx.samplefile import SampleFileCorrupt, checked_file_digest
+from hsx.samplefile import SampleFileCorrupt, checked_digest
 from hsx.spool import spool_usage
 from uploader.config import UploaderConfig
 
@@ -49,6 +51,14 @@ class _PermanentFailure(Exception):
 
 class _SpoolFileLost(Exception):
     """The spool file is gone or corrupted and the destination does not have it: extract again."""
+
+
+def _checked_spool_file(path: Path) -> tuple[str, os.stat_result]:
+    """A spool file's digest, after checking its data against the checksum in its header (one
+    read), and its fstat taken while it was read: which inode the checked bytes are."""
+    with open(path, "rb") as source:
+        checked = os.fstat(source.fileno())
+        return checked_digest(iter(lambda: source.read(8 << 20), b"")), checked
 
 
 class FileMover:
@@ -94,14 +104,14 @@ class FileMover:
         if self.dest.has_verified(ready.key, size=ready.size, digest=ready.digest):
             local.unlink(missing_ok=True)
             return True
-        if not local.exists():
+        try:
+            local_digest, checked = _checked_spool_file(local)
+        except FileNotFoundError:
             # Another uploader may have finished the same sample (announced twice after a
             # redelivered batch) between the check above and now: look again before calling it lost.
             if self.dest.has_verified(ready.key, size=ready.size, digest=ready.digest):
                 return True
-            raise _SpoolFileLost(f"{ready.spool_path}: missing from the spool and not in the destination")
-        try:
-            local_digest = checked_file_digest(local)
+            raise _SpoolFileLost(f"{ready.spool_path}: missing from the spool and not in the destination") from None
         except SampleFileCorrupt as exc:
             local.unlink(missing_ok=True)
             raise _SpoolFileLost(f"{ready.spool_path}: spool file is corrupt: {exc}") from None
@@ -110,6 +120,14 @@ class FileMover:
             raise _SpoolFileLost(
                 f"{ready.spool_path}: spool file digest {local_digest[:12]} does not match the announced {ready.digest[:12]}"
             )
+        try:
+            # A file:// destination on the spool's file system takes the checked file by a rename.
+            if self.dest.move_verified(local, ready.key, size=ready.size, checked=checked):
+                return False
+        except FileNotFoundError:  # taken by a concurrent uploader of the same sample meanwhile
+            if self.dest.has_verified(ready.key, size=ready.size, digest=ready.digest):
+                return True
+            raise
         self.dest.put_verified(local, ready.key, size=ready.size, digest=ready.digest)
         local.unlink(missing_ok=True)  # a concurrent uploader of the same sample may have removed it
         return False
