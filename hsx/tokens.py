@@ -25,6 +25,7 @@ This module knows the table and the format; reading datasets and the producer's 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -480,14 +481,17 @@ async def _stored_object(js: JetStreamContext, job: str, spec: schemas.JobSpec |
 
 async def load_table(js: JetStreamContext, job: str, *, spec: schemas.JobSpec | None = None) -> SampleTable:
     """The job's samples exactly as planned and published (sample i at index i), in bounded
-    memory: the object is downloaded to a temp file and read record batch by record batch. Reads
-    the job spec from KV unless given. An HsxError when the job has no stored samples (made
-    before they were stored) or the object is missing or unreadable."""
+    memory: the object is downloaded to a temp file and read record batch by record batch, in a
+    thread: at hundreds of millions of tokens that is long work, and the caller's heartbeats and
+    `in_progress` must keep going meanwhile. Reads the job spec from KV unless given. An HsxError
+    when the job has no stored samples (made before they were stored) or the object is missing or
+    unreadable."""
     spec, what = await _stored_object(js, job, spec)
     with tempfile.TemporaryFile(prefix="hsx-tokens-") as file:
         await download(js, spec.tokenized_object, file, job=job)
-        table = read_tokens(file, what=what)
+        table = await asyncio.to_thread(read_tokens, file, what=what)
     if len(table) != spec.total_samples:
+        table.close()
         raise HsxError(f"job {job}: {what} holds {len(table)} samples but the job has {spec.total_samples}")
     return table
 
