@@ -70,6 +70,5 @@ def write_sample_file(
         key=key,
         size=size,
         digest=digest,
-        sample=sample,
         plan=spec.plan_tag,
     )

@@ -54,8 +54,13 @@ class BatchDescriptor(_Wire, tag="batch.v1"):
     redo_reason: str = ""
 
 
-class FileReady(_Wire, tag="file.v2"):
-    """A complete sample file sits in a node's spool and waits for upload."""
+class FileReady(_Wire, tag="file.v2", omit_defaults=True):
+    """A complete sample file sits in a node's spool and waits for upload.
+
+    It names its sample (`job`, `sample_index`, `plan`) rather than carrying it: the descriptor
+    already carried the tokens once, and an uploader that must send a lost file's sample back
+    for extraction reads it from the job's stored samples (`JobSpec.tokenized_object`). Fields at
+    their default are left out of the JSON (older readers default them the same way)."""
 
     job: str
     node: str
@@ -66,10 +71,12 @@ class FileReady(_Wire, tag="file.v2"):
     key: str  # destination key relative to the destination prefix
     size: int
     digest: str  # hsx.samplefile: sha256 of the file's header, which holds the sha256 of its data
-    # The sample itself, so that an uploader that finds the spool file lost or corrupted can
-    # re-queue it for extraction without any copy of the dataset.
+    # The sample itself, as GPU consumers before references sent it (events of theirs may still
+    # sit in a stream): re-queued from here when present. New events leave it out.
     sample: Sample | None = None
-    plan: str = ""  # the writing consumer's JobSpec.plan_tag, passed on to the `uploaded` event
+    # The writing consumer's JobSpec.plan_tag, passed on to the `uploaded` event; a lost file's
+    # sample is taken from the stored samples only when they are this plan's.
+    plan: str = ""
 
 
 class JobSpec(_Wire, tag="job.v1"):

@@ -7,9 +7,12 @@ event's), upload, verify the stored object, delete the local file, publish the `
 ack. A file:// destination on the spool's file system takes the checked file by a rename instead
 of a copy (`Destination.move_verified`: verified to be the checked inode, its folder fsynced).
 A spool file that is lost (in neither place) or corrupted is sent back for extraction: the
-event carries the sample's tokens, so the uploader publishes a one-sample batch and acks the
-event. A failing upload is retried here with jittered backoff while the event is kept alive with
-`in_progress()`, so an S3 outage costs no deliveries and loses nothing.
+uploader publishes the sample as a one-sample batch and acks the event. The event names its
+sample; its tokens come from the job's stored samples, loaded once when the first loss needs
+them (uploader/samples.py), or from the event itself where an older GPU consumer put them; a
+sample that cannot be found again dead-letters its event. A failing upload is retried here with
+jittered backoff while the event is kept alive with `in_progress()`, so an S3 outage costs no
+deliveries and loses nothing.
 
 A destination that refuses (`Destination.refusal`: a missing bucket, bad or expired credentials,
 a denied permission) is not retried like an outage: the uploader says so at once in its
@@ -39,6 +42,7 @@ from hsx.natsconn import through_outage
 from hsx.samplefile import SampleFileCorrupt, checked_digest
 from hsx.spool import spool_usage
 from uploader.config import UploaderConfig
+from uploader.samples import SampleNotFound, StoredSamples
 
 log = structlog.get_logger("hsx.uploader")
 
@@ -75,6 +79,7 @@ class FileMover:
         self._accepting.set()
         self._probing = False  # one held upload is trying the destination again
         self.spool_root = cfg.spool.resolve()
+        self.samples = StoredSamples(cfg.job)
         # Against S3 it is the latency of many concurrent requests that sets the throughput: one
         # thread per upload in flight (asyncio's default pool, at most 32 threads, would cap it).
         # A local destination is bound by the CPU and the disk, where more threads than cores
@@ -134,6 +139,7 @@ class FileMover:
 
     def close(self) -> None:
         self._threads.shutdown(wait=True)
+        self.samples.close()
 
     def heartbeat_state(self) -> WorkerState:
         files, used = spool_usage(self.cfg.spool, self.cfg.job)
@@ -174,12 +180,7 @@ class FileMover:
                     already = await self._try_move(ready, probe=probe)
                     break
                 except _SpoolFileLost as exc:
-                    if ready.sample is None:  # an event from before events carried their sample
-                        await self.events.dead_letter(
-                            msg, what="file", error=str(exc), batch_id=ready.batch_id, sample_indices=[ready.sample_index]
-                        )
-                    else:
-                        await self._requeue(msg, ready, str(exc), stopping)
+                    await self._requeue(msg, ready, str(exc), stopping)
                     return
                 except _PermanentFailure as exc:
                     await self.events.dead_letter(
@@ -294,11 +295,19 @@ class FileMover:
 
     async def _requeue(self, msg: Msg, ready: schemas.FileReady, reason: str, stopping: asyncio.Event) -> None:
         """Publish the sample as a one-sample batch, then ack the event: its file will be announced
-        again once extracted. The batch id derives from this event, so a retry publishes it once."""
+        again once extracted. The batch id derives from this event, so a retry publishes it once.
+        A sample that cannot be found again dead-letters the event instead."""
+        try:
+            sample = await self.samples.sample_for(self.events.js, ready)
+        except SampleNotFound as exc:
+            await self.events.dead_letter(
+                msg, what="file", error=f"{reason}; not sent back for extraction: {exc}", batch_id=ready.batch_id,
+                sample_indices=[ready.sample_index],
+            )
+            return
         batch_id = f"{ready.job}-redo-{ready.sample_index}-{msg.metadata.sequence.stream}"
         descriptor = schemas.BatchDescriptor(
-            job=ready.job, batch_id=batch_id, padded_len=len(ready.sample.input_ids), samples=[ready.sample],
-            redo_reason=reason,
+            job=ready.job, batch_id=batch_id, padded_len=len(sample.input_ids), samples=[sample], redo_reason=reason,
         )
         await through_outage(
             lambda: self.events.js.publish(
