@@ -336,7 +336,12 @@ class BatchWorker:
                 sample_indices=[f.sample_index for f in files], tokens=tokens, bytes=written,
                 seconds=round(seconds, 4), attempt=attempt, redo=bool(batch.redo_reason), plan=self.spec.plan_tag,
             )
-            await through_outage(lambda: self.events.emit(written_event), what="report_written", stopping=self.stopping)
+            # A planned batch's marker counts toward the plan; a re-queued sample's batch, or one
+            # with samples outside the plan (a descriptor published by hand), is set aside.
+            planned = not batch.redo_reason and all(0 <= f.sample_index < self.spec.total_samples for f in files)
+            marker = topology.written_subject(self.spec.job, self.spec.plan_tag, batch.batch_id, planned=planned)
+            await through_outage(lambda: self.events.mark(written_event, subject=marker), what="report_written",
+                                 stopping=self.stopping)
             _maybe_crash_before_ack()
             await through_outage(msg.ack_sync, what="ack_batch", stopping=self.stopping)
             log_.info("batch_done", samples=len(files), tokens=tokens, bytes=written, seconds=round(seconds, 3),

@@ -270,7 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--job", type=_job_name, required=True)
     status.add_argument("--json", action="store_true")
     status.add_argument("--timeout", type=float, default=120.0,
-                        help="seconds to read the job's events before giving up (default 120)")
+                        help="seconds to wait for NATS before giving up (default 120)")
+    status.add_argument("--sums-budget", type=float, default=0.5, metavar="S",
+                        help="seconds to spend adding up the markers the last reading had not (tokens, bytes, "
+                             "samples written); the counts and done never wait on it (default 0.5)")
 
     verify = commands.add_parser("verify", help="check every sample file of a job in its destination")
     _add_nats(verify)
@@ -419,7 +422,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         if args.timeout <= 0:
             raise HsxError(f"--timeout must be positive, got {args.timeout:g}")
-        print(format_status(asyncio.run(read_status(nats, args.job, timeout_s=args.timeout)), as_json=args.json))
+        if args.sums_budget < 0:
+            raise HsxError(f"--sums-budget must not be negative, got {args.sums_budget:g}")
+        view = asyncio.run(read_status(nats, args.job, timeout_s=args.timeout, sums_budget_s=args.sums_budget))
+        print(format_status(view, as_json=args.json))
         return 0
     if args.command == "dead":
         from hsx.dead import run_list, run_retry

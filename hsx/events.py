@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import nats.js.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -33,14 +34,32 @@ class EventPublisher:
         self.js = js
         self.job = job
 
-    async def emit(self, event: schemas.Event, *, batch_id: str = "") -> None:
-        """Publish a progress event; `batch_id` names its batch in the headers when the event
-        itself carries none (an `uploaded` event knows its sample, not the batch that wrote it)."""
-        subject = topology.event_subject(self.job, schemas.EVENT_KINDS[type(event)])
+    async def emit(self, event: schemas.Event, *, batch_id: str = "", subject: str = "") -> None:
+        """Publish a progress event (on `hsx.events.<job>.<kind>` unless `subject` is given);
+        `batch_id` names its batch in the headers when the event itself carries none (an `uploaded`
+        event knows its sample, not the batch that wrote it)."""
+        subject = subject or topology.event_subject(self.job, schemas.EVENT_KINDS[type(event)])
         headers = message_headers(
             self.job, batch=batch_id or getattr(event, "batch_id", ""), sample=getattr(event, "sample_index", None),
         )
         await self.js.publish(subject, schemas.encode(event), headers=headers)
+
+    async def mark(self, event: schemas.BatchWritten | schemas.FileUploaded, *, subject: str, batch_id: str = "") -> bool:
+        """Publish a progress marker (topology.written_subject / uploaded_subject) unless its
+        subject already holds one; True if this call stored it. A repeat (a redelivered batch, a
+        re-upload, a retry after a lost ack) is refused by the server and changes nothing."""
+        headers = {
+            **message_headers(self.job, batch=batch_id or getattr(event, "batch_id", ""),
+                              sample=getattr(event, "sample_index", None)),
+            **topology.ONCE_HEADERS,
+        }
+        try:
+            await self.js.publish(subject, schemas.encode(event), headers=headers)
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != topology.WRONG_LAST_SEQUENCE:
+                raise
+            return False
+        return True
 
     async def heartbeat(
         self, *, service: str, instance: str, node: str, state: str, detail: str = "", last_batch: str = "",

@@ -196,19 +196,21 @@ def write_index(folder: Destination, index: StoredIndex) -> int:
 
 
 async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600.0) -> StoredIndex:
-    """The index compacted from the job's `uploaded` events (this plan's, within the plan's
-    samples; for a sample reported more than once the last report stands, as the last put does)."""
+    """The index compacted from the job's `uploaded` markers (this plan's, within the plan's
+    samples), then the later uploads that replaced a marker's object (`replaced` reports), the
+    newest standing, as the last put does."""
     from nats.js.api import DeliverPolicy
 
     from hsx import topology
+    from hsx.progress import count_stored
 
-    total, job = spec.total_samples, spec.job
-    size = np.full(total, -1, dtype=np.int64)  # -1: no `uploaded` event for the sample
+    total, job, plan = spec.total_samples, spec.job, spec.plan_tag or "none"
+    size = np.full(total, -1, dtype=np.int64)  # -1: no `uploaded` marker for the sample
     tokens = np.zeros(total, dtype=np.int64)
     digests: list[str] = [""] * total
-    subject = topology.event_subject(job, "uploaded")
-    info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=subject)
-    if sum((info.state.subjects or {}).values()):
+    for subject in (topology.marker_filter(job, "uploaded", plan), topology.replaced_subject(job, plan, "*")):
+        if not await count_stored(js, topology.EVENTS_STREAM, subject):
+            continue
         caught_up = asyncio.Event()
 
         async def on_msg(msg) -> None:
@@ -217,8 +219,7 @@ async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600
             except msgspec.DecodeError:
                 log.warning("undecodable_event", subject=msg.subject)
                 event = None
-            if (isinstance(event, schemas.FileUploaded) and event.plan in ("", spec.plan_tag)
-                    and 0 <= event.sample_index < total):
+            if isinstance(event, schemas.FileUploaded) and 0 <= event.sample_index < total:
                 size[event.sample_index] = event.size
                 tokens[event.sample_index] = event.tokens
                 digests[event.sample_index] = event.digest
@@ -230,7 +231,7 @@ async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600
         try:
             await asyncio.wait_for(caught_up.wait(), timeout_s)
         except asyncio.TimeoutError:
-            raise HsxError(f"job {job}: its uploaded events were not all read within {timeout_s:g} s") from None
+            raise HsxError(f"job {job}: its uploaded markers were not all read within {timeout_s:g} s") from None
         finally:
             await sub.unsubscribe()
     stored = np.nonzero(size >= 0)[0]

@@ -1,30 +1,45 @@
-"""A job's progress, folded from its events and JetStream's own queue state.
+"""A job's progress: exact counts read from JetStream in constant time, and sums folded from the
+job's markers once, checkpointed for the next reader.
 
-Counts are of distinct samples and batches: a redelivered batch announces its samples again,
-and they are counted once. Where work stands (batches queued, files waiting for upload, dead
-letters, redeliveries) is read from JetStream itself, never inferred from processes. The monitor
-keeps a tracker running; `hsx status` runs one until it has caught up with the stream, then
-reads it once.
+Counts (`read_counts`). Every planned batch written and every planned sample uploaded leaves a
+marker on a subject of its own (`topology.written_subject`, `topology.uploaded_subject`), stored
+at most once (`EventPublisher.mark`). JetStream counts the messages under a filter without
+delivering any (an ephemeral consumer's `num_pending`), so `samples_uploaded` and `batches_done`
+are exact, whatever the job's size, and read with a few requests. Markers of another plan under
+the same job name sit under their own plan, and a sample index outside the plan under
+`<plan>.extra.`: neither is in the plan's count, so neither can stand in for a missing sample.
+`done` is read from the counts: every planned sample of this plan has its marker, and nothing is
+queued.
 
-Only the job's plan counts: `written` and `uploaded` events carry the plan they belong to
-(JobSpec.plan_tag); those of another plan under the same job name are set aside, and so are
-sample indices outside the plan. `done` means every planned sample is in the destination, never
-that enough events arrived.
+Sums (`ProgressFold`). Samples, tokens and bytes written and uploaded, and the deliveries each
+batch and file needed, are the markers' own numbers added up in stream order, each marker once.
+A reader that folds them (the monitor, continuously; `hsx status`, for up to its budget) saves
+what it reached as a `ProgressCheckpoint` on `hsx.events.<job>.checkpoint`, and the next reader
+starts from there, so the markers are read once between readers, not at every reading. Sums that
+did not catch up within a budget are reported as such (`sums_complete`), never as the whole.
+
+Dead letters and heartbeats are replayed (a few per failure and per worker); queue depths are
+JetStream's own state. Nothing here infers progress from processes.
 """
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from hsx import schemas, topology
+from hsx.events import HEARTBEAT_ROLLUP
+from hsx.headers import message_headers
 
 log = structlog.get_logger("hsx.progress")
+
+# Dead samples whose `uploaded` marker is looked up at once (`ProgressTracker.refresh_counts`).
+_LOOKUPS_IN_FLIGHT = 64
 
 
 @dataclass
@@ -36,93 +51,151 @@ class QueueState:
     file_redeliveries: int = 0
 
 
+@dataclass(frozen=True)
+class ProgressCounts:
+    """Distinct markers, counted by JetStream (see the module docstring)."""
+
+    samples_uploaded: int = 0  # this plan's samples with an `uploaded` marker
+    batches_done: int = 0  # this plan's batches with a `written` marker
+    samples_outside_plan: int = 0  # `uploaded` markers of this plan set aside: indices outside range(total)
+    events_other_plan: int = 0  # markers of another plan under this job name
+    samples_requeued: int = 0  # `requeued` events: a spool file lost or corrupted, sent back for extraction
+    # Of the dead-lettered samples, those with no `uploaded` marker: what a dead letter still holds back.
+    dead_unfinished: frozenset[int] = frozenset()
+
+
+async def count_stored(js: JetStreamContext, stream: str, subject_filter: str, *, after_seq: int = 0) -> int:
+    """Messages in `stream` under `subject_filter` (with a sequence above `after_seq`), counted by
+    the server: an ephemeral consumer is created, read for its pending count and deleted; no
+    message is delivered, so the cost does not grow with the count."""
+    config = ConsumerConfig(
+        filter_subject=subject_filter, ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0,
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after_seq else DeliverPolicy.ALL,
+        opt_start_seq=after_seq + 1 if after_seq else None,
+    )
+    info = await js.add_consumer(stream, config)
+    try:
+        return info.num_pending or 0
+    finally:
+        try:
+            await js.delete_consumer(stream, info.name)
+        except nats.js.errors.NotFoundError:
+            pass
+
+
+async def read_counts(js: JetStreamContext, job: str, plan: str) -> ProgressCounts:
+    """The job's counts, all read at once (a dozen requests, whatever the job's size)."""
+    events = topology.EVENTS_STREAM
+    (uploaded, uploaded_any_plan, outside, written, written_any_plan, requeued) = await asyncio.gather(
+        count_stored(js, events, topology.marker_filter(job, "uploaded", plan)),
+        count_stored(js, events, topology.marker_filter(job, "uploaded")),
+        count_stored(js, events, topology.marker_filter(job, "uploaded", plan, extra=True)),
+        count_stored(js, events, topology.marker_filter(job, "written", plan)),
+        count_stored(js, events, topology.marker_filter(job, "written")),
+        count_stored(js, events, topology.event_subject(job, "requeued")),
+    )
+    return ProgressCounts(
+        samples_uploaded=uploaded, batches_done=written, samples_outside_plan=outside,
+        events_other_plan=(uploaded_any_plan - uploaded) + (written_any_plan - written), samples_requeued=requeued,
+    )
+
+
 @dataclass
 class ProgressFold:
-    """Pure fold of progress events; knows nothing about NATS.
+    """The sums of a job's markers, its dead letters and its workers' last heartbeats; a pure fold
+    that knows nothing about NATS (`ProgressTracker` feeds it). Markers of `plan` only: the
+    replays it is fed from are filtered to it. A marker counts once: the server stores each
+    subject's first (topology.ONCE_HEADERS), and a `replaces` report is not a marker."""
 
-    `plan` (JobSpec.plan_tag) set: `written` and `uploaded` events of another plan are counted in
-    `other_plan_events` and otherwise ignored. Events without a plan (from hsx before events
-    carried one) are taken as this plan's, so a job running across an upgrade still finishes.
-    """
-
+    job: str = ""
     plan: str = ""
-    other_plan_events: int = 0
-    batches: dict[str, int] = field(default_factory=dict)  # batch id -> tokens
-    batch_attempts: dict[str, int] = field(default_factory=dict)  # batch id -> highest delivery written
-    file_attempts: dict[int, int] = field(default_factory=dict)  # sample -> highest delivery uploaded
-    written: set[int] = field(default_factory=set)
-    uploaded: dict[int, tuple[int, int]] = field(default_factory=dict)  # sample -> (tokens, bytes)
+    written_seq: int = 0  # the stream sequence the written sums reach (every marker at or below it is in them)
+    samples_written: int = 0
+    tokens_written: int = 0
+    bytes_written: int = 0
+    batch_redeliveries: int = 0
+    uploaded_seq: int = 0
+    tokens_uploaded: int = 0
+    bytes_uploaded: int = 0
+    file_redeliveries: int = 0
     dead_samples: set[int] = field(default_factory=set)
     dead_batches: set[str] = field(default_factory=set)
-    bytes_written: int = 0
-    tokens_written: int = 0
     heartbeats: dict[str, schemas.Heartbeat] = field(default_factory=dict)
-    requeued: list[int] = field(default_factory=list)  # samples sent back for extraction, once per loss
 
-    def apply(self, event: schemas.Event) -> None:
-        if isinstance(event, (schemas.BatchWritten, schemas.FileUploaded)) and self.plan and event.plan not in ("", self.plan):
-            self.other_plan_events += 1
-            return
-        if isinstance(event, schemas.BatchWritten) and event.redo:
-            self.written.update(event.sample_indices)
-        elif isinstance(event, schemas.BatchWritten):
-            if event.batch_id not in self.batches:
-                self.batches[event.batch_id] = event.tokens
+    @classmethod
+    def from_checkpoint(cls, checkpoint: schemas.ProgressCheckpoint) -> "ProgressFold":
+        return cls(
+            job=checkpoint.job, plan=checkpoint.plan, written_seq=checkpoint.written_seq,
+            samples_written=checkpoint.samples_written, tokens_written=checkpoint.tokens_written,
+            bytes_written=checkpoint.bytes_written, batch_redeliveries=checkpoint.batch_redeliveries,
+            uploaded_seq=checkpoint.uploaded_seq, tokens_uploaded=checkpoint.tokens_uploaded,
+            bytes_uploaded=checkpoint.bytes_uploaded, file_redeliveries=checkpoint.file_redeliveries,
+        )
+
+    def checkpoint(self) -> schemas.ProgressCheckpoint:
+        return schemas.ProgressCheckpoint(
+            job=self.job, plan=self.plan, written_seq=self.written_seq, samples_written=self.samples_written,
+            tokens_written=self.tokens_written, bytes_written=self.bytes_written,
+            batch_redeliveries=self.batch_redeliveries, uploaded_seq=self.uploaded_seq,
+            tokens_uploaded=self.tokens_uploaded, bytes_uploaded=self.bytes_uploaded,
+            file_redeliveries=self.file_redeliveries, saved_at=time.time(),
+        )
+
+    def apply_marker(self, event: schemas.Event, *, seq: int, planned: bool) -> None:
+        """A marker at stream sequence `seq`; `planned`: it counts toward the plan (not `extra`)."""
+        if isinstance(event, schemas.BatchWritten):
+            if seq <= self.written_seq:
+                return
+            self.written_seq = seq
+            if planned:
+                self.samples_written += len(event.sample_indices)
                 self.tokens_written += event.tokens
                 self.bytes_written += event.bytes
-            self.batch_attempts[event.batch_id] = max(self.batch_attempts.get(event.batch_id, 0), event.attempt)
-            self.written.update(event.sample_indices)
+                self.batch_redeliveries += max(0, event.attempt - 1)
         elif isinstance(event, schemas.FileUploaded):
-            self.uploaded.setdefault(event.sample_index, (event.tokens, event.size))
-            self.file_attempts[event.sample_index] = max(self.file_attempts.get(event.sample_index, 0), event.attempt)
-        elif isinstance(event, schemas.SampleRequeued):
-            self.requeued.append(event.sample_index)
-        elif isinstance(event, schemas.Heartbeat):
+            if seq <= self.uploaded_seq:
+                return
+            self.uploaded_seq = seq
+            if planned and not event.replaces:
+                self.tokens_uploaded += event.tokens
+                self.bytes_uploaded += event.size
+                self.file_redeliveries += max(0, event.attempt - 1)
+
+    def apply(self, event: schemas.Event) -> None:
+        """Dead letters and heartbeats (the events that are replayed whole)."""
+        if isinstance(event, schemas.Heartbeat):
             self.heartbeats[event.instance] = event
         elif isinstance(event, schemas.DeadLetter):
             self.dead_samples.update(event.sample_indices)
             if event.batch_id:
                 self.dead_batches.add(event.batch_id)
 
-    @property
-    def batch_redeliveries(self) -> int:
-        """Redeliveries of batches that were then written (delivery n counts n - 1): JetStream's own
-        `num_redelivered` forgets a redelivered message once it is acked, so a recovered crash
-        would otherwise leave no trace in the counts."""
-        return sum(attempt - 1 for attempt in self.batch_attempts.values())
-
-    @property
-    def file_redeliveries(self) -> int:
-        return sum(attempt - 1 for attempt in self.file_attempts.values())
-
-    @property
-    def tokens_uploaded(self) -> int:
-        return sum(tokens for tokens, _ in self.uploaded.values())
-
-    @property
-    def bytes_uploaded(self) -> int:
-        return sum(size for _, size in self.uploaded.values())
-
 
 class _Replay:
-    """An ordered consumer over one subject, applying every message to the fold."""
+    """An ordered consumer over one subject filter from a stream sequence on, handing each
+    message to `apply(msg)`; `caught_up` is set once it has read what was there when it started."""
 
-    def __init__(self, js: JetStreamContext, stream: str, subject: str, fold: ProgressFold, decoder, deliver: DeliverPolicy):
-        self.js, self.stream, self.subject, self.fold, self.decoder, self.deliver = js, stream, subject, fold, decoder, deliver
+    def __init__(self, js: JetStreamContext, stream: str, subject: str, apply, deliver: DeliverPolicy,
+                 after_seq: int = 0) -> None:
+        self.js, self.stream, self.subject, self.apply, self.deliver = js, stream, subject, apply, deliver
+        self.after_seq = after_seq
         self.caught_up = asyncio.Event()
         self.sub = None
 
     async def start(self) -> None:
-        info = await self.js.stream_info(self.stream, subjects_filter=self.subject)
-        if not sum((info.state.subjects or {}).values()):
+        deliver, config = self.deliver, None
+        if self.after_seq:
+            deliver, config = DeliverPolicy.BY_START_SEQUENCE, ConsumerConfig(opt_start_seq=self.after_seq + 1)
+        if not await count_stored(self.js, self.stream, self.subject, after_seq=self.after_seq):
             self.caught_up.set()
         self.sub = await self.js.subscribe(
-            self.subject, stream=self.stream, cb=self._on_msg, ordered_consumer=True, deliver_policy=self.deliver
+            self.subject, stream=self.stream, cb=self._on_msg, ordered_consumer=True, deliver_policy=deliver,
+            config=config,
         )
 
     async def _on_msg(self, msg) -> None:
         try:
-            self.fold.apply(self.decoder.decode(msg.data))
+            self.apply(msg)
         except msgspec.DecodeError:
             log.warning("undecodable_event", subject=msg.subject)
         if msg.metadata.num_pending == 0:
@@ -131,47 +204,166 @@ class _Replay:
     async def stop(self) -> None:
         if self.sub is not None:
             await self.sub.unsubscribe()
+            self.sub = None
+
+
+async def load_checkpoint(js: JetStreamContext, job: str, plan: str) -> tuple[schemas.ProgressCheckpoint | None, int]:
+    """(the job's saved checkpoint if it is of `plan`, the stream sequence of the message holding
+    any checkpoint, 0 when there is none)."""
+    try:
+        msg = await js.get_last_msg(topology.EVENTS_STREAM, topology.checkpoint_subject(job))
+    except nats.js.errors.NotFoundError:
+        return None, 0
+    try:
+        checkpoint = schemas.checkpoint_decoder.decode(msg.data)
+    except msgspec.DecodeError:
+        log.warning("undecodable_checkpoint", job=job)
+        return None, msg.seq
+    return (checkpoint if checkpoint.plan == plan else None), msg.seq
+
+
+def _merged(mine: schemas.ProgressCheckpoint, theirs: schemas.ProgressCheckpoint | None) -> schemas.ProgressCheckpoint:
+    """Per kind, the sums that reach further: both are sums over a prefix of the same stream."""
+    if theirs is None:
+        return mine
+    written = mine if mine.written_seq >= theirs.written_seq else theirs
+    uploaded = mine if mine.uploaded_seq >= theirs.uploaded_seq else theirs
+    return msgspec.structs.replace(
+        written, uploaded_seq=uploaded.uploaded_seq, tokens_uploaded=uploaded.tokens_uploaded,
+        bytes_uploaded=uploaded.bytes_uploaded, file_redeliveries=uploaded.file_redeliveries, saved_at=time.time(),
+    )
+
+
+async def save_checkpoint(js: JetStreamContext, checkpoint: schemas.ProgressCheckpoint) -> None:
+    """Save `checkpoint` unless a saved one already reaches as far. Concurrent savers (a monitor
+    and `hsx status`) are serialized by the subject's last sequence; the loser merges and retries."""
+    subject = topology.checkpoint_subject(checkpoint.job)
+    for _ in range(5):
+        theirs, last_seq = await load_checkpoint(js, checkpoint.job, checkpoint.plan)
+        merged = _merged(checkpoint, theirs)
+        if theirs is not None and (merged.written_seq, merged.uploaded_seq) == (theirs.written_seq, theirs.uploaded_seq):
+            return
+        headers = {**message_headers(checkpoint.job), **HEARTBEAT_ROLLUP,
+                   "Nats-Expected-Last-Subject-Sequence": str(last_seq)}
+        try:
+            await js.publish(subject, schemas.encode(merged), headers=headers)
+            return
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != topology.WRONG_LAST_SEQUENCE:
+                raise
+    log.warning("checkpoint_not_saved", job=checkpoint.job, reason="another reader kept saving first")
 
 
 class ProgressTracker:
+    """Follows a job: its sums from the checkpoint on, its dead letters, optionally its heartbeats;
+    `refresh_counts` and `refresh_queues` read JetStream's counts and queue state."""
+
     def __init__(self, js: JetStreamContext, job: str, *, plan: str = "", heartbeats: bool = False) -> None:
         self.js = js
         self.job = job
-        self.fold = ProgressFold(plan=plan)
+        self.plan = plan
+        self.fold = ProgressFold(job=job, plan=plan)
         self.queues = QueueState()
-        subjects = [
-            (topology.EVENTS_STREAM, topology.event_subject(job, "written"), schemas.event_decoder, DeliverPolicy.ALL),
-            (topology.EVENTS_STREAM, topology.event_subject(job, "uploaded"), schemas.event_decoder, DeliverPolicy.ALL),
-            (topology.EVENTS_STREAM, topology.event_subject(job, "requeued"), schemas.event_decoder, DeliverPolicy.ALL),
-            (topology.DEAD_STREAM, topology.dead_subject_all(job), schemas.dead_decoder, DeliverPolicy.ALL),
-        ]
-        if heartbeats:
-            subjects.append(
-                (topology.EVENTS_STREAM, topology.heartbeats_subject_all(job), schemas.event_decoder, DeliverPolicy.LAST_PER_SUBJECT)
-            )
-        self._replays = [_Replay(js, stream, subject, self.fold, dec, deliver) for stream, subject, dec, deliver in subjects]
+        self.counts = ProgressCounts()
+        self.heartbeats = heartbeats
+        self._sums: list[_Replay] = []
+        self._others: list[_Replay] = []
+        self._uploaded_known: set[int] = set()  # dead samples whose marker was found: it stays
 
     async def start(self) -> None:
-        for replay in self._replays:
+        checkpoint, _ = await load_checkpoint(self.js, self.job, self.plan)
+        if checkpoint is not None:
+            self.fold = ProgressFold.from_checkpoint(checkpoint)
+        events, plan = topology.EVENTS_STREAM, self.plan or "none"
+        self._sums = [
+            _Replay(self.js, events, topology.markers_all(self.job, "written", plan), self._apply_marker,
+                    DeliverPolicy.ALL, after_seq=self.fold.written_seq),
+            _Replay(self.js, events, topology.markers_all(self.job, "uploaded", plan), self._apply_marker,
+                    DeliverPolicy.ALL, after_seq=self.fold.uploaded_seq),
+        ]
+        self._others = [_Replay(self.js, topology.DEAD_STREAM, topology.dead_subject_all(self.job),
+                                self._apply_whole(schemas.dead_decoder), DeliverPolicy.ALL)]
+        if self.heartbeats:
+            self._others.append(_Replay(self.js, events, topology.heartbeats_subject_all(self.job),
+                                        self._apply_whole(schemas.event_decoder), DeliverPolicy.LAST_PER_SUBJECT))
+        for replay in self._others + self._sums:
             await replay.start()
 
-    async def wait_caught_up(self, timeout: float | None = 120.0) -> None:
-        await asyncio.wait_for(self._all_caught_up(), timeout)
+    def _apply_marker(self, msg) -> None:
+        # hsx.events.<job>.<kind>.<plan>.<batch or sample>, or ...<plan>.extra.<batch or sample>
+        planned = msg.subject.split(".")[5] != topology.EXTRA
+        self.fold.apply_marker(schemas.event_decoder.decode(msg.data), seq=msg.metadata.sequence.stream,
+                               planned=planned)
 
-    async def _all_caught_up(self) -> None:
+    def _apply_whole(self, decoder):
+        return lambda msg: self.fold.apply(decoder.decode(msg.data))
+
+    @property
+    def sums_caught_up(self) -> bool:
+        return all(replay.caught_up.is_set() for replay in self._sums)
+
+    async def wait_caught_up(self, timeout: float | None = 120.0, *, sums: bool = True) -> None:
+        """Until the replays have read what was there when they started (the sums too, unless not
+        `sums`): asyncio.TimeoutError after `timeout`."""
+        await asyncio.wait_for(self._all_caught_up(self._others + (self._sums if sums else [])), timeout)
+
+    @staticmethod
+    async def _all_caught_up(replays: list[_Replay]) -> None:
         # One after the other, not gather(): a gather cancelled by the timeout leaves a future whose
         # CancelledError asyncio then logs as "never retrieved".
-        for replay in self._replays:
+        for replay in replays:
             await replay.caught_up.wait()
 
+    async def wait_sums_current(self, *, timeout: float) -> bool:
+        """Until the sums hold every marker stored so far (False if that takes over `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            behind = await asyncio.gather(*(
+                count_stored(self.js, topology.EVENTS_STREAM, topology.markers_all(self.job, kind, self.plan or "none"),
+                               after_seq=seq)
+                for kind, seq in (("written", self.fold.written_seq), ("uploaded", self.fold.uploaded_seq))
+            ))
+            if not any(behind):
+                return True
+            if time.monotonic() > deadline:
+                log.warning("sums_behind", markers=sum(behind), waited_s=timeout)
+                return False
+            await asyncio.sleep(0.1)
+
     async def stop(self) -> None:
-        for replay in self._replays:
+        for replay in self._others + self._sums:
             await replay.stop()
+
+    async def save_checkpoint(self) -> None:
+        if self.fold.written_seq or self.fold.uploaded_seq:
+            await save_checkpoint(self.js, self.fold.checkpoint())
+
+    async def refresh_counts(self) -> ProgressCounts:
+        counts = await read_counts(self.js, self.job, self.plan or "none")
+        dead = sorted(self.fold.dead_samples - self._uploaded_known)
+        unfinished: set[int] = set()
+        for start in range(0, len(dead), _LOOKUPS_IN_FLIGHT):
+            chunk = dead[start:start + _LOOKUPS_IN_FLIGHT]
+            found = await asyncio.gather(*(self._has_uploaded_marker(i) for i in chunk))
+            for index, has in zip(chunk, found):
+                (self._uploaded_known.add if has else unfinished.add)(index)
+        self.counts = replace(counts, dead_unfinished=frozenset(unfinished))
+        return self.counts
+
+    async def _has_uploaded_marker(self, index: int) -> bool:
+        try:
+            await self.js.get_last_msg(topology.EVENTS_STREAM,
+                                       topology.uploaded_subject(self.job, self.plan or "none", index))
+        except nats.js.errors.NotFoundError:
+            return False
+        return True
 
     async def refresh_queues(self) -> QueueState:
         job = self.job
 
         async def count(stream: str, subject: str) -> int:
+            # Stream info, not `count_messages`: a work-queue stream refuses a second consumer whose
+            # filter overlaps its durable's. These filters match a few subjects each.
             info = await self.js.stream_info(stream, subjects_filter=subject)
             return sum((info.state.subjects or {}).values())
 
@@ -210,29 +402,23 @@ def destination_refusals(heartbeats: dict[str, schemas.Heartbeat], *, now: float
 
 
 def status_view(
-    spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueState, *, job: str, now: float | None = None,
-    live_s: float = 30.0,
+    spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueState, counts: ProgressCounts, *, job: str,
+    now: float | None = None, live_s: float = 30.0, sums_complete: bool = True,
 ) -> dict:
-    """The fields of `hsx status --json` (DESIGN section 5), plus detail. Heartbeats older than
-    `live_s` at `now` (default: the time now) are not taken as the word of a live worker."""
+    """The fields of `hsx status --json` (docs/OPERATIONS.md, "hsx status"), plus detail.
+    Heartbeats older than `live_s` at `now` (default: the time now) are not taken as the word of a
+    live worker. `sums_complete`: the fold has read every marker there was when it started."""
     total = spec.total_samples if spec else 0
-    # Samples outside the plan (a descriptor published by hand, a stray event) are reported, never
-    # counted: one of them must not stand in for a planned sample that is missing.
-    outside_uploaded = [i for i in fold.uploaded if not 0 <= i < total]
-    outside = set(outside_uploaded).union(i for i in fold.written if not 0 <= i < total)
-    uploaded = len(fold.uploaded) - len(outside_uploaded)
-    # Done: every planned sample has an `uploaded` event of this plan (distinct indices within
-    # range(total), so their number is total only when none is missing) and nothing is left in
+    uploaded = counts.samples_uploaded
+    # Done: every planned sample of this plan has its `uploaded` marker, and nothing is left in
     # flight (a batch redelivered after a crash may still be queued although its samples were
     # already uploaded).
     drained = queues.batches_queued == 0 and queues.files_queued == 0
     done = spec is not None and spec.published and uploaded == total and drained
-    dead_samples = {i for i in fold.dead_samples if i not in fold.uploaded}
+    dead_samples = {i for i in counts.dead_unfinished if 0 <= i < total}
     # Nothing is queued anywhere and every missing sample is dead: the job cannot finish by itself.
-    failed = spec is not None and spec.published and not done and drained
-    if failed:
-        unfinished = set(range(total)).difference(fold.uploaded)
-        failed = bool(unfinished) and unfinished <= dead_samples
+    failed = (spec is not None and spec.published and not done and drained
+              and 0 < total - uploaded == len(dead_samples))
     failure_reason = (
         f"{len(dead_samples)} samples dead-lettered and nothing else left to run (hsx dead list --job {job})"
         if failed else None
@@ -252,24 +438,27 @@ def status_view(
         "samples_truncated": spec.samples_truncated if spec else 0,
         "samples_skipped": spec.samples_skipped if spec else 0,
         "input_report": f"{topology.DATASETS_BUCKET}/{spec.report_object}" if spec and spec.report_object else None,
-        "samples_written": len(fold.written) - len(outside.intersection(fold.written)),
+        "samples_written": fold.samples_written,
         "samples_uploaded": uploaded,
         "tokens_written": fold.tokens_written,
-        "tokens_uploaded": fold.tokens_uploaded - sum(fold.uploaded[i][0] for i in outside_uploaded),
+        "tokens_uploaded": fold.tokens_uploaded,
         "bytes_written": fold.bytes_written,
-        "bytes_uploaded": fold.bytes_uploaded - sum(fold.uploaded[i][1] for i in outside_uploaded),
-        # Set aside, not counted: sample indices outside range(total_samples), and `written` or
-        # `uploaded` events of another plan under this job name.
-        "samples_outside_plan": len(outside),
-        "events_other_plan": fold.other_plan_events,
+        "bytes_uploaded": fold.bytes_uploaded,
+        # The sums above (samples_written, tokens_*, bytes_*, redeliveries after the fact) cover
+        # every marker when true; false: the reading stopped at its budget, and they are short.
+        "sums_complete": sums_complete,
+        # Set aside, not counted: `uploaded` markers of sample indices outside range(total_samples),
+        # and markers of another plan under this job name.
+        "samples_outside_plan": counts.samples_outside_plan,
+        "events_other_plan": counts.events_other_plan,
         "batches_total": spec.total_batches if spec else 0,
-        "batches_done": len(fold.batches),
+        "batches_done": counts.batches_done,
         "batches_queued": queues.batches_queued,
         "files_waiting_upload": queues.files_queued,
         "dead_letters": queues.dead_letters,
         "dead_samples": sorted(dead_samples),
-        "samples_requeued": len(fold.requeued),
-        # Written after a redelivery (from events) + redelivered and not acked yet (from JetStream).
+        "samples_requeued": counts.samples_requeued,
+        # Written after a redelivery (from the markers) + redelivered and not acked yet (from JetStream).
         "batch_redeliveries": fold.batch_redeliveries + queues.batch_redeliveries,
         "file_redeliveries": fold.file_redeliveries + queues.file_redeliveries,
         "dest": spec.dest if spec else None,

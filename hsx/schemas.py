@@ -150,6 +150,9 @@ class FileUploaded(_Wire, tag="uploaded.v1"):
     # The stored object's digest (FileReady.digest, checked by the verified put): these events are
     # the journal the job's index is compacted from (hsx/index.py); "" from older senders.
     digest: str = ""
+    # Sent on `hsx.events.<job>.replaced.<plan>.<sample>`: the sample's marker was stored before,
+    # and this upload stored its object again; the index takes this digest, no count or sum does.
+    replaces: bool = False
 
 
 class SampleRequeued(_Wire, tag="requeued.v1"):
@@ -203,6 +206,25 @@ class DeadLetter(_Wire, tag="dead.v1"):
     original_truncated: bool = False  # `original` was cut to fit the server's max_payload
 
 
+class ProgressCheckpoint(_Wire, tag="progress.v1"):
+    """What a reader folded of a job's markers (hsx/progress.py), saved for the next reader on
+    `hsx.events.<job>.checkpoint`: each kind's sums over every marker of `plan` at or below its
+    stream sequence, so the next fold reads only the markers after it."""
+
+    job: str
+    plan: str
+    written_seq: int = 0
+    samples_written: int = 0
+    tokens_written: int = 0
+    bytes_written: int = 0
+    batch_redeliveries: int = 0  # deliveries before each batch was first written, less one each
+    uploaded_seq: int = 0
+    tokens_uploaded: int = 0
+    bytes_uploaded: int = 0
+    file_redeliveries: int = 0
+    saved_at: float = 0.0
+
+
 # A dead letter's error text is cut to this many characters.
 DEAD_LETTER_ERROR_CHARS = 2000
 
@@ -230,6 +252,7 @@ file_decoder = msgspec.json.Decoder(FileReady)
 job_decoder = msgspec.json.Decoder(JobSpec)
 event_decoder = msgspec.json.Decoder(Event)
 dead_decoder = msgspec.json.Decoder(DeadLetter)
+checkpoint_decoder = msgspec.json.Decoder(ProgressCheckpoint)
 
 
 def encode(message: _Wire) -> bytes:

@@ -2,6 +2,10 @@
 
 import asyncio
 import json
+import time
+
+import nats.errors
+import structlog
 
 from hsx import topology
 from hsx.errors import HsxError
@@ -9,11 +13,20 @@ from hsx.jobs import require_job_spec
 from hsx.natsconn import NatsSettings, close_connection, connect
 from hsx.progress import ProgressTracker, status_view
 
+log = structlog.get_logger("hsx.status")
+
 DEFAULT_TIMEOUT_S = 120.0
+# How long `hsx status` folds markers the last reader has not (progress.py, "Sums"): with a
+# monitor running there are a few seconds' worth; after none for hours, the sums are reported
+# short (`sums_complete` false) rather than making the reading wait, and the next reading goes on
+# from where this one stopped. The counts, and `done`, never wait on it.
+DEFAULT_SUMS_BUDGET_S = 0.5
 
 
-async def read_status(settings: NatsSettings, job: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Read the job's events up to the newest one (at most `timeout_s`), then its queues."""
+async def read_status(settings: NatsSettings, job: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                      sums_budget_s: float = DEFAULT_SUMS_BUDGET_S) -> dict:
+    """Count the job's markers and read its queues, fold the markers since the checkpoint for up
+    to `sums_budget_s` and save how far it got; everything within `timeout_s`."""
     nc = await connect(settings, name=f"hsx-status-{job}")
     try:
         js = nc.jetstream()
@@ -21,27 +34,38 @@ async def read_status(settings: NatsSettings, job: str, *, timeout_s: float = DE
         spec = await require_job_spec(kv, job)
         # Heartbeats too: an uploader's says when the destination refuses it (the job's failure reason).
         tracker = ProgressTracker(js, job, plan=spec.plan_tag, heartbeats=True)
+        deadline = time.monotonic() + timeout_s
 
-        async def catch_up() -> None:
-            # Events arrive as soon as the first reader is subscribed, so the reading happens as
-            # much during start() as after it: the timeout covers both.
-            await tracker.start()
-            await tracker.wait_caught_up(None)
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
 
         try:
             try:
-                await asyncio.wait_for(catch_up(), timeout_s)
+                # Dead letters and heartbeats are read whole: a reading without them could miss a failure.
+                await asyncio.wait_for(tracker.start(), left())
+                await tracker.wait_caught_up(left(), sums=False)
+                sums_started = time.monotonic()
+                try:
+                    await tracker.wait_caught_up(min(sums_budget_s, left()))
+                except asyncio.TimeoutError:
+                    log.info("status_sums_short", job=job, budget_s=sums_budget_s,
+                             waited_s=round(time.monotonic() - sums_started, 3))
+                complete = tracker.sums_caught_up
+                await tracker.stop()  # the sums stay as they are now, what `sums_complete` describes
+                await asyncio.wait_for(tracker.refresh_counts(), left())
+                await asyncio.wait_for(tracker.refresh_queues(), left())
             except asyncio.TimeoutError:
-                # A partial reading would under-count: say so instead of printing it.
                 raise HsxError(
-                    f"status of job {job}: its events were not all read within {timeout_s:g} s "
-                    f"({len(tracker.fold.uploaded)} samples seen so far); NATS may be slow or "
-                    "unreachable, or the job has many events: pass --timeout with more seconds"
+                    f"status of job {job}: NATS did not answer within {timeout_s:g} s (slow or unreachable); "
+                    "pass --timeout with more seconds"
                 ) from None
-            await tracker.refresh_queues()
         finally:
             await tracker.stop()
-        return status_view(spec, tracker.fold, tracker.queues, job=job)
+        try:
+            await asyncio.wait_for(tracker.save_checkpoint(), max(1.0, left()))
+        except (asyncio.TimeoutError, nats.errors.Error) as exc:  # the next reading folds again: nothing lost
+            log.warning("checkpoint_not_saved", job=job, error=str(exc) or type(exc).__name__)
+        return status_view(spec, tracker.fold, tracker.queues, tracker.counts, job=job, sums_complete=complete)
     finally:
         await close_connection(nc)
 
@@ -53,7 +77,8 @@ def format_status(view: dict, *, as_json: bool) -> str:
     lines = [
         f"job {view['job']}: {state}",
         f"  samples  uploaded {view['samples_uploaded']}/{view['total_samples']}, written {view['samples_written']}",
-        f"  tokens   written {view['tokens_written']}/{view['total_tokens']}",
+        f"  tokens   written {view['tokens_written']}/{view['total_tokens']}"
+        + ("" if view.get("sums_complete", True) else " (so far read; run hsx status again, or keep hsx monitor running)"),
         f"  batches  done {view['batches_done']}/{view['batches_total']}, queued {view['batches_queued']}",
         f"  spool    {view['files_waiting_upload']} files waiting for upload",
         f"  redeliveries {view['batch_redeliveries'] + view['file_redeliveries']}, dead letters {view['dead_letters']}",

@@ -108,6 +108,51 @@ def event_subject(job: str, kind: str) -> str:
     return f"hsx.events.{job}.{kind}"
 
 
+# Progress markers (hsx/progress.py counts them): one subject per planned batch written and per
+# planned sample uploaded, each stored at most once (`ONCE_HEADERS`), so JetStream's count of a
+# filter's subjects is the number of distinct batches or samples, read in constant time. What is
+# not of the plan (a re-queued sample's batch, a sample index outside the plan) goes under
+# `<plan>.extra.`, which the plan's counting filter (`<plan>.*`, one token) does not match.
+EXTRA = "extra"
+
+
+def written_subject(job: str, plan: str, batch_id: str, *, planned: bool = True) -> str:
+    return f"hsx.events.{job}.written.{plan or 'none'}.{'' if planned else EXTRA + '.'}{batch_id}"
+
+
+def uploaded_subject(job: str, plan: str, index: int, *, planned: bool = True) -> str:
+    return f"hsx.events.{job}.uploaded.{plan or 'none'}.{'' if planned else EXTRA + '.'}{index}"
+
+
+def replaced_subject(job: str, plan: str, index: int | str) -> str:
+    """A sample's later upload that stored its object again after its `uploaded` marker (its
+    digest may differ: a redone extraction is not always bit-identical); the index takes the
+    newest. Not a marker: counted nowhere."""
+    return f"hsx.events.{job}.replaced.{plan or 'none'}.{index}"
+
+
+def marker_filter(job: str, kind: str, plan: str = "*", *, extra: bool = False) -> str:
+    """The markers of `kind` ("written" | "uploaded") of `plan` ("*": every plan): the planned
+    ones, or with `extra` those set aside."""
+    return f"hsx.events.{job}.{kind}.{plan}.{EXTRA + '.*' if extra else '*'}"
+
+
+def markers_all(job: str, kind: str, plan: str) -> str:
+    """Every marker of `kind` of `plan`, planned and extra, in stream order (what the sums fold)."""
+    return f"hsx.events.{job}.{kind}.{plan}.>"
+
+
+def checkpoint_subject(job: str) -> str:
+    """The job's progress checkpoint (hsx/progress.py): one message, rolled up on each save."""
+    return f"hsx.events.{job}.checkpoint"
+
+
+# A marker is published only if its subject holds no message yet: a redelivered batch or a
+# re-uploaded sample is recorded once, and its sums are counted once.
+ONCE_HEADERS = {"Nats-Expected-Last-Subject-Sequence": "0"}
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when that expectation fails
+
+
 def heartbeat_subject(job: str, instance: str) -> str:
     return f"hsx.events.{job}.heartbeat.{instance}"
 

@@ -37,6 +37,11 @@ from monitor.report import (
 
 log = structlog.get_logger("hsx.monitor")
 
+# How often the monitor saves its sums for the next reader (hsx/progress.py, "Sums").
+CHECKPOINT_EVERY_S = 15.0
+# At the job's end, how long the summary waits for the last markers to reach the sums.
+SUMS_AT_END_WAIT_S = 30.0
+
 
 def _open_output(cfg: MonitorConfig) -> TerminalBar | None:
     """Point the process's log at stdout: as JSON lines, or above a bar that holds the last line."""
@@ -86,7 +91,7 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
             return 0
         tracker = ProgressTracker(js, cfg.job, plan=spec.plan_tag, heartbeats=True)
         await tracker.start()
-        started = time.monotonic()
+        started = saved = time.monotonic()
         token_rate, sample_rate = RateWindow(), RateWindow()
         summarised = False
         reported_silent: set[str] = set()
@@ -102,10 +107,20 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                     break
                 try:
                     await tracker.refresh_queues()
+                    await tracker.refresh_counts()
+                    if time.monotonic() - saved >= CHECKPOINT_EVERY_S:
+                        await tracker.save_checkpoint()
+                        saved = time.monotonic()
                 except Exception as exc:  # NATS reconnecting: report on the next tick
                     log.warning("queue_state_unavailable", error=str(exc) or type(exc).__name__)
-                view = status_view(spec, tracker.fold, tracker.queues, job=cfg.job, live_s=cfg.silent_after_s)
-                token_rate.add(view["tokens_written"])
+                if tracker.counts.samples_uploaded == spec.total_samples and not summarised:
+                    # The counts are read at once, the sums as their markers arrive: the summary
+                    # waits until the sums hold every marker there is.
+                    await tracker.wait_sums_current(timeout=SUMS_AT_END_WAIT_S)
+                view = status_view(spec, tracker.fold, tracker.queues, tracker.counts, job=cfg.job,
+                                   live_s=cfg.silent_after_s, sums_complete=tracker.sums_caught_up)
+                if tracker.sums_caught_up:  # not while catching up from a checkpoint: no rate spike
+                    token_rate.add(view["tokens_written"])
                 sample_rate.add(view["samples_uploaded"])
                 now = time.time()
                 heartbeats = tracker.fold.heartbeats
@@ -158,6 +173,10 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                     pass
         finally:
             await tracker.stop()
+            try:
+                await tracker.save_checkpoint()
+            except Exception as exc:  # the next reader folds from the last checkpoint: nothing lost
+                log.warning("checkpoint_not_saved", error=str(exc) or type(exc).__name__)
         return 0
     finally:
         await close_connection(nc)

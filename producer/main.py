@@ -36,6 +36,7 @@ from hsx.jobs import read_job_spec
 from hsx.layers import resolve_layers
 from hsx.modelinfo import load_model_info
 from hsx.natsconn import connect
+from hsx.progress import count_stored
 from producer.config import ProducerConfig
 from hsx.jobadmin import count_messages, live_workers
 from producer import bundle, preflight, resume, stored
@@ -275,7 +276,7 @@ async def _replace_unpublished(js, cfg: ProducerConfig, existing: schemas.JobSpe
     alive = await live_workers(js, cfg.job)
     job = cfg.job
     progress = {
-        "batches written": await count_messages(js, topology.EVENTS_STREAM, topology.event_subject(job, "written")),
+        "batches written": await count_stored(js, topology.EVENTS_STREAM, topology.markers_all(job, "written", "*")),
         "dead letters": await count_messages(js, topology.DEAD_STREAM, topology.dead_subject_all(job)),
         "files waiting for upload": await count_messages(js, topology.FILES_STREAM, topology.files_subject_all(job)),
     }

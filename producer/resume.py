@@ -8,7 +8,7 @@ would queue, and extract, the whole job again.
 - queued: the batch ids of the messages on `hsx.batches.<job>`, read by sequence number (a work
   queue takes no second consumer on the job's subject, and reading by sequence takes nothing off
   the queue); a message is queued until its consumer acks it, so a batch being extracted counts.
-- finished: the batch ids of the job's `written` events (a consumer publishes one before it acks
+- finished: the batch ids of the job's `written` markers (a consumer publishes one before it acks
   its batch) and of its batch dead letters (stored before the batch leaves the queue; `hsx dead
   retry` sends those back itself).
 
@@ -74,7 +74,7 @@ async def _replay(js: JetStreamContext, stream: str, subject: str, decoder) -> l
 
 
 async def finished_batch_ids(js: JetStreamContext, job: str) -> set[str]:
-    written = await _replay(js, topology.EVENTS_STREAM, topology.event_subject(job, "written"), schemas.event_decoder)
+    written = await _replay(js, topology.EVENTS_STREAM, topology.markers_all(job, "written", "*"), schemas.event_decoder)
     finished = {event.batch_id for event in written if isinstance(event, schemas.BatchWritten)}
     finished |= {
         letter.batch_id

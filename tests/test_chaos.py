@@ -42,6 +42,7 @@ from conftest import _free_port, aws_test_env
 from hsx import schemas, topology
 from hsx.destinations import DIGEST_METADATA
 from hsx.embedded import start_nats_server
+from hsx.progress import count_stored
 from test_crash_recovery import wait_settled
 from test_e2e_s3 import (
     _metadata,
@@ -136,22 +137,24 @@ def batch_stream_state(url: str, job: str) -> tuple[int, int, list[str]]:
 
 
 def real_uploads(url: str, job: str) -> dict[int, int]:
-    """Per sample, how many `uploaded` events say the object was really sent (not found already
-    in the destination). More than one means a sample was uploaded twice."""
+    """Per sample, how many reports say the object was really sent (not found already in the
+    destination): its `uploaded` marker, and any later `replaced` report. More than one means a
+    sample was uploaded twice."""
 
     async def read() -> dict[int, int]:
         nc = await nats.connect(url)
         try:
             js = nc.jetstream()
-            subject = topology.event_subject(job, "uploaded")
-            info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=subject)
-            total = sum((info.state.subjects or {}).values())
-            sub = await js.subscribe(subject, stream=topology.EVENTS_STREAM, ordered_consumer=True)
             counts: dict[int, int] = {}
-            for _ in range(total):
-                event = schemas.event_decoder.decode((await sub.next_msg(timeout=10)).data)
-                counts[event.sample_index] = counts.get(event.sample_index, 0) + (not event.already_present)
-            await sub.unsubscribe()
+            for subject in (topology.markers_all(job, "uploaded", "*"), topology.replaced_subject(job, "*", "*")):
+                total = await count_stored(js, topology.EVENTS_STREAM, subject)
+                if not total:
+                    continue
+                sub = await js.subscribe(subject, stream=topology.EVENTS_STREAM, ordered_consumer=True)
+                for _ in range(total):
+                    event = schemas.event_decoder.decode((await sub.next_msg(timeout=10)).data)
+                    counts[event.sample_index] = counts.get(event.sample_index, 0) + (not event.already_present)
+                await sub.unsubscribe()
             return counts
         finally:
             await nc.drain()

@@ -19,6 +19,7 @@ import pytest
 
 from hsx import topology
 from hsx.embedded import start_nats_cluster
+from hsx.progress import count_stored
 from test_e2e_s3 import (
     LAYERS, Reference, check_final_status, check_ok, check_outputs, read_dir_objects, start_monitor, status,
     wait_until_done, write_dataset,
@@ -56,8 +57,7 @@ async def _replication(urls: str) -> dict[str, tuple[int, str, int]]:
 async def _written_events(urls: str, job: str) -> int:
     nc = await nats.connect(urls.split(","))
     try:
-        info = await nc.jetstream().stream_info(topology.EVENTS_STREAM, subjects_filter=topology.event_subject(job, "written"))
-        return sum((info.state.subjects or {}).values())
+        return await count_stored(nc.jetstream(), topology.EVENTS_STREAM, topology.markers_all(job, "written", "*"))
     finally:
         await nc.drain()
 

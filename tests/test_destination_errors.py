@@ -33,7 +33,7 @@ import requests
 from hsx import schemas
 from hsx.backoff import jittered, retry_delay
 from hsx.destinations import FileDestination, S3Destination
-from hsx.progress import ProgressFold, QueueState, status_view
+from hsx.progress import ProgressCounts, ProgressFold, QueueState, status_view
 from conftest import REPO, _free_port
 from test_chaos import check_uploaded_once, log_events, wait_for
 from test_e2e_s3 import (
@@ -229,7 +229,7 @@ def test_a_refusal_fails_the_job_only_while_a_live_uploader_says_so():
         fold = ProgressFold()
         fold.apply(schemas.Heartbeat(job="j", service="uploader", instance="u-1", node="n", state=state,
                                      detail=reason if state == "refused" else "", sent_at=1000.0 - age_s))
-        return status_view(spec, fold, QueueState(**queued), job="j", now=1000.0, live_s=30.0)
+        return status_view(spec, fold, QueueState(**queued), ProgressCounts(), job="j", now=1000.0, live_s=30.0)
 
     refused = view("refused", 5.0, files_queued=2)
     assert refused["failed"] and refused["destination_error"] == reason, refused

@@ -70,7 +70,9 @@ def produce(hsx, *, job: str, model: Path, dataset: Path, dest: str, token_budge
 
 
 def status(hsx, job: str, env: dict | None) -> dict:
-    return json.loads(check_ok(hsx("status", "--job", job, "--json", env=env, timeout=60), "hsx status").stdout)
+    # A generous sums budget: these tests read the sums (samples written, tokens) exactly.
+    return json.loads(check_ok(hsx("status", "--job", job, "--json", "--sums-budget", "30", env=env, timeout=60),
+                               "hsx status").stdout)
 
 
 def wait_until_spooled(hsx, consumer: subprocess.Popen, job: str, count: int, timeout: float = 90) -> None:

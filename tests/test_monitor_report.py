@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hsx import schemas
-from hsx.progress import ProgressFold, QueueState, status_view
+from hsx.progress import ProgressCounts, ProgressFold, QueueState, status_view
 from monitor.bar import TerminalBar, render_bar
 from monitor.metrics import JobCollector
 from monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS, progress_line, silent_workers, take_reading
@@ -33,16 +33,19 @@ def _beat(instance, *, service="gpu_consumer", node="n1", state="working", age=1
 
 def _view(done=False):
     fold = ProgressFold()
-    fold.apply(schemas.BatchWritten(job="j", batch_id="b0", consumer="c", node="n1", sample_indices=[0, 1], tokens=20,
-                                    bytes=2000, seconds=0.1, attempt=2))
-    for index in ([0, 1, 2, 3] if done else [0]):
-        fold.apply(schemas.FileUploaded(job="j", node="n1", uploader="u", sample_index=index,
-                                        key=f"j/00000/{index}.safetensors", size=1000, tokens=10))
+    markers = [schemas.BatchWritten(job="j", batch_id="b0", consumer="c", node="n1", sample_indices=[0, 1], tokens=20,
+                                    bytes=2000, seconds=0.1, attempt=2)]
+    markers += [schemas.FileUploaded(job="j", node="n1", uploader="u", sample_index=index,
+                                     key=f"j/00000/{index}.safetensors", size=1000, tokens=10)
+                for index in ([0, 1, 2, 3] if done else [0])]
     if done:
-        fold.apply(schemas.BatchWritten(job="j", batch_id="b1", consumer="c", node="n1", sample_indices=[2, 3],
-                                        tokens=20, bytes=2000, seconds=0.1, attempt=1))
+        markers.append(schemas.BatchWritten(job="j", batch_id="b1", consumer="c", node="n1", sample_indices=[2, 3],
+                                            tokens=20, bytes=2000, seconds=0.1, attempt=1))
+    for seq, marker in enumerate(markers, start=1):
+        fold.apply_marker(marker, seq=seq, planned=True)
+    counts = ProgressCounts(samples_uploaded=4 if done else 1, batches_done=2 if done else 1)
     queues = QueueState() if done else QueueState(batches_queued=1, files_queued=1, file_redeliveries=3)
-    return status_view(_spec(), fold, queues, job="j")
+    return status_view(_spec(), fold, queues, counts, job="j")
 
 
 HEARTBEATS = {

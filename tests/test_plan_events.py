@@ -1,11 +1,12 @@
 """`done` means every planned sample is in the destination, exactly (docs/RELIABILITY.md, "Stray
 events").
 
-Progress events carry their plan (the job spec's plan tag): an `uploaded` event of another plan
-under the same job name, or of a sample index outside the plan, never counts, so it cannot stand
-in for a planned sample that is missing. Before, `done` was `uploaded >= total`, and a dozen stray
-events, or a descriptor published by hand with extra samples, made a job with a missing sample
-`done`. Events are published here as raw JSON with nats-py, as a stray publisher would.
+Progress markers carry their plan in their subject (the job spec's plan tag): an `uploaded`
+marker of another plan under the same job name, or of a sample index outside the plan (set aside
+under `<plan>.extra.` by the uploader), is never counted, so it cannot stand in for a planned
+sample that is missing. Before, `done` was `uploaded >= total`, and a dozen stray events, or a
+descriptor published by hand with extra samples, made a job with a missing sample `done`.
+Markers are published here as raw JSON with nats-py on the subjects hsx's own publishers use.
 """
 
 import asyncio
@@ -16,6 +17,7 @@ from pathlib import Path
 import msgspec
 import nats
 import nats.js.errors
+import pytest
 
 from hsx import topology
 from test_e2e_s3 import check_ok, logs_of, produce, start_monitor, status, wait_until_done, write_dataset
@@ -45,7 +47,7 @@ def _uploaded(job: str, index: int, plan: str) -> bytes:
 
 
 async def _events(js, subject: str) -> list[dict]:
-    """Every message stored on `subject` in HSX_EVENTS, in order."""
+    """Every message stored under `subject` (a filter) in HSX_EVENTS, in order."""
     found, seq = [], 0
     while True:
         try:
@@ -58,20 +60,25 @@ async def _events(js, subject: str) -> list[dict]:
 
 def test_stray_events_of_another_plan_or_outside_the_plan_never_make_a_job_done(hsx, nats_server, tiny_model, job_name, tmp_path):
     _produce(hsx, tmp_path, job_name, tiny_model("qwen3"))
-    subject = topology.event_subject(job_name, "uploaded")
+
+    async def mark(js, plan: str, index: int, *, planned: bool = True) -> None:
+        await js.publish(topology.uploaded_subject(job_name, plan, index, planned=planned),
+                         _uploaded(job_name, index, plan), headers=topology.ONCE_HEADERS)
 
     async def setup() -> str:
         nc = await nats.connect(nats_server.url)
         js = nc.jetstream()
         plan = await _plan_tag(js, job_name)
-        # Nothing left queued: only the events decide.
+        # Nothing left queued: only the markers decide.
         await js.purge_stream(topology.BATCHES_STREAM, subject=topology.batch_subject(job_name))
         for index in range(SAMPLES):  # a former job of this name, with another plan, uploaded everything
-            await js.publish(subject, _uploaded(job_name, index, "0123456789ab"))
+            await mark(js, "0123456789ab", index)
         for index in range(SAMPLES, 2 * SAMPLES):  # indices past the plan's end
-            await js.publish(subject, _uploaded(job_name, index, plan))
-        for index in range(SAMPLES - 1):  # this plan: every sample but the last
-            await js.publish(subject, _uploaded(job_name, index, plan))
+            await mark(js, plan, index, planned=False)
+        for index in range(SAMPLES - 1):  # this plan: every sample but the last, the first one twice
+            await mark(js, plan, index)
+        with pytest.raises(nats.js.errors.APIError):  # a marker is stored once
+            await mark(js, plan, 0)
         await nc.drain()
         return plan
 
@@ -81,10 +88,12 @@ def test_stray_events_of_another_plan_or_outside_the_plan_never_make_a_job_done(
     assert not view["done"], view
     assert view["samples_uploaded"] == SAMPLES - 1, view
     assert view["samples_outside_plan"] == SAMPLES and view["events_other_plan"] == SAMPLES, view
+    # The sums count each of this plan's markers once, and nothing set aside.
+    assert (view["tokens_uploaded"], view["bytes_uploaded"]) == (8 * (SAMPLES - 1), 100 * (SAMPLES - 1)), view
 
     async def last_one() -> None:
         nc = await nats.connect(nats_server.url)
-        await nc.jetstream().publish(subject, _uploaded(job_name, SAMPLES - 1, plan))
+        await mark(nc.jetstream(), plan, SAMPLES - 1)
         await nc.drain()
 
     asyncio.run(last_one())
@@ -134,7 +143,7 @@ def test_a_descriptor_with_extra_samples_does_not_count_toward_done(hsx, hsx_ser
     async def events_and_put_back() -> dict[str, list[dict]]:
         nc = await nats.connect(nats_server.url)
         js = nc.jetstream()
-        events = {kind: await _events(js, topology.event_subject(job_name, kind)) for kind in ("written", "uploaded")}
+        events = {kind: await _events(js, topology.markers_all(job_name, kind, "*")) for kind in ("written", "uploaded")}
         # The planned batch goes back (under a new message id: the old one is in the duplicate window).
         await js.publish(topology.batch_subject(job_name), held, headers={"Nats-Msg-Id": f"{job_name}-put-back"})
         await nc.drain()

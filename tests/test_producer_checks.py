@@ -163,7 +163,7 @@ async def _mark_unpublished(url: str, job: str, *, written_event: bool = False) 
         spec = schemas.job_decoder.decode((await kv.get(job)).value)
         await kv.put(job, schemas.encode(msgspec.structs.replace(spec, published=False)))
         if written_event:  # as a consumer announces a finished batch
-            await js.publish(topology.event_subject(job, "written"), schemas.encode(schemas.BatchWritten(
+            await js.publish(topology.written_subject(job, spec.plan_tag, f"{job}-x"), schemas.encode(schemas.BatchWritten(
                 job=job, batch_id=f"{job}-x", consumer="c", node="n", sample_indices=[0], tokens=1, bytes=1, seconds=0.1,
             )))
     finally:

@@ -33,7 +33,7 @@ async def run(cfg: UploaderConfig) -> int:
         events = EventPublisher(nc, js, cfg.job)
         durable = await topology.ensure_upload_consumer(js, cfg.job, cfg.node, ack_wait_s=cfg.ack_wait_s)
         sub = await js.pull_subscribe_bind(durable=durable, stream=topology.FILES_STREAM)
-        mover = FileMover(cfg, dest, events)
+        mover = FileMover(cfg, dest, events, spec)
         log.info("uploader_ready", dest=dest.url, node=cfg.node, durable=durable, max_inflight=cfg.max_inflight)
         beats = asyncio.create_task(heartbeat_loop(
             events, service=SERVICE, instance=cfg.instance, node=cfg.node, interval_s=cfg.heartbeat_s, stopping=stopping,

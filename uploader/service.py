@@ -66,10 +66,14 @@ def _checked_spool_file(path: Path) -> tuple[str, os.stat_result]:
 
 
 class FileMover:
-    def __init__(self, cfg: UploaderConfig, dest: Destination, events: EventPublisher) -> None:
+    def __init__(self, cfg: UploaderConfig, dest: Destination, events: EventPublisher,
+                 spec: schemas.JobSpec | None = None) -> None:
         self.cfg = cfg
         self.dest = dest
         self.events = events
+        # The job's plan and size: which `uploaded` markers count toward it (`_marker`).
+        self.plan = spec.plan_tag if spec else ""
+        self.total_samples = spec.total_samples if spec else 0
         self.inflight = 0
         self.retrying = 0  # uploads waiting out a destination failure
         self.last_error = ""
@@ -213,14 +217,34 @@ class FileMover:
                 key=ready.key, size=ready.size, tokens=ready.num_tokens, already_present=already,
                 attempt=msg.metadata.num_delivered, plan=ready.plan, digest=ready.digest,
             )
-            await through_outage(
-                lambda: self.events.emit(uploaded, batch_id=ready.batch_id), what="report_uploaded", stopping=stopping,
-            )
+            # The sample's marker (stored once): what `hsx status` counts and the index is built from.
+            await through_outage(lambda: self._report_uploaded(uploaded, ready), what="report_uploaded",
+                                 stopping=stopping)
             await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
             log.debug("file_uploaded", key=ready.key, bytes=ready.size, already_present=already)
         finally:
             keep_alive.cancel()
             self.inflight -= 1
+
+    async def _report_uploaded(self, uploaded: schemas.FileUploaded, ready: schemas.FileReady) -> None:
+        if await self.events.mark(uploaded, subject=self._marker(ready), batch_id=ready.batch_id):
+            return
+        if not uploaded.already_present:
+            # The sample was reported before, and this upload stored its object again (a batch
+            # redelivered after its files were announced): not a second marker, but said, so the
+            # index takes this object's digest and uploads done twice can be seen.
+            await self.events.emit(
+                msgspec.structs.replace(uploaded, replaces=True), batch_id=ready.batch_id,
+                subject=topology.replaced_subject(ready.job, ready.plan or self.plan, ready.sample_index),
+            )
+
+    def _marker(self, ready: schemas.FileReady) -> str:
+        """Where the sample's `uploaded` marker goes: under the plan that wrote the file (an event
+        without a plan, from a consumer before events carried one, is taken as this job's), and
+        set aside when its index is outside that plan."""
+        plan = ready.plan or self.plan
+        planned = plan != self.plan or 0 <= ready.sample_index < self.total_samples
+        return topology.uploaded_subject(ready.job, plan, ready.sample_index, planned=planned)
 
     async def _try_move(self, ready: schemas.FileReady, *, probe: bool) -> bool:
         """One attempt; a probe first opens a fresh client (credentials fixed in the credentials
