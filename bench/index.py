@@ -102,9 +102,8 @@ async def time_events_to_index(events: int, store: Path) -> float:
         js = nc.jetstream()
         await topology.ensure_topology(js)
         spec, _, _ = synthetic_job(events)
-        subject = topology.event_subject(JOB, "uploaded")
         for start in range(0, events, 1000):
-            await asyncio.gather(*(js.publish(subject, schemas.encode(schemas.FileUploaded(
+            await asyncio.gather(*(js.publish(topology.uploaded_subject(JOB, spec.plan_tag, i), schemas.encode(schemas.FileUploaded(
                 job=JOB, node="n", uploader="u", sample_index=i, key=sample_key(JOB, i), size=1000 + i, tokens=100,
                 plan=spec.plan_tag, digest=f"{i:064x}"))) for i in range(start, min(start + 1000, events))))
         started = time.perf_counter()

@@ -210,7 +210,7 @@ class Bench:
             event = schemas.event_decoder.decode(msg.data)
             by_uploader[event.uploader] = by_uploader.get(event.uploader, 0) + 1
 
-        counting = await self.nc.subscribe(topology.event_subject(JOB, "uploaded"), cb=count)
+        counting = await self.nc.subscribe(topology.markers_all(JOB, "uploaded", "*"), cb=count)
         env = {**os.environ, **self.nats.as_env(), "HSX_NODE": NODE, "PYTHONUNBUFFERED": "1"}
         argv = _hsx("upload", "--job", JOB, "--spool", str(self.spool))
         if self.args.max_inflight:
