@@ -38,6 +38,8 @@ from hsx.headers import message_headers
 
 log = structlog.get_logger("hsx.progress")
 
+# How long a tracker's start waits for the dead letters and heartbeats before the sums' replays.
+_OTHERS_FIRST_S = 10.0
 # Dead samples whose `uploaded` marker is looked up at once (`ProgressTracker.refresh_counts`).
 _LOOKUPS_IN_FLIGHT = 64
 
@@ -286,7 +288,15 @@ class ProgressTracker:
         if self.heartbeats:
             self._others.append(_Replay(self.js, events, topology.heartbeats_subject_all(self.job),
                                         self._apply_whole(schemas.event_decoder), DeliverPolicy.LAST_PER_SUBJECT))
-        for replay in self._others + self._sums:
+        # Dead letters and heartbeats first: once the sums' replays run, their markers (a whole
+        # job's, on a first reading) would queue ahead of them on the connection.
+        for replay in self._others:
+            await replay.start()
+        try:
+            await self._all_caught_up_within(self._others, _OTHERS_FIRST_S)
+        except asyncio.TimeoutError:
+            pass  # `wait_caught_up` reports it; the sums need not wait any longer
+        for replay in self._sums:
             await replay.start()
 
     def _apply_marker(self, msg) -> None:
@@ -306,6 +316,9 @@ class ProgressTracker:
         """Until the replays have read what was there when they started (the sums too, unless not
         `sums`): asyncio.TimeoutError after `timeout`."""
         await asyncio.wait_for(self._all_caught_up(self._others + (self._sums if sums else [])), timeout)
+
+    async def _all_caught_up_within(self, replays: list[_Replay], timeout: float) -> None:
+        await asyncio.wait_for(self._all_caught_up(replays), timeout)
 
     @staticmethod
     async def _all_caught_up(replays: list[_Replay]) -> None:
