@@ -12,7 +12,7 @@ from gpu_consumer.model import load_model
 from gpu_consumer.service import SERVICE, BatchWorker, pull_loop
 from gpu_consumer.writer import remove_orphaned_temp_files
 from hsx import schemas, topology
-from hsx.events import EventPublisher, goodbye_heartbeat, heartbeat_loop
+from hsx.events import EventPublisher, WorkerState, goodbye_heartbeat, heartbeat_loop
 from hsx.exhausted import reap_exhausted
 from hsx.fsutil import make_private_dirs
 from hsx.jobs import wait_for_job_spec
@@ -56,36 +56,45 @@ async def run(cfg: ConsumerConfig) -> int:
         if spec is None:
             return 0
         events = EventPublisher(nc, js, cfg.job)
-        await events.heartbeat(service=SERVICE, instance=cfg.instance, node=cfg.node, state="starting")
-        loaded = await asyncio.to_thread(
-            load_model, spec.model, layers=spec.layers, dtype=spec.dtype, device=cfg.device,
-            trust_remote_code=spec.trust_remote_code,
-            revision=None if spec.model_revision == "local" else spec.model_revision, compile_layers=cfg.compile_layers,
-        )
-        await asyncio.to_thread(_warm_up, loaded)
-        orphans = await asyncio.to_thread(remove_orphaned_temp_files, cfg.spool, cfg.job, older_than=started_at)
-        if orphans:
-            log.info("spool_temp_files_removed", count=orphans, reason="left by a writer that was killed")
-        log.info(
-            "consumer_ready", model=spec.model, layers=spec.layers, dtype=spec.dtype, device=str(loaded.device),
-            attention=loaded.attention, compile_layers=cfg.compile_layers, torch_threads=torch.get_num_threads(), node=cfg.node, spool=str(cfg.spool),
-        )
-        durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
-        sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
-        worker = BatchWorker(cfg, js, events, spec, loaded, stopping)
+        # Beating from the start: loading a large model takes minutes, and a consumer that said
+        # nothing meanwhile would be reported silent (dead) by the monitor while it loads.
+        worker: BatchWorker | None = None
+
+        def state() -> WorkerState:
+            return WorkerState(state="starting") if worker is None else worker.heartbeat_state()
+
         beats = asyncio.create_task(heartbeat_loop(
             events, service=SERVICE, instance=cfg.instance, node=cfg.node, interval_s=cfg.heartbeat_s, stopping=stopping,
-            state=worker.heartbeat_state,
+            state=state,
         ))
-        reaper = asyncio.create_task(reap_exhausted(js, events, stopping))
         try:
-            await pull_loop(worker, sub, cfg, stopping)
+            loaded = await asyncio.to_thread(
+                load_model, spec.model, layers=spec.layers, dtype=spec.dtype, device=cfg.device,
+                trust_remote_code=spec.trust_remote_code,
+                revision=None if spec.model_revision == "local" else spec.model_revision, compile_layers=cfg.compile_layers,
+            )
+            await asyncio.to_thread(_warm_up, loaded)
+            orphans = await asyncio.to_thread(remove_orphaned_temp_files, cfg.spool, cfg.job, older_than=started_at)
+            if orphans:
+                log.info("spool_temp_files_removed", count=orphans, reason="left by a writer that was killed")
+            log.info(
+                "consumer_ready", model=spec.model, layers=spec.layers, dtype=spec.dtype, device=str(loaded.device),
+                attention=loaded.attention, compile_layers=cfg.compile_layers, torch_threads=torch.get_num_threads(), node=cfg.node, spool=str(cfg.spool),
+            )
+            durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
+            sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
+            worker = BatchWorker(cfg, js, events, spec, loaded, stopping)
+            reaper = asyncio.create_task(reap_exhausted(js, events, stopping))
+            try:
+                await pull_loop(worker, sub, cfg, stopping)
+            finally:
+                await _stop_reaper(reaper, stopping)
+                await goodbye_heartbeat(events, service=SERVICE, instance=cfg.instance, node=cfg.node, state=worker.heartbeat_state)
+                beats.cancel()
+                await sub.unsubscribe()
+                worker.close()
         finally:
-            await _stop_reaper(reaper, stopping)
-            await goodbye_heartbeat(events, service=SERVICE, instance=cfg.instance, node=cfg.node, state=worker.heartbeat_state)
-            beats.cancel()
-            await sub.unsubscribe()
-            worker.close()
+            beats.cancel()  # (again, if start-up failed first)
         log.info("consumer_stopped")
         return 0
     finally:

@@ -202,14 +202,15 @@ async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600
     from nats.js.api import DeliverPolicy
 
     from hsx import topology
-    from hsx.progress import count_stored
+    from hsx.progress import last_sequence
 
     total, job, plan = spec.total_samples, spec.job, spec.plan_tag or "none"
     size = np.full(total, -1, dtype=np.int64)  # -1: no `uploaded` marker for the sample
     tokens = np.zeros(total, dtype=np.int64)
     digests: list[str] = [""] * total
     for subject in (topology.marker_filter(job, "uploaded", plan), topology.replaced_subject(job, plan, "*")):
-        if not await count_stored(js, topology.EVENTS_STREAM, subject):
+        newest = await last_sequence(js, topology.EVENTS_STREAM, subject)
+        if not newest:
             continue
         caught_up = asyncio.Event()
 
@@ -223,7 +224,7 @@ async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600
                 size[event.sample_index] = event.size
                 tokens[event.sample_index] = event.tokens
                 digests[event.sample_index] = event.digest
-            if msg.metadata.num_pending == 0:
+            if msg.metadata.num_pending == 0 or msg.metadata.sequence.stream >= newest:
                 caught_up.set()
 
         sub = await js.subscribe(subject, stream=topology.EVENTS_STREAM, cb=on_msg, ordered_consumer=True,

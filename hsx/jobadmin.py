@@ -49,7 +49,9 @@ async def _durables(js: JetStreamContext, job: str) -> list[tuple[str, str]]:
     """(stream, durable) of every durable of the job that exists."""
     found = []
     for stream, durable in ((topology.BATCHES_STREAM, topology.gpu_durable(job)),
-                            (topology.ADVISORIES_STREAM, topology.exhausted_durable(job))):
+                            (topology.ADVISORIES_STREAM, topology.exhausted_durable(job)),
+                            *((topology.EVENTS_STREAM, topology.progress_durable(job, counter))
+                              for counter in topology.PROGRESS_COUNTERS)):
         try:
             await js.consumer_info(stream, durable)
             found.append((stream, durable))

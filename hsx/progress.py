@@ -4,8 +4,9 @@ job's markers once, checkpointed for the next reader.
 Counts (`read_counts`). Every planned batch written and every planned sample uploaded leaves a
 marker on a subject of its own (`topology.written_subject`, `topology.uploaded_subject`), stored
 at most once (`EventPublisher.mark`). JetStream counts the messages under a filter without
-delivering any (an ephemeral consumer's `num_pending`), so `samples_uploaded` and `batches_done`
-are exact, whatever the job's size, and read with a few requests. Markers of another plan under
+delivering any: a durable that is never fetched from (`topology.PROGRESS_COUNTERS`) has them all
+pending, so `samples_uploaded` and `batches_done` are exact, whatever the job's size, and read
+with one consumer-info request each. Markers of another plan under
 the same job name sit under their own plan, and a sample index outside the plan under
 `<plan>.extra.`: neither is in the plan's count, so neither can stand in for a missing sample.
 `done` is read from the counts: every planned sample of this plan has its marker, and nothing is
@@ -86,20 +87,32 @@ async def count_stored(js: JetStreamContext, stream: str, subject_filter: str, *
 
 
 async def read_counts(js: JetStreamContext, job: str, plan: str) -> ProgressCounts:
-    """The job's counts, all read at once (a dozen requests, whatever the job's size)."""
-    events = topology.EVENTS_STREAM
-    (uploaded, uploaded_any_plan, outside, written, written_any_plan, requeued) = await asyncio.gather(
-        count_stored(js, events, topology.marker_filter(job, "uploaded", plan)),
-        count_stored(js, events, topology.marker_filter(job, "uploaded")),
-        count_stored(js, events, topology.marker_filter(job, "uploaded", plan, extra=True)),
-        count_stored(js, events, topology.marker_filter(job, "written", plan)),
-        count_stored(js, events, topology.marker_filter(job, "written")),
-        count_stored(js, events, topology.event_subject(job, "requeued")),
-    )
+    """The job's counts: one consumer-info request per counting durable (topology.PROGRESS_COUNTERS,
+    created on first use), all at once, whatever the job's size."""
+
+    async def count(counter: str) -> int:
+        try:
+            info = await js.consumer_info(topology.EVENTS_STREAM, topology.progress_durable(job, counter))
+        except nats.js.errors.NotFoundError:
+            info = None
+        if info is None or info.config.filter_subject != topology.progress_counter_filter(job, plan, counter):
+            info = await topology.ensure_progress_counter(js, job, plan, counter)
+        return info.num_pending or 0
+
+    found = dict(zip(topology.PROGRESS_COUNTERS, await asyncio.gather(*map(count, topology.PROGRESS_COUNTERS))))
     return ProgressCounts(
-        samples_uploaded=uploaded, batches_done=written, samples_outside_plan=outside,
-        events_other_plan=(uploaded_any_plan - uploaded) + (written_any_plan - written), samples_requeued=requeued,
+        samples_uploaded=found["uploaded"], batches_done=found["written"], samples_outside_plan=found["uploaded-extra"],
+        events_other_plan=(found["uploaded-any"] - found["uploaded"]) + (found["written-any"] - found["written"]),
+        samples_requeued=found["requeued"],
     )
+
+
+async def last_sequence(js: JetStreamContext, stream: str, subject_filter: str) -> int:
+    """The stream sequence of the newest message under `subject_filter` (0: none); one direct read."""
+    try:
+        return (await js.get_last_msg(stream, subject_filter)).seq
+    except nats.js.errors.NotFoundError:
+        return 0
 
 
 @dataclass
@@ -181,6 +194,7 @@ class _Replay:
                  after_seq: int = 0) -> None:
         self.js, self.stream, self.subject, self.apply, self.deliver = js, stream, subject, apply, deliver
         self.after_seq = after_seq
+        self.until_seq = 0  # the newest message there was at the start: caught up once it is read
         self.caught_up = asyncio.Event()
         self.sub = None
 
@@ -188,7 +202,8 @@ class _Replay:
         deliver, config = self.deliver, None
         if self.after_seq:
             deliver, config = DeliverPolicy.BY_START_SEQUENCE, ConsumerConfig(opt_start_seq=self.after_seq + 1)
-        if not await count_stored(self.js, self.stream, self.subject, after_seq=self.after_seq):
+        self.until_seq = await last_sequence(self.js, self.stream, self.subject)
+        if self.until_seq <= self.after_seq:
             self.caught_up.set()
         self.sub = await self.js.subscribe(
             self.subject, stream=self.stream, cb=self._on_msg, ordered_consumer=True, deliver_policy=deliver,
@@ -200,7 +215,7 @@ class _Replay:
             self.apply(msg)
         except msgspec.DecodeError:
             log.warning("undecodable_event", subject=msg.subject)
-        if msg.metadata.num_pending == 0:
+        if msg.metadata.num_pending == 0 or msg.metadata.sequence.stream >= self.until_seq:
             self.caught_up.set()
 
     async def stop(self) -> None:
@@ -331,15 +346,15 @@ class ProgressTracker:
         """Until the sums hold every marker stored so far (False if that takes over `timeout`)."""
         deadline = time.monotonic() + timeout
         while True:
-            behind = await asyncio.gather(*(
-                count_stored(self.js, topology.EVENTS_STREAM, topology.markers_all(self.job, kind, self.plan or "none"),
-                               after_seq=seq)
-                for kind, seq in (("written", self.fold.written_seq), ("uploaded", self.fold.uploaded_seq))
+            newest = await asyncio.gather(*(
+                last_sequence(self.js, topology.EVENTS_STREAM, topology.markers_all(self.job, kind, self.plan or "none"))
+                for kind in ("written", "uploaded")
             ))
-            if not any(behind):
+            if newest[0] <= self.fold.written_seq and newest[1] <= self.fold.uploaded_seq:
                 return True
             if time.monotonic() > deadline:
-                log.warning("sums_behind", markers=sum(behind), waited_s=timeout)
+                log.warning("sums_behind", written_seq=self.fold.written_seq, uploaded_seq=self.fold.uploaded_seq,
+                            newest=newest, waited_s=timeout)
                 return False
             await asyncio.sleep(0.1)
 
@@ -364,12 +379,16 @@ class ProgressTracker:
         return self.counts
 
     async def _has_uploaded_marker(self, index: int) -> bool:
-        try:
-            await self.js.get_last_msg(topology.EVENTS_STREAM,
-                                       topology.uploaded_subject(self.job, self.plan or "none", index))
-        except nats.js.errors.NotFoundError:
-            return False
-        return True
+        """Whether sample `index` has an `uploaded` marker of this plan, planned or (an index
+        outside the plan) set aside."""
+        for planned in (True, False):
+            try:
+                await self.js.get_last_msg(topology.EVENTS_STREAM,
+                                           topology.uploaded_subject(self.job, self.plan or "none", index, planned=planned))
+                return True
+            except nats.js.errors.NotFoundError:
+                pass
+        return False
 
     async def refresh_queues(self) -> QueueState:
         job = self.job
@@ -428,10 +447,10 @@ def status_view(
     # already uploaded).
     drained = queues.batches_queued == 0 and queues.files_queued == 0
     done = spec is not None and spec.published and uploaded == total and drained
-    dead_samples = {i for i in counts.dead_unfinished if 0 <= i < total}
+    dead_samples = set(counts.dead_unfinished)
     # Nothing is queued anywhere and every missing sample is dead: the job cannot finish by itself.
     failed = (spec is not None and spec.published and not done and drained
-              and 0 < total - uploaded == len(dead_samples))
+              and 0 < total - uploaded == sum(1 for i in dead_samples if 0 <= i < total))
     failure_reason = (
         f"{len(dead_samples)} samples dead-lettered and nothing else left to run (hsx dead list --job {job})"
         if failed else None

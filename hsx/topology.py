@@ -31,6 +31,7 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
+    ConsumerInfo,
     DeliverPolicy,
     DiscardPolicy,
     ObjectStoreConfig,
@@ -140,6 +141,31 @@ def marker_filter(job: str, kind: str, plan: str = "*", *, extra: bool = False) 
 def markers_all(job: str, kind: str, plan: str) -> str:
     """Every marker of `kind` of `plan`, planned and extra, in stream order (what the sums fold)."""
     return f"hsx.events.{job}.{kind}.{plan}.>"
+
+
+# The durables that count a job's markers (hsx/progress.py `read_counts`): never fetched from, so
+# each one's num_pending is the number of messages under its filter, kept current by the server
+# and read with one cheap request (creating a consumer per reading would cost a cluster a
+# meta-layer proposal each time). Name -> (kind, plan or "*", extra); "requeued" counts events.
+PROGRESS_COUNTERS: dict[str, tuple[str, str, bool]] = {
+    "uploaded": ("uploaded", "<plan>", False),
+    "uploaded-any": ("uploaded", "*", False),
+    "uploaded-extra": ("uploaded", "<plan>", True),
+    "written": ("written", "<plan>", False),
+    "written-any": ("written", "*", False),
+    "requeued": ("requeued", "", False),
+}
+
+
+def progress_durable(job: str, counter: str) -> str:
+    return f"progress-{job}-{counter}"
+
+
+def progress_counter_filter(job: str, plan: str, counter: str) -> str:
+    kind, which, extra = PROGRESS_COUNTERS[counter]
+    if kind == "requeued":
+        return event_subject(job, kind)
+    return marker_filter(job, kind, plan if which == "<plan>" else which, extra=extra)
 
 
 def checkpoint_subject(job: str) -> str:
@@ -422,6 +448,17 @@ async def ensure_exhausted_consumer(js: JetStreamContext, job: str) -> str:
         ),
     ), what=f"consumer {durable}")
     return durable
+
+
+async def ensure_progress_counter(js: JetStreamContext, job: str, plan: str, counter: str) -> ConsumerInfo:
+    """The counting durable `counter` of `job`, created or (another plan under the job's name)
+    re-filtered; its info, whose num_pending is the count."""
+    config = ConsumerConfig(
+        durable_name=progress_durable(job, counter), filter_subject=progress_counter_filter(job, plan, counter),
+        ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, mem_storage=True,
+        description=f"hsx: counts {counter} markers of job {job} (never fetched from)",
+    )
+    return await _while_unavailable(lambda: js.add_consumer(EVENTS_STREAM, config), what=f"counter {progress_durable(job, counter)}")
 
 
 async def ensure_upload_consumer(

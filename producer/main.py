@@ -235,6 +235,9 @@ async def _plan_and_publish(cfg: ProducerConfig, nc, js, kv, info, layers: list[
         dataset_digest=digest, on_long=cfg.on_long, samples_truncated=truncated, samples_skipped=skipped,
     )
     await kv.put(cfg.job, schemas.encode(spec))
+    # The durables that count the job's markers exist from its start (readers make them too).
+    for counter in topology.PROGRESS_COUNTERS:
+        await topology.ensure_progress_counter(js, cfg.job, spec.plan_tag, counter)
     # Queued or finished already: a producer stopped mid-publish, or one racing this one.
     accounted = await resume.accounted_batch_ids(js, cfg.job)
     already = sum(plan_batch_id(cfg.job, fingerprint, seq) in accounted for seq in range(len(batches)))

@@ -260,7 +260,7 @@ def test_a_consumer_killed_mid_run_is_named_with_its_node_and_last_batch(
     silent = wait_for(reported, timeout=30, what="consumer_silent for the killed consumer", procs=procs)
     assert len(silent) == 1, silent  # reported once, not every interval
     assert silent[0]["node"] == NODE and silent[0]["service"] == "gpu_consumer", silent
-    assert silent[0]["last_batch"] == worked_on[-1], (silent, worked_on)
+    assert silent[0]["last_batch"] == worked_on[-1], (silent, worked_on, logs_of(*procs)[-6000:])
     assert silent[0]["last_state"] == "paused" and silent[0]["silent_s"] >= 7, silent  # rounded to 0.1 s
 
     # The job is unfinished: batches are still queued; the node's spool holds what was written.

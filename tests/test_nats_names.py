@@ -9,14 +9,17 @@ with the same filters, nothing more.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
 import time
 import urllib.request
 
+import nats
+
 from conftest import REPO
-from hsx import topology
+from hsx import schemas, topology
 from hsx.embedded import start_nats_server
 from test_e2e_s3 import produce, start_monitor, wait_until_done, write_dataset
 
@@ -25,9 +28,9 @@ COLUMNS = ("what", "kind", "stream", "bucket", "subjects", "durable consumer", "
 NODE = "node-a"
 
 
-def documented_names(*, job: str, node: str) -> dict[str, dict]:
+def documented_names(*, job: str, node: str, plan: str = "<plan>") -> dict[str, dict]:
     """stream -> {kind, bucket, subjects, consumers: {durable: filter}}, from the doc's table, with
-    `<job>` and `<node>` filled in."""
+    `<job>`, `<node>` and `<plan>` filled in."""
     lines = DOC.read_text().splitlines()
     header = "| " + " | ".join(COLUMNS) + " |"
     assert header in lines, f"{DOC.name}: no table with the header {header!r}"
@@ -37,7 +40,8 @@ def documented_names(*, job: str, node: str) -> dict[str, dict]:
         if not line.startswith("|"):
             break
         cells = dict(zip(COLUMNS, (cell.strip() for cell in line.strip().strip("|").split("|")), strict=True))
-        quoted = {column: [_fill(name, job, node) for name in re.findall(r"`([^`]+)`", text)] for column, text in cells.items()}
+        quoted = {column: [_fill(name, job, node).replace("<plan>", plan) for name in re.findall(r"`([^`]+)`", text)]
+                  for column, text in cells.items()}
         (stream,) = quoted["stream"]
         assert stream not in names, f"{DOC.name}: stream {stream} twice"
         names[stream] = {
@@ -46,6 +50,18 @@ def documented_names(*, job: str, node: str) -> dict[str, dict]:
         }
     assert names, f"{DOC.name}: the names table is empty"
     return names
+
+
+def _plan_tag(url: str, job: str) -> str:
+    async def read() -> str:
+        nc = await nats.connect(url)
+        try:
+            entry = await (await nc.jetstream().key_value(topology.JOBS_BUCKET)).get(job)
+            return schemas.job_decoder.decode(entry.value).plan_tag
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
 
 
 def _fill(name: str, job: str, node: str) -> str:
@@ -101,7 +117,7 @@ def test_documented_names_are_exactly_those_of_a_running_job(tmp_path, hsx, hsx_
             assert time.monotonic() < deadline, f"consumers not bound within 60 s: {sorted(bound)}"
             time.sleep(0.2)
 
-        documented = documented_names(job=job_name, node=NODE)
+        documented = documented_names(job=job_name, node=NODE, plan=_plan_tag(server.url, job_name))
         assert set(streams) == set(documented), f"streams {sorted(streams)}, documented {sorted(documented)}"
         for name, doc in documented.items():
             config = streams[name]["config"]
