@@ -115,7 +115,8 @@ def _chunked(model: str, rows: list[ChatRow], workers: int) -> list:
 def _pool(model: str, rows: list[ChatRow], workers: int) -> list:
     from producer.chat_pool import tokenize_chats
 
-    return list(tokenize_chats(rows, model=model, trust_remote_code=False, workers=workers))
+    chat = ChatTokenizer.load(model, first_chat_row=rows[0].where)
+    return list(tokenize_chats(chat, rows, workers=workers))
 
 
 PATHS = {"per_row": _per_row, "chunked": _chunked, "pool": _pool}

@@ -34,7 +34,6 @@ Linux only (reads /proc).
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import shutil
@@ -55,6 +54,7 @@ sys.path.insert(0, str(REPO))
 from hsx import topology  # noqa: E402
 from hsx.embedded import build_tiny_model, start_nats_server  # noqa: E402
 from hsx.natsconn import NatsSettings, connect  # noqa: E402
+from pipeline import _pause_until  # noqa: E402  (bench/pipeline.py, beside this file)
 
 JOB = "fleet"
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -251,19 +251,14 @@ def _http_json(url: str) -> dict:
 
 async def _pause(url: str, job: str, delay_s: float) -> float:
     """Create the job's batch durable (idempotent, as consumers do) and pause it until `delay_s` from
-    now; returns the wall-clock time it resumes."""
+    now (bench/pipeline.py's `_pause_until`); returns the wall-clock time it resumes."""
     nc = await connect(NatsSettings(url=url), name="hsx-bench-fleet")
     try:
         js = nc.jetstream()
         await topology.ensure_topology(js)
         durable = await topology.ensure_gpu_consumer(js, job)
-        wall = time.time() + delay_s
-        until = datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
-        reply = json.loads((await nc.request(f"$JS.API.CONSUMER.PAUSE.{topology.BATCHES_STREAM}.{durable}",
-                                             json.dumps({"pause_until": until}).encode())).data)
-        if "error" in reply or not reply.get("paused"):
-            raise SystemExit(f"cannot pause {durable}: {reply}")
-        return wall
+        resumes = await _pause_until(nc, topology.BATCHES_STREAM, durable, delay_s)
+        return time.time() + (resumes - time.monotonic())
     finally:
         await nc.close()
 
