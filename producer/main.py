@@ -35,7 +35,7 @@ from hsx.headers import message_headers
 from hsx.jobs import read_job_spec
 from hsx.layers import resolve_layers
 from hsx.modelinfo import load_model_info
-from hsx.natsconn import connect
+from hsx.natsconn import connect, through_outage
 from hsx.progress import count_stored
 from producer.config import ProducerConfig
 from hsx.jobadmin import count_messages, live_workers
@@ -94,16 +94,25 @@ async def _publish_all(js, cfg: ProducerConfig, fingerprint: str, batches: list[
     todo = [seq for seq in range(len(batches)) if plan_batch_id(cfg.job, fingerprint, seq) not in skip]
     published, duplicates = 0, []
 
-    async def publish_one(seq: int) -> bool:
-        batch_id = plan_batch_id(cfg.job, fingerprint, seq)
-        payload = schemas.encode(_descriptor(cfg.job, batch_id, batches[seq], rows))
+    def build(window: list[int]) -> list[tuple[str, bytes]]:
+        """The window's descriptors, encoded: CPU work (tens of thousands of samples in a window
+        of short ones), done off the event loop, which meanwhile keeps reading the acks."""
+        built = []
+        for seq in window:
+            batch_id = plan_batch_id(cfg.job, fingerprint, seq)
+            built.append((batch_id, schemas.encode(_descriptor(cfg.job, batch_id, batches[seq], rows))))
+        return built
+
+    async def publish_one(batch_id: str, payload: bytes) -> bool:
         headers = message_headers(cfg.job, batch=batch_id, msg_id=batch_id + msg_id_suffix)
-        ack = await js.publish(subject, payload, headers=headers)
+        # A lost or late ack is retried: the message id keeps a repeat out of the stream.
+        ack = await through_outage(lambda: js.publish(subject, payload, headers=headers), what="publish_batch")
         return not ack.duplicate
 
     for start in range(0, len(todo), _PUBLISH_WINDOW):
         window = todo[start : start + _PUBLISH_WINDOW]
-        results = await asyncio.gather(*(publish_one(seq) for seq in window))
+        built = await asyncio.to_thread(build, window)
+        results = await asyncio.gather(*(publish_one(batch_id, payload) for batch_id, payload in built))
         published += sum(results)
         duplicates += [seq for seq, new in zip(window, results) if not new]
     return published, duplicates
