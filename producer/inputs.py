@@ -19,6 +19,7 @@ import structlog
 
 from hsx.errors import HsxError
 from producer.chat import ChatTemplateInfo, ChatTokenizer
+from producer.chat_pool import tokenize_chats
 from hsx.tokens import SampleTable, SampleTableBuilder
 from producer.dataset import ChatRow, DatasetRow, read_source
 from producer.lengths import LongSample, apply_on_long_table
@@ -63,9 +64,12 @@ def _tokenize(rows: list, *, model: str, trust_remote_code: bool) -> tuple[list[
     started = last_log = time.monotonic()
     out: list[DatasetRow] = []
     done = 0
+    # In chunks (one batched call each), on every usable core for a large dataset
+    # (producer/chat_pool.py); row for row the same result, and error, as `chat.tokenize`.
+    tokenized = tokenize_chats(chat, (row for row in rows if isinstance(row, ChatRow)), total=total)
     for row in rows:
         if isinstance(row, ChatRow):
-            row = chat.tokenize(row)
+            row = next(tokenized)
             done += 1
             if time.monotonic() - last_log > _PROGRESS_EVERY_S:
                 last_log = time.monotonic()
