@@ -67,14 +67,14 @@ class ProgressCounts:
     dead_unfinished: frozenset[int] = frozenset()
 
 
-async def count_stored(js: JetStreamContext, stream: str, subject_filter: str, *, after_seq: int = 0) -> int:
-    """Messages in `stream` under `subject_filter` (with a sequence above `after_seq`), counted by
-    the server: an ephemeral consumer is created, read for its pending count and deleted; no
-    message is delivered, so the cost does not grow with the count."""
+async def count_stored(js: JetStreamContext, stream: str, subject_filter: str) -> int:
+    """Messages in `stream` under `subject_filter`, counted by the server: an ephemeral consumer is
+    created, read for its pending count and deleted; no message is delivered. For one-off counts
+    (a producer re-run, tests); a reading counts through the durables (`read_counts`), since a
+    cluster pays every consumer created as a meta-layer proposal."""
     config = ConsumerConfig(
         filter_subject=subject_filter, ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0,
-        deliver_policy=DeliverPolicy.BY_START_SEQUENCE if after_seq else DeliverPolicy.ALL,
-        opt_start_seq=after_seq + 1 if after_seq else None,
+        deliver_policy=DeliverPolicy.ALL,
     )
     info = await js.add_consumer(stream, config)
     try:
