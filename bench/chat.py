@@ -87,7 +87,7 @@ def tokenizer_folders(work: Path) -> dict[str, Path]:
     if not (plain / "tokenizer.json").exists():
         from transformers import AutoTokenizer
 
-        from hsx.embedded import smollm2_gguf
+        from devkit import smollm2_gguf
 
         gguf = smollm2_gguf()
         if gguf is None:

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gpu import forward_flops  # noqa: E402
 from gpu_consumer.extract import pad_batch  # noqa: E402
 from gpu_consumer.model import LayerTap  # noqa: E402
-from hsx.embedded import synthetic_lengths  # noqa: E402
-from hsx.schemas import Sample  # noqa: E402
+from hsx.commands.embedded import synthetic_lengths  # noqa: E402
+from hsx.wire.schemas import Sample  # noqa: E402
 from producer.planner import plan_batches  # noqa: E402
 
 SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2,

@@ -3,7 +3,7 @@ when the forward costs nothing (issue 11 item 4).
 
 Runs a whole job the way users run it: `hsx up` (producer, consumers, uploaders and monitor, each
 its own process, with the settings `hsx up` chooses) against one nats-server started here
-(`hsx.embedded.start_nats_server`, so its store and PID are known), a file:// destination, a
+(`hsx.commands.embedded.start_nats_server`, so its store and PID are known), a file:// destination, a
 trivial model (Qwen3-shaped, 2 decoder layers, hidden 64, random weights; layer 1 captured) and
 short samples (token counts uniform in [--min-len, --max-len], seeded, with a loss mask over the
 second half as in `hsx up`'s synthetic data).
@@ -52,8 +52,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from hsx import topology  # noqa: E402
-from hsx.embedded import build_tiny_model, start_nats_server  # noqa: E402
-from hsx.natsconn import NatsSettings, connect  # noqa: E402
+from hsx.commands.embedded import build_tiny_model, start_nats_server  # noqa: E402
+from hsx.wire.natsconn import NatsSettings, connect  # noqa: E402
 from pipeline import _pause_until  # noqa: E402  (bench/pipeline.py, beside this file)
 
 JOB = "fleet"

@@ -26,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_consumer.extract import extract_samples  # noqa: E402
 from gpu_consumer.model import load_model  # noqa: E402
 from gpu_consumer.writer import write_sample_file  # noqa: E402
-from hsx.embedded import build_smollm2, build_tiny_model, smollm2_gguf, synthetic_lengths  # noqa: E402
-from hsx.layout import FLOAT8, dequantize_float8, sample_key  # noqa: E402
-from hsx.schemas import JobSpec, Sample  # noqa: E402
+from devkit import build_smollm2, smollm2_gguf  # noqa: E402
+from hsx.commands.embedded import build_tiny_model, synthetic_lengths  # noqa: E402
+from hsx.storage.layout import FLOAT8, sample_key  # noqa: E402
+from hsx.storage.tensors import dequantize_float8  # noqa: E402
+from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=512)

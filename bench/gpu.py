@@ -36,9 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_consumer.extract import extract_samples, pad_batch  # noqa: E402
 from gpu_consumer.model import LayerTap, LoadedModel, choose_attention, decoder_layers  # noqa: E402
 from gpu_consumer.staging import HostStaging  # noqa: E402
-from gpu_consumer.writer import write_sample_file  # noqa: E402
-from hsx.embedded import synthetic_lengths  # noqa: E402
-from hsx.schemas import JobSpec, Sample  # noqa: E402
+from hsx.commands.embedded import synthetic_lengths  # noqa: E402
+from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
 from producer.planner import plan_batches  # noqa: E402
 
 QWEN3_8B = dict(
@@ -65,10 +64,10 @@ async def _service_pass(loaded, batches, spec, spool: Path) -> tuple[int, float]
     starts; tearing down and deleting the files after it stops."""
     from gpu_consumer.config import ConsumerConfig
     from gpu_consumer.service import BatchWorker, pull_loop
-    from hsx import schemas, topology
-    from hsx.embedded import start_nats_server
-    from hsx.events import EventPublisher
-    from hsx.natsconn import NatsSettings, connect
+    from hsx.wire import schemas, topology
+    from hsx.commands.embedded import start_nats_server
+    from hsx.wire.events import EventPublisher
+    from hsx.wire.natsconn import NatsSettings, connect
 
     server = start_nats_server(Path(tempfile.mkdtemp(prefix="hsx-bench-nats-")))
     try:

@@ -1,6 +1,6 @@
 """CPU benchmark: the producer's batch planner (producer/planner.py), packing and planning time.
 
-Lengths are `hsx.embedded.synthetic_lengths` (lognormal, median 500, clipped to 4096 tokens).
+Lengths are `hsx.commands.embedded.synthetic_lengths` (lognormal, median 500, clipped to 4096 tokens).
 Prints one JSON object with:
 - packing efficiency (real tokens / computed padded tokens) of hsx's token-budgeted plan on
   --samples samples, for the `hsx up` default budget (4096), the `hsx produce` default (16384)
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hsx.embedded import synthetic_lengths  # noqa: E402
+from hsx.commands.embedded import synthetic_lengths  # noqa: E402
 from producer.planner import plan_batches  # noqa: E402
 
 MEDIAN_LEN, MAX_LEN = 500, 4096

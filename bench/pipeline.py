@@ -1,6 +1,6 @@
 """CPU pipeline benchmark: the whole hsx pipeline against the forward pass it exists to run.
 
-Everything runs the way users run it: a real nats-server (`hsx.embedded.start_nats_server`), and
+Everything runs the way users run it: a real nats-server (`hsx.commands.embedded.start_nats_server`), and
 `hsx produce`, `hsx consume --device cpu` and `hsx upload` as separate processes on one spool,
 moving files to a `file://` destination. Start-up (imports, model loading, warm-up) is outside the
 timing: the bench creates the job's durable and pauses it (JetStream consumer pause), starts the
@@ -71,13 +71,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_consumer.extract import pad_batch  # noqa: E402
 from gpu_consumer.model import load_model  # noqa: E402
 from gpu_consumer.service import SERVICE as CONSUMER_SERVICE  # noqa: E402
-from hsx import schemas, topology  # noqa: E402
-from hsx.embedded import DEMO_MODEL_CONFIG, build_tiny_model, start_nats_server, write_synthetic_dataset  # noqa: E402
+from hsx.wire import schemas
+from hsx import topology  # noqa: E402
+from hsx.commands.embedded import DEMO_MODEL_CONFIG, build_tiny_model, start_nats_server, write_synthetic_dataset  # noqa: E402
 from hsx.errors import HsxError  # noqa: E402
-from hsx.jobs import require_job_spec  # noqa: E402
-from hsx.natsconn import NatsSettings, connect  # noqa: E402
-from hsx.status import read_status  # noqa: E402
-from hsx.up import _Child, _hsx, _stop_all  # noqa: E402
+from hsx.wire.jobs import require_job_spec  # noqa: E402
+from hsx.wire.natsconn import NatsSettings, connect  # noqa: E402
+from hsx.commands.status import read_status  # noqa: E402
+from hsx.commands.up import Child, hsx_argv, stop_all  # noqa: E402
 from uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 
 NODE = "bench"
@@ -173,7 +174,7 @@ class JobEvents:
         return sum(1 for s in self.ready.values() if s == service)
 
 
-async def _wait_until(condition, watched: list[_Child], what: str, timeout_s: float = 600.0) -> None:
+async def _wait_until(condition, watched: list[Child], what: str, timeout_s: float = 600.0) -> None:
     """Poll `condition` every 20 ms; a watched process that exits meanwhile is an error. (Times are
     taken from event arrivals, not from here.)"""
     deadline = time.monotonic() + timeout_s
@@ -234,8 +235,8 @@ class Started:
     """One job's processes, started together and ready."""
 
     spec: schemas.JobSpec
-    consumers: list[_Child]
-    uploaders: list[_Child]
+    consumers: list[Child]
+    uploaders: list[Child]
     producer_s: float
     startup_s: float  # from starting the processes until the last one is ready
 
@@ -255,9 +256,9 @@ class Bench:
         return {**os.environ, **self.nats.as_env(), "HSX_NODE": NODE, "PYTHONUNBUFFERED": "1",
                 "OMP_NUM_THREADS": threads}
 
-    def _child(self, job: str, name: str, args: list[str], env: dict[str, str]) -> _Child:
+    def _child(self, job: str, name: str, args: list[str], env: dict[str, str]) -> Child:
         """`hsx ARGS` as a process logging to the work directory (info: `consumer_ready` is read)."""
-        child = _Child(name, _hsx("--log-level", "info", *args), env, self.logs / f"{job}-{name}.log")
+        child = Child(name, hsx_argv("--log-level", "info", *args), env, self.logs / f"{job}-{name}.log")
         child.start()
         return child
 
@@ -287,7 +288,7 @@ class Bench:
                               and events.ready_count(UPLOADER_SERVICE) >= uploaders,
                               workers, "the services to be ready")
         except BaseException:
-            _stop_all([producer, *workers])
+            stop_all([producer, *workers])
             raise
         spec = await require_job_spec(await topology.ensure_topology(self.js), job)
         return Started(spec, workers[:consumers], workers[consumers:], producer_s, time.monotonic() - started)
@@ -325,7 +326,7 @@ class Bench:
             await _wait_until(lambda: len(events.uploaded) >= run.spec.total_samples, workers, "the last upload")
             cpu.stop()
         finally:
-            _stop_all(workers)
+            stop_all(workers)
             await events.stop()
         await self.finish_job(job)
         finished = max(events.uploaded.values())
@@ -354,7 +355,7 @@ class Bench:
         try:
             await _wait_until(lambda: len(events.written) >= run.spec.total_batches, run.consumers + run.uploaders,
                               "the consumer to write every file")
-            _stop_all(run.consumers)
+            stop_all(run.consumers)
             cpu = CpuWindow({"uploaders": [c.process.pid for c in run.uploaders], "nats_server": [self.nats_pid],
                              "bench": [os.getpid()]})
             started = await _pause_until(self.nc, topology.FILES_STREAM, durable, _RELEASE_S)
@@ -363,7 +364,7 @@ class Bench:
             await _wait_until(lambda: len(events.uploaded) >= run.spec.total_samples, run.uploaders, "the last upload")
             cpu.stop()
         finally:
-            _stop_all(run.consumers + run.uploaders)
+            stop_all(run.consumers + run.uploaders)
             await events.stop()
         await self.finish_job(job)
         seconds = max(events.uploaded.values()) - started
@@ -552,7 +553,7 @@ async def run(args, workdir: Path) -> dict:
         base = _median(uploads[1], "files_per_s")
         out["config"]["uploads"] = {"samples": args.upload_samples,
                                     "mb_per_file": round(_median(uploads[1], "mb_per_file"), 3),
-                                    "model": "hsx.embedded.DEMO_MODEL_CONFIG (hidden 128), layers 1,3,5, float32"}
+                                    "model": "hsx.commands.embedded.DEMO_MODEL_CONFIG (hidden 128), layers 1,3,5, float32"}
         out["uploaders"] = {
             str(n): {"files_per_s": round(_median(p, "files_per_s"), 1), "mb_per_s": round(_median(p, "mb_per_s"), 1),
                      "ratio_vs_1": round(_median(p, "files_per_s") / base, 4), "cpu_s": _median_cpu(p),

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from hsx.embedded import build_tiny_model, start_nats_server  # noqa: E402
+from hsx.commands.embedded import build_tiny_model, start_nats_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = "benchscale"

@@ -4,7 +4,7 @@ constant time").
 For each size N it starts a fresh nats-server (temp store), records a job spec of N samples in
 `hsx_jobs`, publishes the markers a finished job of N samples leaves behind (one `written` marker
 per batch of --batch-size samples, one `uploaded` marker per sample, on their own subjects and
-stored once, as real workers publish them), then times `hsx.status.read_status` (what `hsx
+stored once, as real workers publish them), then times `hsx.commands.status.read_status` (what `hsx
 status` runs, default sums budget):
 - `cold`: the first reading, with no checkpoint (no monitor ever ran): exact counts and `done`,
   sums short if they do not fit the budget;
@@ -32,12 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import nats  # noqa: E402
 
-from hsx import schemas, topology  # noqa: E402
-from hsx.embedded import start_nats_server  # noqa: E402
-from hsx.headers import message_headers  # noqa: E402
-from hsx.natsconn import NatsSettings  # noqa: E402
-from hsx.progress import ProgressTracker  # noqa: E402
-from hsx.status import read_status  # noqa: E402
+from hsx.wire import schemas
+
+from hsx import topology  # noqa: E402
+from hsx.commands.embedded import start_nats_server  # noqa: E402
+from hsx.wire.headers import message_headers  # noqa: E402
+from hsx.wire.natsconn import NatsSettings  # noqa: E402
+from hsx.wire.progress import ProgressTracker  # noqa: E402
+from hsx.commands.status import read_status  # noqa: E402
 
 JOB = "benchstatus"
 TOKENS_PER_SAMPLE = 500

@@ -57,11 +57,12 @@ from bench.pipeline import (  # noqa: E402
     _DAY_S, _RELEASE_S, CpuWindow, JobEvents, _cpu_s, _pause_until, _wait_until,
 )
 from gpu_consumer.writer import write_sample_file  # noqa: E402
-from hsx import schemas, topology  # noqa: E402
-from hsx.embedded import start_nats_server, synthetic_lengths  # noqa: E402
+from hsx.wire import schemas
+from hsx import topology  # noqa: E402
+from hsx.commands.embedded import start_nats_server, synthetic_lengths  # noqa: E402
 from hsx.errors import HsxError  # noqa: E402
-from hsx.natsconn import NatsSettings, connect  # noqa: E402
-from hsx.up import _Child, _hsx, _stop_all  # noqa: E402
+from hsx.wire.natsconn import NatsSettings, connect  # noqa: E402
+from hsx.commands.up import Child, hsx_argv, stop_all  # noqa: E402
 from uploader.config import UploaderConfig  # noqa: E402
 from uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 
@@ -212,10 +213,10 @@ class Bench:
 
         counting = await self.nc.subscribe(topology.markers_all(JOB, "uploaded", "*"), cb=count)
         env = {**os.environ, **self.nats.as_env(), "HSX_NODE": NODE, "PYTHONUNBUFFERED": "1"}
-        argv = _hsx("upload", "--job", JOB, "--spool", str(self.spool))
+        argv = hsx_argv("upload", "--job", JOB, "--spool", str(self.spool))
         if self.args.max_inflight:
             argv += ["--max-inflight", str(self.args.max_inflight)]
-        workers = [_Child(f"uploader-{i}", argv, env, self.logs / f"uploader-{uploaders}-{i}.log") for i in range(uploaders)]
+        workers = [Child(f"uploader-{i}", argv, env, self.logs / f"uploader-{uploaders}-{i}.log") for i in range(uploaders)]
         for child in workers:
             child.start()
         try:
@@ -229,7 +230,7 @@ class Bench:
             cpu.stop()
             seconds = max(events.uploaded.values()) - started
         finally:
-            _stop_all(workers)
+            stop_all(workers)
             await events.stop()
             await counting.unsubscribe()
         left = [p for p in (self.spool / JOB).rglob("*.safetensors")]

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import nats  # noqa: E402
 
-from hsx.embedded import start_nats_server  # noqa: E402
+from hsx.commands.embedded import start_nats_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = "benchwire"

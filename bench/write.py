@@ -3,7 +3,7 @@ same bytes to the same disk.
 
 hsx path: `gpu_consumer.writer.write_sample_file` for every sample, on a pool of
 `ConsumerConfig.writer_threads` threads as the consumer runs it: safetensors layout, checksum of
-the data and digest (hsx.samplefile, one pass), atomic temp file + fsync + rename + directory
+the data and digest (hsx.storage.samplefile, one pass), atomic temp file + fsync + rename + directory
 fsync, 0600 files in 0700 shard directories.
 
 Baselines, same bytes, same directory's disk, measured in the same run:
@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpu_consumer.config import ConsumerConfig  # noqa: E402
 from gpu_consumer.writer import write_sample_file  # noqa: E402
-from hsx.embedded import synthetic_lengths  # noqa: E402
-from hsx.schemas import JobSpec, Sample  # noqa: E402
+from hsx.commands.embedded import synthetic_lengths  # noqa: E402
+from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
 
 
 def _spec(layers: int, samples: int) -> JobSpec:

@@ -2,23 +2,14 @@
 layers, dtype, destination) is not here: it comes from the job spec the producer recorded."""
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from hsx.natsconn import NatsSettings
+from hsx.wire.worker import WorkerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class ConsumerConfig:
-    nats: NatsSettings
-    job: str
+class ConsumerConfig(WorkerConfig):
     device: str
-    spool: Path
-    node: str
-    instance: str
     spool_high_water_bytes: int
-    # How long a batch may go without a sign of life before JetStream redelivers it. Shared by
-    # every consumer of the job (the durable holds it); in_progress() is sent well inside it.
-    ack_wait_s: float = 60.0
     # A failing batch is retried after retry_delay_s x its delivery number.
     retry_delay_s: float = 2.0
     # Sample files are serialised, hashed and written on this many threads (safetensors, hashlib
@@ -33,10 +24,3 @@ class ConsumerConfig:
     # a first forward's compiling; a real device hang lasts far longer.
     stall_after_s: float = 300.0
     stall_factor: float = 10.0
-    heartbeat_s: float = 5.0
-    idle_fetch_timeout_s: float = 1.0
-    stop_deadline_s: float = 120.0
-
-    @property
-    def in_progress_s(self) -> float:
-        return max(0.5, min(10.0, self.ack_wait_s / 3))

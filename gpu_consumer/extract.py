@@ -19,7 +19,7 @@ import torch
 
 from gpu_consumer.model import LoadedModel
 from gpu_consumer.staging import StagingLease
-from hsx.schemas import Sample
+from hsx.wire.schemas import Sample
 
 log = structlog.get_logger("hsx.gpu_consumer.extract")
 

@@ -11,13 +11,11 @@ from gpu_consumer.config import ConsumerConfig
 from gpu_consumer.model import load_model
 from gpu_consumer.service import SERVICE, BatchWorker, pull_loop
 from gpu_consumer.writer import remove_orphaned_temp_files
-from hsx import schemas, topology
-from hsx.events import EventPublisher, WorkerState, goodbye_heartbeat, heartbeat_loop
-from hsx.exhausted import reap_exhausted
-from hsx.fsutil import make_private_dirs
-from hsx.jobs import wait_for_job_spec
-from hsx.lifecycle import stop_event_on_signals
-from hsx.natsconn import close_connection, connect
+from hsx.storage.fsutil import make_private_dirs
+from hsx.wire import schemas, topology
+from hsx.wire.events import EventPublisher, WorkerState
+from hsx.wire.exhausted import reap_exhausted
+from hsx.wire.worker import heartbeats, job_session
 
 log = structlog.get_logger("hsx.gpu_consumer")
 
@@ -45,29 +43,20 @@ async def _stop_reaper(reaper: asyncio.Task, stopping: asyncio.Event) -> None:
 
 async def run(cfg: ConsumerConfig) -> int:
     started_at = time.time()
-    stopping = stop_event_on_signals()
-    structlog.contextvars.bind_contextvars(job=cfg.job, consumer=cfg.instance)
     make_private_dirs(cfg.spool)
-    nc = await connect(cfg.nats, name=f"hsx-consume-{cfg.job}-{cfg.instance}")
-    try:
-        js = nc.jetstream()
-        kv = await topology.ensure_topology(js)
-        spec = await wait_for_job_spec(kv, cfg.job, stopping)
-        if spec is None:
+    async with job_session(cfg.nats, cfg.job, name=f"hsx-consume-{cfg.job}-{cfg.instance}", consumer=cfg.instance) as session:
+        if session is None:
             return 0
-        events = EventPublisher(nc, js, cfg.job)
-        # Beating from the start: loading a large model takes minutes, and a consumer that said
-        # nothing meanwhile would be reported silent (dead) by the monitor while it loads.
+        js, spec, stopping = session.js, session.spec, session.stopping
+        events = EventPublisher(session.nc, js, cfg.job)
         worker: BatchWorker | None = None
 
         def state() -> WorkerState:
             return WorkerState(state="starting") if worker is None else worker.heartbeat_state()
 
-        beats = asyncio.create_task(heartbeat_loop(
-            events, service=SERVICE, instance=cfg.instance, node=cfg.node, interval_s=cfg.heartbeat_s, stopping=stopping,
-            state=state,
-        ))
-        try:
+        # Beating while the model loads (minutes for a large one): a consumer that said nothing
+        # meanwhile would be reported silent by the monitor.
+        async with heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state, ready=False) as beating:
             loaded = await asyncio.to_thread(
                 load_model, spec.model, layers=spec.layers, dtype=spec.dtype, device=cfg.device,
                 trust_remote_code=spec.trust_remote_code,
@@ -79,23 +68,19 @@ async def run(cfg: ConsumerConfig) -> int:
                 log.info("spool_temp_files_removed", count=orphans, reason="left by a writer that was killed")
             log.info(
                 "consumer_ready", model=spec.model, layers=spec.layers, dtype=spec.dtype, device=str(loaded.device),
-                attention=loaded.attention, compile_layers=cfg.compile_layers, torch_threads=torch.get_num_threads(), node=cfg.node, spool=str(cfg.spool),
+                attention=loaded.attention, compile_layers=cfg.compile_layers, torch_threads=torch.get_num_threads(),
+                node=cfg.node, spool=str(cfg.spool),
             )
             durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
             sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
             worker = BatchWorker(cfg, js, events, spec, loaded, stopping)
+            beating.ready()
             reaper = asyncio.create_task(reap_exhausted(js, events, stopping))
             try:
                 await pull_loop(worker, sub, cfg, stopping)
             finally:
                 await _stop_reaper(reaper, stopping)
-                await goodbye_heartbeat(events, service=SERVICE, instance=cfg.instance, node=cfg.node, state=worker.heartbeat_state)
-                beats.cancel()
                 await sub.unsubscribe()
                 worker.close()
-        finally:
-            beats.cancel()  # (again, if start-up failed first)
         log.info("consumer_stopped")
         return 0
-    finally:
-        await close_connection(nc)

@@ -17,22 +17,18 @@ import torch
 from torch import nn
 
 from gpu_consumer.staging import HostStaging
-from hsx.devices import visible_text
+from hsx.model.devices import visible_text
 from hsx.errors import HsxError
-from hsx.layers import FINAL, LayerSelector
+from hsx.model.layers import FINAL, LayerSelector
+from hsx.storage.layout import FLOAT8
+from hsx.storage.tensors import STORAGE_DTYPES
 from hsx.logs import route_transformers_logging
 
 log = structlog.get_logger("hsx.gpu_consumer.model")
 
-STORAGE_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8_e4m3": torch.float8_e4m3fn,
-}
 # The forward runs in the storage dtype, except float8 storage, which is computed in bfloat16 and
 # quantized per token when the file is written.
-COMPUTE_DTYPES = {**STORAGE_DTYPES, "float8_e4m3": torch.bfloat16}
+COMPUTE_DTYPES = {**STORAGE_DTYPES, FLOAT8: torch.bfloat16}
 
 
 class _StopForward(Exception):

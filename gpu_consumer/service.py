@@ -22,7 +22,7 @@ Stopping: the stop event ends fetching; batches in hand are finished (not abando
 descriptor fetched ahead but not started is handed back (`give_back`: a nak, or on its last
 delivery a fresh copy, so a stop never strands it). A batch that fails on its last delivery is
 dead-lettered, never nak'ed; one whose deliveries are used up by crashes is dead-lettered by the
-exhausted-batch reaper (hsx/exhausted.py) that runs beside this loop.
+exhausted-batch reaper (hsx/wire/exhausted.py) that runs beside this loop.
 """
 
 import asyncio
@@ -49,12 +49,12 @@ from gpu_consumer.model import LoadedModel
 from gpu_consumer.stall import ForwardPace, ReleasedBatch, Stall
 from gpu_consumer.staging import StagingLease
 from gpu_consumer.writer import write_sample_file
-from hsx import schemas, topology
-from hsx.events import EventPublisher, WorkerState, keep_in_progress
-from hsx.fsutil import fsync_dir
-from hsx.headers import message_headers
-from hsx.natsconn import through_outage
-from hsx.spool import spool_usage
+from hsx.wire import schemas, topology
+from hsx.wire.events import EventPublisher, WorkerState, keep_in_progress
+from hsx.storage.fsutil import fsync_dir
+from hsx.wire.headers import message_headers
+from hsx.wire.natsconn import through_outage
+from hsx.storage.spool import spool_usage
 
 log = structlog.get_logger("hsx.gpu_consumer")
 

@@ -14,7 +14,7 @@ Knows nothing of NATS or threads: the pull loop and BatchWorker do the releasing
 import time
 from dataclasses import dataclass
 
-from hsx.schemas import BatchDescriptor
+from hsx.wire.schemas import BatchDescriptor
 
 
 class ReleasedBatch(Exception):

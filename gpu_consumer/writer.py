@@ -5,12 +5,13 @@ from pathlib import Path
 
 import torch
 
-from hsx import samplefile
-from hsx.layout import FLOAT8, quantize_float8, sample_key, sample_metadata
-from hsx.schemas import FileReady, JobSpec, Sample
+from hsx.storage import samplefile
+from hsx.storage.layout import FLOAT8, sample_key, sample_metadata
+from hsx.storage.tensors import quantize_float8
+from hsx.wire.schemas import FileReady, JobSpec, Sample
 
 
-# hsx.fsutil.atomic_write writes `.<name>.<hex>.tmp` next to the file, then renames it.
+# hsx.storage.fsutil.atomic_write writes `.<name>.<hex>.tmp` next to the file, then renames it.
 _TEMP_NAME = re.compile(r"^\..+\.safetensors\.[0-9a-f]+\.tmp$")
 
 
@@ -37,7 +38,7 @@ def write_sample_file(
     sync_dir: bool = True,
 ) -> FileReady:
     """Write the sample's file into the spool (fsynced, renamed into place) and describe it.
-    `sync_dir=False`: the caller fsyncs the file's folder (`hsx.fsutil.fsync_dir`) once for all
+    `sync_dir=False`: the caller fsyncs the file's folder (`hsx.storage.fsutil.fsync_dir`) once for all
     the files it writes there, before it announces any of them."""
     if spec.dtype == FLOAT8:
         quantized, scale = quantize_float8(hidden_states)

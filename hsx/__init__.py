@@ -1,8 +1,15 @@
 """hsx: durable, resumable hidden-state extraction over NATS JetStream.
 
-The shared core: wire schemas, JetStream topology, settings helpers, logging, output layout,
-destinations and the `hsx` command line. Each service lives in its own top-level package
-(`producer`, `gpu_consumer`, `uploader`, `monitor`).
+The core, in rooms (docs/ARCHITECTURE.md, "Layout"): `hsx.wire` (messages, topology, progress),
+`hsx.storage` (the output format, destinations, index, the trainers' reader), `hsx.model`
+(layers, model configs, devices), `hsx.config` (where settings come from), and `hsx.commands`,
+the command line. The services are the top-level packages `producer`, `gpu_consumer`,
+`uploader` and `monitor`.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("hsx")  # pyproject.toml is the one place the version is written
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"

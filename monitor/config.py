@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from hsx.natsconn import NatsSettings
+from hsx.wire.natsconn import NatsSettings
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,7 @@ terminal) or a progress bar redrawn in place (a terminal), and served as Prometh
 GPU consumer whose forward ran past its bound, `worker_degraded` for one that cannot make
 progress, `destination_failed` (and `destination_recovered`) when uploaders say the destination
 refuses them, and a `job_summary` when every sample is in the destination. Then it writes the
-job's index (`<job>/_hsx/index.arrow`, hsx/index.py) from the `uploaded` events, so that readers
+job's index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) from the `uploaded` events, so that readers
 open the job without listing it.
 
 Its log is its product, so it goes to stdout (`hsx: error:` lines stay on stderr). With
@@ -20,13 +20,12 @@ import time
 import nats.errors
 import structlog
 
-from hsx import schemas, topology
-from hsx.index import build_job_index
-from hsx.jobs import wait_for_job_spec
-from hsx.lifecycle import stop_event_on_signals
+from hsx.wire import schemas
+from hsx.storage.index import build_job_index
 from hsx.logs import configure_logging
-from hsx.natsconn import close_connection, connect
-from hsx.progress import ProgressTracker, status_view
+from hsx.wire.jobs import wait_for_job_spec
+from hsx.wire.worker import job_session
+from hsx.wire.progress import ProgressTracker, status_view
 from monitor.bar import TerminalBar, render_bar
 from monitor.config import MonitorConfig
 from monitor.metrics import JobCollector, serve_metrics
@@ -37,7 +36,7 @@ from monitor.report import (
 
 log = structlog.get_logger("hsx.monitor")
 
-# How often the monitor saves its sums for the next reader (hsx/progress.py, "Sums").
+# How often the monitor saves its sums for the next reader (hsx/wire/progress.py, "Sums").
 CHECKPOINT_EVERY_S = 15.0
 # At the job's end, how long the summary waits for the last markers to reach the sums.
 SUMS_AT_END_WAIT_S = 30.0
@@ -80,15 +79,10 @@ async def _write_index(js, spec: schemas.JobSpec) -> None:
 
 
 async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCollector | None) -> int:
-    stopping = stop_event_on_signals()
-    structlog.contextvars.bind_contextvars(job=cfg.job)
-    nc = await connect(cfg.nats, name=f"hsx-monitor-{cfg.job}")
-    try:
-        js = nc.jetstream()
-        kv = await topology.ensure_topology(js)
-        spec = await wait_for_job_spec(kv, cfg.job, stopping)
-        if spec is None:
+    async with job_session(cfg.nats, cfg.job, name=f"hsx-monitor-{cfg.job}") as session:
+        if session is None:
             return 0
+        js, kv, spec, stopping = session.js, session.kv, session.spec, session.stopping
         tracker = ProgressTracker(js, cfg.job, plan=spec.plan_tag, heartbeats=True)
         await tracker.start()
         started = saved = time.monotonic()
@@ -178,5 +172,3 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
             except Exception as exc:  # the next reader folds from the last checkpoint: nothing lost
                 log.warning("checkpoint_not_saved", error=str(exc) or type(exc).__name__)
         return 0
-    finally:
-        await close_connection(nc)

@@ -1,4 +1,4 @@
-"""What the monitor reports each interval, computed from a status view (`hsx.progress.status_view`)
+"""What the monitor reports each interval, computed from a status view (`hsx.wire.progress.status_view`)
 and the workers' last heartbeats: the progress line, workers by service, node and state, the
 spool backlog per node, silent and degraded workers, ETA and the job summary.
 
@@ -8,7 +8,7 @@ line, the terminal bar and /metrics all show one `Reading`, so they cannot disag
 
 from dataclasses import dataclass
 
-from hsx import schemas
+from hsx.wire import schemas
 from monitor.rates import eta_seconds
 
 # The keys of every `progress` line (docs/OPERATIONS.md, "Monitoring", describes each one).

@@ -1,10 +1,10 @@
 """The job bundle: everything resuming a job on another machine needs, next to its samples.
 
-Under `<dest>/<job>/_hsx/` (`hsx.layout.bundle_key`), beside the shard folders:
+Under `<dest>/<job>/_hsx/` (`hsx.storage.layout.bundle_key`), beside the shard folders:
 
 - `job.json`: the job spec, the same JSON as in KV bucket `hsx_jobs` (tag `job.v1`);
 - `tokens.arrow`: the tokenized samples, byte for byte the object `<job>.tokens.arrow` of object
-  store `hsx_datasets` (format `hsx.tokens.v1`, see hsx/tokens.py), streamed through a temp file;
+  store `hsx_datasets` (format `hsx.tokens.v1`, see hsx/wire/tokens.py), streamed through a temp file;
 - `plan.json`: the batch plan, `{"format": "hsx.plan.v1", "job", "plan_fingerprint",
   "token_budget", "max_batch_size", "total_samples", "batches": [{"batch_id", "padded_len",
   "sample_indices"}]}` in publishing order;
@@ -26,11 +26,11 @@ import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 from nats.js import JetStreamContext
 
-from hsx import schemas
-from hsx.destinations import VerificationError, open_destination
+from hsx.wire import schemas
+from hsx.storage.destinations import VerificationError, open_destination
 from hsx.errors import HsxError
-from hsx.layout import bundle_key
-from hsx.tokens import download
+from hsx.storage.layout import bundle_key
+from hsx.wire.tokens import download
 from producer.planner import PlannedBatch, plan_batch_id
 
 log = structlog.get_logger("hsx.producer")

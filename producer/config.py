@@ -3,7 +3,10 @@
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx.natsconn import NatsSettings
+from hsx.wire.natsconn import NatsSettings
+
+# What to do with a sample longer than max_seq_len (producer/lengths.py).
+ON_LONG = ("error", "truncate", "skip")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,7 +21,7 @@ class ProducerConfig:
     token_budget: int
     max_seq_len: int
     max_batch_size: int | None = None
-    on_long: str = "error"  # error | truncate | skip (producer/lengths.py)
+    on_long: str = "error"  # one of ON_LONG
     trust_remote_code: bool = False
     # Servers of a JetStream cluster holding each hsx stream and bucket; None keeps what exists
     # (R1 when creating). docs/OPERATIONS.md, Multi-node.

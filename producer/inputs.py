@@ -4,7 +4,7 @@
 is what gets stored (`producer/stored.py`), planned and published. `report_document` is the
 job's input report. No NATS here.
 
-Token rows stream from the reader into a columnar `SampleTable` (hsx/tokens.py: tokens spilled to
+Token rows stream from the reader into a columnar `SampleTable` (hsx/wire/tokens.py: tokens spilled to
 a temp file, a few numbers per sample in memory). Chat rows keep a place in the table while the
 dataset is read; `_tokenize` then turns them into tokens, in order, and each result is written
 into its place as it comes, so only the conversations' text is held meanwhile.
@@ -20,7 +20,7 @@ import structlog
 from hsx.errors import HsxError
 from producer.chat import ChatTemplateInfo, ChatTokenizer
 from producer.chat_pool import tokenize_chats
-from hsx.tokens import SampleTable, SampleTableBuilder
+from hsx.wire.tokens import SampleTable, SampleTableBuilder
 from producer.dataset import ChatRow, DatasetRow, read_source
 from producer.lengths import LongSample, apply_on_long_table
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from hsx.errors import HsxError
-from hsx.tokens import SampleTable
+from producer.config import ON_LONG
+from hsx.wire.tokens import SampleTable
 from producer.dataset import DatasetRow
 
-ON_LONG = ("error", "truncate", "skip")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,7 +7,7 @@ tokenizer or chat template changed on the machine since cannot change the plan; 
 compares the files in the destination with them.
 
 The samples object's format, `hsx.tokens.v1`, and its bounded-memory reading and writing are in
-`hsx/tokens.py` (core: other services read it too); this module stores what the producer made.
+`hsx/wire/tokens.py` (core: other services read it too); this module stores what the producer made.
 It is written record batch by record batch to a temp file and put from that open file, so the
 object never sits in memory whole.
 
@@ -23,9 +23,9 @@ import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from hsx import schemas, topology
+from hsx.wire import schemas, topology
 from hsx.errors import HsxError
-from hsx.tokens import (  # noqa: F401  (re-exported: the producer's and its tests' names for them)
+from hsx.wire.tokens import (  # noqa: F401  (re-exported: the producer's and its tests' names for them)
     SampleTable,
     load_table,
     read_tokens,
@@ -35,7 +35,7 @@ from hsx.tokens import (  # noqa: F401  (re-exported: the producer's and its tes
     write_tokens,
 )
 
-# The job's samples as planned and published, `table[i]` sample i (hsx.tokens.load_table).
+# The job's samples as planned and published, `table[i]` sample i (hsx.wire.tokens.load_table).
 load_tokenized = load_table
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx.embedded import build_tiny_model, start_nats_server
+from hsx.commands.embedded import build_tiny_model, start_nats_server
 
 REPO = Path(__file__).resolve().parent.parent
 

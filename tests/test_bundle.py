@@ -19,9 +19,9 @@ from pathlib import Path
 import boto3
 from test_e2e_s3 import check_ok, logs_of, start_monitor, wait_until_done, write_dataset
 
-from hsx import schemas, topology
-from hsx.embedded import start_nats_server
-from hsx.natsconn import NatsSettings, connect
+from hsx.wire import schemas, topology
+from hsx.commands.embedded import start_nats_server
+from hsx.wire.natsconn import NatsSettings, connect
 from producer.stored import decode_rows
 
 MAX_SEQ_LEN = 96
@@ -125,7 +125,7 @@ def test_s3_bundle_matches_the_job_and_verify_ignores_it(tmp_path, hsx, hsx_serv
     prefix = f"hs/{job_name}/_hsx/"
     listed = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
     files = {key[len(prefix):]: s3.get_object(Bucket=bucket, Key=key)["Body"].read() for key in listed}
-    # Beside the bundle, the index the monitor writes when the job is done (hsx/index.py).
+    # Beside the bundle, the index the monitor writes when the job is done (hsx/storage/index.py).
     assert "index.arrow" in files, sorted(files)
     _check_bundle({name: data for name, data in files.items() if name != "index.arrow"}, state, rows)
     for key in listed:  # stored with its sha256, as the verified put checks it

@@ -39,10 +39,10 @@ import torch
 from botocore.exceptions import ClientError
 
 from conftest import _free_port, aws_test_env
-from hsx import schemas, topology
-from hsx.destinations import DIGEST_METADATA
-from hsx.embedded import start_nats_server
-from hsx.progress import count_stored
+from hsx.wire import schemas, topology
+from hsx.storage.destinations import DIGEST_METADATA
+from hsx.commands.embedded import start_nats_server
+from hsx.wire.progress import count_stored
 from test_crash_recovery import wait_settled
 from test_e2e_s3 import (
     _metadata,

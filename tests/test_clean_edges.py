@@ -15,9 +15,9 @@ import nats
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
 from conftest import REPO, _free_port
-from hsx import schemas, topology
-from hsx.embedded import start_nats_server
-from hsx.events import EventPublisher
+from hsx.wire import schemas, topology
+from hsx.commands.embedded import start_nats_server
+from hsx.wire.events import EventPublisher
 from test_chaos import log_events, wait_for
 from test_e2e_s3 import logs_of, produce, write_dataset
 from test_nats_names import documented_names
@@ -148,7 +148,7 @@ LOGGING_SCRIPT = """
 import logging, sys, warnings
 import structlog
 from hsx.logs import configure_logging
-from hsx.modelinfo import load_model_info
+from hsx.model.modelinfo import load_model_info
 
 configure_logging(json=True, level="info")
 structlog.contextvars.bind_contextvars(job="jlog")

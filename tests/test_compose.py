@@ -167,7 +167,7 @@ def test_hsx_services_share_one_image_and_run_their_subcommand(gpu_config):
         assert (REPO / svc["build"]["dockerfile"]).is_file(), name
         assert not svc.get("entrypoint"), name  # the image's: hsx
         assert svc["command"][0] == subcommand, name
-    assert services["demo-init"]["entrypoint"] == ["python", "-m", "hsx.demo"]
+    assert services["demo-init"]["entrypoint"] == ["python", "-m", "hsx.commands.demo"]
 
 
 def test_hsx_services_use_compose_nats_and_wait_for_it(gpu_config):

@@ -32,9 +32,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from hsx.errors import HsxError
-from hsx.layout import bundle_key, sample_key
-from hsx.natsconn import NatsSettings
-from hsx.status import read_status
+from hsx.storage.layout import bundle_key, sample_key
+from hsx.wire.natsconn import NatsSettings
+from hsx.commands.status import read_status
 from producer.stored import decode_rows
 from test_compose import REPO, _config, compose  # noqa: F401  (compose is a fixture)
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from hsx.cli import build_parser, main
-from hsx.configfile import Place
-from hsx.settings import file_layout, resolve
-from hsx.up import UpConfig, global_flags, produce_args
+from hsx.commands.cli import build_parser, main
+from hsx.config.configfile import Place
+from hsx.config.settings import file_layout, resolve
+from hsx.commands.up import UpConfig, global_flags, produce_args
 from test_cli_errors import assert_one_line_error
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""`hsx.data.HiddenStateDataset` over a real finished job, and `hsx verify` over S3 with float8.
+"""`hsx.storage.reader.HiddenStateDataset` over a real finished job, and `hsx verify` over S3 with float8.
 
 One float8 job of COUNT samples runs through the real pipeline into a moto S3 bucket. The reader's
 items are compared with the objects read independently (boto3 + safetensors); the same objects
@@ -23,9 +23,9 @@ from conftest import aws_bucket
 from test_e2e_s3 import check_ok, start_monitor, wait_until_done, write_dataset
 from test_verify import Services, data_offset, run_cli
 
-from hsx.data import HiddenStateDataset, dequantize
+from hsx.storage.reader import HiddenStateDataset, dequantize
 from hsx.errors import HsxError
-from hsx.layout import sample_key
+from hsx.storage.layout import sample_key
 
 COUNT = 10
 LAYERS = [1, 5]

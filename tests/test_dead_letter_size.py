@@ -1,4 +1,4 @@
-"""A dead letter always fits the server's max_payload (hsx/deadletter.py), on a real nats-server
+"""A dead letter always fits the server's max_payload (hsx/wire/deadletter.py), on a real nats-server
 started with a small max_payload: a batch as large as the server takes is dead-lettered (in one
 letter when the producer left the headroom, split over several otherwise) and `hsx dead retry`
 sends every sample back; a file-ready event and an undecodable payload at the limit fit too.
@@ -12,11 +12,11 @@ import asyncio
 import nats
 import pytest
 
-from hsx import schemas, topology
-from hsx.dead import retry_dead
-from hsx.embedded import start_nats_server
-from hsx.events import EventPublisher
-from hsx.natsconn import NatsSettings
+from hsx.wire import schemas, topology
+from hsx.commands.dead import retry_dead
+from hsx.commands.embedded import start_nats_server
+from hsx.wire.events import EventPublisher
+from hsx.wire.natsconn import NatsSettings
 
 MAX_PAYLOAD = 32 * 1024
 

@@ -30,10 +30,10 @@ import botocore.config
 import pytest
 import requests
 
-from hsx import schemas
-from hsx.backoff import jittered, retry_delay
-from hsx.destinations import FileDestination, S3Destination
-from hsx.progress import ProgressCounts, ProgressFold, QueueState, status_view
+from hsx.wire import schemas
+from hsx.wire.backoff import jittered, retry_delay
+from hsx.storage.destinations import FileDestination, S3Destination
+from hsx.wire.progress import ProgressCounts, ProgressFold, QueueState, status_view
 from conftest import REPO, _free_port
 from test_chaos import check_uploaded_once, log_events, wait_for
 from test_e2e_s3 import (

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-import hsx.devices
-from hsx.cli import build_parser
-from hsx.devices import check_consumer_device, plan_devices, visible_text
+import hsx.model.devices
+from hsx.commands.cli import build_parser
+from hsx.model.devices import check_consumer_device, plan_devices, visible_text
 from hsx.errors import HsxError
-from hsx.settings import resolve
-from hsx.up import UpConfig, consumer_args
+from hsx.config.settings import resolve
+from hsx.commands.up import UpConfig, consumer_args
 from test_cli_errors import assert_one_line_error
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,7 +85,7 @@ def test_consume_takes_one_device():
 
 def _up_config(argv: list[str], monkeypatch, visible: int) -> UpConfig:
     """UpConfig from `hsx up ARGV` as the CLI builds it, with `visible` GPUs as torch's count."""
-    monkeypatch.setattr(hsx.devices, "cuda_device_count", lambda: visible)
+    monkeypatch.setattr(hsx.model.devices, "cuda_device_count", lambda: visible)
     parser = build_parser()
     args = parser.parse_args(["up", *argv])
     resolve(parser, args, {})
@@ -122,7 +122,7 @@ def test_up_asks_torch_only_for_a_gpu(monkeypatch):
     def fail():
         raise AssertionError("torch asked for a CPU run")
 
-    monkeypatch.setattr(hsx.devices, "cuda_device_count", fail)
+    monkeypatch.setattr(hsx.model.devices, "cuda_device_count", fail)
     parser = build_parser()
     args = parser.parse_args(["up", "--consumers", "2"])
     resolve(parser, args, {})

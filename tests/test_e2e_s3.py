@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from hsx.layout import SHARD_SIZE, bundle_key
+from hsx.storage.layout import SHARD_SIZE, bundle_key
 
 LAYERS = [0, 2, 5]  # of the tiny qwen3's 6 decoder layers: 5 is the last (pre-norm in hsx, post-norm in HF)
 HIDDEN = 64
@@ -225,7 +225,7 @@ class Reference:
             got = hidden[:, slot]
             torch.testing.assert_close(got, raw[slot], atol=atol, rtol=0, msg=lambda m: f"{what} layer {layer}: {m}")
             if layer != last:
-                # DESIGN section 4: layer i == output_hidden_states[i + 1] for every layer but the last ...
+                # The output format (README.md): layer i == output_hidden_states[i + 1] for every layer but the last ...
                 torch.testing.assert_close(got, hf[layer + 1], atol=atol, rtol=0, msg=lambda m: f"{what} layer {layer} vs HF: {m}")
             else:
                 # ... whose HF entry has the final norm applied: hsx stores the pre-norm state.

@@ -4,7 +4,7 @@ destination. Never stuck in the work queue, whatever took its deliveries:
 
 1. the spool cannot take one sample's file on any delivery (its path is a directory: EISDIR);
 2. the consumer is SIGKILLed by the same batch on every delivery (host OOM killer, segfault),
-   so only JetStream knows the batch is spent (its max-deliveries advisory, hsx/exhausted.py);
+   so only JetStream knows the batch is spent (its max-deliveries advisory, hsx/wire/exhausted.py);
 3. the nats-server is stopped and restarted at the moment the consumer stores the dead letter;
 4. the backstop sweep finds a spent batch whose advisory never arrived.
 
@@ -23,10 +23,10 @@ import nats
 import pytest
 
 from conftest import _free_port
-from hsx import schemas, topology
-from hsx.embedded import start_nats_server
-from hsx.events import EventPublisher
-from hsx.layout import sample_key
+from hsx.wire import schemas, topology
+from hsx.commands.embedded import start_nats_server
+from hsx.wire.events import EventPublisher
+from hsx.storage.layout import sample_key
 from test_e2e_s3 import check_ok, check_outputs, logs_of, produce, read_dir_objects, write_dataset
 
 FAST = ("--ack-wait", "2", "--retry-delay", "0.2")
@@ -195,7 +195,7 @@ async def _one_batch_queued(js, job: str, *, samples: int, ack_wait_s: float):
 
 
 def test_sweep_dead_letters_a_spent_batch_whose_advisory_was_lost(nats_server, job_name):
-    from hsx.exhausted import sweep
+    from hsx.wire.exhausted import sweep
 
     async def scenario() -> None:
         nc = await nats.connect(nats_server.url)

@@ -39,9 +39,9 @@ from transformers import AutoModelForCausalLM
 
 from gpu_consumer.extract import extract_samples
 from gpu_consumer.model import decoder_stack, load_model
-from hsx.embedded import build_tiny_model
-from hsx.layers import FINAL
-from hsx.schemas import Sample
+from hsx.commands.embedded import build_tiny_model
+from hsx.model.layers import FINAL
+from hsx.wire.schemas import Sample
 
 VOCAB = 512
 NUM_LAYERS = 4

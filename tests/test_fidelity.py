@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM
 from gpu_consumer.extract import extract_samples
 from gpu_consumer.model import load_model
 from gpu_consumer.writer import write_sample_file
-from hsx.layout import LAYER_CONVENTION, sample_key
-from hsx.schemas import FileReady, JobSpec, Sample
+from hsx.storage.layout import LAYER_CONVENTION, sample_key
+from hsx.wire.schemas import FileReady, JobSpec, Sample
 from test_e2e_s3 import digest_and_checksum
 
 FAMILIES = ["qwen3", "llama"]

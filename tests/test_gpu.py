@@ -1,7 +1,7 @@
 """CUDA-only checks (marker `gpu`; skipped cleanly without a CUDA device): the consumer's
 extraction on a GPU matches transformers' own per-sample result, files written from pinned
 buffers while the next batch splits hold their own states, `hsx up` runs end to end with
-`--device cuda:0`, and with `--device cuda` on every visible GPU (hsx/devices.py with torch's own
+`--device cuda:0`, and with `--device cuda` on every visible GPU (hsx/model/devices.py with torch's own
 device count)."""
 
 import json
@@ -15,7 +15,7 @@ import torch
 
 from gpu_consumer.extract import extract_samples
 from gpu_consumer.model import load_model
-from hsx.schemas import Sample
+from hsx.wire.schemas import Sample
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parent.parent
@@ -96,10 +96,10 @@ def test_hsx_up_on_cuda(tmp_path):
 
 
 def test_device_enumeration_sees_the_real_gpus(tiny_model):
-    """hsx/devices.py with torch's own count: `cuda` is every visible GPU, the last one can be
+    """hsx/model/devices.py with torch's own count: `cuda` is every visible GPU, the last one can be
     chosen, one past it is refused (by `hsx up` and by a consumer's model load) naming what is
     visible, and CUDA_VISIBLE_DEVICES is honoured."""
-    from hsx.devices import node_devices
+    from hsx.model.devices import node_devices
     from hsx.errors import HsxError
 
     count = torch.cuda.device_count()
@@ -113,7 +113,7 @@ def test_device_enumeration_sees_the_real_gpus(tiny_model):
         node_devices(f"cuda:{count}", None)
     with pytest.raises(HsxError, match=f"no GPU {count}: {visible}"):
         load_model(str(tiny_model("qwen3")), layers=[1], dtype="float32", device=f"cuda:{count}")
-    probe = "from hsx.devices import node_devices; print(node_devices('cuda', None))"
+    probe = "from hsx.model.devices import node_devices; print(node_devices('cuda', None))"
     for hidden, expected in ((str(count - 1), "['cuda:0']"), ("", None)):
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO,
                                 env={**os.environ, "CUDA_VISIBLE_DEVICES": hidden})

@@ -1,5 +1,5 @@
 """Every message hsx publishes names its job in a header, and its batch and sample where it has
-one (hsx/headers.py), so `nats sub` / `nats stream get` tell whose a message is without decoding it.
+one (hsx/wire/headers.py), so `nats sub` / `nats stream get` tell whose a message is without decoding it.
 
 One small real job, choreographed so that every kind of message is made: descriptors (read back
 from HSX_BATCHES before any consumer runs), file-ready events (read back from HSX_FILES before any
@@ -19,8 +19,8 @@ import time
 import msgspec
 import nats
 
-from hsx import headers as H
-from hsx import schemas, topology
+from hsx.wire import headers as H
+from hsx.wire import schemas, topology
 from test_e2e_s3 import check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done, write_dataset
 
 NODE = "testnode"  # conftest's HSX_NODE
@@ -165,7 +165,7 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
     kinds = {}
     for message in events:
         kinds.setdefault(message.subject.split(".")[3], []).append(message)
-    # `checkpoint`: the sums saved by a status reading or the monitor, if one read markers (hsx/progress.py).
+    # `checkpoint`: the sums saved by a status reading or the monitor, if one read markers (hsx/wire/progress.py).
     assert set(kinds) - {"checkpoint"} == {"written", "uploaded", "requeued", "heartbeat"}, sorted(kinds)
     for message in kinds.get("checkpoint", []):  # rolled up, saved only over the checkpoint its saver read
         assert message.headers.pop("Nats-Expected-Last-Subject-Sequence").isdigit()

@@ -1,4 +1,4 @@
-"""The job's index (`<job>/_hsx/index.arrow`, hsx/index.py) on a real finished S3 job.
+"""The job's index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) on a real finished S3 job.
 
 One job of COUNT samples runs through the real pipeline into a moto S3 bucket, one of its samples
 stored as by an uploader killed between its verified put and its `uploaded` event (the next
@@ -25,13 +25,13 @@ from conftest import aws_bucket
 from test_e2e_s3 import check_ok, logs_of, start_monitor, wait_until_done, write_dataset
 from test_verify import Services, run_cli
 
-from hsx.data import HiddenStateDataset
-from hsx.destinations import S3Destination, open_destination
-from hsx.index import INDEX_KEY, StoredIndex, read_index
-from hsx.layout import sample_key
-from hsx.natsconn import NatsSettings
-from hsx.samplefile import checked_file_digest
-from hsx.verify import fetch_job, verify
+from hsx.storage.reader import HiddenStateDataset
+from hsx.storage.destinations import S3Destination, open_destination
+from hsx.storage.index import INDEX_KEY, StoredIndex, read_index
+from hsx.storage.layout import sample_key
+from hsx.wire.natsconn import NatsSettings
+from hsx.storage.samplefile import checked_file_digest
+from hsx.commands.verify import fetch_job, verify
 
 COUNT = 6
 

@@ -29,7 +29,7 @@ import nats
 import pytest
 from test_cli_errors import _produce_args, _state, assert_one_line_error
 
-from hsx import schemas
+from hsx.wire import schemas
 from producer.chat import ChatTokenizer
 from producer.dataset import ChatRow, DatasetRow
 from producer.lengths import apply_on_long

@@ -1,4 +1,4 @@
-"""`hsx jobs list` and `hsx jobs delete` (hsx/jobadmin.py): a job name can be used again.
+"""`hsx jobs list` and `hsx jobs delete` (hsx/commands/jobs.py): a job name can be used again.
 
 One round trip on the session's nats-server, with the real CLI, a real consumer and uploader: the
 job is listed; deleting it is refused while they are alive (and after they were SIGKILLed, until
@@ -20,8 +20,8 @@ from test_chaos import sigkill, wait_for
 from test_cli_errors import assert_one_line_error
 from test_e2e_s3 import check_ok, write_dataset
 
-from hsx import topology
-from hsx.layout import bundle_key
+from hsx.wire import topology
+from hsx.storage.layout import bundle_key
 
 
 def _produce(hsx, job: str, model: Path, dataset: Path, out: Path):

@@ -11,9 +11,10 @@ from gpu_consumer.extract import extract_samples
 from gpu_consumer.model import load_model
 from gpu_consumer.writer import write_sample_file
 from hsx.errors import HsxError
-from hsx.layers import FINAL, parse_layers, resolve_layers
-from hsx.layout import FLOAT8, dequantize_float8
-from hsx.schemas import JobSpec, Sample
+from hsx.model.layers import FINAL, parse_layers, resolve_layers
+from hsx.storage.layout import FLOAT8
+from hsx.storage.tensors import dequantize_float8
+from hsx.wire.schemas import JobSpec, Sample
 
 
 def test_negative_indices_and_final_resolve_in_the_order_given():

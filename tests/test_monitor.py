@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import REPO, _env, _free_port
-from hsx.spool import spool_usage
+from hsx.storage.spool import spool_usage
 from monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS
 from test_chaos import log_events, sigkill
 from test_e2e_s3 import logs_of, produce, status, write_dataset

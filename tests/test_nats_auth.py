@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hsx.embedded import start_nats_server
+from hsx.commands.embedded import start_nats_server
 from test_e2e_s3 import check_outputs, read_dir_objects, write_dataset
 
 REPO = Path(__file__).resolve().parent.parent

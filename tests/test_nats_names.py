@@ -19,8 +19,8 @@ import urllib.request
 import nats
 
 from conftest import REPO
-from hsx import schemas, topology
-from hsx.embedded import start_nats_server
+from hsx.wire import schemas, topology
+from hsx.commands.embedded import start_nats_server
 from test_e2e_s3 import produce, start_monitor, wait_until_done, write_dataset
 
 DOC = REPO / "docs" / "OPERATIONS.md"

@@ -20,7 +20,7 @@ import time
 
 import nats
 
-from hsx import topology
+from hsx.wire import topology
 from test_chaos import check_uploaded_once, log_events, log_time, wait_for
 from test_crash_recovery import wait_settled
 from test_e2e_s3 import (
@@ -187,7 +187,7 @@ def test_a_hung_forward_is_reported_stalled_and_its_batch_finished_by_another_co
 
 def test_the_stall_bound_grows_with_the_batch_and_the_measured_pace_and_has_a_floor():
     from gpu_consumer.stall import ForwardPace
-    from hsx.schemas import BatchDescriptor, Sample
+    from hsx.wire.schemas import BatchDescriptor, Sample
 
     def batch(size: int, padded_len: int) -> BatchDescriptor:
         samples = [Sample(index=i, source_id=str(i), input_ids=[1] * padded_len) for i in range(size)]

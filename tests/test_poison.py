@@ -8,7 +8,7 @@ import json
 
 import nats
 
-from hsx import schemas, topology
+from hsx.wire import schemas, topology
 from test_e2e_s3 import produce, read_dir_objects, write_dataset
 
 

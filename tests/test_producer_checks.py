@@ -33,8 +33,8 @@ from test_cli_errors import assert_one_line_error
 from test_e2e_s3 import (LAYERS, check_final_status, check_ok, check_outputs, logs_of, read_dir_objects, start_monitor, status,
                          wait_until_done, write_dataset)
 
-from hsx import headers, schemas, topology
-from hsx.embedded import start_nats_server
+from hsx.wire import headers, schemas, topology
+from hsx.commands.embedded import start_nats_server
 
 SMALL_MAX_PAYLOAD = 64 * 1024
 

@@ -4,8 +4,8 @@ never finish)."""
 
 import asyncio
 
-from hsx import topology
-from hsx.natsconn import NatsSettings, connect
+from hsx.wire import topology
+from hsx.wire.natsconn import NatsSettings, connect
 from test_e2e_s3 import (
     check_final_status, check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done,
     wait_until_spooled, write_dataset,

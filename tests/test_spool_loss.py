@@ -3,7 +3,7 @@
 ends with every sample in the destination exactly once and correct. The events name their samples
 (no tokens): the uploader takes the lost samples' tokens from the job's stored samples."""
 
-from hsx import schemas, topology
+from hsx.wire import schemas, topology
 from test_e2e_s3 import (
     Reference, check_final_status, check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done,
     wait_until_spooled, write_dataset,

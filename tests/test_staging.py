@@ -26,10 +26,10 @@ from gpu_consumer.config import ConsumerConfig
 from gpu_consumer.model import load_model
 from gpu_consumer.service import BatchWorker
 from gpu_consumer.staging import HostStaging
-from hsx import schemas, topology
-from hsx.events import EventPublisher
-from hsx.layout import sample_key
-from hsx.natsconn import NatsSettings, connect
+from hsx.wire import schemas, topology
+from hsx.wire.events import EventPublisher
+from hsx.storage.layout import sample_key
+from hsx.wire.natsconn import NatsSettings, connect
 from test_fidelity import _spec
 
 LAYERS = [1, 3, 4]  # none is the last decoder layer: each is transformers' hidden_states[i + 1]

@@ -21,10 +21,12 @@ import boto3
 import pytest
 from conftest import REPO
 
-from hsx import cli, destinations
-from hsx.destinations import VerificationError, open_destination
-from hsx.lifecycle import stop_flag_on_signals
-from hsx.sync import SyncConfig, Syncer
+from hsx import cli
+
+from hsx.storage import destinations
+from hsx.storage.destinations import VerificationError, open_destination
+from hsx.wire.lifecycle import stop_flag_on_signals
+from hsx.commands.sync import SyncConfig, Syncer
 
 
 def _write(root: Path, files: dict[str, bytes]) -> None:
@@ -238,6 +240,6 @@ def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
 @pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("30m", 1800), ("2h", 7200), ("1h30m", 5400),
                                            ("1.5h", 5400), ("1d", 86400)])
 def test_durations(text, seconds):
-    from hsx.sync import parse_duration
+    from hsx.commands.sync import parse_duration
 
     assert parse_duration(text, "--every") == seconds

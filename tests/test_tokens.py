@@ -1,4 +1,4 @@
-"""The job's samples in bounded memory (hsx/tokens.py) and loss masks as spans on the wire.
+"""The job's samples in bounded memory (hsx/wire/tokens.py) and loss masks as spans on the wire.
 
 - An object written by the old, list-based encoder (`tests/data/tokens_v1_old.arrow`, made with
   `producer.stored.encode_rows` of commit 0ee1e2a) reads back row for row; the streaming writer's
@@ -25,9 +25,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from hsx import schemas
+from hsx.wire import schemas
 from hsx.errors import HsxError
-from hsx.tokens import TokenRow, load_samples, loss_spans, read_tokens, tokens_object_name, write_tokens
+from hsx.wire.tokens import TokenRow, load_samples, loss_spans, read_tokens, tokens_object_name, write_tokens
 from producer.dataset import read_source
 from producer.inputs import tokenized_rows
 
@@ -97,7 +97,7 @@ def _rows(count: int, seed: int) -> list[dict]:
 
 @pytest.mark.parametrize("form", ["parquet", "jsonl"])
 def test_the_plan_fingerprint_is_the_old_formula(form, tiny_model, tmp_path):
-    from hsx.natsconn import NatsSettings
+    from hsx.wire.natsconn import NatsSettings
     from producer.config import ProducerConfig
     from producer.main import plan_fingerprint
 
@@ -185,8 +185,7 @@ def test_load_samples_reads_a_few_by_index(nats_server, tmp_path):
         nc = await nats.connect(nats_server.url)
         try:
             js = nc.jetstream()
-            from hsx import topology
-
+            from hsx.wire import topology
             store = await topology.ensure_datasets_store(js)
             job = f"tokens-{random.randrange(1 << 30)}"
             await store.put(tokens_object_name(job), OLD_OBJECT.read_bytes())

@@ -2,7 +2,7 @@
 
 Per event: decode (poison -> dead letter) -> if the destination already holds exactly this
 object (size and digest), delete the local copy and ack without re-uploading -> else check the
-local file (hsx.samplefile: its data against the checksum in its header, its digest against the
+local file (hsx.storage.samplefile: its data against the checksum in its header, its digest against the
 event's), upload, verify the stored object, delete the local file, publish the `uploaded` event,
 ack. A file:// destination on the spool's file system takes the checked file by a rename instead
 of a copy (`Destination.move_verified`: verified to be the checked inode, its folder fsynced).
@@ -32,15 +32,15 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from hsx import schemas, topology
-from hsx.backoff import jittered, retry_delay
-from hsx.destinations import Destination
-from hsx.events import EventPublisher, WorkerState, keep_in_progress
-from hsx.headers import message_headers
-from hsx.layout import sample_key
-from hsx.natsconn import through_outage
-from hsx.samplefile import SampleFileCorrupt, checked_digest
-from hsx.spool import spool_usage
+from hsx.wire import schemas, topology
+from hsx.wire.backoff import jittered, retry_delay
+from hsx.storage.destinations import Destination
+from hsx.wire.events import EventPublisher, WorkerState, keep_in_progress
+from hsx.wire.headers import message_headers
+from hsx.storage.layout import sample_key
+from hsx.wire.natsconn import through_outage
+from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
+from hsx.storage.spool import spool_usage
 from uploader.config import UploaderConfig
 from uploader.samples import SampleNotFound, StoredSamples
 

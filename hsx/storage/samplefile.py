@@ -22,10 +22,12 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from hsx.storage.fsutil import atomic_write
 
-from hsx.fsutil import atomic_write
+if TYPE_CHECKING:
+    import torch
 
 CHECKSUM_KEY = "checksum"
 _CHECKSUM_PREFIX = "sha256:"
@@ -33,10 +35,11 @@ _PLACEHOLDER = _CHECKSUM_PREFIX + "0" * 64
 _CHUNK = 1 << 20  # hashed then written while it is still in the CPU cache
 _MAX_HEADER = 100 << 20  # safetensors refuses larger headers too
 
+# By torch's dtype name, so that checking a file (the uploader) needs no torch.
 _SAFETENSORS_DTYPES = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
-    torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
+    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
 }
 
 
@@ -52,16 +55,18 @@ def _header(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
     return len(encoded).to_bytes(8, "little") + encoded
 
 
-def _flat_bytes(tensor: torch.Tensor) -> memoryview:
+def _flat_bytes(tensor: "torch.Tensor") -> memoryview:
     """The tensor's bytes, without copying when it is already contiguous."""
+    import torch
+
     return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def write(
-    final: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str], *, sync_dir: bool = True
+    final: Path, tensors: dict[str, "torch.Tensor"], metadata: dict[str, str], *, sync_dir: bool = True
 ) -> tuple[int, str]:
     """Write `tensors` and `metadata` (plus the checksum) atomically to `final` (`sync_dir`: as
-    hsx.fsutil.atomic_write).
+    hsx.storage.fsutil.atomic_write).
 
     Returns (file size, digest). Tensors are laid out widest element first, then by name, so every
     tensor starts aligned to its element size, as safetensors' own writer does."""
@@ -70,10 +75,11 @@ def write(
     offset = 0
     for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)):
         tensor = tensors[name]
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} has no safetensors name")
         data = _flat_bytes(tensor)
-        entries[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+        entries[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(tensor.shape),
                          "data_offsets": [offset, offset + data.nbytes]}
         buffers.append(data)
         offset += data.nbytes

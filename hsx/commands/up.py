@@ -3,7 +3,7 @@
 Starts whatever is not given: a nats-server with its JetStream store in the workdir, a small
 random-initialised model, a synthetic dataset, a local destination. Then it runs the producer,
 `--consumers` GPU consumers per device (`--device cuda`: every visible GPU, or those of
-`--devices`; hsx/devices.py), each its own process on its own device, `--uploaders` uploaders
+`--devices`; hsx/model/devices.py), each its own process on its own device, `--uploaders` uploaders
 sharing the consumers' spool, and the monitor; it restarts a worker that crashes, and returns 0
 when every sample is in the destination. Everything lives in the workdir, so running it again
 resumes: the producer publishes nothing twice and only unfinished work runs. Ctrl-C (or SIGTERM)
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import structlog
 
-from hsx.devices import node_devices
-from hsx.embedded import NatsServer, build_tiny_model, start_nats_server, write_synthetic_dataset
+from hsx.model.devices import node_devices
+from hsx.commands.embedded import NatsServer, build_tiny_model, start_nats_server, write_synthetic_dataset
 from hsx.errors import HsxError, JobFailed
-from hsx.natsconn import NatsSettings, redact_url
+from hsx.wire.natsconn import NatsSettings, redact_url
 
 log = structlog.get_logger("hsx.up")
 
@@ -48,7 +48,7 @@ class UpConfig:
     max_seq_len: int
     samples: int
     device: str  # as given: cpu, cuda, cuda:N
-    devices: tuple[str, ...]  # the device of each consumer group, from --device and --devices (hsx/devices.py)
+    devices: tuple[str, ...]  # the device of each consumer group, from --device and --devices (hsx/model/devices.py)
     timeout_s: float
     log_level: str = "info"
     on_long: str = "error"  # passed to hsx produce --on-long
@@ -70,7 +70,7 @@ class UpConfig:
         )
 
 
-class _Child:
+class Child:
     """One service process, its log file, and how often it was restarted."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path | None) -> None:
@@ -111,7 +111,7 @@ class _Child:
         return lines[-1][-300:] if lines else ""
 
 
-def _hsx(*args: str) -> list[str]:
+def hsx_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "hsx.cli", *args]
 
 
@@ -138,7 +138,7 @@ def consumer_args(cfg: UpConfig, *, spool: Path) -> list[tuple[str, list[str]]]:
             for i, device in enumerate(per_device)]
 
 
-def _stop_all(children: list[_Child]) -> None:
+def stop_all(children: list[Child]) -> None:
     deadline = time.monotonic() + _STOP_DEADLINE_S
     for child in children:
         child.terminate()
@@ -151,7 +151,7 @@ def run_up(cfg: UpConfig) -> int:
     logs = cfg.workdir / "logs"
     logs.mkdir(exist_ok=True)
     server: NatsServer | None = None
-    children: list[_Child] = []
+    children: list[Child] = []
     interrupted = []
 
     def on_signal(signum, _frame):
@@ -168,7 +168,7 @@ def run_up(cfg: UpConfig) -> int:
         model = cfg.model or str(build_tiny_model(cfg.workdir / "model"))
         dataset = cfg.dataset
         if dataset is None:
-            from hsx.modelinfo import load_model_info
+            from hsx.model.modelinfo import load_model_info
 
             info = load_model_info(model, trust_remote_code=cfg.trust_remote_code)
             dataset = write_synthetic_dataset(
@@ -182,12 +182,12 @@ def run_up(cfg: UpConfig) -> int:
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.consumers)))
         common = global_flags(cfg)
 
-        producer = _Child("producer", _hsx(*common, *produce_args(cfg, model=model, dataset=dataset, dest=dest)),
+        producer = Child("producer", hsx_argv(*common, *produce_args(cfg, model=model, dataset=dataset, dest=dest)),
                           env, logs / "producer.log")
         producer.start()
         while producer.poll() is None:
             if interrupted:
-                _stop_all([producer])
+                stop_all([producer])
                 return 130
             time.sleep(0.1)
         if producer.poll() != 0:
@@ -199,13 +199,13 @@ def run_up(cfg: UpConfig) -> int:
         log.info("consumers_planned", devices=list(cfg.devices), per_device=cfg.consumers,
                  consumers={name: args[args.index("--device") + 1] for name, args in consumers})
         workers = [
-            _Child(name, _hsx(*common, *args), env, logs / f"{name}.log") for name, args in consumers
+            Child(name, hsx_argv(*common, *args), env, logs / f"{name}.log") for name, args in consumers
         ] + [
-            _Child(f"uploader-{i}", _hsx(*common, "upload", "--job", cfg.job, "--spool", str(spool)), env,
+            Child(f"uploader-{i}", hsx_argv(*common, "upload", "--job", cfg.job, "--spool", str(spool)), env,
                    logs / f"uploader-{i}.log")
             for i in range(cfg.uploaders)
         ]
-        monitor = _Child("monitor", _hsx(*common, "monitor", "--job", cfg.job, "--until-done", "--interval", "2"), env, None)
+        monitor = Child("monitor", hsx_argv(*common, "monitor", "--job", cfg.job, "--until-done", "--interval", "2"), env, None)
         children = workers + [monitor]
         for child in children:
             child.start()
@@ -231,7 +231,7 @@ def run_up(cfg: UpConfig) -> int:
                 child.start()
             time.sleep(0.2)
 
-        from hsx.status import format_status, read_status
+        from hsx.commands.status import format_status, read_status
 
         view = asyncio.run(read_status(nats, cfg.job))
         print(format_status(view, as_json=False), flush=True)
@@ -248,7 +248,7 @@ def run_up(cfg: UpConfig) -> int:
             )
         return 0
     finally:
-        _stop_all(children)
+        stop_all(children)
         if server is not None:
             server.stop()
         for sig, handler in previous.items():

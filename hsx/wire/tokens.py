@@ -38,9 +38,9 @@ import numpy as np
 import pyarrow as pa
 from nats.js import JetStreamContext
 
-from hsx import schemas, topology
+from hsx.wire import schemas, topology
 from hsx.errors import HsxError
-from hsx.jobs import read_job_spec
+from hsx.wire.jobs import read_job_spec
 
 TOKENS_FORMAT = "hsx.tokens.v1"
 SCHEMA = pa.schema(

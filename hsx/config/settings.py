@@ -1,10 +1,10 @@
 """Which value each flag takes, and where it came from: flag > environment > config file > default.
 
-hsx/cli.py declares the flags with argparse as usual, names the environment variable of a flag
+hsx/commands/cli.py declares the flags with argparse as usual, names the environment variable of a flag
 (`declare_env`), the redaction of a secret one (`declare_secret`) and the flags a file may not
 set (`declare_command_line_only`); then `defer_defaults` replaces every default with argparse's
 "absent" sentinel, so that after parsing, a flag in the namespace is one that was given. `resolve`
-fills in the others from the environment, the config file (hsx/configfile.py) and the declared
+fills in the others from the environment, the config file (hsx/config/configfile.py) and the declared
 default, in that order, checks the required ones, and records each source for `hsx config show`.
 
 An environment or file value goes through the flag's own parser (type, choices), so it is held to
@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsx import configfile
-from hsx.configfile import Place
+from hsx.config import configfile
+from hsx.config.configfile import Place
 from hsx.errors import HsxError
 
 _CONFIG_DEST = "config"  # the global --config: where the file is; it is resolved before the file is read
@@ -175,7 +175,8 @@ def _text(value: object) -> str:
 
 
 def _flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    return [a for a in parser._actions
+            if a.option_strings and not isinstance(a, (argparse._HelpAction, argparse._VersionAction))]
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:

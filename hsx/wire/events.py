@@ -16,10 +16,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from hsx import schemas, topology
-from hsx.deadletter import build_letters, hold_for_test
-from hsx.headers import message_headers
-from hsx.natsconn import through_outage
+from hsx.wire import schemas, topology
+from hsx.wire.deadletter import build_letters, hold_for_test
+from hsx.wire.headers import message_headers
+from hsx.wire.natsconn import through_outage
 
 log = structlog.get_logger("hsx.events")
 
@@ -83,7 +83,7 @@ class EventPublisher:
         sample_indices: list[int] | None = None, source_seq: int = 0, part: str = "",
     ) -> None:
         """Store a payload that cannot be processed, with its error, in HSX_DEAD (as one letter, or
-        several when one would not fit: hsx/deadletter.py). Waits out a NATS outage: a letter that
+        several when one would not fit: hsx/wire/deadletter.py). Waits out a NATS outage: a letter that
         is not stored must not let its message leave the work queue."""
         letters = build_letters(
             job=self.job, what=what, error=error, subject=subject, payload=payload, deliveries=deliveries,

@@ -43,7 +43,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from hsx.errors import HsxError
-from hsx.natsconn import OUTAGE_RETRY_S
+from hsx.wire.natsconn import OUTAGE_RETRY_S
 
 log = structlog.get_logger("hsx.topology")
 
@@ -54,7 +54,7 @@ FILES_STREAM = "HSX_FILES"
 EVENTS_STREAM = "HSX_EVENTS"
 DEAD_STREAM = "HSX_DEAD"
 # JetStream's own advisories for messages that used up max_deliver, kept so none is lost while no
-# hsx process listens (hsx/exhausted.py acts on them).
+# hsx process listens (hsx/wire/exhausted.py acts on them).
 ADVISORIES_STREAM = "HSX_ADVISORIES"
 JOBS_BUCKET = "hsx_jobs"
 # Object store: each job's tokenized dataset (`<job>.tokens.arrow`) and input report (`<job>.report.json`).
@@ -109,7 +109,7 @@ def event_subject(job: str, kind: str) -> str:
     return f"hsx.events.{job}.{kind}"
 
 
-# Progress markers (hsx/progress.py counts them): one subject per planned batch written and per
+# Progress markers (hsx/wire/progress.py counts them): one subject per planned batch written and per
 # planned sample uploaded, each stored at most once (`ONCE_HEADERS`), so JetStream's count of a
 # filter's subjects is the number of distinct batches or samples, read in constant time. What is
 # not of the plan (a re-queued sample's batch, a sample index outside the plan) goes under
@@ -143,7 +143,7 @@ def markers_all(job: str, kind: str, plan: str) -> str:
     return f"hsx.events.{job}.{kind}.{plan}.>"
 
 
-# The durables that count a job's markers (hsx/progress.py `read_counts`): never fetched from, so
+# The durables that count a job's markers (hsx/wire/progress.py `read_counts`): never fetched from, so
 # each one's num_pending is the number of messages under its filter, kept current by the server
 # and read with one cheap request (creating a consumer per reading would cost a cluster a
 # meta-layer proposal each time). Name -> (kind, plan or "*", extra); "requeued" counts events.
@@ -169,7 +169,7 @@ def progress_counter_filter(job: str, plan: str, counter: str) -> str:
 
 
 def checkpoint_subject(job: str) -> str:
-    """The job's progress checkpoint (hsx/progress.py): one message, rolled up on each save."""
+    """The job's progress checkpoint (hsx/wire/progress.py): one message, rolled up on each save."""
     return f"hsx.events.{job}.checkpoint"
 
 
@@ -253,7 +253,7 @@ STREAMS: tuple[StreamConfig, ...] = (
         # No age limit: `done` is folded from every `written`/`uploaded` event since the job began,
         # so a long job, or one paused for weeks and resumed, must not lose its early events.
         # Retention follows the job: `hsx jobs delete` purges its subjects. Heartbeats, the only
-        # events sent forever, are published with `Nats-Rollup: sub` (hsx/events.py), so each
+        # events sent forever, are published with `Nats-Rollup: sub` (hsx/wire/events.py), so each
         # worker's subject keeps only its last beat.
         max_age=0,
         allow_rollup_hdrs=True,

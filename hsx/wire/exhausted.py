@@ -27,8 +27,8 @@ import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 
-from hsx import topology
-from hsx.events import EventPublisher
+from hsx.wire import topology
+from hsx.wire.events import EventPublisher
 
 log = structlog.get_logger("hsx.exhausted")
 

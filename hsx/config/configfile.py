@@ -8,7 +8,7 @@ connection (`url` is --nats, `user` is --nats-user, ...), `[job]` what defines t
 table. So each setting has exactly one place in the file.
 
 This module knows the layout and TOML. It knows neither argparse nor the environment, and it
-does not convert values (hsx/settings.py does, with each flag's own parser). An error names the
+does not convert values (hsx/config/settings.py does, with each flag's own parser). An error names the
 file, the table and the key, never a value.
 """
 

@@ -2,7 +2,7 @@
 
 Each pass walks the directory and uploads every regular file whose bytes the destination does not
 hold yet, under `<dest>/<prefix>/<path relative to the directory>`, through the destinations'
-verified put (hsx/destinations.py: size and sha256 checked after the upload; S3 user metadata
+verified put (hsx/storage/destinations.py: size and sha256 checked after the upload; S3 user metadata
 `hsx-sha256`). What a pass uploaded is remembered by size and mtime: an untouched file is not read
 again, a touched one is hashed and uploaded only if its bytes changed. The first pass of a process
 asks the destination instead, so a restarted sync re-uploads nothing that is already there.
@@ -26,9 +26,9 @@ from urllib.parse import unquote, urlsplit
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
-from hsx.destinations import Destination, VerificationError, file_sha256, open_destination, parse_dest
+from hsx.storage.destinations import Destination, VerificationError, file_sha256, open_destination, parse_dest
 from hsx.errors import HsxError
-from hsx.lifecycle import stop_flag_on_signals
+from hsx.wire.lifecycle import stop_flag_on_signals
 
 log = structlog.get_logger("hsx.sync")
 

@@ -70,7 +70,7 @@ class FileReady(_Wire, tag="file.v2", omit_defaults=True):
     spool_path: str  # relative to the spool directory
     key: str  # destination key relative to the destination prefix
     size: int
-    digest: str  # hsx.samplefile: sha256 of the file's header, which holds the sha256 of its data
+    digest: str  # hsx.storage.samplefile: sha256 of the file's header, which holds the sha256 of its data
     # The sample itself, as GPU consumers before references sent it (events of theirs may still
     # sit in a stream): re-queued from here when present. New events leave it out.
     sample: Sample | None = None
@@ -148,7 +148,7 @@ class FileUploaded(_Wire, tag="uploaded.v1"):
     attempt: int = 1  # delivery number of the file-ready event
     plan: str = ""  # JobSpec.plan_tag of the plan that wrote the file (FileReady.plan); "" from older senders
     # The stored object's digest (FileReady.digest, checked by the verified put): these events are
-    # the journal the job's index is compacted from (hsx/index.py); "" from older senders.
+    # the journal the job's index is compacted from (hsx/storage/index.py); "" from older senders.
     digest: str = ""
     # Sent on `hsx.events.<job>.replaced.<plan>.<sample>`: the sample's marker was stored before,
     # and this upload stored its object again; the index takes this digest, no count or sum does.
@@ -207,7 +207,7 @@ class DeadLetter(_Wire, tag="dead.v1"):
 
 
 class ProgressCheckpoint(_Wire, tag="progress.v1"):
-    """What a reader folded of a job's markers (hsx/progress.py), saved for the next reader on
+    """What a reader folded of a job's markers (hsx/wire/progress.py), saved for the next reader on
     `hsx.events.<job>.checkpoint`: each kind's sums over every marker of `plan` at or below its
     stream sequence, so the next fold reads only the markers after it."""
 

@@ -1,6 +1,6 @@
 """`hsx dead list` and `hsx dead retry`: the job's dead letters in HSX_DEAD, and sending them back.
 
-A dead letter holds the original payload (hsx/deadletter.py), its subject, the error and how often
+A dead letter holds the original payload (hsx/wire/deadletter.py), its subject, the error and how often
 it was delivered.
 Retrying publishes the payload again to its original subject under a new message id (the batch id
 alone would be dropped as a duplicate inside the stream's duplicate window), then deletes the
@@ -14,11 +14,11 @@ import json
 import msgspec
 import structlog
 
-from hsx import schemas, topology
-from hsx.deadletter import resendable
+from hsx.wire import schemas, topology
+from hsx.wire.deadletter import resendable
 from hsx.errors import HsxError
-from hsx.headers import message_headers
-from hsx.natsconn import NatsSettings, connect
+from hsx.wire.headers import message_headers
+from hsx.wire.natsconn import NatsSettings, connect
 
 log = structlog.get_logger("hsx.dead")
 

@@ -6,7 +6,7 @@ refuses a descriptor that would not leave that room. Should a letter still not f
 limit lowered after the job was published), a batch's samples are spread over several letters,
 each sent back on its own by `hsx dead retry`; one sample that still cannot fit is stored
 without its payload, naming the sample. A payload that does not decode is kept as bytes, cut
-to fit. Nothing here publishes: `hsx.events.EventPublisher` stores what this builds.
+to fit. Nothing here publishes: `hsx.wire.events.EventPublisher` stores what this builds.
 
 Each letter's message id derives from the payload's stream sequence (`dead:<what>:<seq>`), so
 storing the same letter twice (the consumer on the last delivery and the reaper of exhausted
@@ -20,8 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from hsx import schemas
-
+from hsx.wire import schemas
 # Test-only switch: a directory. Before storing a dead letter the process creates `holding` there
 # and waits until `release` appears, so that a test can take NATS away at exactly that moment.
 _HOLD_DIR = os.environ.get("HSX_TEST_HOLD_DEAD_LETTER")

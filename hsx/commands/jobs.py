@@ -7,96 +7,25 @@ HSX_ADVISORIES (`topology.job_subjects`), and its durables (`gpu-<job>`, `upload
 `exhausted-<job>`). Deleting removes all of that; the files already in the destination are the
 job's output and stay where they are.
 
-A job whose workers are alive is not deleted unless forced: its consumers and uploaders would
-lose their durables under them. A worker counts as alive when its last heartbeat (every 5 s) is
-younger than LIVE_HEARTBEAT_S and is not its goodbye (`stopping`), or when one of the job's
-durables has a pull request waiting at the server (a worker fetching right now; this catches
-workers too old to send heartbeats). A worker killed without a goodbye keeps the job "alive"
-for LIVE_HEARTBEAT_S, the time after which the monitor calls it silent.
+A job whose workers are alive (`hsx.wire.jobs.live_workers`) is not deleted unless forced: its
+consumers and uploaders would lose their durables under them.
 """
 
 import asyncio
 import json
-import time
 from datetime import datetime, timezone
 
-import msgspec
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from hsx import schemas, topology
+from hsx.wire import schemas, topology
 from hsx.errors import HsxError
-from hsx.jobs import read_job_spec
-from hsx.natsconn import NatsSettings, connect
+from hsx.wire.jobs import count_messages, job_durables, live_workers, read_job_spec
+from hsx.wire.natsconn import NatsSettings, connect
 
 log = structlog.get_logger("hsx.jobs")
-
-# The monitor's default --silent-after: a heartbeat older than this is a worker gone.
-LIVE_HEARTBEAT_S = 30.0
-
-
-async def count_messages(js: JetStreamContext, stream: str, subject: str) -> int:
-    try:
-        info = await js.stream_info(stream, subjects_filter=subject)
-    except nats.js.errors.NotFoundError:
-        return 0
-    return sum((info.state.subjects or {}).values())
-
-
-async def _durables(js: JetStreamContext, job: str) -> list[tuple[str, str]]:
-    """(stream, durable) of every durable of the job that exists."""
-    found = []
-    for stream, durable in ((topology.BATCHES_STREAM, topology.gpu_durable(job)),
-                            (topology.ADVISORIES_STREAM, topology.exhausted_durable(job)),
-                            *((topology.EVENTS_STREAM, topology.progress_durable(job, counter))
-                              for counter in topology.PROGRESS_COUNTERS)):
-        try:
-            await js.consumer_info(stream, durable)
-            found.append((stream, durable))
-        except nats.js.errors.NotFoundError:
-            pass
-    # One upload durable per node, each filtered to hsx.files.<job>.<node>; matched by the filter,
-    # not the name (`upload-a-b-n` could be job `a` on node `b-n` or job `a-b` on node `n`).
-    offset = 0
-    while True:
-        page = await js.consumers_info(topology.FILES_STREAM, offset=offset)
-        found += [(topology.FILES_STREAM, info.name) for info in page
-                  if (info.config.filter_subject or "").split(".")[2:3] == [job]]
-        offset += len(page)
-        if len(page) < 256:  # the server's page size
-            return found
-
-
-async def live_workers(js: JetStreamContext, job: str, *, now: float | None = None) -> list[str]:
-    """The job's workers that look alive, each as `instance (service on node, last heartbeat N s
-    ago)` or `durable D: N pull requests waiting`."""
-    now = time.time() if now is None else now
-    alive = []
-    subject = topology.heartbeats_subject_all(job)
-    try:
-        info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=subject)
-    except nats.js.errors.NotFoundError:
-        info = None
-    for beat_subject in sorted((info.state.subjects or {}) if info else {}):
-        try:
-            msg = await js.get_last_msg(topology.EVENTS_STREAM, beat_subject)
-            beat = schemas.event_decoder.decode(msg.data)
-        except (nats.js.errors.NotFoundError, msgspec.DecodeError):
-            continue
-        if isinstance(beat, schemas.Heartbeat) and beat.state != "stopping" and now - beat.sent_at < LIVE_HEARTBEAT_S:
-            alive.append(f"{beat.instance} ({beat.service} on {beat.node}, last heartbeat "
-                         f"{max(0.0, now - beat.sent_at):.0f} s ago)")
-    for stream, durable in await _durables(js, job):
-        try:
-            waiting = (await js.consumer_info(stream, durable)).num_waiting or 0
-        except nats.js.errors.NotFoundError:
-            continue
-        if waiting:
-            alive.append(f"durable {durable}: {waiting} pull requests waiting")
-    return alive
-
 
 def _created(spec: schemas.JobSpec) -> str:
     return datetime.fromtimestamp(spec.created_at, timezone.utc).isoformat(timespec="seconds")
@@ -151,7 +80,7 @@ def format_jobs(jobs: list[dict], *, as_json: bool) -> str:
 async def delete_job(js: JetStreamContext, kv: KeyValue, job: str, *, force: bool) -> dict:
     """Remove everything NATS holds of `job`; refuse while its workers are alive unless `force`.
     The spec goes last, so a delete that stops half-way still lists the job and can be run again."""
-    from hsx.tokens import report_object_name, tokens_object_name
+    from hsx.wire.tokens import report_object_name, tokens_object_name
 
     try:
         spec = await read_job_spec(kv, job)
@@ -159,7 +88,7 @@ async def delete_job(js: JetStreamContext, kv: KeyValue, job: str, *, force: boo
         spec = None
     subjects = topology.job_subjects(job)
     messages = {stream: await count_messages(js, stream, subject) for stream, subject in subjects.items()}
-    durables = await _durables(js, job)
+    durables = await job_durables(js, job)
     store = await topology.ensure_datasets_store(js)
     objects = {tokens_object_name(job), report_object_name(job)}
     if spec is not None:

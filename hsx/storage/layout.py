@@ -1,4 +1,4 @@
-"""Where a sample's file lives, and what is inside it (DESIGN section 4).
+"""Where a sample's file lives, and what is inside it (the output format of README.md).
 
 Key: `<job>/<shard>/<sample_index>.safetensors` under the destination prefix, the same relative
 path in a node's spool. A shard holds SHARD_SIZE consecutive samples so no directory grows huge.
@@ -8,14 +8,13 @@ Tensors: `hidden_states` [T, k, H] (k selected layers in the order given), `inpu
 `loss_mask` [T] when known. With float8 storage, `hidden_states` is float8 e4m3 and
 `hidden_states_scale` [T, k] float32 holds one scale per token and layer:
 value = hidden_states.float() * hidden_states_scale[..., None]. Metadata makes the file
-self-describing.
+self-describing. The tensors themselves (dtypes, float8 scaling) are hsx/storage/tensors.py.
 """
 
 import json
+import re
 
-import torch
-
-FORMAT_VERSION = "2"  # 2: `checksum` is the sha256 of the data section (hsx.samplefile)
+FORMAT_VERSION = "2"  # 2: `checksum` is the sha256 of the data section (hsx.storage.samplefile)
 SHARD_SIZE = 1000
 # Layer i is the raw output of decoder layer i (0-based): transformers' output_hidden_states[i + 1]
 # for every layer but the last, whose transformers entry has the final norm applied.
@@ -23,25 +22,25 @@ LAYER_CONVENTION = "decoder_layer_output"
 
 
 FLOAT8 = "float8_e4m3"
-_FLOAT8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-
-
-def quantize_float8(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, k, H] -> (float8 e4m3 values, float32 scales [T, k]); each token's vector of each layer
-    is scaled so that its largest magnitude maps to the format's largest finite value."""
-    values = hidden_states.float()
-    scale = values.abs().amax(dim=-1) / _FLOAT8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    quantized = (values / scale[..., None]).clamp(-_FLOAT8_MAX, _FLOAT8_MAX).to(torch.float8_e4m3fn)
-    return quantized, scale
-
-
-def dequantize_float8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return values.float() * scale[..., None]
-
 
 def sample_key(job: str, sample_index: int) -> str:
     return f"{job}/{sample_index // SHARD_SIZE:05d}/{sample_index}.safetensors"
+
+
+def relative_sample_key(job: str, sample_index: int) -> str:
+    return sample_key(job, sample_index)[len(job) + 1 :]
+
+
+_RELATIVE_KEY = re.compile(r"^\d{5}/(\d+)\.safetensors$")
+
+
+def sample_index_of(job: str, relative_key: str) -> int | None:
+    """The sample index a key in a job folder stands for, or None if it is not a sample file key."""
+    match = _RELATIVE_KEY.match(relative_key)
+    if not match:
+        return None
+    index = int(match.group(1))
+    return index if relative_sample_key(job, index) == relative_key else None
 
 
 # The job bundle (producer/bundle.py: spec, tokenized samples, batch plan, input report) sits
@@ -65,7 +64,7 @@ def sample_metadata(
     dtype: str,
     num_tokens: int,
 ) -> dict[str, str]:
-    """The metadata every sample file carries; the writer adds `checksum` (hsx.samplefile)."""
+    """The metadata every sample file carries; the writer adds `checksum` (hsx.storage.samplefile)."""
     return {
         "format": "pt",
         "hsx_format_version": FORMAT_VERSION,

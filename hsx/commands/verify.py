@@ -4,7 +4,7 @@ For every sample 0..total_samples-1: the file is at its key, loads as safetensor
 metadata matches its tensors (a flipped data byte), and it is the file of that sample of that job
 (metadata job, sample_index, layers, dtype, num_tokens; tensor shapes and dtypes; input_ids equal
 to the dataset's row when the dataset is readable here). What is stored comes from the job's
-index (`<job>/_hsx/index.arrow`, hsx/index.py) when it is complete, with no LIST; otherwise, or
+index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) when it is complete, with no LIST; otherwise, or
 with `--list`, from listing `<job>/`, and then keys there that are not sample files are reported
 too, except the job bundle under `<job>/_hsx/`. `--recompute K` reruns K random
 readable samples alone, from scratch, with the GPU consumer's own model code on the CPU in
@@ -32,23 +32,17 @@ from typing import Any
 import structlog
 import torch
 
-from hsx import schemas, topology
-from hsx.data import (
-    SCALE_TENSOR,
-    STORAGE_DTYPES,
-    SampleFileError,
-    dequantize,
-    load_sample,
-    open_job_folder,
-    relative_sample_key,
-)
+from hsx.wire import schemas, topology
+from hsx.storage.destinations import open_job_folder
+from hsx.storage.reader import dequantize, load_sample
+from hsx.storage.tensors import SCALE_TENSOR, STORAGE_DTYPES
 from hsx.errors import HsxError
-from hsx.index import INDEX_KEY, read_index
-from hsx.jobs import require_job_spec
-from hsx.layout import BUNDLE_DIR, FLOAT8, sample_key
-from hsx.samplefile import SampleFileCorrupt, checked_digest
-from hsx.tokens import load_table
-from hsx.natsconn import NatsSettings, close_connection, connect
+from hsx.storage.index import INDEX_KEY, read_index
+from hsx.wire.jobs import require_job_spec
+from hsx.storage.layout import BUNDLE_DIR, FLOAT8, relative_sample_key, sample_key
+from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
+from hsx.wire.tokens import load_table
+from hsx.wire.natsconn import NatsSettings, close_connection, connect
 
 log = structlog.get_logger("hsx.verify")
 
@@ -61,7 +55,7 @@ RELATIVE_TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, FLOAT8: 8e-2}
 async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, Sequence[list[int]] | None]:
     """The job spec, and every sample's token ids as the producer planned them (from the tokenized
     dataset stored with the job; for jobs made before it was stored, from the dataset file):
-    `token_ids[i]` reads sample i's from a temp file (hsx/tokens.py), so a job of any size fits."""
+    `token_ids[i]` reads sample i's from a temp file (hsx/wire/tokens.py), so a job of any size fits."""
     nc = await connect(settings, name=f"hsx-verify-{job}")
     try:
         js = nc.jetstream()
@@ -94,10 +88,10 @@ def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> Sequence[list[int]
 def expected_hidden_size(spec: schemas.JobSpec) -> int | None:
     """The model's hidden size when its config is readable here, else None (then every file
     must agree with the most common size among the files)."""
-    from hsx.modelinfo import load_model_info
+    from hsx.model.modelinfo import load_model_info
 
     try:
-        return load_model_info(spec.model, trust_remote_code=getattr(spec, "trust_remote_code", False)).hidden_size
+        return load_model_info(spec.model, trust_remote_code=spec.trust_remote_code).hidden_size
     except HsxError as exc:
         log.warning("verify_hidden_size_from_files", job=spec.job, model=spec.model, reason=str(exc))
         return None
@@ -121,7 +115,7 @@ def check_sample(
     `indexed_digest`, also that it is the file the job's index recorded."""
     try:
         tensors, metadata = load_sample(data)
-    except SampleFileError as exc:
+    except SampleFileCorrupt as exc:
         return _Outcome(index, "corrupt", reason="load", details=[str(exc)])
     try:
         digest = checked_digest([data])
@@ -203,10 +197,10 @@ def _read_and_check(dest, spec, index, expected_ids, hidden_size, indexed_digest
 def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[list[int]] | None) -> list[dict]:
     from gpu_consumer.extract import extract_samples
     from gpu_consumer.model import load_model
-    from hsx.schemas import Sample
+    from hsx.wire.schemas import Sample
 
     started = time.monotonic()
-    kwargs = {"trust_remote_code": True} if getattr(spec, "trust_remote_code", False) else {}
+    kwargs = {"trust_remote_code": True} if spec.trust_remote_code else {}
     loaded = load_model(spec.model, layers=list(spec.layers), dtype="float32", device="cpu", **kwargs)
     log.info("verify_model_loaded", model=spec.model, seconds=round(time.monotonic() - started, 2))
     results = []

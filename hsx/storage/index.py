@@ -3,7 +3,7 @@
 
 One row per stored sample, in sample-index order: `sample_index` int64, `key` (relative to the
 destination prefix: `<job>/<shard>/<sample_index>.safetensors`), `size` (bytes), `tokens`,
-`digest` (32 bytes: hsx.samplefile's digest of the stored file; null for samples reported by
+`digest` (32 bytes: hsx.storage.samplefile's digest of the stored file; null for samples reported by
 uploaders from before `uploaded` events carried it). The schema's metadata `hsx.index` is JSON:
 `format` (hsx.index.v1), `job`, `plan` (JobSpec.plan_tag), `total_samples`, `source` (`events`
 or `destination`).
@@ -39,17 +39,17 @@ import numpy as np
 import pyarrow as pa
 import structlog
 
-from hsx import schemas
-from hsx.destinations import Destination, open_destination, parse_dest
+from hsx.wire import schemas
+from hsx.storage.destinations import Destination, open_destination, open_job_folder, split_job_url
 from hsx.errors import HsxError
-from hsx.layout import BUNDLE_DIR, sample_key
+from hsx.storage.layout import BUNDLE_DIR, sample_index_of, sample_key
 
 log = structlog.get_logger("hsx.index")
 
 INDEX_FORMAT = "hsx.index.v1"
 INDEX_FILE = "index.arrow"
 METADATA_KEY = b"hsx.index"
-# Keys relative to the job's folder (hsx.data.open_job_folder): the index, and the job spec that
+# Keys relative to the job's folder (hsx.storage.destinations.open_job_folder): the index, and the job spec that
 # the producer writes into the bundle (producer/bundle.py, SPEC_FILE).
 INDEX_KEY = f"{BUNDLE_DIR}/{INDEX_FILE}"
 BUNDLE_SPEC_KEY = f"{BUNDLE_DIR}/job.json"
@@ -137,12 +137,6 @@ def make_index(*, job: str, plan: str, total_samples: int, source: str, sample_i
     return StoredIndex(job=job, plan=plan, total_samples=total_samples, source=source, table=table)
 
 
-def job_folder(dest: str, job: str, *, max_connections: int = 16) -> Destination:
-    """The destination rooted at `<dest>/<job>`, which the index's keys are relative to: what
-    hsx.data.open_job_folder opens, without importing torch into the monitor."""
-    return open_destination(f"{parse_dest(dest)}/{job}", max_connections=max_connections)
-
-
 def _is_missing(exc: BaseException) -> bool:
     if isinstance(exc, FileNotFoundError):
         return True
@@ -201,8 +195,8 @@ async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600
     newest standing, as the last put does."""
     from nats.js.api import DeliverPolicy
 
-    from hsx import topology
-    from hsx.progress import last_sequence
+    from hsx.wire import topology
+    from hsx.wire.progress import last_sequence
 
     total, job, plan = spec.total_samples, spec.job, spec.plan_tag or "none"
     size = np.full(total, -1, dtype=np.int64)  # -1: no `uploaded` marker for the sample
@@ -255,7 +249,6 @@ def _header_entry(folder: Destination, key: str) -> tuple[int, int, str]:
 def index_from_destination(folder: Destination, spec: schemas.JobSpec, *, workers: int = 32) -> tuple[StoredIndex, list[str]]:
     """The index made by listing the job folder and reading each sample file's header; also the
     keys whose header does not read (left out: hsx verify names what is wrong with them)."""
-    from hsx.data import sample_index_of  # hsx.data imports torch; the monitor never needs this
 
     found = sorted((i, key) for key in folder.keys()
                    if (i := sample_index_of(spec.job, key)) is not None and i < spec.total_samples)
@@ -285,7 +278,7 @@ def _destination_errors(where: str) -> Iterator[None]:
     """What the destination raised, after the S3 client's own retries, as one line naming it."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from hsx.destinations import VerificationError
+    from hsx.storage.destinations import VerificationError
 
     try:
         yield
@@ -298,7 +291,7 @@ async def build_job_index(js, spec: schemas.JobSpec) -> StoredIndex:
     started = time.monotonic()
     index = await index_from_events(js, spec)
     with _destination_errors(f"writing the index to {spec.dest}/{spec.job}/{INDEX_KEY}"):
-        written = await asyncio.to_thread(lambda: write_index(job_folder(spec.dest, spec.job, max_connections=4), index))
+        written = await asyncio.to_thread(lambda: write_index(open_job_folder(spec.dest, spec.job, max_connections=4), index))
     log.info("index_written", **index.summary(), key=f"{spec.job}/{INDEX_KEY}", dest=spec.dest, index_bytes=written,
              seconds=round(time.monotonic() - started, 2))
     return index
@@ -307,8 +300,6 @@ async def build_job_index(js, spec: schemas.JobSpec) -> StoredIndex:
 def rebuild_job_index(url: str, *, workers: int = 32) -> StoredIndex:
     """`hsx index rebuild JOB_URL`: the index from the destination alone (the bundle's spec, a
     LIST, each file's header), written over whatever index was there."""
-    from hsx.data import split_job_url
-
     started = time.monotonic()
     folder_url, job = split_job_url(url)
     folder = open_destination(folder_url, max_connections=workers)
@@ -327,9 +318,9 @@ def rebuild_job_index(url: str, *, workers: int = 32) -> StoredIndex:
 
 async def run_build(settings, job: str) -> StoredIndex:
     """`hsx index build --job J`: the spec from KV bucket hsx_jobs, the index from the events."""
-    from hsx import topology
-    from hsx.jobs import require_job_spec
-    from hsx.natsconn import close_connection, connect
+    from hsx.wire import topology
+    from hsx.wire.jobs import require_job_spec
+    from hsx.wire.natsconn import close_connection, connect
 
     nc = await connect(settings, name=f"hsx-index-{job}")
     try:

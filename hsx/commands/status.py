@@ -7,11 +7,11 @@ import time
 import nats.errors
 import structlog
 
-from hsx import topology
+from hsx.wire import topology
 from hsx.errors import HsxError
-from hsx.jobs import require_job_spec
-from hsx.natsconn import NatsSettings, close_connection, connect
-from hsx.progress import ProgressTracker, status_view
+from hsx.wire.jobs import require_job_spec
+from hsx.wire.natsconn import NatsSettings, close_connection, connect
+from hsx.wire.progress import ProgressTracker, status_view
 
 log = structlog.get_logger("hsx.status")
 

@@ -1,5 +1,5 @@
 """The demo inputs of `docker compose up`: the small random model and the synthetic dataset that
-`hsx up` uses (hsx/embedded.py), built into a folder (compose's `demo` volume, at /demo) by the
+`hsx up` uses (hsx/commands/embedded.py), built into a folder (compose's `demo` volume, at /demo) by the
 one-shot `demo-init` service before the producer starts.
 
 It builds only what the job names inside that folder and is not there yet: a model or dataset
@@ -7,7 +7,7 @@ given elsewhere (HSX_MODEL=/models/..., HSX_DATASET=/datasets/...) is the user's
 alone, so the same compose file runs a real job with nothing built. A second run finds both and
 returns at once.
 
-Run as `python -m hsx.demo --folder DIR --model PATH --dataset PATH [--samples N] [--max-len N]`
+Run as `python -m hsx.commands.demo --folder DIR --model PATH --dataset PATH [--samples N] [--max-len N]`
 (the image's entry point is `hsx`; compose overrides it for this one service).
 """
 
@@ -20,7 +20,7 @@ import structlog
 
 from hsx.errors import HsxError
 from hsx.logs import configure_logging
-from hsx.settings import positive_int
+from hsx.config.settings import positive_int
 
 log = structlog.get_logger("hsx.demo")
 
@@ -41,8 +41,8 @@ def _inside(path: Path, folder: Path) -> bool:
 
 
 def prepare_demo(cfg: DemoConfig) -> None:
-    from hsx.embedded import build_tiny_model, write_synthetic_dataset
-    from hsx.modelinfo import load_model_info
+    from hsx.commands.embedded import build_tiny_model, write_synthetic_dataset
+    from hsx.model.modelinfo import load_model_info
 
     cfg.folder.mkdir(parents=True, exist_ok=True)
     if _inside(cfg.model, cfg.folder):
@@ -62,7 +62,7 @@ def prepare_demo(cfg: DemoConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hsx.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hsx.commands.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--folder", type=Path, required=True, help="build only inside this folder")
     parser.add_argument("--model", type=Path, required=True, help="the job's model path")
     parser.add_argument("--dataset", type=Path, required=True, help="the job's dataset path")

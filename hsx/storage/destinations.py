@@ -1,7 +1,7 @@
 """Where finished sample files end up: `file:///dir` (or a plain path) and `s3://bucket/prefix`.
 
 One small interface: `put_verified` copies a local file to a key and returns only once the stored
-object is known to have the expected size and digest (hsx.samplefile); `has_verified` answers whether a key already
+object is known to have the expected size and digest (hsx.storage.samplefile); `has_verified` answers whether a key already
 holds exactly that object (a redelivered upload is then acked without re-uploading). Calls block;
 the uploader runs them on worker threads.
 
@@ -40,8 +40,8 @@ from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
 from hsx.errors import HsxError
-from hsx.fsutil import atomic_copy, atomic_write_bytes, fsync_dir, make_private_dirs
-from hsx.samplefile import DigestCheck, SampleFileCorrupt, checked_file_digest
+from hsx.storage.fsutil import atomic_copy, atomic_write_bytes, fsync_dir, make_private_dirs
+from hsx.storage.samplefile import DigestCheck, SampleFileCorrupt, checked_file_digest
 
 MULTIPART_THRESHOLD = 64 << 20
 MULTIPART_CHUNK = 64 << 20
@@ -483,3 +483,20 @@ def probe(dest: Destination, key: str) -> None:
     if dest.read_bytes(key) != PROBE_BYTES:
         raise VerificationError(f"{key}: reading the probe object back gave other bytes than were written")
     dest.delete(key)
+
+
+def split_job_url(url: str) -> tuple[str, str]:
+    """A job folder URL (or path) -> (normalised folder URL, job name = its last path component)."""
+    folder = parse_dest(url)
+    path = unquote(urlsplit(folder).path).rstrip("/")
+    job = path.rsplit("/", 1)[-1] if path else ""
+    if not job:
+        raise HsxError(f"{url!r}: not a job folder (expected e.g. s3://bucket/prefix/JOB or file:///out/JOB)")
+    return folder, job
+
+
+def open_job_folder(dest: str, job: str, *, max_connections: int = 16) -> Destination:
+    """The destination rooted at `<dest>/<job>`: listing it lists only this job's objects (an S3
+    prefix shared by many jobs is not walked whole). Its keys are `sample_key(job, i)` without the
+    leading `<job>/` (see `relative_sample_key`)."""
+    return open_destination(f"{parse_dest(dest)}/{job}", max_connections=max_connections)

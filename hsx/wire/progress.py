@@ -33,9 +33,9 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from hsx import schemas, topology
-from hsx.events import HEARTBEAT_ROLLUP
-from hsx.headers import message_headers
+from hsx.wire import schemas, topology
+from hsx.wire.events import HEARTBEAT_ROLLUP
+from hsx.wire.headers import message_headers
 
 log = structlog.get_logger("hsx.progress")
 

@@ -2,13 +2,13 @@
 dequantization, and `HiddenStateDataset`, a random-access torch Dataset over a job's folder in a
 destination (`file:///out/myjob`, `s3://bucket/prefix/myjob` or a plain path).
 
-This module knows the file layout (`hsx/layout.py`) and the destinations (`hsx/destinations.py`);
+This module knows the file layout (`hsx/storage/layout.py`) and the destinations (`hsx/storage/destinations.py`);
 it knows nothing about NATS, job specs or how the files were made.
 
 With a torch DataLoader, each worker process opens its own destination client on its first
 `__getitem__` (a boto3 client must not cross a fork), so `num_workers > 0` works over S3.
 
-Which samples a job has comes from its index (`<job>/_hsx/index.arrow`, hsx/index.py) when that
+Which samples a job has comes from its index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) when that
 is complete: two GETs, whatever the job's size. Otherwise the folder is listed, and a
 `dataset_listing` log line says why.
 """
@@ -17,59 +17,45 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import structlog
 import torch
 from safetensors.torch import load as _load_safetensors
 
-from hsx.destinations import Destination, open_destination, parse_dest
+from hsx.storage.destinations import Destination, open_destination, split_job_url
 from hsx.errors import HsxError
-from hsx.index import read_index
-from hsx.layout import FLOAT8, dequantize_float8, sample_key
+from hsx.storage.index import read_index
+from hsx.storage.layout import relative_sample_key, sample_index_of
+from hsx.storage.samplefile import SampleFileCorrupt
+from hsx.storage.tensors import SCALE_TENSOR, dequantize_float8
 
 log = structlog.get_logger("hsx.data")
-
-# Metadata `dtype` -> the dtype of the stored `hidden_states` tensor.
-STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    FLOAT8: torch.float8_e4m3fn,
-}
-SCALE_TENSOR = "hidden_states_scale"
-
-
-class SampleFileError(ValueError):
-    """The bytes are not a loadable safetensors file (truncated, damaged header, ...)."""
-
 
 def read_metadata(data: bytes) -> dict[str, str]:
     """The `__metadata__` of a safetensors file's header."""
     if len(data) < 8:
-        raise SampleFileError(f"{len(data)} bytes is too short for a safetensors file")
+        raise SampleFileCorrupt(f"{len(data)} bytes is too short for a safetensors file")
     header_len = int.from_bytes(data[:8], "little")
     if header_len > len(data) - 8:
-        raise SampleFileError(f"header length {header_len} runs past the end of the file ({len(data)} bytes)")
+        raise SampleFileCorrupt(f"header length {header_len} runs past the end of the file ({len(data)} bytes)")
     try:
         header = json.loads(data[8 : 8 + header_len])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SampleFileError(f"header is not JSON ({exc})") from None
+        raise SampleFileCorrupt(f"header is not JSON ({exc})") from None
     metadata = header.get("__metadata__", {}) if isinstance(header, dict) else None
     if not isinstance(metadata, dict):
-        raise SampleFileError("header has no metadata object")
+        raise SampleFileCorrupt("header has no metadata object")
     return metadata
 
 
 def load_sample(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """One sample file's bytes -> (tensors, metadata); SampleFileError if it does not load."""
+    """One sample file's bytes -> (tensors, metadata); SampleFileCorrupt if it does not load."""
     metadata = read_metadata(data)
     try:
         tensors = _load_safetensors(data)
     except Exception as exc:  # safetensors raises SafetensorError, ValueError, ... for damaged files
-        raise SampleFileError(f"safetensors cannot load it ({type(exc).__name__}: {exc})") from None
+        raise SampleFileCorrupt(f"safetensors cannot load it ({type(exc).__name__}: {exc})") from None
     return tensors, metadata
 
 
@@ -84,39 +70,6 @@ def dequantize(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     if tuple(scale.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"{SCALE_TENSOR} has shape {tuple(scale.shape)}, expected {tuple(hidden.shape[:-1])}")
     return dequantize_float8(hidden, scale.float())
-
-
-def split_job_url(url: str) -> tuple[str, str]:
-    """A job folder URL (or path) -> (normalised folder URL, job name = its last path component)."""
-    folder = parse_dest(url)
-    path = unquote(urlsplit(folder).path).rstrip("/")
-    job = path.rsplit("/", 1)[-1] if path else ""
-    if not job:
-        raise HsxError(f"{url!r}: not a job folder (expected e.g. s3://bucket/prefix/JOB or file:///out/JOB)")
-    return folder, job
-
-
-def open_job_folder(dest: str, job: str, *, max_connections: int = 16) -> Destination:
-    """The destination rooted at `<dest>/<job>`: listing it lists only this job's objects (an S3
-    prefix shared by many jobs is not walked whole). Its keys are `sample_key(job, i)` without the
-    leading `<job>/` (see `relative_sample_key`)."""
-    return open_destination(f"{parse_dest(dest)}/{job}", max_connections=max_connections)
-
-
-def relative_sample_key(job: str, sample_index: int) -> str:
-    return sample_key(job, sample_index)[len(job) + 1 :]
-
-
-_RELATIVE_KEY = re.compile(r"^\d{5}/(\d+)\.safetensors$")
-
-
-def sample_index_of(job: str, relative_key: str) -> int | None:
-    """The sample index a key in a job folder stands for, or None if it is not a sample file key."""
-    match = _RELATIVE_KEY.match(relative_key)
-    if not match:
-        return None
-    index = int(match.group(1))
-    return index if relative_sample_key(job, index) == relative_key else None
 
 
 class HiddenStateDataset(torch.utils.data.Dataset):
@@ -173,8 +126,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         key = relative_sample_key(self.job, self.sample_indices[i])
         try:
             tensors, metadata = load_sample(self._destination().read_bytes(key))
-        except SampleFileError as exc:
-            raise SampleFileError(f"{self.url}/{key}: {exc}") from None
+        except SampleFileCorrupt as exc:
+            raise SampleFileCorrupt(f"{self.url}/{key}: {exc}") from None
         hidden = dequantize(tensors) if self.dequantize else tensors["hidden_states"]
         if self.concat_layers:
             hidden = hidden.reshape(hidden.shape[0], -1)

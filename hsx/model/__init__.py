@@ -1,0 +1,1 @@
+"""The target model as the job names it: layer selection, reading a model's config, and devices."""

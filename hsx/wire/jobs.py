@@ -1,0 +1,122 @@
+"""A job in NATS: its spec in the `hsx_jobs` KV bucket, its durables, and whether its workers look alive.
+
+A worker counts as alive when its last heartbeat (every 5 s) is younger than LIVE_HEARTBEAT_S and
+is not its goodbye (`stopping`), or when one of the job's durables has a pull request waiting at
+the server (a worker fetching right now; this catches workers too old to send heartbeats). A
+worker killed without a goodbye keeps the job "alive" for LIVE_HEARTBEAT_S, the time after which
+the monitor calls it silent.
+"""
+
+import asyncio
+import time
+
+import msgspec
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from hsx.wire import schemas, topology
+from hsx.errors import HsxError
+
+log = structlog.get_logger("hsx.jobs")
+
+
+async def read_job_spec(kv: KeyValue, job: str) -> schemas.JobSpec | None:
+    try:
+        entry = await kv.get(job)
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    try:
+        return schemas.job_decoder.decode(entry.value)
+    except msgspec.DecodeError as exc:
+        raise HsxError(f"job {job}: the job spec in KV bucket hsx_jobs does not decode ({exc})") from None
+
+
+async def require_job_spec(kv: KeyValue, job: str) -> schemas.JobSpec:
+    spec = await read_job_spec(kv, job)
+    if spec is None:
+        raise HsxError(f"job {job} not found in KV bucket hsx_jobs (run hsx produce --job {job} first)")
+    return spec
+
+
+async def wait_for_job_spec(kv: KeyValue, job: str, stopping: asyncio.Event, *, poll_s: float = 2.0) -> schemas.JobSpec | None:
+    """The job's spec once the producer has recorded it; None if asked to stop first."""
+    announced = False
+    while not stopping.is_set():
+        spec = await read_job_spec(kv, job)
+        if spec is not None:
+            return spec
+        if not announced:
+            log.info("waiting_for_job_spec", job=job, bucket="hsx_jobs")
+            announced = True
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=poll_s)
+        except asyncio.TimeoutError:
+            pass
+    return None
+
+
+# The monitor's default --silent-after: a heartbeat older than this is a worker gone.
+LIVE_HEARTBEAT_S = 30.0
+
+
+async def count_messages(js: JetStreamContext, stream: str, subject: str) -> int:
+    try:
+        info = await js.stream_info(stream, subjects_filter=subject)
+    except nats.js.errors.NotFoundError:
+        return 0
+    return sum((info.state.subjects or {}).values())
+
+
+async def job_durables(js: JetStreamContext, job: str) -> list[tuple[str, str]]:
+    """(stream, durable) of every durable of the job that exists."""
+    found = []
+    for stream, durable in ((topology.BATCHES_STREAM, topology.gpu_durable(job)),
+                            (topology.ADVISORIES_STREAM, topology.exhausted_durable(job)),
+                            *((topology.EVENTS_STREAM, topology.progress_durable(job, counter))
+                              for counter in topology.PROGRESS_COUNTERS)):
+        try:
+            await js.consumer_info(stream, durable)
+            found.append((stream, durable))
+        except nats.js.errors.NotFoundError:
+            pass
+    # One upload durable per node, each filtered to hsx.files.<job>.<node>; matched by the filter,
+    # not the name (`upload-a-b-n` could be job `a` on node `b-n` or job `a-b` on node `n`).
+    offset = 0
+    while True:
+        page = await js.consumers_info(topology.FILES_STREAM, offset=offset)
+        found += [(topology.FILES_STREAM, info.name) for info in page
+                  if (info.config.filter_subject or "").split(".")[2:3] == [job]]
+        offset += len(page)
+        if len(page) < 256:  # the server's page size
+            return found
+
+
+async def live_workers(js: JetStreamContext, job: str, *, now: float | None = None) -> list[str]:
+    """The job's workers that look alive, each as `instance (service on node, last heartbeat N s
+    ago)` or `durable D: N pull requests waiting`."""
+    now = time.time() if now is None else now
+    alive = []
+    subject = topology.heartbeats_subject_all(job)
+    try:
+        info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=subject)
+    except nats.js.errors.NotFoundError:
+        info = None
+    for beat_subject in sorted((info.state.subjects or {}) if info else {}):
+        try:
+            msg = await js.get_last_msg(topology.EVENTS_STREAM, beat_subject)
+            beat = schemas.event_decoder.decode(msg.data)
+        except (nats.js.errors.NotFoundError, msgspec.DecodeError):
+            continue
+        if isinstance(beat, schemas.Heartbeat) and beat.state != "stopping" and now - beat.sent_at < LIVE_HEARTBEAT_S:
+            alive.append(f"{beat.instance} ({beat.service} on {beat.node}, last heartbeat "
+                         f"{max(0.0, now - beat.sent_at):.0f} s ago)")
+    for stream, durable in await job_durables(js, job):
+        try:
+            waiting = (await js.consumer_info(stream, durable)).num_waiting or 0
+        except nats.js.errors.NotFoundError:
+            continue
+        if waiting:
+            alive.append(f"durable {durable}: {waiting} pull requests waiting")
+    return alive

@@ -1,0 +1,104 @@
+"""What every worker (consumer, uploader, monitor) does around its own work, written once.
+
+Start-up: SIGTERM/SIGINT set the stop event, the job and instance are bound to every log line,
+the connection is opened, the topology ensured, and the job spec waited for (None when a stop
+came first: the worker exits 0). Heartbeats: from the moment the worker exists, every
+`heartbeat_s` (a consumer loading its model for minutes is not silent); at the end the regular
+beats are stopped first, then the goodbye (`stopping`) is sent, so no regular beat can land after
+it and make a stopped worker look alive. A worker that failed before it was ready sends no
+goodbye: it did not stop, it never started, and the monitor reports it silent. Shutdown: the
+connection is drained whatever happened.
+"""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from hsx.wire import schemas, topology
+from hsx.wire.events import EventPublisher, WorkerState, goodbye_heartbeat, heartbeat_loop
+from hsx.wire.jobs import wait_for_job_spec
+from hsx.wire.lifecycle import stop_event_on_signals
+from hsx.wire.natsconn import NatsSettings, close_connection, connect
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """The settings every spooling worker (consumer, uploader) has."""
+
+    nats: NatsSettings
+    job: str
+    spool: Path
+    node: str
+    instance: str  # unique per process across machines (hsx/commands/cli.py)
+    # How long a message may go without a sign of life before JetStream redelivers it; the
+    # durable holds it, so it is shared by every worker of the job. in_progress() is sent well inside it.
+    ack_wait_s: float = 60.0
+    heartbeat_s: float = 5.0
+    idle_fetch_timeout_s: float = 1.0
+
+    @property
+    def in_progress_s(self) -> float:
+        return max(0.5, min(10.0, self.ack_wait_s / 3))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Session:
+    nc: Client
+    js: JetStreamContext
+    kv: KeyValue
+    spec: schemas.JobSpec
+    stopping: asyncio.Event
+
+
+@contextlib.asynccontextmanager
+async def job_session(nats: NatsSettings, job: str, *, name: str, **log_context: str) -> AsyncIterator[Session | None]:
+    """Connected, with the topology ensured and the job's spec read; None if a stop came before the
+    spec did. `name` is the connection's name (`nats server report connections` shows it)."""
+    stopping = stop_event_on_signals()
+    structlog.contextvars.bind_contextvars(job=job, **log_context)
+    nc = await connect(nats, name=name)
+    try:
+        js = nc.jetstream()
+        kv = await topology.ensure_topology(js)
+        spec = await wait_for_job_spec(kv, job, stopping)
+        yield None if spec is None else Session(nc=nc, js=js, kv=kv, spec=spec, stopping=stopping)
+    finally:
+        await close_connection(nc)
+
+
+class Beating:
+    """The heartbeats of one worker; `ready()` once it serves, from when on leaving says goodbye."""
+
+    def __init__(self) -> None:
+        self.is_ready = False
+
+    def ready(self) -> None:
+        self.is_ready = True
+
+
+@contextlib.asynccontextmanager
+async def heartbeats(events: EventPublisher, cfg: WorkerConfig, *, service: str, stopping: asyncio.Event,
+                     state: Callable[[], WorkerState], ready: bool = True) -> AsyncIterator[Beating]:
+    """Beats `state()` while the block runs; on leaving it the beats stop, then, if the worker was
+    ready (`ready`, or `Beating.ready()` called in the block), the goodbye is sent."""
+    beating = Beating()
+    if ready:
+        beating.ready()
+    beats = asyncio.create_task(heartbeat_loop(
+        events, service=service, instance=cfg.instance, node=cfg.node, interval_s=cfg.heartbeat_s, stopping=stopping,
+        state=state,
+    ))
+    try:
+        yield beating
+    finally:
+        beats.cancel()
+        await asyncio.gather(beats, return_exceptions=True)
+        if beating.is_ready:
+            await goodbye_heartbeat(events, service=service, instance=cfg.instance, node=cfg.node, state=state)
