@@ -51,10 +51,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pipeline import _pause_until  # noqa: E402  (bench/pipeline.py, beside this file)
+
 from hsx import topology  # noqa: E402
 from hsx.commands.embedded import build_tiny_model, start_nats_server  # noqa: E402
 from hsx.wire.natsconn import NatsSettings, connect  # noqa: E402
-from pipeline import _pause_until  # noqa: E402  (bench/pipeline.py, beside this file)
 
 JOB = "fleet"
 _TICKS = os.sysconf("SC_CLK_TCK")

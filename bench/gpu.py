@@ -64,8 +64,8 @@ async def _service_pass(loaded, batches, spec, spool: Path) -> tuple[int, float]
     starts; tearing down and deleting the files after it stops."""
     from gpu_consumer.config import ConsumerConfig
     from gpu_consumer.service import BatchWorker, pull_loop
-    from hsx.wire import schemas, topology
     from hsx.commands.embedded import start_nats_server
+    from hsx.wire import schemas, topology
     from hsx.wire.events import EventPublisher
     from hsx.wire.natsconn import NatsSettings, connect
 

@@ -37,10 +37,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hsx import schemas  # noqa: E402
-from hsx.storage.reader import HiddenStateDataset  # noqa: E402
 from hsx.storage.destinations import open_destination  # noqa: E402
 from hsx.storage.index import BUNDLE_SPEC_KEY, make_index, write_index  # noqa: E402
 from hsx.storage.layout import sample_key  # noqa: E402
+from hsx.storage.reader import HiddenStateDataset  # noqa: E402
 
 JOB = "bench-index"
 
@@ -92,9 +92,9 @@ async def time_events_to_index(events: int, store: Path) -> float:
     """Publish `events` uploaded events of a job that many samples long, then compact them."""
     import nats
 
-    from hsx.wire import topology
     from hsx.commands.embedded import start_nats_server
     from hsx.storage.index import index_from_events
+    from hsx.wire import topology
 
     server = start_nats_server(store)
     try:

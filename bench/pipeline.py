@@ -71,14 +71,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_consumer.extract import pad_batch  # noqa: E402
 from gpu_consumer.model import load_model  # noqa: E402
 from gpu_consumer.service import SERVICE as CONSUMER_SERVICE  # noqa: E402
-from hsx.wire import schemas
 from hsx import topology  # noqa: E402
 from hsx.commands.embedded import DEMO_MODEL_CONFIG, build_tiny_model, start_nats_server, write_synthetic_dataset  # noqa: E402
-from hsx.errors import HsxError  # noqa: E402
-from hsx.wire.jobs import require_job_spec  # noqa: E402
-from hsx.wire.natsconn import NatsSettings, connect  # noqa: E402
 from hsx.commands.status import read_status  # noqa: E402
 from hsx.commands.up import Child, hsx_argv, stop_all  # noqa: E402
+from hsx.errors import HsxError  # noqa: E402
+from hsx.wire import schemas
+from hsx.wire.jobs import require_job_spec  # noqa: E402
+from hsx.wire.natsconn import NatsSettings, connect  # noqa: E402
 from uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 
 NODE = "bench"
@@ -195,7 +195,7 @@ async def _pause_until(nc, stream: str, durable: str, delay_s: float) -> float:
     unpause leaves them waiting until they expire: up to the services' 1 s fetch timeout). The
     services' idempotent add_consumer keeps the pause."""
     wall, resumes = time.time() + delay_s, time.monotonic() + delay_s
-    until = datetime.datetime.fromtimestamp(wall, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+    until = datetime.datetime.fromtimestamp(wall, datetime.UTC).isoformat().replace("+00:00", "Z")
     reply = json.loads((await nc.request(f"$JS.API.CONSUMER.PAUSE.{stream}.{durable}",
                                          json.dumps({"pause_until": until}).encode())).data)
     if "error" in reply or not reply.get("paused"):
@@ -295,8 +295,8 @@ class Bench:
 
     async def finish_job(self, job: str) -> None:
         view = await read_status(self.nats, job)
-        if not view["done"] or view["batch_redeliveries"] or view["file_redeliveries"] or view["dead_letters"]:
-            raise HsxError(f"job {job} did not finish cleanly: {json.dumps(view)[:1500]}")
+        if not view.done or view.batch_redeliveries or view.file_redeliveries or view.dead_letters:
+            raise HsxError(f"job {job} did not finish cleanly: {msgspec.json.encode(view).decode()[:1500]}")
         shutil.rmtree(self.out / job, ignore_errors=True)
 
     async def pipeline_pass(self, job: str, inp: JobInput, *, consumers: int, uploaders: int,

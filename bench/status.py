@@ -32,14 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import nats  # noqa: E402
 
-from hsx.wire import schemas
-
 from hsx import topology  # noqa: E402
 from hsx.commands.embedded import start_nats_server  # noqa: E402
+from hsx.commands.status import read_status  # noqa: E402
+from hsx.wire import schemas
 from hsx.wire.headers import message_headers  # noqa: E402
 from hsx.wire.natsconn import NatsSettings  # noqa: E402
 from hsx.wire.progress import ProgressTracker  # noqa: E402
-from hsx.commands.status import read_status  # noqa: E402
 
 JOB = "benchstatus"
 TOKENS_PER_SAMPLE = 500
@@ -125,8 +124,8 @@ def _reading(url: str, samples: int) -> tuple[float, bool]:
     started = time.perf_counter()
     view = asyncio.run(read_status(NatsSettings(url=url), JOB, timeout_s=3600))
     seconds = round(time.perf_counter() - started, 3)
-    assert view["done"] and view["samples_uploaded"] == samples, view
-    return seconds, view["sums_complete"]
+    assert view.done and view.samples_uploaded == samples, view
+    return seconds, view.sums_complete
 
 
 def measure(samples: int, *, repeats: int, batch_size: int) -> dict:

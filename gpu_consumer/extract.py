@@ -10,9 +10,8 @@ lease is released, which the caller does once it has written them. Without one, 
 states are copied into ordinary host memory the caller owns.
 """
 
-import os
-import time
-from pathlib import Path
+
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -23,26 +22,9 @@ from hsx.wire.schemas import Sample
 
 log = structlog.get_logger("hsx.gpu_consumer.extract")
 
-# Test-only switch: raise an out-of-memory error for any forward of more padded tokens than this,
-# so the split path runs on CPU machines.
-_FAKE_OOM_ABOVE = int(os.environ.get("HSX_TEST_OOM_ABOVE_TOKENS", "0") or 0)
-# Test-only switch: HSX_TEST_HANG_SAMPLE=<sample index> with HSX_TEST_HANG_MARKER=<path>. The first
-# forward holding that sample (the one that creates the marker) hangs, as a wedged device would,
-# until <path>.release exists; forwards that find the marker there already run normally.
-_HANG_SAMPLE = os.environ.get("HSX_TEST_HANG_SAMPLE")
-_HANG_MARKER = os.environ.get("HSX_TEST_HANG_MARKER", "")
-
-
-def _maybe_hang(samples: list[Sample]) -> None:
-    if not any(str(sample.index) == _HANG_SAMPLE for sample in samples):
-        return
-    try:
-        Path(_HANG_MARKER).touch(exist_ok=False)
-    except FileExistsError:
-        return
-    log.warning("test_forward_hanging", sample=int(_HANG_SAMPLE), until=f"{_HANG_MARKER}.release")
-    while not Path(f"{_HANG_MARKER}.release").exists():
-        time.sleep(0.1)
+# A seam for tests (devkit/faults.py installs a fault here: an out-of-memory error, a hung
+# device): called with the samples and their padded token count before each forward.
+before_forward: Callable[[list[Sample], int], None] | None = None
 
 
 def pad_batch(samples: list[Sample], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,11 +39,8 @@ def pad_batch(samples: list[Sample], pad_token_id: int) -> tuple[torch.Tensor, t
 
 
 def _forward(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | None) -> list[torch.Tensor]:
-    padded_len = max(len(s.input_ids) for s in samples)
-    if _FAKE_OOM_ABOVE and len(samples) * padded_len > _FAKE_OOM_ABOVE:
-        raise torch.OutOfMemoryError(f"test switch: {len(samples)}x{padded_len} tokens > {_FAKE_OOM_ABOVE}")
-    if _HANG_SAMPLE:
-        _maybe_hang(samples)
+    if before_forward is not None:
+        before_forward(samples, len(samples) * max(len(s.input_ids) for s in samples))
     ids, mask = pad_batch(samples, loaded.pad_token_id)
     with torch.inference_mode():
         captured = loaded.tap.forward(ids.to(loaded.device, non_blocking=True), mask.to(loaded.device, non_blocking=True))

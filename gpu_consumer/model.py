@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from gpu_consumer.staging import HostStaging
-from hsx.model.devices import visible_text
 from hsx.errors import HsxError
+from hsx.logs import route_transformers_logging
+from hsx.model.devices import visible_text
 from hsx.model.layers import FINAL, LayerSelector
 from hsx.storage.layout import FLOAT8
 from hsx.storage.tensors import STORAGE_DTYPES
-from hsx.logs import route_transformers_logging
 
 log = structlog.get_logger("hsx.gpu_consumer.model")
 

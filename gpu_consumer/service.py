@@ -28,13 +28,11 @@ exhausted-batch reaper (hsx/wire/exhausted.py) that runs beside this loop.
 import asyncio
 import errno
 import os
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 
 import msgspec
 import nats.errors
@@ -46,45 +44,25 @@ from nats.js import JetStreamContext
 from gpu_consumer.config import ConsumerConfig
 from gpu_consumer.extract import extract_isolating, extract_samples
 from gpu_consumer.model import LoadedModel
-from gpu_consumer.stall import ForwardPace, ReleasedBatch, Stall
 from gpu_consumer.staging import StagingLease
+from gpu_consumer.stall import ForwardPace, ReleasedBatch, Stall
 from gpu_consumer.writer import write_sample_file
+from hsx.storage.fsutil import fsync_dir
+from hsx.storage.spool import spool_usage
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState, keep_in_progress
-from hsx.storage.fsutil import fsync_dir
 from hsx.wire.headers import message_headers
 from hsx.wire.natsconn import through_outage
-from hsx.storage.spool import spool_usage
 
 log = structlog.get_logger("hsx.gpu_consumer")
 
 SERVICE = "gpu_consumer"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
-# Test-only switch: a marker file path. The first consumer to finish writing and announcing a
-# batch creates the marker and kills itself with SIGKILL before acking (a crash at the worst
-# moment); later consumers see the marker and run normally.
-_CRASH_BEFORE_ACK_MARKER = os.environ.get("HSX_TEST_CRASH_BEFORE_ACK")
-
-
-def _maybe_crash_before_ack() -> None:
-    if _CRASH_BEFORE_ACK_MARKER:
-        try:
-            Path(_CRASH_BEFORE_ACK_MARKER).touch(exist_ok=False)
-        except FileExistsError:
-            return
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-# Test-only switch: a sample index. A consumer kills itself with SIGKILL when it starts a batch
-# holding that sample, as a batch that takes its process down every time would (host OOM killer,
-# segfault).
-_CRASH_ON_SAMPLE = os.environ.get("HSX_TEST_CRASH_ON_SAMPLE")
-
-
-def _maybe_crash_on(batch: schemas.BatchDescriptor) -> None:
-    if _CRASH_ON_SAMPLE and any(str(sample.index) == _CRASH_ON_SAMPLE for sample in batch.samples):
-        os.kill(os.getpid(), signal.SIGKILL)
+# Seams for tests (devkit/faults.py installs faults here, e.g. a crash at the worst moment):
+# called when a batch is taken up, and after its files are written and announced, before its ack.
+on_batch: Callable[[schemas.BatchDescriptor], None] | None = None
+before_ack: Callable[[], None] | None = None
 
 
 @dataclass
@@ -172,7 +150,7 @@ class BatchWorker:
                 try:
                     await asyncio.wait_for(self.stopping.wait(), timeout=delay)
                     return None
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     delay = min(delay * 2, 60.0)
 
     async def _watched(
@@ -251,7 +229,8 @@ class BatchWorker:
         except msgspec.DecodeError as exc:
             await self.events.dead_letter(msg, what="batch", error=f"descriptor does not decode: {exc}")
             return None
-        _maybe_crash_on(batch)
+        if on_batch is not None:
+            on_batch(batch)
         self.state, self.last_batch = "working", batch.batch_id
         log_ = log.bind(batch=batch.batch_id, attempt=attempt)
         keep_alive = asyncio.create_task(keep_in_progress(msg, interval_s=self.cfg.in_progress_s))
@@ -342,7 +321,8 @@ class BatchWorker:
             marker = topology.written_subject(self.spec.job, self.spec.plan_tag, batch.batch_id, planned=planned)
             await through_outage(lambda: self.events.mark(written_event, subject=marker), what="report_written",
                                  stopping=self.stopping)
-            _maybe_crash_before_ack()
+            if before_ack is not None:
+                before_ack()
             await through_outage(msg.ack_sync, what="ack_batch", stopping=self.stopping)
             log_.info("batch_done", samples=len(files), tokens=tokens, bytes=written, seconds=round(seconds, 3),
                       tokens_per_s=round(tokens / seconds, 1))
@@ -409,7 +389,7 @@ async def publish_all(
     try:
         for subject, payload, headers in messages:
             futures.append(await js.publish_async(subject, payload, headers=headers))
-    except (nats.errors.Error, asyncio.TimeoutError) as exc:  # disconnected: the rest go one by one below
+    except (TimeoutError, nats.errors.Error) as exc:  # disconnected: the rest go one by one below
         log.warning("publish_async_failed", what=what, error=str(exc) or type(exc).__name__)
     if futures:
         _, late = await asyncio.wait(futures, timeout=_PUBLISH_ACK_WAIT_S)
@@ -521,7 +501,7 @@ async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asy
                 worker.detail = f"spool holds {used} bytes, high-water mark {cfg.spool_high_water_bytes}"
                 try:
                     await asyncio.wait_for(stopping.wait(), timeout=2.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             if paused:
@@ -531,7 +511,7 @@ async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asy
             fetching, prefetch = prefetch or asyncio.create_task(_fetch_one(sub, cfg, ahead=False)), None
             try:
                 fetched = await fetching
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await _settle(finishing)  # idle: nothing to overlap with
                 finishing = None
                 if worker.state == "working":

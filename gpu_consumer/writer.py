@@ -10,7 +10,6 @@ from hsx.storage.layout import FLOAT8, sample_key, sample_metadata
 from hsx.storage.tensors import quantize_float8
 from hsx.wire.schemas import FileReady, JobSpec, Sample
 
-
 # hsx.storage.fsutil.atomic_write writes `.<name>.<hex>.tmp` next to the file, then renames it.
 _TEMP_NAME = re.compile(r"^\..+\.safetensors\.[0-9a-f]+\.tmp$")
 

@@ -60,32 +60,32 @@ def _fit(parts: list[str], width: int, separator: str) -> str:
 def render_bar(reading: Reading, *, job: str, width: int = 200) -> str:
     """One line, at most `width - 1` characters."""
     view = reading.view
-    if view["done"]:
+    if view.done:
         return _fit([
-            f"{job} done: {view['samples_uploaded']}/{view['total_samples']} samples",
-            f"{_count(view['tokens_uploaded'])} tokens", _size(view["bytes_uploaded"]),
-            f"{view['batches_done']} batches",
-            f"redeliveries {view['batch_redeliveries'] + view['file_redeliveries']}",
-            f"dead letters {view['dead_letters']}",
+            f"{job} done: {view.samples_uploaded}/{view.total_samples} samples",
+            f"{_count(view.tokens_uploaded)} tokens", _size(view.bytes_uploaded),
+            f"{view.batches_done} batches",
+            f"redeliveries {view.batch_redeliveries + view.file_redeliveries}",
+            f"dead letters {view.dead_letters}",
         ], width, ", ")
     percent = percent_uploaded(view)
     workers = " ".join(f"{count} {_SERVICE_SHORT.get(service, service)}"
                        for service, count in live_workers_by_service(reading).items()) or "none"
     silent = silent_count(reading)
     parts = [
-        f"{job} {_cells(percent / 100)} {percent:5.1f}% {view['samples_uploaded']}/{view['total_samples']}",
+        f"{job} {_cells(percent / 100)} {percent:5.1f}% {view.samples_uploaded}/{view.total_samples}",
         f"ETA {_duration(reading.eta_s)}",
         f"{_count(reading.tokens_per_s)} tok/s",
     ]
-    if view["failed"]:
-        refused = view.get("destination_error")
+    if view.failed:
+        refused = view.destination_error
         parts.append("FAILED: destination refuses uploads" if refused else "FAILED: only dead samples left")
-    if view["dead_letters"]:
-        parts.append(f"dead letters {view['dead_letters']}")
+    if view.dead_letters:
+        parts.append(f"dead letters {view.dead_letters}")
     parts.append(f"workers {workers}" + (f" ({silent} silent)" if silent else ""))
     if reading.spool:
         parts.append("spool " + ", ".join(f"{node} {_size(used)}" for node, (_files, used) in reading.spool.items()))
-    parts.append(f"batches {view['batches_done']}/{view['batches_total']}")
+    parts.append(f"batches {view.batches_done}/{view.batches_total}")
     return _fit(parts, width, " | ")
 
 

@@ -20,18 +20,23 @@ import time
 import nats.errors
 import structlog
 
-from hsx.wire import schemas
-from hsx.storage.index import build_job_index
 from hsx.logs import configure_logging
+from hsx.storage.index import build_job_index
+from hsx.wire import schemas
 from hsx.wire.jobs import wait_for_job_spec
-from hsx.wire.worker import job_session
 from hsx.wire.progress import ProgressTracker, status_view
+from hsx.wire.worker import job_session
 from monitor.bar import TerminalBar, render_bar
 from monitor.config import MonitorConfig
 from monitor.metrics import JobCollector, serve_metrics
 from monitor.rates import RateWindow
 from monitor.report import (
-    degraded_workers, progress_line, silent_workers, stalled_workers, summary_line, take_reading,
+    degraded_workers,
+    progress_line,
+    silent_workers,
+    stalled_workers,
+    summary_line,
+    take_reading,
 )
 
 log = structlog.get_logger("hsx.monitor")
@@ -95,7 +100,7 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
             while not stopping.is_set():
                 try:
                     spec = await wait_for_job_spec(kv, cfg.job, stopping)
-                except (nats.errors.Error, asyncio.TimeoutError) as exc:  # NATS reconnecting: keep the last spec
+                except (TimeoutError, nats.errors.Error) as exc:  # NATS reconnecting: keep the last spec
                     log.warning("job_spec_unavailable", error=str(exc) or type(exc).__name__)
                 if spec is None:
                     break
@@ -114,8 +119,8 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                 view = status_view(spec, tracker.fold, tracker.queues, tracker.counts, job=cfg.job,
                                    live_s=cfg.silent_after_s, sums_complete=tracker.sums_caught_up)
                 if tracker.sums_caught_up:  # not while catching up from a checkpoint: no rate spike
-                    token_rate.add(view["tokens_written"])
-                sample_rate.add(view["samples_uploaded"])
+                    token_rate.add(view.tokens_written)
+                sample_rate.add(view.samples_uploaded)
                 now = time.time()
                 heartbeats = tracker.fold.heartbeats
                 reading = take_reading(
@@ -143,27 +148,27 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                         log.warning("consumer_stalled", **worker)
                         reported_stalled.add((worker["instance"], worker["batch"]))
                 reported_stalled &= {(worker["instance"], worker["batch"]) for worker in stalled}
-                if view["destination_error"] != refusal:
-                    if view["destination_error"]:
-                        log.error("destination_failed", dest=view["dest"], reason=view["destination_error"],
-                                  uploaders=len(view["destination_refusals"]))
+                if view.destination_error != refusal:
+                    if view.destination_error:
+                        log.error("destination_failed", dest=view.dest, reason=view.destination_error,
+                                  uploaders=len(view.destination_refusals))
                     else:
-                        log.info("destination_recovered", dest=view["dest"])
-                    refusal = view["destination_error"]
-                if view["done"] and not summarised:
+                        log.info("destination_recovered", dest=view.dest)
+                    refusal = view.destination_error
+                if view.done and not summarised:
                     log.info("job_summary", **summary_line(reading, monitored_s=time.monotonic() - started))
                     summarised = True
                     await _write_index(js, spec)
                     if cfg.until_done:
                         return 0
-                if view["failed"] and cfg.until_done:
-                    log.error("job_failed", reason=view["failure_reason"], dead_samples=view["dead_samples"],
-                              dead_letters=view["dead_letters"],
-                              samples_uploaded=view["samples_uploaded"], samples_total=view["total_samples"])
+                if view.failed and cfg.until_done:
+                    log.error("job_failed", reason=view.failure_reason, dead_samples=view.dead_samples,
+                              dead_letters=view.dead_letters,
+                              samples_uploaded=view.samples_uploaded, samples_total=view.total_samples)
                     return 1
                 try:
                     await asyncio.wait_for(stopping.wait(), timeout=cfg.interval_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             await tracker.stop()

@@ -63,25 +63,25 @@ class JobCollector(Collector):
 
         for name, documentation, field in _COUNTERS:
             family = CounterMetricFamily(name, documentation, labels=["job"])
-            family.add_metric(job, view[field])
+            family.add_metric(job, getattr(view, field))
             yield family
         for name, documentation, field in _GAUGES:
-            yield gauge(name, documentation, view[field])
+            yield gauge(name, documentation, getattr(view, field))
 
         redeliveries = GaugeMetricFamily(
             "hsx_redeliveries", "Deliveries beyond the first, of batches and of file events", labels=["job", "queue"]
         )
-        redeliveries.add_metric([self.job, "batches"], view["batch_redeliveries"])
-        redeliveries.add_metric([self.job, "files"], view["file_redeliveries"])
+        redeliveries.add_metric([self.job, "batches"], view.batch_redeliveries)
+        redeliveries.add_metric([self.job, "files"], view.file_redeliveries)
         yield redeliveries
-        yield gauge("hsx_dead_samples", "Samples in dead letters and not in the destination", len(view["dead_samples"]))
+        yield gauge("hsx_dead_samples", "Samples in dead letters and not in the destination", len(view.dead_samples))
         yield gauge("hsx_tokens_per_second", "Tokens written per second (60 s window)", reading.tokens_per_s)
         yield gauge("hsx_samples_per_second", "Samples uploaded per second (60 s window)", reading.samples_per_s)
         yield gauge("hsx_eta_seconds", "Seconds until every sample is uploaded at the current rates (NaN: unknown)",
                     math.nan if reading.eta_s is None else reading.eta_s)
-        yield gauge("hsx_job_done", "1 when every sample is in the destination and nothing is queued", int(view["done"]))
+        yield gauge("hsx_job_done", "1 when every sample is in the destination and nothing is queued", int(view.done))
         yield gauge("hsx_job_failed", "1 when the job cannot finish by itself: every missing sample is dead-lettered, "
-                    "or the destination refuses uploads", int(view["failed"]))
+                    "or the destination refuses uploads", int(view.failed))
 
         workers = GaugeMetricFamily(
             "hsx_workers", "Workers by service, node and last heartbeat state (silent: heartbeat stopped)",

@@ -9,6 +9,7 @@ line, the terminal bar and /metrics all show one `Reading`, so they cannot disag
 from dataclasses import dataclass
 
 from hsx.wire import schemas
+from hsx.wire.progress import StatusView
 from monitor.rates import eta_seconds
 
 # The keys of every `progress` line (docs/OPERATIONS.md, "Monitoring", describes each one).
@@ -36,7 +37,7 @@ _DEGRADED_STATES = ("paused", "retrying", "disk_full", "refused", STALLED)
 class Reading:
     """One interval's reading of a job."""
 
-    view: dict  # the fields of `hsx status --json`
+    view: StatusView
     tokens_per_s: float
     samples_per_s: float
     eta_s: float | None  # None while no rate is known
@@ -104,22 +105,22 @@ def stalled_workers(heartbeats: dict[str, schemas.Heartbeat], *, now: float, sil
     ]
 
 
-def eta_to_done(view: dict, *, tokens_per_s: float, samples_per_s: float) -> float | None:
+def eta_to_done(view: StatusView, *, tokens_per_s: float, samples_per_s: float) -> float | None:
     """Seconds until every sample is uploaded at the current rates: the slower of what is left to
     write (tokens, at the write rate) and what is left to upload (samples, at the upload rate)."""
-    if view["done"]:
+    if view.done:
         return 0.0
-    if view["failed"]:
+    if view.failed:
         return None
-    to_write = eta_seconds(view["total_tokens"] - view["tokens_written"], tokens_per_s)
-    to_upload = eta_seconds(view["total_samples"] - view["samples_uploaded"], samples_per_s)
+    to_write = eta_seconds(view.total_tokens - view.tokens_written, tokens_per_s)
+    to_upload = eta_seconds(view.total_samples - view.samples_uploaded, samples_per_s)
     if to_write is None or to_upload is None:
         return None
     return max(to_write, to_upload)
 
 
 def take_reading(
-    view: dict, heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float,
+    view: StatusView, heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float,
     tokens_per_s: float, samples_per_s: float,
 ) -> Reading:
     return Reading(
@@ -142,9 +143,9 @@ def silent_count(reading: Reading) -> int:
     return sum(count for (_service, _node, state), count in reading.workers.items() if state == SILENT)
 
 
-def percent_uploaded(view: dict) -> float:
-    total = view["total_samples"]
-    return 100.0 * view["samples_uploaded"] / total if total else 0.0
+def percent_uploaded(view: StatusView) -> float:
+    total = view.total_samples
+    return 100.0 * view.samples_uploaded / total if total else 0.0
 
 
 def progress_line(reading: Reading) -> dict:
@@ -152,20 +153,20 @@ def progress_line(reading: Reading) -> dict:
     view = reading.view
     by_service = live_workers_by_service(reading)
     return {
-        "samples_total": view["total_samples"], "samples_written": view["samples_written"],
-        "samples_uploaded": view["samples_uploaded"], "percent": round(percent_uploaded(view), 1),
-        "tokens_total": view["total_tokens"], "tokens_done": view["tokens_written"],
-        "tokens_uploaded": view["tokens_uploaded"], "bytes_written": view["bytes_written"],
-        "bytes_uploaded": view["bytes_uploaded"],
+        "samples_total": view.total_samples, "samples_written": view.samples_written,
+        "samples_uploaded": view.samples_uploaded, "percent": round(percent_uploaded(view), 1),
+        "tokens_total": view.total_tokens, "tokens_done": view.tokens_written,
+        "tokens_uploaded": view.tokens_uploaded, "bytes_written": view.bytes_written,
+        "bytes_uploaded": view.bytes_uploaded,
         "tokens_per_s": round(reading.tokens_per_s, 1), "samples_per_s": round(reading.samples_per_s, 2),
         "eta_s": None if reading.eta_s is None else round(reading.eta_s, 1),
-        "batches_total": view["batches_total"], "batches_done": view["batches_done"],
-        "batches_queued": view["batches_queued"], "spool_backlog_files": view["files_waiting_upload"],
+        "batches_total": view.batches_total, "batches_done": view.batches_done,
+        "batches_queued": view.batches_queued, "spool_backlog_files": view.files_waiting_upload,
         "spool_bytes": {node: used for node, (_files, used) in reading.spool.items()},
-        "redeliveries": view["batch_redeliveries"] + view["file_redeliveries"],
-        "samples_requeued": view["samples_requeued"], "dead_letters": view["dead_letters"],
+        "redeliveries": view.batch_redeliveries + view.file_redeliveries,
+        "samples_requeued": view.samples_requeued, "dead_letters": view.dead_letters,
         "workers": sum(by_service.values()), "workers_silent": silent_count(reading), "workers_by_service": by_service,
-        "done": view["done"], "failed": view["failed"],
+        "done": view.done, "failed": view.failed,
     }
 
 
@@ -173,9 +174,9 @@ def summary_line(reading: Reading, *, monitored_s: float) -> dict:
     """The fields of the `job_summary` line, in SUMMARY_FIELDS order."""
     view = reading.view
     return {
-        "samples": view["samples_uploaded"], "tokens": view["tokens_uploaded"], "bytes": view["bytes_uploaded"],
-        "batches": view["batches_done"], "dest": view["dest"],
-        "redeliveries": view["batch_redeliveries"] + view["file_redeliveries"],
-        "samples_requeued": view["samples_requeued"], "dead_letters": view["dead_letters"],
+        "samples": view.samples_uploaded, "tokens": view.tokens_uploaded, "bytes": view.bytes_uploaded,
+        "batches": view.batches_done, "dest": view.dest,
+        "redeliveries": view.batch_redeliveries + view.file_redeliveries,
+        "samples_requeued": view.samples_requeued, "dead_letters": view.dead_letters,
         "monitored_s": round(monitored_s, 1),
     }

@@ -26,10 +26,10 @@ import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 from nats.js import JetStreamContext
 
-from hsx.wire import schemas
-from hsx.storage.destinations import VerificationError, open_destination
 from hsx.errors import HsxError
+from hsx.storage.destinations import VerificationError, open_destination
 from hsx.storage.layout import bundle_key
+from hsx.wire import schemas
 from hsx.wire.tokens import download
 from producer.planner import PlannedBatch, plan_batch_id
 

@@ -18,9 +18,9 @@ import numpy as np
 import structlog
 
 from hsx.errors import HsxError
+from hsx.wire.tokens import SampleTable, SampleTableBuilder
 from producer.chat import ChatTemplateInfo, ChatTokenizer
 from producer.chat_pool import tokenize_chats
-from hsx.wire.tokens import SampleTable, SampleTableBuilder
 from producer.dataset import ChatRow, DatasetRow, read_source
 from producer.lengths import LongSample, apply_on_long_table
 

@@ -29,18 +29,17 @@ import msgspec
 import numpy as np
 import structlog
 
-from hsx.wire import schemas, topology
 from hsx.errors import HsxError
-from hsx.wire.headers import message_headers
-from hsx.wire.jobs import read_job_spec
 from hsx.model.layers import resolve_layers
 from hsx.model.modelinfo import load_model_info
+from hsx.wire import schemas, topology
+from hsx.wire.headers import message_headers
+from hsx.wire.jobs import count_messages, live_workers, read_job_spec
 from hsx.wire.natsconn import connect, through_outage
 from hsx.wire.progress import count_stored
-from producer.config import ProducerConfig
-from hsx.wire.jobs import count_messages, live_workers
-from producer import bundle, preflight, resume, stored
 from hsx.wire.tokens import SampleTable
+from producer import bundle, preflight, resume, stored
+from producer.config import ProducerConfig
 from producer.dataset import dataset_digest
 from producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
 from producer.planner import PlannedBatch, plan_batch_id, plan_batches

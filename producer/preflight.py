@@ -16,10 +16,10 @@ import math
 import uuid
 from collections.abc import Iterable
 
-from hsx.wire import schemas
-from hsx.storage.destinations import open_destination, probe
 from hsx.errors import HsxError
+from hsx.storage.destinations import open_destination, probe
 from hsx.storage.layout import bundle_key
+from hsx.wire import schemas
 
 # The suggested --token-budget aims this far under the limit: batches of a smaller budget pack
 # differently, and their bytes per token vary with the samples they get.

@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
 from hsx.wire import headers, schemas, topology
+
 log = structlog.get_logger("hsx.producer")
 
 _READ_TIMEOUT_S = 10.0

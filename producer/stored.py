@@ -23,8 +23,8 @@ import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from hsx.wire import schemas, topology
 from hsx.errors import HsxError
+from hsx.wire import schemas, topology
 from hsx.wire.tokens import (  # noqa: F401  (re-exported: the producer's and its tests' names for them)
     SampleTable,
     load_table,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from devkit.faults import faults_env
 from hsx.commands.embedded import build_tiny_model, start_nats_server
 
 REPO = Path(__file__).resolve().parent.parent
@@ -128,7 +129,8 @@ def _env(nats_url: str | None, extra: dict | None) -> dict:
     if nats_url:
         env["HSX_NATS_URL"] = nats_url
     env.update(extra or {})
-    return env
+    # A test fault (HSX_TEST_*) is installed into the process by devkit/faults.py; hsx reads none.
+    return faults_env(env) if any(name.startswith("HSX_TEST_") for name in env) else env
 
 
 @pytest.fixture

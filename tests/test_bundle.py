@@ -19,8 +19,8 @@ from pathlib import Path
 import boto3
 from test_e2e_s3 import check_ok, logs_of, start_monitor, wait_until_done, write_dataset
 
-from hsx.wire import schemas, topology
 from hsx.commands.embedded import start_nats_server
+from hsx.wire import schemas, topology
 from hsx.wire.natsconn import NatsSettings, connect
 from producer.stored import decode_rows
 

@@ -37,18 +37,13 @@ import nats.js.errors
 import pytest
 import torch
 from botocore.exceptions import ClientError
-
 from conftest import _free_port, aws_test_env
-from hsx.wire import schemas, topology
-from hsx.storage.destinations import DIGEST_METADATA
-from hsx.commands.embedded import start_nats_server
-from hsx.wire.progress import count_stored
 from test_crash_recovery import wait_settled
 from test_e2e_s3 import (
     _metadata,
-    digest_and_checksum,
     check_final_status,
     check_outputs,
+    digest_and_checksum,
     logs_of,
     produce,
     read_dir_objects,
@@ -59,6 +54,11 @@ from test_e2e_s3 import (
     wait_until_done,
     write_dataset,
 )
+
+from hsx.commands.embedded import start_nats_server
+from hsx.storage.destinations import DIGEST_METADATA
+from hsx.wire import schemas, topology
+from hsx.wire.progress import count_stored
 
 # ---------------------------------------------------------------- helpers
 

@@ -12,15 +12,15 @@ import time
 
 import msgspec
 import nats
-from nats.js.api import RetentionPolicy, StorageType, StreamConfig
-
 from conftest import REPO, _free_port
-from hsx.wire import schemas, topology
-from hsx.commands.embedded import start_nats_server
-from hsx.wire.events import EventPublisher
+from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from test_chaos import log_events, wait_for
 from test_e2e_s3 import logs_of, produce, write_dataset
 from test_nats_names import documented_names
+
+from hsx.commands.embedded import start_nats_server
+from hsx.wire import schemas, topology
+from hsx.wire.events import EventPublisher
 
 DAY = 24 * 3600.0
 

@@ -16,14 +16,22 @@ import time
 
 import nats
 import pytest
-
-from hsx.wire import topology
-from devkit import start_nats_cluster
-from hsx.wire.progress import count_stored
 from test_e2e_s3 import (
-    LAYERS, Reference, check_final_status, check_ok, check_outputs, read_dir_objects, start_monitor, status,
-    wait_until_done, write_dataset,
+    LAYERS,
+    Reference,
+    check_final_status,
+    check_ok,
+    check_outputs,
+    read_dir_objects,
+    start_monitor,
+    status,
+    wait_until_done,
+    write_dataset,
 )
+
+from devkit import start_nats_cluster
+from hsx.wire import topology
+from hsx.wire.progress import count_stored
 
 NODE = "gpu-a"
 REPLICATED = (

@@ -30,13 +30,13 @@ import boto3
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
+from test_compose import REPO, _config, compose  # noqa: F401  (compose is a fixture)
 
+from hsx.commands.status import read_status
 from hsx.errors import HsxError
 from hsx.storage.layout import bundle_key, sample_key
 from hsx.wire.natsconn import NatsSettings
-from hsx.commands.status import read_status
 from producer.stored import decode_rows
-from test_compose import REPO, _config, compose  # noqa: F401  (compose is a fixture)
 
 UPLOADERS = 8  # docker compose up --scale uploader=8
 DEMO_SAMPLES = 48
@@ -197,7 +197,7 @@ def test_compose_services_run_a_demo_job_to_the_bucket(compose_project, nats_ser
             except HsxError:
                 return {"done": False}
 
-        while not (view := status())["done"]:
+        while not (view := status()).done:
             # A service that should keep running (restart unless-stopped) must not exit; one that
             # runs to completion (the producer: restart on-failure) must exit 0.
             dead = [label for label, p, _ in node.processes if p.poll() is not None and (
@@ -207,7 +207,7 @@ def test_compose_services_run_a_demo_job_to_the_bucket(compose_project, nats_ser
             if time.monotonic() - started_at > JOB_TIMEOUT_S:
                 pytest.fail(f"job not done after {JOB_TIMEOUT_S:.0f} s: {view}\n{node.logs()}")
             time.sleep(1.0)
-        assert view["samples_uploaded"] == view["total_samples"] == DEMO_SAMPLES and view["dead_letters"] == 0
+        assert view.samples_uploaded == view.total_samples == DEMO_SAMPLES and view.dead_letters == 0
 
         # `docker compose logs -f monitor` is the log stream: progress lines, the summary, then the
         # job's index written into the bucket.

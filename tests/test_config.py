@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_cli_errors import assert_one_line_error
 
 from hsx.commands.cli import build_parser, main
+from hsx.commands.up import UpConfig, global_flags, produce_args
 from hsx.config.configfile import Place
 from hsx.config.settings import file_layout, resolve
-from hsx.commands.up import UpConfig, global_flags, produce_args
-from test_cli_errors import assert_one_line_error
 
 REPO = Path(__file__).resolve().parent.parent
 SECRETS = {  # each one a distinct string, so a leak names its source

@@ -8,13 +8,12 @@ import os
 import pytest
 import torch
 
+from gpu_consumer.service import publish_all
 from hsx.storage import samplefile
-
-from hsx.wire import schemas, topology
 from hsx.storage.destinations import FileDestination, FolderSync, VerificationError
 from hsx.storage.layout import sample_key
+from hsx.wire import schemas, topology
 from hsx.wire.natsconn import NatsSettings, connect
-from gpu_consumer.service import publish_all
 from uploader.config import UploaderConfig
 from uploader.service import FileMover, _SpoolFileLost
 

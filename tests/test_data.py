@@ -18,14 +18,14 @@ from types import SimpleNamespace
 import boto3
 import pytest
 import torch
-from safetensors.torch import load as load_safetensors
 from conftest import aws_bucket
+from safetensors.torch import load as load_safetensors
 from test_e2e_s3 import check_ok, start_monitor, wait_until_done, write_dataset
 from test_verify import Services, data_offset, run_cli
 
-from hsx.storage.reader import HiddenStateDataset, dequantize
 from hsx.errors import HsxError
 from hsx.storage.layout import sample_key
+from hsx.storage.reader import HiddenStateDataset, dequantize
 
 COUNT = 10
 LAYERS = [1, 5]

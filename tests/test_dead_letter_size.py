@@ -12,9 +12,9 @@ import asyncio
 import nats
 import pytest
 
-from hsx.wire import schemas, topology
 from hsx.commands.dead import retry_dead
 from hsx.commands.embedded import start_nats_server
+from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings
 

@@ -7,6 +7,8 @@ import json
 import nats
 
 from hsx.wire import schemas, topology
+
+
 def _write_dataset(path, count=6):
     rows = [{"id": f"r{i}", "input_ids": list(range(1, 5 + 3 * i))} for i in range(count)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -29,11 +29,6 @@ import boto3
 import botocore.config
 import pytest
 import requests
-
-from hsx.wire import schemas
-from hsx.wire.backoff import jittered, retry_delay
-from hsx.storage.destinations import FileDestination, S3Destination
-from hsx.wire.progress import ProgressCounts, ProgressFold, QueueState, status_view
 from conftest import REPO, _free_port
 from test_chaos import check_uploaded_once, log_events, wait_for
 from test_e2e_s3 import (
@@ -47,6 +42,11 @@ from test_e2e_s3 import (
     wait_until_done,
     write_dataset,
 )
+
+from hsx.storage.destinations import FileDestination, S3Destination
+from hsx.wire import schemas
+from hsx.wire.backoff import jittered, retry_delay
+from hsx.wire.progress import DestinationRefusal, ProgressCounts, ProgressFold, QueueState, StatusView, status_view
 
 PROBE = ("--probe-every", "1")  # the uploader tries a refusing destination again every ~1 s
 
@@ -225,20 +225,20 @@ def test_a_refusal_fails_the_job_only_while_a_live_uploader_says_so():
     )
     reason = "s3://b/p: NoSuchBucket (The specified bucket does not exist) on PutObject"
 
-    def view(state: str, age_s: float, **queued) -> dict:
+    def view(state: str, age_s: float, **queued) -> StatusView:
         fold = ProgressFold()
         fold.apply(schemas.Heartbeat(job="j", service="uploader", instance="u-1", node="n", state=state,
                                      detail=reason if state == "refused" else "", sent_at=1000.0 - age_s))
         return status_view(spec, fold, QueueState(**queued), ProgressCounts(), job="j", now=1000.0, live_s=30.0)
 
     refused = view("refused", 5.0, files_queued=2)
-    assert refused["failed"] and refused["destination_error"] == reason, refused
-    assert refused["failure_reason"] == f"the destination refuses uploads: {reason}", refused
-    assert refused["destination_refusals"] == [{"uploader": "u-1", "node": "n", "reason": reason}], refused
+    assert refused.failed and refused.destination_error == reason, refused
+    assert refused.failure_reason == f"the destination refuses uploads: {reason}", refused
+    assert refused.destination_refusals == [DestinationRefusal(uploader="u-1", node="n", reason=reason)], refused
     # Silent for longer than live_s (killed), said goodbye, or working again: no failure.
     for state, age_s in (("refused", 31.0), ("stopping", 1.0), ("working", 1.0)):
         quiet = view(state, age_s, files_queued=2)
-        assert not quiet["failed"] and quiet["failure_reason"] is None and quiet["destination_refusals"] == [], quiet
+        assert not quiet.failed and quiet.failure_reason is None and quiet.destination_refusals == [], quiet
 
 
 # ---------------------------------------------------------------- whole jobs

@@ -14,14 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from test_cli_errors import assert_one_line_error
 
 import hsx.model.devices
 from hsx.commands.cli import build_parser
-from hsx.model.devices import check_consumer_device, plan_devices, visible_text
-from hsx.errors import HsxError
-from hsx.config.settings import resolve
 from hsx.commands.up import UpConfig, consumer_args
-from test_cli_errors import assert_one_line_error
+from hsx.config.settings import resolve
+from hsx.errors import HsxError
+from hsx.model.devices import check_consumer_device, plan_devices, visible_text
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from test_e2e_s3 import check_final_status, check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done, write_dataset
+from test_e2e_s3 import (
+    check_final_status,
+    check_outputs,
+    produce,
+    read_dir_objects,
+    start_monitor,
+    status,
+    wait_until_done,
+    write_dataset,
+)
 
 
 @pytest.fixture

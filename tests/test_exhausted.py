@@ -21,13 +21,13 @@ from pathlib import Path
 
 import nats
 import pytest
-
 from conftest import _free_port
-from hsx.wire import schemas, topology
-from hsx.commands.embedded import start_nats_server
-from hsx.wire.events import EventPublisher
-from hsx.storage.layout import sample_key
 from test_e2e_s3 import check_ok, check_outputs, logs_of, produce, read_dir_objects, write_dataset
+
+from hsx.commands.embedded import start_nats_server
+from hsx.storage.layout import sample_key
+from hsx.wire import schemas, topology
+from hsx.wire.events import EventPublisher
 
 FAST = ("--ack-wait", "2", "--retry-delay", "0.2")
 TIMEOUT_S = 150.0

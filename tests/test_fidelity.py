@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_e2e_s3 import digest_and_checksum
 from transformers import AutoModelForCausalLM
 
 from gpu_consumer.extract import extract_samples
@@ -22,7 +23,6 @@ from gpu_consumer.model import load_model
 from gpu_consumer.writer import write_sample_file
 from hsx.storage.layout import LAYER_CONVENTION, sample_key
 from hsx.wire.schemas import FileReady, JobSpec, Sample
-from test_e2e_s3 import digest_and_checksum
 
 FAMILIES = ["qwen3", "llama"]
 NUM_LAYERS = 6  # tests/conftest.py TINY

@@ -99,8 +99,8 @@ def test_device_enumeration_sees_the_real_gpus(tiny_model):
     """hsx/model/devices.py with torch's own count: `cuda` is every visible GPU, the last one can be
     chosen, one past it is refused (by `hsx up` and by a consumer's model load) naming what is
     visible, and CUDA_VISIBLE_DEVICES is honoured."""
-    from hsx.model.devices import node_devices
     from hsx.errors import HsxError
+    from hsx.model.devices import node_devices
 
     count = torch.cuda.device_count()
     assert count >= 1

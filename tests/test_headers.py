@@ -18,10 +18,10 @@ import time
 
 import msgspec
 import nats
+from test_e2e_s3 import check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done, write_dataset
 
 from hsx.wire import headers as H
 from hsx.wire import schemas, topology
-from test_e2e_s3 import check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done, write_dataset
 
 NODE = "testnode"  # conftest's HSX_NODE
 INJECTED = "Test-Injected"  # marks the messages this test publishes itself

@@ -25,13 +25,13 @@ from conftest import aws_bucket
 from test_e2e_s3 import check_ok, logs_of, start_monitor, wait_until_done, write_dataset
 from test_verify import Services, run_cli
 
-from hsx.storage.reader import HiddenStateDataset
+from hsx.commands.verify import fetch_job, verify
 from hsx.storage.destinations import S3Destination, open_destination
 from hsx.storage.index import INDEX_KEY, StoredIndex, read_index
 from hsx.storage.layout import sample_key
-from hsx.wire.natsconn import NatsSettings
+from hsx.storage.reader import HiddenStateDataset
 from hsx.storage.samplefile import checked_file_digest
-from hsx.commands.verify import fetch_job, verify
+from hsx.wire.natsconn import NatsSettings
 
 COUNT = 6
 

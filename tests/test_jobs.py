@@ -20,8 +20,8 @@ from test_chaos import sigkill, wait_for
 from test_cli_errors import assert_one_line_error
 from test_e2e_s3 import check_ok, write_dataset
 
-from hsx.wire import topology
 from hsx.storage.layout import bundle_key
+from hsx.wire import topology
 
 
 def _produce(hsx, job: str, model: Path, dataset: Path, out: Path):

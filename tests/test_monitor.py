@@ -20,13 +20,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import REPO, _env, _free_port
-from hsx.storage.spool import spool_usage
-from monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS
+from prometheus_client.parser import text_string_to_metric_families
 from test_chaos import log_events, sigkill
 from test_e2e_s3 import logs_of, produce, status, write_dataset
+
+from hsx.storage.spool import spool_usage
+from monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS
 
 NODE = "testnode"  # HSX_NODE of every service the fixtures start
 

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_e2e_s3 import check_outputs, read_dir_objects, write_dataset
 
 from hsx.commands.embedded import start_nats_server
-from test_e2e_s3 import check_outputs, read_dir_objects, write_dataset
 
 REPO = Path(__file__).resolve().parent.parent
 PASSWORD = "pw-Zq8uJ2-never-log-this"

@@ -17,11 +17,11 @@ import time
 import urllib.request
 
 import nats
-
 from conftest import REPO
-from hsx.wire import schemas, topology
-from hsx.commands.embedded import start_nats_server
 from test_e2e_s3 import produce, start_monitor, wait_until_done, write_dataset
+
+from hsx.commands.embedded import start_nats_server
+from hsx.wire import schemas, topology
 
 DOC = REPO / "docs" / "OPERATIONS.md"
 COLUMNS = ("what", "kind", "stream", "bucket", "subjects", "durable consumer", "consumer filter")

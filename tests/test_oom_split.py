@@ -5,7 +5,15 @@ sample's states are still exactly right."""
 from pathlib import Path
 
 from test_e2e_s3 import (
-    Reference, check_final_status, check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done, write_dataset,
+    Reference,
+    check_final_status,
+    check_outputs,
+    produce,
+    read_dir_objects,
+    start_monitor,
+    status,
+    wait_until_done,
+    write_dataset,
 )
 
 

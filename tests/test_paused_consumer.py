@@ -19,14 +19,22 @@ import asyncio
 import time
 
 import nats
-
-from hsx.wire import topology
 from test_chaos import check_uploaded_once, log_events, log_time, wait_for
 from test_crash_recovery import wait_settled
 from test_e2e_s3 import (
-    check_final_status, check_outputs, logs_of, produce, read_dir_objects, spool_files, start_monitor, status,
-    wait_until_done, write_dataset,
+    check_final_status,
+    check_outputs,
+    logs_of,
+    produce,
+    read_dir_objects,
+    spool_files,
+    start_monitor,
+    status,
+    wait_until_done,
+    write_dataset,
 )
+
+from hsx.wire import topology
 
 
 def gpu_durable_state(url: str, job: str) -> tuple[int, int]:

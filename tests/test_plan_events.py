@@ -18,9 +18,9 @@ import msgspec
 import nats
 import nats.js.errors
 import pytest
+from test_e2e_s3 import check_ok, logs_of, produce, start_monitor, status, wait_until_done, write_dataset
 
 from hsx.wire import topology
-from test_e2e_s3 import check_ok, logs_of, produce, start_monitor, status, wait_until_done, write_dataset
 
 SAMPLES = 6
 

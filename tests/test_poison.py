@@ -7,9 +7,10 @@ import asyncio
 import json
 
 import nats
-
-from hsx.wire import schemas, topology
 from test_e2e_s3 import produce, read_dir_objects, write_dataset
+
+from devkit.faults import faults_env
+from hsx.wire import schemas, topology
 
 
 async def _publish(url: str, descriptor: schemas.BatchDescriptor) -> None:
@@ -20,7 +21,7 @@ async def _publish(url: str, descriptor: schemas.BatchDescriptor) -> None:
 
 
 def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path):
-    rows = write_dataset(tmp_path / "data.jsonl", 6, min_len=4, max_len=20, seed=3)
+    write_dataset(tmp_path / "data.jsonl", 6, min_len=4, max_len=20, seed=3)
     out = tmp_path / "out"
     produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
             token_budget=128, max_seq_len=32, env=None)
@@ -53,7 +54,7 @@ def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(hsx, hsx_s
     assert retried.returncode == 0, retried.stderr
     # The letter retried is gone. (Its descriptor may already be back as a new letter: five quick
     # failures take less than a loaded machine needs to start `hsx dead list`.)
-    assert all(l["seq"] != letter["seq"] for l in json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout))
+    assert all(other["seq"] != letter["seq"] for other in json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout))
     # The retried descriptor holds only the poisoned sample; it fails again and comes back.
     for _ in range(120):
         again = json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
@@ -72,7 +73,7 @@ def test_hsx_up_exits_non_zero_naming_the_dead_samples(tmp_path, tiny_model):
     rows = [{"input_ids": list(range(1, 6 + i))} for i in range(6)] + [{"input_ids": list(range(1, 40))}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # The test-only OOM switch makes the 39-token sample fail alone on every delivery.
-    env = {**os.environ, "HSX_TEST_OOM_ABOVE_TOKENS": "30", "HSX_RETRY_DELAY": "0.1"}
+    env = faults_env({**os.environ, "HSX_RETRY_DELAY": "0.1"}, HSX_TEST_OOM_ABOVE_TOKENS="30")
     result = subprocess.run(
         [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(tmp_path / "w"), "--model", str(tiny_model("qwen3")),
          "--dataset", str(tmp_path / "d.jsonl"), "--layers", "1", "--token-budget", "64", "--max-seq-len", "64"],

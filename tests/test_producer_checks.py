@@ -30,11 +30,21 @@ import nats.js.errors
 import pytest
 from test_chaos import _shrink_duplicate_window, log_events, wait_for
 from test_cli_errors import assert_one_line_error
-from test_e2e_s3 import (LAYERS, check_final_status, check_ok, check_outputs, logs_of, read_dir_objects, start_monitor, status,
-                         wait_until_done, write_dataset)
+from test_e2e_s3 import (
+    LAYERS,
+    check_final_status,
+    check_ok,
+    check_outputs,
+    logs_of,
+    read_dir_objects,
+    start_monitor,
+    status,
+    wait_until_done,
+    write_dataset,
+)
 
-from hsx.wire import headers, schemas, topology
 from hsx.commands.embedded import start_nats_server
+from hsx.wire import headers, schemas, topology
 
 SMALL_MAX_PAYLOAD = 64 * 1024
 

@@ -10,11 +10,11 @@ import time
 import nats
 import pytest
 
+from hsx.commands.status import read_status
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.progress import ProgressCounts, ProgressFold, ProgressTracker, QueueState, count_stored, status_view
-from hsx.commands.status import read_status
 from monitor.rates import RateWindow, eta_seconds
 
 PLAN = "abcdefabcdef"
@@ -41,20 +41,20 @@ def _uploaded(index, job="j", attempt=1):
 
 def test_done_when_every_sample_is_uploaded_and_nothing_is_queued():
     counts = ProgressCounts(samples_uploaded=4, batches_done=2)
-    assert status_view(_spec(), ProgressFold(), QueueState(), counts, job="j")["done"]
-    assert not status_view(_spec(), ProgressFold(), QueueState(batches_queued=1), counts, job="j")["done"]
-    assert not status_view(_spec(), ProgressFold(), QueueState(), ProgressCounts(samples_uploaded=3), job="j")["done"]
+    assert status_view(_spec(), ProgressFold(), QueueState(), counts, job="j").done
+    assert not status_view(_spec(), ProgressFold(), QueueState(batches_queued=1), counts, job="j").done
+    assert not status_view(_spec(), ProgressFold(), QueueState(), ProgressCounts(samples_uploaded=3), job="j").done
 
 
 def test_failed_when_everything_left_is_dead_and_nothing_is_queued():
     counts = ProgressCounts(samples_uploaded=2, dead_unfinished=frozenset({2, 3}))
     view = status_view(_spec(), ProgressFold(), QueueState(dead_letters=1), counts, job="j")
-    assert view["failed"] and view["dead_samples"] == [2, 3] and "2 samples dead-lettered" in view["failure_reason"]
+    assert view.failed and view.dead_samples == [2, 3] and "2 samples dead-lettered" in view.failure_reason
     # Still work queued somewhere: not failed yet.
-    assert not status_view(_spec(), ProgressFold(), QueueState(dead_letters=1, files_queued=1), counts, job="j")["failed"]
+    assert not status_view(_spec(), ProgressFold(), QueueState(dead_letters=1, files_queued=1), counts, job="j").failed
     # A sample missing that no letter holds: it may still come (a lost event is redelivered), not failed.
     short = ProgressCounts(samples_uploaded=1, dead_unfinished=frozenset({2, 3}))
-    assert not status_view(_spec(), ProgressFold(), QueueState(dead_letters=1), short, job="j")["failed"]
+    assert not status_view(_spec(), ProgressFold(), QueueState(dead_letters=1), short, job="j").failed
 
 
 async def _publisher(url: str, job: str):
@@ -81,9 +81,9 @@ def test_a_redelivered_batch_and_a_reupload_are_stored_once_and_counted_once(nat
         return await read_status(NatsSettings(url=nats_server.url), job_name, sums_budget_s=30)
 
     view = asyncio.run(run())
-    assert (view["samples_written"], view["samples_uploaded"], view["batches_done"]) == (2, 2, 1), view
-    assert (view["tokens_written"], view["tokens_uploaded"], view["bytes_uploaded"]) == (20, 20, 200), view
-    assert view["sums_complete"] and not view["done"] and view["batch_redeliveries"] == 0, view
+    assert (view.samples_written, view.samples_uploaded, view.batches_done) == (2, 2, 1), view
+    assert (view.tokens_written, view.tokens_uploaded, view.bytes_uploaded) == (20, 20, 200), view
+    assert view.sums_complete and not view.done and view.batch_redeliveries == 0, view
 
 
 def test_sums_go_on_from_the_checkpoint_and_a_short_reading_says_so(nats_server, job_name):
@@ -113,20 +113,20 @@ def test_sums_go_on_from_the_checkpoint_and_a_short_reading_says_so(nats_server,
     asyncio.run(fill())
     settings = NatsSettings(url=nats_server.url)
     short = asyncio.run(read_status(settings, job_name, sums_budget_s=0.0))
-    assert short["samples_uploaded"] == total and short["batches_done"] == total // 3, short
-    assert not short["sums_complete"] and short["tokens_uploaded"] < 10 * total, short
+    assert short.samples_uploaded == total and short.batches_done == total // 3, short
+    assert not short.sums_complete and short.tokens_uploaded < 10 * total, short
 
     readings = [short]
     for _ in range(200):
         readings.append(asyncio.run(read_status(settings, job_name, sums_budget_s=0.2)))
-        if readings[-1]["sums_complete"]:
+        if readings[-1].sums_complete:
             break
     last = readings[-1]
-    assert last["sums_complete"], readings[-1]
-    assert [r["tokens_uploaded"] for r in readings] == sorted(r["tokens_uploaded"] for r in readings)  # never back
+    assert last.sums_complete, readings[-1]
+    assert [r.tokens_uploaded for r in readings] == sorted(r.tokens_uploaded for r in readings)  # never back
     expected = {"samples_written": total, "tokens_written": 10 * total, "bytes_written": 100 * total,
                 "tokens_uploaded": 10 * total, "bytes_uploaded": 100 * total, "batch_redeliveries": total // 6}
-    assert {key: last[key] for key in expected} == expected, last
+    assert {key: getattr(last, key) for key in expected} == expected, last
 
     # A fold from nothing reaches the same sums as the one that went on from checkpoints.
     async def from_nothing() -> ProgressFold:

@@ -4,12 +4,20 @@ never finish)."""
 
 import asyncio
 
+from test_e2e_s3 import (
+    check_final_status,
+    check_outputs,
+    produce,
+    read_dir_objects,
+    start_monitor,
+    status,
+    wait_until_done,
+    wait_until_spooled,
+    write_dataset,
+)
+
 from hsx.wire import topology
 from hsx.wire.natsconn import NatsSettings, connect
-from test_e2e_s3 import (
-    check_final_status, check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done,
-    wait_until_spooled, write_dataset,
-)
 
 NODE = "testnode"  # tests/conftest.py gives every service this node
 DELIVERIES = 12  # more than the 10 the file durable used to allow

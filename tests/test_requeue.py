@@ -8,10 +8,10 @@ import asyncio
 
 import nats
 
-from hsx.wire import schemas, topology
 from hsx.storage.destinations import FileDestination
-from hsx.wire.events import EventPublisher
 from hsx.storage.layout import sample_key
+from hsx.wire import schemas, topology
+from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.tokens import SampleTableBuilder, TokenRow, tokens_object_name
 from producer.stored import store_tokenized

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_e2e_s3 import digest_and_checksum
 
 from hsx.storage import samplefile
-from test_e2e_s3 import digest_and_checksum
 
 
 def _tensors() -> dict[str, torch.Tensor]:

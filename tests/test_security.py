@@ -12,11 +12,18 @@ import stat
 import time
 
 import nats
+from test_e2e_s3 import (
+    check_final_status,
+    check_outputs,
+    produce,
+    read_s3_objects,
+    start_monitor,
+    status,
+    wait_until_done,
+    write_dataset,
+)
 
 from hsx.wire import schemas, topology
-from test_e2e_s3 import (
-    check_final_status, check_outputs, produce, read_s3_objects, start_monitor, status, wait_until_done, write_dataset,
-)
 
 
 async def _publish_events(url: str, job: str, node: str, events: list[schemas.FileReady]) -> None:

@@ -7,7 +7,14 @@ import time
 from pathlib import Path
 
 from test_e2e_s3 import (
-    check_final_status, check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done, write_dataset,
+    check_final_status,
+    check_outputs,
+    produce,
+    read_dir_objects,
+    start_monitor,
+    status,
+    wait_until_done,
+    write_dataset,
 )
 
 DEADLINE_S = 30

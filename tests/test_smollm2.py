@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
-from test_inputs import assistant_spans
 from test_e2e_s3 import check_ok, logs_of, read_dir_objects, sample_objects, start_monitor, status, wait_until_done
+from test_inputs import assistant_spans
 
 LAYERS = [1, 15, 29]  # SmolLM2-135M has 30 decoder layers; 29 is the last (stored pre-norm)
 # Float32 on both sides, but hsx runs padded batches and the reference one sample alone, so the
@@ -125,7 +125,7 @@ def test_smollm2_chat_rows_end_to_end(smollm2, hsx, hsx_service, job_name, tmp_p
     last = reference.config.num_hidden_layers - 1
     assert LAYERS[-1] == last
     by_source = {}
-    for key, data in objects.items():
+    for data in objects.values():
         tensors = load_safetensors(data)
         header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
         by_source[header["source_id"]] = tensors

@@ -3,12 +3,21 @@
 ends with every sample in the destination exactly once and correct. The events name their samples
 (no tokens): the uploader takes the lost samples' tokens from the job's stored samples."""
 
-from hsx.wire import schemas, topology
 from test_e2e_s3 import (
-    Reference, check_final_status, check_outputs, produce, read_dir_objects, start_monitor, status, wait_until_done,
-    wait_until_spooled, write_dataset,
+    Reference,
+    check_final_status,
+    check_outputs,
+    produce,
+    read_dir_objects,
+    start_monitor,
+    status,
+    wait_until_done,
+    wait_until_spooled,
+    write_dataset,
 )
 from test_headers import stored
+
+from hsx.wire import schemas, topology
 
 
 def test_lost_and_corrupted_spool_files_are_extracted_again(hsx, hsx_service, nats_server, tiny_model, job_name,

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_fidelity import _spec
 from transformers import AutoModelForCausalLM
 
 import gpu_consumer.extract as extract
@@ -26,11 +27,10 @@ from gpu_consumer.config import ConsumerConfig
 from gpu_consumer.model import load_model
 from gpu_consumer.service import BatchWorker
 from gpu_consumer.staging import HostStaging
+from hsx.storage.layout import sample_key
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
-from hsx.storage.layout import sample_key
 from hsx.wire.natsconn import NatsSettings, connect
-from test_fidelity import _spec
 
 LAYERS = [1, 3, 4]  # none is the last decoder layer: each is transformers' hidden_states[i + 1]
 VOCAB = 512  # tests/conftest.py TINY

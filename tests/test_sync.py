@@ -22,11 +22,10 @@ import pytest
 from conftest import REPO
 
 from hsx import cli
-
+from hsx.commands.sync import SyncConfig, Syncer
 from hsx.storage import destinations
 from hsx.storage.destinations import VerificationError, open_destination
 from hsx.wire.lifecycle import stop_flag_on_signals
-from hsx.commands.sync import SyncConfig, Syncer
 
 
 def _write(root: Path, files: dict[str, bytes]) -> None:

@@ -25,8 +25,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from hsx.wire import schemas
 from hsx.errors import HsxError
+from hsx.wire import schemas
 from hsx.wire.tokens import TokenRow, load_samples, loss_spans, read_tokens, tokens_object_name, write_tokens
 from producer.dataset import read_source
 from producer.inputs import tokenized_rows

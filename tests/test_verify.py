@@ -26,8 +26,8 @@ from conftest import REPO, _env
 from test_e2e_s3 import run_pipeline
 
 from hsx import cli
-from hsx.storage.layout import sample_key
 from hsx.commands.verify import format_report
+from hsx.storage.layout import sample_key
 
 COUNT = 12
 

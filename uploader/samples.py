@@ -17,8 +17,8 @@ import time
 import structlog
 from nats.js import JetStreamContext
 
-from hsx.wire import schemas
 from hsx.errors import HsxError
+from hsx.wire import schemas
 from hsx.wire.tokens import SampleTable, load_table, spec_of
 
 log = structlog.get_logger("hsx.uploader")

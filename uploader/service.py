@@ -32,15 +32,15 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from hsx.wire import schemas, topology
-from hsx.wire.backoff import jittered, retry_delay
 from hsx.storage.destinations import Destination
-from hsx.wire.events import EventPublisher, WorkerState, keep_in_progress
-from hsx.wire.headers import message_headers
 from hsx.storage.layout import sample_key
-from hsx.wire.natsconn import through_outage
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.spool import spool_usage
+from hsx.wire import schemas, topology
+from hsx.wire.backoff import jittered, retry_delay
+from hsx.wire.events import EventPublisher, WorkerState, keep_in_progress
+from hsx.wire.headers import message_headers
+from hsx.wire.natsconn import through_outage
 from uploader.config import UploaderConfig
 from uploader.samples import SampleNotFound, StoredSamples
 
@@ -270,7 +270,7 @@ class FileMover:
                 try:
                     try:
                         await asyncio.wait_for(stopping.wait(), timeout=jittered(self.cfg.probe_every_s))
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                     keep_turn = bool(self.refused) and not stopping.is_set()
                     if keep_turn:
@@ -281,7 +281,7 @@ class FileMover:
                 continue
             try:
                 await asyncio.wait_for(self._accepting.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return False
 
@@ -359,7 +359,7 @@ async def pull_loop(mover: FileMover, sub, cfg: UploaderConfig, stopping: asynci
             continue
         try:
             msgs = await sub.fetch(1 if mover.refused else min(free, 256), timeout=cfg.idle_fetch_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             continue
         except Exception as exc:
             log.warning("fetch_failed", error=str(exc) or type(exc).__name__)

@@ -18,12 +18,21 @@ import sys
 from pathlib import Path
 
 from hsx import __version__
+from hsx.config.settings import (
+    command_names,
+    declare_command_line_only,
+    declare_env,
+    declare_secret,
+    defer_defaults,
+    describe,
+    hide,
+    positive_int,
+    resolve,
+)
 from hsx.errors import HsxError
 from hsx.logs import configure_logging
 from hsx.wire.natsconn import DEFAULT_NATS_URL, NatsSettings, redact_url
 from producer.config import ON_LONG
-from hsx.config.settings import (command_names, declare_command_line_only, declare_env, declare_secret, defer_defaults,
-                          describe, hide, positive_int, resolve)
 
 _ON_LONG_HELP = ("a sample longer than --max-seq-len: error (default), truncate to its first --max-seq-len tokens, "
                  "or skip it; truncated and skipped rows are counted in hsx status and listed in the job's report")
@@ -367,8 +376,8 @@ def _instance(node: str) -> str:
 def _dispatch(args: argparse.Namespace) -> int:
     nats = _nats_settings(args)
     if args.command == "produce":
-        from hsx.storage.destinations import parse_dest
         from hsx.model.layers import parse_layers
+        from hsx.storage.destinations import parse_dest
         from producer.config import ProducerConfig
         from producer.main import run
 
@@ -459,7 +468,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(format_summary(built, as_json=args.json))
         return 0 if built.complete else 1
     if args.command == "sync":
-        from hsx.commands.sync import SyncConfig, check_source, dest_url, parse_duration, run_sync
+        from hsx.commands.sync import (
+            SyncConfig,
+            check_source,
+            dest_url,
+            parse_duration,
+            run_sync,
+        )
 
         source = check_source(args.path)
         cfg = SyncConfig(source=source, dest=dest_url(args.dest, args.prefix, source=source),

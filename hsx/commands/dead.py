@@ -14,9 +14,9 @@ import json
 import msgspec
 import structlog
 
+from hsx.errors import HsxError
 from hsx.wire import schemas, topology
 from hsx.wire.deadletter import resendable
-from hsx.errors import HsxError
 from hsx.wire.headers import message_headers
 from hsx.wire.natsconn import NatsSettings, connect
 

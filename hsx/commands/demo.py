@@ -18,9 +18,9 @@ from pathlib import Path
 
 import structlog
 
+from hsx.config.settings import positive_int
 from hsx.errors import HsxError
 from hsx.logs import configure_logging
-from hsx.config.settings import positive_int
 
 log = structlog.get_logger("hsx.demo")
 

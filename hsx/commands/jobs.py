@@ -13,22 +13,22 @@ consumers and uploaders would lose their durables under them.
 
 import asyncio
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from hsx.wire import schemas, topology
 from hsx.errors import HsxError
+from hsx.wire import schemas, topology
 from hsx.wire.jobs import count_messages, job_durables, live_workers, read_job_spec
 from hsx.wire.natsconn import NatsSettings, connect
 
 log = structlog.get_logger("hsx.jobs")
 
 def _created(spec: schemas.JobSpec) -> str:
-    return datetime.fromtimestamp(spec.created_at, timezone.utc).isoformat(timespec="seconds")
+    return datetime.fromtimestamp(spec.created_at, UTC).isoformat(timespec="seconds")
 
 
 async def _job_names(kv: KeyValue) -> list[str]:

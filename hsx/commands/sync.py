@@ -26,8 +26,14 @@ from urllib.parse import unquote, urlsplit
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
-from hsx.storage.destinations import Destination, VerificationError, file_sha256, open_destination, parse_dest
 from hsx.errors import HsxError
+from hsx.storage.destinations import (
+    Destination,
+    VerificationError,
+    file_sha256,
+    open_destination,
+    parse_dest,
+)
 from hsx.wire.lifecycle import stop_flag_on_signals
 
 log = structlog.get_logger("hsx.sync")

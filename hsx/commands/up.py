@@ -21,9 +21,14 @@ from pathlib import Path
 
 import structlog
 
-from hsx.model.devices import node_devices
-from hsx.commands.embedded import NatsServer, build_tiny_model, start_nats_server, write_synthetic_dataset
+from hsx.commands.embedded import (
+    NatsServer,
+    build_tiny_model,
+    start_nats_server,
+    write_synthetic_dataset,
+)
 from hsx.errors import HsxError, JobFailed
+from hsx.model.devices import node_devices
 from hsx.wire.natsconn import NatsSettings, redact_url
 
 log = structlog.get_logger("hsx.up")
@@ -235,16 +240,16 @@ def run_up(cfg: UpConfig) -> int:
 
         view = asyncio.run(read_status(nats, cfg.job))
         print(format_status(view, as_json=False), flush=True)
-        if monitor.poll() != 0 or not view["done"]:
-            if view.get("destination_error"):
+        if monitor.poll() != 0 or not view.done:
+            if view.destination_error:
                 # Stopping the uploaders leaves their files in the spool: a run after the fix resumes.
                 raise JobFailed(
-                    f"job {cfg.job} stopped with {view['total_samples'] - view['samples_uploaded']} samples not "
-                    f"uploaded: {view['failure_reason']}; fix it and run hsx up again to resume"
+                    f"job {cfg.job} stopped with {view.total_samples - view.samples_uploaded} samples not "
+                    f"uploaded: {view.failure_reason}; fix it and run hsx up again to resume"
                 )
             raise JobFailed(
-                f"job {cfg.job} finished without {view['total_samples'] - view['samples_uploaded']} samples; "
-                f"dead samples: {view['dead_samples'][:50]} (hsx status --job {cfg.job})"
+                f"job {cfg.job} finished without {view.total_samples - view.samples_uploaded} samples; "
+                f"dead samples: {view.dead_samples[:50]} (hsx status --job {cfg.job})"
             )
         return 0
     finally:

@@ -32,17 +32,17 @@ from typing import Any
 import structlog
 import torch
 
-from hsx.wire import schemas, topology
-from hsx.storage.destinations import open_job_folder
-from hsx.storage.reader import dequantize, load_sample
-from hsx.storage.tensors import SCALE_TENSOR, STORAGE_DTYPES
 from hsx.errors import HsxError
+from hsx.storage.destinations import open_job_folder
 from hsx.storage.index import INDEX_KEY, read_index
-from hsx.wire.jobs import require_job_spec
 from hsx.storage.layout import BUNDLE_DIR, FLOAT8, relative_sample_key, sample_key
+from hsx.storage.reader import dequantize, load_sample
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
-from hsx.wire.tokens import load_table
+from hsx.storage.tensors import SCALE_TENSOR, STORAGE_DTYPES
+from hsx.wire import schemas, topology
+from hsx.wire.jobs import require_job_spec
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
+from hsx.wire.tokens import load_table
 
 log = structlog.get_logger("hsx.verify")
 

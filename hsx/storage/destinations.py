@@ -40,7 +40,12 @@ from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
 from hsx.errors import HsxError
-from hsx.storage.fsutil import atomic_copy, atomic_write_bytes, fsync_dir, make_private_dirs
+from hsx.storage.fsutil import (
+    atomic_copy,
+    atomic_write_bytes,
+    fsync_dir,
+    make_private_dirs,
+)
 from hsx.storage.samplefile import DigestCheck, SampleFileCorrupt, checked_file_digest
 
 MULTIPART_THRESHOLD = 64 << 20
@@ -313,7 +318,11 @@ class S3Destination:
     def refusal(self, exc: BaseException) -> str | None:
         """S3's own error codes, looked for through the exception's causes (boto3's transfer
         manager wraps the ClientError of a multipart upload in an S3UploadFailedError)."""
-        from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
+        from botocore.exceptions import (
+            ClientError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
 
         seen = set()
         while exc is not None and id(exc) not in seen:

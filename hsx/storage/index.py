@@ -39,10 +39,15 @@ import numpy as np
 import pyarrow as pa
 import structlog
 
-from hsx.wire import schemas
-from hsx.storage.destinations import Destination, open_destination, open_job_folder, split_job_url
 from hsx.errors import HsxError
+from hsx.storage.destinations import (
+    Destination,
+    open_destination,
+    open_job_folder,
+    split_job_url,
+)
 from hsx.storage.layout import BUNDLE_DIR, sample_index_of, sample_key
+from hsx.wire import schemas
 
 log = structlog.get_logger("hsx.index")
 
@@ -225,7 +230,7 @@ async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600
                                  deliver_policy=DeliverPolicy.ALL)
         try:
             await asyncio.wait_for(caught_up.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise HsxError(f"job {job}: its uploaded markers were not all read within {timeout_s:g} s") from None
         finally:
             await sub.unsubscribe()

@@ -23,8 +23,8 @@ import structlog
 import torch
 from safetensors.torch import load as _load_safetensors
 
-from hsx.storage.destinations import Destination, open_destination, split_job_url
 from hsx.errors import HsxError
+from hsx.storage.destinations import Destination, open_destination, split_job_url
 from hsx.storage.index import read_index
 from hsx.storage.layout import relative_sample_key, sample_index_of
 from hsx.storage.samplefile import SampleFileCorrupt

@@ -13,17 +13,16 @@ storing the same letter twice (the consumer on the last delivery and the reaper 
 messages, or a publish retried through a NATS outage) keeps one.
 """
 
-import asyncio
-import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 
 from hsx.wire import schemas
-# Test-only switch: a directory. Before storing a dead letter the process creates `holding` there
-# and waits until `release` appears, so that a test can take NATS away at exactly that moment.
-_HOLD_DIR = os.environ.get("HSX_TEST_HOLD_DEAD_LETTER")
+
+# A seam for tests (devkit/faults.py): awaited before a dead letter is stored, so that a test can
+# take NATS away at exactly that moment.
+before_store: Callable[[], Awaitable[None]] | None = None
 
 # Headers (job, batch, sample, message id) travel in the same message and count towards max_payload.
 HEADER_ALLOWANCE = 1024
@@ -115,11 +114,3 @@ def resendable(letter: schemas.DeadLetter) -> bytes | None:
     if letter.original and not letter.original_truncated:
         return letter.original
     return None
-
-
-async def hold_for_test() -> None:
-    if not _HOLD_DIR:
-        return
-    Path(_HOLD_DIR, "holding").touch()
-    while not Path(_HOLD_DIR, "release").exists():
-        await asyncio.sleep(0.05)

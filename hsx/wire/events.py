@@ -16,8 +16,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from hsx.wire import schemas, topology
-from hsx.wire.deadletter import build_letters, hold_for_test
+from hsx.wire import deadletter, schemas, topology
+from hsx.wire.deadletter import build_letters
 from hsx.wire.headers import message_headers
 from hsx.wire.natsconn import through_outage
 
@@ -90,7 +90,8 @@ class EventPublisher:
             max_payload=self.nc.max_payload, source_seq=source_seq, part=part, batch_id=batch_id,
             sample_indices=sample_indices,
         )
-        await hold_for_test()
+        if deadletter.before_store is not None:
+            await deadletter.before_store()
         for stored in letters:
             letter = stored.letter
             single = letter.sample_indices[0] if len(letter.sample_indices) == 1 else None
@@ -145,7 +146,7 @@ async def heartbeat_loop(
             log.warning("heartbeat_failed", error=str(exc))
         try:
             await asyncio.wait_for(stopping.wait(), timeout=interval_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 

@@ -111,14 +111,14 @@ async def reap_exhausted(js: JetStreamContext, events: EventPublisher, stopping:
             try:
                 await asyncio.wait_for(stopping.wait(), timeout=5.0)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
     next_sweep = time.monotonic()
     try:
         while not stopping.is_set():
             try:
                 msgs = await sub.fetch(16, timeout=2.0)
-            except (asyncio.TimeoutError, nats.errors.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 msgs = []
             except Exception as exc:  # NATS reconnecting: the advisories wait in their stream
                 log.warning("advisory_fetch_failed", error=str(exc) or type(exc).__name__)

@@ -16,8 +16,8 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from hsx.wire import schemas, topology
 from hsx.errors import HsxError
+from hsx.wire import schemas, topology
 
 log = structlog.get_logger("hsx.jobs")
 
@@ -52,7 +52,7 @@ async def wait_for_job_spec(kv: KeyValue, job: str, stopping: asyncio.Event, *, 
             announced = True
         try:
             await asyncio.wait_for(stopping.wait(), timeout=poll_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
     return None
 

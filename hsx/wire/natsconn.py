@@ -121,7 +121,7 @@ async def connect(settings: NatsSettings, *, name: str) -> NATS:
             reconnected_cb=on_reconnect,
             **options,
         )
-    except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+    except (TimeoutError, nats.errors.NoServersError, OSError, nats.errors.Error) as exc:
         refused = [e for e in last_error if "authorization" in str(e).lower() or "authentication" in str(e).lower()]
         if refused:
             raise HsxError(
@@ -153,7 +153,7 @@ async def through_outage(
     while True:
         try:
             return await operation()
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.Error) as exc:
             if time.monotonic() - started >= give_up_after_s or (stopping is not None and stopping.is_set()):
                 raise
             log.warning("nats_retry", what=what, error=str(exc) or type(exc).__name__, retry_in_s=retry_s)
@@ -171,9 +171,9 @@ async def close_connection(nc: NATS) -> None:
         try:
             await nc.drain()
             return
-        except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:  # the server went away mid-drain
+        except (TimeoutError, nats.errors.Error, OSError) as exc:  # the server went away mid-drain
             log.warning("nats_drain_failed", error=str(exc) or type(exc).__name__)
     try:
         await nc.close()
-    except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, nats.errors.Error, OSError) as exc:
         log.warning("nats_close_failed", error=str(exc) or type(exc).__name__)

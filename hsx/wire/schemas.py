@@ -8,7 +8,6 @@ A payload that does not decode is poison: the receiver terminates it and dead-le
 does not crash.
 """
 
-from typing import Union
 
 import msgspec
 
@@ -236,7 +235,7 @@ def dead_letter_headroom(samples: int) -> int:
     return 6 * DEAD_LETTER_ERROR_CHARS + 1024 + 21 * samples
 
 
-Event = Union[BatchWritten, FileUploaded, SampleRequeued, Heartbeat, DeadLetter]
+Event = BatchWritten | FileUploaded | SampleRequeued | Heartbeat | DeadLetter
 
 EVENT_KINDS: dict[type, str] = {
     BatchWritten: "written",

@@ -38,8 +38,8 @@ import numpy as np
 import pyarrow as pa
 from nats.js import JetStreamContext
 
-from hsx.wire import schemas, topology
 from hsx.errors import HsxError
+from hsx.wire import schemas, topology
 from hsx.wire.jobs import read_job_spec
 
 TOKENS_FORMAT = "hsx.tokens.v1"

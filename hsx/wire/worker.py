@@ -22,7 +22,12 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from hsx.wire import schemas, topology
-from hsx.wire.events import EventPublisher, WorkerState, goodbye_heartbeat, heartbeat_loop
+from hsx.wire.events import (
+    EventPublisher,
+    WorkerState,
+    goodbye_heartbeat,
+    heartbeat_loop,
+)
 from hsx.wire.jobs import wait_for_job_spec
 from hsx.wire.lifecycle import stop_event_on_signals
 from hsx.wire.natsconn import NatsSettings, close_connection, connect

@@ -1,0 +1,141 @@
+"""Faults that tests inject into the hsx processes they start; the product only has the seams.
+
+A test names the faults in the environment of the process (`faults_env(...)`): the switches below,
+and a PYTHONPATH that puts devkit/inject/sitecustomize.py first, which Python imports at start-up.
+It calls `install`, which sets each named fault into its seam once the module that has the seam
+is imported (an import hook, so an uploader never imports the consumer's torch modules for it).
+
+- HSX_TEST_OOM_ABOVE_TOKENS=N: a forward of more than N padded tokens raises torch's
+  out-of-memory error, so the split path runs on a CPU machine.
+- HSX_TEST_HANG_SAMPLE=I with HSX_TEST_HANG_MARKER=PATH: the first forward holding sample I (the
+  one that creates PATH) hangs, as a wedged device would, until PATH.release exists; forwards
+  that find PATH there already run normally.
+- HSX_TEST_CRASH_ON_SAMPLE=I: a consumer kills itself (SIGKILL) when it takes up a batch holding
+  sample I, as a batch that takes its process down every time would (host OOM killer, segfault).
+- HSX_TEST_CRASH_BEFORE_ACK=PATH: the first consumer to write and announce a batch creates PATH
+  and kills itself before acking (a crash at the worst moment); later ones see PATH and run on.
+- HSX_TEST_HOLD_DEAD_LETTER=DIR: before storing a dead letter the process creates DIR/holding and
+  waits until DIR/release appears.
+"""
+
+import asyncio
+import importlib.abc
+import importlib.machinery
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+INJECT_DIR = Path(__file__).resolve().parent / "inject"
+REPO = Path(__file__).resolve().parent.parent
+SWITCHES = ("HSX_TEST_OOM_ABOVE_TOKENS", "HSX_TEST_HANG_SAMPLE", "HSX_TEST_HANG_MARKER", "HSX_TEST_CRASH_ON_SAMPLE",
+            "HSX_TEST_CRASH_BEFORE_ACK", "HSX_TEST_HOLD_DEAD_LETTER")
+
+
+def faults_env(environ: Mapping[str, str] | None = None, **switches: str) -> dict[str, str]:
+    """`environ` (default: this process's) with the switches set and the injector on PYTHONPATH."""
+    unknown = set(switches) - set(SWITCHES)
+    if unknown:
+        raise ValueError(f"unknown fault switches: {sorted(unknown)}")
+    env = dict(os.environ if environ is None else environ)
+    env.update(switches)
+    path = [str(INJECT_DIR), str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    return env
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _first_to_create(path: str) -> bool:
+    try:
+        Path(path).touch(exist_ok=False)
+        return True
+    except FileExistsError:
+        return False
+
+
+def _consumer_extract(module, environ: Mapping[str, str]) -> None:
+    oom_above = int(environ.get("HSX_TEST_OOM_ABOVE_TOKENS") or 0)
+    hang_sample, hang_marker = environ.get("HSX_TEST_HANG_SAMPLE"), environ.get("HSX_TEST_HANG_MARKER", "")
+    if not (oom_above or hang_sample):
+        return
+
+    def before_forward(samples, padded_tokens: int) -> None:
+        import torch
+
+        if oom_above and padded_tokens > oom_above:
+            raise torch.OutOfMemoryError(f"test fault: {padded_tokens} padded tokens > {oom_above}")
+        if hang_sample and any(str(s.index) == hang_sample for s in samples) and _first_to_create(hang_marker):
+            module.log.warning("test_forward_hanging", sample=int(hang_sample), until=f"{hang_marker}.release")
+            while not Path(f"{hang_marker}.release").exists():
+                time.sleep(0.1)
+
+    module.before_forward = before_forward
+
+
+def _consumer_service(module, environ: Mapping[str, str]) -> None:
+    crash_on, crash_marker = environ.get("HSX_TEST_CRASH_ON_SAMPLE"), environ.get("HSX_TEST_CRASH_BEFORE_ACK")
+    if crash_on:
+        def on_batch(batch) -> None:
+            if any(str(sample.index) == crash_on for sample in batch.samples):
+                _kill_self()
+
+        module.on_batch = on_batch
+    if crash_marker:
+        def before_ack() -> None:
+            if _first_to_create(crash_marker):
+                _kill_self()
+
+        module.before_ack = before_ack
+
+
+def _dead_letters(module, environ: Mapping[str, str]) -> None:
+    hold = environ.get("HSX_TEST_HOLD_DEAD_LETTER")
+    if not hold:
+        return
+
+    async def before_store() -> None:
+        Path(hold, "holding").touch()
+        while not Path(hold, "release").exists():
+            await asyncio.sleep(0.05)
+
+    module.before_store = before_store
+
+
+_SEAMS: dict[str, Callable] = {
+    "gpu_consumer.extract": _consumer_extract,
+    "gpu_consumer.service": _consumer_service,
+    "hsx.wire.deadletter": _dead_letters,
+}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Lets each seam's module load as usual, then sets its faults."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.environ = dict(environ)
+
+    def find_spec(self, name, path, target=None):
+        if name not in _SEAMS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        loader, environ = spec.loader, self.environ
+        original = loader.exec_module
+
+        def exec_module(module) -> None:
+            original(module)
+            _SEAMS[name](module, environ)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def install(environ: Mapping[str, str]) -> None:
+    if any(environ.get(switch) for switch in SWITCHES):
+        sys.meta_path.insert(0, _AfterImport(environ))
