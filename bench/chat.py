@@ -48,7 +48,7 @@ WORDS = (
     "because however although therefore usually often never always quickly carefully simply exactly "
     "river mountain city country history science music garden kitchen window morning evening friend "
     "explain describe compare suggest improve consider remember imagine choose prefer understand "
-    "1 2 3 10 42 100 2024 , , , . . . ? ! ; : ( ) - \"quoted\" `code` x = y + 1"
+    '1 2 3 10 42 100 2024 , , , . . . ? ! ; : ( ) - "quoted" `code` x = y + 1'
 ).split()
 
 MARKERS_TEMPLATE = (
@@ -157,15 +157,20 @@ def main() -> None:
 
     folders = tokenizer_folders(args.work)
     rows = chat_rows(args.rows)
-    report: dict = {"rows": args.rows, "repeats": args.repeats, "cores": len(os.sched_getaffinity(0)),
-                    "workers": args.workers}
+    report: dict = {
+        "rows": args.rows,
+        "repeats": args.repeats,
+        "cores": len(os.sched_getaffinity(0)),
+        "workers": args.workers,
+    }
     for template in args.templates.split(","):
         model = str(folders[template])
         chat = ChatTokenizer.load(model, first_chat_row="bench")
         first = [chat.tokenize(row) for row in rows[:500]]
-        entry: dict = {"tokens_per_row": round(sum(len(r.input_ids) for r in first) / len(first), 1),
-                       "masked_share": round(sum(sum(r.loss_mask) for r in first)
-                                             / sum(len(r.input_ids) for r in first), 3)}
+        entry: dict = {
+            "tokens_per_row": round(sum(len(r.input_ids) for r in first) / len(first), 1),
+            "masked_share": round(sum(sum(r.loss_mask) for r in first) / sum(len(r.input_ids) for r in first), 3),
+        }
         reference = None
         for path in args.paths.split(","):
             if not _available(path):
@@ -176,8 +181,10 @@ def main() -> None:
                 started = time.perf_counter()
                 out = PATHS[path](model, rows, args.workers)
                 times.append(time.perf_counter() - started)
-            entry[path] = {"rows_per_s": round(args.rows / statistics.median(times)),
-                           "runs_s": [round(t, 3) for t in times]}
+            entry[path] = {
+                "rows_per_s": round(args.rows / statistics.median(times)),
+                "runs_s": [round(t, 3) for t in times],
+            }
             if args.check:
                 if path == "per_row":
                     reference = out

@@ -34,8 +34,16 @@ from hsx.commands.embedded import synthetic_lengths  # noqa: E402
 from hsx.wire.schemas import Sample  # noqa: E402
 from producer.planner import plan_batches  # noqa: E402
 
-SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=64, vocab_size=32000, tie_word_embeddings=False)
+SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=16,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
 LAYERS_TO_HALF = [1, 4, 7]
 LAYERS_TO_LAST = [1, 7, 15]
 
@@ -59,8 +67,10 @@ def main() -> int:
 
     lengths = synthetic_lengths(args.samples, median=args.median_len, max_len=args.max_len, seed=0).tolist()
     rng = np.random.default_rng(0)
-    samples = [Sample(index=i, source_id=str(i), input_ids=rng.integers(0, SHAPE["vocab_size"], size=n).tolist())
-               for i, n in enumerate(lengths)]
+    samples = [
+        Sample(index=i, source_id=str(i), input_ids=rng.integers(0, SHAPE["vocab_size"], size=n).tolist())
+        for i, n in enumerate(lengths)
+    ]
     plan = plan_batches(lengths, token_budget=args.token_budget)
     # Padded once, outside the timings: both sides compute on exactly the same tensors.
     batches = [pad_batch([samples[i] for i in b.sample_indices], 0) for b in plan]

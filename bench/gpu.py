@@ -41,15 +41,29 @@ from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
 from producer.planner import plan_batches  # noqa: E402
 
 QWEN3_8B = dict(
-    hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=False,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
 )
 PEAK_BF16_FLOPS = 989e12
 
 
 def forward_flops(lengths: list[int], cfg: dict, layers_run: int) -> float:
     """Matmul FLOPs of the forward up to `layers_run` layers (causal attention counted half)."""
-    h, i, nh, nkv, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    h, i, nh, nkv, hd = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
     per_token_layer = 2 * (h * nh * hd + 2 * h * nkv * hd + nh * hd * h + 3 * h * i)
     total = 0.0
     for t in lengths:
@@ -77,13 +91,22 @@ async def _service_pass(loaded, batches, spec, spool: Path) -> tuple[int, float]
         kv = await topology.ensure_topology(js)
         await kv.put(spec.job, schemas.encode(spec))
         for seq, batch in enumerate(batches):
-            descriptor = schemas.BatchDescriptor(job=spec.job, batch_id=f"b{seq}", padded_len=max(len(s.input_ids) for s in batch),
-                                                 samples=batch)
+            descriptor = schemas.BatchDescriptor(
+                job=spec.job, batch_id=f"b{seq}", padded_len=max(len(s.input_ids) for s in batch), samples=batch
+            )
             await js.publish(topology.batch_subject(spec.job), schemas.encode(descriptor))
         durable = await topology.ensure_gpu_consumer(js, spec.job)
         sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
-        cfg = ConsumerConfig(nats=settings, job=spec.job, device=str(loaded.device), spool=spool, node="bench",
-                             instance="bench-1", spool_high_water_bytes=1 << 60, idle_fetch_timeout_s=0.05)
+        cfg = ConsumerConfig(
+            nats=settings,
+            job=spec.job,
+            device=str(loaded.device),
+            spool=spool,
+            node="bench",
+            instance="bench-1",
+            spool_high_water_bytes=1 << 60,
+            idle_fetch_timeout_s=0.05,
+        )
         stopping = asyncio.Event()
         worker = BatchWorker(cfg, js, EventPublisher(nc, js, spec.job), spec, loaded, stopping)
         started = time.perf_counter()
@@ -114,33 +137,55 @@ def _compare_compiled(model, forward_only, timed, repeats: int, real_tokens: int
     first = timed(forward_only)  # pays for compiling
     compile_s = time.perf_counter() - start - first
     compiled = statistics.median(timed(forward_only) for _ in range(repeats))
-    print(json.dumps({
-        "forward_eager_tokens_per_s": round(real_tokens / eager), "mfu_eager": round(flops / eager / PEAK_BF16_FLOPS, 4),
-        "forward_compiled_tokens_per_s": round(real_tokens / compiled),
-        "mfu_compiled": round(flops / compiled / PEAK_BF16_FLOPS, 4),
-        "compiled_vs_eager": round(eager / compiled, 3), "first_compiled_pass_s": round(first + max(compile_s, 0), 1),
-        "repeats": repeats,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "forward_eager_tokens_per_s": round(real_tokens / eager),
+                "mfu_eager": round(flops / eager / PEAK_BF16_FLOPS, 4),
+                "forward_compiled_tokens_per_s": round(real_tokens / compiled),
+                "mfu_compiled": round(flops / compiled / PEAK_BF16_FLOPS, 4),
+                "compiled_vs_eager": round(eager / compiled, 3),
+                "first_compiled_pass_s": round(first + max(compile_s, 0), 1),
+                "repeats": repeats,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--plan-samples", type=int, default=100_000,
-                        help="plan a job of this many samples and measure a few of its batches")
+    parser.add_argument(
+        "--plan-samples",
+        type=int,
+        default=100_000,
+        help="plan a job of this many samples and measure a few of its batches",
+    )
     parser.add_argument("--batches", type=int, default=8, help="batches measured, spread evenly over the plan")
     parser.add_argument("--token-budget", type=int, default=32768)
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--layers", default="1,9,17,25,33")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--spool", type=Path, action="append", default=None,
-                        help="spool directory for the consumer-loop pass; repeat to measure several disks")
+    parser.add_argument(
+        "--spool",
+        type=Path,
+        action="append",
+        default=None,
+        help="spool directory for the consumer-loop pass; repeat to measure several disks",
+    )
     parser.add_argument("--attn", default=None, help="attention implementation (default: what the consumer picks)")
-    parser.add_argument("--compile", action="store_true",
-                        help="every hsx path with torch.compile'd decoder layers (hsx consume --compile); "
-                             "the full-model baseline is then skipped (it would be compiled too)")
-    parser.add_argument("--compile-layers", action="store_true",
-                        help="only compare the forward eager vs with each decoder layer torch.compile'd")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="every hsx path with torch.compile'd decoder layers (hsx consume --compile); "
+        "the full-model baseline is then skipped (it would be compiled too)",
+    )
+    parser.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="only compare the forward eager vs with each decoder layer torch.compile'd",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
     args = parser.parse_args()
     from hsx.logs import configure_logging
@@ -148,8 +193,15 @@ def main() -> int:
     configure_logging(json=True, level="warning")
     shape = dict(QWEN3_8B)
     if args.smoke:
-        shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=36, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, vocab_size=151936)
+        shape.update(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=36,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=151936,
+        )
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
@@ -174,8 +226,15 @@ def main() -> int:
     staging = HostStaging() if device.type == "cuda" else None
 
     def with_tap() -> LoadedModel:
-        return LoadedModel(model=model, tap=LayerTap(model, layers), device=device, dtype=torch.bfloat16,
-                           pad_token_id=0, attention=args.attn, staging=staging)
+        return LoadedModel(
+            model=model,
+            tap=LayerTap(model, layers),
+            device=device,
+            dtype=torch.bfloat16,
+            pad_token_id=0,
+            attention=args.attn,
+            staging=staging,
+        )
 
     loaded = with_tap()
 
@@ -187,8 +246,11 @@ def main() -> int:
     step = len(full_plan) / args.batches
     plan = [full_plan[int(i * step + step / 2)] for i in range(min(args.batches, len(full_plan)))]
     rng = np.random.default_rng(0)
-    samples = [Sample(index=i, source_id=str(i), input_ids=rng.integers(0, 151936, size=all_lengths[i]).tolist())
-               for b in plan for i in b.sample_indices]
+    samples = [
+        Sample(index=i, source_id=str(i), input_ids=rng.integers(0, 151936, size=all_lengths[i]).tolist())
+        for b in plan
+        for i in b.sample_indices
+    ]
     by_index = {s.index: s for s in samples}
     batches = [[by_index[i] for i in b.sample_indices] for b in plan]
     lengths = [len(s.input_ids) for s in samples]
@@ -231,8 +293,13 @@ def main() -> int:
         for batch in batches:
             ids, mask = pad_batch(batch, 0)
             with torch.inference_mode():
-                out = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
-                            use_cache=False, logits_to_keep=0)
+                out = model(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    output_hidden_states=True,
+                    use_cache=False,
+                    logits_to_keep=0,
+                )
                 torch.stack([out.hidden_states[i + 1] for i in layers], dim=2).cpu()
             del out
         loaded = with_tap()
@@ -246,10 +313,22 @@ def main() -> int:
                 lease.release()
 
     spools = args.spool or [Path(tempfile.mkdtemp(prefix="hsx-bench-spool-"))]
-    spec = JobSpec(job="bench", model="qwen3-8b-shaped-random", model_revision="none", layers=layers, dtype="bfloat16",
-                   dest="file:///dev/null", token_budget=args.token_budget, max_seq_len=args.max_len, dataset="synthetic",
-                   plan_fingerprint="x", total_samples=args.plan_samples, total_tokens=real_tokens, total_batches=len(plan),
-                   created_at=0.0)
+    spec = JobSpec(
+        job="bench",
+        model="qwen3-8b-shaped-random",
+        model_revision="none",
+        layers=layers,
+        dtype="bfloat16",
+        dest="file:///dev/null",
+        token_budget=args.token_budget,
+        max_seq_len=args.max_len,
+        dataset="synthetic",
+        plan_fingerprint="x",
+        total_samples=args.plan_samples,
+        total_tokens=real_tokens,
+        total_batches=len(plan),
+        created_at=0.0,
+    )
 
     def pipeline(spool: Path) -> tuple[int, float]:
         """The real consumer service loop (gpu_consumer.service.pull_loop) against a real

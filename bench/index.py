@@ -49,15 +49,35 @@ def synthetic_job(samples: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(16, 4096, samples)
     spec = schemas.JobSpec(
-        job=JOB, model="bench", model_revision="", layers=[1, 2, 3], dtype="bfloat16", dest="file:///unused",
-        token_budget=16384, max_seq_len=4096, dataset="bench", plan_fingerprint="f" * 64, total_samples=samples,
-        total_tokens=int(tokens.sum()), total_batches=0, created_at=time.time(), published=True,
+        job=JOB,
+        model="bench",
+        model_revision="",
+        layers=[1, 2, 3],
+        dtype="bfloat16",
+        dest="file:///unused",
+        token_budget=16384,
+        max_seq_len=4096,
+        dataset="bench",
+        plan_fingerprint="f" * 64,
+        total_samples=samples,
+        total_tokens=int(tokens.sum()),
+        total_batches=0,
+        created_at=time.time(),
+        published=True,
     )
     raw = rng.bytes(32 * samples)
     digests = [raw[i : i + 32].hex() for i in range(0, len(raw), 32)]
     started = time.perf_counter()
-    index = make_index(job=JOB, plan=spec.plan_tag, total_samples=samples, source="events",
-                       sample_index=np.arange(samples), size=tokens * 3 * 2048 * 2 + 600, tokens=tokens, digest=digests)
+    index = make_index(
+        job=JOB,
+        plan=spec.plan_tag,
+        total_samples=samples,
+        source="events",
+        sample_index=np.arange(samples),
+        size=tokens * 3 * 2048 * 2 + 600,
+        tokens=tokens,
+        digest=digests,
+    )
     return spec, index, time.perf_counter() - started
 
 
@@ -77,8 +97,12 @@ def listed_job(bucket: str, samples: int) -> str:
 
     client = boto3.client("s3")
     with ThreadPoolExecutor(32) as pool:
-        list(pool.map(lambda i: client.put_object(Bucket=bucket, Key=f"listed/{sample_key('listed', i)}", Body=b"x"),
-                      range(samples)))
+        list(
+            pool.map(
+                lambda i: client.put_object(Bucket=bucket, Key=f"listed/{sample_key('listed', i)}", Body=b"x"),
+                range(samples),
+            )
+        )
     return f"s3://{bucket}/listed/listed"
 
 
@@ -103,9 +127,27 @@ async def time_events_to_index(events: int, store: Path) -> float:
         await topology.ensure_topology(js)
         spec, _, _ = synthetic_job(events)
         for start in range(0, events, 1000):
-            await asyncio.gather(*(js.publish(topology.uploaded_subject(JOB, spec.plan_tag, i), schemas.encode(schemas.FileUploaded(
-                job=JOB, node="n", uploader="u", sample_index=i, key=sample_key(JOB, i), size=1000 + i, tokens=100,
-                plan=spec.plan_tag, digest=f"{i:064x}"))) for i in range(start, min(start + 1000, events))))
+            await asyncio.gather(
+                *(
+                    js.publish(
+                        topology.uploaded_subject(JOB, spec.plan_tag, i),
+                        schemas.encode(
+                            schemas.FileUploaded(
+                                job=JOB,
+                                node="n",
+                                uploader="u",
+                                sample_index=i,
+                                key=sample_key(JOB, i),
+                                size=1000 + i,
+                                tokens=100,
+                                plan=spec.plan_tag,
+                                digest=f"{i:064x}",
+                            )
+                        ),
+                    )
+                    for i in range(start, min(start + 1000, events))
+                )
+            )
         started = time.perf_counter()
         index = await index_from_events(js, spec)
         elapsed = time.perf_counter() - started
@@ -141,9 +183,16 @@ def main() -> None:
             server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
             server.start()
             try:
-                os.environ.update({"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-                                   "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1",
-                                   "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull})
+                os.environ.update(
+                    {
+                        "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}",
+                        "AWS_ACCESS_KEY_ID": "bench",
+                        "AWS_SECRET_ACCESS_KEY": "bench-secret",
+                        "AWS_DEFAULT_REGION": "us-east-1",
+                        "AWS_CONFIG_FILE": os.devnull,
+                        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+                    }
+                )
                 import boto3
 
                 boto3.client("s3").create_bucket(Bucket="bench")

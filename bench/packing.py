@@ -36,7 +36,9 @@ PLANNING_SIZES = (125_000, 250_000, 500_000, 1_000_000)
 
 def fixed_batches_padded_tokens(lengths: list[int], batch_size: int) -> int:
     """Padded tokens of consecutive `batch_size` chunks, each padded to its longest sample."""
-    return sum(len(chunk) * max(chunk) for chunk in (lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size)))
+    return sum(
+        len(chunk) * max(chunk) for chunk in (lengths[i : i + batch_size] for i in range(0, len(lengths), batch_size))
+    )
 
 
 def median_seconds(fn, repeats: int) -> tuple[float, list[float]]:
@@ -76,12 +78,18 @@ def main() -> int:
     planning = {}
     for size in PLANNING_SIZES:
         size_lengths = synthetic_lengths(size, median=MEDIAN_LEN, max_len=MAX_LEN, seed=args.seed).tolist()
-        seconds, raw = median_seconds(lambda: plan_batches(size_lengths, token_budget=args.planning_budget), args.repeats)
-        planning[str(size)] = {"seconds": round(seconds, 3), "us_per_sample": round(seconds / size * 1e6, 3),
-                               "raw_seconds": [round(t, 3) for t in raw]}
+        seconds, raw = median_seconds(
+            lambda: plan_batches(size_lengths, token_budget=args.planning_budget), args.repeats
+        )
+        planning[str(size)] = {
+            "seconds": round(seconds, 3),
+            "us_per_sample": round(seconds / size * 1e6, 3),
+            "raw_seconds": [round(t, 3) for t in raw],
+        }
     smallest, largest = planning[str(PLANNING_SIZES[0])], planning[str(PLANNING_SIZES[-1])]
     lengths_s, _ = median_seconds(
-        lambda: synthetic_lengths(PLANNING_SIZES[-1], median=MEDIAN_LEN, max_len=MAX_LEN, seed=args.seed), args.repeats)
+        lambda: synthetic_lengths(PLANNING_SIZES[-1], median=MEDIAN_LEN, max_len=MAX_LEN, seed=args.seed), args.repeats
+    )
 
     out = {
         "lengths": {"distribution": "lognormal", "median": MEDIAN_LEN, "max_len": MAX_LEN, "seed": args.seed},

@@ -181,8 +181,10 @@ async def _wait_until(condition, watched: list[Child], what: str, timeout_s: flo
     while not condition():
         for child in watched:
             if child.poll() is not None:
-                raise HsxError(f"{child.name} exited with code {child.poll()} while waiting for {what}: "
-                               f"{child.last_error()} (log: {child.log_path})")
+                raise HsxError(
+                    f"{child.name} exited with code {child.poll()} while waiting for {what}: "
+                    f"{child.last_error()} (log: {child.log_path})"
+                )
         if time.monotonic() > deadline:
             raise HsxError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         await asyncio.sleep(0.02)
@@ -196,8 +198,11 @@ async def _pause_until(nc, stream: str, durable: str, delay_s: float) -> float:
     services' idempotent add_consumer keeps the pause."""
     wall, resumes = time.time() + delay_s, time.monotonic() + delay_s
     until = datetime.datetime.fromtimestamp(wall, datetime.UTC).isoformat().replace("+00:00", "Z")
-    reply = json.loads((await nc.request(f"$JS.API.CONSUMER.PAUSE.{stream}.{durable}",
-                                         json.dumps({"pause_until": until}).encode())).data)
+    reply = json.loads(
+        (
+            await nc.request(f"$JS.API.CONSUMER.PAUSE.{stream}.{durable}", json.dumps({"pause_until": until}).encode())
+        ).data
+    )
     if "error" in reply or not reply.get("paused"):
         raise HsxError(f"cannot pause {stream}/{durable}: {reply}")
     return resumes
@@ -253,8 +258,13 @@ class Bench:
 
     def _env(self, consumers: int) -> dict[str, str]:
         threads = str(max(1, self.args.threads // consumers))  # what hsx up gives CPU consumers
-        return {**os.environ, **self.nats.as_env(), "HSX_NODE": NODE, "PYTHONUNBUFFERED": "1",
-                "OMP_NUM_THREADS": threads}
+        return {
+            **os.environ,
+            **self.nats.as_env(),
+            "HSX_NODE": NODE,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": threads,
+        }
 
     def _child(self, job: str, name: str, args: list[str], env: dict[str, str]) -> Child:
         """`hsx ARGS` as a process logging to the work directory (info: `consumer_ready` is read)."""
@@ -262,17 +272,36 @@ class Bench:
         child.start()
         return child
 
-    async def start_job(self, job: str, inp: JobInput, events: JobEvents, *, consumers: int,
-                        uploaders: int) -> Started:
+    async def start_job(self, job: str, inp: JobInput, events: JobEvents, *, consumers: int, uploaders: int) -> Started:
         """`hsx produce`, `consumers` x `hsx consume` and `uploaders` x `hsx upload` started together
         (the services wait for the job spec, then load the model); returns once the producer is
         done and every service heartbeats ready."""
         env = self._env(consumers)
         started = time.monotonic()
-        producer = self._child(job, "producer", [
-            "produce", "--job", job, "--model", str(inp.model), "--dataset", str(inp.dataset), "--layers", inp.layers,
-            "--dest", self.out.as_uri(), "--dtype", "float32", "--token-budget", str(inp.token_budget),
-            "--max-seq-len", str(self.args.max_len)], env)
+        producer = self._child(
+            job,
+            "producer",
+            [
+                "produce",
+                "--job",
+                job,
+                "--model",
+                str(inp.model),
+                "--dataset",
+                str(inp.dataset),
+                "--layers",
+                inp.layers,
+                "--dest",
+                self.out.as_uri(),
+                "--dtype",
+                "float32",
+                "--token-budget",
+                str(inp.token_budget),
+                "--max-seq-len",
+                str(self.args.max_len),
+            ],
+            env,
+        )
         consume = ["consume", "--job", job, "--device", "cpu", "--spool", str(self.spool)]
         workers = [self._child(job, f"consumer-{i}", consume, env) for i in range(consumers)]
         upload = ["upload", "--job", job, "--spool", str(self.spool)]
@@ -284,9 +313,14 @@ class Bench:
             producer_s = time.monotonic() - started
             if producer.poll() != 0:
                 raise HsxError(f"hsx produce failed: {producer.last_error()} (log: {producer.log_path})")
-            await _wait_until(lambda: events.ready_count(CONSUMER_SERVICE) >= consumers
-                              and events.ready_count(UPLOADER_SERVICE) >= uploaders,
-                              workers, "the services to be ready")
+            await _wait_until(
+                lambda: (
+                    events.ready_count(CONSUMER_SERVICE) >= consumers
+                    and events.ready_count(UPLOADER_SERVICE) >= uploaders
+                ),
+                workers,
+                "the services to be ready",
+            )
         except BaseException:
             stop_all([producer, *workers])
             raise
@@ -299,8 +333,16 @@ class Bench:
             raise HsxError(f"job {job} did not finish cleanly: {msgspec.json.encode(view).decode()[:1500]}")
         shutil.rmtree(self.out / job, ignore_errors=True)
 
-    async def pipeline_pass(self, job: str, inp: JobInput, *, consumers: int, uploaders: int,
-                            read_batches: bool = False, include_startup: bool = False) -> dict:
+    async def pipeline_pass(
+        self,
+        job: str,
+        inp: JobInput,
+        *,
+        consumers: int,
+        uploaders: int,
+        read_batches: bool = False,
+        include_startup: bool = False,
+    ) -> dict:
         """Everything ready and idle, then the batches released: seconds until the last upload.
         `include_startup`: nothing paused, seconds from starting the processes (the producer
         and the services together) until the last upload; CPU from when all are ready."""
@@ -314,9 +356,14 @@ class Bench:
         workers = run.consumers + run.uploaders
         try:
             batches = await _read_batches(self.js, job) if read_batches else None
-            cpu = CpuWindow({"consumers": [c.process.pid for c in run.consumers],
-                             "uploaders": [c.process.pid for c in run.uploaders],
-                             "nats_server": [self.nats_pid], "bench": [os.getpid()]})
+            cpu = CpuWindow(
+                {
+                    "consumers": [c.process.pid for c in run.consumers],
+                    "uploaders": [c.process.pid for c in run.uploaders],
+                    "nats_server": [self.nats_pid],
+                    "bench": [os.getpid()],
+                }
+            )
             if include_startup:
                 started = launched
             else:
@@ -353,11 +400,19 @@ class Bench:
         await events.start(self.nc, job)
         run = await self.start_job(job, inp, events, consumers=1, uploaders=uploaders)
         try:
-            await _wait_until(lambda: len(events.written) >= run.spec.total_batches, run.consumers + run.uploaders,
-                              "the consumer to write every file")
+            await _wait_until(
+                lambda: len(events.written) >= run.spec.total_batches,
+                run.consumers + run.uploaders,
+                "the consumer to write every file",
+            )
             stop_all(run.consumers)
-            cpu = CpuWindow({"uploaders": [c.process.pid for c in run.uploaders], "nats_server": [self.nats_pid],
-                             "bench": [os.getpid()]})
+            cpu = CpuWindow(
+                {
+                    "uploaders": [c.process.pid for c in run.uploaders],
+                    "nats_server": [self.nats_pid],
+                    "bench": [os.getpid()],
+                }
+            )
             started = await _pause_until(self.nc, topology.FILES_STREAM, durable, _RELEASE_S)
             await asyncio.sleep(started - time.monotonic())
             cpu.start()
@@ -368,9 +423,13 @@ class Bench:
             await events.stop()
         await self.finish_job(job)
         seconds = max(events.uploaded.values()) - started
-        return {"seconds": seconds, "files_per_s": run.spec.total_samples / seconds,
-                "mb_per_s": events.bytes_uploaded / seconds / 1e6,
-                "mb_per_file": events.bytes_uploaded / len(events.uploaded) / 1e6, "cpu_s": cpu.result}
+        return {
+            "seconds": seconds,
+            "files_per_s": run.spec.total_samples / seconds,
+            "mb_per_s": events.bytes_uploaded / seconds / 1e6,
+            "mb_per_file": events.bytes_uploaded / len(events.uploaded) / 1e6,
+            "cpu_s": cpu.result,
+        }
 
 
 def _forward_one(loaded, batch: schemas.BatchDescriptor) -> None:
@@ -395,8 +454,11 @@ async def _forward_pass(loaded, batches: list[schemas.BatchDescriptor], *, main_
     seconds = ends[-1]
     cpu = time.process_time() - cpu0
     others = _machine_busy_s() - busy0 - cpu
-    return {"seconds": seconds, "ends": ends,
-            "cpu_s": {"bench": round(cpu, 2), "others": round(others, 2), "others_cores": round(others / seconds, 2)}}
+    return {
+        "seconds": seconds,
+        "ends": ends,
+        "cpu_s": {"bench": round(cpu, 2), "others": round(others, 2), "others_cores": round(others / seconds, 2)},
+    }
 
 
 def _bare_forward_main(args) -> int:
@@ -412,8 +474,9 @@ def _bare_forward_main(args) -> int:
     return 0
 
 
-async def _with_startup(args, bench: Bench, inp: JobInput, spec: schemas.JobSpec,
-                        batches: list[schemas.BatchDescriptor]) -> dict:
+async def _with_startup(
+    args, bench: Bench, inp: JobInput, spec: schemas.JobSpec, batches: list[schemas.BatchDescriptor]
+) -> dict:
     """Start-up included on both sides: the pipeline from launching its processes (nothing
     paused) to the last upload, against the bare loop as a fresh process (imports, model load,
     warm-up, the forwards) from launch to exit; both with the consumer's thread count."""
@@ -425,18 +488,34 @@ async def _with_startup(args, bench: Bench, inp: JobInput, spec: schemas.JobSpec
         pipeline.append(await bench.pipeline_pass(f"start-{i}", inp, consumers=1, uploaders=1, include_startup=True))
         launched = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(Path(__file__).resolve()), "--bare-forward", "--model", str(inp.model),
-            "--layers", ",".join(str(x) for x in spec.layers), "--dtype", spec.dtype, "--batches", str(batch_file),
-            "--threads", str(args.threads), env=env)
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--bare-forward",
+            "--model",
+            str(inp.model),
+            "--layers",
+            ",".join(str(x) for x in spec.layers),
+            "--dtype",
+            spec.dtype,
+            "--batches",
+            str(batch_file),
+            "--threads",
+            str(args.threads),
+            env=env,
+        )
         if await proc.wait() != 0:
             raise HsxError("the bare forward process failed")
         forward.append({"seconds": time.monotonic() - launched})
     forward_s, pipeline_s = _median(forward, "seconds"), _median(pipeline, "seconds")
-    return {"forward_s": round(forward_s, 2), "pipeline_s": round(pipeline_s, 2),
-            "ratio": round(forward_s / pipeline_s, 4), "target": 0.90,
-            "pipeline_startup_s": round(_median(pipeline, "startup_s"), 2),
-            "cpu_s_pipeline_after_ready": _median_cpu(pipeline),
-            "raw_seconds": {"forward": _raw(forward), "pipeline": _raw(pipeline)}}
+    return {
+        "forward_s": round(forward_s, 2),
+        "pipeline_s": round(pipeline_s, 2),
+        "ratio": round(forward_s / pipeline_s, 4),
+        "target": 0.90,
+        "pipeline_startup_s": round(_median(pipeline, "startup_s"), 2),
+        "cpu_s_pipeline_after_ready": _median_cpu(pipeline),
+        "raw_seconds": {"forward": _raw(forward), "pipeline": _raw(pipeline)},
+    }
 
 
 def _median(passes: list[dict], key: str) -> float:
@@ -472,8 +551,10 @@ async def _efficiency(args, bench: Bench, inp: JobInput) -> tuple[dict, schemas.
     pipeline_tps = _median(pipeline, "tokens_per_s")
     cpu_forward, cpu_pipeline = _median_cpu(forward), _median_cpu(pipeline)
     pipeline_cpu = sum(cpu_pipeline[k] for k in ("consumers", "uploaders", "nats_server"))
-    lag = [statistics.median(p["written_at"][k] - f["ends"][k] for p, f in zip(pipeline, forward))
-           for k in range(len(forward[0]["ends"]))]
+    lag = [
+        statistics.median(p["written_at"][k] - f["ends"][k] for p, f in zip(pipeline, forward))
+        for k in range(len(forward[0]["ends"]))
+    ]
     out = {
         "forward_tokens_per_s": round(forward_tps, 1),
         "pipeline_tokens_per_s": round(pipeline_tps, 1),
@@ -492,8 +573,11 @@ async def _efficiency(args, bench: Bench, inp: JobInput) -> tuple[dict, schemas.
         "raw_seconds": {"forward": _raw(forward), "pipeline": _raw(pipeline)},
     }
     if forward_main:
-        out["forward_main_thread"] = {"tokens_per_s": round(spec.total_tokens / _median(forward_main, "seconds"), 1),
-                                      "cpu_s": _median_cpu(forward_main), "raw_seconds": _raw(forward_main)}
+        out["forward_main_thread"] = {
+            "tokens_per_s": round(spec.total_tokens / _median(forward_main, "seconds"), 1),
+            "cpu_s": _median_cpu(forward_main),
+            "raw_seconds": _raw(forward_main),
+        }
     return out, spec, batches
 
 
@@ -505,24 +589,44 @@ async def run(args, workdir: Path) -> dict:
     bench.js = bench.nc.jetstream()
     await topology.ensure_topology(bench.js)
     try:
-        shape = dict(DEMO_MODEL_CONFIG, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                     num_hidden_layers=args.num_layers, num_attention_heads=8, num_key_value_heads=4,
-                     head_dim=args.hidden // 8)
+        shape = dict(
+            DEMO_MODEL_CONFIG,
+            hidden_size=args.hidden,
+            intermediate_size=args.intermediate,
+            num_hidden_layers=args.num_layers,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=args.hidden // 8,
+        )
         inp = JobInput(
             model=build_tiny_model(workdir / "model", **shape),
-            dataset=write_synthetic_dataset(workdir / "dataset.jsonl", count=args.samples,
-                                            vocab_size=shape["vocab_size"], median=args.median_len,
-                                            max_len=args.max_len),
-            layers=args.layers, token_budget=args.token_budget,
+            dataset=write_synthetic_dataset(
+                workdir / "dataset.jsonl",
+                count=args.samples,
+                vocab_size=shape["vocab_size"],
+                median=args.median_len,
+                max_len=args.max_len,
+            ),
+            layers=args.layers,
+            token_budget=args.token_budget,
         )
         efficiency, spec, batches = await _efficiency(args, bench, inp)
         out = {
             "config": {
-                "model": {k: v for k, v in shape.items() if k != "max_position_embeddings"}, "layers": spec.layers,
-                "dtype": spec.dtype, "samples": spec.total_samples, "tokens": spec.total_tokens,
-                "batches": spec.total_batches, "token_budget": args.token_budget, "median_len": args.median_len,
-                "max_len": args.max_len, "threads": args.threads, "cpu_count": os.cpu_count(), "repeats": args.repeats,
-                "torch": torch.__version__, "dest": "file://",
+                "model": {k: v for k, v in shape.items() if k != "max_position_embeddings"},
+                "layers": spec.layers,
+                "dtype": spec.dtype,
+                "samples": spec.total_samples,
+                "tokens": spec.total_tokens,
+                "batches": spec.total_batches,
+                "token_budget": args.token_budget,
+                "median_len": args.median_len,
+                "max_len": args.max_len,
+                "threads": args.threads,
+                "cpu_count": os.cpu_count(),
+                "repeats": args.repeats,
+                "torch": torch.__version__,
+                "dest": "file://",
                 "upload_max_inflight": args.max_inflight or "hsx default",
             },
             "efficiency": efficiency,
@@ -536,28 +640,45 @@ async def run(args, workdir: Path) -> dict:
         one_tps = efficiency["pipeline_tokens_per_s"]
         out["consumers"] = {
             "1": {"tokens_per_s": one_tps, "ratio_vs_1": 1.0, "torch_threads_each": args.threads},
-            "2": {"tokens_per_s": round(_median(two, "tokens_per_s"), 1),
-                  "ratio_vs_1": round(_median(two, "tokens_per_s") / one_tps, 4),
-                  "torch_threads_each": max(1, args.threads // 2), "cpu_s": _median_cpu(two), "raw_seconds": _raw(two)},
+            "2": {
+                "tokens_per_s": round(_median(two, "tokens_per_s"), 1),
+                "ratio_vs_1": round(_median(two, "tokens_per_s") / one_tps, 4),
+                "torch_threads_each": max(1, args.threads // 2),
+                "cpu_s": _median_cpu(two),
+                "raw_seconds": _raw(two),
+            },
         }
 
         tiny = JobInput(
             model=build_tiny_model(workdir / "tiny-model"),
-            dataset=write_synthetic_dataset(workdir / "upload-dataset.jsonl", count=args.upload_samples,
-                                            vocab_size=DEMO_MODEL_CONFIG["vocab_size"], median=args.median_len,
-                                            max_len=args.max_len),
-            layers="1,3,5", token_budget=4096,
+            dataset=write_synthetic_dataset(
+                workdir / "upload-dataset.jsonl",
+                count=args.upload_samples,
+                vocab_size=DEMO_MODEL_CONFIG["vocab_size"],
+                median=args.median_len,
+                max_len=args.max_len,
+            ),
+            layers="1,3,5",
+            token_budget=4096,
         )
-        uploads = {n: [await bench.upload_pass(f"up{n}-{i}", tiny, uploaders=n) for i in range(args.repeats)]
-                   for n in (1, 2, 4)}
+        uploads = {
+            n: [await bench.upload_pass(f"up{n}-{i}", tiny, uploaders=n) for i in range(args.repeats)]
+            for n in (1, 2, 4)
+        }
         base = _median(uploads[1], "files_per_s")
-        out["config"]["uploads"] = {"samples": args.upload_samples,
-                                    "mb_per_file": round(_median(uploads[1], "mb_per_file"), 3),
-                                    "model": "hsx.commands.embedded.DEMO_MODEL_CONFIG (hidden 128), layers 1,3,5, float32"}
+        out["config"]["uploads"] = {
+            "samples": args.upload_samples,
+            "mb_per_file": round(_median(uploads[1], "mb_per_file"), 3),
+            "model": "hsx.commands.embedded.DEMO_MODEL_CONFIG (hidden 128), layers 1,3,5, float32",
+        }
         out["uploaders"] = {
-            str(n): {"files_per_s": round(_median(p, "files_per_s"), 1), "mb_per_s": round(_median(p, "mb_per_s"), 1),
-                     "ratio_vs_1": round(_median(p, "files_per_s") / base, 4), "cpu_s": _median_cpu(p),
-                     "raw_seconds": _raw(p)}
+            str(n): {
+                "files_per_s": round(_median(p, "files_per_s"), 1),
+                "mb_per_s": round(_median(p, "mb_per_s"), 1),
+                "ratio_vs_1": round(_median(p, "files_per_s") / base, 4),
+                "cpu_s": _median_cpu(p),
+                "raw_seconds": _raw(p),
+            }
             for n, p in uploads.items()
         }
         return out
@@ -573,22 +694,33 @@ def main() -> int:
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--token-budget", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch threads of the baseline and of a single consumer (split among consumers)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads of the baseline and of a single consumer (split among consumers)",
+    )
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=4096)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--layers", default="1,3", help="captured layers")
     parser.add_argument("--upload-samples", type=int, default=1000, help="files per uploader-scaling job")
-    parser.add_argument("--max-inflight", type=int, default=None,
-                        help="hsx upload --max-inflight for every uploader (default: hsx's)")
-    parser.add_argument("--also-main-thread", action="store_true",
-                        help="also time the forward loop on the main thread (as bench/gpu.py does)")
+    parser.add_argument(
+        "--max-inflight", type=int, default=None, help="hsx upload --max-inflight for every uploader (default: hsx's)"
+    )
+    parser.add_argument(
+        "--also-main-thread",
+        action="store_true",
+        help="also time the forward loop on the main thread (as bench/gpu.py does)",
+    )
     parser.add_argument("--skip-scaling", action="store_true", help="efficiency only")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, store, output)")
-    parser.add_argument("--include-startup", action="store_true",
-                        help="also time both sides with their start-up (with_startup): the pipeline from launch, "
-                             "the bare loop as a fresh process")
+    parser.add_argument(
+        "--include-startup",
+        action="store_true",
+        help="also time both sides with their start-up (with_startup): the pipeline from launch, "
+        "the bare loop as a fresh process",
+    )
     parser.add_argument("--bare-forward", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)

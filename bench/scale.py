@@ -66,11 +66,16 @@ def write_dataset(path: Path, *, count: int, median: int, max_len: int, seed: in
             # Mask: 0 over the first half of each row (the prompt), 1 over the rest (the reply).
             position = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1], part)
             mask = (position >= np.repeat(part // 2, part)).astype(np.int8)
-            writer.write_table(pa.table({
-                "id": pa.array([f"s{start + k}" for k in range(len(part))]),
-                "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
-                "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask)),
-            }, schema=schema))
+            writer.write_table(
+                pa.table(
+                    {
+                        "id": pa.array([f"s{start + k}" for k in range(len(part))]),
+                        "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)),
+                        "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(mask)),
+                    },
+                    schema=schema,
+                )
+            )
     os.replace(tmp, path)
     return int(lengths.sum())
 
@@ -97,9 +102,26 @@ def run_once(dataset: Path, model: Path, *, samples: int, tokens: int, budget: i
         server = start_nats_server(Path(tmp) / "nats", max_payload=8 * 1024 * 1024)
         try:
             command = [
-                sys.executable, "-m", "hsx.cli", "produce", "--nats", server.url, "--job", JOB,
-                "--model", str(model), "--dataset", str(dataset), "--layers", "1,3", "--dest",
-                f"file://{tmp}/dest", "--token-budget", str(budget), "--max-seq-len", str(max_len),
+                sys.executable,
+                "-m",
+                "hsx.cli",
+                "produce",
+                "--nats",
+                server.url,
+                "--job",
+                JOB,
+                "--model",
+                str(model),
+                "--dataset",
+                str(dataset),
+                "--layers",
+                "1,3",
+                "--dest",
+                f"file://{tmp}/dest",
+                "--token-budget",
+                str(budget),
+                "--max-seq-len",
+                str(max_len),
             ]
             env = {**os.environ, "PYTHONPATH": str(REPO)}
             log = Path(tmp) / "produce.log"
@@ -127,16 +149,24 @@ def run_once(dataset: Path, model: Path, *, samples: int, tokens: int, budget: i
     }
 
 
-def measure(cache: Path, model: Path, *, samples: int, median: int, max_len: int, budget: int, seed: int,
-            repeats: int) -> dict:
+def measure(
+    cache: Path, model: Path, *, samples: int, median: int, max_len: int, budget: int, seed: int, repeats: int
+) -> dict:
     dataset = cache / f"scale-{samples}-m{median}-x{max_len}-s{seed}.parquet"
     started = time.monotonic()
     tokens = write_dataset(dataset, count=samples, median=median, max_len=max_len, seed=seed)
     made = time.monotonic() - started
-    runs = [run_once(dataset, model, samples=samples, tokens=tokens, budget=budget, max_len=max_len)
-            for _ in range(repeats)]
-    result = {"samples": samples, "median_tokens": median, "tokens": tokens, "dataset_mb": round(dataset.stat().st_size / 1e6, 1),
-              "dataset_write_s": round(made, 1), "runs": runs}
+    runs = [
+        run_once(dataset, model, samples=samples, tokens=tokens, budget=budget, max_len=max_len) for _ in range(repeats)
+    ]
+    result = {
+        "samples": samples,
+        "median_tokens": median,
+        "tokens": tokens,
+        "dataset_mb": round(dataset.stat().st_size / 1e6, 1),
+        "dataset_write_s": round(made, 1),
+        "runs": runs,
+    }
     for key in ("peak_rss_mb", "wall_s", "us_per_sample", "s_per_million_tokens"):
         result[key] = statistics.median(run[key] for run in runs)
     print(json.dumps(result), file=sys.stderr, flush=True)
@@ -157,8 +187,11 @@ def main() -> None:
     args.cache.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(args.cache / "model")
     common = dict(max_len=args.max_len, budget=args.token_budget, seed=args.seed, repeats=args.repeats)
-    results = {"sizes": [measure(args.cache, model, samples=int(n), median=args.median, **common)
-                         for n in args.sizes.split(",") if n]}
+    results = {
+        "sizes": [
+            measure(args.cache, model, samples=int(n), median=args.median, **common) for n in args.sizes.split(",") if n
+        ]
+    }
     if args.flat:
         results["flat"] = [measure(args.cache, model, samples=args.flat, median=m, **common) for m in (100, 1000)]
     print(json.dumps(results, indent=1))

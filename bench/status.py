@@ -48,10 +48,21 @@ WINDOW = 2000  # publishes in flight at once
 
 def _spec(samples: int, batch_size: int) -> schemas.JobSpec:
     return schemas.JobSpec(
-        job=JOB, model="bench", model_revision="local", layers=[1, 2, 3], dtype="bfloat16", dest="file:///nowhere",
-        token_budget=batch_size * TOKENS_PER_SAMPLE, max_seq_len=TOKENS_PER_SAMPLE, dataset="bench",
-        plan_fingerprint="b" * 64, total_samples=samples, total_tokens=samples * TOKENS_PER_SAMPLE,
-        total_batches=-(-samples // batch_size), created_at=time.time(), published=True,
+        job=JOB,
+        model="bench",
+        model_revision="local",
+        layers=[1, 2, 3],
+        dtype="bfloat16",
+        dest="file:///nowhere",
+        token_budget=batch_size * TOKENS_PER_SAMPLE,
+        max_seq_len=TOKENS_PER_SAMPLE,
+        dataset="bench",
+        plan_fingerprint="b" * 64,
+        total_samples=samples,
+        total_tokens=samples * TOKENS_PER_SAMPLE,
+        total_batches=-(-samples // batch_size),
+        created_at=time.time(),
+        published=True,
     )
 
 
@@ -60,15 +71,38 @@ def _events(spec: schemas.JobSpec, batch_size: int):
     for batch, start in enumerate(range(0, spec.total_samples, batch_size)):
         indices = list(range(start, min(start + batch_size, spec.total_samples)))
         batch_id = f"{JOB}-{plan}-{batch:06d}"
-        yield topology.written_subject(JOB, plan, batch_id), schemas.BatchWritten(
-            job=JOB, batch_id=batch_id, consumer="c", node="n", sample_indices=indices,
-            tokens=len(indices) * TOKENS_PER_SAMPLE, bytes=len(indices) * BYTES_PER_SAMPLE, seconds=1.0, plan=plan,
-        ), batch_id, None
+        yield (
+            topology.written_subject(JOB, plan, batch_id),
+            schemas.BatchWritten(
+                job=JOB,
+                batch_id=batch_id,
+                consumer="c",
+                node="n",
+                sample_indices=indices,
+                tokens=len(indices) * TOKENS_PER_SAMPLE,
+                bytes=len(indices) * BYTES_PER_SAMPLE,
+                seconds=1.0,
+                plan=plan,
+            ),
+            batch_id,
+            None,
+        )
         for index in indices:
-            yield topology.uploaded_subject(JOB, plan, index), schemas.FileUploaded(
-                job=JOB, node="n", uploader="u", sample_index=index, key=f"{JOB}/{index // 1000:05d}/{index}.safetensors",
-                size=BYTES_PER_SAMPLE, tokens=TOKENS_PER_SAMPLE, plan=plan,
-            ), batch_id, index
+            yield (
+                topology.uploaded_subject(JOB, plan, index),
+                schemas.FileUploaded(
+                    job=JOB,
+                    node="n",
+                    uploader="u",
+                    sample_index=index,
+                    key=f"{JOB}/{index // 1000:05d}/{index}.safetensors",
+                    size=BYTES_PER_SAMPLE,
+                    tokens=TOKENS_PER_SAMPLE,
+                    plan=plan,
+                ),
+                batch_id,
+                index,
+            )
 
 
 async def _fill(url: str, samples: int, batch_size: int) -> tuple[int, float]:
@@ -138,10 +172,17 @@ def measure(samples: int, *, repeats: int, batch_size: int) -> dict:
             warm = [_reading(server.url, samples) for _ in range(repeats)]
             assert all(complete for _, complete in warm), warm
             readings = [seconds for seconds, _ in warm]
-            return {"samples": samples, "events": events, "publish_s": round(publish_s, 1),
-                    "cold_s": cold_s, "cold_sums_complete": cold_complete,
-                    "status_s_median": round(statistics.median(readings), 3), "status_s": readings,
-                    "monitor_first_reading_s": round(monitor_s, 3), "store_bytes": _store_bytes(Path(tmp))}
+            return {
+                "samples": samples,
+                "events": events,
+                "publish_s": round(publish_s, 1),
+                "cold_s": cold_s,
+                "cold_sums_complete": cold_complete,
+                "status_s_median": round(statistics.median(readings), 3),
+                "status_s": readings,
+                "monitor_first_reading_s": round(monitor_s, 3),
+                "store_bytes": _store_bytes(Path(tmp)),
+            }
         finally:
             server.stop()
 

@@ -96,8 +96,10 @@ def _find_aws(given: str | None) -> Path | None:
 
 def _start_moto(log_path: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    code = ("import signal; from moto.server import ThreadedMotoServer; "
-            f"ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False).start(); signal.pause()")
+    code = (
+        "import signal; from moto.server import ThreadedMotoServer; "
+        f"ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=False).start(); signal.pause()"
+    )
     with open(log_path, "ab") as log:
         process = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=log, start_new_session=True)
     deadline = time.monotonic() + 30
@@ -114,10 +116,22 @@ def _start_moto(log_path: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _spec(args, dest: str) -> schemas.JobSpec:
-    return schemas.JobSpec(job=JOB, model="bench", model_revision="none", layers=list(range(args.layers)),
-                           dtype="bfloat16", dest=dest, token_budget=0, max_seq_len=args.max_len, dataset="synthetic",
-                           plan_fingerprint="x", total_samples=args.samples, total_tokens=0, total_batches=0,
-                           created_at=0.0)
+    return schemas.JobSpec(
+        job=JOB,
+        model="bench",
+        model_revision="none",
+        layers=list(range(args.layers)),
+        dtype="bfloat16",
+        dest=dest,
+        token_budget=0,
+        max_seq_len=args.max_len,
+        dataset="synthetic",
+        plan_fingerprint="x",
+        total_samples=args.samples,
+        total_tokens=0,
+        total_batches=0,
+        created_at=0.0,
+    )
 
 
 def _write_pristine(args, root: Path) -> list[schemas.FileReady]:
@@ -128,8 +142,9 @@ def _write_pristine(args, root: Path) -> list[schemas.FileReady]:
         ids = np.random.default_rng(i).integers(0, 151936, size=lengths[i]).tolist()
         sample = schemas.Sample(index=i, source_id=str(i), input_ids=ids)
         hidden = torch.randn(lengths[i], args.layers, args.hidden, generator=torch.Generator().manual_seed(i))
-        return write_sample_file(spool=root, spec=spec, node=NODE, batch_id="b0", sample=sample,
-                                 hidden_states=hidden.to(torch.bfloat16))
+        return write_sample_file(
+            spool=root, spec=spec, node=NODE, batch_id="b0", sample=sample, hidden_states=hidden.to(torch.bfloat16)
+        )
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return list(pool.map(one, range(args.samples)))
@@ -178,8 +193,9 @@ class Bench:
     def _aws(self, *argv: str) -> tuple[float, float]:
         """Runs the aws CLI; returns (wall seconds, CPU seconds of the process)."""
         started = time.perf_counter()
-        process = subprocess.Popen([str(self.aws), *argv, "--endpoint-url", self.endpoint],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        process = subprocess.Popen(
+            [str(self.aws), *argv, "--endpoint-url", self.endpoint], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         _, status, usage = os.wait4(process.pid, 0)
         seconds = time.perf_counter() - started
         error = process.stderr.read().decode(errors="replace")
@@ -194,7 +210,9 @@ class Bench:
         self.fresh_spool()
         startup_s, _ = self._aws("s3", "ls", f"s3://{bucket}")
         moto0 = _cpu_s(self.moto_pid)
-        seconds, cpu = self._aws("s3", "cp", "--recursive", "--quiet", str(self.spool / JOB), f"s3://{bucket}/aws/{JOB}")
+        seconds, cpu = self._aws(
+            "s3", "cp", "--recursive", "--quiet", str(self.spool / JOB), f"s3://{bucket}/aws/{JOB}"
+        )
         moto_cpu = _cpu_s(self.moto_pid) - moto0
         self.check_and_drop(bucket, "aws")
         return {"seconds": seconds, "startup_s": startup_s, "cpu_s": {"aws": round(cpu, 2), "moto": round(moto_cpu, 2)}}
@@ -222,13 +240,21 @@ class Bench:
         argv = hsx_argv("upload", "--job", JOB, "--spool", str(self.spool))
         if self.args.max_inflight:
             argv += ["--max-inflight", str(self.args.max_inflight)]
-        workers = [Child(f"uploader-{i}", argv, env, self.logs / f"uploader-{uploaders}-{i}.log") for i in range(uploaders)]
+        workers = [
+            Child(f"uploader-{i}", argv, env, self.logs / f"uploader-{uploaders}-{i}.log") for i in range(uploaders)
+        ]
         for child in workers:
             child.start()
         try:
             await _wait_until(lambda: events.ready_count(UPLOADER_SERVICE) >= uploaders, workers, "the uploaders")
-            cpu = CpuWindow({"uploaders": [c.process.pid for c in workers], "moto": [self.moto_pid],
-                             "nats_server": [self.nats_pid], "bench": [os.getpid()]})
+            cpu = CpuWindow(
+                {
+                    "uploaders": [c.process.pid for c in workers],
+                    "moto": [self.moto_pid],
+                    "nats_server": [self.nats_pid],
+                    "bench": [os.getpid()],
+                }
+            )
             started = await _pause_until(self.nc, topology.FILES_STREAM, durable, _RELEASE_S)
             await asyncio.sleep(started - time.monotonic())
             cpu.start()
@@ -244,10 +270,16 @@ class Bench:
             raise HsxError(f"{len(left)} files left in the spool after the hsx pass")
         info = await js.consumer_info(topology.FILES_STREAM, durable)
         if info.num_pending or info.num_ack_pending or info.num_redelivered:
-            raise HsxError(f"upload durable not drained cleanly: pending {info.num_pending}, "
-                           f"ack pending {info.num_ack_pending}, redelivered {info.num_redelivered}")
+            raise HsxError(
+                f"upload durable not drained cleanly: pending {info.num_pending}, "
+                f"ack pending {info.num_ack_pending}, redelivered {info.num_redelivered}"
+            )
         self.check_and_drop(bucket, "hsx")
-        return {"seconds": seconds, "cpu_s": cpu.result, "files_by_uploader": sorted(by_uploader.values(), reverse=True)}
+        return {
+            "seconds": seconds,
+            "cpu_s": cpu.result,
+            "files_by_uploader": sorted(by_uploader.values(), reverse=True),
+        }
 
     async def run(self) -> dict:
         args = self.args
@@ -278,18 +310,24 @@ class Bench:
         out = {
             "files": len(self.files),
             "bytes": total,
-            "file_mb": {"min": round(min(f.size for f in self.files) / 1e6, 1),
-                        "median": round(med(f.size for f in self.files) / 1e6, 1),
-                        "max": round(max(f.size for f in self.files) / 1e6, 1)},
+            "file_mb": {
+                "min": round(min(f.size for f in self.files) / 1e6, 1),
+                "median": round(med(f.size for f in self.files) / 1e6, 1),
+                "max": round(max(f.size for f in self.files) / 1e6, 1),
+            },
             "shape_per_token": [args.layers, args.hidden],
             "cpus": os.cpu_count(),
-            "aws": {"bytes_per_s": round(aws_rate), "mb_per_s": round(aws_rate / 1e6, 1),
-                    "files_per_s": round(len(self.files) / aws_s, 2),
-                    "with_startup_mb_per_s": round(total / med(p["seconds"] for p in aws) / 1e6, 1),
-                    "startup_s": round(med(p["startup_s"] for p in aws), 2),
-                    "settings": AWS_DEFAULTS, "version": self.aws_version,
-                    "cpu_s": {k: round(med(p["cpu_s"][k] for p in aws), 2) for k in aws[0]["cpu_s"]},
-                    "raw_seconds": [round(p["seconds"], 2) for p in aws]},
+            "aws": {
+                "bytes_per_s": round(aws_rate),
+                "mb_per_s": round(aws_rate / 1e6, 1),
+                "files_per_s": round(len(self.files) / aws_s, 2),
+                "with_startup_mb_per_s": round(total / med(p["seconds"] for p in aws) / 1e6, 1),
+                "startup_s": round(med(p["startup_s"] for p in aws), 2),
+                "settings": AWS_DEFAULTS,
+                "version": self.aws_version,
+                "cpu_s": {k: round(med(p["cpu_s"][k] for p in aws), 2) for k in aws[0]["cpu_s"]},
+                "raw_seconds": [round(p["seconds"], 2) for p in aws],
+            },
             "hsx": {},
             "hsx_vs_aws": None,
             "hsx_vs_aws_per_repeat": None,
@@ -303,15 +341,18 @@ class Bench:
             seconds = med(p["seconds"] for p in passes)
             base = base or seconds
             out["hsx"][str(n)] = {
-                "bytes_per_s": round(total / seconds), "mb_per_s": round(total / seconds / 1e6, 1),
-                "files_per_s": round(len(self.files) / seconds, 2), "ratio_vs_first": round(base / seconds, 3),
+                "bytes_per_s": round(total / seconds),
+                "mb_per_s": round(total / seconds / 1e6, 1),
+                "files_per_s": round(len(self.files) / seconds, 2),
+                "ratio_vs_first": round(base / seconds, 3),
                 "cpu_s": {k: round(med(p["cpu_s"][k] for p in passes), 2) for k in passes[0]["cpu_s"]},
                 "raw_seconds": [round(p["seconds"], 2) for p in passes],
                 "files_by_uploader": [p["files_by_uploader"] for p in passes],
             }
         out["hsx_vs_aws"] = round(out["hsx"][str(counts[0])]["bytes_per_s"] / aws_rate, 3)
-        out["hsx_vs_aws_per_repeat"] = [round((a["seconds"] - a["startup_s"]) / h["seconds"], 3)
-                                        for a, h in zip(aws, hsx[counts[0]])]
+        out["hsx_vs_aws_per_repeat"] = [
+            round((a["seconds"] - a["startup_s"]) / h["seconds"], 3) for a, h in zip(aws, hsx[counts[0]])
+        ]
         return out
 
 
@@ -331,16 +372,24 @@ def main() -> int:
     args = parser.parse_args()
     aws = _find_aws(args.aws)
     if aws is None:
-        print(f"bench/upload.py: error: aws CLI not found ({args.aws or 'aws on PATH or .venv-awscli/bin/aws'}); "
-              "install it apart: python3 -m venv .venv-awscli && .venv-awscli/bin/pip install awscli", file=sys.stderr)
+        print(
+            f"bench/upload.py: error: aws CLI not found ({args.aws or 'aws on PATH or .venv-awscli/bin/aws'}); "
+            "install it apart: python3 -m venv .venv-awscli && .venv-awscli/bin/pip install awscli",
+            file=sys.stderr,
+        )
         return 2
     from hsx.logs import configure_logging
 
     configure_logging(json=True, level="warning")
     workdir = Path(tempfile.mkdtemp(prefix="hsx-bench-upload-", dir=args.dir))
     started = time.monotonic()
-    aws_env = {"AWS_ACCESS_KEY_ID": "bench-key-id", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_CONFIG_FILE": str(workdir / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(workdir / "aws-creds")}
+    aws_env = {
+        "AWS_ACCESS_KEY_ID": "bench-key-id",
+        "AWS_SECRET_ACCESS_KEY": "bench-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(workdir / "aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(workdir / "aws-creds"),
+    }
     (workdir / "aws-config").write_text("")
     (workdir / "aws-creds").write_text("")
     for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):

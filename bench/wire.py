@@ -90,6 +90,7 @@ def _job_totals(url: str) -> tuple[int, int]:
             return spec["total_samples"], spec["total_tokens"]
         finally:
             await nc.close()
+
     return asyncio.run(read())
 
 
@@ -107,10 +108,27 @@ def main() -> None:
             tap.ready.wait(10)
             before = _varz(server.monitoring_url)
             run = subprocess.run(
-                [sys.executable, "-m", "hsx.cli", "up", "--nats", server.url, "--workdir", str(Path(tmp) / "work"),
-                 "--job", JOB, "--samples", str(args.samples), "--token-budget", str(args.token_budget),
-                 "--uploaders", str(args.uploaders)],
-                cwd=REPO, capture_output=True, text=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "hsx.cli",
+                    "up",
+                    "--nats",
+                    server.url,
+                    "--workdir",
+                    str(Path(tmp) / "work"),
+                    "--job",
+                    JOB,
+                    "--samples",
+                    str(args.samples),
+                    "--token-budget",
+                    str(args.token_budget),
+                    "--uploaders",
+                    str(args.uploaders),
+                ],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
             )
             if run.returncode != 0:
                 sys.exit(f"hsx up exited {run.returncode}\n{run.stderr[-3000:]}")
@@ -120,24 +138,43 @@ def main() -> None:
             tap.stop()
             server.stop()
     groups = {
-        name: {"messages": msgs, "bytes": size, "messages_per_sample": round(msgs / samples, 3),
-               "bytes_per_sample": round(size / samples, 1), "bytes_per_token": round(size / tokens, 3)}
+        name: {
+            "messages": msgs,
+            "bytes": size,
+            "messages_per_sample": round(msgs / samples, 3),
+            "bytes_per_sample": round(size / samples, 1),
+            "bytes_per_token": round(size / tokens, 3),
+        }
         for name, (msgs, size) in sorted(tap.counts.items())
     }
     tapped_msgs = sum(msgs for msgs, _ in tap.counts.values())
     tapped_bytes = sum(size for _, size in tap.counts.values())
     server_in = {key: after[key] - before[key] for key in ("in_msgs", "in_bytes")}
-    print(json.dumps({
-        "bench": "wire", "samples": samples, "tokens": tokens, "token_budget": args.token_budget,
-        "streams": groups,
-        "published_to_streams": {"messages": tapped_msgs, "bytes": tapped_bytes,
-                                 "messages_per_sample": round(tapped_msgs / samples, 2),
-                                 "bytes_per_sample": round(tapped_bytes / samples, 1),
-                                 "bytes_per_token": round(tapped_bytes / tokens, 3)},
-        # Everything clients sent the server: the above plus acks, in_progress, API requests.
-        "server_in": {**server_in, "messages_per_sample": round(server_in["in_msgs"] / samples, 2),
-                      "bytes_per_sample": round(server_in["in_bytes"] / samples, 1)},
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "bench": "wire",
+                "samples": samples,
+                "tokens": tokens,
+                "token_budget": args.token_budget,
+                "streams": groups,
+                "published_to_streams": {
+                    "messages": tapped_msgs,
+                    "bytes": tapped_bytes,
+                    "messages_per_sample": round(tapped_msgs / samples, 2),
+                    "bytes_per_sample": round(tapped_bytes / samples, 1),
+                    "bytes_per_token": round(tapped_bytes / tokens, 3),
+                },
+                # Everything clients sent the server: the above plus acks, in_progress, API requests.
+                "server_in": {
+                    **server_in,
+                    "messages_per_sample": round(server_in["in_msgs"] / samples, 2),
+                    "bytes_per_sample": round(server_in["in_bytes"] / samples, 1),
+                },
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -42,14 +42,27 @@ from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
 
 
 def _spec(layers: int, samples: int) -> JobSpec:
-    return JobSpec(job="bench", model="bench", model_revision="none", layers=list(range(layers)), dtype="bfloat16",
-                   dest="file:///dev/null", token_budget=0, max_seq_len=0, dataset="synthetic", plan_fingerprint="x",
-                   total_samples=samples, total_tokens=0, total_batches=0, created_at=0.0)
+    return JobSpec(
+        job="bench",
+        model="bench",
+        model_revision="none",
+        layers=list(range(layers)),
+        dtype="bfloat16",
+        dest="file:///dev/null",
+        token_budget=0,
+        max_seq_len=0,
+        dataset="synthetic",
+        plan_fingerprint="x",
+        total_samples=samples,
+        total_tokens=0,
+        total_batches=0,
+        created_at=0.0,
+    )
 
 
 def _write_all(fd: int, data: memoryview) -> None:
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def main() -> int:
@@ -66,8 +79,10 @@ def main() -> int:
 
     lengths = synthetic_lengths(args.samples, median=500, max_len=args.max_len, seed=0).tolist()
     rng = np.random.default_rng(0)
-    samples = [Sample(index=i, source_id=str(i), input_ids=rng.integers(0, 32000, size=n).tolist())
-               for i, n in enumerate(lengths)]
+    samples = [
+        Sample(index=i, source_id=str(i), input_ids=rng.integers(0, 32000, size=n).tolist())
+        for i, n in enumerate(lengths)
+    ]
     hidden = [torch.randn(n, args.layers, args.hidden).to(torch.bfloat16) for n in lengths]
     raw = [memoryview(h.view(torch.uint8).numpy()).cast("B") for h in hidden]
     spec = _spec(args.layers, len(samples))
@@ -76,9 +91,14 @@ def main() -> int:
     def hsx_pass() -> int:
         spool = root / "spool"
         with ThreadPoolExecutor(max_workers=threads) as pool:
-            files = list(pool.map(lambda i: write_sample_file(spool=spool, spec=spec, node="n", batch_id="b",
-                                                              sample=samples[i], hidden_states=hidden[i]),
-                                  range(len(samples))))
+            files = list(
+                pool.map(
+                    lambda i: write_sample_file(
+                        spool=spool, spec=spec, node="n", batch_id="b", sample=samples[i], hidden_states=hidden[i]
+                    ),
+                    range(len(samples)),
+                )
+            )
         return sum(f.size for f in files)
 
     def raw_one_file() -> int:
@@ -120,19 +140,24 @@ def main() -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     median = {name: statistics.median(values) for name, values in rates.items()}
-    print(json.dumps({
-        "samples": len(samples),
-        "tokens": sum(lengths),
-        "hidden_state_bytes": sum(d.nbytes for d in raw),
-        "shape_per_token": [args.layers, args.hidden],
-        "writer_threads": threads,
-        "cpus": os.cpu_count(),
-        "gb_per_s": {name: round(value / 1e9, 3) for name, value in median.items()},
-        "hsx_vs_raw_one_file": round(median["hsx"] / median["raw_one_file"], 3),
-        "hsx_vs_raw_per_file": round(median["hsx"] / median["raw_per_file"], 3),
-        "repeats": args.repeats,
-        "raw_gb_per_s": {name: [round(v / 1e9, 3) for v in values] for name, values in rates.items()},
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "samples": len(samples),
+                "tokens": sum(lengths),
+                "hidden_state_bytes": sum(d.nbytes for d in raw),
+                "shape_per_token": [args.layers, args.hidden],
+                "writer_threads": threads,
+                "cpus": os.cpu_count(),
+                "gb_per_s": {name: round(value / 1e9, 3) for name, value in median.items()},
+                "hsx_vs_raw_one_file": round(median["hsx"] / median["raw_one_file"], 3),
+                "hsx_vs_raw_per_file": round(median["hsx"] / median["raw_per_file"], 3),
+                "repeats": args.repeats,
+                "raw_gb_per_s": {name: [round(v / 1e9, 3) for v in values] for name, values in rates.items()},
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -53,7 +53,12 @@ def cluster_config(*, name: str, cluster: str, store_dir: Path, route_port: int,
 
 
 def start_nats_cluster(
-    root: Path, *, size: int = 3, cluster: str = "hsx", log_dir: Path | None = None, ready_timeout_s: float = 30.0,
+    root: Path,
+    *,
+    size: int = 3,
+    cluster: str = "hsx",
+    log_dir: Path | None = None,
+    ready_timeout_s: float = 30.0,
 ) -> NatsCluster:
     """A JetStream cluster of `size` nats-servers on 127.0.0.1 (free client, route and monitoring
     ports; stores under `root/<name>`), returned once every member reports JetStream healthy
@@ -66,15 +71,23 @@ def start_nats_cluster(
             store = root / name
             store.mkdir(parents=True, exist_ok=True)
             config = store / "nats-server.conf"
-            config.write_text(cluster_config(
-                name=name, cluster=cluster, store_dir=store / "jetstream", route_port=route_port, route_ports=route_ports,
-            ))
+            config.write_text(
+                cluster_config(
+                    name=name,
+                    cluster=cluster,
+                    store_dir=store / "jetstream",
+                    route_port=route_port,
+                    route_ports=route_ports,
+                )
+            )
             ports_dir = fresh_ports_dir(store)
             log_file = (log_dir / f"{name}.log") if log_dir else None
             out = open(log_file, "ab") if log_file else subprocess.DEVNULL
             process = subprocess.Popen(
                 [str(nats_server_binary()), "-c", str(config), "--ports_file_dir", str(ports_dir)],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
             servers.append(wait_for_ports(process, ports_dir, store, log_file, name))
         _wait_for_jetstream_cluster(servers, size=size, timeout_s=ready_timeout_s)
@@ -103,7 +116,6 @@ def _wait_for_jetstream_cluster(servers: list[NatsServer], *, size: int, timeout
             return
         time.sleep(0.2)
     raise HsxError(f"the {size}-node NATS cluster did not elect a JetStream meta leader within {timeout_s:.0f} s")
-
 
 
 def smollm2_gguf() -> Path | None:

@@ -30,8 +30,14 @@ from pathlib import Path
 
 INJECT_DIR = Path(__file__).resolve().parent / "inject"
 REPO = Path(__file__).resolve().parent.parent
-SWITCHES = ("HSX_TEST_OOM_ABOVE_TOKENS", "HSX_TEST_HANG_SAMPLE", "HSX_TEST_HANG_MARKER", "HSX_TEST_CRASH_ON_SAMPLE",
-            "HSX_TEST_CRASH_BEFORE_ACK", "HSX_TEST_HOLD_DEAD_LETTER")
+SWITCHES = (
+    "HSX_TEST_OOM_ABOVE_TOKENS",
+    "HSX_TEST_HANG_SAMPLE",
+    "HSX_TEST_HANG_MARKER",
+    "HSX_TEST_CRASH_ON_SAMPLE",
+    "HSX_TEST_CRASH_BEFORE_ACK",
+    "HSX_TEST_HOLD_DEAD_LETTER",
+)
 
 
 def faults_env(environ: Mapping[str, str] | None = None, **switches: str) -> dict[str, str]:
@@ -80,12 +86,14 @@ def _consumer_extract(module, environ: Mapping[str, str]) -> None:
 def _consumer_service(module, environ: Mapping[str, str]) -> None:
     crash_on, crash_marker = environ.get("HSX_TEST_CRASH_ON_SAMPLE"), environ.get("HSX_TEST_CRASH_BEFORE_ACK")
     if crash_on:
+
         def on_batch(batch) -> None:
             if any(str(sample.index) == crash_on for sample in batch.samples):
                 _kill_self()
 
         module.on_batch = on_batch
     if crash_marker:
+
         def before_ack() -> None:
             if _first_to_create(crash_marker):
                 _kill_self()

@@ -10,7 +10,6 @@ lease is released, which the caller does once it has written them. Without one, 
 states are copied into ordinary host memory the caller owns.
 """
 
-
 from collections.abc import Callable
 
 import structlog
@@ -43,7 +42,9 @@ def _forward(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | N
         before_forward(samples, len(samples) * max(len(s.input_ids) for s in samples))
     ids, mask = pad_batch(samples, loaded.pad_token_id)
     with torch.inference_mode():
-        captured = loaded.tap.forward(ids.to(loaded.device, non_blocking=True), mask.to(loaded.device, non_blocking=True))
+        captured = loaded.tap.forward(
+            ids.to(loaded.device, non_blocking=True), mask.to(loaded.device, non_blocking=True)
+        )
         # [B, P, k, H], one device-to-host copy for the whole batch.
         stacked = torch.stack(captured, dim=2).to(loaded.dtype)
         if lease is not None:

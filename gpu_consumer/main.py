@@ -44,7 +44,9 @@ async def _stop_reaper(reaper: asyncio.Task, stopping: asyncio.Event) -> None:
 async def run(cfg: ConsumerConfig) -> int:
     started_at = time.time()
     make_private_dirs(cfg.spool)
-    async with job_session(cfg.nats, cfg.job, name=f"hsx-consume-{cfg.job}-{cfg.instance}", consumer=cfg.instance) as session:
+    async with job_session(
+        cfg.nats, cfg.job, name=f"hsx-consume-{cfg.job}-{cfg.instance}", consumer=cfg.instance
+    ) as session:
         if session is None:
             return 0
         js, spec, stopping = session.js, session.spec, session.stopping
@@ -58,18 +60,30 @@ async def run(cfg: ConsumerConfig) -> int:
         # meanwhile would be reported silent by the monitor.
         async with heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state, ready=False) as beating:
             loaded = await asyncio.to_thread(
-                load_model, spec.model, layers=spec.layers, dtype=spec.dtype, device=cfg.device,
+                load_model,
+                spec.model,
+                layers=spec.layers,
+                dtype=spec.dtype,
+                device=cfg.device,
                 trust_remote_code=spec.trust_remote_code,
-                revision=None if spec.model_revision == "local" else spec.model_revision, compile_layers=cfg.compile_layers,
+                revision=None if spec.model_revision == "local" else spec.model_revision,
+                compile_layers=cfg.compile_layers,
             )
             await asyncio.to_thread(_warm_up, loaded)
             orphans = await asyncio.to_thread(remove_orphaned_temp_files, cfg.spool, cfg.job, older_than=started_at)
             if orphans:
                 log.info("spool_temp_files_removed", count=orphans, reason="left by a writer that was killed")
             log.info(
-                "consumer_ready", model=spec.model, layers=spec.layers, dtype=spec.dtype, device=str(loaded.device),
-                attention=loaded.attention, compile_layers=cfg.compile_layers, torch_threads=torch.get_num_threads(),
-                node=cfg.node, spool=str(cfg.spool),
+                "consumer_ready",
+                model=spec.model,
+                layers=spec.layers,
+                dtype=spec.dtype,
+                device=str(loaded.device),
+                attention=loaded.attention,
+                compile_layers=cfg.compile_layers,
+                torch_threads=torch.get_num_threads(),
+                node=cfg.node,
+                spool=str(cfg.spool),
             )
             durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
             sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)

@@ -121,8 +121,14 @@ def choose_attention(
 
 
 def load_model(
-    path: str, *, layers: list[LayerSelector], dtype: str, device: str, trust_remote_code: bool = False,
-    revision: str | None = None, compile_layers: bool = False,
+    path: str,
+    *,
+    layers: list[LayerSelector],
+    dtype: str,
+    device: str,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    compile_layers: bool = False,
 ) -> LoadedModel:
     """`revision`: the cache snapshot the producer resolved (pinned so that every consumer loads the
     weights the job spec names, even if the cache's `main` moves); None for a local folder."""
@@ -137,13 +143,18 @@ def load_model(
     if target.type == "cuda" and not torch.cuda.is_available():
         raise HsxError(f"--device {device}: CUDA is not available on this machine")
     if target.type == "cuda" and target.index is not None and target.index >= torch.cuda.device_count():
-        raise HsxError(f"--device {device}: there is no GPU {target.index}: "
-                       f"{visible_text(torch.cuda.device_count(), os.environ.get('CUDA_VISIBLE_DEVICES'))}")
+        raise HsxError(
+            f"--device {device}: there is no GPU {target.index}: "
+            f"{visible_text(torch.cuda.device_count(), os.environ.get('CUDA_VISIBLE_DEVICES'))}"
+        )
     attention = choose_attention(target, compute_dtype)
     attention_kwargs = {"attn_implementation": attention} if attention else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=compute_dtype, local_files_only=True, trust_remote_code=trust_remote_code,
+            path,
+            dtype=compute_dtype,
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
             **attention_kwargs,
             **({"revision": revision} if revision else {}),
         )

@@ -82,8 +82,13 @@ class _Computed:
 
 class BatchWorker:
     def __init__(
-        self, cfg: ConsumerConfig, js: JetStreamContext, events: EventPublisher, spec: schemas.JobSpec,
-        loaded: LoadedModel, stopping: asyncio.Event,
+        self,
+        cfg: ConsumerConfig,
+        js: JetStreamContext,
+        events: EventPublisher,
+        spec: schemas.JobSpec,
+        loaded: LoadedModel,
+        stopping: asyncio.Event,
     ) -> None:
         self.cfg = cfg
         self.js = js
@@ -102,8 +107,13 @@ class BatchWorker:
     def _write_one(self, batch_id: str, sample: schemas.Sample, hidden: torch.Tensor) -> schemas.FileReady:
         """Its folder is fsynced by the caller (`_sync_folders`), once for the batch's files."""
         return write_sample_file(
-            spool=self.cfg.spool, spec=self.spec, node=self.cfg.node, batch_id=batch_id, sample=sample,
-            hidden_states=hidden, sync_dir=False,
+            spool=self.cfg.spool,
+            spec=self.spec,
+            node=self.cfg.node,
+            batch_id=batch_id,
+            sample=sample,
+            hidden_states=hidden,
+            sync_dir=False,
         )
 
     def _write_some(self, batch_id: str, part: list[tuple[schemas.Sample, torch.Tensor]]) -> list[schemas.FileReady]:
@@ -127,11 +137,15 @@ class BatchWorker:
                 # file: a future and two thread hand-offs per small file cost more than its write).
                 extracted = computed.extracted
                 share = -(-len(extracted) // max(1, self.cfg.writer_threads))
-                parts = await asyncio.gather(*(
-                    loop.run_in_executor(self._writers, self._write_some, computed.batch.batch_id,
-                                         extracted[start:start + share])
-                    for start in range(0, len(extracted), share)
-                ), return_exceptions=True)
+                parts = await asyncio.gather(
+                    *(
+                        loop.run_in_executor(
+                            self._writers, self._write_some, computed.batch.batch_id, extracted[start : start + share]
+                        )
+                        for start in range(0, len(extracted), share)
+                    ),
+                    return_exceptions=True,
+                )
                 # Every write has ended before a failure is acted on: the others still read the
                 # batch's leased host buffers, which must not be released (and reused) under them.
                 errors = [outcome for outcome in parts if isinstance(outcome, BaseException)]
@@ -146,7 +160,9 @@ class BatchWorker:
                     raise
                 self.state = "disk_full"
                 self.detail = f"spool disk full ({self.cfg.spool}), retrying in {delay:.0f} s"
-                log.warning("spool_disk_full", spool=str(self.cfg.spool), error=os.strerror(exc.errno), retry_in_s=delay)
+                log.warning(
+                    "spool_disk_full", spool=str(self.cfg.spool), error=os.strerror(exc.errno), retry_in_s=delay
+                )
                 try:
                     await asyncio.wait_for(self.stopping.wait(), timeout=delay)
                     return None
@@ -154,7 +170,10 @@ class BatchWorker:
                     delay = min(delay * 2, 60.0)
 
     async def _watched(
-        self, run: Callable, batch: schemas.BatchDescriptor, keep_alive: asyncio.Task,
+        self,
+        run: Callable,
+        batch: schemas.BatchDescriptor,
+        keep_alive: asyncio.Task,
         on_stall: Callable[[], Awaitable[None]] | None,
     ):
         """`run(loaded, samples)` on a thread, watched. Past the batch's stall bound the forward is
@@ -175,25 +194,33 @@ class BatchWorker:
             return result
         keep_alive.cancel()
         self.stall = Stall(batch_id=batch.batch_id, began=began, bound_s=bound)
-        log.warning("forward_stalled", batch=batch.batch_id, running_s=round(bound, 1), bound_s=round(bound, 1),
-                    padded_tokens=self.pace.padded_tokens(batch), released_after_s=self.cfg.ack_wait_s)
+        log.warning(
+            "forward_stalled",
+            batch=batch.batch_id,
+            running_s=round(bound, 1),
+            bound_s=round(bound, 1),
+            padded_tokens=self.pace.padded_tokens(batch),
+            released_after_s=self.cfg.ack_wait_s,
+        )
         try:
             if on_stall is not None:
                 await on_stall()
             try:
                 result = await forward
             except Exception as exc:
-                log.warning("stalled_forward_failed", batch=batch.batch_id, error=f"{type(exc).__name__}: {exc}",
-                            seconds=round(time.monotonic() - began, 1))
+                log.warning(
+                    "stalled_forward_failed",
+                    batch=batch.batch_id,
+                    error=f"{type(exc).__name__}: {exc}",
+                    seconds=round(time.monotonic() - began, 1),
+                )
                 raise ReleasedBatch(batch.batch_id) from exc
         finally:
             self.stall = None
         log.warning("stalled_forward_finished", batch=batch.batch_id, seconds=round(time.monotonic() - began, 1))
         return result
 
-    async def compute(
-        self, msg: Msg, *, on_stall: Callable[[], Awaitable[None]] | None = None
-    ) -> _Computed | None:
+    async def compute(self, msg: Msg, *, on_stall: Callable[[], Awaitable[None]] | None = None) -> _Computed | None:
         """Stage 1: decode and run the forward. Returns None when the message was settled here
         (poison dead-lettered, or a failure nak'ed for a later retry), or was released by a
         stalled forward that then failed.
@@ -250,13 +277,19 @@ class BatchWorker:
                     return None
             # Last delivery: give up only the samples that fail on their own.
             try:
-                extracted, failed = await self._watched(partial(extract_isolating, lease=lease), batch, keep_alive, on_stall)
+                extracted, failed = await self._watched(
+                    partial(extract_isolating, lease=lease), batch, keep_alive, on_stall
+                )
             except ReleasedBatch:
                 return None
             if not extracted:
                 keep_alive.cancel()
                 await self.events.dead_letter(
-                    msg, what="batch", error=failed[0][1], batch_id=batch.batch_id, sample_indices=[s.index for s, _ in failed]
+                    msg,
+                    what="batch",
+                    error=failed[0][1],
+                    batch_id=batch.batch_id,
+                    sample_indices=[s.index for s, _ in failed],
                 )
                 return None
             return _Computed(msg, batch, attempt, started, keep_alive, extracted, failed)
@@ -287,45 +320,79 @@ class BatchWorker:
             if computed.failed:
                 poisoned = [s for s, _ in computed.failed]
                 await self.events.store_dead_letter(
-                    what="batch", error="; ".join(f"sample {s.index}: {e}" for s, e in computed.failed),
+                    what="batch",
+                    error="; ".join(f"sample {s.index}: {e}" for s, e in computed.failed),
                     subject=msg.subject,
-                    payload=schemas.encode(msgspec.structs.replace(
-                        batch, batch_id=f"{batch.batch_id}-poison", padded_len=max(len(s.input_ids) for s in poisoned),
-                        samples=poisoned,
-                    )),
-                    deliveries=attempt, batch_id=batch.batch_id, sample_indices=[s.index for s in poisoned],
-                    source_seq=msg.metadata.sequence.stream, part=":poison",
+                    payload=schemas.encode(
+                        msgspec.structs.replace(
+                            batch,
+                            batch_id=f"{batch.batch_id}-poison",
+                            padded_len=max(len(s.input_ids) for s in poisoned),
+                            samples=poisoned,
+                        )
+                    ),
+                    deliveries=attempt,
+                    batch_id=batch.batch_id,
+                    sample_indices=[s.index for s in poisoned],
+                    source_seq=msg.metadata.sequence.stream,
+                    part=":poison",
                 )
             # From here on a NATS outage is waited out, not left to a redelivery that would redo
             # the batch after the ack wait: each step is idempotent (file events carry a
             # Nats-Msg-Id; progress is folded per batch and sample).
             subject = topology.file_subject(self.spec.job, self.cfg.node)
-            await publish_all(self.js, [
-                (subject, schemas.encode(ready), message_headers(
-                    self.spec.job, batch=batch.batch_id, sample=ready.sample_index,
-                    msg_id=f"{batch.batch_id}:{ready.sample_index}:{attempt}",
-                ))
-                for ready in files
-            ], what="announce_file", stopping=self.stopping)
+            await publish_all(
+                self.js,
+                [
+                    (
+                        subject,
+                        schemas.encode(ready),
+                        message_headers(
+                            self.spec.job,
+                            batch=batch.batch_id,
+                            sample=ready.sample_index,
+                            msg_id=f"{batch.batch_id}:{ready.sample_index}:{attempt}",
+                        ),
+                    )
+                    for ready in files
+                ],
+                what="announce_file",
+                stopping=self.stopping,
+            )
             seconds = time.perf_counter() - computed.started
             tokens = sum(f.num_tokens for f in files)
             written = sum(f.size for f in files)
             written_event = schemas.BatchWritten(
-                job=self.spec.job, batch_id=batch.batch_id, consumer=self.cfg.instance, node=self.cfg.node,
-                sample_indices=[f.sample_index for f in files], tokens=tokens, bytes=written,
-                seconds=round(seconds, 4), attempt=attempt, redo=bool(batch.redo_reason), plan=self.spec.plan_tag,
+                job=self.spec.job,
+                batch_id=batch.batch_id,
+                consumer=self.cfg.instance,
+                node=self.cfg.node,
+                sample_indices=[f.sample_index for f in files],
+                tokens=tokens,
+                bytes=written,
+                seconds=round(seconds, 4),
+                attempt=attempt,
+                redo=bool(batch.redo_reason),
+                plan=self.spec.plan_tag,
             )
             # A planned batch's marker counts toward the plan; a re-queued sample's batch, or one
             # with samples outside the plan (a descriptor published by hand), is set aside.
             planned = not batch.redo_reason and all(0 <= f.sample_index < self.spec.total_samples for f in files)
             marker = topology.written_subject(self.spec.job, self.spec.plan_tag, batch.batch_id, planned=planned)
-            await through_outage(lambda: self.events.mark(written_event, subject=marker), what="report_written",
-                                 stopping=self.stopping)
+            await through_outage(
+                lambda: self.events.mark(written_event, subject=marker), what="report_written", stopping=self.stopping
+            )
             if before_ack is not None:
                 before_ack()
             await through_outage(msg.ack_sync, what="ack_batch", stopping=self.stopping)
-            log_.info("batch_done", samples=len(files), tokens=tokens, bytes=written, seconds=round(seconds, 3),
-                      tokens_per_s=round(tokens / seconds, 1))
+            log_.info(
+                "batch_done",
+                samples=len(files),
+                tokens=tokens,
+                bytes=written,
+                seconds=round(seconds, 3),
+                tokens_per_s=round(tokens / seconds, 1),
+            )
         finally:
             computed.keep_alive.cancel()
             if computed.lease is not None:
@@ -339,12 +406,17 @@ class BatchWorker:
         if stall is not None:  # whatever the other stage says: this worker's forward is hung
             running = stall.running_s()
             return WorkerState(
-                state="stalled", last_batch=stall.batch_id, spool_files=files, spool_bytes=used,
+                state="stalled",
+                last_batch=stall.batch_id,
+                spool_files=files,
+                spool_bytes=used,
                 stalled_s=round(running, 1),
                 detail=f"forward of batch {stall.batch_id} running {running:.0f} s, bound {stall.bound_s:.0f} s; "
-                       f"batch released to other consumers",
+                f"batch released to other consumers",
             )
-        return WorkerState(state=self.state, detail=self.detail, last_batch=self.last_batch, spool_files=files, spool_bytes=used)
+        return WorkerState(
+            state=self.state, detail=self.detail, last_batch=self.last_batch, spool_files=files, spool_bytes=used
+        )
 
     def spool_full(self) -> tuple[bool, int]:
         _, used = spool_usage(self.cfg.spool, self.spec.job)
@@ -368,15 +440,16 @@ def _full_batch_bytes(spec: schemas.JobSpec, loaded: LoadedModel) -> int:
     return spec.token_budget * len(spec.layers) * hidden * torch.empty((), dtype=loaded.dtype).element_size()
 
 
-
-
 # How long the acks of a batch's announcements are awaited together before the missing ones are
 # published again one by one (their msg ids make a repeat harmless).
 _PUBLISH_ACK_WAIT_S = 10.0
 
 
 async def publish_all(
-    js: JetStreamContext, messages: list[tuple[str, bytes, dict[str, str]]], *, what: str,
+    js: JetStreamContext,
+    messages: list[tuple[str, bytes, dict[str, str]]],
+    *,
+    what: str,
     stopping: asyncio.Event | None = None,
 ) -> None:
     """Publish every (subject, payload, headers) to JetStream, each stored before this returns.
@@ -395,11 +468,17 @@ async def publish_all(
         _, late = await asyncio.wait(futures, timeout=_PUBLISH_ACK_WAIT_S)
         for future in late:
             future.cancel()  # frees its slot in the client's pending-publish window
-    again = [message for i, message in enumerate(messages)
-             if i >= len(futures) or futures[i].cancelled() or futures[i].exception() is not None]
+    again = [
+        message
+        for i, message in enumerate(messages)
+        if i >= len(futures) or futures[i].cancelled() or futures[i].exception() is not None
+    ]
     for subject, payload, headers in again:
-        await through_outage(lambda subject=subject, payload=payload, headers=headers: js.publish(
-            subject, payload, headers=headers), what=what, stopping=stopping)
+        await through_outage(
+            lambda subject=subject, payload=payload, headers=headers: js.publish(subject, payload, headers=headers),
+            what=what,
+            stopping=stopping,
+        )
 
 
 async def give_back(js: JetStreamContext, msg: Msg) -> None:
@@ -423,7 +502,9 @@ async def _finish_guarded(worker: BatchWorker, computed: _Computed) -> None:
     except Exception as exc:
         # A NATS outage while announcing or acking: the batch stays unacked and is redelivered
         # after the ack wait (its files are rewritten identically).
-        log.warning("batch_interrupted", batch=computed.batch.batch_id, error=f"{type(exc).__name__}: {exc}", exc_info=True)
+        log.warning(
+            "batch_interrupted", batch=computed.batch.batch_id, error=f"{type(exc).__name__}: {exc}", exc_info=True
+        )
 
 
 async def _settle(task: asyncio.Task | None) -> None:

@@ -51,8 +51,9 @@ class ForwardPace:
 
     def add(self, batch: BatchDescriptor, seconds: float) -> None:
         rate = seconds / self.padded_tokens(batch)
-        self.s_per_token = rate if self.s_per_token is None else (
-            (1 - self.smoothing) * self.s_per_token + self.smoothing * rate)
+        self.s_per_token = (
+            rate if self.s_per_token is None else ((1 - self.smoothing) * self.s_per_token + self.smoothing * rate)
+        )
 
     def bound_s(self, batch: BatchDescriptor) -> float:
         """Seconds a forward of `batch` may run before it counts as stalled. Before anything was

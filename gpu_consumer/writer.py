@@ -33,7 +33,13 @@ def remove_orphaned_temp_files(spool: Path, job: str, *, older_than: float) -> i
 
 
 def write_sample_file(
-    *, spool: Path, spec: JobSpec, node: str, batch_id: str, sample: Sample, hidden_states: torch.Tensor,
+    *,
+    spool: Path,
+    spec: JobSpec,
+    node: str,
+    batch_id: str,
+    sample: Sample,
+    hidden_states: torch.Tensor,
     sync_dir: bool = True,
 ) -> FileReady:
     """Write the sample's file into the spool (fsynced, renamed into place) and describe it.

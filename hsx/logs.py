@@ -32,11 +32,7 @@ def configure_logging(*, json: bool | None = None, level: str = "info", file: Te
     on_terminal = getattr(file, "isatty", lambda: False)()
     if json is None:
         json = not on_terminal
-    renderer = (
-        structlog.processors.JSONRenderer()
-        if json
-        else structlog.dev.ConsoleRenderer(colors=on_terminal)
-    )
+    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=on_terminal)
     numeric_level = logging.getLevelNamesMapping()[level.upper()]
     # The console renderer draws exceptions itself; JSON gets the traceback as a string field.
     exceptions = [structlog.processors.format_exc_info] if json else []
@@ -56,10 +52,12 @@ def configure_logging(*, json: bool | None = None, level: str = "info", file: Te
     )
     global _handler
     handler = logging.StreamHandler(file) if file is not sys.stderr else _StderrHandler()
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=shared,  # records of other libraries: the fields hsx's own events get
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
-    ))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=shared,  # records of other libraries: the fields hsx's own events get
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
     root = logging.getLogger()
     if _handler is not None:  # configured again (the monitor moves its log to stdout)
         root.removeHandler(_handler)

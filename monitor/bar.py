@@ -61,16 +61,26 @@ def render_bar(reading: Reading, *, job: str, width: int = 200) -> str:
     """One line, at most `width - 1` characters."""
     view = reading.view
     if view.done:
-        return _fit([
-            f"{job} done: {view.samples_uploaded}/{view.total_samples} samples",
-            f"{_count(view.tokens_uploaded)} tokens", _size(view.bytes_uploaded),
-            f"{view.batches_done} batches",
-            f"redeliveries {view.batch_redeliveries + view.file_redeliveries}",
-            f"dead letters {view.dead_letters}",
-        ], width, ", ")
+        return _fit(
+            [
+                f"{job} done: {view.samples_uploaded}/{view.total_samples} samples",
+                f"{_count(view.tokens_uploaded)} tokens",
+                _size(view.bytes_uploaded),
+                f"{view.batches_done} batches",
+                f"redeliveries {view.batch_redeliveries + view.file_redeliveries}",
+                f"dead letters {view.dead_letters}",
+            ],
+            width,
+            ", ",
+        )
     percent = percent_uploaded(view)
-    workers = " ".join(f"{count} {_SERVICE_SHORT.get(service, service)}"
-                       for service, count in live_workers_by_service(reading).items()) or "none"
+    workers = (
+        " ".join(
+            f"{count} {_SERVICE_SHORT.get(service, service)}"
+            for service, count in live_workers_by_service(reading).items()
+        )
+        or "none"
+    )
     silent = silent_count(reading)
     parts = [
         f"{job} {_cells(percent / 100)} {percent:5.1f}% {view.samples_uploaded}/{view.total_samples}",

@@ -79,8 +79,12 @@ async def _write_index(js, spec: schemas.JobSpec) -> None:
     try:
         await build_job_index(js, spec)
     except Exception as exc:
-        log.warning("index_not_written", dest=spec.dest, error=f"{type(exc).__name__}: {exc}"[:300],
-                    retry=f"hsx index build --job {spec.job}")
+        log.warning(
+            "index_not_written",
+            dest=spec.dest,
+            error=f"{type(exc).__name__}: {exc}"[:300],
+            retry=f"hsx index build --job {spec.job}",
+        )
 
 
 async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCollector | None) -> int:
@@ -116,16 +120,27 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                     # The counts are read at once, the sums as their markers arrive: the summary
                     # waits until the sums hold every marker there is.
                     await tracker.wait_sums_current(timeout=SUMS_AT_END_WAIT_S)
-                view = status_view(spec, tracker.fold, tracker.queues, tracker.counts, job=cfg.job,
-                                   live_s=cfg.silent_after_s, sums_complete=tracker.sums_caught_up)
+                view = status_view(
+                    spec,
+                    tracker.fold,
+                    tracker.queues,
+                    tracker.counts,
+                    job=cfg.job,
+                    live_s=cfg.silent_after_s,
+                    sums_complete=tracker.sums_caught_up,
+                )
                 if tracker.sums_caught_up:  # not while catching up from a checkpoint: no rate spike
                     token_rate.add(view.tokens_written)
                 sample_rate.add(view.samples_uploaded)
                 now = time.time()
                 heartbeats = tracker.fold.heartbeats
                 reading = take_reading(
-                    view, heartbeats, now=now, silent_after_s=cfg.silent_after_s,
-                    tokens_per_s=token_rate.per_second(), samples_per_s=sample_rate.per_second(),
+                    view,
+                    heartbeats,
+                    now=now,
+                    silent_after_s=cfg.silent_after_s,
+                    tokens_per_s=token_rate.per_second(),
+                    samples_per_s=sample_rate.per_second(),
                 )
                 if collector is not None:
                     collector.update(reading)
@@ -150,8 +165,12 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                 reported_stalled &= {(worker["instance"], worker["batch"]) for worker in stalled}
                 if view.destination_error != refusal:
                     if view.destination_error:
-                        log.error("destination_failed", dest=view.dest, reason=view.destination_error,
-                                  uploaders=len(view.destination_refusals))
+                        log.error(
+                            "destination_failed",
+                            dest=view.dest,
+                            reason=view.destination_error,
+                            uploaders=len(view.destination_refusals),
+                        )
                     else:
                         log.info("destination_recovered", dest=view.dest)
                     refusal = view.destination_error
@@ -162,9 +181,14 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                     if cfg.until_done:
                         return 0
                 if view.failed and cfg.until_done:
-                    log.error("job_failed", reason=view.failure_reason, dead_samples=view.dead_samples,
-                              dead_letters=view.dead_letters,
-                              samples_uploaded=view.samples_uploaded, samples_total=view.total_samples)
+                    log.error(
+                        "job_failed",
+                        reason=view.failure_reason,
+                        dead_samples=view.dead_samples,
+                        dead_letters=view.dead_letters,
+                        samples_uploaded=view.samples_uploaded,
+                        samples_total=view.total_samples,
+                    )
                     return 1
                 try:
                     await asyncio.wait_for(stopping.wait(), timeout=cfg.interval_s)

@@ -77,14 +77,22 @@ class JobCollector(Collector):
         yield gauge("hsx_dead_samples", "Samples in dead letters and not in the destination", len(view.dead_samples))
         yield gauge("hsx_tokens_per_second", "Tokens written per second (60 s window)", reading.tokens_per_s)
         yield gauge("hsx_samples_per_second", "Samples uploaded per second (60 s window)", reading.samples_per_s)
-        yield gauge("hsx_eta_seconds", "Seconds until every sample is uploaded at the current rates (NaN: unknown)",
-                    math.nan if reading.eta_s is None else reading.eta_s)
+        yield gauge(
+            "hsx_eta_seconds",
+            "Seconds until every sample is uploaded at the current rates (NaN: unknown)",
+            math.nan if reading.eta_s is None else reading.eta_s,
+        )
         yield gauge("hsx_job_done", "1 when every sample is in the destination and nothing is queued", int(view.done))
-        yield gauge("hsx_job_failed", "1 when the job cannot finish by itself: every missing sample is dead-lettered, "
-                    "or the destination refuses uploads", int(view.failed))
+        yield gauge(
+            "hsx_job_failed",
+            "1 when the job cannot finish by itself: every missing sample is dead-lettered, "
+            "or the destination refuses uploads",
+            int(view.failed),
+        )
 
         workers = GaugeMetricFamily(
-            "hsx_workers", "Workers by service, node and last heartbeat state (silent: heartbeat stopped)",
+            "hsx_workers",
+            "Workers by service, node and last heartbeat state (silent: heartbeat stopped)",
             labels=["job", "service", "node", "state"],
         )
         for (service, node, state), count in sorted(reading.workers.items()):
@@ -92,7 +100,9 @@ class JobCollector(Collector):
         yield workers
 
         spool_files = GaugeMetricFamily("hsx_spool_files", "The job's files in a node's spool", labels=["job", "node"])
-        spool_bytes = GaugeMetricFamily("hsx_spool_bytes", "Bytes of the job's files in a node's spool", labels=["job", "node"])
+        spool_bytes = GaugeMetricFamily(
+            "hsx_spool_bytes", "Bytes of the job's files in a node's spool", labels=["job", "node"]
+        )
         for node, (files, used) in reading.spool.items():
             spool_files.add_metric([self.job, node], files)
             spool_bytes.add_metric([self.job, node], used)

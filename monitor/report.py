@@ -14,16 +14,42 @@ from monitor.rates import eta_seconds
 
 # The keys of every `progress` line (docs/OPERATIONS.md, "Monitoring", describes each one).
 PROGRESS_FIELDS = (
-    "samples_total", "samples_written", "samples_uploaded", "percent",
-    "tokens_total", "tokens_done", "tokens_uploaded", "bytes_written", "bytes_uploaded",
-    "tokens_per_s", "samples_per_s", "eta_s",
-    "batches_total", "batches_done", "batches_queued", "spool_backlog_files", "spool_bytes",
-    "redeliveries", "samples_requeued", "dead_letters",
-    "workers", "workers_silent", "workers_by_service", "done", "failed",
+    "samples_total",
+    "samples_written",
+    "samples_uploaded",
+    "percent",
+    "tokens_total",
+    "tokens_done",
+    "tokens_uploaded",
+    "bytes_written",
+    "bytes_uploaded",
+    "tokens_per_s",
+    "samples_per_s",
+    "eta_s",
+    "batches_total",
+    "batches_done",
+    "batches_queued",
+    "spool_backlog_files",
+    "spool_bytes",
+    "redeliveries",
+    "samples_requeued",
+    "dead_letters",
+    "workers",
+    "workers_silent",
+    "workers_by_service",
+    "done",
+    "failed",
 )
 # The keys of the `job_summary` line, logged once when the job is done.
 SUMMARY_FIELDS = (
-    "samples", "tokens", "bytes", "batches", "dest", "redeliveries", "samples_requeued", "dead_letters",
+    "samples",
+    "tokens",
+    "bytes",
+    "batches",
+    "dest",
+    "redeliveries",
+    "samples_requeued",
+    "dead_letters",
     "monitored_s",
 )
 
@@ -49,7 +75,9 @@ def _is_silent(beat: schemas.Heartbeat, now: float, silent_after_s: float) -> bo
     return now - beat.sent_at > silent_after_s
 
 
-def worker_states(heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float) -> dict[tuple[str, str, str], int]:
+def worker_states(
+    heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float
+) -> dict[tuple[str, str, str], int]:
     counts: dict[tuple[str, str, str], int] = {}
     for beat in heartbeats.values():
         if beat.state == _GONE:
@@ -77,8 +105,14 @@ def silent_workers(heartbeats: dict[str, schemas.Heartbeat], *, now: float, sile
     """Workers whose heartbeat stopped without saying goodbye: killed, hung, or cut off from NATS.
     `last_batch` is the batch a GPU consumer last started (empty for an uploader)."""
     return [
-        {"instance": beat.instance, "service": beat.service, "node": beat.node, "last_batch": beat.last_batch,
-         "last_state": beat.state, "silent_s": round(now - beat.sent_at, 1)}
+        {
+            "instance": beat.instance,
+            "service": beat.service,
+            "node": beat.node,
+            "last_batch": beat.last_batch,
+            "last_state": beat.state,
+            "silent_s": round(now - beat.sent_at, 1),
+        }
         for beat in heartbeats.values()
         if beat.state != _GONE and _is_silent(beat, now, silent_after_s)
     ]
@@ -88,7 +122,13 @@ def degraded_workers(heartbeats: dict[str, schemas.Heartbeat], *, now: float, si
     """Live workers that say they cannot make progress: a consumer paused at the spool's high-water
     mark, waiting for disk space or stuck in a stalled forward, an uploader retrying a failing destination or refused by it."""
     return [
-        {"instance": beat.instance, "service": beat.service, "node": beat.node, "state": beat.state, "detail": beat.detail}
+        {
+            "instance": beat.instance,
+            "service": beat.service,
+            "node": beat.node,
+            "state": beat.state,
+            "detail": beat.detail,
+        }
         for beat in heartbeats.values()
         if beat.state in _DEGRADED_STATES and not _is_silent(beat, now, silent_after_s)
     ]
@@ -98,8 +138,14 @@ def stalled_workers(heartbeats: dict[str, schemas.Heartbeat], *, now: float, sil
     """Live GPU consumers whose forward has run past its bound: the batch it is stuck on (released
     to the other consumers) and for how long, as of the consumer's last heartbeat."""
     return [
-        {"instance": beat.instance, "service": beat.service, "node": beat.node, "batch": beat.last_batch,
-         "stalled_s": beat.stalled_s, "detail": beat.detail}
+        {
+            "instance": beat.instance,
+            "service": beat.service,
+            "node": beat.node,
+            "batch": beat.last_batch,
+            "stalled_s": beat.stalled_s,
+            "detail": beat.detail,
+        }
         for beat in heartbeats.values()
         if beat.state == STALLED and not _is_silent(beat, now, silent_after_s)
     ]
@@ -120,11 +166,18 @@ def eta_to_done(view: StatusView, *, tokens_per_s: float, samples_per_s: float) 
 
 
 def take_reading(
-    view: StatusView, heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float,
-    tokens_per_s: float, samples_per_s: float,
+    view: StatusView,
+    heartbeats: dict[str, schemas.Heartbeat],
+    *,
+    now: float,
+    silent_after_s: float,
+    tokens_per_s: float,
+    samples_per_s: float,
 ) -> Reading:
     return Reading(
-        view=view, tokens_per_s=tokens_per_s, samples_per_s=samples_per_s,
+        view=view,
+        tokens_per_s=tokens_per_s,
+        samples_per_s=samples_per_s,
         eta_s=eta_to_done(view, tokens_per_s=tokens_per_s, samples_per_s=samples_per_s),
         workers=worker_states(heartbeats, now=now, silent_after_s=silent_after_s),
         spool=spool_by_node(heartbeats),
@@ -153,20 +206,31 @@ def progress_line(reading: Reading) -> dict:
     view = reading.view
     by_service = live_workers_by_service(reading)
     return {
-        "samples_total": view.total_samples, "samples_written": view.samples_written,
-        "samples_uploaded": view.samples_uploaded, "percent": round(percent_uploaded(view), 1),
-        "tokens_total": view.total_tokens, "tokens_done": view.tokens_written,
-        "tokens_uploaded": view.tokens_uploaded, "bytes_written": view.bytes_written,
+        "samples_total": view.total_samples,
+        "samples_written": view.samples_written,
+        "samples_uploaded": view.samples_uploaded,
+        "percent": round(percent_uploaded(view), 1),
+        "tokens_total": view.total_tokens,
+        "tokens_done": view.tokens_written,
+        "tokens_uploaded": view.tokens_uploaded,
+        "bytes_written": view.bytes_written,
         "bytes_uploaded": view.bytes_uploaded,
-        "tokens_per_s": round(reading.tokens_per_s, 1), "samples_per_s": round(reading.samples_per_s, 2),
+        "tokens_per_s": round(reading.tokens_per_s, 1),
+        "samples_per_s": round(reading.samples_per_s, 2),
         "eta_s": None if reading.eta_s is None else round(reading.eta_s, 1),
-        "batches_total": view.batches_total, "batches_done": view.batches_done,
-        "batches_queued": view.batches_queued, "spool_backlog_files": view.files_waiting_upload,
+        "batches_total": view.batches_total,
+        "batches_done": view.batches_done,
+        "batches_queued": view.batches_queued,
+        "spool_backlog_files": view.files_waiting_upload,
         "spool_bytes": {node: used for node, (_files, used) in reading.spool.items()},
         "redeliveries": view.batch_redeliveries + view.file_redeliveries,
-        "samples_requeued": view.samples_requeued, "dead_letters": view.dead_letters,
-        "workers": sum(by_service.values()), "workers_silent": silent_count(reading), "workers_by_service": by_service,
-        "done": view.done, "failed": view.failed,
+        "samples_requeued": view.samples_requeued,
+        "dead_letters": view.dead_letters,
+        "workers": sum(by_service.values()),
+        "workers_silent": silent_count(reading),
+        "workers_by_service": by_service,
+        "done": view.done,
+        "failed": view.failed,
     }
 
 
@@ -174,9 +238,13 @@ def summary_line(reading: Reading, *, monitored_s: float) -> dict:
     """The fields of the `job_summary` line, in SUMMARY_FIELDS order."""
     view = reading.view
     return {
-        "samples": view.samples_uploaded, "tokens": view.tokens_uploaded, "bytes": view.bytes_uploaded,
-        "batches": view.batches_done, "dest": view.dest,
+        "samples": view.samples_uploaded,
+        "tokens": view.tokens_uploaded,
+        "bytes": view.bytes_uploaded,
+        "batches": view.batches_done,
+        "dest": view.dest,
         "redeliveries": view.batch_redeliveries + view.file_redeliveries,
-        "samples_requeued": view.samples_requeued, "dead_letters": view.dead_letters,
+        "samples_requeued": view.samples_requeued,
+        "dead_letters": view.dead_letters,
         "monitored_s": round(monitored_s, 1),
     }

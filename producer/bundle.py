@@ -51,20 +51,26 @@ def plan_document(spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_bat
         "max_batch_size": max_batch_size,
         "total_samples": spec.total_samples,
         "batches": [
-            {"batch_id": plan_batch_id(spec.job, spec.plan_fingerprint, seq), "padded_len": batch.padded_len,
-             "sample_indices": list(batch.sample_indices)}
+            {
+                "batch_id": plan_batch_id(spec.job, spec.plan_fingerprint, seq),
+                "padded_len": batch.padded_len,
+                "sample_indices": list(batch.sample_indices),
+            }
             for seq, batch in enumerate(batches)
         ],
     }
 
 
-async def _bundle_files(js: JetStreamContext, spec: schemas.JobSpec, batches: list[PlannedBatch],
-                        max_batch_size: int | None, folder: Path) -> dict[str, Path]:
+async def _bundle_files(
+    js: JetStreamContext, spec: schemas.JobSpec, batches: list[PlannedBatch], max_batch_size: int | None, folder: Path
+) -> dict[str, Path]:
     """Every bundle file, as a file in `folder`: the stored objects are copied there from the
     object store (streamed; the samples object of a large job is gigabytes)."""
     files = {
         SPEC_FILE: schemas.encode(spec),
-        PLAN_FILE: json.dumps(plan_document(spec, batches, max_batch_size=max_batch_size), separators=(",", ":")).encode(),
+        PLAN_FILE: json.dumps(
+            plan_document(spec, batches, max_batch_size=max_batch_size), separators=(",", ":")
+        ).encode(),
     }
     paths = {}
     for name, data in files.items():
@@ -99,8 +105,9 @@ def _put_missing(dest_url: str, job: str, files: dict[str, Path]) -> tuple[list[
     return written, size
 
 
-async def write_bundle(js: JetStreamContext, spec: schemas.JobSpec, batches: list[PlannedBatch], *,
-                       max_batch_size: int | None) -> None:
+async def write_bundle(
+    js: JetStreamContext, spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_batch_size: int | None
+) -> None:
     with tempfile.TemporaryDirectory(prefix="hsx-bundle-") as folder:
         files = await _bundle_files(js, spec, batches, max_batch_size, Path(folder))
         try:
@@ -110,5 +117,12 @@ async def write_bundle(js: JetStreamContext, spec: schemas.JobSpec, batches: lis
                 f"job {spec.job} is published, but writing its bundle to {spec.dest}/{bundle_key(spec.job, '')} "
                 f"failed ({type(exc).__name__}: {exc}); run hsx produce again to retry"
             ) from exc
-    log.info("bundle_written", job=spec.job, dest=spec.dest, prefix=bundle_key(spec.job, ""), written=written,
-             unchanged=sorted(set(files) - set(written)), bytes=size)
+    log.info(
+        "bundle_written",
+        job=spec.job,
+        dest=spec.dest,
+        prefix=bundle_key(spec.job, ""),
+        written=written,
+        unchanged=sorted(set(files) - set(written)),
+        bytes=size,
+    )

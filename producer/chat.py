@@ -59,8 +59,14 @@ def _added_tokens(tokenizer) -> tuple[dict[str, int], "re.Pattern[str] | None"]:
     by_text: dict[str, int] = {}
     for token_id, token in tokenizer.added_tokens_decoder.items():
         content = getattr(token, "content", "")
-        if (not content or content in by_text or token.lstrip or token.rstrip or token.single_word
-                or (token.normalized and has_normalizer)):
+        if (
+            not content
+            or content in by_text
+            or token.lstrip
+            or token.rstrip
+            or token.single_word
+            or (token.normalized and has_normalizer)
+        ):
             return {}, None
         by_text[content] = int(token_id)
     if not by_text:
@@ -102,8 +108,10 @@ class ChatTokenizer:
         need = f"{first_chat_row}: chat rows are tokenized with model {model}'s chat template, but"
         folder = Path(model)
         if folder.is_dir() and not any((folder / name).exists() for name in _TOKENIZER_FILES):
-            raise HsxError(f"{need} the model folder has no tokenizer ({', '.join(_TOKENIZER_FILES[:2])}); "
-                           "add the tokenizer files or give pre-tokenized input_ids rows")
+            raise HsxError(
+                f"{need} the model folder has no tokenizer ({', '.join(_TOKENIZER_FILES[:2])}); "
+                "add the tokenizer files or give pre-tokenized input_ids rows"
+            )
         try:
             tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True, trust_remote_code=trust_remote_code)
         except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for a bad tokenizer
@@ -111,8 +119,10 @@ class ChatTokenizer:
         try:
             tokenizer.get_chat_template()
         except Exception:  # ValueError: no chat template
-            raise HsxError(f"{need} its tokenizer has no chat template; add one (chat_template.jinja) "
-                           "or give pre-tokenized input_ids rows") from None
+            raise HsxError(
+                f"{need} its tokenizer has no chat template; add one (chat_template.jinja) "
+                "or give pre-tokenized input_ids rows"
+            ) from None
         if not getattr(tokenizer, "is_fast", False):
             raise HsxError(f"{need} its tokenizer is not a fast (tokenizers) tokenizer, which assistant masks need")
         return cls(tokenizer, model=model, trust_remote_code=trust_remote_code)
@@ -136,8 +146,9 @@ class ChatTokenizer:
         except HsxError:
             raise
         except Exception as exc:  # jinja2 TemplateError (e.g. "roles must alternate"), TypeError...
-            raise HsxError(f"{row.where}: the chat template of model {self.model} failed on this conversation "
-                           f"({_first_line(exc)})") from None
+            raise HsxError(
+                f"{row.where}: the chat template of model {self.model} failed on this conversation ({_first_line(exc)})"
+            ) from None
         if not input_ids:
             raise HsxError(f"{row.where}: the chat template renders this conversation as no tokens")
         return DatasetRow(where=row.where, source_id=row.source_id, input_ids=input_ids, loss_mask=loss_mask)
@@ -154,8 +165,10 @@ class ChatTokenizer:
             tokens = None
         if tokens is None:
             return [self.tokenize(row) for row in rows]
-        return [DatasetRow(where=row.where, source_id=row.source_id, input_ids=ids, loss_mask=mask)
-                for row, (ids, mask) in zip(rows, tokens)]
+        return [
+            DatasetRow(where=row.where, source_id=row.source_id, input_ids=ids, loss_mask=mask)
+            for row, (ids, mask) in zip(rows, tokens)
+        ]
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
         # apply_chat_template(tokenize=True) tokenizes its rendering exactly so: no special tokens added.
@@ -164,11 +177,16 @@ class ChatTokenizer:
     def _render_many(self, conversations: list[list[dict]], *, generation_prompt: bool) -> list[str]:
         if not conversations:
             return []
-        return self.tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            conversations, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def _many_with_markers(self, conversations: list[list[dict]]) -> list[tuple[list[int], list[int]]] | None:
         out = self.tokenizer.apply_chat_template(
-            conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+            conversations,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
         )
         tokens = []
         for ids, mask in zip(out["input_ids"], out["assistant_masks"], strict=True):
@@ -179,15 +197,20 @@ class ChatTokenizer:
 
     def _many_turn_by_turn(self, conversations: list[list[dict]]) -> list[tuple[list[int], list[int]]] | None:
         """None when a row has to be refused (tokenize says why)."""
-        turns = [[i for i, message in enumerate(messages) if message["role"] == "assistant"]
-                 for messages in conversations]
+        turns = [
+            [i for i, message in enumerate(messages) if message["role"] == "assistant"] for messages in conversations
+        ]
         if any(assistant and assistant[0] == 0 for assistant in turns):
             return None  # an empty conversation before it: apply_chat_template refuses that one alone
         fulls = self._render_many(conversations, generation_prompt=False)
-        befores = self._render_many([messages[:i] for messages, assistant in zip(conversations, turns)
-                                     for i in assistant], generation_prompt=True)
-        afters = self._render_many([messages[: i + 1] for messages, assistant in zip(conversations, turns)
-                                    for i in assistant], generation_prompt=False)
+        befores = self._render_many(
+            [messages[:i] for messages, assistant in zip(conversations, turns) for i in assistant],
+            generation_prompt=True,
+        )
+        afters = self._render_many(
+            [messages[: i + 1] for messages, assistant in zip(conversations, turns) for i in assistant],
+            generation_prompt=False,
+        )
         full_ids = self._encode(fulls)
         # Each prefix rendering is tokenized either from its last added token on ("tail": that
         # token's index in the whole conversation's tokens, and the tail text) or whole.
@@ -249,7 +272,10 @@ class ChatTokenizer:
 
     def _with_markers(self, row: ChatRow) -> tuple[list[int], list[int]]:
         out = self.tokenizer.apply_chat_template(
-            row.messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+            row.messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
         )
         input_ids = [int(i) for i in out["input_ids"]]
         loss_mask = [1 if m else 0 for m in out["assistant_masks"]]

@@ -72,8 +72,14 @@ def _work(chunk: list[ChatRow]) -> tuple[str, object]:
     return "ok", [(row.input_ids, row.loss_mask) for row in out]
 
 
-def tokenize_chats(chat: ChatTokenizer, rows: Iterable[ChatRow], *, workers: int | None = None,
-                   chunk_rows: int = CHUNK_ROWS, total: int | None = None) -> Iterator[DatasetRow]:
+def tokenize_chats(
+    chat: ChatTokenizer,
+    rows: Iterable[ChatRow],
+    *,
+    workers: int | None = None,
+    chunk_rows: int = CHUNK_ROWS,
+    total: int | None = None,
+) -> Iterator[DatasetRow]:
     """`chat.tokenize(row)` for every row, in order; `workers` processes (default: every usable
     core, or none below POOL_MIN_ROWS of `total`)."""
     workers = default_workers(total) if workers is None else workers
@@ -90,7 +96,9 @@ def _pooled(chat: ChatTokenizer, rows: Iterable[ChatRow], *, workers: int, chunk
     except Exception:  # e.g. a remote-code tokenizer class: each worker loads it from the model folder
         tokenizer = None
     pool = ProcessPoolExecutor(
-        max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+        max_workers=workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
         initargs=(tokenizer, chat.model, chat.trust_remote_code),
     )
     try:
@@ -103,8 +111,10 @@ def _pooled(chat: ChatTokenizer, rows: Iterable[ChatRow], *, workers: int, chunk
             try:
                 status, out = future.result()
             except BrokenProcessPool as exc:
-                raise HsxError(f"a chat tokenization worker process died while tokenizing the rows from "
-                               f"{chunk[0].where} on ({exc}); is the machine out of memory?") from None
+                raise HsxError(
+                    f"a chat tokenization worker process died while tokenizing the rows from "
+                    f"{chunk[0].where} on ({exc}); is the machine out of memory?"
+                ) from None
             if status == "error":
                 raise HsxError(out)
             for row, (input_ids, loss_mask) in zip(chunk, out, strict=True):

@@ -224,8 +224,14 @@ def _fast_chunk(batch: pa.RecordBatch, name: str, start: int) -> TokenChunk | No
             return None
         ids = pc.cast(ids, pa.string())
         source_ids = pc.if_else(pc.is_null(ids), positions, ids) if ids.null_count else ids
-    return TokenChunk(values=values, offsets=offsets, masks=masks, has_mask=has_mask, source_ids=source_ids,
-                      wheres=pc.binary_join_element_wise(f"{name}: row ", positions, ""))
+    return TokenChunk(
+        values=values,
+        offsets=offsets,
+        masks=masks,
+        has_mask=has_mask,
+        source_ids=source_ids,
+        wheres=pc.binary_join_element_wise(f"{name}: row ", positions, ""),
+    )
 
 
 def _record_batch_items(batches: Iterator[pa.RecordBatch], name: str, start: int = 0) -> Iterator[SourceItem]:

@@ -50,8 +50,9 @@ def check_vocab(samples: SampleTable, *, model: str, vocab_size: int) -> None:
     outside = np.flatnonzero(samples.row_max >= vocab_size)
     if len(outside):
         i = int(outside[0])
-        raise HsxError(f"{samples.where(i)}: token id {samples.row_max[i]} is outside model {model}'s "
-                       f"vocabulary of {vocab_size}")
+        raise HsxError(
+            f"{samples.where(i)}: token id {samples.row_max[i]} is outside model {model}'s vocabulary of {vocab_size}"
+        )
 
 
 def _tokenize(rows: list, *, model: str, trust_remote_code: bool) -> tuple[list[DatasetRow], ChatTemplateInfo | None]:
@@ -73,8 +74,9 @@ def _tokenize(rows: list, *, model: str, trust_remote_code: bool) -> tuple[list[
             done += 1
             if time.monotonic() - last_log > _PROGRESS_EVERY_S:
                 last_log = time.monotonic()
-                log.info("tokenizing_chats_progress", done=done, rows=total,
-                         rows_per_s=round(done / (last_log - started), 1))
+                log.info(
+                    "tokenizing_chats_progress", done=done, rows=total, rows_per_s=round(done / (last_log - started), 1)
+                )
         out.append(row)
     log.info("chats_tokenized", rows=total, seconds=round(time.monotonic() - started, 2))
     return out, chat.info
@@ -101,8 +103,10 @@ def tokenized_rows(
         del chats, tokenized
     samples, long = apply_on_long_table(builder.finish(), max_seq_len=max_seq_len, on_long=on_long)
     if not len(samples):
-        raise HsxError(f"dataset {path}: all {rows_read} rows are longer than --max-seq-len {max_seq_len} "
-                       "and --on-long skip leaves no samples")
+        raise HsxError(
+            f"dataset {path}: all {rows_read} rows are longer than --max-seq-len {max_seq_len} "
+            "and --on-long skip leaves no samples"
+        )
     check_vocab(samples, model=model, vocab_size=vocab_size)
     return Inputs(samples=samples, long=long, rows_read=rows_read, chat_rows=len(places), chat=chat)
 
@@ -120,13 +124,22 @@ def report_document(*, job: str, dataset: Path, max_seq_len: int, on_long: str, 
         "samples": len(inputs.samples),
         "samples_truncated": inputs.truncated,
         "samples_skipped": inputs.skipped,
-        "chat_template": None if inputs.chat is None else {
-            "model": inputs.chat.model, "mask_method": inputs.chat.mask_method,
+        "chat_template": None
+        if inputs.chat is None
+        else {
+            "model": inputs.chat.model,
+            "mask_method": inputs.chat.mask_method,
             "template_sha256": inputs.chat.template_sha256,
         },
         "long_rows": [
-            {"where": e.where, "source_id": e.source_id, "original_length": e.original_length, "action": e.action,
-             "sample_index": e.sample_index, "kept_length": e.kept_length}
+            {
+                "where": e.where,
+                "source_id": e.source_id,
+                "original_length": e.original_length,
+                "action": e.action,
+                "sample_index": e.sample_index,
+                "kept_length": e.kept_length,
+            }
             for e in inputs.long
         ],
     }

@@ -31,8 +31,9 @@ class LongSample:
     kept_length: int
 
 
-def _decide(lengths: np.ndarray, name: Callable[[int], tuple[str, str]], *, max_seq_len: int,
-            on_long: str) -> tuple[np.ndarray, np.ndarray, list[LongSample]]:
+def _decide(
+    lengths: np.ndarray, name: Callable[[int], tuple[str, str]], *, max_seq_len: int, on_long: str
+) -> tuple[np.ndarray, np.ndarray, list[LongSample]]:
     """(indices of the rows kept, their lengths after cutting, the rows truncated or skipped);
     `name(i)` is row i's (where, source_id)."""
     if on_long not in ON_LONG:
@@ -52,35 +53,59 @@ def _decide(lengths: np.ndarray, name: Callable[[int], tuple[str, str]], *, max_
         kept = np.flatnonzero(lengths <= max_seq_len)
         for i in long_rows.tolist():
             where, source_id = name(i)
-            long.append(LongSample(where=where, source_id=source_id, original_length=int(lengths[i]),
-                                   action="skipped", sample_index=None, kept_length=0))
+            long.append(
+                LongSample(
+                    where=where,
+                    source_id=source_id,
+                    original_length=int(lengths[i]),
+                    action="skipped",
+                    sample_index=None,
+                    kept_length=0,
+                )
+            )
         return kept, lengths[kept], long
     for i in long_rows.tolist():
         where, source_id = name(i)
-        long.append(LongSample(where=where, source_id=source_id, original_length=int(lengths[i]),
-                               action="truncated", sample_index=i, kept_length=max_seq_len))
+        long.append(
+            LongSample(
+                where=where,
+                source_id=source_id,
+                original_length=int(lengths[i]),
+                action="truncated",
+                sample_index=i,
+                kept_length=max_seq_len,
+            )
+        )
     return np.arange(len(lengths)), np.minimum(lengths, max_seq_len), long
 
 
 def apply_on_long_table(table: SampleTable, *, max_seq_len: int, on_long: str) -> tuple[SampleTable, list[LongSample]]:
     """(the job's samples in index order, the rows that were truncated or skipped)."""
-    kept, lengths, long = _decide(table.lengths, lambda i: (table.where(i), table.source_id(i)),
-                                  max_seq_len=max_seq_len, on_long=on_long)
+    kept, lengths, long = _decide(
+        table.lengths, lambda i: (table.where(i), table.source_id(i)), max_seq_len=max_seq_len, on_long=on_long
+    )
     if not long:
         return table, long
     return table.select(kept, lengths), long
 
 
-def apply_on_long(rows: list[DatasetRow], *, max_seq_len: int, on_long: str) -> tuple[list[DatasetRow], list[LongSample]]:
+def apply_on_long(
+    rows: list[DatasetRow], *, max_seq_len: int, on_long: str
+) -> tuple[list[DatasetRow], list[LongSample]]:
     """`apply_on_long_table` for a few rows as Python values."""
     lengths = np.fromiter((len(row.input_ids) for row in rows), dtype=np.int64, count=len(rows))
-    kept, kept_lengths, long = _decide(lengths, lambda i: (rows[i].where, rows[i].source_id),
-                                       max_seq_len=max_seq_len, on_long=on_long)
+    kept, kept_lengths, long = _decide(
+        lengths, lambda i: (rows[i].where, rows[i].source_id), max_seq_len=max_seq_len, on_long=on_long
+    )
     out = []
     for i, length in zip(kept.tolist(), kept_lengths.tolist()):
         row = rows[i]
         if length < len(row.input_ids):
-            row = DatasetRow(where=row.where, source_id=row.source_id, input_ids=row.input_ids[:length],
-                             loss_mask=None if row.loss_mask is None else row.loss_mask[:length])
+            row = DatasetRow(
+                where=row.where,
+                source_id=row.source_id,
+                input_ids=row.input_ids[:length],
+                loss_mask=None if row.loss_mask is None else row.loss_mask[:length],
+            )
         out.append(row)
     return out, long

@@ -74,7 +74,9 @@ def plan_fingerprint(cfg: ProducerConfig, layers: list[int], samples: SampleTabl
 def _descriptor(job: str, batch_id: str, batch: PlannedBatch, samples: SampleTable) -> schemas.BatchDescriptor:
     # Built when published (or measured), from the table's offsets: one descriptor's tokens at a time.
     return schemas.BatchDescriptor(
-        job=job, batch_id=batch_id, padded_len=batch.padded_len,
+        job=job,
+        batch_id=batch_id,
+        padded_len=batch.padded_len,
         samples=[samples.sample(i) for i in batch.sample_indices],
     )
 
@@ -85,8 +87,16 @@ def _descriptors(job: str, fingerprint: str, batches: list[PlannedBatch], rows):
         yield _descriptor(job, plan_batch_id(job, fingerprint, seq), batch, rows)
 
 
-async def _publish_all(js, cfg: ProducerConfig, fingerprint: str, batches: list[PlannedBatch], rows, *,
-                       skip: set[str], msg_id_suffix: str = "") -> tuple[int, list[int]]:
+async def _publish_all(
+    js,
+    cfg: ProducerConfig,
+    fingerprint: str,
+    batches: list[PlannedBatch],
+    rows,
+    *,
+    skip: set[str],
+    msg_id_suffix: str = "",
+) -> tuple[int, list[int]]:
     """Publish every batch whose id is not in `skip`; (how many the stream took as new, the
     sequence numbers of those it called duplicates)."""
     subject = topology.batch_subject(cfg.job)
@@ -161,25 +171,48 @@ async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | N
     if existing is not None and existing.tokenized_object:
         rows = await stored.load_tokenized(js, cfg.job, spec=existing)
         await asyncio.to_thread(check_vocab, rows, model=cfg.model, vocab_size=info.vocab_size)
-        log.info("samples_from_store", job=cfg.job, samples=len(rows), bucket=topology.DATASETS_BUCKET,
-                 object=existing.tokenized_object)
+        log.info(
+            "samples_from_store",
+            job=cfg.job,
+            samples=len(rows),
+            bucket=topology.DATASETS_BUCKET,
+            object=existing.tokenized_object,
+        )
         return rows, None
     inputs = await asyncio.to_thread(
-        tokenized_rows, cfg.dataset, model=cfg.model, vocab_size=info.vocab_size, max_seq_len=cfg.max_seq_len,
-        on_long=cfg.on_long, trust_remote_code=cfg.trust_remote_code,
+        tokenized_rows,
+        cfg.dataset,
+        model=cfg.model,
+        vocab_size=info.vocab_size,
+        max_seq_len=cfg.max_seq_len,
+        on_long=cfg.on_long,
+        trust_remote_code=cfg.trust_remote_code,
     )
     return inputs.samples, inputs
 
 
 async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs) -> tuple[str, str]:
     tokens = await stored.store_tokenized(js, cfg.job, inputs.samples)
-    report = await stored.store_report(js, cfg.job, report_document(
-        job=cfg.job, dataset=cfg.dataset, max_seq_len=cfg.max_seq_len, on_long=cfg.on_long, inputs=inputs,
-    ))
+    report = await stored.store_report(
+        js,
+        cfg.job,
+        report_document(
+            job=cfg.job,
+            dataset=cfg.dataset,
+            max_seq_len=cfg.max_seq_len,
+            on_long=cfg.on_long,
+            inputs=inputs,
+        ),
+    )
     log.info("samples_stored", job=cfg.job, bucket=topology.DATASETS_BUCKET, object=tokens, samples=len(inputs.samples))
     (log.warning if inputs.long else log.info)(
-        "input_report", job=cfg.job, bucket=topology.DATASETS_BUCKET, object=report,
-        samples_truncated=inputs.truncated, samples_skipped=inputs.skipped, max_seq_len=cfg.max_seq_len,
+        "input_report",
+        job=cfg.job,
+        bucket=topology.DATASETS_BUCKET,
+        object=report,
+        samples_truncated=inputs.truncated,
+        samples_skipped=inputs.skipped,
+        max_seq_len=cfg.max_seq_len,
     )
     return tokens, report
 
@@ -195,15 +228,21 @@ async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
         rows.close()  # the spilled tokens' temp files
 
 
-async def _plan_and_publish(cfg: ProducerConfig, nc, js, kv, info, layers: list[int], existing, rows: SampleTable,
-                            inputs: Inputs | None) -> int:
+async def _plan_and_publish(
+    cfg: ProducerConfig, nc, js, kv, info, layers: list[int], existing, rows: SampleTable, inputs: Inputs | None
+) -> int:
     batches = plan_batches(rows.lengths, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
     fingerprint = await asyncio.to_thread(plan_fingerprint, cfg, layers, rows)
     total_tokens = rows.total_tokens
     padded = sum(b.padded_tokens for b in batches)
     log.info(
-        "plan_ready", job=cfg.job, samples=len(rows), batches=len(batches), tokens=total_tokens,
-        packing_efficiency=round(total_tokens / padded, 4), fingerprint=fingerprint[:12],
+        "plan_ready",
+        job=cfg.job,
+        samples=len(rows),
+        batches=len(batches),
+        tokens=total_tokens,
+        packing_efficiency=round(total_tokens / padded, 4),
+        fingerprint=fingerprint[:12],
         from_store=inputs is None,
     )
     replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != cfg.dest)
@@ -220,8 +259,11 @@ async def _plan_and_publish(cfg: ProducerConfig, nc, js, kv, info, layers: list[
         return 0
     # Everything that can refuse the job, before anything of it is written.
     checked = await asyncio.to_thread(
-        preflight.check_payloads, _descriptors(cfg.job, fingerprint, batches, rows), max_payload=nc.max_payload,
-        token_budget=cfg.token_budget, max_seq_len=cfg.max_seq_len,
+        preflight.check_payloads,
+        _descriptors(cfg.job, fingerprint, batches, rows),
+        max_payload=nc.max_payload,
+        token_budget=cfg.token_budget,
+        max_seq_len=cfg.max_seq_len,
     )
     await asyncio.to_thread(preflight.check_destination, cfg.dest, cfg.job)
     log.info("preflight_passed", job=cfg.job, batches=checked, max_payload=nc.max_payload, dest=cfg.dest)
@@ -235,12 +277,27 @@ async def _plan_and_publish(cfg: ProducerConfig, nc, js, kv, info, layers: list[
         tokens_object, report_object = existing.tokenized_object, existing.report_object
         digest, truncated, skipped = existing.dataset_digest, existing.samples_truncated, existing.samples_skipped
     spec = schemas.JobSpec(
-        job=cfg.job, model=cfg.model, model_revision=info.revision, layers=layers, dtype=cfg.dtype,
-        dest=cfg.dest, token_budget=cfg.token_budget, max_seq_len=cfg.max_seq_len, dataset=str(cfg.dataset),
-        plan_fingerprint=fingerprint, total_samples=len(rows), total_tokens=total_tokens,
-        total_batches=len(batches), created_at=existing.created_at if existing and not replaces else time.time(),
-        trust_remote_code=cfg.trust_remote_code, tokenized_object=tokens_object, report_object=report_object,
-        dataset_digest=digest, on_long=cfg.on_long, samples_truncated=truncated, samples_skipped=skipped,
+        job=cfg.job,
+        model=cfg.model,
+        model_revision=info.revision,
+        layers=layers,
+        dtype=cfg.dtype,
+        dest=cfg.dest,
+        token_budget=cfg.token_budget,
+        max_seq_len=cfg.max_seq_len,
+        dataset=str(cfg.dataset),
+        plan_fingerprint=fingerprint,
+        total_samples=len(rows),
+        total_tokens=total_tokens,
+        total_batches=len(batches),
+        created_at=existing.created_at if existing and not replaces else time.time(),
+        trust_remote_code=cfg.trust_remote_code,
+        tokenized_object=tokens_object,
+        report_object=report_object,
+        dataset_digest=digest,
+        on_long=cfg.on_long,
+        samples_truncated=truncated,
+        samples_skipped=skipped,
     )
     await kv.put(cfg.job, schemas.encode(spec))
     # The durables that count the job's markers exist from its start (readers make them too).
@@ -253,14 +310,21 @@ async def _plan_and_publish(cfg: ProducerConfig, nc, js, kv, info, layers: list[
     republished = await _republish_forgotten(js, cfg, spec, batches, rows, duplicates)
     spec = msgspec.structs.replace(spec, published=True)
     await kv.put(cfg.job, schemas.encode(spec))
-    log.info("job_published", job=cfg.job, batches=len(batches), new=published + republished,
-             duplicates=len(duplicates) - republished, already_queued_or_done=already)
+    log.info(
+        "job_published",
+        job=cfg.job,
+        batches=len(batches),
+        new=published + republished,
+        duplicates=len(duplicates) - republished,
+        already_queued_or_done=already,
+    )
     await bundle.write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
     return 0
 
 
-async def _republish_forgotten(js, cfg: ProducerConfig, spec: schemas.JobSpec, batches: list[PlannedBatch], rows,
-                               duplicates: list[int]) -> int:
+async def _republish_forgotten(
+    js, cfg: ProducerConfig, spec: schemas.JobSpec, batches: list[PlannedBatch], rows, duplicates: list[int]
+) -> int:
     """Publish again the batches the stream called duplicates but holds nowhere: their ids are
     remembered (for the duplicate window) from a job of this name that was deleted or replaced
     since. They go out under an id of this job's making; any other duplicate is queued or done."""
@@ -271,12 +335,21 @@ async def _republish_forgotten(js, cfg: ProducerConfig, spec: schemas.JobSpec, b
     if not forgotten:
         return 0
     new, _ = await _publish_all(
-        js, cfg, spec.plan_fingerprint, batches, rows,
+        js,
+        cfg,
+        spec.plan_fingerprint,
+        batches,
+        rows,
         skip={plan_batch_id(cfg.job, spec.plan_fingerprint, seq) for seq in range(len(batches))} - forgotten,
         msg_id_suffix=f"@{spec.created_at!r}",
     )
-    log.warning("batches_republished", job=cfg.job, batches=len(forgotten), new=new,
-                reason="the stream remembered their ids from an earlier job of this name, which holds them no more")
+    log.warning(
+        "batches_republished",
+        job=cfg.job,
+        batches=len(forgotten),
+        new=new,
+        reason="the stream remembered their ids from an earlier job of this name, which holds them no more",
+    )
     return new
 
 
@@ -293,8 +366,11 @@ async def _replace_unpublished(js, cfg: ProducerConfig, existing: schemas.JobSpe
     }
     worked = {what: count for what, count in progress.items() if count}
     if alive or worked:
-        found = f"{len(alive)} live workers ({'; '.join(alive[:3])})" if alive else ", ".join(
-            f"{count} {what}" for what, count in worked.items())
+        found = (
+            f"{len(alive)} live workers ({'; '.join(alive[:3])})"
+            if alive
+            else ", ".join(f"{count} {what}" for what, count in worked.items())
+        )
         raise HsxError(
             f"job {cfg.job} exists with other settings (dest {existing.dest}, {existing.total_samples} samples, plan "
             f"{existing.plan_fingerprint[:12]}) and is not fully published, but it has {found}; "
@@ -303,5 +379,12 @@ async def _replace_unpublished(js, cfg: ProducerConfig, existing: schemas.JobSpe
     orphans = await count_messages(js, topology.BATCHES_STREAM, topology.batch_subject(cfg.job))
     if orphans:
         await js.purge_stream(topology.BATCHES_STREAM, subject=topology.batch_subject(cfg.job))
-    log.warning("job_spec_replaced", job=cfg.job, old_plan=existing.plan_fingerprint[:12], plan=fingerprint[:12],
-                old_dest=existing.dest, dest=cfg.dest, orphan_batches_dropped=orphans)
+    log.warning(
+        "job_spec_replaced",
+        job=cfg.job,
+        old_plan=existing.plan_fingerprint[:12],
+        plan=fingerprint[:12],
+        old_dest=existing.dest,
+        dest=cfg.dest,
+        orphan_batches_dropped=orphans,
+    )

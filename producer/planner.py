@@ -36,7 +36,9 @@ def plan_batches(lengths, *, token_budget: int, max_batch_size: int | None = Non
     while start < len(order):
         padded_len = sorted_lengths[start]
         if padded_len > token_budget:
-            raise ValueError(f"sample {order[start]} has {padded_len} tokens, more than the token budget {token_budget}")
+            raise ValueError(
+                f"sample {order[start]} has {padded_len} tokens, more than the token budget {token_budget}"
+            )
         size = token_budget // padded_len
         if max_batch_size is not None:
             size = min(size, max_batch_size)

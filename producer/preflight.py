@@ -26,8 +26,9 @@ from hsx.wire import schemas
 _SUGGESTION_MARGIN = 0.9
 
 
-def check_payloads(descriptors: Iterable[schemas.BatchDescriptor], *, max_payload: int, token_budget: int,
-                   max_seq_len: int) -> int:
+def check_payloads(
+    descriptors: Iterable[schemas.BatchDescriptor], *, max_payload: int, token_budget: int, max_seq_len: int
+) -> int:
     """Refuse the plan if a descriptor plus its dead-letter headroom exceeds max_payload; the
     error names the largest such batch and suggests a --token-budget that fits. Returns the
     number of descriptors checked."""
@@ -50,15 +51,19 @@ def check_payloads(descriptors: Iterable[schemas.BatchDescriptor], *, max_payloa
         return checked
     needed, descriptor, size = worst
     samples = len(descriptor.samples)
-    what = (f"batch {descriptor.batch_id} ({samples} samples, padded to {descriptor.padded_len} tokens) encodes to "
-            f"{size} bytes, and with the {needed - size} bytes kept for its dead letter needs {needed}: more than the "
-            f"NATS server's max_payload {max_payload} ({too_big} of {checked} batches are too large)")
+    what = (
+        f"batch {descriptor.batch_id} ({samples} samples, padded to {descriptor.padded_len} tokens) encodes to "
+        f"{size} bytes, and with the {needed - size} bytes kept for its dead letter needs {needed}: more than the "
+        f"NATS server's max_payload {max_payload} ({too_big} of {checked} batches are too large)"
+    )
     room = max_payload - schemas.dead_letter_headroom(0)
     budget = int(room / bytes_per_token * _SUGGESTION_MARGIN) if room > 0 and bytes_per_token else 0
     budget = min(budget, token_budget - 1)
     if samples == 1 or budget < max_seq_len:
-        advice = (f"one sample of --max-seq-len {max_seq_len} tokens may not fit: raise max_payload on the server "
-                  f"(e.g. max_payload: {_round_up_mib(needed)}) or lower --max-seq-len")
+        advice = (
+            f"one sample of --max-seq-len {max_seq_len} tokens may not fit: raise max_payload on the server "
+            f"(e.g. max_payload: {_round_up_mib(needed)}) or lower --max-seq-len"
+        )
     else:
         advice = f"run again with --token-budget {budget} (or less), or raise max_payload on the server"
     raise HsxError(f"{what}; nothing was published; {advice}")
@@ -81,7 +86,7 @@ def check_destination(dest_url: str, job: str) -> None:
     except Exception as exc:  # any failure means the job's files cannot go there
         reason = dest.refusal(exc) if dest is not None else None
         if reason and reason.startswith(f"{dest.url}: "):
-            reason = reason[len(dest.url) + 2:]
+            reason = reason[len(dest.url) + 2 :]
         reason = reason or " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         raise HsxError(
             f"--dest {dest_url}: cannot write there (tried a small object under {where}): {reason}; "

@@ -74,7 +74,9 @@ async def _replay(js: JetStreamContext, stream: str, subject: str, decoder) -> l
 
 
 async def finished_batch_ids(js: JetStreamContext, job: str) -> set[str]:
-    written = await _replay(js, topology.EVENTS_STREAM, topology.markers_all(job, "written", "*"), schemas.event_decoder)
+    written = await _replay(
+        js, topology.EVENTS_STREAM, topology.markers_all(job, "written", "*"), schemas.event_decoder
+    )
     finished = {event.batch_id for event in written if isinstance(event, schemas.BatchWritten)}
     finished |= {
         letter.batch_id

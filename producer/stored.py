@@ -73,4 +73,6 @@ async def load_report(js: JetStreamContext, job: str, *, spec: schemas.JobSpec |
         await store.get(spec.report_object, writeinto=buffer)
         return msgspec.json.decode(buffer.getvalue())
     except nats.js.errors.ObjectNotFoundError:
-        raise HsxError(f"job {job}: object {spec.report_object} in bucket {topology.DATASETS_BUCKET} is missing") from None
+        raise HsxError(
+            f"job {job}: object {spec.report_object} in bucket {topology.DATASETS_BUCKET} is missing"
+        ) from None

@@ -24,10 +24,26 @@ from hsx.commands.embedded import build_tiny_model, start_nats_server
 REPO = Path(__file__).resolve().parent.parent
 
 TINY = {
-    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512),
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+    ),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=512,
+    ),
 }
 
 
@@ -71,9 +87,12 @@ def aws_test_env(endpoint: str, tmp: Path) -> dict[str, str]:
     """The AWS variables that point boto3 and awscli at the moto server, with config files in
     `tmp` (never ~/.aws)."""
     return {
-        "AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": "testing-key-id",
-        "AWS_SECRET_ACCESS_KEY": "testing-secret-key-do-not-log", "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": str(tmp / "aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "aws-creds"),
+        "AWS_ENDPOINT_URL_S3": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing-key-id",
+        "AWS_SECRET_ACCESS_KEY": "testing-secret-key-do-not-log",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(tmp / "aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "aws-creds"),
     }
 
 
@@ -139,8 +158,12 @@ def hsx(nats_server):
 
     def run(*args: str, env: dict | None = None, timeout: float = 120, nats_url: str | None = None):
         return subprocess.run(
-            [sys.executable, "-m", "hsx.cli", *args], env=_env(nats_url or nats_server.url, env),
-            capture_output=True, text=True, timeout=timeout, cwd=REPO,
+            [sys.executable, "-m", "hsx.cli", *args],
+            env=_env(nats_url or nats_server.url, env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
         )
 
     return run
@@ -154,7 +177,11 @@ def hsx_service(nats_server, tmp_path):
     def start(*args: str, env: dict | None = None, name: str = "svc") -> subprocess.Popen:
         log = open(tmp_path / f"{name}-{len(started)}.log", "wb")
         process = subprocess.Popen(
-            [sys.executable, "-m", "hsx.cli", *args], env=_env(nats_server.url, env), stdout=log, stderr=log, cwd=REPO,
+            [sys.executable, "-m", "hsx.cli", *args],
+            env=_env(nats_server.url, env),
+            stdout=log,
+            stderr=log,
+            cwd=REPO,
         )
         process.log_path = Path(log.name)
         started.append(process)

@@ -29,11 +29,31 @@ BUNDLE_FILES = {"job.json", "tokens.arrow", "plan.json", "report.json"}
 
 
 def _produce(hsx, *, job: str, model: Path, dataset: Path, dest: str, env: dict | None):
-    return check_ok(hsx(
-        "produce", "--job", job, "--model", str(model), "--dataset", str(dataset), "--layers", "1,3",
-        "--dest", dest, "--dtype", "float32", "--token-budget", "384", "--max-seq-len", str(MAX_SEQ_LEN),
-        "--on-long", "truncate", env=env,
-    ), "hsx produce")
+    return check_ok(
+        hsx(
+            "produce",
+            "--job",
+            job,
+            "--model",
+            str(model),
+            "--dataset",
+            str(dataset),
+            "--layers",
+            "1,3",
+            "--dest",
+            dest,
+            "--dtype",
+            "float32",
+            "--token-budget",
+            "384",
+            "--max-seq-len",
+            str(MAX_SEQ_LEN),
+            "--on-long",
+            "truncate",
+            env=env,
+        ),
+        "hsx produce",
+    )
 
 
 def _dataset(tmp_path: Path, count: int) -> tuple[Path, list[dict]]:
@@ -87,8 +107,11 @@ def _check_bundle(files: dict[str, bytes], state: dict, rows: list[dict]) -> Non
 
 
 def _bundle_written_events(stderr: str) -> list[dict]:
-    return [e for e in (json.loads(line) for line in stderr.splitlines() if line.startswith("{"))
-            if e.get("event") == "bundle_written"]
+    return [
+        e
+        for e in (json.loads(line) for line in stderr.splitlines() if line.startswith("{"))
+        if e.get("event") == "bundle_written"
+    ]
 
 
 def test_file_bundle_matches_the_job_and_reruns_are_idempotent(tmp_path, hsx, tiny_model, job_name, nats_server):
@@ -108,38 +131,46 @@ def test_file_bundle_matches_the_job_and_reruns_are_idempotent(tmp_path, hsx, ti
     assert [e["written"] for e in events] == [["plan.json"]], result.stderr[-2000:]
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
     assert {n: t for n, t in ((p.name, p.stat().st_mtime_ns) for p in folder.iterdir()) if n != "plan.json"} == {
-        n: t for n, t in mtimes.items() if n != "plan.json"}
+        n: t for n, t in mtimes.items() if n != "plan.json"
+    }
 
 
-def test_s3_bundle_matches_the_job_and_verify_ignores_it(tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server, s3_env):
+def test_s3_bundle_matches_the_job_and_verify_ignores_it(
+    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server, s3_env
+):
     bucket, env = s3_env
     dataset, rows = _dataset(tmp_path, 12)
     spool = tmp_path / "spool"
     _produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=dataset, dest=f"s3://{bucket}/hs", env=env)
     state = asyncio.run(_job_state(nats_server.url, job_name))  # before the consumer takes the descriptors
-    workers = [hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), env=env, name="consume"),
-               hsx_service("upload", "--job", job_name, "--spool", str(spool), env=env, name="upload")]
+    workers = [
+        hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), env=env, name="consume"),
+        hsx_service("upload", "--job", job_name, "--spool", str(spool), env=env, name="upload"),
+    ]
     wait_until_done(start_monitor(hsx_service, job_name, env), workers)
 
     s3 = boto3.client("s3")
     prefix = f"hs/{job_name}/_hsx/"
     listed = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
-    files = {key[len(prefix):]: s3.get_object(Bucket=bucket, Key=key)["Body"].read() for key in listed}
+    files = {key[len(prefix) :]: s3.get_object(Bucket=bucket, Key=key)["Body"].read() for key in listed}
     # Beside the bundle, the index the monitor writes when the job is done (hsx/storage/index.py).
     assert "index.arrow" in files, sorted(files)
     _check_bundle({name: data for name, data in files.items() if name != "index.arrow"}, state, rows)
     for key in listed:  # stored with its sha256, as the verified put checks it
         head = s3.head_object(Bucket=bucket, Key=key)
-        assert head["Metadata"]["hsx-sha256"] == hashlib.sha256(files[key[len(prefix):]]).hexdigest()
+        assert head["Metadata"]["hsx-sha256"] == hashlib.sha256(files[key[len(prefix) :]]).hexdigest()
 
     result = hsx("verify", "--job", job_name, "--json", env=env)
     report = json.loads(result.stdout or "{}")
     assert result.returncode == 0 and report["ok"] and report["extra_keys"] == [], (
-        f"{result.stdout}\n{result.stderr[-3000:]}\n{logs_of(*workers)}")
+        f"{result.stdout}\n{result.stderr[-3000:]}\n{logs_of(*workers)}"
+    )
     # Control: a stray key beside the bundle is still reported by a verify that lists.
     s3.put_object(Bucket=bucket, Key=f"hs/{job_name}/stray.bin", Body=b"x")
     result = hsx("verify", "--job", job_name, "--json", "--list", env=env)
-    assert result.returncode == 1 and json.loads(result.stdout)["extra_keys"] == [f"{job_name}/stray.bin"], result.stdout
+    assert result.returncode == 1 and json.loads(result.stdout)["extra_keys"] == [f"{job_name}/stray.bin"], (
+        result.stdout
+    )
 
 
 def bundle_to_parquet(tokens_arrow: Path, parquet: Path) -> None:
@@ -148,8 +179,9 @@ def bundle_to_parquet(tokens_arrow: Path, parquet: Path) -> None:
     import pyarrow.parquet as pq
 
     table = pa.ipc.open_stream(tokens_arrow.read_bytes()).read_all()
-    pq.write_table(pa.table({"id": table["source_id"], "input_ids": table["input_ids"],
-                             "loss_mask": table["loss_mask"]}), parquet)
+    pq.write_table(
+        pa.table({"id": table["source_id"], "input_ids": table["input_ids"], "loss_mask": table["loss_mask"]}), parquet
+    )
 
 
 def test_bundle_resumes_the_same_plan_on_a_new_nats_server(tmp_path, hsx, tiny_model, job_name, nats_server):
@@ -165,7 +197,9 @@ def test_bundle_resumes_the_same_plan_on_a_new_nats_server(tmp_path, hsx, tiny_m
     # Another machine: a NATS server that never saw the job, the bundle's samples as the dataset.
     fresh = start_nats_server(tmp_path / "nats2", log_file=tmp_path / "nats2.log")
     try:
-        result = _produce(hsx, job=job_name, model=model, dataset=parquet, dest=str(out), env={"HSX_NATS_URL": fresh.url})
+        result = _produce(
+            hsx, job=job_name, model=model, dataset=parquet, dest=str(out), env={"HSX_NATS_URL": fresh.url}
+        )
         spec = asyncio.run(_job_state(fresh.url, job_name))["spec"]
     finally:
         fresh.stop()

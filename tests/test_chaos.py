@@ -94,7 +94,9 @@ def wait_for(condition, *, timeout: float, what: str, procs=(), alive=(), period
     while not condition():
         dead = [p for p in alive if p.poll() is not None]
         if dead:
-            pytest.fail(f"{what}: {' '.join(dead[0].args[3:6])} exited {dead[0].returncode} while waiting\n{logs_of(*procs)}")
+            pytest.fail(
+                f"{what}: {' '.join(dead[0].args[3:6])} exited {dead[0].returncode} while waiting\n{logs_of(*procs)}"
+            )
         if time.monotonic() - started > timeout:
             pytest.fail(f"{what}: not within {timeout:.0f} s\n{logs_of(*procs)}")
         time.sleep(period)
@@ -181,23 +183,48 @@ def test_consumers_sigkilled_three_times_give_the_same_bytes_as_an_undisturbed_r
     rows = write_dataset(tmp_path / "data.jsonl", 96, min_len=8, max_len=40, seed=31)
     reference, chaos = f"{job_name}r", f"{job_name}c"
     with ThreadPoolExecutor(2) as pool:  # both producers at once: half the start-up time
-        list(pool.map(lambda job: produce(hsx, job=job, model=model, dataset=tmp_path / "data.jsonl",
-                                          dest=f"s3://{bucket}/prefix", token_budget=128, max_seq_len=64, env=env),
-                      (reference, chaos)))
+        list(
+            pool.map(
+                lambda job: produce(
+                    hsx,
+                    job=job,
+                    model=model,
+                    dataset=tmp_path / "data.jsonl",
+                    dest=f"s3://{bucket}/prefix",
+                    token_budget=128,
+                    max_seq_len=64,
+                    env=env,
+                ),
+                (reference, chaos),
+            )
+        )
     total_batches = status(hsx, chaos, env)["batches_total"]
     assert total_batches >= 12, f"only {total_batches} batches: too few for three kills mid-run"
 
     # The undisturbed run goes on beside the disturbed one (same machine, its own spool).
     ref_spool, spool = tmp_path / "spool-ref", tmp_path / "spool"
     ref_workers = [
-        hsx_service("consume", "--job", reference, "--device", "cpu", "--spool", str(ref_spool), env=env, name="consume-ref"),
+        hsx_service(
+            "consume", "--job", reference, "--device", "cpu", "--spool", str(ref_spool), env=env, name="consume-ref"
+        ),
         hsx_service("upload", "--job", reference, "--spool", str(ref_spool), env=env, name="upload-ref"),
     ]
     ref_monitor = start_monitor(hsx_service, reference, env)
 
     def consumer(n: int, extra: dict | None = None):
-        return hsx_service("consume", "--job", chaos, "--device", "cpu", "--spool", str(spool), "--ack-wait", "2",
-                           env={**env, **(extra or {})}, name=f"consume-{n}")
+        return hsx_service(
+            "consume",
+            "--job",
+            chaos,
+            "--device",
+            "cpu",
+            "--spool",
+            str(spool),
+            "--ack-wait",
+            "2",
+            env={**env, **(extra or {})},
+            name=f"consume-{n}",
+        )
 
     uploader = hsx_service("upload", "--job", chaos, "--spool", str(spool), env=env, name="upload")
     monitor = start_monitor(hsx_service, chaos, env)
@@ -207,14 +234,25 @@ def test_consumers_sigkilled_three_times_give_the_same_bytes_as_an_undisturbed_r
     # have stored them). Kills 2 and 3 come from here, right after a batch_done, with the next
     # batch in hand. A new consumer is started after each kill.
     current = consumer(0, {"HSX_TEST_CRASH_BEFORE_ACK": str(tmp_path / "crashed.marker")})
-    wait_for(lambda: current.poll() is not None, timeout=60, what="consumer #0 killing itself before its first ack",
-             procs=[current, uploader], alive=[uploader])
+    wait_for(
+        lambda: current.poll() is not None,
+        timeout=60,
+        what="consumer #0 killing itself before its first ack",
+        procs=[current, uploader],
+        alive=[uploader],
+    )
     assert current.returncode == -signal.SIGKILL, logs_of(current)
     killed = [current]
     for n in (1, 2):
         current = consumer(n)
-        wait_for(lambda: log_events(current, "batch_done"), timeout=60, what=f"a batch_done from consumer #{n}",
-                 procs=[current, uploader], alive=[current, uploader], period=0.02)
+        wait_for(
+            lambda: log_events(current, "batch_done"),
+            timeout=60,
+            what=f"a batch_done from consumer #{n}",
+            procs=[current, uploader],
+            alive=[current, uploader],
+            period=0.02,
+        )
         sigkill(current)
         killed.append(current)
         done_so_far = sum(len(log_events(p, "batch_done")) for p in killed)
@@ -245,8 +283,10 @@ def test_consumers_sigkilled_three_times_give_the_same_bytes_as_an_undisturbed_r
         meta_want = _metadata(objects[f"{reference}/00000/{index}.safetensors"])
         assert meta_got.pop("job") == chaos and meta_want.pop("job") == reference
         assert meta_got == meta_want, f"sample {index}: metadata differs from the undisturbed run"
-    print(f"\nCHAOS consumer_sigkill: batches={total_batches} kills=3 batch_redeliveries={view['batch_redeliveries']} "
-          f"first_start_to_done_s={done - started:.1f} last_kill_to_done_s={done - last_kill:.1f}")
+    print(
+        f"\nCHAOS consumer_sigkill: batches={total_batches} kills=3 batch_redeliveries={view['batch_redeliveries']} "
+        f"first_start_to_done_s={done - started:.1f} last_kill_to_done_s={done - last_kill:.1f}"
+    )
 
 
 # ---------------------------------------------------------------- 2. an uploader SIGKILLed
@@ -287,8 +327,10 @@ class SpoolDeletionWatcher(threading.Thread):
                 continue
             stored = head.get("Metadata", {}).get(DIGEST_METADATA)
             if head["ContentLength"] != size or stored != digest:
-                self.problems.append(f"{path.name} left the spool but the object holds {head['ContentLength']} bytes "
-                                     f"digest {stored}, not {size} bytes {digest}")
+                self.problems.append(
+                    f"{path.name} left the spool but the object holds {head['ContentLength']} bytes "
+                    f"digest {stored}, not {size} bytes {digest}"
+                )
                 continue
             self.checked.add(key)
         for path in now - self.present.keys():
@@ -334,22 +376,43 @@ def test_uploader_sigkilled_mid_upload_never_deletes_an_unstored_file(
     job = job_name
     count = 80
     rows = write_dataset(tmp_path / "data.jsonl", count, min_len=40, max_len=120, seed=41)
-    produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=f"s3://{bucket}/prefix",
-            token_budget=256, max_seq_len=128, env=env)
+    produce(
+        hsx,
+        job=job,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=f"s3://{bucket}/prefix",
+        token_budget=256,
+        max_seq_len=128,
+        env=env,
+    )
     spool = tmp_path / "spool"
     watcher = SpoolDeletionWatcher(spool, job, bucket, "prefix")
     watcher.start()
     try:
-        consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), env=env, name="consume")
+        consumer = hsx_service(
+            "consume", "--job", job, "--device", "cpu", "--spool", str(spool), env=env, name="consume"
+        )
         # Every file waits in the spool first, so the uploader starts with a full queue of work.
-        wait_for(lambda: len(watcher.present) == count, timeout=60, what="every sample file in the spool",
-                 procs=[consumer], alive=[consumer])
+        wait_for(
+            lambda: len(watcher.present) == count,
+            timeout=60,
+            what="every sample file in the spool",
+            procs=[consumer],
+            alive=[consumer],
+        )
         # 16 uploads in flight: with one thread per upload, a hundred would empty the spool before
         # the watcher has seen five land, and there would be nothing left to kill it in the middle of.
         upload_args = ("upload", "--job", job, "--spool", str(spool), "--ack-wait", "2", "--max-inflight", "16")
         first = hsx_service(*upload_args, env=env, name="upload-killed")
-        wait_for(watcher.clean(lambda: len(watcher.checked) >= 5), timeout=60, what="the first uploads",
-                 procs=[first, consumer], alive=[first, consumer], period=0.01)
+        wait_for(
+            watcher.clean(lambda: len(watcher.checked) >= 5),
+            timeout=60,
+            what="the first uploads",
+            procs=[first, consumer],
+            alive=[first, consumer],
+            period=0.01,
+        )
         sigkill(first)
         killed_at = time.monotonic()
         left = len(spool_files(spool))
@@ -358,8 +421,14 @@ def test_uploader_sigkilled_mid_upload_never_deletes_an_unstored_file(
         time.sleep(0.5)
         second = hsx_service(*upload_args, env=env, name="upload")
         monitor = start_monitor(hsx_service, job, env)
-        wait_for(watcher.clean(lambda: monitor.poll() is not None), timeout=60, what="the job done",
-                 procs=[monitor, consumer, second], alive=[consumer, second], period=0.1)
+        wait_for(
+            watcher.clean(lambda: monitor.poll() is not None),
+            timeout=60,
+            what="the job done",
+            procs=[monitor, consumer, second],
+            alive=[consumer, second],
+            period=0.1,
+        )
         wait_until_done(monitor, [consumer, second])
         done = time.monotonic()
     finally:
@@ -369,7 +438,8 @@ def test_uploader_sigkilled_mid_upload_never_deletes_an_unstored_file(
     assert watcher.looks >= 20, f"spool watched only {watcher.looks} times"
     expected = {f"prefix/{job}/00000/{i}.safetensors" for i in range(count)}
     assert len(watcher.seen) == count and watcher.checked == expected, (
-        f"watched {len(watcher.checked)} deletions of {count} files; unchecked {sorted(expected - watcher.checked)[:5]}")
+        f"watched {len(watcher.checked)} deletions of {count} files; unchecked {sorted(expected - watcher.checked)[:5]}"
+    )
     assert not spool_files(spool), spool_files(spool)
     check_outputs(read_s3_objects(bucket, "prefix"), job=job, rows=rows)
     view = status(hsx, job, env)
@@ -377,8 +447,10 @@ def test_uploader_sigkilled_mid_upload_never_deletes_an_unstored_file(
     assert view["file_redeliveries"] >= 1, f"the kill left no upload unacked: {view}"
     assert view["samples_requeued"] == 0, view
     check_uploaded_once(nats_server.url, job, count)
-    print(f"\nCHAOS uploader_sigkill: files={count} uploaded_before_kill={uploaded_before_kill} spool_at_kill={left} "
-          f"file_redeliveries={view['file_redeliveries']} looks={watcher.looks} kill_to_done_s={done - killed_at:.1f}")
+    print(
+        f"\nCHAOS uploader_sigkill: files={count} uploaded_before_kill={uploaded_before_kill} spool_at_kill={left} "
+        f"file_redeliveries={view['file_redeliveries']} looks={watcher.looks} kill_to_done_s={done - killed_at:.1f}"
+    )
 
 
 # ---------------------------------------------------------------- 3. nats-server restarted
@@ -389,23 +461,41 @@ def test_uploader_sigkilled_mid_upload_never_deletes_an_unstored_file(
 NATS_OUTAGE_S = 6.0
 
 
-def test_nats_server_restart_mid_run_every_service_reconnects_by_itself(tmp_path, hsx, hsx_service, tiny_model, job_name):
+def test_nats_server_restart_mid_run_every_service_reconnects_by_itself(
+    tmp_path, hsx, hsx_service, tiny_model, job_name
+):
     store, port = tmp_path / "nats", _free_port()
     server = start_nats_server(store, port=port, log_file=tmp_path / "nats-server.log")
     try:
         env = {"HSX_NATS_URL": server.url}
         rows = write_dataset(tmp_path / "data.jsonl", 160, min_len=8, max_len=40, seed=51)
         out = tmp_path / "out"
-        produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
-                token_budget=96, max_seq_len=64, env=env)
+        produce(
+            hsx,
+            job=job_name,
+            model=tiny_model("qwen3"),
+            dataset=tmp_path / "data.jsonl",
+            dest=str(out),
+            token_budget=96,
+            max_seq_len=64,
+            env=env,
+        )
         total_batches = status(hsx, job_name, env)["batches_total"]
         spool = str(tmp_path / "spool")
-        consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, env=env, name="consume")
+        consumer = hsx_service(
+            "consume", "--job", job_name, "--device", "cpu", "--spool", spool, env=env, name="consume"
+        )
         uploader = hsx_service("upload", "--job", job_name, "--spool", spool, env=env, name="upload")
         monitor = start_monitor(hsx_service, job_name, env)
         services = [consumer, uploader, monitor]
-        wait_for(lambda: len(log_events(consumer, "batch_done")) >= 2 and log_events(monitor, "progress"),
-                 timeout=60, what="two batches done", procs=services, alive=services, period=0.02)
+        wait_for(
+            lambda: len(log_events(consumer, "batch_done")) >= 2 and log_events(monitor, "progress"),
+            timeout=60,
+            what="two batches done",
+            procs=services,
+            alive=services,
+            period=0.02,
+        )
         server.stop()
         stopped = time.monotonic()
         done_at_stop = len(log_events(consumer, "batch_done"))
@@ -422,7 +512,8 @@ def test_nats_server_restart_mid_run_every_service_reconnects_by_itself(tmp_path
         done = time.monotonic()
         for proc in services:
             assert log_events(proc, "nats_disconnected") and log_events(proc, "nats_reconnected"), (
-                f"{proc.args[3:6]} did not report the outage and its reconnection\n{logs_of(proc)}")
+                f"{proc.args[3:6]} did not report the outage and its reconnection\n{logs_of(proc)}"
+            )
         assert consumer.poll() is None and uploader.poll() is None, logs_of(consumer, uploader)
         check_outputs(read_dir_objects(out), job=job_name, rows=rows)
         view = status(hsx, job_name, env)
@@ -431,9 +522,11 @@ def test_nats_server_restart_mid_run_every_service_reconnects_by_itself(tmp_path
         assert view["batch_redeliveries"] == 0 and view["file_redeliveries"] == 0, view
         assert view["samples_requeued"] == 0, view
         assert not spool_files(Path(spool)), spool_files(Path(spool))
-        print(f"\nCHAOS nats_restart: batches={total_batches} done_at_stop={done_at_stop} outage_s={restarted - stopped:.1f} "
-              f"restart_to_done_s={done - restarted:.1f} batch_redeliveries={view['batch_redeliveries']} "
-              f"file_redeliveries={view['file_redeliveries']}")
+        print(
+            f"\nCHAOS nats_restart: batches={total_batches} done_at_stop={done_at_stop} outage_s={restarted - stopped:.1f} "
+            f"restart_to_done_s={done - restarted:.1f} batch_redeliveries={view['batch_redeliveries']} "
+            f"file_redeliveries={view['file_redeliveries']}"
+        )
     finally:
         server.stop()
 
@@ -486,14 +579,34 @@ def test_s3_outage_uploads_retry_consumer_pauses_monitor_reports_nothing_lost(
     s3, bucket, env = stoppable_s3
     job = job_name
     rows = write_dataset(tmp_path / "data.jsonl", 40, min_len=20, max_len=60, seed=61)
-    produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=f"s3://{bucket}/prefix",
-            token_budget=128, max_seq_len=64, env=env)
+    produce(
+        hsx,
+        job=job,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=f"s3://{bucket}/prefix",
+        token_budget=128,
+        max_seq_len=64,
+        env=env,
+    )
     spool = tmp_path / "spool"
     high_water = 3 * 60 * 800  # bytes: about three of the largest sample files (~780 bytes a token)
-    consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool),
-                           "--spool-high-water", str(high_water), env=env, name="consume")
-    uploader = hsx_service("--log-level", "debug", "upload", "--job", job, "--spool", str(spool), "--ack-wait", "5",
-                           env=env, name="upload")
+    consumer = hsx_service(
+        "consume",
+        "--job",
+        job,
+        "--device",
+        "cpu",
+        "--spool",
+        str(spool),
+        "--spool-high-water",
+        str(high_water),
+        env=env,
+        name="consume",
+    )
+    uploader = hsx_service(
+        "--log-level", "debug", "upload", "--job", job, "--spool", str(spool), "--ack-wait", "5", env=env, name="upload"
+    )
     monitor = start_monitor(hsx_service, job, env)
     services = [consumer, uploader, monitor]
     client = boto3.client("s3")
@@ -502,8 +615,14 @@ def test_s3_outage_uploads_retry_consumer_pauses_monitor_reports_nothing_lost(
         keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", [])]
         return {k: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
 
-    wait_for(lambda: len(log_events(uploader, "file_uploaded")) >= 3, timeout=60, what="the first uploads",
-             procs=services, alive=services, period=0.02)
+    wait_for(
+        lambda: len(log_events(uploader, "file_uploaded")) >= 3,
+        timeout=60,
+        what="the first uploads",
+        procs=services,
+        alive=services,
+        period=0.02,
+    )
     before = stored()
     assert 3 <= len(before) < len(rows), len(before)
     offsets = {id(p): log_offset(p) for p in services}
@@ -511,18 +630,35 @@ def test_s3_outage_uploads_retry_consumer_pauses_monitor_reports_nothing_lost(
     stopped = time.monotonic()
 
     def seen(proc, name, **fields) -> bool:
-        return any(all(r.get(k) == v for k, v in fields.items()) for r in log_events(proc, name, after=offsets[id(proc)]))
+        return any(
+            all(r.get(k) == v for k, v in fields.items()) for r in log_events(proc, name, after=offsets[id(proc)])
+        )
 
     def degraded() -> bool:
-        return (seen(consumer, "spool_high_water_paused") and seen(uploader, "upload_retry")
-                and seen(monitor, "worker_degraded", service="gpu_consumer", state="paused")
-                and seen(monitor, "worker_degraded", service="uploader", state="retrying"))
+        return (
+            seen(consumer, "spool_high_water_paused")
+            and seen(uploader, "upload_retry")
+            and seen(monitor, "worker_degraded", service="gpu_consumer", state="paused")
+            and seen(monitor, "worker_degraded", service="uploader", state="retrying")
+        )
 
-    detected = wait_for(degraded, timeout=45, what="the consumer paused, uploads retrying, and the monitor saying both",
-                        procs=services, alive=services, period=0.2)
+    detected = wait_for(
+        degraded,
+        timeout=45,
+        what="the consumer paused, uploads retrying, and the monitor saying both",
+        procs=services,
+        alive=services,
+        period=0.2,
+    )
     waiting_then = spool_files(spool)
-    wait_for(lambda: time.monotonic() - stopped >= OUTAGE_S, timeout=OUTAGE_S + 1, what="the outage", procs=services,
-             alive=services, period=0.2)
+    wait_for(
+        lambda: time.monotonic() - stopped >= OUTAGE_S,
+        timeout=OUTAGE_S + 1,
+        what="the outage",
+        procs=services,
+        alive=services,
+        period=0.2,
+    )
     waiting = spool_files(spool)
     # Still paused: no file written since the pause was seen, and no resume logged since.
     assert waiting == waiting_then and len(waiting) >= 3, (len(waiting_then), len(waiting))
@@ -535,8 +671,11 @@ def test_s3_outage_uploads_retry_consumer_pauses_monitor_reports_nothing_lost(
 
     wait_until_done(monitor, [consumer, uploader], timeout=90)
     done = time.monotonic()
-    first_upload = min(log_time(r) for r in log_events(uploader, "file_uploaded", after=offsets[id(uploader)])
-                       if log_time(r) >= restarted_wall)
+    first_upload = min(
+        log_time(r)
+        for r in log_events(uploader, "file_uploaded", after=offsets[id(uploader)])
+        if log_time(r) >= restarted_wall
+    )
     check_outputs(read_s3_objects(bucket, "prefix"), job=job, rows=rows)
     assert not spool_files(spool), spool_files(spool)
     view = status(hsx, job, env)
@@ -547,10 +686,12 @@ def test_s3_outage_uploads_retry_consumer_pauses_monitor_reports_nothing_lost(
     check_uploaded_once(nats_server.url, job, len(rows))
     assert seen(consumer, "spool_resumed"), logs_of(consumer)
     retries = len(log_events(uploader, "upload_retry"))
-    print(f"\nCHAOS s3_outage: outage_s={restarted - stopped:.1f} detected_after_s={detected:.1f} "
-          f"spool_files_during_outage={len(waiting)} upload_retries={retries} "
-          f"endpoint_back_to_first_upload_s={first_upload - restarted_wall:.1f} endpoint_back_to_done_s={done - restarted:.1f}"
-          f" uploads_before_outage={len(before)}")
+    print(
+        f"\nCHAOS s3_outage: outage_s={restarted - stopped:.1f} detected_after_s={detected:.1f} "
+        f"spool_files_during_outage={len(waiting)} upload_retries={retries} "
+        f"endpoint_back_to_first_upload_s={first_upload - restarted_wall:.1f} endpoint_back_to_done_s={done - restarted:.1f}"
+        f" uploads_before_outage={len(before)}"
+    )
 
 
 # ---------------------------------------------------------------- 5. producers re-run and raced
@@ -581,7 +722,9 @@ def _shrink_duplicate_window(url: str, job: str) -> None:
     asyncio.run(shrink())
 
 
-def test_producer_reruns_and_races_publish_and_extract_each_batch_once(tmp_path, hsx, hsx_service, tiny_model, job_name):
+def test_producer_reruns_and_races_publish_and_extract_each_batch_once(
+    tmp_path, hsx, hsx_service, tiny_model, job_name
+):
     # A server of its own: the test changes HSX_BATCHES's duplicate window.
     server = start_nats_server(tmp_path / "nats", log_file=tmp_path / "nats-server.log")
     try:
@@ -590,8 +733,25 @@ def test_producer_reruns_and_races_publish_and_extract_each_batch_once(tmp_path,
         job = job_name
         rows = write_dataset(tmp_path / "data.jsonl", 40, min_len=8, max_len=40, seed=71)
         out = tmp_path / "out"
-        args = ("produce", "--job", job, "--model", str(tiny_model("qwen3")), "--dataset", str(tmp_path / "data.jsonl"),
-                "--layers", "0,2,5", "--dest", str(out), "--dtype", "float32", "--token-budget", "128", "--max-seq-len", "64")
+        args = (
+            "produce",
+            "--job",
+            job,
+            "--model",
+            str(tiny_model("qwen3")),
+            "--dataset",
+            str(tmp_path / "data.jsonl"),
+            "--layers",
+            "0,2,5",
+            "--dest",
+            str(out),
+            "--dtype",
+            "float32",
+            "--token-budget",
+            "128",
+            "--max-seq-len",
+            "64",
+        )
 
         # Two producers at once, for a job that does not exist yet. The first to have read the job
         # (it logs plan_ready) is frozen there with SIGSTOP, so the other runs its whole course
@@ -610,7 +770,9 @@ def test_producer_reruns_and_races_publish_and_extract_each_batch_once(tmp_path,
         wait_for(freeze_first_planner, timeout=90, what="a producer's plan", procs=racers, period=0.002)
         other = next(p for p in racers if p is not frozen[0])
         try:
-            wait_for(lambda: other.poll() is not None, timeout=90, what="the producer that was not frozen", procs=racers)
+            wait_for(
+                lambda: other.poll() is not None, timeout=90, what="the producer that was not frozen", procs=racers
+            )
         finally:
             frozen[0].send_signal(signal.SIGCONT)
         wait_for(lambda: frozen[0].poll() is not None, timeout=60, what="the frozen producer", procs=racers)
@@ -619,7 +781,8 @@ def test_producer_reruns_and_races_publish_and_extract_each_batch_once(tmp_path,
         total_batches = status(hsx, job, env)["batches_total"]
         queued, last_seq, ids = batch_stream_state(url, job)
         assert queued == len(ids) == total_batches and len(set(ids)) == total_batches, (
-            f"{queued} messages, {len(set(ids))} distinct batch ids, {total_batches} batches planned")
+            f"{queued} messages, {len(set(ids))} distinct batch ids, {total_batches} batches planned"
+        )
         # Neither saw the other's finished job (both published), and the stream took each batch once.
         published = [log_events(p, "job_published") for p in racers]
         assert all(published), f"a producer did not publish (it found the job already published)\n{logs_of(*racers)}"
@@ -656,10 +819,13 @@ def test_producer_reruns_and_races_publish_and_extract_each_batch_once(tmp_path,
         assert read_dir_objects(out) == objects
         assert {p: p.stat().st_mtime_ns for p in out.rglob("*.safetensors")} == mtimes
         racer_logs = " ".join(
-            f"produce-{n}{'(frozen)' if p is frozen[0] else ''}: rc={p.returncode} " + ",".join(
+            f"produce-{n}{'(frozen)' if p is frozen[0] else ''}: rc={p.returncode} "
+            + ",".join(
                 f"{r['event']}(new={r.get('new')},duplicates={r.get('duplicates')})"
-                for r in log_events(p, "job_published") + log_events(p, "job_already_published"))
-            for n, p in enumerate(racers))
+                for r in log_events(p, "job_published") + log_events(p, "job_already_published")
+            )
+            for n, p in enumerate(racers)
+        )
         print(f"\nCHAOS producers: batches={total_batches} {racer_logs}")
     finally:
         server.stop()

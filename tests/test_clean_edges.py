@@ -26,12 +26,26 @@ DAY = 24 * 3600.0
 
 
 def _spec_json(job: str) -> bytes:
-    return msgspec.json.encode({
-        "type": "job.v1", "job": job, "model": "m", "model_revision": "local", "layers": [1], "dtype": "bfloat16",
-        "dest": "file:///nonexistent", "token_budget": 64, "max_seq_len": 32, "dataset": "d",
-        "plan_fingerprint": "ab" * 32, "total_samples": 20_000, "total_tokens": 160_000, "total_batches": 10_000,
-        "created_at": 0.0, "published": True,
-    })
+    return msgspec.json.encode(
+        {
+            "type": "job.v1",
+            "job": job,
+            "model": "m",
+            "model_revision": "local",
+            "layers": [1],
+            "dtype": "bfloat16",
+            "dest": "file:///nonexistent",
+            "token_budget": 64,
+            "max_seq_len": 32,
+            "dataset": "d",
+            "plan_fingerprint": "ab" * 32,
+            "total_samples": 20_000,
+            "total_tokens": 160_000,
+            "total_batches": 10_000,
+            "created_at": 0.0,
+            "published": True,
+        }
+    )
 
 
 def test_status_past_its_timeout_prints_one_line_and_no_traceback(hsx, nats_server, job_name):
@@ -51,14 +65,24 @@ def test_status_past_its_timeout_prints_one_line_and_no_traceback(hsx, nats_serv
     assert "--timeout" in lines[0]
 
 
-def test_services_stopped_while_nats_is_down_exit_0_without_a_traceback(tmp_path, hsx, hsx_service, tiny_model, job_name):
+def test_services_stopped_while_nats_is_down_exit_0_without_a_traceback(
+    tmp_path, hsx, hsx_service, tiny_model, job_name
+):
     store, port = tmp_path / "nats", _free_port()
     server = start_nats_server(store, port=port, log_file=tmp_path / "nats-server.log")
     try:
         env = {"HSX_NATS_URL": server.url}
         write_dataset(tmp_path / "data.jsonl", 6, min_len=4, max_len=12, seed=5)
-        produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(tmp_path / "out"),
-                token_budget=64, max_seq_len=16, env=env)
+        produce(
+            hsx,
+            job=job_name,
+            model=tiny_model("qwen3"),
+            dataset=tmp_path / "data.jsonl",
+            dest=str(tmp_path / "out"),
+            token_budget=64,
+            max_seq_len=16,
+            env=env,
+        )
         spool = str(tmp_path / "spool")
         services = [
             hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, env=env, name="consume"),
@@ -67,10 +91,17 @@ def test_services_stopped_while_nats_is_down_exit_0_without_a_traceback(tmp_path
         ]
         monitor = services[2]
         # Each in its steady state (the job done, workers idle), not still starting up.
-        wait_for(lambda: log_events(monitor, "job_summary"), timeout=60, what="job done", procs=services, alive=services)
+        wait_for(
+            lambda: log_events(monitor, "job_summary"), timeout=60, what="job done", procs=services, alive=services
+        )
         server.stop()
-        wait_for(lambda: all(log_events(proc, "nats_disconnected") for proc in services), timeout=20,
-                 what="every service saw NATS go", procs=services, alive=services)
+        wait_for(
+            lambda: all(log_events(proc, "nats_disconnected") for proc in services),
+            timeout=20,
+            what="every service saw NATS go",
+            procs=services,
+            alive=services,
+        )
         signalled = time.monotonic()
         for proc in services:
             proc.send_signal(signal.SIGTERM)
@@ -81,13 +112,15 @@ def test_services_stopped_while_nats_is_down_exit_0_without_a_traceback(tmp_path
                     took[proc.args[3]] = round(time.monotonic() - signalled, 1)
             running = [proc for proc in services if proc.poll() is None]
             assert not running or time.monotonic() - signalled < 30, (
-                f"{running[0].args[3]} did not stop within 30 s of SIGTERM\n{logs_of(running[0])}")
+                f"{running[0].args[3]} did not stop within 30 s of SIGTERM\n{logs_of(running[0])}"
+            )
             time.sleep(0.05)
         print(f"\nEDGES stopped_while_nats_down: seconds from SIGTERM to exit {took}")
         for proc in services:
             text = proc.log_path.read_text()
             assert proc.returncode == 0 and "ConnectionReconnectingError" not in text, (
-                f"{proc.args[3]} exited {proc.returncode}\n{logs_of(proc)}")
+                f"{proc.args[3]} exited {proc.returncode}\n{logs_of(proc)}"
+            )
             # No traceback printed on the way out: every line is one of the log stream's JSON lines.
             raw = [line for line in text.splitlines() if not line.startswith("{")]
             assert not raw, f"{proc.args[3]} printed lines outside its JSON log:\n" + "\n".join(raw[-40:])
@@ -104,9 +137,19 @@ def test_events_are_kept_as_long_as_the_job_and_heartbeats_stay_one_per_worker(t
         nc = await nats.connect(server.url)
         js = nc.jetstream()
         # The streams as an earlier hsx created them.
-        for name, subject, age in ((topology.EVENTS_STREAM, "hsx.events.>", 30 * DAY), (topology.DEAD_STREAM, "hsx.dead.>", 90 * DAY)):
-            await js.add_stream(StreamConfig(name=name, subjects=[subject], retention=RetentionPolicy.LIMITS,
-                                             storage=StorageType.FILE, max_age=age))
+        for name, subject, age in (
+            (topology.EVENTS_STREAM, "hsx.events.>", 30 * DAY),
+            (topology.DEAD_STREAM, "hsx.dead.>", 90 * DAY),
+        ):
+            await js.add_stream(
+                StreamConfig(
+                    name=name,
+                    subjects=[subject],
+                    retention=RetentionPolicy.LIMITS,
+                    storage=StorageType.FILE,
+                    max_age=age,
+                )
+            )
         events = EventPublisher(nc, js, job_name)
         early = schemas.FileUploaded(job=job_name, node="n", uploader="u", sample_index=0, key="k", size=1, tokens=1)
         await events.emit(early)
@@ -120,7 +163,9 @@ def test_events_are_kept_as_long_as_the_job_and_heartbeats_stay_one_per_worker(t
 
         for beat in range(25):
             for instance in ("node-1-101", "node-1-102"):
-                await events.heartbeat(service="uploader", instance=instance, node="node-1", state="idle", detail=f"beat {beat}")
+                await events.heartbeat(
+                    service="uploader", instance=instance, node="node-1", state="idle", detail=f"beat {beat}"
+                )
             await events.emit(msgspec.structs.replace(early, sample_index=beat + 1))
         await nc.flush()
         info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=f"hsx.events.{job_name}.>")
@@ -169,8 +214,13 @@ warnings.warn("a python warning")
 
 
 def test_library_logging_comes_out_as_json_lines_with_tracebacks(tiny_model):
-    result = subprocess.run([sys.executable, "-c", LOGGING_SCRIPT, str(tiny_model("qwen3"))], capture_output=True,
-                            text=True, timeout=120, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", LOGGING_SCRIPT, str(tiny_model("qwen3"))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr
     records = []
     for line in result.stderr.splitlines():
@@ -187,4 +237,6 @@ def test_library_logging_comes_out_as_json_lines_with_tracebacks(tiny_model):
         trace = by_event[event].get("exception", "")
         assert trace.startswith("Traceback") and "ZeroDivisionError: division by zero" in trace, by_event[event]
     assert by_event["transformers says hello"]["logger"] == "transformers.modeling_utils"
-    assert any("a python warning" in record["event"] and record["logger"] == "py.warnings" for record in records), records
+    assert any("a python warning" in record["event"] and record["logger"] == "py.warnings" for record in records), (
+        records
+    )

@@ -52,10 +52,12 @@ def _write_jsonl(path: Path, rows: list) -> Path:
 
 
 def _write_parquet(path: Path, rows: list[dict]) -> Path:
-    table = pa.table({
-        "input_ids": pa.array([r["input_ids"] for r in rows], type=pa.list_(pa.int64())),
-        "loss_mask": pa.array([r.get("loss_mask") for r in rows], type=pa.list_(pa.int64())),
-    })
+    table = pa.table(
+        {
+            "input_ids": pa.array([r["input_ids"] for r in rows], type=pa.list_(pa.int64())),
+            "loss_mask": pa.array([r.get("loss_mask") for r in rows], type=pa.list_(pa.int64())),
+        }
+    )
     pq.write_table(table, path)
     return path
 
@@ -95,8 +97,14 @@ class Case:
 
 def _produce_args(model: Path, dataset: Path, dest: Path, job: str, **overrides: str) -> list[str]:
     """`produce` with a valid flag set; overrides are {"--flag": "value"}."""
-    flags = {"--job": job, "--model": str(model), "--dataset": str(dataset), "--layers": "1,3",
-             "--dest": str(dest), "--dtype": "float32"}
+    flags = {
+        "--job": job,
+        "--model": str(model),
+        "--dataset": str(dataset),
+        "--layers": "1,3",
+        "--dest": str(dest),
+        "--dtype": "float32",
+    }
     flags.update(overrides)
     args = ["produce"]
     for flag, value in flags.items():
@@ -130,9 +138,13 @@ def _error_cases(tmp_path: Path) -> dict[str, Case]:
         "malformed-jsonl": Case({"--dataset": str(malformed)}, (f"{malformed}:3",)),
         "string-token-id": Case({"--dataset": str(string_id)}, (f"{string_id}:2", "input_ids")),
         "empty-input-ids": Case({"--dataset": str(empty_ids)}, (f"{empty_ids}:4", "input_ids", "empty")),
-        "longer-than-max-seq-len": Case({"--dataset": str(too_long), "--max-seq-len": "8"}, (f"{too_long}:2", "--max-seq-len 8")),
+        "longer-than-max-seq-len": Case(
+            {"--dataset": str(too_long), "--max-seq-len": "8"}, (f"{too_long}:2", "--max-seq-len 8")
+        ),
         "loss-mask-length": Case({"--dataset": str(mask_mismatch)}, (f"{mask_mismatch}:2", "loss_mask")),
-        "token-id-outside-vocab": Case({"--dataset": str(out_of_vocab)}, ("vocab.jsonl:3:", f"token id {VOCAB}", f"vocabulary of {VOCAB}")),
+        "token-id-outside-vocab": Case(
+            {"--dataset": str(out_of_vocab)}, ("vocab.jsonl:3:", f"token id {VOCAB}", f"vocabulary of {VOCAB}")
+        ),
         "unknown-layer": Case({"--layers": "1,99"}, ("layer 99", f"{NUM_LAYERS} decoder layers")),
         "duplicate-layer": Case({"--layers": "1,1"}, ("layer 1", "twice")),
         "unreachable-nats": Case({}, (dead_url,), nats_url=dead_url),
@@ -187,10 +199,14 @@ def _state(nats_server, job):
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_good_dataset_publishes_once(fmt, hsx, nats_server, tiny_model, job_name, tmp_path):
     rows = _rows(23, seed=7, low=1, high=64)
-    dataset = (_write_jsonl(tmp_path / "data.jsonl", rows) if fmt == "jsonl"
-               else _write_parquet(tmp_path / "data.parquet", rows))
-    args = _produce_args(tiny_model("qwen3"), dataset, tmp_path / "out", job_name,
-                         **{"--token-budget": "128", "--max-seq-len": "64"})
+    dataset = (
+        _write_jsonl(tmp_path / "data.jsonl", rows)
+        if fmt == "jsonl"
+        else _write_parquet(tmp_path / "data.parquet", rows)
+    )
+    args = _produce_args(
+        tiny_model("qwen3"), dataset, tmp_path / "out", job_name, **{"--token-budget": "128", "--max-seq-len": "64"}
+    )
     assert _state(nats_server, job_name) == (None, 0)
 
     first = hsx(*args)

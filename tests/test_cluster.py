@@ -75,17 +75,39 @@ def test_job_completes_when_the_stream_leader_dies(tmp_path, cluster, hsx, hsx_s
     env = {"HSX_NATS_URL": urls}
     rows = write_dataset(tmp_path / "data.jsonl", 40, min_len=4, max_len=120, seed=11)
     out, spool = tmp_path / "out", tmp_path / "spool"
-    check_ok(hsx(
-        "produce", "--job", job, "--model", str(tiny_model("qwen3")), "--dataset", str(tmp_path / "data.jsonl"),
-        "--layers", ",".join(map(str, LAYERS)), "--dest", str(out), "--dtype", "float32",
-        "--token-budget", "256", "--max-seq-len", "128", "--replicas", "3", env=env, nats_url=urls,
-    ), "hsx produce --replicas 3")
+    check_ok(
+        hsx(
+            "produce",
+            "--job",
+            job,
+            "--model",
+            str(tiny_model("qwen3")),
+            "--dataset",
+            str(tmp_path / "data.jsonl"),
+            "--layers",
+            ",".join(map(str, LAYERS)),
+            "--dest",
+            str(out),
+            "--dtype",
+            "float32",
+            "--token-budget",
+            "256",
+            "--max-seq-len",
+            "128",
+            "--replicas",
+            "3",
+            env=env,
+            nats_url=urls,
+        ),
+        "hsx produce --replicas 3",
+    )
     replication = asyncio.run(_replication(urls))
     assert all(replicas == 3 and followers == 2 for replicas, _, followers in replication.values()), replication
 
     worker_args = ("--spool", str(spool), "--node", NODE, "--ack-wait", "5")
-    consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool-high-water", "512K", *worker_args,
-                           env=env, name="consume")
+    consumer = hsx_service(
+        "consume", "--job", job, "--device", "cpu", "--spool-high-water", "512K", *worker_args, env=env, name="consume"
+    )
     deadline = time.monotonic() + 60
     while asyncio.run(_written_events(urls, job)) == 0:
         assert consumer.poll() is None, "the consumer exited"
@@ -101,8 +123,10 @@ def test_job_completes_when_the_stream_leader_dies(tmp_path, cluster, hsx, hsx_s
     uploader = hsx_service("upload", "--job", job, *worker_args, env=env, name="upload")
     monitor = start_monitor(hsx_service, job, env)
     waited = wait_until_done(monitor, [consumer, uploader], timeout=75)
-    print(f"done {waited:.1f} s after killing the HSX_BATCHES leader {leader}; before it, "
-          f"{before['batches_done']} of {before['batches_total']} batches were done")
+    print(
+        f"done {waited:.1f} s after killing the HSX_BATCHES leader {leader}; before it, "
+        f"{before['batches_done']} of {before['batches_total']} batches were done"
+    )
 
     after = asyncio.run(_replication(survivors))
     assert after[topology.BATCHES_STREAM][1] != leader, "HSX_BATCHES has no new leader"
@@ -110,15 +134,30 @@ def test_job_completes_when_the_stream_leader_dies(tmp_path, cluster, hsx, hsx_s
     outputs = check_outputs(objects, job=job, rows=rows)
     check_final_status(status(hsx, job, {"HSX_NATS_URL": survivors}), total=len(rows))
     longest = max(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
-    Reference(tiny_model("qwen3")).check(outputs[longest]["hidden_states"], rows[longest]["input_ids"],
-                                         what=f"sample {longest}")
+    Reference(tiny_model("qwen3")).check(
+        outputs[longest]["hidden_states"], rows[longest]["input_ids"], what=f"sample {longest}"
+    )
 
 
 def test_replicas_are_refused_by_a_single_server(tmp_path, hsx, tiny_model, job_name):
     write_dataset(tmp_path / "data.jsonl", 4, min_len=4, max_len=16, seed=1)
-    result = hsx("produce", "--job", job_name, "--model", str(tiny_model("qwen3")), "--dataset", str(tmp_path / "data.jsonl"),
-                 "--layers", "0", "--dest", str(tmp_path / "out"), "--replicas", "3")
+    result = hsx(
+        "produce",
+        "--job",
+        job_name,
+        "--model",
+        str(tiny_model("qwen3")),
+        "--dataset",
+        str(tmp_path / "data.jsonl"),
+        "--layers",
+        "0",
+        "--dest",
+        str(tmp_path / "out"),
+        "--replicas",
+        "3",
+    )
     assert result.returncode == 2, result.stderr
-    assert result.stderr.startswith("hsx: error: --replicas 3: JetStream refused it (replicas > 1 not supported in "
-                                    "non-clustered mode)"), result.stderr
+    assert result.stderr.startswith(
+        "hsx: error: --replicas 3: JetStream refused it (replicas > 1 not supported in non-clustered mode)"
+    ), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

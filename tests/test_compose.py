@@ -62,9 +62,7 @@ def compose(tmp_path_factory):
             cmd += ["-f", str(f)]
         for profile in profiles:
             cmd += ["--profile", profile]
-        return subprocess.run(
-            [*cmd, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=30
-        )
+        return subprocess.run([*cmd, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
 
     return run
 
@@ -89,7 +87,9 @@ def gpu_config(compose) -> dict:
 
 
 # ids: a bare "gpu" would be taken for the gpu marker (tests/conftest.py) and skipped without CUDA.
-@pytest.mark.parametrize("profiles", [(), *((p,) for p in PROFILES)], ids=lambda p: "profile-" + ("+".join(p) or "none"))
+@pytest.mark.parametrize(
+    "profiles", [(), *((p,) for p in PROFILES)], ids=lambda p: "profile-" + ("+".join(p) or "none")
+)
 def test_compose_file_is_valid_without_warnings(compose, profiles):
     proc = compose("config", "-q", profiles=profiles)
     assert proc.returncode == 0, proc.stderr
@@ -133,8 +133,13 @@ def test_variables_reach_the_services(compose, tmp_path):
     producer = services["producer"]["command"]
     assert producer[producer.index("--dest") + 1] == "s3://bkt/hs"
     assert producer[producer.index("--layers") + 1] == "2,4"
-    for flag, value in {"--model": "/models/m", "--dataset": "/datasets/d.parquet", "--dtype": "float8",
-                        "--token-budget": "32768", "--max-seq-len": "8192"}.items():
+    for flag, value in {
+        "--model": "/models/m",
+        "--dataset": "/datasets/d.parquet",
+        "--dtype": "float8",
+        "--token-budget": "32768",
+        "--max-seq-len": "8192",
+    }.items():
         assert producer[producer.index(flag) + 1] == value, flag
     demo = services["demo-init"]["command"]
     assert demo[demo.index("--model") + 1] == "/models/m" and demo[demo.index("--dataset") + 1] == "/datasets/d.parquet"
@@ -309,8 +314,7 @@ BROKEN = {
         "no-such-volume",
     ),
     "bad-condition": (
-        "  broken:\n    image: busybox\n    depends_on:\n      nats:\n"
-        "        condition: service_finished\n",
+        "  broken:\n    image: busybox\n    depends_on:\n      nats:\n        condition: service_finished\n",
         "condition",
     ),
 }

@@ -80,7 +80,7 @@ class _Node:
     def _local(self, value: str, mounts: dict[str, Path]) -> str:
         for target, local in mounts.items():
             if value == target or value.startswith(target + "/"):
-                return str(local) + value[len(target):]
+                return str(local) + value[len(target) :]
         for host, local_host in self.hosts.items():
             value = value.replace(host, local_host)
         return value
@@ -88,7 +88,10 @@ class _Node:
     def start(self, name: str, service: dict, copy: int = 0) -> subprocess.Popen:
         mounts = self._mounts(service)
         argv = [self._local(arg, mounts) for arg in _argv(service)]
-        env = {**self.base_env, **{k: self._local(str(v), mounts) for k, v in (service.get("environment") or {}).items()}}
+        env = {
+            **self.base_env,
+            **{k: self._local(str(v), mounts) for k, v in (service.get("environment") or {}).items()},
+        }
         leftover = [f"{k}={v}" for k, v in env.items() if re.search(r"\b(nats|minio):\d", v)]
         assert not leftover, f"{name}: compose host names with no local stand-in: {leftover}"
         log_path = self.root / "logs" / f"{name}-{copy}.log"
@@ -99,8 +102,10 @@ class _Node:
         return process
 
     def logs(self, tail: int = 2500) -> str:
-        return "\n".join(f"----- {label} (rc {p.poll()})\n{path.read_text(errors='replace')[-tail:]}"
-                         for label, p, path in self.processes)
+        return "\n".join(
+            f"----- {label} (rc {p.poll()})\n{path.read_text(errors='replace')[-tail:]}"
+            for label, p, path in self.processes
+        )
 
     def stop_all(self, timeout: float = 60.0) -> dict[str, int]:
         for _, process, _ in self.processes:
@@ -134,8 +139,12 @@ def _start_order(services: dict) -> list[str]:
 
 
 def _one_shots(services: dict) -> set[str]:
-    return {dependency for svc in services.values() for dependency, how in (svc.get("depends_on") or {}).items()
-            if how["condition"] == "service_completed_successfully"}
+    return {
+        dependency
+        for svc in services.values()
+        for dependency, how in (svc.get("depends_on") or {}).items()
+        if how["condition"] == "service_completed_successfully"
+    }
 
 
 @pytest.fixture
@@ -158,8 +167,14 @@ def test_compose_services_run_a_demo_job_to_the_bucket(compose_project, nats_ser
     node = _Node(
         tmp_path / "node",
         hosts={"nats:4222": nats_host, "http://minio:9000": s3_server},
-        base_env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                  "AWS_CONFIG_FILE": aws["AWS_CONFIG_FILE"], "AWS_SHARED_CREDENTIALS_FILE": aws["AWS_SHARED_CREDENTIALS_FILE"]},
+        base_env={
+            "PATH": os.environ["PATH"],
+            "HOME": str(tmp_path),
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "AWS_CONFIG_FILE": aws["AWS_CONFIG_FILE"],
+            "AWS_SHARED_CREDENTIALS_FILE": aws["AWS_SHARED_CREDENTIALS_FILE"],
+        },
     )
     one_shots = _one_shots(services)
     assert {"minio-init", "demo-init"} <= one_shots
@@ -200,8 +215,12 @@ def test_compose_services_run_a_demo_job_to_the_bucket(compose_project, nats_ser
         while not (view := status()).done:
             # A service that should keep running (restart unless-stopped) must not exit; one that
             # runs to completion (the producer: restart on-failure) must exit 0.
-            dead = [label for label, p, _ in node.processes if p.poll() is not None and (
-                p.returncode != 0 or services[label.rsplit("-", 1)[0]]["restart"] in ("always", "unless-stopped"))]
+            dead = [
+                label
+                for label, p, _ in node.processes
+                if p.poll() is not None
+                and (p.returncode != 0 or services[label.rsplit("-", 1)[0]]["restart"] in ("always", "unless-stopped"))
+            ]
             if dead:
                 pytest.fail(f"{dead} exited while the job ran\n{node.logs()}")
             if time.monotonic() - started_at > JOB_TIMEOUT_S:
@@ -227,11 +246,16 @@ def test_compose_services_run_a_demo_job_to_the_bucket(compose_project, nats_ser
     assert dest.startswith(f"s3://{bucket}/")
     prefix = dest.removeprefix(f"s3://{bucket}/").strip("/")
     s3 = boto3.client("s3", endpoint_url=s3_server)
-    keys = {obj["Key"][len(prefix) + 1:] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
-            for obj in page.get("Contents", [])}
+    keys = {
+        obj["Key"][len(prefix) + 1 :]
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+        for obj in page.get("Contents", [])
+    }
     samples = {sample_key(job, i) for i in range(DEMO_SAMPLES)}
     bundle = {bundle_key(job, name) for name in BUNDLE_FILES | {"index.arrow"}}
-    assert keys == samples | bundle, f"missing {sorted(samples | bundle - keys)[:10]}, extra {sorted(keys - samples - bundle)[:10]}"
+    assert keys == samples | bundle, (
+        f"missing {sorted(samples | bundle - keys)[:10]}, extra {sorted(keys - samples - bundle)[:10]}"
+    )
 
     def read(key: str) -> bytes:
         return s3.get_object(Bucket=bucket, Key=f"{prefix}/{key}")["Body"].read()

@@ -70,7 +70,7 @@ def cli(monkeypatch, capsys):
 def _show(cli, *argv: str, env: dict | None = None) -> dict:
     """`hsx [global flags] config show --json COMMAND [flags]`: {setting: {value, source, ...}}."""
     split = argv.index("--")
-    result = cli(*argv[:split], "config", "show", "--json", *argv[split + 1:], env=env)
+    result = cli(*argv[:split], "config", "show", "--json", *argv[split + 1 :], env=env)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)["settings"]
 
@@ -94,25 +94,87 @@ class Layers:
 
 
 LAYERS = [
-    Layers("consume.device", ["consume"], ["--device", "cuda:1"], False, ("HSX_DEVICE", "cuda:2"),
-           '[consume]\ndevice = "cuda:3"\n', {"flag": "cuda:1", "env": "cuda:2", "file": "cuda:3", "default": "cuda:0"}),
-    Layers("consume.retry_delay", ["consume"], ["--retry-delay", "3"], False, ("HSX_RETRY_DELAY", "4.5"),
-           "[consume]\nretry_delay = 5\n", {"flag": 3.0, "env": 4.5, "file": 5.0, "default": 2.0}),
-    Layers("consume.compile", ["consume"], ["--compile"], False, ("HSX_COMPILE", "0"),
-           "[consume]\ncompile = true\n", {"flag": True, "env": False, "file": True, "default": False}),
-    Layers("consume.spool", ["consume"], ["--spool", "/s/flag"], False, ("HSX_SPOOL", "/s/env"),
-           '[consume]\nspool = "/s/file"\n', {"flag": "/s/flag", "env": "/s/env", "file": "/s/file", "default": "hsx-spool"}),
-    Layers("nats.url", ["status"], ["--nats", "nats://flag:1"], False, ("HSX_NATS_URL", "nats://env:2"),
-           '[nats]\nurl = "nats://file:3"\n',
-           {"flag": "nats://flag:1", "env": "nats://env:2", "file": "nats://file:3", "default": "nats://127.0.0.1:4222"}),
-    Layers("nats.user", ["upload"], ["--nats-user", "flag-user"], False, ("HSX_NATS_USER", "env-user"),
-           '[nats]\nuser = "file-user"\n', {"flag": "flag-user", "env": "env-user", "file": "file-user", "default": None}),
-    Layers("log_level", ["monitor"], ["--log-level", "debug"], True, ("HSX_LOG_LEVEL", "warning"),
-           'log_level = "error"\n', {"flag": "debug", "env": "warning", "file": "error", "default": "info"}),
-    Layers("job.token_budget", ["produce"], ["--token-budget", "111"], False, None,
-           "[job]\ntoken_budget = 222\n", {"flag": 111, "file": 222, "default": 16384}),
-    Layers("job.name", ["consume"], ["--job", "from-flag"], False, None,
-           '[job]\nname = "from-file"\n', {"flag": "from-flag", "file": "from-file", "default": None}),
+    Layers(
+        "consume.device",
+        ["consume"],
+        ["--device", "cuda:1"],
+        False,
+        ("HSX_DEVICE", "cuda:2"),
+        '[consume]\ndevice = "cuda:3"\n',
+        {"flag": "cuda:1", "env": "cuda:2", "file": "cuda:3", "default": "cuda:0"},
+    ),
+    Layers(
+        "consume.retry_delay",
+        ["consume"],
+        ["--retry-delay", "3"],
+        False,
+        ("HSX_RETRY_DELAY", "4.5"),
+        "[consume]\nretry_delay = 5\n",
+        {"flag": 3.0, "env": 4.5, "file": 5.0, "default": 2.0},
+    ),
+    Layers(
+        "consume.compile",
+        ["consume"],
+        ["--compile"],
+        False,
+        ("HSX_COMPILE", "0"),
+        "[consume]\ncompile = true\n",
+        {"flag": True, "env": False, "file": True, "default": False},
+    ),
+    Layers(
+        "consume.spool",
+        ["consume"],
+        ["--spool", "/s/flag"],
+        False,
+        ("HSX_SPOOL", "/s/env"),
+        '[consume]\nspool = "/s/file"\n',
+        {"flag": "/s/flag", "env": "/s/env", "file": "/s/file", "default": "hsx-spool"},
+    ),
+    Layers(
+        "nats.url",
+        ["status"],
+        ["--nats", "nats://flag:1"],
+        False,
+        ("HSX_NATS_URL", "nats://env:2"),
+        '[nats]\nurl = "nats://file:3"\n',
+        {"flag": "nats://flag:1", "env": "nats://env:2", "file": "nats://file:3", "default": "nats://127.0.0.1:4222"},
+    ),
+    Layers(
+        "nats.user",
+        ["upload"],
+        ["--nats-user", "flag-user"],
+        False,
+        ("HSX_NATS_USER", "env-user"),
+        '[nats]\nuser = "file-user"\n',
+        {"flag": "flag-user", "env": "env-user", "file": "file-user", "default": None},
+    ),
+    Layers(
+        "log_level",
+        ["monitor"],
+        ["--log-level", "debug"],
+        True,
+        ("HSX_LOG_LEVEL", "warning"),
+        'log_level = "error"\n',
+        {"flag": "debug", "env": "warning", "file": "error", "default": "info"},
+    ),
+    Layers(
+        "job.token_budget",
+        ["produce"],
+        ["--token-budget", "111"],
+        False,
+        None,
+        "[job]\ntoken_budget = 222\n",
+        {"flag": 111, "file": 222, "default": 16384},
+    ),
+    Layers(
+        "job.name",
+        ["consume"],
+        ["--job", "from-flag"],
+        False,
+        None,
+        '[job]\nname = "from-file"\n',
+        {"flag": "from-flag", "file": "from-file", "default": None},
+    ),
 ]
 
 
@@ -146,8 +208,10 @@ def test_the_file_comes_from_HSX_CONFIG_unless_config_is_given(cli, tmp_path, mo
 
 
 def test_keys_may_be_spelled_with_dashes_and_hsx_sync_keeps_its_own_dest(cli, tmp_path):
-    file = _write(tmp_path / "hsx.toml", '[job]\ndest = "s3://job/out"\n[consume]\nspool-high-water = "10G"\n'
-                                         '[sync]\ndest = "/backups"\n')
+    file = _write(
+        tmp_path / "hsx.toml",
+        '[job]\ndest = "s3://job/out"\n[consume]\nspool-high-water = "10G"\n[sync]\ndest = "/backups"\n',
+    )
     assert _show(cli, "--config", str(file), "--", "consume")["consume.spool_high_water"]["value"] == "10G"
     # sync has no --job: [job] dest is the job's destination, not where sync uploads to.
     shown = _show(cli, "--config", str(file), "--", "sync", str(tmp_path), "--once")
@@ -172,13 +236,19 @@ def test_a_required_flag_may_come_from_the_file(cli, tmp_path):
 
 
 BAD_FILES = {
-    "unknown key": ('[job]\ntoken_budgte = 5\n', "[job] token_budgte: unknown key here (did you mean token_budget?)"),
+    "unknown key": ("[job]\ntoken_budgte = 5\n", "[job] token_budgte: unknown key here (did you mean token_budget?)"),
     "unknown table": ('[consumer]\ndevice = "cpu"\n', "[consumer]: unknown table (did you mean [consume]?)"),
-    "key in the wrong table": ('[consume]\njob = "j"\n', "[consume] job: unknown key here (--job is set as [job] name)"),
+    "key in the wrong table": (
+        '[consume]\njob = "j"\n',
+        "[consume] job: unknown key here (--job is set as [job] name)",
+    ),
     "wrong type": ('[job]\ntoken_budget = "big"\n', '[job] token_budget: expected an integer, got "big"'),
     "float for an integer": ("[job]\nmax_seq_len = 4096.5\n", "[job] max_seq_len: expected an integer, got 4096.5"),
     "not positive": ("[job]\ntoken_budget = 0\n", "[job] token_budget: --token-budget must be positive, got 0"),
-    "not a choice": ('[job]\ndtype = "fp8"\n', '[job] dtype: expected one of bfloat16, float16, float32, float8, got "fp8"'),
+    "not a choice": (
+        '[job]\ndtype = "fp8"\n',
+        '[job] dtype: expected one of bfloat16, float16, float32, float8, got "fp8"',
+    ),
     "not a boolean": ('[consume]\ncompile = "yes"\n', '[consume] compile: expected true or false, got "yes"'),
     "array for a list flag": ("[job]\nlayers = [1, 2]\n", "[job] layers: expected a string, got an array"),
     "command-line only": ("[dead]\nall = true\n", "[dead] all: --all is given on the command line only, not in a file"),
@@ -200,17 +270,28 @@ def test_a_bad_file_is_one_line_naming_file_table_and_key(case, cli, tmp_path):
 
 def test_a_missing_file_and_bad_environment_values_are_one_line(cli, tmp_path):
     missing = tmp_path / "nowhere.toml"
-    assert_one_line_error(cli("--config", str(missing), "status", "--job", "j"), f"{missing}: no such config file (from --config)")
+    assert_one_line_error(
+        cli("--config", str(missing), "status", "--job", "j"), f"{missing}: no such config file (from --config)"
+    )
     assert_one_line_error(cli("status", "--job", "j", env={"HSX_CONFIG": str(missing)}), "(from HSX_CONFIG)")
-    assert_one_line_error(cli("consume", "--job", "j", env={"HSX_RETRY_DELAY": "soon"}),
-                          'HSX_RETRY_DELAY: expected a number, got "soon"')
-    assert_one_line_error(cli("consume", "--job", "j", env={"HSX_COMPILE": "maybe"}), 'HSX_COMPILE: expected 1 or 0, got "maybe"')
+    assert_one_line_error(
+        cli("consume", "--job", "j", env={"HSX_RETRY_DELAY": "soon"}), 'HSX_RETRY_DELAY: expected a number, got "soon"'
+    )
+    assert_one_line_error(
+        cli("consume", "--job", "j", env={"HSX_COMPILE": "maybe"}), 'HSX_COMPILE: expected 1 or 0, got "maybe"'
+    )
 
 
 def test_the_real_cli_prints_one_line_for_a_bad_file(tmp_path):
     file = _write(tmp_path / "hsx.toml", '[job]\ntoken_budget = "big"\n')
-    result = subprocess.run([sys.executable, "-m", "hsx.cli", "--config", str(file), "produce"], capture_output=True,
-                            text=True, timeout=60, cwd=REPO, env=_clean_env())
+    result = subprocess.run(
+        [sys.executable, "-m", "hsx.cli", "--config", str(file), "produce"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=_clean_env(),
+    )
     assert result.returncode == 2
     assert result.stderr == f'hsx: error: {file} [job] token_budget: expected an integer, got "big"\n'
 
@@ -228,16 +309,25 @@ def _free_port() -> int:
 
 def test_secrets_never_appear_in_show_or_errors(cli, tmp_path):
     url = f"nats://hsx:{SECRETS['url_password']}@127.0.0.1:{_free_port()}"  # nothing listens there
-    file = _write(tmp_path / "hsx.toml", f'[nats]\nurl = "{url}"\nuser = "hsx"\npassword = "{SECRETS["file_password"]}"\n'
-                                         '[job]\nname = "j"\n')
-    env = {"HSX_NATS_TOKEN": SECRETS["env_token"], "AWS_SECRET_ACCESS_KEY": SECRETS["aws_secret"],
-           "AWS_ACCESS_KEY_ID": "key-id-is-not-secret"}
+    file = _write(
+        tmp_path / "hsx.toml",
+        f'[nats]\nurl = "{url}"\nuser = "hsx"\npassword = "{SECRETS["file_password"]}"\n[job]\nname = "j"\n',
+    )
+    env = {
+        "HSX_NATS_TOKEN": SECRETS["env_token"],
+        "AWS_SECRET_ACCESS_KEY": SECRETS["aws_secret"],
+        "AWS_ACCESS_KEY_ID": "key-id-is-not-secret",
+    }
     text = cli("--config", str(file), "config", "show", "upload", env=env)
     as_json = cli("--config", str(file), "config", "show", "--json", "upload", env=env)
     assert text.returncode == as_json.returncode == 0, text.stderr + as_json.stderr
     shown = json.loads(as_json.stdout)
-    assert shown["settings"]["nats.password"] == {"value": "***", "source": "file", "flag": "--nats-password",
-                                                   "env": "HSX_NATS_PASSWORD"}
+    assert shown["settings"]["nats.password"] == {
+        "value": "***",
+        "source": "file",
+        "flag": "--nats-password",
+        "env": "HSX_NATS_PASSWORD",
+    }
     assert shown["settings"]["nats.token"]["value"] == "***" and shown["settings"]["nats.token"]["source"] == "env"
     assert shown["settings"]["nats.url"]["value"] == url.replace(SECRETS["url_password"], "***")
     assert shown["environment"] == {"AWS_SECRET_ACCESS_KEY": "***", "AWS_ACCESS_KEY_ID": "key-id-is-not-secret"}
@@ -250,8 +340,10 @@ def test_secrets_never_appear_in_show_or_errors(cli, tmp_path):
     wrong_type = cli("--config", str(wrong), "status", "--job", "j")
     assert_one_line_error(wrong_type, "[nats] password: expected a string, got a number (not shown: secret)")
     pasted = _write(tmp_path / "pasted.toml", '[nats]\ncreds = """-----BEGIN NATS USER JWT-----\nabc.def\n"""\n')
-    assert_one_line_error(cli("--config", str(pasted), "status", "--job", "j"),
-                          "[nats] creds: --nats-creds takes the path of a file, not the file's contents")
+    assert_one_line_error(
+        cli("--config", str(pasted), "status", "--job", "j"),
+        "[nats] creds: --nats-creds takes the path of a file, not the file's contents",
+    )
     everything = "".join(r.stdout + r.stderr for r in (text, as_json, refused, wrong_type))
     for secret in [*SECRETS.values(), "987654"]:
         assert secret not in everything
@@ -260,8 +352,10 @@ def test_secrets_never_appear_in_show_or_errors(cli, tmp_path):
 def test_hsx_up_passes_trust_remote_code_and_the_file_to_what_it_starts(tmp_path):
     file = _write(tmp_path / "hsx.toml", '[job]\nname = "remote"\ntrust_remote_code = true\n')
     parser = build_parser()
-    for argv, passed_on in ((["--config", str(file), "up"], ["--config", str(file.resolve())]),
-                            (["up", "--trust-remote-code", "--job", "remote"], [])):
+    for argv, passed_on in (
+        (["--config", str(file), "up"], ["--config", str(file.resolve())]),
+        (["up", "--trust-remote-code", "--job", "remote"], []),
+    ):
         args = parser.parse_args(argv)
         resolve(parser, args, {})
         cfg = UpConfig.from_args(args, nats=None)
@@ -273,12 +367,20 @@ def test_hsx_up_passes_trust_remote_code_and_the_file_to_what_it_starts(tmp_path
 def test_a_consumer_with_only_a_job_file_binds_to_the_files_job(nats_server, job_name, tmp_path):
     """The real effect: no --job, --nats, --spool, --device flag and no HSX_* variable."""
     spool = tmp_path / "spool-from-file"
-    file = _write(tmp_path / "hsx.toml", f'[nats]\nurl = "{nats_server.url}"\n[job]\nname = "{job_name}"\n'
-                                         f'[consume]\ndevice = "cpu"\nspool = "{spool}"\nnode = "filenode"\n')
+    file = _write(
+        tmp_path / "hsx.toml",
+        f'[nats]\nurl = "{nats_server.url}"\n[job]\nname = "{job_name}"\n'
+        f'[consume]\ndevice = "cpu"\nspool = "{spool}"\nnode = "filenode"\n',
+    )
     log = tmp_path / "consumer.log"
     with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "hsx.cli", "--config", str(file), "consume"],
-                                   stdout=out, stderr=out, cwd=REPO, env=_clean_env())
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hsx.cli", "--config", str(file), "consume"],
+            stdout=out,
+            stderr=out,
+            cwd=REPO,
+            env=_clean_env(),
+        )
     try:
         deadline = time.monotonic() + 90
         waiting = []
@@ -308,7 +410,9 @@ def test_the_example_file_shows_every_key_with_a_valid_value(cli, tmp_path):
     written = {Place(table, key) for table, keys in data.items() if isinstance(keys, dict) for key in keys}
     written |= {Place("", key) for key, value in data.items() if not isinstance(value, dict)}
     layout, _ = file_layout(build_parser())
-    assert written == set(layout), f"missing: {sorted(set(layout) - written)}, not keys: {sorted(written - set(layout))}"
+    assert written == set(layout), (
+        f"missing: {sorted(set(layout) - written)}, not keys: {sorted(written - set(layout))}"
+    )
     file = _write(tmp_path / "every-key.toml", uncommented)
     for command in (["consume"], ["produce"], ["up"], ["monitor"], ["sync", str(tmp_path)], ["dead", "list"]):
         result = cli("--config", str(file), "config", "show", *command)

@@ -20,16 +20,28 @@ from uploader.service import FileMover, _SpoolFileLost
 
 def _spool_file(spool, job: str, index: int) -> schemas.FileReady:
     key = sample_key(job, index)
-    tensors = {"hidden_states": torch.arange(64, dtype=torch.float32).reshape(4, 16) + index,
-               "input_ids": torch.arange(4, dtype=torch.int64)}
+    tensors = {
+        "hidden_states": torch.arange(64, dtype=torch.float32).reshape(4, 16) + index,
+        "input_ids": torch.arange(4, dtype=torch.int64),
+    }
     size, digest = samplefile.write(spool / key, tensors, {"job": job})
-    return schemas.FileReady(job=job, node="n", batch_id="b", sample_index=index, num_tokens=4, spool_path=key,
-                             key=key, size=size, digest=digest)
+    return schemas.FileReady(
+        job=job,
+        node="n",
+        batch_id="b",
+        sample_index=index,
+        num_tokens=4,
+        spool_path=key,
+        key=key,
+        size=size,
+        digest=digest,
+    )
 
 
 def _mover(tmp_path, job: str) -> FileMover:
-    cfg = UploaderConfig(nats=NatsSettings(url="nats://127.0.0.1:1"), job=job, spool=tmp_path / "spool", node="n",
-                         instance="u")
+    cfg = UploaderConfig(
+        nats=NatsSettings(url="nats://127.0.0.1:1"), job=job, spool=tmp_path / "spool", node="n", instance="u"
+    )
     return FileMover(cfg, FileDestination(tmp_path / "dest"), events=None)
 
 

@@ -67,8 +67,10 @@ class BucketWatcher(threading.Thread):
             try:
                 check_sample_file(data, key[len(self.prefix) + 1 :], job=self.job, rows=self.rows)
             except Exception as exc:  # noqa: BLE001 - reported by the test thread
-                self.problems.append(f"{key} ({len(data)} bytes, listed {obj['Size']}) seen incomplete or wrong: "
-                                     f"{type(exc).__name__}: {str(exc)[:300]}")
+                self.problems.append(
+                    f"{key} ({len(data)} bytes, listed {obj['Size']}) seen incomplete or wrong: "
+                    f"{type(exc).__name__}: {str(exc)[:300]}"
+                )
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -104,16 +106,24 @@ def wait_settled(hsx, job: str, env: dict, spool, procs, timeout: float = 30.0) 
     deadline = time.monotonic() + timeout
     while True:
         view = status(hsx, job, env)
-        if (view["batches_queued"] == 0 and view["files_waiting_upload"] == 0 and view["batch_redeliveries"] >= 1
-                and not spool_files(spool)):
+        if (
+            view["batches_queued"] == 0
+            and view["files_waiting_upload"] == 0
+            and view["batch_redeliveries"] >= 1
+            and not spool_files(spool)
+        ):
             return view
         if time.monotonic() > deadline:
-            pytest.fail(f"queues did not drain within {timeout:.0f} s after done: {view}, spool {spool_files(spool)[:5]}\n"
-                        f"{logs_of(*procs)}")
+            pytest.fail(
+                f"queues did not drain within {timeout:.0f} s after done: {view}, spool {spool_files(spool)[:5]}\n"
+                f"{logs_of(*procs)}"
+            )
         time.sleep(0.5)
 
 
-def test_consumer_sigkill_before_ack_loses_and_duplicates_nothing(tmp_path, hsx, hsx_service, tiny_model, job_name, s3_env, caplog):
+def test_consumer_sigkill_before_ack_loses_and_duplicates_nothing(
+    tmp_path, hsx, hsx_service, tiny_model, job_name, s3_env, caplog
+):
     caplog.set_level("WARNING", logger="werkzeug")  # moto logs every request the watcher makes
     bucket, env = s3_env
     model = tiny_model("qwen3")
@@ -122,8 +132,16 @@ def test_consumer_sigkill_before_ack_loses_and_duplicates_nothing(tmp_path, hsx,
     spool = tmp_path / "spool"
     marker = tmp_path / "crashed.marker"
     crash_env = {**env, "HSX_TEST_CRASH_BEFORE_ACK": str(marker)}
-    produce(hsx, job=job, model=model, dataset=tmp_path / "data.jsonl", dest=f"s3://{bucket}/prefix",
-            token_budget=128, max_seq_len=64, env=env)
+    produce(
+        hsx,
+        job=job,
+        model=model,
+        dataset=tmp_path / "data.jsonl",
+        dest=f"s3://{bucket}/prefix",
+        token_budget=128,
+        max_seq_len=64,
+        env=env,
+    )
     planned = status(hsx, job, env)
     assert planned["batches_total"] >= 4, planned
 

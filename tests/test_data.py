@@ -41,23 +41,56 @@ def s3_job(nats_server, s3_server, tiny_model, tmp_path_factory):
         job = f"d{uuid.uuid4().hex[:8]}"
         rows = write_dataset(tmp / "data.jsonl", COUNT, min_len=3, max_len=90, seed=5)
         try:
-            check_ok(services.hsx(
-                "produce", "--job", job, "--model", str(tiny_model("qwen3")), "--dataset", str(tmp / "data.jsonl"),
-                "--layers", ",".join(map(str, LAYERS)), "--dest", f"s3://{bucket}/prefix", "--dtype", "float8",
-                "--token-budget", "256", "--max-seq-len", "128", env=env,
-            ), "hsx produce")
+            check_ok(
+                services.hsx(
+                    "produce",
+                    "--job",
+                    job,
+                    "--model",
+                    str(tiny_model("qwen3")),
+                    "--dataset",
+                    str(tmp / "data.jsonl"),
+                    "--layers",
+                    ",".join(map(str, LAYERS)),
+                    "--dest",
+                    f"s3://{bucket}/prefix",
+                    "--dtype",
+                    "float8",
+                    "--token-budget",
+                    "256",
+                    "--max-seq-len",
+                    "128",
+                    env=env,
+                ),
+                "hsx produce",
+            )
             spool = tmp / "spool"
-            workers = [services.service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), env=env, name="consume"),
-                       services.service("upload", "--job", job, "--spool", str(spool), env=env, name="upload")]
+            workers = [
+                services.service(
+                    "consume", "--job", job, "--device", "cpu", "--spool", str(spool), env=env, name="consume"
+                ),
+                services.service("upload", "--job", job, "--spool", str(spool), env=env, name="upload"),
+            ]
             wait_until_done(start_monitor(services.service, job, env), workers)
         finally:
             services.stop_all()
-        yield SimpleNamespace(job=job, bucket=bucket, rows=rows, env=env, nats_url=nats_server.url,
-                              url=f"s3://{bucket}/prefix/{job}", tmp=tmp)
+        yield SimpleNamespace(
+            job=job,
+            bucket=bucket,
+            rows=rows,
+            env=env,
+            nats_url=nats_server.url,
+            url=f"s3://{bucket}/prefix/{job}",
+            tmp=tmp,
+        )
 
 
 def read_object(s3_job, index: int) -> bytes:
-    return boto3.client("s3").get_object(Bucket=s3_job.bucket, Key=f"prefix/{sample_key(s3_job.job, index)}")["Body"].read()
+    return (
+        boto3.client("s3")
+        .get_object(Bucket=s3_job.bucket, Key=f"prefix/{sample_key(s3_job.job, index)}")["Body"]
+        .read()
+    )
 
 
 def header_metadata(data: bytes) -> dict:
@@ -83,7 +116,11 @@ def test_items_equal_the_stored_files(s3_job):
         assert item["sample_index"] == i and item["metadata"] == header_metadata(data), item["metadata"]
         assert stored["hidden_states"].dtype == torch.float8_e4m3fn, stored["hidden_states"].dtype
         expected = stored["hidden_states"].float() * stored["hidden_states_scale"][..., None]
-        assert item["hidden_states"].dtype == torch.float32 and item["hidden_states"].shape == (tokens, len(LAYERS), HIDDEN)
+        assert item["hidden_states"].dtype == torch.float32 and item["hidden_states"].shape == (
+            tokens,
+            len(LAYERS),
+            HIDDEN,
+        )
         assert torch.equal(item["hidden_states"], expected), f"sample {i}: dequantized values differ"
         assert item["input_ids"].tolist() == s3_job.rows[i]["input_ids"], f"sample {i}: input_ids"
         assert item["loss_mask"].tolist() == s3_job.rows[i]["loss_mask"], f"sample {i}: loss_mask"
@@ -111,8 +148,14 @@ def test_raw_float8_and_concatenated_layers(s3_job):
 def test_dataloader_with_two_workers_reads_every_sample_once(s3_job):
     dataset = HiddenStateDataset(s3_job.url)
     dataset[0]  # this process now holds a client; the forked workers must open their own
-    loader = torch.utils.data.DataLoader(dataset, batch_size=3, shuffle=True, num_workers=2,
-                                         collate_fn=keep_list_in_worker, generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=3,
+        shuffle=True,
+        num_workers=2,
+        collate_fn=keep_list_in_worker,
+        generator=torch.Generator().manual_seed(0),
+    )
     results = [entry for batch in loader for entry in batch]
     seen = [item["sample_index"] for item, _pid, _own in results]
     assert sorted(seen) == list(range(COUNT)), seen
@@ -143,7 +186,9 @@ def test_file_url_and_plain_path_read_the_same_files(s3_job):
 def test_verify_over_s3_float8(s3_job, monkeypatch):
     for key, value in s3_job.env.items():
         monkeypatch.setenv(key, value)
-    code, out, err = run_cli("verify", "--job", s3_job.job, "--nats", s3_job.nats_url, "--json", "--recompute", "2", "--seed", "3")
+    code, out, err = run_cli(
+        "verify", "--job", s3_job.job, "--nats", s3_job.nats_url, "--json", "--recompute", "2", "--seed", "3"
+    )
     report = json.loads(out)
     assert code == 0 and report["ok"] is True, f"{report}\n{err[-3000:]}"
     assert report["samples_checked"] == COUNT and report["dtype"] == "float8_e4m3", report

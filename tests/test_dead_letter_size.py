@@ -30,10 +30,15 @@ def small_server(tmp_path_factory):
 
 
 def _batch(job: str, *, samples: int, tokens: int) -> schemas.BatchDescriptor:
-    return schemas.BatchDescriptor(job=job, batch_id=f"{job}-b0", padded_len=tokens, samples=[
-        schemas.Sample(index=i, source_id=f"row-{i}", input_ids=[100_000 + i] * tokens, loss_mask=[1] * tokens)
-        for i in range(samples)
-    ])
+    return schemas.BatchDescriptor(
+        job=job,
+        batch_id=f"{job}-b0",
+        padded_len=tokens,
+        samples=[
+            schemas.Sample(index=i, source_id=f"row-{i}", input_ids=[100_000 + i] * tokens, loss_mask=[1] * tokens)
+            for i in range(samples)
+        ],
+    )
 
 
 def _sized(job: str, *, target: int, samples: int) -> schemas.BatchDescriptor:
@@ -133,12 +138,26 @@ def test_a_file_event_at_the_limit_fits(small_server, job_name):
             js = nc.jetstream()
             await topology.ensure_topology(js)
             sample = _sized(job_name, target=MAX_PAYLOAD - 3000, samples=1).samples[0]
-            ready = schemas.FileReady(job=job_name, node="n1", batch_id="b", sample_index=0, num_tokens=len(sample.input_ids),
-                                      spool_path="p", key="k", size=1, digest="d", sample=sample)
+            ready = schemas.FileReady(
+                job=job_name,
+                node="n1",
+                batch_id="b",
+                sample_index=0,
+                num_tokens=len(sample.input_ids),
+                spool_path="p",
+                key="k",
+                size=1,
+                digest="d",
+                sample=sample,
+            )
             assert len(schemas.encode(ready)) < MAX_PAYLOAD
             await EventPublisher(nc, js, job_name).store_dead_letter(
-                what="file", error="e" * 3000, subject=topology.file_subject(job_name, "n1"),
-                payload=schemas.encode(ready), deliveries=1, source_seq=7,
+                what="file",
+                error="e" * 3000,
+                subject=topology.file_subject(job_name, "n1"),
+                payload=schemas.encode(ready),
+                deliveries=1,
+                source_seq=7,
             )
             return (await _letters(js, job_name))[0]
         finally:

@@ -18,7 +18,9 @@ def _write_dataset(path, count=6):
 async def _publish_poison(url: str, job: str) -> None:
     nc = await nats.connect(url)
     js = nc.jetstream()
-    await js.publish(topology.batch_subject(job), b'{"type": "batch.v1", "job": 42}', headers={"Nats-Msg-Id": f"{job}-poison"})
+    await js.publish(
+        topology.batch_subject(job), b'{"type": "batch.v1", "job": 42}', headers={"Nats-Msg-Id": f"{job}-poison"}
+    )
     await nc.drain()
 
 
@@ -33,11 +35,29 @@ async def _read_dead(url: str, job: str) -> tuple[list[schemas.DeadLetter], int]
     return letters, sum((info.state.subjects or {}).values())
 
 
-def test_undecodable_descriptor_is_dead_lettered_and_the_job_completes(hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path):
+def test_undecodable_descriptor_is_dead_lettered_and_the_job_completes(
+    hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
+):
     count = _write_dataset(tmp_path / "data.jsonl")
-    produced = hsx("produce", "--job", job_name, "--model", str(tiny_model("qwen3")), "--dataset", str(tmp_path / "data.jsonl"),
-                   "--layers", "1", "--dest", str(tmp_path / "out"), "--dtype", "float32", "--token-budget", "64",
-                   "--max-seq-len", "32")
+    produced = hsx(
+        "produce",
+        "--job",
+        job_name,
+        "--model",
+        str(tiny_model("qwen3")),
+        "--dataset",
+        str(tmp_path / "data.jsonl"),
+        "--layers",
+        "1",
+        "--dest",
+        str(tmp_path / "out"),
+        "--dtype",
+        "float32",
+        "--token-budget",
+        "64",
+        "--max-seq-len",
+        "32",
+    )
     assert produced.returncode == 0, produced.stderr
     asyncio.run(_publish_poison(nats_server.url, job_name))
     spool = str(tmp_path / "spool")

@@ -64,8 +64,12 @@ class AuthS3:
     def client(self, service: str, key: tuple[str, str] | None = None):
         key_id, secret = key or self.admin
         return boto3.client(
-            service, endpoint_url=self.url, region_name="us-east-1", aws_access_key_id=key_id,
-            aws_secret_access_key=secret, config=botocore.config.Config(s3={"addressing_style": "path"}),
+            service,
+            endpoint_url=self.url,
+            region_name="us-east-1",
+            aws_access_key_id=key_id,
+            aws_secret_access_key=secret,
+            config=botocore.config.Config(s3={"addressing_style": "path"}),
         )
 
     def allow_s3(self, allowed: bool) -> None:
@@ -78,8 +82,11 @@ class AuthS3:
     def env(self, tmp_path: Path, key: tuple[str, str] | None = None) -> dict[str, str]:
         key_id, secret = key or self.user
         return {
-            "AWS_ENDPOINT_URL_S3": self.url, "AWS_ACCESS_KEY_ID": key_id, "AWS_SECRET_ACCESS_KEY": secret,
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_CONFIG_FILE": str(tmp_path / "aws-config"),
+            "AWS_ENDPOINT_URL_S3": self.url,
+            "AWS_ACCESS_KEY_ID": key_id,
+            "AWS_SECRET_ACCESS_KEY": secret,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_CONFIG_FILE": str(tmp_path / "aws-config"),
             "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "aws-credentials"),
         }
 
@@ -96,8 +103,9 @@ def auth_s3(tmp_path_factory):
     on every request checked against them."""
     port = _free_port()
     log = open(tmp_path_factory.mktemp("moto-auth") / "moto.log", "wb")
-    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=log, stderr=log)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -108,8 +116,9 @@ def auth_s3(tmp_path_factory):
             except requests.ConnectionError:
                 assert process.poll() is None and time.monotonic() < deadline, "moto server did not start"
                 time.sleep(0.1)
-        iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="setup",
-                           aws_secret_access_key="setup")
+        iam = boto3.client(
+            "iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="setup", aws_secret_access_key="setup"
+        )
         keys = {}
         for name, policy in (("hsx-admin", _ALLOW_ALL), ("hsx-uploader", _ALLOW_S3)):
             iam.create_user(UserName=name)
@@ -155,10 +164,16 @@ def test_refusals_are_told_from_other_errors_on_what_real_s3_calls_raise(auth_s3
         ("NoSuchBucket", missing, lambda d: d.put_bytes_verified(b"x", "k")),
         ("NoSuchBucket", missing, lambda d: d.put_file_verified(big, "k", size=65 << 20, sha256="0" * 64)),
         # a HEAD refused with a bare 403: the destination asks again with a GET to name the cause
-        ("SignatureDoesNotMatch", destination((auth_s3.user[0], wrong_secret)),
-         lambda d: d.has_verified("k", size=1, digest="d")),
-        ("InvalidAccessKeyId", destination(("AKIANOSUCHKEY0000000", wrong_secret)),
-         lambda d: d.put_bytes_verified(b"x", "k")),
+        (
+            "SignatureDoesNotMatch",
+            destination((auth_s3.user[0], wrong_secret)),
+            lambda d: d.has_verified("k", size=1, digest="d"),
+        ),
+        (
+            "InvalidAccessKeyId",
+            destination(("AKIANOSUCHKEY0000000", wrong_secret)),
+            lambda d: d.put_bytes_verified(b"x", "k"),
+        ),
     ]
     for code, dest, call in cases:
         exc = _error_of(lambda: call(dest))
@@ -193,8 +208,10 @@ def test_file_destination_refuses_only_for_its_own_paths(tmp_path):
     sample = tmp_path / "spool" / "0.safetensors"
     sample.parent.mkdir()
     sample.write_bytes(b"x" * 10)
-    for call in (lambda: dest.put_verified(sample, "job/00000/0.safetensors", size=10, digest="d"),
-                 lambda: dest.has_verified("job/00000/0.safetensors", size=10, digest="d")):
+    for call in (
+        lambda: dest.put_verified(sample, "job/00000/0.safetensors", size=10, digest="d"),
+        lambda: dest.has_verified("job/00000/0.safetensors", size=10, digest="d"),
+    ):
         exc = _error_of(call)
         reason = dest.refusal(exc)
         assert isinstance(exc, NotADirectoryError) and reason is not None, exc
@@ -219,16 +236,37 @@ def test_retry_delays_of_many_uploads_failing_together_are_spread():
 
 def test_a_refusal_fails_the_job_only_while_a_live_uploader_says_so():
     spec = schemas.JobSpec(
-        job="j", model="m", model_revision="r", layers=[1], dtype="bfloat16", dest="s3://b/p", token_budget=64,
-        max_seq_len=32, dataset="d", plan_fingerprint="f", total_samples=2, total_tokens=20, total_batches=1,
-        created_at=0.0, published=True,
+        job="j",
+        model="m",
+        model_revision="r",
+        layers=[1],
+        dtype="bfloat16",
+        dest="s3://b/p",
+        token_budget=64,
+        max_seq_len=32,
+        dataset="d",
+        plan_fingerprint="f",
+        total_samples=2,
+        total_tokens=20,
+        total_batches=1,
+        created_at=0.0,
+        published=True,
     )
     reason = "s3://b/p: NoSuchBucket (The specified bucket does not exist) on PutObject"
 
     def view(state: str, age_s: float, **queued) -> StatusView:
         fold = ProgressFold()
-        fold.apply(schemas.Heartbeat(job="j", service="uploader", instance="u-1", node="n", state=state,
-                                     detail=reason if state == "refused" else "", sent_at=1000.0 - age_s))
+        fold.apply(
+            schemas.Heartbeat(
+                job="j",
+                service="uploader",
+                instance="u-1",
+                node="n",
+                state=state,
+                detail=reason if state == "refused" else "",
+                sent_at=1000.0 - age_s,
+            )
+        )
         return status_view(spec, fold, QueueState(**queued), ProgressCounts(), job="j", now=1000.0, live_s=30.0)
 
     refused = view("refused", 5.0, files_queued=2)
@@ -262,8 +300,16 @@ def test_missing_bucket_fails_the_job_within_a_minute_and_the_uploader_resumes_o
     bucket, env = s3_env
     job = job_name
     rows = write_dataset(tmp_path / "data.jsonl", 12, min_len=8, max_len=40, seed=81)
-    produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=f"s3://{bucket}/prefix",
-            token_budget=128, max_seq_len=64, env=env)
+    produce(
+        hsx,
+        job=job,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=f"s3://{bucket}/prefix",
+        token_budget=128,
+        max_seq_len=64,
+        env=env,
+    )
     client = boto3.client("s3")
     # The bucket goes away after the job was published (with its bundle): every upload meets NoSuchBucket.
     for obj in client.list_objects_v2(Bucket=bucket).get("Contents", []):
@@ -272,13 +318,19 @@ def test_missing_bucket_fails_the_job_within_a_minute_and_the_uploader_resumes_o
 
     spool = tmp_path / "spool"
     consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), env=env, name="consume")
-    uploader = hsx_service("upload", "--job", job, "--spool", str(spool), "--ack-wait", "5", *PROBE, env=env,
-                           name="upload")
+    uploader = hsx_service(
+        "upload", "--job", job, "--spool", str(spool), "--ack-wait", "5", *PROBE, env=env, name="upload"
+    )
     started = time.monotonic()
     monitor = start_monitor(hsx_service, job, env)
     services = [consumer, uploader, monitor]
-    wait_for(lambda: monitor.poll() is not None, timeout=60, what="monitor --until-done to give up",
-             procs=services, alive=[consumer, uploader])
+    wait_for(
+        lambda: monitor.poll() is not None,
+        timeout=60,
+        what="monitor --until-done to give up",
+        procs=services,
+        alive=[consumer, uploader],
+    )
     reported_s = time.monotonic() - started
     assert monitor.returncode == 1, logs_of(*services)
     failed = log_events(monitor, "job_failed")
@@ -292,23 +344,41 @@ def test_missing_bucket_fails_the_job_within_a_minute_and_the_uploader_resumes_o
     assert view["destination_refusals"][0]["node"] == "testnode", view
 
     # Everything is extracted meanwhile and waits in the spool; the uploader keeps probing.
-    wait_for(lambda: status(hsx, job, env)["samples_written"] == len(rows), timeout=60,
-             what="every sample written", procs=services, alive=[consumer, uploader], period=0.5)
+    wait_for(
+        lambda: status(hsx, job, env)["samples_written"] == len(rows),
+        timeout=60,
+        what="every sample written",
+        procs=services,
+        alive=[consumer, uploader],
+        period=0.5,
+    )
     assert _sample_count(spool) == len(rows), spool_files(spool)
-    wait_for(lambda: log_events(uploader, "destination_still_refused"), timeout=10, what="a probe refused",
-             procs=services, alive=[uploader])
+    wait_for(
+        lambda: log_events(uploader, "destination_still_refused"),
+        timeout=10,
+        what="a probe refused",
+        procs=services,
+        alive=[uploader],
+    )
 
     client.create_bucket(Bucket=bucket)
     fixed = time.monotonic()
     # Until the uploader's next probe gets through, the job still shows failed: wait for it.
-    wait_for(lambda: log_events(uploader, "destination_accepts"), timeout=10, what="the uploader resuming",
-             procs=services, alive=[consumer, uploader])
+    wait_for(
+        lambda: log_events(uploader, "destination_accepts"),
+        timeout=10,
+        what="the uploader resuming",
+        procs=services,
+        alive=[consumer, uploader],
+    )
     resumed_s = time.monotonic() - fixed
     monitor = start_monitor(hsx_service, job, env)
     wait_until_done(monitor, [consumer, uploader], timeout=60)
     fixed_to_done_s = time.monotonic() - fixed
-    objects = {obj["Key"][len("prefix/"):]: client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
-               for obj in client.list_objects_v2(Bucket=bucket).get("Contents", [])}
+    objects = {
+        obj["Key"][len("prefix/") :]: client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+        for obj in client.list_objects_v2(Bucket=bucket).get("Contents", [])
+    }
     check_outputs(objects, job=job, rows=rows)
     assert not spool_files(spool), spool_files(spool)
     view = status(hsx, job, env)
@@ -318,8 +388,10 @@ def test_missing_bucket_fails_the_job_within_a_minute_and_the_uploader_resumes_o
     assert view["file_redeliveries"] == 0 and view["samples_requeued"] == 0, view
     check_uploaded_once(nats_server.url, job, len(rows))
     _secret_free(env["AWS_SECRET_ACCESS_KEY"], *services, monitor)
-    print(f"\nREFUSAL missing_bucket: reported_after_s={reported_s:.1f} bucket_created_to_resumed_s={resumed_s:.1f} "
-          f"bucket_created_to_done_s={fixed_to_done_s:.1f}")
+    print(
+        f"\nREFUSAL missing_bucket: reported_after_s={reported_s:.1f} bucket_created_to_resumed_s={resumed_s:.1f} "
+        f"bucket_created_to_done_s={fixed_to_done_s:.1f}"
+    )
 
 
 def test_wrong_credentials_then_a_denied_permission_are_reported_and_fixing_them_resumes_the_uploader(
@@ -330,8 +402,16 @@ def test_wrong_credentials_then_a_denied_permission_are_reported_and_fixing_them
     auth_s3.client("s3").create_bucket(Bucket=bucket)
     good = auth_s3.env(tmp_path)
     rows = write_dataset(tmp_path / "data.jsonl", 10, min_len=8, max_len=40, seed=82)
-    produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=f"s3://{bucket}/prefix",
-            token_budget=128, max_seq_len=64, env=good)
+    produce(
+        hsx,
+        job=job,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=f"s3://{bucket}/prefix",
+        token_budget=128,
+        max_seq_len=64,
+        env=good,
+    )
 
     # The uploader takes its key from the credentials file, which the operator fixes in place.
     credentials = tmp_path / "uploader-credentials"
@@ -341,14 +421,19 @@ def test_wrong_credentials_then_a_denied_permission_are_reported_and_fixing_them
         credentials.write_text(f"[default]\naws_access_key_id = {auth_s3.user[0]}\naws_secret_access_key = {secret}\n")
 
     write_credentials(wrong_secret)
-    uploader_env = {**good, "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
-                    "AWS_SHARED_CREDENTIALS_FILE": str(credentials)}
+    uploader_env = {
+        **good,
+        "AWS_ACCESS_KEY_ID": "",
+        "AWS_SECRET_ACCESS_KEY": "",
+        "AWS_SHARED_CREDENTIALS_FILE": str(credentials),
+    }
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name, raising=False)
     spool = tmp_path / "spool"
     consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), name="consume")
-    uploader = hsx_service("upload", "--job", job, "--spool", str(spool), "--ack-wait", "5", *PROBE,
-                           env=uploader_env, name="upload")
+    uploader = hsx_service(
+        "upload", "--job", job, "--spool", str(spool), "--ack-wait", "5", *PROBE, env=uploader_env, name="upload"
+    )
     services = [consumer, uploader]
     started = time.monotonic()
 
@@ -356,8 +441,14 @@ def test_wrong_credentials_then_a_denied_permission_are_reported_and_fixing_them
         view = status(hsx, job, None)
         return view if view["failed"] and code in (view["destination_error"] or "") else None
 
-    wait_for(lambda: refusal("SignatureDoesNotMatch"), timeout=60, what="status failed: SignatureDoesNotMatch",
-             procs=services, alive=services, period=0.5)
+    wait_for(
+        lambda: refusal("SignatureDoesNotMatch"),
+        timeout=60,
+        what="status failed: SignatureDoesNotMatch",
+        procs=services,
+        alive=services,
+        period=0.5,
+    )
     reported_s = time.monotonic() - started
 
     # The key is fixed in the file, but the user's S3 permission is gone: the next probe reads the
@@ -373,20 +464,33 @@ def test_wrong_credentials_then_a_denied_permission_are_reported_and_fixing_them
 
     wait_for(denied, timeout=30, what="status failed: AccessDenied", procs=services, alive=services, period=0.5)
     assert f"s3://{bucket}/prefix" in view["failure_reason"], view
-    wait_for(lambda: status(hsx, job, None)["samples_written"] == len(rows), timeout=60,
-             what="every sample written", procs=services, alive=services, period=0.5)
+    wait_for(
+        lambda: status(hsx, job, None)["samples_written"] == len(rows),
+        timeout=60,
+        what="every sample written",
+        procs=services,
+        alive=services,
+        period=0.5,
+    )
     assert _sample_count(spool) == len(rows), spool_files(spool)
 
     auth_s3.allow_s3(True)
     fixed = time.monotonic()
-    wait_for(lambda: log_events(uploader, "destination_accepts"), timeout=10, what="the uploader resuming",
-             procs=services, alive=services)
+    wait_for(
+        lambda: log_events(uploader, "destination_accepts"),
+        timeout=10,
+        what="the uploader resuming",
+        procs=services,
+        alive=services,
+    )
     monitor = start_monitor(hsx_service, job, None)
     wait_until_done(monitor, services, timeout=60)
     fixed_to_done_s = time.monotonic() - fixed
     admin = auth_s3.client("s3")
-    objects = {obj["Key"][len("prefix/"):]: admin.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
-               for obj in admin.list_objects_v2(Bucket=bucket).get("Contents", [])}
+    objects = {
+        obj["Key"][len("prefix/") :]: admin.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+        for obj in admin.list_objects_v2(Bucket=bucket).get("Contents", [])
+    }
     check_outputs(objects, job=job, rows=rows)
     assert not spool_files(spool), spool_files(spool)
     view = status(hsx, job, None)
@@ -405,9 +509,30 @@ def test_hsx_up_exits_1_naming_a_refusing_destination_and_leaves_no_stale_failur
     blocker = out / job / "00000"  # a file where the first shard's directory belongs
     blocker.parent.mkdir(parents=True)
     blocker.write_bytes(b"not a directory")
-    args = [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(workdir), "--nats", nats_server.url, "--job", job,
-            "--model", str(tiny_model("qwen3")), "--dest", str(out), "--samples", "8", "--layers", "1,3",
-            "--token-budget", "1024", "--max-seq-len", "128"]
+    args = [
+        sys.executable,
+        "-m",
+        "hsx.cli",
+        "up",
+        "--workdir",
+        str(workdir),
+        "--nats",
+        nats_server.url,
+        "--job",
+        job,
+        "--model",
+        str(tiny_model("qwen3")),
+        "--dest",
+        str(out),
+        "--samples",
+        "8",
+        "--layers",
+        "1,3",
+        "--token-budget",
+        "1024",
+        "--max-seq-len",
+        "128",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HSX_PROBE_EVERY": "1"}
 
     run = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)

@@ -26,10 +26,13 @@ from hsx.model.devices import check_consumer_device, plan_devices, visible_text
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("visible, expected", [
-    (1, ["cuda:0"]),
-    (4, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]),
-])
+@pytest.mark.parametrize(
+    "visible, expected",
+    [
+        (1, ["cuda:0"]),
+        (4, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]),
+    ],
+)
 def test_cuda_is_every_visible_gpu(visible, expected):
     assert plan_devices("cuda", None, visible=visible) == expected
 
@@ -47,21 +50,24 @@ def test_devices_choose_among_the_visible_gpus_in_the_order_given():
     assert plan_devices("cuda:0", None, visible=1) == ["cuda:0"]
 
 
-@pytest.mark.parametrize("device, devices, visible, needles", [
-    ("cuda", None, 0, ("--device cuda", "no GPU visible", "--device cpu")),
-    ("cuda", "0,2", 0, ("--devices 0,2", "no GPU visible")),
-    ("cuda", "0,4", 4, ("--devices 0,4", "no GPU 4", "4 GPUs visible (cuda:0 to cuda:3)")),
-    ("cuda", "1", 1, ("--devices 1", "no GPU 1", "1 GPU visible (cuda:0)")),
-    ("cuda", "0,2,0", 4, ("--devices 0,2,0", "GPU 0 is given twice")),
-    ("cuda", "0,x", 4, ("--devices '0,x'", "e.g. 0,2", "'x'")),
-    ("cuda", "0,,1", 4, ("--devices '0,,1'",)),
-    ("cuda", "-1", 4, ("--devices '-1'",)),
-    ("cpu", "0,2", 4, ("--devices 0,2", "--device is cpu", "--device cuda --devices 0,2")),
-    ("cuda:1", "0,2", 4, ("--device is cuda:1", "--device cuda:1 alone", "--device cuda --devices 0,2")),
-    ("cuda:4", None, 4, ("--device cuda:4", "no GPU 4", "4 GPUs visible")),
-    ("cuda:0", None, 0, ("--device cuda:0", "no GPU visible")),
-    ("cuda:x", None, 4, ("--device 'cuda:x'", "cuda:N")),
-])
+@pytest.mark.parametrize(
+    "device, devices, visible, needles",
+    [
+        ("cuda", None, 0, ("--device cuda", "no GPU visible", "--device cpu")),
+        ("cuda", "0,2", 0, ("--devices 0,2", "no GPU visible")),
+        ("cuda", "0,4", 4, ("--devices 0,4", "no GPU 4", "4 GPUs visible (cuda:0 to cuda:3)")),
+        ("cuda", "1", 1, ("--devices 1", "no GPU 1", "1 GPU visible (cuda:0)")),
+        ("cuda", "0,2,0", 4, ("--devices 0,2,0", "GPU 0 is given twice")),
+        ("cuda", "0,x", 4, ("--devices '0,x'", "e.g. 0,2", "'x'")),
+        ("cuda", "0,,1", 4, ("--devices '0,,1'",)),
+        ("cuda", "-1", 4, ("--devices '-1'",)),
+        ("cpu", "0,2", 4, ("--devices 0,2", "--device is cpu", "--device cuda --devices 0,2")),
+        ("cuda:1", "0,2", 4, ("--device is cuda:1", "--device cuda:1 alone", "--device cuda --devices 0,2")),
+        ("cuda:4", None, 4, ("--device cuda:4", "no GPU 4", "4 GPUs visible")),
+        ("cuda:0", None, 0, ("--device cuda:0", "no GPU visible")),
+        ("cuda:x", None, 4, ("--device 'cuda:x'", "cuda:N")),
+    ],
+)
 def test_refusals_name_the_flag_and_what_is_visible(device, devices, visible, needles):
     with pytest.raises(HsxError) as raised:
         plan_devices(device, devices, visible=visible)
@@ -133,20 +139,29 @@ def test_the_cli_refuses_with_one_line(tmp_path, subtests):
     """The real `hsx`, no GPU visible; nothing is started (NATS points nowhere, no workdir made)."""
     workdir = tmp_path / "never"
     cases = {
-        "consume --device cuda": (["consume", "--job", "j", "--device", "cuda", "--spool", str(tmp_path / "s")],
-                                  ("--device cuda", "--device cuda:0", "hsx up --device cuda")),
-        "up --device cuda, none visible": (["up", "--workdir", str(workdir), "--device", "cuda"],
-                                           ("--device cuda", "no GPU visible with CUDA_VISIBLE_DEVICES=''")),
-        "up --devices without cuda": (["up", "--workdir", str(workdir), "--devices", "0,2"],
-                                      ("--devices 0,2", "--device is cpu", "--device cuda --devices 0,2")),
-        "up --devices twice": (["up", "--workdir", str(workdir), "--device", "cuda", "--devices", "1,1"],
-                               ("--devices 1,1", "GPU 1 is given twice")),
+        "consume --device cuda": (
+            ["consume", "--job", "j", "--device", "cuda", "--spool", str(tmp_path / "s")],
+            ("--device cuda", "--device cuda:0", "hsx up --device cuda"),
+        ),
+        "up --device cuda, none visible": (
+            ["up", "--workdir", str(workdir), "--device", "cuda"],
+            ("--device cuda", "no GPU visible with CUDA_VISIBLE_DEVICES=''"),
+        ),
+        "up --devices without cuda": (
+            ["up", "--workdir", str(workdir), "--devices", "0,2"],
+            ("--devices 0,2", "--device is cpu", "--device cuda --devices 0,2"),
+        ),
+        "up --devices twice": (
+            ["up", "--workdir", str(workdir), "--device", "cuda", "--devices", "1,1"],
+            ("--devices 1,1", "GPU 1 is given twice"),
+        ),
     }
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HSX_NATS_URL": "nats://127.0.0.1:1", "PYTHONUNBUFFERED": "1"}
 
     def run(argv):
-        return subprocess.run([sys.executable, "-m", "hsx.cli", *argv], env=env, capture_output=True, text=True,
-                              timeout=120, cwd=REPO)
+        return subprocess.run(
+            [sys.executable, "-m", "hsx.cli", *argv], env=env, capture_output=True, text=True, timeout=120, cwd=REPO
+        )
 
     with ThreadPoolExecutor(max_workers=len(cases)) as pool:
         results = dict(zip(cases, pool.map(run, [argv for argv, _ in cases.values()])))

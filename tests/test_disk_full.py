@@ -31,16 +31,36 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def test_consumer_waits_out_a_full_spool_disk_and_recovers(hsx, hsx_service, tiny_model, job_name, tmp_path, small_disk):
+def test_consumer_waits_out_a_full_spool_disk_and_recovers(
+    hsx, hsx_service, tiny_model, job_name, tmp_path, small_disk
+):
     filler = small_disk / "filler"
     filler.write_bytes(b"\0" * (480 << 10))  # leaves ~32 KiB: not enough for a batch of files
     rows = write_dataset(tmp_path / "data.jsonl", 10, min_len=20, max_len=60, seed=7)
     out = tmp_path / "out"
-    produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
-            token_budget=256, max_seq_len=64, env=None)
+    produce(
+        hsx,
+        job=job_name,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(out),
+        token_budget=256,
+        max_seq_len=64,
+        env=None,
+    )
     spool = small_disk / "spool"
-    consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool),
-                           "--spool-high-water", "1G", name="consumer")
+    consumer = hsx_service(
+        "consume",
+        "--job",
+        job_name,
+        "--device",
+        "cpu",
+        "--spool",
+        str(spool),
+        "--spool-high-water",
+        "1G",
+        name="consumer",
+    )
     uploader = hsx_service("upload", "--job", job_name, "--spool", str(spool), name="uploader")
 
     log = Path(consumer.log_path)

@@ -39,11 +39,13 @@ def write_dataset(path: Path, count: int, *, min_len: int, max_len: int, seed: i
     rows = []
     for index, length in enumerate(lengths):
         split = rng.randint(0, length)
-        rows.append({
-            "id": f"row-{index}",
-            "input_ids": [rng.randrange(vocab) for _ in range(length)],
-            "loss_mask": [0] * split + [1] * (length - split),
-        })
+        rows.append(
+            {
+                "id": f"row-{index}",
+                "input_ids": [rng.randrange(vocab) for _ in range(length)],
+                "loss_mask": [0] * split + [1] * (length - split),
+            }
+        )
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return rows
 
@@ -52,27 +54,52 @@ def logs_of(*procs: subprocess.Popen, tail: int = 3000) -> str:
     parts = []
     for proc in procs:
         text = Path(proc.log_path).read_text(errors="replace") if getattr(proc, "log_path", None) else ""
-        parts.append(f"----- {' '.join(proc.args[3:6])} (pid {proc.pid}, rc {proc.poll()}) {proc.log_path}\n{text[-tail:]}")
+        parts.append(
+            f"----- {' '.join(proc.args[3:6])} (pid {proc.pid}, rc {proc.poll()}) {proc.log_path}\n{text[-tail:]}"
+        )
     return "\n".join(parts)
 
 
 def check_ok(result: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"{what} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, (
+        f"{what} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
+    )
     return result
 
 
-def produce(hsx, *, job: str, model: Path, dataset: Path, dest: str, token_budget: int, max_seq_len: int, env: dict | None):
-    check_ok(hsx(
-        "produce", "--job", job, "--model", str(model), "--dataset", str(dataset),
-        "--layers", ",".join(map(str, LAYERS)), "--dest", dest, "--dtype", "float32",
-        "--token-budget", str(token_budget), "--max-seq-len", str(max_seq_len), env=env,
-    ), "hsx produce")
+def produce(
+    hsx, *, job: str, model: Path, dataset: Path, dest: str, token_budget: int, max_seq_len: int, env: dict | None
+):
+    check_ok(
+        hsx(
+            "produce",
+            "--job",
+            job,
+            "--model",
+            str(model),
+            "--dataset",
+            str(dataset),
+            "--layers",
+            ",".join(map(str, LAYERS)),
+            "--dest",
+            dest,
+            "--dtype",
+            "float32",
+            "--token-budget",
+            str(token_budget),
+            "--max-seq-len",
+            str(max_seq_len),
+            env=env,
+        ),
+        "hsx produce",
+    )
 
 
 def status(hsx, job: str, env: dict | None) -> dict:
     # A generous sums budget: these tests read the sums (samples written, tokens) exactly.
-    return json.loads(check_ok(hsx("status", "--job", job, "--json", "--sums-budget", "30", env=env, timeout=60),
-                               "hsx status").stdout)
+    return json.loads(
+        check_ok(hsx("status", "--job", job, "--json", "--sums-budget", "30", env=env, timeout=60), "hsx status").stdout
+    )
 
 
 def wait_until_spooled(hsx, consumer: subprocess.Popen, job: str, count: int, timeout: float = 90) -> None:
@@ -84,7 +111,9 @@ def wait_until_spooled(hsx, consumer: subprocess.Popen, job: str, count: int, ti
         time.sleep(0.5)
 
 
-def wait_until_done(monitor: subprocess.Popen, workers: list[subprocess.Popen], timeout: float = PIPELINE_TIMEOUT_S) -> float:
+def wait_until_done(
+    monitor: subprocess.Popen, workers: list[subprocess.Popen], timeout: float = PIPELINE_TIMEOUT_S
+) -> float:
     """Wait for `hsx monitor --until-done` to exit 0; fail with every log on timeout, on a bad exit,
     or as soon as a worker dies. Returns the seconds waited."""
     started = time.monotonic()
@@ -93,7 +122,9 @@ def wait_until_done(monitor: subprocess.Popen, workers: list[subprocess.Popen], 
         if dead:
             pytest.fail(f"a worker exited while the job ran\n{logs_of(monitor, *workers)}")
         if time.monotonic() - started > timeout:
-            pytest.fail(f"job not done after {timeout:.0f} s (monitor --until-done still running)\n{logs_of(monitor, *workers)}")
+            pytest.fail(
+                f"job not done after {timeout:.0f} s (monitor --until-done still running)\n{logs_of(monitor, *workers)}"
+            )
         time.sleep(0.2)
     assert monitor.returncode == 0, f"monitor --until-done exited {monitor.returncode}\n{logs_of(monitor, *workers)}"
     return time.monotonic() - started
@@ -129,7 +160,9 @@ def check_sample_file(data: bytes, key: str, *, job: str, rows: list[dict]) -> d
     assert set(tensors) == {"hidden_states", "input_ids", "loss_mask"}, f"{key}: tensors {sorted(tensors)}"
     hidden = tensors["hidden_states"]
     assert hidden.dtype == torch.float32, f"{key}: hidden_states dtype {hidden.dtype}"
-    assert tuple(hidden.shape) == (tokens, len(LAYERS), HIDDEN), f"{key}: hidden_states {tuple(hidden.shape)}, {tokens} tokens"
+    assert tuple(hidden.shape) == (tokens, len(LAYERS), HIDDEN), (
+        f"{key}: hidden_states {tuple(hidden.shape)}, {tokens} tokens"
+    )
     assert torch.isfinite(hidden).all(), f"{key}: non-finite hidden states"
     assert tensors["input_ids"].tolist() == row["input_ids"], f"{key}: input_ids differ from dataset row {index}"
     assert tensors["loss_mask"].tolist() == row["loss_mask"], f"{key}: loss_mask differs from dataset row {index}"
@@ -163,9 +196,13 @@ def check_outputs(objects: dict[str, bytes], *, job: str, rows: list[dict]) -> d
     objects = sample_objects(objects, job)
     expected = {expected_key(job, i) for i in range(len(rows))}
     missing, extra = sorted(expected - set(objects)), sorted(set(objects) - expected)
-    assert not missing and not extra, f"{len(objects)} objects for {len(rows)} samples; missing {missing[:10]}, extra {extra[:10]}"
-    return {int(key.rsplit("/", 1)[1].split(".")[0]): check_sample_file(data, key, job=job, rows=rows)
-            for key, data in objects.items()}
+    assert not missing and not extra, (
+        f"{len(objects)} objects for {len(rows)} samples; missing {missing[:10]}, extra {extra[:10]}"
+    )
+    return {
+        int(key.rsplit("/", 1)[1].split(".")[0]): check_sample_file(data, key, job=job, rows=rows)
+        for key, data in objects.items()
+    }
 
 
 def check_final_status(view: dict, *, total: int) -> None:
@@ -182,8 +219,11 @@ def read_s3_objects(bucket: str, prefix: str) -> dict[str, bytes]:
     import boto3
 
     client = boto3.client("s3")
-    keys = [obj["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-            for obj in page.get("Contents", [])]
+    keys = [
+        obj["Key"]
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for obj in page.get("Contents", [])
+    ]
     outside = [k for k in keys if not k.startswith(prefix + "/")]
     assert not outside, f"objects outside {prefix}/: {outside[:10]}"
     return {k[len(prefix) + 1 :]: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
@@ -209,8 +249,12 @@ class Reference:
         """(raw output of each LAYERS entry [T, H], the final norm module, HF hidden_states [T, H] each)."""
         raw = {}
         layers = self.model.model.layers
-        handles = [layers[i].register_forward_hook(lambda _m, _a, out, i=i: raw.__setitem__(i, out[0] if isinstance(out, tuple) else out))
-                   for i in LAYERS]
+        handles = [
+            layers[i].register_forward_hook(
+                lambda _m, _a, out, i=i: raw.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+            )
+            for i in LAYERS
+        ]
         try:
             out = self.model(input_ids=torch.tensor([input_ids]), output_hidden_states=True)
         finally:
@@ -226,12 +270,19 @@ class Reference:
             torch.testing.assert_close(got, raw[slot], atol=atol, rtol=0, msg=lambda m: f"{what} layer {layer}: {m}")
             if layer != last:
                 # The output format (README.md): layer i == output_hidden_states[i + 1] for every layer but the last ...
-                torch.testing.assert_close(got, hf[layer + 1], atol=atol, rtol=0, msg=lambda m: f"{what} layer {layer} vs HF: {m}")
+                torch.testing.assert_close(
+                    got, hf[layer + 1], atol=atol, rtol=0, msg=lambda m: f"{what} layer {layer} vs HF: {m}"
+                )
             else:
                 # ... whose HF entry has the final norm applied: hsx stores the pre-norm state.
                 with torch.inference_mode():
-                    torch.testing.assert_close(norm(got), hf[layer + 1], atol=atol, rtol=0,
-                                               msg=lambda m: f"{what} last layer {layer}, normed, vs HF: {m}")
+                    torch.testing.assert_close(
+                        norm(got),
+                        hf[layer + 1],
+                        atol=atol,
+                        rtol=0,
+                        msg=lambda m: f"{what} last layer {layer}, normed, vs HF: {m}",
+                    )
                 assert not torch.allclose(got, hf[layer + 1], atol=1e-3), f"{what}: last layer stored post-norm"
 
 
@@ -241,7 +292,16 @@ class Reference:
 def run_pipeline(tmp_path, hsx, hsx_service, *, job: str, model: Path, dest: str, env: dict | None, count: int = 40):
     rows = write_dataset(tmp_path / "data.jsonl", count, min_len=4, max_len=200, seed=7)
     spool = tmp_path / "spool"
-    produce(hsx, job=job, model=model, dataset=tmp_path / "data.jsonl", dest=dest, token_budget=1024, max_seq_len=256, env=env)
+    produce(
+        hsx,
+        job=job,
+        model=model,
+        dataset=tmp_path / "data.jsonl",
+        dest=dest,
+        token_budget=1024,
+        max_seq_len=256,
+        env=env,
+    )
     workers = [hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), env=env, name="consume")]
     workers += [hsx_service("upload", "--job", job, "--spool", str(spool), env=env, name="upload") for _ in range(2)]
     monitor = start_monitor(hsx_service, job, env)
@@ -250,7 +310,9 @@ def run_pipeline(tmp_path, hsx, hsx_service, *, job: str, model: Path, dest: str
     return rows, spool, workers
 
 
-def check_pipeline_result(objects: dict[str, bytes], *, hsx, job: str, rows, spool: Path, model: Path, env, workers) -> None:
+def check_pipeline_result(
+    objects: dict[str, bytes], *, hsx, job: str, rows, spool: Path, model: Path, env, workers
+) -> None:
     outputs = check_outputs(objects, job=job, rows=rows)
     leftover = spool_files(spool)
     assert not leftover, f"spool not empty: {leftover[:10]}\n{logs_of(*workers)}"
@@ -266,8 +328,9 @@ def check_pipeline_result(objects: dict[str, bytes], *, hsx, job: str, rows, spo
 def test_e2e_s3_destination(tmp_path, hsx, hsx_service, tiny_model, job_name, s3_env):
     bucket, env = s3_env
     model = tiny_model("qwen3")
-    rows, spool, workers = run_pipeline(tmp_path, hsx, hsx_service, job=job_name, model=model,
-                                        dest=f"s3://{bucket}/prefix", env=env)
+    rows, spool, workers = run_pipeline(
+        tmp_path, hsx, hsx_service, job=job_name, model=model, dest=f"s3://{bucket}/prefix", env=env
+    )
     objects = read_s3_objects(bucket, "prefix")
     check_pipeline_result(objects, hsx=hsx, job=job_name, rows=rows, spool=spool, model=model, env=env, workers=workers)
 
@@ -277,4 +340,6 @@ def test_e2e_file_destination(tmp_path, hsx, hsx_service, tiny_model, job_name):
     out = tmp_path / "out"
     rows, spool, workers = run_pipeline(tmp_path, hsx, hsx_service, job=job_name, model=model, dest=str(out), env=None)
     objects = read_dir_objects(out)
-    check_pipeline_result(objects, hsx=hsx, job=job_name, rows=rows, spool=spool, model=model, env=None, workers=workers)
+    check_pipeline_result(
+        objects, hsx=hsx, job=job_name, rows=rows, spool=spool, model=model, env=None, workers=workers
+    )

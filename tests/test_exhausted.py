@@ -36,8 +36,16 @@ TIMEOUT_S = 150.0
 def _produce_job(tmp_path, hsx, tiny_model, job: str, env: dict | None = None) -> tuple[list[dict], Path, dict]:
     rows = write_dataset(tmp_path / "data.jsonl", 24, min_len=8, max_len=40, seed=7)
     out = tmp_path / "out"
-    produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
-            token_budget=96, max_seq_len=64, env=env)
+    produce(
+        hsx,
+        job=job,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(out),
+        token_budget=96,
+        max_seq_len=64,
+        env=env,
+    )
     view = json.loads(check_ok(hsx("status", "--job", job, "--json", env=env), "status").stdout)
     assert view["batches_total"] >= 4, view
     return rows, out, view
@@ -45,6 +53,7 @@ def _produce_job(tmp_path, hsx, tiny_model, job: str, env: dict | None = None) -
 
 def _batch_of(url: str, job: str, sample: int) -> list[int]:
     """The sample indices of the queued batch that holds `sample`."""
+
     async def read() -> list[int]:
         nc = await nats.connect(url)
         try:
@@ -58,6 +67,7 @@ def _batch_of(url: str, job: str, sample: int) -> list[int]:
                 seq = raw.seq
         finally:
             await nc.close()
+
     return asyncio.run(read())
 
 
@@ -89,7 +99,9 @@ def _retry_and_finish(hsx, hsx_service, job: str, rows, out: Path, env: dict | N
     assert code == 0, f"after the retry monitor --until-done exited {code}\n{logs_of(monitor, *workers)}"
     check_outputs(read_dir_objects(out), job=job, rows=rows)
     verify = hsx("verify", "--job", job, "--recompute", "3", "--json", env=env, timeout=180)
-    assert verify.returncode == 0, f"verify exited {verify.returncode}\n{verify.stdout[-3000:]}\n{verify.stderr[-3000:]}"
+    assert verify.returncode == 0, (
+        f"verify exited {verify.returncode}\n{verify.stdout[-3000:]}\n{verify.stderr[-3000:]}"
+    )
     view = json.loads(check_ok(hsx("status", "--job", job, "--json", env=env), "status").stdout)
     assert view["done"] and view["samples_uploaded"] == len(rows) and view["dead_letters"] == 0, view
 
@@ -102,13 +114,17 @@ def _block_sample_path(spool: Path, job: str, sample: int) -> Path:
     return blocker
 
 
-def test_a_write_that_fails_on_every_delivery_ends_dead_lettered_then_retried(tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name):
+def test_a_write_that_fails_on_every_delivery_ends_dead_lettered_then_retried(
+    tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name
+):
     rows, out, _ = _produce_job(tmp_path, hsx, tiny_model, job_name)
     bad = 5
     samples = _batch_of(nats_server.url, job_name, bad)
     spool = tmp_path / "spool"
     blocker = _block_sample_path(spool, job_name, bad)
-    consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), *FAST, name="consume")
+    consumer = hsx_service(
+        "consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), *FAST, name="consume"
+    )
     uploader = hsx_service("upload", "--job", job_name, "--spool", str(spool), name="upload")
     _monitor_fails_naming(hsx_service, job_name, samples, None, [consumer, uploader])
     letters = json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
@@ -118,7 +134,9 @@ def test_a_write_that_fails_on_every_delivery_ends_dead_lettered_then_retried(tm
     _retry_and_finish(hsx, hsx_service, job_name, rows, out, None, [consumer, uploader])
 
 
-def test_a_batch_that_kills_its_consumer_every_time_is_dead_lettered_then_retried(tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name):
+def test_a_batch_that_kills_its_consumer_every_time_is_dead_lettered_then_retried(
+    tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name
+):
     rows, out, _ = _produce_job(tmp_path, hsx, tiny_model, job_name)
     bad = 11
     samples = _batch_of(nats_server.url, job_name, bad)
@@ -135,15 +153,27 @@ def test_a_batch_that_kills_its_consumer_every_time_is_dead_lettered_then_retrie
             if consumer is not None:
                 assert consumer.returncode == -9, logs_of(consumer)
                 kills += 1
-            consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, *FAST,
-                                   env={"HSX_TEST_CRASH_ON_SAMPLE": str(bad)}, name="consume-crashing")
+            consumer = hsx_service(
+                "consume",
+                "--job",
+                job_name,
+                "--device",
+                "cpu",
+                "--spool",
+                spool,
+                *FAST,
+                env={"HSX_TEST_CRASH_ON_SAMPLE": str(bad)},
+                name="consume-crashing",
+            )
         time.sleep(0.2)
     assert monitor.returncode == 1, logs_of(monitor, consumer, uploader)
     assert kills == topology.BATCH_MAX_DELIVER, f"{kills} kills"
     failed = [json.loads(line) for line in Path(monitor.log_path).read_text().splitlines() if '"job_failed"' in line]
     assert failed and failed[-1]["dead_samples"] == samples, failed
     letters = json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
-    assert [sorted(letter["samples"]) for letter in letters] == [samples] and "never finished" in letters[0]["error"], letters
+    assert [sorted(letter["samples"]) for letter in letters] == [samples] and "never finished" in letters[0]["error"], (
+        letters
+    )
     consumer.kill()
     healthy = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, *FAST, name="consume")
     _retry_and_finish(hsx, hsx_service, job_name, rows, out, None, [healthy, uploader])
@@ -162,8 +192,18 @@ def test_nats_restart_while_dead_lettering_loses_nothing(tmp_path, hsx, hsx_serv
         blocker = _block_sample_path(spool, job_name, bad)
         hold = tmp_path / "hold"
         hold.mkdir()
-        consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), *FAST,
-                               env={**env, "HSX_TEST_HOLD_DEAD_LETTER": str(hold)}, name="consume")
+        consumer = hsx_service(
+            "consume",
+            "--job",
+            job_name,
+            "--device",
+            "cpu",
+            "--spool",
+            str(spool),
+            *FAST,
+            env={**env, "HSX_TEST_HOLD_DEAD_LETTER": str(hold)},
+            name="consume",
+        )
         uploader = hsx_service("upload", "--job", job_name, "--spool", str(spool), env=env, name="upload")
         deadline = time.monotonic() + TIMEOUT_S
         while not (hold / "holding").exists():
@@ -188,8 +228,12 @@ async def _one_batch_queued(js, job: str, *, samples: int, ack_wait_s: float):
     subscription: (durable, batch, subscription)."""
     await topology.ensure_topology(js)
     durable = await topology.ensure_gpu_consumer(js, job, ack_wait_s=ack_wait_s)
-    batch = schemas.BatchDescriptor(job=job, batch_id=f"{job}-b0", padded_len=3, samples=[
-        schemas.Sample(index=i, source_id=str(i), input_ids=[1, 2, 3]) for i in range(samples)])
+    batch = schemas.BatchDescriptor(
+        job=job,
+        batch_id=f"{job}-b0",
+        padded_len=3,
+        samples=[schemas.Sample(index=i, source_id=str(i), input_ids=[1, 2, 3]) for i in range(samples)],
+    )
     await js.publish(topology.batch_subject(job), schemas.encode(batch), headers={"Nats-Msg-Id": batch.batch_id})
     return durable, batch, await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
 
@@ -208,8 +252,9 @@ def test_sweep_dead_letters_a_spent_batch_whose_advisory_was_lost(nats_server, j
             with pytest.raises((asyncio.TimeoutError, nats.errors.TimeoutError)):
                 await sub.fetch(1, timeout=1)  # spent: never delivered again
             # The advisory is lost (as in a leader election at that moment).
-            await js.purge_stream(topology.ADVISORIES_STREAM, subject=topology.max_deliveries_subject(
-                topology.BATCHES_STREAM, durable))
+            await js.purge_stream(
+                topology.ADVISORIES_STREAM, subject=topology.max_deliveries_subject(topology.BATCHES_STREAM, durable)
+            )
             events = EventPublisher(nc, js, job_name)
             assert await sweep(js, events) == 1
             assert await sweep(js, events) == 0

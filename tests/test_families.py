@@ -52,12 +52,25 @@ LENGTHS = [3, 17, 40, 90]
 SELECTED = [0, 2, NUM_LAYERS - 1, FINAL]  # first, a middle one, the last decoder layer, post-norm
 STOP_AFTER = 1  # a middle layer: layers 2.. and the norm must not run
 
-DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
-             tie_word_embeddings=False)
+DENSE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=NUM_LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 SMALL_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
-SMALL_LINEAR_ATTENTION = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                              linear_value_head_dim=16, linear_conv_kernel_dim=4)
+SMALL_LINEAR_ATTENTION = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
 # Linear-attention layers first, as in the released hybrids; the selection [0, 2, 3] captures two
 # linear-attention layers (0 and 2, the latter after a full-attention layer) and a full one (3).
 HYBRID_LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
@@ -79,18 +92,32 @@ FAMILIES = {
     "qwen3": Family(dict(model_type="qwen3", **DENSE)),
     "qwen3_moe": Family(dict(model_type="qwen3_moe", **DENSE, **SMALL_MOE)),
     "gemma2": Family(
-        dict(model_type="gemma2", **DENSE, sliding_window=16,
-             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+        dict(
+            model_type="gemma2",
+            **DENSE,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        ),
         kinds=("sliding_attention", "full_attention"),
     ),
     "gemma3_text": Family(
-        dict(model_type="gemma3_text", **DENSE, sliding_window=16,
-             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
+        dict(
+            model_type="gemma3_text",
+            **DENSE,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        ),
         kinds=("sliding_attention", "full_attention"),
     ),
     "qwen3_next": Family(
-        dict(model_type="qwen3_next", **DENSE, **SMALL_MOE, **SMALL_LINEAR_ATTENTION,
-             shared_expert_intermediate_size=32, layer_types=HYBRID_LAYER_TYPES),
+        dict(
+            model_type="qwen3_next",
+            **DENSE,
+            **SMALL_MOE,
+            **SMALL_LINEAR_ATTENTION,
+            shared_expert_intermediate_size=32,
+            layer_types=HYBRID_LAYER_TYPES,
+        ),
         kinds=("linear_attention", "full_attention"),
     ),
     "qwen3_5_text": Family(
@@ -116,8 +143,10 @@ def family_model(tmp_path_factory):
 
 def _samples(seed: int) -> list[Sample]:
     generator = torch.Generator().manual_seed(seed)
-    return [Sample(index=i, source_id=f"s{i}", input_ids=torch.randint(0, VOCAB, (n,), generator=generator).tolist())
-            for i, n in enumerate(LENGTHS)]
+    return [
+        Sample(index=i, source_id=f"s{i}", input_ids=torch.randint(0, VOCAB, (n,), generator=generator).tolist())
+        for i, n in enumerate(LENGTHS)
+    ]
 
 
 def _alone(reference, input_ids: list[int]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -125,7 +154,8 @@ def _alone(reference, input_ids: list[int]) -> tuple[tuple[torch.Tensor, ...], t
     raw = {}
     last = decoder_stack(reference).layers[-1]
     handle = last.register_forward_hook(
-        lambda _m, _a, out: raw.__setitem__("last", (out[0] if isinstance(out, tuple) else out).detach().clone()))
+        lambda _m, _a, out: raw.__setitem__("last", (out[0] if isinstance(out, tuple) else out).detach().clone())
+    )
     try:
         with torch.inference_mode():
             out = reference(torch.tensor([input_ids]), output_hidden_states=True)
@@ -193,8 +223,9 @@ def test_family_matches_transformers_per_sample_and_stops_early(name, family_mod
         for j, layer in enumerate(SELECTED):
             got, ref = states[:, j], wanted[layer]
             worst = max(worst, (got - ref).abs().max().item())
-            torch.testing.assert_close(got, ref, rtol=0, atol=family.atol,
-                                       msg=lambda m: f"{name} sample of {T} tokens, layer {layer}: {m}")
+            torch.testing.assert_close(
+                got, ref, rtol=0, atol=family.atol, msg=lambda m: f"{name} sample of {T} tokens, layer {layer}: {m}"
+            )
 
     # 2. Stopping after a middle layer: later layers, the norm and the lm_head never start.
     loaded.tap.remove()
@@ -220,5 +251,13 @@ def test_family_matches_transformers_per_sample_and_stops_early(name, family_mod
             handle.remove()
     assert calls == {module: 1 for module in _watched(early.model)}, calls
 
-    print(json.dumps({"family": name, "max_abs_err": worst, "atol": family.atol,
-                      "seconds": round(time.perf_counter() - started, 2)}))
+    print(
+        json.dumps(
+            {
+                "family": name,
+                "max_abs_err": worst,
+                "atol": family.atol,
+                "seconds": round(time.perf_counter() - started, 2),
+            }
+        )
+    )

@@ -58,9 +58,19 @@ def _samples(seed: int, lengths=LENGTHS) -> list[Sample]:
 
 def _spec(job: str, model: Path, layers: list[int], dtype: str, samples: list[Sample]) -> JobSpec:
     return JobSpec(
-        job=job, model=str(model), model_revision="local", layers=layers, dtype=dtype, dest="file:///tmp/unused",
-        token_budget=4096, max_seq_len=1024, dataset="in-memory", plan_fingerprint="0" * 64,
-        total_samples=len(samples), total_tokens=sum(len(s.input_ids) for s in samples), total_batches=1,
+        job=job,
+        model=str(model),
+        model_revision="local",
+        layers=layers,
+        dtype=dtype,
+        dest="file:///tmp/unused",
+        token_budget=4096,
+        max_seq_len=1024,
+        dataset="in-memory",
+        plan_fingerprint="0" * 64,
+        total_samples=len(samples),
+        total_tokens=sum(len(s.input_ids) for s in samples),
+        total_batches=1,
         created_at=0.0,
     )
 
@@ -70,6 +80,7 @@ def _reference(model, input_ids: list[int]) -> tuple[tuple[torch.Tensor, ...], l
     raw: dict[int, torch.Tensor] = {}
     handles = []
     for i, layer in enumerate(model.model.layers):
+
         def hook(_module, _args, output, i=i):
             raw[i] = (output[0] if isinstance(output, tuple) else output).detach().clone()
 
@@ -84,7 +95,13 @@ def _reference(model, input_ids: list[int]) -> tuple[tuple[torch.Tensor, ...], l
 
 
 def _extract_and_write(
-    tmp_path: Path, model_path: Path, layers: list[int], dtype: str, samples: list[Sample], *, compile_layers: bool = False,
+    tmp_path: Path,
+    model_path: Path,
+    layers: list[int],
+    dtype: str,
+    samples: list[Sample],
+    *,
+    compile_layers: bool = False,
 ):
     loaded = load_model(str(model_path), layers=layers, dtype=dtype, device="cpu", compile_layers=compile_layers)
     hidden = extract_samples(loaded, samples)
@@ -156,8 +173,13 @@ def test_float32_matches_transformers_per_sample(family, layers, tiny_model, ref
         expected, _raw = _reference(reference, sample.input_ids)
         assert len(expected) == NUM_LAYERS + 1
         for j, layer in enumerate(layers):
-            torch.testing.assert_close(hs[:, j], expected[layer + 1], rtol=0, atol=1e-5,
-                                       msg=lambda m: f"{family} sample len {len(sample.input_ids)} layer {layer}: {m}")
+            torch.testing.assert_close(
+                hs[:, j],
+                expected[layer + 1],
+                rtol=0,
+                atol=1e-5,
+                msg=lambda m: f"{family} sample len {len(sample.input_ids)} layer {layer}: {m}",
+            )
     # Atomic writes leave nothing but the final files behind.
     assert sorted(p.name for p in spool.rglob("*") if p.is_file()) == sorted(Path(r.spool_path).name for r in ready)
 
@@ -166,7 +188,9 @@ def test_compiled_layers_match_transformers_per_sample(tiny_model, reference_mod
     """`hsx consume --compile`: the same states, through torch.compile'd decoder layers."""
     layers = [4, 0, 2]
     samples = _samples(seed=5)
-    spec, spool, ready = _extract_and_write(tmp_path, tiny_model("qwen3"), layers, "float32", samples, compile_layers=True)
+    spec, spool, ready = _extract_and_write(
+        tmp_path, tiny_model("qwen3"), layers, "float32", samples, compile_layers=True
+    )
     for sample, event in zip(samples, ready):
         hs = _check_file(spool, spec, sample, event, layers)
         expected, _raw = _reference(reference_models("qwen3"), sample.input_ids)
@@ -247,5 +271,10 @@ def test_bfloat16_close_to_float32_reference(family, tiny_model, reference_model
             # layer (an off-by-one) is >= 0.35 away.
             relative = ((got - ref).norm() / ref.norm()).item()
             assert relative <= 2e-2, f"{family} len {len(sample.input_ids)} layer {layer}: relative error {relative}"
-            torch.testing.assert_close(got, ref, rtol=2e-2, atol=3e-2 * ref.abs().max().item(),
-                                       msg=lambda m: f"{family} len {len(sample.input_ids)} layer {layer}: {m}")
+            torch.testing.assert_close(
+                got,
+                ref,
+                rtol=2e-2,
+                atol=3e-2 * ref.abs().max().item(),
+                msg=lambda m: f"{family} len {len(sample.input_ids)} layer {layer}: {m}",
+            )

@@ -23,8 +23,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _samples(lengths, vocab=512, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return [Sample(index=i, source_id=str(i), input_ids=torch.randint(0, vocab, (n,), generator=generator).tolist())
-            for i, n in enumerate(lengths)]
+    return [
+        Sample(index=i, source_id=str(i), input_ids=torch.randint(0, vocab, (n,), generator=generator).tolist())
+        for i, n in enumerate(lengths)
+    ]
 
 
 @pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])
@@ -41,7 +43,9 @@ def test_cuda_extraction_matches_transformers_per_sample(tiny_model, dtype, atol
     for sample, stored in zip(samples, outputs):
         assert stored.dtype == loaded.dtype and stored.device.type == "cpu"
         with torch.inference_mode():
-            states = reference(torch.tensor([sample.input_ids], device="cuda:0"), output_hidden_states=True).hidden_states
+            states = reference(
+                torch.tensor([sample.input_ids], device="cuda:0"), output_hidden_states=True
+            ).hidden_states
         for j, layer in enumerate(layers):
             expected = states[layer + 1][0].float().cpu()
             assert torch.allclose(stored[:, j].float(), expected, atol=atol, rtol=atol), (sample.index, layer)
@@ -79,14 +83,32 @@ def test_batch_files_written_from_pinned_buffers_during_the_next_batchs_split_ho
     run even alone; a bad token id would trip a device-side assert and end the CUDA context)."""
     from test_staging import CASES, check_overlap
 
-    check_overlap(nats_server, tiny_model, job_name, tmp_path, monkeypatch, device="cuda:0", case=CASES[name], atol=1e-4)
+    check_overlap(
+        nats_server, tiny_model, job_name, tmp_path, monkeypatch, device="cuda:0", case=CASES[name], atol=1e-4
+    )
 
 
 def test_hsx_up_on_cuda(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(tmp_path / "w"), "--device", "cuda:0", "--samples", "64",
-         "--layers", "1,3,5"],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "hsx.cli",
+            "up",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--device",
+            "cuda:0",
+            "--samples",
+            "64",
+            "--layers",
+            "1,3,5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "uploaded 64/64" in result.stdout
@@ -115,8 +137,14 @@ def test_device_enumeration_sees_the_real_gpus(tiny_model):
         load_model(str(tiny_model("qwen3")), layers=[1], dtype="float32", device=f"cuda:{count}")
     probe = "from hsx.model.devices import node_devices; print(node_devices('cuda', None))"
     for hidden, expected in ((str(count - 1), "['cuda:0']"), ("", None)):
-        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO,
-                                env={**os.environ, "CUDA_VISIBLE_DEVICES": hidden})
+        result = subprocess.run(
+            [sys.executable, "-c", probe],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": hidden},
+        )
         if expected:
             assert result.returncode == 0 and result.stdout.strip() == expected, result.stderr[-2000:]
         else:
@@ -128,9 +156,27 @@ def test_hsx_up_runs_consumers_on_every_gpu(tmp_path):
     instance and device, one spool; the job finishes."""
     count = torch.cuda.device_count()
     result = subprocess.run(
-        [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(tmp_path / "w"), "--device", "cuda", "--consumers", "2",
-         "--samples", "64", "--layers", "1,3"],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "hsx.cli",
+            "up",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--device",
+            "cuda",
+            "--consumers",
+            "2",
+            "--samples",
+            "64",
+            "--layers",
+            "1,3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "uploaded 64/64" in result.stdout

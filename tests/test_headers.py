@@ -109,8 +109,16 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
     rows = write_dataset(tmp_path / "data.jsonl", 10, min_len=8, max_len=48, seed=5)
     out, spool = tmp_path / "out", tmp_path / "spool"
     with Recorder(url, "hsx.>") as recorder:
-        produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
-                token_budget=128, max_seq_len=64, env=None)
+        produce(
+            hsx,
+            job=job,
+            model=tiny_model("qwen3"),
+            dataset=tmp_path / "data.jsonl",
+            dest=str(out),
+            token_budget=128,
+            max_seq_len=64,
+            env=None,
+        )
 
         # Descriptors, read back before any consumer takes them.
         descriptors = stored(url, topology.BATCHES_STREAM, topology.batch_subject(job))
@@ -125,14 +133,20 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
         # File-ready events, read back before any uploader takes them.
         consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), name="consume")
         files_subject = topology.file_subject(job, NODE)
-        wait_for("every sample written", lambda: len(stored(url, topology.FILES_STREAM, files_subject)) == len(rows),
-                 90, consumer)
+        wait_for(
+            "every sample written",
+            lambda: len(stored(url, topology.FILES_STREAM, files_subject)) == len(rows),
+            90,
+            consumer,
+        )
         announced = {}
         for message in stored(url, topology.FILES_STREAM, files_subject):
             ready = schemas.file_decoder.decode(message.data)
             assert ready.batch_id == batch_of_sample[ready.sample_index]
             assert message.headers == {
-                H.JOB: job, H.BATCH: ready.batch_id, H.SAMPLE: str(ready.sample_index),
+                H.JOB: job,
+                H.BATCH: ready.batch_id,
+                H.SAMPLE: str(ready.sample_index),
                 H.MSG_ID: f"{ready.batch_id}:{ready.sample_index}:1",
             }
             announced[ready.sample_index] = ready
@@ -157,8 +171,12 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
         assert headers == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: "7"}
         retried = hsx("dead", "retry", "--job", job, "--all")
         assert retried.returncode == 0, retried.stderr
-        wait_for("the retried event to be dead-lettered again",
-                 lambda: len(recorder.on(f"hsx.dead.{job}.")) == 2, 30, uploader)
+        wait_for(
+            "the retried event to be dead-lettered again",
+            lambda: len(recorder.on(f"hsx.dead.{job}.")) == 2,
+            30,
+            uploader,
+        )
 
         # Progress events and heartbeats, read back.
         events = stored(url, topology.EVENTS_STREAM, f"hsx.events.{job}.>")
@@ -188,8 +206,12 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
     uploaded_samples = set()
     for message in kinds["uploaded"]:
         uploaded = schemas.event_decoder.decode(message.data)
-        assert message.headers == {H.JOB: job, H.BATCH: batch_of_sample[uploaded.sample_index],
-                                   H.SAMPLE: str(uploaded.sample_index), **topology.ONCE_HEADERS}
+        assert message.headers == {
+            H.JOB: job,
+            H.BATCH: batch_of_sample[uploaded.sample_index],
+            H.SAMPLE: str(uploaded.sample_index),
+            **topology.ONCE_HEADERS,
+        }
         uploaded_samples.add(uploaded.sample_index)
     assert uploaded_samples == set(range(len(rows)))
 
@@ -205,8 +227,13 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
     (redo,) = [h for s, h in ours if s == topology.batch_subject(job) and h.get(H.BATCH) == redo_batch]
     assert redo == {H.JOB: job, H.BATCH: redo_batch, H.SAMPLE: str(lost), H.MSG_ID: redo_batch}
     (retry,) = [h for _, h in ours if H.RETRY_OF in h]
-    assert retry == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: "7", H.RETRY_OF: str(letters[0].seq),
-                     H.MSG_ID: f"{bad.batch_id}:retry:{letters[0].seq}"}
+    assert retry == {
+        H.JOB: job,
+        H.BATCH: bad.batch_id,
+        H.SAMPLE: "7",
+        H.RETRY_OF: str(letters[0].seq),
+        H.MSG_ID: f"{bad.batch_id}:retry:{letters[0].seq}",
+    }
     dead_again = dict(recorder.on(f"hsx.dead.{job}.")[-1][1])
     assert dead_again.pop(H.MSG_ID, "").startswith("dead:file:"), recorder.on(f"hsx.dead.{job}.")[-1][1]
     assert dead_again == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: "7"}

@@ -45,23 +45,50 @@ def s3_job(nats_server, s3_server, tiny_model, tmp_path_factory):
         job = f"i{uuid.uuid4().hex[:8]}"
         rows = write_dataset(tmp / "data.jsonl", COUNT, min_len=3, max_len=60, seed=11)
         try:
-            check_ok(services.hsx(
-                "produce", "--job", job, "--model", str(tiny_model("qwen3")), "--dataset", str(tmp / "data.jsonl"),
-                "--layers", "1,3", "--dest", f"s3://{bucket}/prefix", "--token-budget", "256", "--max-seq-len", "64",
-                env=env,
-            ), "hsx produce")
+            check_ok(
+                services.hsx(
+                    "produce",
+                    "--job",
+                    job,
+                    "--model",
+                    str(tiny_model("qwen3")),
+                    "--dataset",
+                    str(tmp / "data.jsonl"),
+                    "--layers",
+                    "1,3",
+                    "--dest",
+                    f"s3://{bucket}/prefix",
+                    "--token-budget",
+                    "256",
+                    "--max-seq-len",
+                    "64",
+                    env=env,
+                ),
+                "hsx produce",
+            )
             spool = tmp / "spool"
-            workers = [services.service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), env=env, name="consume")]
+            workers = [
+                services.service(
+                    "consume", "--job", job, "--device", "cpu", "--spool", str(spool), env=env, name="consume"
+                )
+            ]
             spooled = wait_for_spool(spool, job, workers[0])
             local = spooled[0]
             open_destination(f"s3://{bucket}/prefix").put_verified(
-                local, sample_key(job, 0), size=local.stat().st_size, digest=checked_file_digest(local))
+                local, sample_key(job, 0), size=local.stat().st_size, digest=checked_file_digest(local)
+            )
             workers.append(services.service("upload", "--job", job, "--spool", str(spool), env=env, name="upload"))
             wait_until_done(start_monitor(services.service, job, env), workers)
         finally:
             services.stop_all()
-        yield SimpleNamespace(job=job, bucket=bucket, rows=rows, nats_url=nats_server.url,
-                              url=f"s3://{bucket}/prefix/{job}", index_key=f"prefix/{job}/{INDEX_KEY}")
+        yield SimpleNamespace(
+            job=job,
+            bucket=bucket,
+            rows=rows,
+            nats_url=nats_server.url,
+            url=f"s3://{bucket}/prefix/{job}",
+            index_key=f"prefix/{job}/{INDEX_KEY}",
+        )
 
 
 def wait_for_spool(spool: Path, job: str, consumer, timeout: float = 90.0) -> list[Path]:
@@ -84,7 +111,8 @@ def s3_requests():
     def reconnect(self) -> None:
         original(self)
         self.client.meta.events.register(
-            "before-call.s3.*", lambda event_name, **_: calls.append(event_name.rsplit(".", 1)[1]))
+            "before-call.s3.*", lambda event_name, **_: calls.append(event_name.rsplit(".", 1)[1])
+        )
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(S3Destination, "reconnect", reconnect)
@@ -158,8 +186,13 @@ def test_index_is_made_again_after_a_crash(s3_job):
     assert rows_of(stored_index(s3_job)) == rows_of(written)
 
     # A stale index (written before its last samples were stored): readers list, and say why.
-    stale = StoredIndex(job=written.job, plan=written.plan, total_samples=COUNT, source="events",
-                        table=written.table.slice(0, COUNT - 2))
+    stale = StoredIndex(
+        job=written.job,
+        plan=written.plan,
+        total_samples=COUNT,
+        source="events",
+        table=written.table.slice(0, COUNT - 2),
+    )
     s3.put_object(Bucket=s3_job.bucket, Key=s3_job.index_key, Body=stale.to_bytes())
     with s3_requests() as calls:
         assert len(HiddenStateDataset(s3_job.url)) == COUNT
@@ -194,4 +227,7 @@ def test_rebuild_leaves_out_a_damaged_file_and_says_the_index_is_incomplete(s3_j
 def test_rebuild_of_a_folder_without_a_bundle_is_one_line(tmp_path):
     code, out, err = run_cli("index", "rebuild", str(tmp_path / "nojob"))
     assert code == 2 and out == "", (code, out, err)
-    assert err == f"hsx: error: {(tmp_path / 'nojob').as_uri()}: no job bundle there (_hsx/job.json); the index needs the job's spec\n", err
+    assert (
+        err
+        == f"hsx: error: {(tmp_path / 'nojob').as_uri()}: no job bundle there (_hsx/job.json); the index needs the job's spec\n"
+    ), err

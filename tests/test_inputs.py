@@ -98,8 +98,10 @@ def chat_tokenizer_files(tmp_path_factory) -> Path:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=420, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=420,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     bpe.train_from_iterator(_corpus(), trainer)
     assert bpe.get_vocab_size() <= VOCAB
@@ -171,17 +173,23 @@ def test_generation_markers_and_turn_by_turn_agree(chat_models):
 
 
 def test_on_long_policies_keep_indices_dense():
-    rows = [DatasetRow(where=f"d.jsonl:{i + 1}", source_id=f"s{i}", input_ids=list(range(n)), loss_mask=[1] * n)
-            for i, n in enumerate([3, 9, 4, 12, 5])]
+    rows = [
+        DatasetRow(where=f"d.jsonl:{i + 1}", source_id=f"s{i}", input_ids=list(range(n)), loss_mask=[1] * n)
+        for i, n in enumerate([3, 9, 4, 12, 5])
+    ]
     kept, long = apply_on_long(rows, max_seq_len=5, on_long="skip")
     assert [r.source_id for r in kept] == ["s0", "s2", "s4"]
     assert [(e.where, e.original_length, e.action, e.sample_index) for e in long] == [
-        ("d.jsonl:2", 9, "skipped", None), ("d.jsonl:4", 12, "skipped", None)]
+        ("d.jsonl:2", 9, "skipped", None),
+        ("d.jsonl:4", 12, "skipped", None),
+    ]
     kept, long = apply_on_long(rows, max_seq_len=5, on_long="truncate")
     assert [len(r.input_ids) for r in kept] == [3, 5, 4, 5, 5]
     assert kept[3].input_ids == [0, 1, 2, 3, 4] and kept[3].loss_mask == [1] * 5
     assert [(e.source_id, e.action, e.sample_index, e.kept_length) for e in long] == [
-        ("s1", "truncated", 1, 5), ("s3", "truncated", 3, 5)]
+        ("s1", "truncated", 1, 5),
+        ("s3", "truncated", 3, 5),
+    ]
 
 
 # ---------------------------------------------------------------- through `hsx produce`
@@ -198,7 +206,8 @@ def _save_to_disk(path: Path, rows: list[dict], num_shards: int = 2) -> Path:
     # Columns from every row (from_list would take them from the first row only); a missing value is null.
     columns = sorted({key for row in rows for key in row})
     datasets.Dataset.from_dict({c: [row.get(c) for row in rows] for c in columns}).save_to_disk(
-        str(path), num_shards=num_shards)
+        str(path), num_shards=num_shards
+    )
     assert len(list(path.glob("*.arrow"))) == num_shards
     return path
 
@@ -210,7 +219,10 @@ def _token_rows(count: int, seed: int) -> list[dict]:
     rows = []
     for i in range(count):
         n = rng.randint(2, 30)
-        row = {"input_ids": [rng.randrange(VOCAB) for _ in range(n)], "loss_mask": [rng.randint(0, 1) for _ in range(n)]}
+        row = {
+            "input_ids": [rng.randrange(VOCAB) for _ in range(n)],
+            "loss_mask": [rng.randint(0, 1) for _ in range(n)],
+        }
         if i % 3 == 0:
             row["id"] = f"doc-{i}"
         rows.append(row)
@@ -276,10 +288,13 @@ def test_saved_folder_plans_like_jsonl(form, hsx, nats_server, chat_models, job_
     folder = _save_to_disk(tmp_path / "saved", rows)
     model = chat_models["plain"]
     jobs = {"jsonl": f"{job_name}-j", "folder": f"{job_name}-f"}
-    results = _run_all(hsx, [
-        _produce_args(model, jsonl, tmp_path / "out", jobs["jsonl"], **{"--max-seq-len": "256"}),
-        _produce_args(model, folder, tmp_path / "out", jobs["folder"], **{"--max-seq-len": "256"}),
-    ])
+    results = _run_all(
+        hsx,
+        [
+            _produce_args(model, jsonl, tmp_path / "out", jobs["jsonl"], **{"--max-seq-len": "256"}),
+            _produce_args(model, folder, tmp_path / "out", jobs["folder"], **{"--max-seq-len": "256"}),
+        ],
+    )
     for result in results:
         _ok(result)
     specs = {k: _state(nats_server, job)[0] for k, job in jobs.items()}
@@ -287,8 +302,9 @@ def test_saved_folder_plans_like_jsonl(form, hsx, nats_server, chat_models, job_
     assert specs["jsonl"]["total_samples"] == specs["folder"]["total_samples"] == len(rows)
     assert specs["folder"]["dataset_digest"] and specs["folder"]["dataset_digest"] != specs["jsonl"]["dataset_digest"]
     from_jsonl, from_folder = (stored_rows(nats_server.url, jobs[k]) for k in ("jsonl", "folder"))
-    assert [(r.source_id, r.input_ids, r.loss_mask) for r in from_jsonl] == \
-           [(r.source_id, r.input_ids, r.loss_mask) for r in from_folder]
+    assert [(r.source_id, r.input_ids, r.loss_mask) for r in from_jsonl] == [
+        (r.source_id, r.input_ids, r.loss_mask) for r in from_folder
+    ]
     assert from_folder[4].where == f"{folder}: row 4" and from_jsonl[4].where == f"{jsonl}:5"
     expected_ids = [str(row.get("id", i)) for i, row in enumerate(rows)]
     assert [r.source_id for r in from_folder] == expected_ids
@@ -334,8 +350,9 @@ def test_rerun_after_template_change_uses_stored_tokens(hsx, nats_server, chat_m
     assert spec_new["total_tokens"] > spec["total_tokens"]
 
     # A re-run asking for other samples (another --on-long) is refused, naming the job.
-    refused = hsx(*_produce_args(model, dataset, tmp_path / "out", job_name,
-                                 **{"--max-seq-len": "256", "--on-long": "skip"}))
+    refused = hsx(
+        *_produce_args(model, dataset, tmp_path / "out", job_name, **{"--max-seq-len": "256", "--on-long": "skip"})
+    )
     assert_one_line_error(refused, job_name, "--on-long error")
 
 
@@ -343,12 +360,23 @@ def test_rerun_after_template_change_uses_stored_tokens(hsx, nats_server, chat_m
 def test_on_long_counts_report_and_dense_indices(on_long, hsx, nats_server, chat_models, job_name, tmp_path):
     max_len = 16
     lengths = [5, 20, 16, 3, 40, 17, 9]  # rows 2, 5, 6 (1-based lines) are longer than 16
-    rows = [{"id": f"r{i}", "input_ids": [(7 * i + k) % VOCAB for k in range(n)], "loss_mask": [k % 2 for k in range(n)]}
-            for i, n in enumerate(lengths)]
+    rows = [
+        {"id": f"r{i}", "input_ids": [(7 * i + k) % VOCAB for k in range(n)], "loss_mask": [k % 2 for k in range(n)]}
+        for i, n in enumerate(lengths)
+    ]
     long_lines = [i + 1 for i, n in enumerate(lengths) if n > max_len]
     dataset = _write_jsonl(tmp_path / "long.jsonl", rows)
-    _ok(hsx(*_produce_args(chat_models["plain"], dataset, tmp_path / "out", job_name,
-                           **{"--max-seq-len": str(max_len), "--token-budget": "32", "--on-long": on_long})))
+    _ok(
+        hsx(
+            *_produce_args(
+                chat_models["plain"],
+                dataset,
+                tmp_path / "out",
+                job_name,
+                **{"--max-seq-len": str(max_len), "--token-budget": "32", "--on-long": on_long},
+            )
+        )
+    )
 
     status = json.loads(_ok(hsx("status", "--job", job_name, "--json")).stdout)
     expect_truncated, expect_skipped = (3, 0) if on_long == "truncate" else (0, 3)
@@ -384,8 +412,10 @@ def test_bad_chat_inputs_give_one_line_errors(hsx, chat_models, tiny_model, job_
     good = [{"messages": c} for c in CONVERSATIONS]
     files = {
         "no-messages": _write_jsonl(tmp_path / "no_messages.jsonl", [good[0], {"id": "x", "text": "hello"}]),
-        "no-role": _write_jsonl(tmp_path / "no_role.jsonl", [good[0], good[1], {"messages": [
-            {"role": "user", "content": "hi"}, {"content": "where is my role"}]}]),
+        "no-role": _write_jsonl(
+            tmp_path / "no_role.jsonl",
+            [good[0], good[1], {"messages": [{"role": "user", "content": "hi"}, {"content": "where is my role"}]}],
+        ),
         "content-not-text": _write_jsonl(tmp_path / "content.jsonl", [{"messages": [{"role": "user", "content": 5}]}]),
         "messages-not-list": _write_jsonl(tmp_path / "not_list.jsonl", [good[0], {"messages": "hello"}]),
         "both-forms": _write_jsonl(tmp_path / "both.jsonl", [{"input_ids": [1, 2], "messages": CONVERSATIONS[1]}]),
@@ -393,10 +423,14 @@ def test_bad_chat_inputs_give_one_line_errors(hsx, chat_models, tiny_model, job_
         "long-chat": _write_jsonl(tmp_path / "long_chat.jsonl", [good[1], good[0]]),
         "all-long": _write_jsonl(tmp_path / "all_long.jsonl", [{"input_ids": [1] * 9}, {"input_ids": [2] * 10}]),
     }
-    bad_folder = _save_to_disk(tmp_path / "bad_folder", [
-        {"messages": [{"role": "user", "content": "a"}]}, {"messages": [{"role": "user", "content": "b"}]},
-        {"messages": [{"role": None, "content": "c"}]},
-    ])
+    bad_folder = _save_to_disk(
+        tmp_path / "bad_folder",
+        [
+            {"messages": [{"role": "user", "content": "a"}]},
+            {"messages": [{"role": "user", "content": "b"}]},
+            {"messages": [{"role": None, "content": "c"}]},
+        ],
+    )
     import datasets
 
     dataset_dict = tmp_path / "dict"
@@ -407,18 +441,31 @@ def test_bad_chat_inputs_give_one_line_errors(hsx, chat_models, tiny_model, job_
         "no-messages": ({"--dataset": files["no-messages"]}, (f"{files['no-messages']}:2", "messages", "input_ids")),
         "message-without-role": ({"--dataset": files["no-role"]}, (f"{files['no-role']}:3", "messages[1]", "role")),
         "content-not-text": ({"--dataset": files["content-not-text"]}, (f"{files['content-not-text']}:1", "content")),
-        "messages-not-list": ({"--dataset": files["messages-not-list"]}, (f"{files['messages-not-list']}:2", "messages")),
+        "messages-not-list": (
+            {"--dataset": files["messages-not-list"]},
+            (f"{files['messages-not-list']}:2", "messages"),
+        ),
         "both-forms": ({"--dataset": files["both-forms"]}, (f"{files['both-forms']}:1", "both")),
-        "model-without-tokenizer": ({"--dataset": files["chat"], "--model": tiny_model("qwen3")},
-                                    (f"{files['chat']}:1", "tokenizer")),
-        "tokenizer-without-template": ({"--dataset": files["chat"], "--model": chat_models["no_template"]},
-                                       (f"{files['chat']}:1", "chat template")),
-        "template-without-prefixes": ({"--dataset": files["chat"], "--model": chat_models["not_prefix"]},
-                                      (f"{files['chat']}:1", "assistant message 2", "prefix")),
-        "chat-longer-than-max": ({"--dataset": files["long-chat"], "--max-seq-len": "30"},
-                                 (f"{files['long-chat']}:2", "--max-seq-len 30", "--on-long")),
-        "all-rows-skipped": ({"--dataset": files["all-long"], "--max-seq-len": "8", "--on-long": "skip"},
-                             (str(files["all-long"]), "no samples")),
+        "model-without-tokenizer": (
+            {"--dataset": files["chat"], "--model": tiny_model("qwen3")},
+            (f"{files['chat']}:1", "tokenizer"),
+        ),
+        "tokenizer-without-template": (
+            {"--dataset": files["chat"], "--model": chat_models["no_template"]},
+            (f"{files['chat']}:1", "chat template"),
+        ),
+        "template-without-prefixes": (
+            {"--dataset": files["chat"], "--model": chat_models["not_prefix"]},
+            (f"{files['chat']}:1", "assistant message 2", "prefix"),
+        ),
+        "chat-longer-than-max": (
+            {"--dataset": files["long-chat"], "--max-seq-len": "30"},
+            (f"{files['long-chat']}:2", "--max-seq-len 30", "--on-long"),
+        ),
+        "all-rows-skipped": (
+            {"--dataset": files["all-long"], "--max-seq-len": "8", "--on-long": "skip"},
+            (str(files["all-long"]), "no samples"),
+        ),
         "saved-folder-bad-row": ({"--dataset": bad_folder}, (f"{bad_folder}: row 2", "messages[0]", "role")),
         "dataset-dict-folder": ({"--dataset": dataset_dict}, (str(dataset_dict), "DatasetDict", "train")),
         "folder-not-a-dataset": ({"--dataset": not_a_dataset}, (str(not_a_dataset), "state.json")),
@@ -426,8 +473,15 @@ def test_bad_chat_inputs_give_one_line_errors(hsx, chat_models, tiny_model, job_
     arg_lists = []
     for overrides, _ in cases.values():
         flags = {"--model": chat_models["plain"], "--max-seq-len": "256", **overrides}
-        arg_lists.append(_produce_args(flags.pop("--model"), flags.pop("--dataset"), tmp_path / "out", job_name,
-                                       **{k: str(v) for k, v in flags.items()}))
+        arg_lists.append(
+            _produce_args(
+                flags.pop("--model"),
+                flags.pop("--dataset"),
+                tmp_path / "out",
+                job_name,
+                **{k: str(v) for k, v in flags.items()},
+            )
+        )
     results = _run_all(hsx, arg_lists)
     for (name, (_, needles)), result in zip(cases.items(), results):
         with subtests.test(case=name):

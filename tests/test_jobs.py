@@ -25,9 +25,28 @@ from hsx.wire import topology
 
 
 def _produce(hsx, job: str, model: Path, dataset: Path, out: Path):
-    return check_ok(hsx("produce", "--job", job, "--model", str(model), "--dataset", str(dataset), "--layers", "1,3",
-                        "--dest", str(out), "--dtype", "float32", "--token-budget", "128", "--max-seq-len", "40"),
-                    f"produce {dataset.name}")
+    return check_ok(
+        hsx(
+            "produce",
+            "--job",
+            job,
+            "--model",
+            str(model),
+            "--dataset",
+            str(dataset),
+            "--layers",
+            "1,3",
+            "--dest",
+            str(out),
+            "--dtype",
+            "float32",
+            "--token-budget",
+            "128",
+            "--max-seq-len",
+            "40",
+        ),
+        f"produce {dataset.name}",
+    )
 
 
 async def _leftovers(url: str, job: str) -> dict:
@@ -68,8 +87,9 @@ def listed(hsx, job: str) -> dict | None:
     return next((row for row in jobs if row["job"] == job), None)
 
 
-def test_jobs_list_and_delete_free_the_name_for_another_dataset(tmp_path, hsx, hsx_service, nats_server, tiny_model,
-                                                                job_name):
+def test_jobs_list_and_delete_free_the_name_for_another_dataset(
+    tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name
+):
     url, job, model, out = nats_server.url, job_name, tiny_model("qwen3"), tmp_path / "out"
     first = write_dataset(tmp_path / "first.jsonl", 20, min_len=4, max_len=40, seed=11)
     other = write_dataset(tmp_path / "other.jsonl", 13, min_len=4, max_len=40, seed=12)
@@ -87,7 +107,13 @@ def test_jobs_list_and_delete_free_the_name_for_another_dataset(tmp_path, hsx, h
     spool = str(tmp_path / "spool")
     consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", spool, name="consume")
     uploader = hsx_service("upload", "--job", job, "--spool", spool, name="upload")
-    wait_for(lambda: list(out.glob(f"{job}/*/*.safetensors")), timeout=90, what="the first upload", procs=[consumer, uploader], alive=[consumer, uploader])
+    wait_for(
+        lambda: list(out.glob(f"{job}/*/*.safetensors")),
+        timeout=90,
+        what="the first upload",
+        procs=[consumer, uploader],
+        alive=[consumer, uploader],
+    )
     refused = hsx("jobs", "delete", job)
     assert_one_line_error(refused, job, "live workers", "gpu_consumer", "uploader", "--force")
     sigkill(consumer)
@@ -96,8 +122,12 @@ def test_jobs_list_and_delete_free_the_name_for_another_dataset(tmp_path, hsx, h
     assert leftovers(url, job)["spec"] == spec, "a refused delete changed the job"
     deleted = check_ok(hsx("jobs", "delete", job, "--force"), "jobs delete --force")
     assert f"files already in {spec['dest']} were not deleted" in deleted.stdout, deleted.stdout
-    assert leftovers(url, job) == {"messages": dict.fromkeys(topology.job_subjects(job), 0), "durables": [],
-                                   "objects": [], "spec": None}
+    assert leftovers(url, job) == {
+        "messages": dict.fromkeys(topology.job_subjects(job), 0),
+        "durables": [],
+        "objects": [],
+        "spec": None,
+    }
     assert listed(hsx, job) is None
     assert (out / bundle_key(job, "job.json")).exists(), "the delete touched the destination"
     assert list(out.glob(f"{job}/*/*.safetensors")), "the delete touched the destination"

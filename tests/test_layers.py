@@ -22,10 +22,18 @@ def test_negative_indices_and_final_resolve_in_the_order_given():
     assert resolve_layers(parse_layers("2,-2"), 6, model="m") == [2, 4]
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("1,6", "6 decoder layers"), ("-7", "6 decoder layers"), ("1,1", "selected twice"), ("5,-1", "selected twice"),
-    ("final,final", "final state is selected twice"), ("one", "not a layer index"), (",", "empty"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("1,6", "6 decoder layers"),
+        ("-7", "6 decoder layers"),
+        ("1,1", "selected twice"),
+        ("5,-1", "selected twice"),
+        ("final,final", "final state is selected twice"),
+        ("one", "not a layer index"),
+        (",", "empty"),
+    ],
+)
 def test_bad_selections_are_one_line_errors(text, needle):
     with pytest.raises(HsxError) as caught:
         resolve_layers(parse_layers(text), 6, model="m")
@@ -34,8 +42,10 @@ def test_bad_selections_are_one_line_errors(text, needle):
 
 def _samples(lengths, vocab=512, seed=3):
     generator = torch.Generator().manual_seed(seed)
-    return [Sample(index=i, source_id=str(i), input_ids=torch.randint(0, vocab, (n,), generator=generator).tolist())
-            for i, n in enumerate(lengths)]
+    return [
+        Sample(index=i, source_id=str(i), input_ids=torch.randint(0, vocab, (n,), generator=generator).tolist())
+        for i, n in enumerate(lengths)
+    ]
 
 
 def _reference(path):
@@ -63,9 +73,22 @@ def test_final_selector_is_the_post_norm_state_and_the_lm_head_never_runs(tiny_m
 
 
 def _spec(path, layers, dtype):
-    return JobSpec(job="j", model=str(path), model_revision="local", layers=layers, dtype=dtype, dest="file:///x",
-                   token_budget=1024, max_seq_len=256, dataset="d", plan_fingerprint="f", total_samples=1,
-                   total_tokens=1, total_batches=1, created_at=0.0)
+    return JobSpec(
+        job="j",
+        model=str(path),
+        model_revision="local",
+        layers=layers,
+        dtype=dtype,
+        dest="file:///x",
+        token_budget=1024,
+        max_seq_len=256,
+        dataset="d",
+        plan_fingerprint="f",
+        total_samples=1,
+        total_tokens=1,
+        total_batches=1,
+        created_at=0.0,
+    )
 
 
 def test_float8_files_are_smaller_and_dequantize_close_to_float32(tiny_model, tmp_path):
@@ -75,13 +98,21 @@ def test_float8_files_are_smaller_and_dequantize_close_to_float32(tiny_model, tm
     reference = extract_samples(load_model(str(path), layers=layers, dtype="float32", device="cpu"), samples)
     loaded = load_model(str(path), layers=layers, dtype=FLOAT8, device="cpu")
     sizes = {}
-    for dtype, spool, model in [(FLOAT8, tmp_path / "f8", loaded),
-                                ("bfloat16", tmp_path / "bf16", load_model(str(path), layers=layers, dtype="bfloat16", device="cpu"))]:
+    for dtype, spool, model in [
+        (FLOAT8, tmp_path / "f8", loaded),
+        ("bfloat16", tmp_path / "bf16", load_model(str(path), layers=layers, dtype="bfloat16", device="cpu")),
+    ]:
         outputs = extract_samples(model, samples)
         sizes[dtype] = 0
         for sample, hidden in zip(samples, outputs):
-            ready = write_sample_file(spool=spool, spec=_spec(path, layers, dtype), node="n", batch_id="b", sample=sample,
-                                      hidden_states=hidden)
+            ready = write_sample_file(
+                spool=spool,
+                spec=_spec(path, layers, dtype),
+                node="n",
+                batch_id="b",
+                sample=sample,
+                hidden_states=hidden,
+            )
             sizes[dtype] += ready.size
     worst = 0.0
     for sample, expected in zip(samples, reference):
@@ -91,7 +122,11 @@ def test_float8_files_are_smaller_and_dequantize_close_to_float32(tiny_model, tm
         restored = dequantize_float8(tensors["hidden_states"], tensors["hidden_states_scale"])
         relative = ((restored - expected).norm(dim=-1) / expected.norm(dim=-1)).max().item()
         worst = max(worst, relative)
-    print(json.dumps({"float8_vs_bf16_size": round(sizes[FLOAT8] / sizes["bfloat16"], 3), "float8_max_rel_err": round(worst, 4)}))
+    print(
+        json.dumps(
+            {"float8_vs_bf16_size": round(sizes[FLOAT8] / sizes["bfloat16"], 3), "float8_max_rel_err": round(worst, 4)}
+        )
+    )
     assert sizes[FLOAT8] < 0.62 * sizes["bfloat16"]
     assert worst < 0.08
 
@@ -99,13 +134,29 @@ def test_float8_files_are_smaller_and_dequantize_close_to_float32(tiny_model, tm
 def test_a_model_with_custom_code_is_refused_unless_allowed(hsx, tmp_path, job_name):
     folder = tmp_path / "custom"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "hsx_custom_thing", "num_hidden_layers": 2,
-        "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"},
-    }))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "hsx_custom_thing",
+                "num_hidden_layers": 2,
+                "auto_map": {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"},
+            }
+        )
+    )
     (tmp_path / "d.jsonl").write_text('{"input_ids": [1, 2, 3]}\n')
-    result = hsx("produce", "--job", job_name, "--model", str(folder), "--dataset", str(tmp_path / "d.jsonl"),
-                 "--layers", "0", "--dest", str(tmp_path / "out"))
+    result = hsx(
+        "produce",
+        "--job",
+        job_name,
+        "--model",
+        str(folder),
+        "--dataset",
+        str(tmp_path / "d.jsonl"),
+        "--layers",
+        "0",
+        "--dest",
+        str(tmp_path / "out"),
+    )
     assert result.returncode == 2
     assert result.stderr.strip().startswith("hsx: error:") and "--trust-remote-code" in result.stderr
     assert "Traceback" not in result.stderr

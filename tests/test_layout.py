@@ -97,7 +97,8 @@ def test_the_rule_catches_each_kind_of_violation(tmp_path, monkeypatch):
     (fake / "hsx" / "wire").mkdir(parents=True)
     (fake / "uploader").mkdir()
     (fake / "hsx" / "wire" / "bad.py").write_text(
-        "from gpu_consumer.model import load\n\ndef f():\n    from hsx.commands import up\n    import hsx.storage.index\n")
+        "from gpu_consumer.model import load\n\ndef f():\n    from hsx.commands import up\n    import hsx.storage.index\n"
+    )
     (fake / "uploader" / "bad.py").write_text("import producer.planner\nfrom devkit import start_nats_cluster\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
     found = violations([fake / "hsx" / "wire" / "bad.py", fake / "uploader" / "bad.py"])
@@ -112,18 +113,26 @@ def test_the_rule_catches_each_kind_of_violation(tmp_path, monkeypatch):
 
 def _torch_after(code: str) -> str:
     """`True`/`False`: whether torch is in sys.modules after running `code` in a fresh interpreter."""
-    result = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\nprint('torch' in sys.modules)"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys\nprint('torch' in sys.modules)"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("code", [
-    "import uploader.service, uploader.main",
-    "import monitor.main",
-    "from hsx.commands.cli import main\ntry:\n    main(['upload', '--help'])\nexcept SystemExit:\n    pass",
-    "from hsx.commands.cli import main\ntry:\n    main(['monitor', '--help'])\nexcept SystemExit:\n    pass",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import uploader.service, uploader.main",
+        "import monitor.main",
+        "from hsx.commands.cli import main\ntry:\n    main(['upload', '--help'])\nexcept SystemExit:\n    pass",
+        "from hsx.commands.cli import main\ntry:\n    main(['monitor', '--help'])\nexcept SystemExit:\n    pass",
+    ],
+)
 def test_uploader_and_monitor_do_not_import_torch(code):
     assert _torch_after(code) == "False"
 

@@ -45,8 +45,26 @@ def test_a_model_id_resolves_from_the_local_hub_cache_offline(hsx, hsx_service, 
     dataset.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "out"
 
-    produced = hsx("produce", "--job", job_name, "--model", MODEL_ID, "--dataset", str(dataset), "--layers", "1,-1",
-                   "--dest", str(out), "--dtype", "float32", "--token-budget", "64", "--max-seq-len", "32", env=env)
+    produced = hsx(
+        "produce",
+        "--job",
+        job_name,
+        "--model",
+        MODEL_ID,
+        "--dataset",
+        str(dataset),
+        "--layers",
+        "1,-1",
+        "--dest",
+        str(out),
+        "--dtype",
+        "float32",
+        "--token-budget",
+        "64",
+        "--max-seq-len",
+        "32",
+        env=env,
+    )
     assert produced.returncode == 0, produced.stderr
     spool = str(tmp_path / "spool")
     consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, env=env, name="consumer")
@@ -71,8 +89,20 @@ def test_an_unknown_model_id_is_a_one_line_error(hsx, job_name, tmp_path):
     cache.mkdir()
     dataset = tmp_path / "data.jsonl"
     dataset.write_text('{"input_ids": [1, 2, 3]}\n')
-    result = hsx("produce", "--job", job_name, "--model", "no-such-org/no-such-model", "--dataset", str(dataset),
-                 "--layers", "0", "--dest", str(tmp_path / "out"), env=_offline_env(tmp_path, cache))
+    result = hsx(
+        "produce",
+        "--job",
+        job_name,
+        "--model",
+        "no-such-org/no-such-model",
+        "--dataset",
+        str(dataset),
+        "--layers",
+        "0",
+        "--dest",
+        str(tmp_path / "out"),
+        env=_offline_env(tmp_path, cache),
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr

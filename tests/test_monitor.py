@@ -60,8 +60,13 @@ def spawn(nats_server, tmp_path):
     def start(*args: str, name: str, stdout=None, env: dict | None = None) -> subprocess.Popen:
         out = open(tmp_path / f"{name}.out", "wb") if stdout is None else None
         err = open(tmp_path / f"{name}.err", "wb")
-        process = subprocess.Popen([sys.executable, "-m", "hsx.cli", *args], env=_env(nats_server.url, env),
-                                   stdout=out if stdout is None else stdout, stderr=err, cwd=REPO)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hsx.cli", *args],
+            env=_env(nats_server.url, env),
+            stdout=out if stdout is None else stdout,
+            stderr=err,
+            cwd=REPO,
+        )
         process.out_path, process.err_path = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         process.log_path = process.out_path  # for logs_of / log_events
         started.append(process)
@@ -77,8 +82,11 @@ def spawn(nats_server, tmp_path):
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def metric(samples: dict, name: str, job: str, **labels) -> float | None:
@@ -126,18 +134,40 @@ class PtyReader(threading.Thread):
 
 
 def test_metrics_and_json_lines_agree_with_status_and_a_terminal_gets_the_bar(
-    tmp_path, hsx, hsx_service, spawn, tiny_model, job_name,
+    tmp_path,
+    hsx,
+    hsx_service,
+    spawn,
+    tiny_model,
+    job_name,
 ):
     job = job_name
     write_dataset(tmp_path / "data.jsonl", 24, min_len=4, max_len=120, seed=5)
     spool = tmp_path / "spool"
-    produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(tmp_path / "out"),
-            token_budget=256, max_seq_len=128, env=None)
+    produce(
+        hsx,
+        job=job,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(tmp_path / "out"),
+        token_budget=256,
+        max_seq_len=128,
+        env=None,
+    )
     port = _free_port()
     monitor = spawn("monitor", "--job", job, "--interval", "0.5", "--metrics-port", str(port), name="monitor-json")
     master, terminal = os.openpty()
-    bar_monitor = spawn("monitor", "--job", job, "--interval", "0.5", "--until-done", name="monitor-bar",
-                        stdout=terminal, env={"COLUMNS": "250"})
+    bar_monitor = spawn(
+        "monitor",
+        "--job",
+        job,
+        "--interval",
+        "0.5",
+        "--until-done",
+        name="monitor-bar",
+        stdout=terminal,
+        env={"COLUMNS": "250"},
+    )
     os.close(terminal)
     screen = PtyReader(master)
     screen.start()
@@ -157,8 +187,10 @@ def test_metrics_and_json_lines_agree_with_status_and_a_terminal_gets_the_bar(
     assert planned["samples_written"] == 0 and planned["batches_queued"] == planned["batches_total"] >= 3, planned
     assert math.isnan(metric(before, "hsx_eta_seconds", job))
 
-    workers = [hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), name="consume"),
-               hsx_service("upload", "--job", job, "--spool", str(spool), name="upload")]
+    workers = [
+        hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), name="consume"),
+        hsx_service("upload", "--job", job, "--spool", str(spool), name="upload"),
+    ]
     procs = [monitor, *workers]
     readings = [before]
 
@@ -183,14 +215,21 @@ def test_metrics_and_json_lines_agree_with_status_and_a_terminal_gets_the_bar(
     assert len(readings) >= 2
     # Both workers are alive and say so, from node testnode.
     for service in ("gpu_consumer", "uploader"):
-        live = sum(value for (name, labels), value in after.items()
-                   if name == "hsx_workers" and ("service", service) in labels and ("state", "silent") not in labels)
+        live = sum(
+            value
+            for (name, labels), value in after.items()
+            if name == "hsx_workers" and ("service", service) in labels and ("state", "silent") not in labels
+        )
         assert live == 1, (service, after)
 
     # The spool drains to nothing, and the heartbeats say so (they come every 5 s).
     assert spool_usage(spool, job) == (0, 0)
-    wait_for(lambda: metric(scrape(port), "hsx_spool_bytes", job, node=NODE) == 0, timeout=20,
-             what="hsx_spool_bytes 0 for the drained spool", procs=procs)
+    wait_for(
+        lambda: metric(scrape(port), "hsx_spool_bytes", job, node=NODE) == 0,
+        timeout=20,
+        what="hsx_spool_bytes 0 for the drained spool",
+        procs=procs,
+    )
     assert metric(scrape(port), "hsx_spool_files", job, node=NODE) == 0
 
     # The terminal got the bar: redrawn in place, no JSON, and the summary once done.
@@ -215,7 +254,12 @@ def test_metrics_and_json_lines_agree_with_status_and_a_terminal_gets_the_bar(
     for record in progress:
         assert set(PROGRESS_FIELDS) <= set(record), sorted(set(PROGRESS_FIELDS) - set(record))
     last = progress[-1]
-    assert (last["samples_total"], last["samples_written"], last["samples_uploaded"], last["percent"]) == (24, 24, 24, 100.0)
+    assert (last["samples_total"], last["samples_written"], last["samples_uploaded"], last["percent"]) == (
+        24,
+        24,
+        24,
+        100.0,
+    )
     assert (last["tokens_done"], last["bytes_uploaded"]) == (final["tokens_written"], final["bytes_uploaded"])
     assert (last["batches_done"], last["batches_total"]) == (final["batches_done"], final["batches_total"])
     assert last["done"] is True and last["eta_s"] == 0 and last["spool_bytes"] == {NODE: 0}
@@ -226,7 +270,12 @@ def test_metrics_and_json_lines_agree_with_status_and_a_terminal_gets_the_bar(
 
 
 def test_a_consumer_killed_mid_run_is_named_with_its_node_and_last_batch(
-    tmp_path, hsx, hsx_service, spawn, tiny_model, job_name,
+    tmp_path,
+    hsx,
+    hsx_service,
+    spawn,
+    tiny_model,
+    job_name,
 ):
     """The consumer pauses at a 1-byte spool high-water mark after its first batches (no uploader
     runs), so its heartbeat's detail is the pause's reason: the monitor must still name the last
@@ -234,18 +283,30 @@ def test_a_consumer_killed_mid_run_is_named_with_its_node_and_last_batch(
     job = job_name
     write_dataset(tmp_path / "data.jsonl", 16, min_len=4, max_len=60, seed=9)
     spool = tmp_path / "spool"
-    produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(tmp_path / "out"),
-            token_budget=128, max_seq_len=64, env=None)
+    produce(
+        hsx,
+        job=job,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(tmp_path / "out"),
+        token_budget=128,
+        max_seq_len=64,
+        env=None,
+    )
     port = _free_port()
-    monitor = spawn("monitor", "--job", job, "--interval", "0.5", "--silent-after", "7", "--metrics-port", str(port),
-                    name="monitor")
-    consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool),
-                           "--spool-high-water", "1", name="consume")
+    monitor = spawn(
+        "monitor", "--job", job, "--interval", "0.5", "--silent-after", "7", "--metrics-port", str(port), name="monitor"
+    )
+    consumer = hsx_service(
+        "consume", "--job", job, "--device", "cpu", "--spool", str(spool), "--spool-high-water", "1", name="consume"
+    )
     procs = [monitor, consumer]
 
     def paused() -> bool:
         assert consumer.poll() is None, f"the consumer exited\n{logs_of(*procs)}"
-        return any(r["service"] == "gpu_consumer" and r["state"] == "paused" for r in log_events(monitor, "worker_degraded"))
+        return any(
+            r["service"] == "gpu_consumer" and r["state"] == "paused" for r in log_events(monitor, "worker_degraded")
+        )
 
     wait_for(paused, timeout=60, what="the monitor seeing the consumer paused", procs=procs)
     done = log_events(consumer, "batch_done")

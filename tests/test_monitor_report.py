@@ -20,27 +20,71 @@ NOW = 1_000_000.0
 
 def _spec(total=4, tokens=40, batches=2):
     return schemas.JobSpec(
-        job="j", model="m", model_revision="r", layers=[1], dtype="bfloat16", dest="file:///tmp/x", token_budget=64,
-        max_seq_len=32, dataset="d", plan_fingerprint="f", total_samples=total, total_tokens=tokens,
-        total_batches=batches, created_at=0.0, published=True,
+        job="j",
+        model="m",
+        model_revision="r",
+        layers=[1],
+        dtype="bfloat16",
+        dest="file:///tmp/x",
+        token_budget=64,
+        max_seq_len=32,
+        dataset="d",
+        plan_fingerprint="f",
+        total_samples=total,
+        total_tokens=tokens,
+        total_batches=batches,
+        created_at=0.0,
+        published=True,
     )
 
 
 def _beat(instance, *, service="gpu_consumer", node="n1", state="working", age=1.0, **fields):
-    return schemas.Heartbeat(job="j", service=service, instance=instance, node=node, state=state,
-                             sent_at=NOW - age, **fields)
+    return schemas.Heartbeat(
+        job="j", service=service, instance=instance, node=node, state=state, sent_at=NOW - age, **fields
+    )
 
 
 def _view(done=False):
     fold = ProgressFold()
-    markers = [schemas.BatchWritten(job="j", batch_id="b0", consumer="c", node="n1", sample_indices=[0, 1], tokens=20,
-                                    bytes=2000, seconds=0.1, attempt=2)]
-    markers += [schemas.FileUploaded(job="j", node="n1", uploader="u", sample_index=index,
-                                     key=f"j/00000/{index}.safetensors", size=1000, tokens=10)
-                for index in ([0, 1, 2, 3] if done else [0])]
+    markers = [
+        schemas.BatchWritten(
+            job="j",
+            batch_id="b0",
+            consumer="c",
+            node="n1",
+            sample_indices=[0, 1],
+            tokens=20,
+            bytes=2000,
+            seconds=0.1,
+            attempt=2,
+        )
+    ]
+    markers += [
+        schemas.FileUploaded(
+            job="j",
+            node="n1",
+            uploader="u",
+            sample_index=index,
+            key=f"j/00000/{index}.safetensors",
+            size=1000,
+            tokens=10,
+        )
+        for index in ([0, 1, 2, 3] if done else [0])
+    ]
     if done:
-        markers.append(schemas.BatchWritten(job="j", batch_id="b1", consumer="c", node="n1", sample_indices=[2, 3],
-                                            tokens=20, bytes=2000, seconds=0.1, attempt=1))
+        markers.append(
+            schemas.BatchWritten(
+                job="j",
+                batch_id="b1",
+                consumer="c",
+                node="n1",
+                sample_indices=[2, 3],
+                tokens=20,
+                bytes=2000,
+                seconds=0.1,
+                attempt=1,
+            )
+        )
     for seq, marker in enumerate(markers, start=1):
         fold.apply_marker(marker, seq=seq, planned=True)
     counts = ProgressCounts(samples_uploaded=4 if done else 1, batches_done=2 if done else 1)
@@ -51,8 +95,16 @@ def _view(done=False):
 HEARTBEATS = {
     "gpu-a": _beat("gpu-a", last_batch="b0", detail="", spool_files=2, spool_bytes=2000, age=2.0),
     # Paused: the detail says why; the last batch is a separate field.
-    "gpu-b": _beat("gpu-b", node="n2", state="paused", detail="spool holds 9 bytes, high-water mark 1",
-                   last_batch="b7", spool_files=1, spool_bytes=9, age=1.0),
+    "gpu-b": _beat(
+        "gpu-b",
+        node="n2",
+        state="paused",
+        detail="spool holds 9 bytes, high-water mark 1",
+        last_batch="b7",
+        spool_files=1,
+        spool_bytes=9,
+        age=1.0,
+    ),
     # Killed: its last beat is old.
     "gpu-c": _beat("gpu-c", node="n2", last_batch="b9", spool_files=5, spool_bytes=5000, age=100.0),
     "up-a": _beat("up-a", service="uploader", node="n1", state="idle", spool_files=1, spool_bytes=1000, age=0.5),
@@ -62,14 +114,20 @@ HEARTBEATS = {
 
 
 def _reading(done=False, heartbeats=HEARTBEATS, tokens_per_s=10.0, samples_per_s=0.5):
-    return take_reading(_view(done), heartbeats, now=NOW, silent_after_s=30.0, tokens_per_s=tokens_per_s,
-                        samples_per_s=samples_per_s)
+    return take_reading(
+        _view(done), heartbeats, now=NOW, silent_after_s=30.0, tokens_per_s=tokens_per_s, samples_per_s=samples_per_s
+    )
 
 
 def test_progress_line_has_every_documented_field_and_the_reading_in_it():
     line = progress_line(_reading())
     assert tuple(line) == PROGRESS_FIELDS
-    assert (line["samples_total"], line["samples_written"], line["samples_uploaded"], line["percent"]) == (4, 2, 1, 25.0)
+    assert (line["samples_total"], line["samples_written"], line["samples_uploaded"], line["percent"]) == (
+        4,
+        2,
+        1,
+        25.0,
+    )
     assert (line["tokens_total"], line["tokens_done"], line["bytes_written"]) == (40, 20, 2000)
     assert line["redeliveries"] == 1 + 3  # the batch's second delivery + file redeliveries pending in JetStream
     # Per node, the newest heartbeat that measured the spool: n1 from the uploader (0.5 s old),
@@ -88,20 +146,35 @@ def test_eta_is_unknown_without_a_rate_and_zero_when_done():
 
 def test_a_silent_consumer_is_named_with_its_node_and_last_batch_not_its_detail():
     silent = silent_workers(HEARTBEATS, now=NOW, silent_after_s=30.0)
-    assert silent == [{"instance": "gpu-c", "service": "gpu_consumer", "node": "n2", "last_batch": "b9",
-                       "last_state": "working", "silent_s": 100.0}]
-    paused_and_killed = {**HEARTBEATS, "gpu-b": _beat("gpu-b", node="n2", state="paused", detail="spool holds 9 bytes",
-                                                      last_batch="b7", age=60.0)}
+    assert silent == [
+        {
+            "instance": "gpu-c",
+            "service": "gpu_consumer",
+            "node": "n2",
+            "last_batch": "b9",
+            "last_state": "working",
+            "silent_s": 100.0,
+        }
+    ]
+    paused_and_killed = {
+        **HEARTBEATS,
+        "gpu-b": _beat("gpu-b", node="n2", state="paused", detail="spool holds 9 bytes", last_batch="b7", age=60.0),
+    }
     named = {w["instance"]: w["last_batch"] for w in silent_workers(paused_and_killed, now=NOW, silent_after_s=30.0)}
     assert named == {"gpu-b": "b7", "gpu-c": "b9"}
 
 
 def test_bar_is_one_line_with_progress_rate_eta_workers_and_spool():
     line = render_bar(_reading(), job="j", width=300)
-    assert line == ("j [#####...............]  25.0% 1/4 | ETA 6s | 10 tok/s | workers 2 gpu 1 up (1 silent) "
-                    "| spool n1 1000 B, n2 9 B | batches 1/2")
+    assert line == (
+        "j [#####...............]  25.0% 1/4 | ETA 6s | 10 tok/s | workers 2 gpu 1 up (1 silent) "
+        "| spool n1 1000 B, n2 9 B | batches 1/2"
+    )
     # Narrower: what does not fit is left out whole, and the last column stays free.
-    assert render_bar(_reading(), job="j", width=72) == "j [#####...............]  25.0% 1/4 | ETA 6s | 10 tok/s | batches 1/2"
+    assert (
+        render_bar(_reading(), job="j", width=72)
+        == "j [#####...............]  25.0% 1/4 | ETA 6s | 10 tok/s | batches 1/2"
+    )
     assert len(render_bar(_reading(), job="j", width=20)) == 19
 
 
@@ -125,8 +198,11 @@ def _scrape(collector: JobCollector) -> dict[tuple[str, tuple], float]:
     registry = CollectorRegistry()
     registry.register(collector)
     text = generate_latest(registry).decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def test_metrics_expose_the_reading_with_job_node_service_labels():

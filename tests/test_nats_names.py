@@ -40,12 +40,16 @@ def documented_names(*, job: str, node: str, plan: str = "<plan>") -> dict[str, 
         if not line.startswith("|"):
             break
         cells = dict(zip(COLUMNS, (cell.strip() for cell in line.strip().strip("|").split("|")), strict=True))
-        quoted = {column: [_fill(name, job, node).replace("<plan>", plan) for name in re.findall(r"`([^`]+)`", text)]
-                  for column, text in cells.items()}
+        quoted = {
+            column: [_fill(name, job, node).replace("<plan>", plan) for name in re.findall(r"`([^`]+)`", text)]
+            for column, text in cells.items()
+        }
         (stream,) = quoted["stream"]
         assert stream not in names, f"{DOC.name}: stream {stream} twice"
         names[stream] = {
-            "kind": cells["kind"], "bucket": (quoted["bucket"] or [None])[0], "subjects": set(quoted["subjects"]),
+            "kind": cells["kind"],
+            "bucket": (quoted["bucket"] or [None])[0],
+            "subjects": set(quoted["subjects"]),
             "consumers": dict(zip(quoted["durable consumer"], quoted["consumer filter"], strict=True)),
         }
     assert names, f"{DOC.name}: the names table is empty"
@@ -83,7 +87,9 @@ def jsz(monitoring_url: str) -> list[dict]:
 
 def durables(stream: dict) -> dict[str, dict]:
     """The stream's durable consumers (the ephemeral readers of `hsx monitor` / `hsx status` left out)."""
-    return {c["config"]["durable_name"]: c for c in stream.get("consumer_detail") or [] if c["config"].get("durable_name")}
+    return {
+        c["config"]["durable_name"]: c for c in stream.get("consumer_detail") or [] if c["config"].get("durable_name")
+    }
 
 
 def test_documented_names_are_exactly_those_of_a_running_job(tmp_path, hsx, hsx_service, tiny_model, job_name):
@@ -93,11 +99,31 @@ def test_documented_names_are_exactly_those_of_a_running_job(tmp_path, hsx, hsx_
         assert server.monitoring_url == f"http://127.0.0.1:{port}"
         env = {"HSX_NATS_URL": server.url}
         write_dataset(tmp_path / "data.jsonl", 12, min_len=4, max_len=64, seed=3)
-        produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(tmp_path / "out"),
-                token_budget=128, max_seq_len=64, env=env)
+        produce(
+            hsx,
+            job=job_name,
+            model=tiny_model("qwen3"),
+            dataset=tmp_path / "data.jsonl",
+            dest=str(tmp_path / "out"),
+            token_budget=128,
+            max_seq_len=64,
+            env=env,
+        )
         spool = str(tmp_path / "spool")
         workers = [
-            hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, "--node", NODE, env=env, name="consume"),
+            hsx_service(
+                "consume",
+                "--job",
+                job_name,
+                "--device",
+                "cpu",
+                "--spool",
+                spool,
+                "--node",
+                NODE,
+                env=env,
+                name="consume",
+            ),
             hsx_service("upload", "--job", job_name, "--spool", spool, "--node", NODE, env=env, name="upload"),
         ]
         gpu, upload = topology.gpu_durable(job_name), topology.upload_durable(job_name, NODE)
@@ -109,7 +135,9 @@ def test_documented_names_are_exactly_those_of_a_running_job(tmp_path, hsx, hsx_
             assert all(w.poll() is None for w in workers), "a worker exited before the NATS state was read"
             streams = {stream["name"]: stream for stream in jsz(server.monitoring_url)}
             bound = {
-                name: consumer for stream in streams.values() for name, consumer in durables(stream).items()
+                name: consumer
+                for stream in streams.values()
+                for name, consumer in durables(stream).items()
                 if consumer.get("num_waiting", 0) > 0 or consumer.get("num_ack_pending", 0) > 0
             }
             if {gpu, upload} <= set(bound):
@@ -121,9 +149,13 @@ def test_documented_names_are_exactly_those_of_a_running_job(tmp_path, hsx, hsx_
         assert set(streams) == set(documented), f"streams {sorted(streams)}, documented {sorted(documented)}"
         for name, doc in documented.items():
             config = streams[name]["config"]
-            assert set(config["subjects"]) == doc["subjects"], f"{name}: subjects {config['subjects']}, documented {doc['subjects']}"
+            assert set(config["subjects"]) == doc["subjects"], (
+                f"{name}: subjects {config['subjects']}, documented {doc['subjects']}"
+            )
             consumers = {durable: c["config"].get("filter_subject") for durable, c in durables(streams[name]).items()}
-            assert consumers == doc["consumers"], f"{name}: durable consumers {consumers}, documented {doc['consumers']}"
+            assert consumers == doc["consumers"], (
+                f"{name}: durable consumers {consumers}, documented {doc['consumers']}"
+            )
             if doc["bucket"] is not None:
                 prefix = {"KV bucket": "KV_", "object store": "OBJ_"}[doc["kind"]]
                 assert name == prefix + doc["bucket"], f"{name} is not the stream of {doc['kind']} {doc['bucket']}"

@@ -20,11 +20,28 @@ from test_e2e_s3 import (
 def test_an_oom_batch_is_split_and_nothing_is_redelivered(hsx, hsx_service, tiny_model, job_name, tmp_path):
     rows = write_dataset(tmp_path / "data.jsonl", 16, min_len=10, max_len=60, seed=11)
     out = tmp_path / "out"
-    produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
-            token_budget=512, max_seq_len=64, env=None)
+    produce(
+        hsx,
+        job=job_name,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(out),
+        token_budget=512,
+        max_seq_len=64,
+        env=None,
+    )
     spool = str(tmp_path / "spool")
-    consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool,
-                           env={"HSX_TEST_OOM_ABOVE_TOKENS": "100"}, name="consumer")
+    consumer = hsx_service(
+        "consume",
+        "--job",
+        job_name,
+        "--device",
+        "cpu",
+        "--spool",
+        spool,
+        env={"HSX_TEST_OOM_ABOVE_TOKENS": "100"},
+        name="consumer",
+    )
     uploader = hsx_service("upload", "--job", job_name, "--spool", spool, name="uploader")
     wait_until_done(start_monitor(hsx_service, job_name, None), [consumer, uploader])
 

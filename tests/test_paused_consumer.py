@@ -53,26 +53,53 @@ def gpu_durable_state(url: str, job: str) -> tuple[int, int]:
 
 
 def test_a_paused_consumer_holds_no_batch_and_the_other_node_finishes_every_batch(
-    tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name,
+    tmp_path,
+    hsx,
+    hsx_service,
+    nats_server,
+    tiny_model,
+    job_name,
 ):
     job = job_name
     rows = write_dataset(tmp_path / "data.jsonl", 40, min_len=8, max_len=40, seed=81)
     out = tmp_path / "out"
-    produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
-            token_budget=128, max_seq_len=64, env=None)
+    produce(
+        hsx,
+        job=job,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(out),
+        token_budget=128,
+        max_seq_len=64,
+        env=None,
+    )
     total_batches = status(hsx, job, None)["batches_total"]
     assert total_batches >= 8, total_batches
     spool_a, spool_b = tmp_path / "spool-a", tmp_path / "spool-b"
     monitor = start_monitor(hsx_service, job, None)
-    consumer_a = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool_a),
-                             "--spool-high-water", "1", env={"HSX_NODE": "nodea"}, name="consume-a")
+    consumer_a = hsx_service(
+        "consume",
+        "--job",
+        job,
+        "--device",
+        "cpu",
+        "--spool",
+        str(spool_a),
+        "--spool-high-water",
+        "1",
+        env={"HSX_NODE": "nodea"},
+        name="consume-a",
+    )
     procs = [monitor, consumer_a]
 
     def a_paused() -> bool:
         return bool(log_events(consumer_a, "spool_high_water_paused")) and any(
-            r["node"] == "nodea" and r["state"] == "paused" for r in log_events(monitor, "worker_degraded"))
+            r["node"] == "nodea" and r["state"] == "paused" for r in log_events(monitor, "worker_degraded")
+        )
 
-    wait_for(a_paused, timeout=60, what="node A paused and its heartbeat saying so", procs=procs, alive=procs, period=0.2)
+    wait_for(
+        a_paused, timeout=60, what="node A paused and its heartbeat saying so", procs=procs, alive=procs, period=0.2
+    )
     done_by_a = [r["batch"] for r in log_events(consumer_a, "batch_done")]
     # The 1-byte mark is passed by its first batch: it fetched nothing ahead of it, started nothing after.
     assert len(done_by_a) == 1, f"node A did {len(done_by_a)} batches before pausing\n{logs_of(consumer_a)}"
@@ -80,27 +107,38 @@ def test_a_paused_consumer_holds_no_batch_and_the_other_node_finishes_every_batc
     for _ in range(6):
         held, waiting = gpu_durable_state(nats_server.url, job)
         assert (held, waiting) == (0, total_batches - 1), (
-            f"node A paused holds {held} batches, {waiting} wait in the queue\n{logs_of(consumer_a)}")
+            f"node A paused holds {held} batches, {waiting} wait in the queue\n{logs_of(consumer_a)}"
+        )
         time.sleep(0.5)
 
-    consumer_b = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool_b),
-                             env={"HSX_NODE": "nodeb"}, name="consume-b")
-    uploader_b = hsx_service("upload", "--job", job, "--spool", str(spool_b), env={"HSX_NODE": "nodeb"},
-                             name="upload-b")
+    consumer_b = hsx_service(
+        "consume", "--job", job, "--device", "cpu", "--spool", str(spool_b), env={"HSX_NODE": "nodeb"}, name="consume-b"
+    )
+    uploader_b = hsx_service(
+        "upload", "--job", job, "--spool", str(spool_b), env={"HSX_NODE": "nodeb"}, name="upload-b"
+    )
     procs += [consumer_b, uploader_b]
-    wait_for(lambda: status(hsx, job, None)["batches_done"] == total_batches, timeout=60,
-             what="every batch written", procs=procs, alive=procs, period=0.5)
+    wait_for(
+        lambda: status(hsx, job, None)["batches_done"] == total_batches,
+        timeout=60,
+        what="every batch written",
+        procs=procs,
+        alive=procs,
+        period=0.5,
+    )
     done_by_b = [r["batch"] for r in log_events(consumer_b, "batch_done")]
-    assert sorted(done_by_b + done_by_a) == sorted(set(done_by_b + done_by_a)) and len(done_by_b) == total_batches - 1, (
-        done_by_a, done_by_b)
+    assert (
+        sorted(done_by_b + done_by_a) == sorted(set(done_by_b + done_by_a)) and len(done_by_b) == total_batches - 1
+    ), (done_by_a, done_by_b)
     assert [r["batch"] for r in log_events(consumer_a, "batch_done")] == done_by_a, "node A worked while paused"
     assert not log_events(consumer_a, "spool_resumed"), logs_of(consumer_a)
     # Node A's files wait in its spool (no uploader there): the job is not done yet.
     assert len(spool_files(spool_a)) == log_events(consumer_a, "batch_done")[0]["samples"] > 0, spool_files(spool_a)
     assert monitor.poll() is None, logs_of(monitor)
 
-    uploader_a = hsx_service("upload", "--job", job, "--spool", str(spool_a), env={"HSX_NODE": "nodea"},
-                             name="upload-a")
+    uploader_a = hsx_service(
+        "upload", "--job", job, "--spool", str(spool_a), env={"HSX_NODE": "nodea"}, name="upload-a"
+    )
     wait_until_done(monitor, [consumer_a, consumer_b, uploader_a, uploader_b])
     check_outputs(read_dir_objects(out), job=job, rows=rows)
     view = status(hsx, job, None)
@@ -112,34 +150,66 @@ def test_a_paused_consumer_holds_no_batch_and_the_other_node_finishes_every_batc
     paused_at = log_time(log_events(consumer_a, "spool_high_water_paused")[0])
     b_ready = log_time(log_events(consumer_b, "consumer_ready")[0])
     b_done = max(log_time(r) for r in log_events(consumer_b, "batch_done"))
-    print(f"\nPAUSED batches={total_batches} node_a_batches={len(done_by_a)} held_while_paused=0 "
-          f"node_b_batches={len(done_by_b)} batch_redeliveries={view['batch_redeliveries']} "
-          f"a_paused_to_b_ready_s={b_ready - paused_at:.1f} b_ready_to_all_written_s={b_done - b_ready:.1f}")
+    print(
+        f"\nPAUSED batches={total_batches} node_a_batches={len(done_by_a)} held_while_paused=0 "
+        f"node_b_batches={len(done_by_b)} batch_redeliveries={view['batch_redeliveries']} "
+        f"a_paused_to_b_ready_s={b_ready - paused_at:.1f} b_ready_to_all_written_s={b_done - b_ready:.1f}"
+    )
 
 
 HANG_SAMPLE = 5
 
 
 def test_a_hung_forward_is_reported_stalled_and_its_batch_finished_by_another_consumer(
-    tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name,
+    tmp_path,
+    hsx,
+    hsx_service,
+    nats_server,
+    tiny_model,
+    job_name,
 ):
     job = job_name
     rows = write_dataset(tmp_path / "data.jsonl", 24, min_len=8, max_len=40, seed=83)
     out = tmp_path / "out"
-    produce(hsx, job=job, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
-            token_budget=128, max_seq_len=64, env=None)
+    produce(
+        hsx,
+        job=job,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(out),
+        token_budget=128,
+        max_seq_len=64,
+        env=None,
+    )
     spool = tmp_path / "spool"
     marker = tmp_path / "hang.marker"
-    consume_args = ("consume", "--job", job, "--device", "cpu", "--spool", str(spool), "--ack-wait", "2",
-                    "--stall-after", "2")
+    consume_args = (
+        "consume",
+        "--job",
+        job,
+        "--device",
+        "cpu",
+        "--spool",
+        str(spool),
+        "--ack-wait",
+        "2",
+        "--stall-after",
+        "2",
+    )
     hang_env = {"HSX_TEST_HANG_SAMPLE": str(HANG_SAMPLE), "HSX_TEST_HANG_MARKER": str(marker)}
     monitor = start_monitor(hsx_service, job, None)
     uploader = hsx_service("upload", "--job", job, "--spool", str(spool), name="upload")
     hung = hsx_service(*consume_args, env=hang_env, name="consume-hung")
     procs = [monitor, uploader, hung]
 
-    wait_for(lambda: log_events(hung, "forward_stalled"), timeout=60, what="the hung forward declared stalled",
-             procs=procs, alive=procs, period=0.1)
+    wait_for(
+        lambda: log_events(hung, "forward_stalled"),
+        timeout=60,
+        what="the hung forward declared stalled",
+        procs=procs,
+        alive=procs,
+        period=0.1,
+    )
     assert log_events(hung, "test_forward_hanging"), logs_of(hung)
     stalled_batch = log_events(hung, "forward_stalled")[0]["batch"]
     instance = log_events(hung, "consumer_ready")[0]["consumer"]
@@ -147,7 +217,9 @@ def test_a_hung_forward_is_reported_stalled_and_its_batch_finished_by_another_co
     def reported() -> list[dict]:
         return [r for r in log_events(monitor, "consumer_stalled") if r["instance"] == instance]
 
-    wait_for(reported, timeout=30, what="the monitor reporting the consumer stalled", procs=procs, alive=procs, period=0.2)
+    wait_for(
+        reported, timeout=30, what="the monitor reporting the consumer stalled", procs=procs, alive=procs, period=0.2
+    )
     report = reported()[0]
     assert report["batch"] == stalled_batch and report["service"] == "gpu_consumer", report
     assert report["stalled_s"] >= 2, report
@@ -162,18 +234,41 @@ def test_a_hung_forward_is_reported_stalled_and_its_batch_finished_by_another_co
     def redone() -> list[dict]:
         return [r for r in log_events(second, "batch_done") if r["batch"] == stalled_batch]
 
-    wait_for(redone, timeout=60, what="the stalled batch finished by the second consumer", procs=procs, alive=procs,
-             period=0.2)
-    assert not log_events(hung, "batch_done") or stalled_batch not in {r["batch"] for r in log_events(hung, "batch_done")}
+    wait_for(
+        redone,
+        timeout=60,
+        what="the stalled batch finished by the second consumer",
+        procs=procs,
+        alive=procs,
+        period=0.2,
+    )
+    assert not log_events(hung, "batch_done") or stalled_batch not in {
+        r["batch"] for r in log_events(hung, "batch_done")
+    }
     total_batches = status(hsx, job, None)["batches_total"]
-    wait_for(lambda: len({r["batch"] for r in log_events(second, "batch_done") + log_events(hung, "batch_done")})
-             == total_batches, timeout=60, what="every batch written", procs=procs, alive=procs, period=0.2)
+    wait_for(
+        lambda: (
+            len({r["batch"] for r in log_events(second, "batch_done") + log_events(hung, "batch_done")})
+            == total_batches
+        ),
+        timeout=60,
+        what="every batch written",
+        procs=procs,
+        alive=procs,
+        period=0.2,
+    )
 
     # The hung forward ends after all: its consumer finishes the batch late, harmlessly.
     (tmp_path / "hang.marker.release").touch()
     # (The monitor may have seen the job done and exited already: every sample was in place.)
-    wait_for(lambda: [r for r in log_events(hung, "batch_done") if r["batch"] == stalled_batch], timeout=30,
-             what="the late finish of the stalled batch", procs=procs, alive=[uploader, hung, second], period=0.2)
+    wait_for(
+        lambda: [r for r in log_events(hung, "batch_done") if r["batch"] == stalled_batch],
+        timeout=30,
+        what="the late finish of the stalled batch",
+        procs=procs,
+        alive=[uploader, hung, second],
+        period=0.2,
+    )
     assert log_events(hung, "stalled_forward_finished"), logs_of(hung)
     wait_until_done(monitor, [uploader, hung, second])
     view = wait_settled(hsx, job, None, spool, procs)
@@ -186,11 +281,13 @@ def test_a_hung_forward_is_reported_stalled_and_its_batch_finished_by_another_co
     stalled_at = log_time(log_events(hung, "forward_stalled")[0])
     hang_began = log_time(log_events(hung, "test_forward_hanging")[0])
     second_ready = log_time(log_events(second, "consumer_ready")[0])
-    print(f"\nSTALL bound_s={log_events(hung, 'forward_stalled')[0]['bound_s']} "
-          f"hang_to_stalled_s={stalled_at - hang_began:.1f} "
-          f"stalled_to_monitor_s={log_time(reported()[0]) - stalled_at:.1f} "
-          f"second_ready_to_redone_s={log_time(redone()[0]) - second_ready:.1f} "
-          f"redone_attempt={redone()[0]['attempt']} batch_redeliveries={view['batch_redeliveries']}")
+    print(
+        f"\nSTALL bound_s={log_events(hung, 'forward_stalled')[0]['bound_s']} "
+        f"hang_to_stalled_s={stalled_at - hang_began:.1f} "
+        f"stalled_to_monitor_s={log_time(reported()[0]) - stalled_at:.1f} "
+        f"second_ready_to_redone_s={log_time(redone()[0]) - second_ready:.1f} "
+        f"redone_attempt={redone()[0]['attempt']} batch_redeliveries={view['batch_redeliveries']}"
+    )
 
 
 def test_the_stall_bound_grows_with_the_batch_and_the_measured_pace_and_has_a_floor():

@@ -29,8 +29,16 @@ def _produce(hsx, tmp_path: Path, job: str, model: Path) -> Path:
     # Equal lengths and a budget of two samples per batch: three planned batches of two samples.
     write_dataset(tmp_path / "data.jsonl", SAMPLES, min_len=8, max_len=8, seed=7)
     out = tmp_path / "out"
-    produce(hsx, job=job, model=model, dataset=tmp_path / "data.jsonl", dest=str(out), token_budget=16,
-            max_seq_len=16, env=None)
+    produce(
+        hsx,
+        job=job,
+        model=model,
+        dataset=tmp_path / "data.jsonl",
+        dest=str(out),
+        token_budget=16,
+        max_seq_len=16,
+        env=None,
+    )
     return out
 
 
@@ -40,10 +48,19 @@ async def _plan_tag(js, job: str) -> str:
 
 
 def _uploaded(job: str, index: int, plan: str) -> bytes:
-    return msgspec.json.encode({
-        "type": "uploaded.v1", "job": job, "node": "stray", "uploader": "stray", "sample_index": index,
-        "key": f"{job}/00000/{index}.safetensors", "size": 100, "tokens": 8, "plan": plan,
-    })
+    return msgspec.json.encode(
+        {
+            "type": "uploaded.v1",
+            "job": job,
+            "node": "stray",
+            "uploader": "stray",
+            "sample_index": index,
+            "key": f"{job}/00000/{index}.safetensors",
+            "size": 100,
+            "tokens": 8,
+            "plan": plan,
+        }
+    )
 
 
 async def _events(js, subject: str) -> list[dict]:
@@ -58,12 +75,17 @@ async def _events(js, subject: str) -> list[dict]:
         seq = msg.seq
 
 
-def test_stray_events_of_another_plan_or_outside_the_plan_never_make_a_job_done(hsx, nats_server, tiny_model, job_name, tmp_path):
+def test_stray_events_of_another_plan_or_outside_the_plan_never_make_a_job_done(
+    hsx, nats_server, tiny_model, job_name, tmp_path
+):
     _produce(hsx, tmp_path, job_name, tiny_model("qwen3"))
 
     async def mark(js, plan: str, index: int, *, planned: bool = True) -> None:
-        await js.publish(topology.uploaded_subject(job_name, plan, index, planned=planned),
-                         _uploaded(job_name, index, plan), headers=topology.ONCE_HEADERS)
+        await js.publish(
+            topology.uploaded_subject(job_name, plan, index, planned=planned),
+            _uploaded(job_name, index, plan),
+            headers=topology.ONCE_HEADERS,
+        )
 
     async def setup() -> str:
         nc = await nats.connect(nats_server.url)
@@ -101,7 +123,9 @@ def test_stray_events_of_another_plan_or_outside_the_plan_never_make_a_job_done(
     assert view["done"] and view["samples_uploaded"] == SAMPLES, view
 
 
-def test_a_descriptor_with_extra_samples_does_not_count_toward_done(hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path):
+def test_a_descriptor_with_extra_samples_does_not_count_toward_done(
+    hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
+):
     out = _produce(hsx, tmp_path, job_name, tiny_model("qwen3"))
 
     async def swap() -> tuple[bytes, str]:
@@ -110,11 +134,24 @@ def test_a_descriptor_with_extra_samples_does_not_count_toward_done(hsx, hsx_ser
         js = nc.jetstream()
         first = await js.get_msg(topology.BATCHES_STREAM, seq=1, subject=topology.batch_subject(job_name), next=True)
         await js.delete_msg(topology.BATCHES_STREAM, first.seq)
-        extra = {"type": "batch.v1", "job": job_name, "batch_id": f"{job_name}-extra", "padded_len": 8, "samples": [
-            {"type": "sample.v1", "index": SAMPLES + i, "source_id": f"x{i}", "input_ids": [1, 2, 3, 4, 5, 6, 7, 8 + i]}
-            for i in range(2)
-        ]}
-        await js.publish(topology.batch_subject(job_name), msgspec.json.encode(extra), headers={"Nats-Msg-Id": extra["batch_id"]})
+        extra = {
+            "type": "batch.v1",
+            "job": job_name,
+            "batch_id": f"{job_name}-extra",
+            "padded_len": 8,
+            "samples": [
+                {
+                    "type": "sample.v1",
+                    "index": SAMPLES + i,
+                    "source_id": f"x{i}",
+                    "input_ids": [1, 2, 3, 4, 5, 6, 7, 8 + i],
+                }
+                for i in range(2)
+            ],
+        }
+        await js.publish(
+            topology.batch_subject(job_name), msgspec.json.encode(extra), headers={"Nats-Msg-Id": extra["batch_id"]}
+        )
         plan = await _plan_tag(js, job_name)
         await nc.drain()
         return first.data, plan
@@ -123,8 +160,10 @@ def test_a_descriptor_with_extra_samples_does_not_count_toward_done(hsx, hsx_ser
     removed = sorted(sample["index"] for sample in json.loads(held)["samples"])
     assert len(removed) == 2, removed
     spool = str(tmp_path / "spool")
-    workers = [hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, name="consume"),
-               hsx_service("upload", "--job", job_name, "--spool", spool, name="upload")]
+    workers = [
+        hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, name="consume"),
+        hsx_service("upload", "--job", job_name, "--spool", spool, name="upload"),
+    ]
     expected = {f"{i}.safetensors" for i in set(range(SAMPLES + 2)) - set(removed)}
 
     # Everything that was queued is extracted and uploaded: as many samples as the plan has.
@@ -143,7 +182,9 @@ def test_a_descriptor_with_extra_samples_does_not_count_toward_done(hsx, hsx_ser
     async def events_and_put_back() -> dict[str, list[dict]]:
         nc = await nats.connect(nats_server.url)
         js = nc.jetstream()
-        events = {kind: await _events(js, topology.markers_all(job_name, kind, "*")) for kind in ("written", "uploaded")}
+        events = {
+            kind: await _events(js, topology.markers_all(job_name, kind, "*")) for kind in ("written", "uploaded")
+        }
         # The planned batch goes back (under a new message id: the old one is in the duplicate window).
         await js.publish(topology.batch_subject(job_name), held, headers={"Nats-Msg-Id": f"{job_name}-put-back"})
         await nc.drain()

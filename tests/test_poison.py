@@ -15,24 +15,40 @@ from hsx.wire import schemas, topology
 
 async def _publish(url: str, descriptor: schemas.BatchDescriptor) -> None:
     nc = await nats.connect(url)
-    await nc.jetstream().publish(topology.batch_subject(descriptor.job), schemas.encode(descriptor),
-                                 headers={"Nats-Msg-Id": descriptor.batch_id})
+    await nc.jetstream().publish(
+        topology.batch_subject(descriptor.job), schemas.encode(descriptor), headers={"Nats-Msg-Id": descriptor.batch_id}
+    )
     await nc.drain()
 
 
-def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path):
+def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(
+    hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
+):
     write_dataset(tmp_path / "data.jsonl", 6, min_len=4, max_len=20, seed=3)
     out = tmp_path / "out"
-    produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
-            token_budget=128, max_seq_len=32, env=None)
+    produce(
+        hsx,
+        job=job_name,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(out),
+        token_budget=128,
+        max_seq_len=32,
+        env=None,
+    )
     # Three extra samples past the planned ones; the middle one holds a token id outside the vocabulary.
     extra = [schemas.Sample(index=6 + i, source_id=f"x{i}", input_ids=[1, 2, 3, 4 + i]) for i in range(3)]
     extra[1] = schemas.Sample(index=7, source_id="poison", input_ids=[1, 2, 10_000_000, 3])
-    asyncio.run(_publish(nats_server.url, schemas.BatchDescriptor(job=job_name, batch_id=f"{job_name}-extra", padded_len=4,
-                                                                   samples=extra)))
+    asyncio.run(
+        _publish(
+            nats_server.url,
+            schemas.BatchDescriptor(job=job_name, batch_id=f"{job_name}-extra", padded_len=4, samples=extra),
+        )
+    )
     spool = str(tmp_path / "spool")
-    consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, "--retry-delay", "0.1",
-                           name="consumer")
+    consumer = hsx_service(
+        "consume", "--job", job_name, "--device", "cpu", "--spool", spool, "--retry-delay", "0.1", name="consumer"
+    )
     uploader = hsx_service("upload", "--job", job_name, "--spool", spool, name="uploader")
     monitor = hsx("monitor", "--job", job_name, "--until-done", "--interval", "0.5", timeout=120)
     # Done: every planned sample (0-5) is uploaded; the extra batch's good samples are written too
@@ -42,7 +58,9 @@ def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(hsx, hsx_s
     assert len(letters) == 1, letters
     letter = letters[0]
     assert letter["samples"] == [7] and letter["deliveries"] == topology.BATCH_MAX_DELIVER
-    assert "sample 7" in letter["error"] and ("index out of range" in letter["error"] or "IndexError" in letter["error"])
+    assert "sample 7" in letter["error"] and (
+        "index out of range" in letter["error"] or "IndexError" in letter["error"]
+    )
     names = {key.rsplit("/", 1)[-1] for key in read_dir_objects(out)}
     assert {f"{i}.safetensors" for i in range(6)} <= names, sorted(names)
     assert {"6.safetensors", "8.safetensors"} <= names and "7.safetensors" not in names
@@ -54,7 +72,9 @@ def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(hsx, hsx_s
     assert retried.returncode == 0, retried.stderr
     # The letter retried is gone. (Its descriptor may already be back as a new letter: five quick
     # failures take less than a loaded machine needs to start `hsx dead list`.)
-    assert all(other["seq"] != letter["seq"] for other in json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout))
+    assert all(
+        other["seq"] != letter["seq"] for other in json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
+    )
     # The retried descriptor holds only the poisoned sample; it fails again and comes back.
     for _ in range(120):
         again = json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
@@ -75,9 +95,28 @@ def test_hsx_up_exits_non_zero_naming_the_dead_samples(tmp_path, tiny_model):
     # The test-only OOM switch makes the 39-token sample fail alone on every delivery.
     env = faults_env({**os.environ, "HSX_RETRY_DELAY": "0.1"}, HSX_TEST_OOM_ABOVE_TOKENS="30")
     result = subprocess.run(
-        [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(tmp_path / "w"), "--model", str(tiny_model("qwen3")),
-         "--dataset", str(tmp_path / "d.jsonl"), "--layers", "1", "--token-budget", "64", "--max-seq-len", "64"],
-        capture_output=True, text=True, timeout=240, env=env,
+        [
+            sys.executable,
+            "-m",
+            "hsx.cli",
+            "up",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--model",
+            str(tiny_model("qwen3")),
+            "--dataset",
+            str(tmp_path / "d.jsonl"),
+            "--layers",
+            "1",
+            "--token-budget",
+            "64",
+            "--max-seq-len",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert result.returncode != 0
     error = [line for line in result.stderr.splitlines() if line.startswith("hsx: error:")]

@@ -49,10 +49,28 @@ from hsx.wire import headers, schemas, topology
 SMALL_MAX_PAYLOAD = 64 * 1024
 
 
-def _produce_args(job: str, model: Path, dataset: Path, dest: str, *, budget: int, max_seq_len: int,
-                  layers: str = "1,3") -> list[str]:
-    return ["produce", "--job", job, "--model", str(model), "--dataset", str(dataset), "--layers", layers,
-            "--dest", dest, "--dtype", "float32", "--token-budget", str(budget), "--max-seq-len", str(max_seq_len)]
+def _produce_args(
+    job: str, model: Path, dataset: Path, dest: str, *, budget: int, max_seq_len: int, layers: str = "1,3"
+) -> list[str]:
+    return [
+        "produce",
+        "--job",
+        job,
+        "--model",
+        str(model),
+        "--dataset",
+        str(dataset),
+        "--layers",
+        layers,
+        "--dest",
+        dest,
+        "--dtype",
+        "float32",
+        "--token-budget",
+        str(budget),
+        "--max-seq-len",
+        str(max_seq_len),
+    ]
 
 
 async def _read_state(url: str, job: str) -> dict:
@@ -97,8 +115,12 @@ def assert_nothing_written(url: str, job: str) -> None:
 
 
 def _descriptor(samples: int, tokens_each: int) -> schemas.BatchDescriptor:
-    return schemas.BatchDescriptor(job="j", batch_id="j-0", padded_len=tokens_each, samples=[
-        schemas.Sample(index=i, source_id=str(i), input_ids=[100] * tokens_each) for i in range(samples)])
+    return schemas.BatchDescriptor(
+        job="j",
+        batch_id="j-0",
+        padded_len=tokens_each,
+        samples=[schemas.Sample(index=i, source_id=str(i), input_ids=[100] * tokens_each) for i in range(samples)],
+    )
 
 
 def test_a_descriptor_must_leave_room_for_its_dead_letter():
@@ -115,23 +137,37 @@ def test_a_descriptor_must_leave_room_for_its_dead_letter():
     assert preflight.check_payloads([descriptor], max_payload=size + headroom, token_budget=2000, max_seq_len=500) == 1
 
 
-def test_an_oversized_descriptor_is_refused_before_anything_is_written_and_the_advice_works(tmp_path, hsx, tiny_model, job_name):
+def test_an_oversized_descriptor_is_refused_before_anything_is_written_and_the_advice_works(
+    tmp_path, hsx, tiny_model, job_name
+):
     server = start_nats_server(tmp_path / "nats", log_file=tmp_path / "nats.log", max_payload=SMALL_MAX_PAYLOAD)
     try:
         env = {"HSX_NATS_URL": server.url}
         write_dataset(tmp_path / "data.jsonl", 80, min_len=150, max_len=256, seed=5)
         out = tmp_path / "out"
-        big = hsx(*_produce_args(job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", str(out), budget=16384,
-                                 max_seq_len=256), env=env)
-        line = assert_one_line_error(big, job_name, f"max_payload {SMALL_MAX_PAYLOAD}", "nothing was published",
-                                     "--token-budget")
+        big = hsx(
+            *_produce_args(
+                job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", str(out), budget=16384, max_seq_len=256
+            ),
+            env=env,
+        )
+        line = assert_one_line_error(
+            big, job_name, f"max_payload {SMALL_MAX_PAYLOAD}", "nothing was published", "--token-budget"
+        )
         assert_nothing_written(server.url, job_name)
         assert not out.exists(), "the refused run wrote to the destination"
 
         budget = int(re.search(r"--token-budget (\d+)", line).group(1))
         assert 256 <= budget < 16384, line
-        again = check_ok(hsx(*_produce_args(job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", str(out),
-                                            budget=budget, max_seq_len=256), env=env), "produce with the advised budget")
+        again = check_ok(
+            hsx(
+                *_produce_args(
+                    job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", str(out), budget=budget, max_seq_len=256
+                ),
+                env=env,
+            ),
+            "produce with the advised budget",
+        )
         after = state(server.url, job_name)
         assert after["spec"]["published"] and after["spec"]["token_budget"] == budget, after["spec"]
         assert len(after["queued"]) == after["spec"]["total_batches"] > 1, again.stderr[-2000:]
@@ -146,8 +182,9 @@ def test_an_oversized_descriptor_is_refused_before_anything_is_written_and_the_a
 
 
 @pytest.mark.parametrize("kind", ["s3-missing-bucket", "file-under-a-regular-file"])
-def test_a_destination_that_cannot_be_written_is_refused_before_publishing(kind, request, tmp_path, hsx, nats_server,
-                                                                           tiny_model, job_name):
+def test_a_destination_that_cannot_be_written_is_refused_before_publishing(
+    kind, request, tmp_path, hsx, nats_server, tiny_model, job_name
+):
     write_dataset(tmp_path / "data.jsonl", 12, min_len=4, max_len=32, seed=6)
     if kind == "s3-missing-bucket":
         bucket, _ = request.getfixturevalue("s3_env")  # AWS_* for the CLI; this bucket exists, the one named does not
@@ -156,7 +193,9 @@ def test_a_destination_that_cannot_be_written_is_refused_before_publishing(kind,
         (tmp_path / "a-file").write_text("not a directory")
         dest = str(tmp_path / "a-file" / "out")
         needles = (dest, "Not a directory")
-    result = hsx(*_produce_args(job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", dest, budget=128, max_seq_len=32))
+    result = hsx(
+        *_produce_args(job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", dest, budget=128, max_seq_len=32)
+    )
     assert_one_line_error(result, *needles, f"{job_name}/_hsx/", "nothing was published")
     assert_nothing_written(nats_server.url, job_name)
 
@@ -173,15 +212,28 @@ async def _mark_unpublished(url: str, job: str, *, written_event: bool = False) 
         spec = schemas.job_decoder.decode((await kv.get(job)).value)
         await kv.put(job, schemas.encode(msgspec.structs.replace(spec, published=False)))
         if written_event:  # as a consumer announces a finished batch
-            await js.publish(topology.written_subject(job, spec.plan_tag, f"{job}-x"), schemas.encode(schemas.BatchWritten(
-                job=job, batch_id=f"{job}-x", consumer="c", node="n", sample_indices=[0], tokens=1, bytes=1, seconds=0.1,
-            )))
+            await js.publish(
+                topology.written_subject(job, spec.plan_tag, f"{job}-x"),
+                schemas.encode(
+                    schemas.BatchWritten(
+                        job=job,
+                        batch_id=f"{job}-x",
+                        consumer="c",
+                        node="n",
+                        sample_indices=[0],
+                        tokens=1,
+                        bytes=1,
+                        seconds=0.1,
+                    )
+                ),
+            )
     finally:
         await nc.close()
 
 
-def test_an_unpublished_job_is_replaced_by_a_rerun_unless_work_on_it_exists(tmp_path, hsx, nats_server, tiny_model,
-                                                                            job_name):
+def test_an_unpublished_job_is_replaced_by_a_rerun_unless_work_on_it_exists(
+    tmp_path, hsx, nats_server, tiny_model, job_name
+):
     model, url = tiny_model("qwen3"), nats_server.url
     write_dataset(tmp_path / "data.jsonl", 30, min_len=8, max_len=40, seed=8)
     args = dict(model=model, dataset=tmp_path / "data.jsonl", dest=str(tmp_path / "out"), max_seq_len=64)
@@ -208,7 +260,11 @@ def test_an_unpublished_job_is_replaced_by_a_rerun_unless_work_on_it_exists(tmp_
 
 
 def test_a_rerun_after_the_duplicate_window_publishes_only_what_is_neither_queued_nor_done(
-    tmp_path, hsx, hsx_service, tiny_model, job_name,
+    tmp_path,
+    hsx,
+    hsx_service,
+    tiny_model,
+    job_name,
 ):
     # A server of its own: the test changes HSX_BATCHES's duplicate window.
     server = start_nats_server(tmp_path / "nats", log_file=tmp_path / "nats.log")
@@ -217,8 +273,15 @@ def test_a_rerun_after_the_duplicate_window_publishes_only_what_is_neither_queue
         env = {"HSX_NATS_URL": url}
         rows = write_dataset(tmp_path / "data.jsonl", 40, min_len=8, max_len=40, seed=9)
         out, spool = tmp_path / "out", str(tmp_path / "spool")
-        args = _produce_args(job, tiny_model("qwen3"), tmp_path / "data.jsonl", str(out), budget=128, max_seq_len=64,
-                             layers=",".join(map(str, LAYERS)))
+        args = _produce_args(
+            job,
+            tiny_model("qwen3"),
+            tmp_path / "data.jsonl",
+            str(out),
+            budget=128,
+            max_seq_len=64,
+            layers=",".join(map(str, LAYERS)),
+        )
         check_ok(hsx(*args, env=env), "produce")
         queued = state(url, job)["queued"]
         total = len(queued)
@@ -229,8 +292,13 @@ def test_a_rerun_after_the_duplicate_window_publishes_only_what_is_neither_queue
         asyncio.run(_delete(url, [seq for seq, _, _ in never + still_queued]))
         consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", spool, env=env, name="consume")
         uploader = hsx_service("upload", "--job", job, "--spool", spool, env=env, name="upload")
-        wait_for(lambda: len(log_events(consumer, "batch_done")) == total - 6, timeout=90,
-                 what="the batches queued before the crash", procs=[consumer], alive=[consumer])
+        wait_for(
+            lambda: len(log_events(consumer, "batch_done")) == total - 6,
+            timeout=90,
+            what="the batches queued before the crash",
+            procs=[consumer],
+            alive=[consumer],
+        )
         # Frozen, not stopped: what reaches the queue now stays queued (at most handed to its
         # pending fetch, unacked) until the re-run is over.
         consumer.send_signal(signal.SIGSTOP)
@@ -242,14 +310,16 @@ def test_a_rerun_after_the_duplicate_window_publishes_only_what_is_neither_queue
         rerun = check_ok(hsx(*args, env=env), "the re-run")
         published = log_events_of(rerun.stderr, "job_published")
         assert published and published[0]["new"] == 3 and published[0]["already_queued_or_done"] == total - 3, (
-            rerun.stderr[-3000:])
+            rerun.stderr[-3000:]
+        )
         assert sorted(b for _, b, _ in state(url, job)["queued"]) == sorted(b for _, b, _ in never + still_queued)
 
         consumer.send_signal(signal.SIGCONT)
         wait_until_done(start_monitor(hsx_service, job, env), [consumer, uploader])
         extracted = [r["batch"] for r in log_events(consumer, "batch_done")]
         assert sorted(extracted) == sorted(b for _, b, _ in queued), (
-            f"{len(extracted)} extractions of {total} batches\n{logs_of(consumer)}")
+            f"{len(extracted)} extractions of {total} batches\n{logs_of(consumer)}"
+        )
         check_outputs(read_dir_objects(out), job=job, rows=rows)
         check_final_status(status(hsx, job, env), total=len(rows))
     finally:
@@ -283,8 +353,11 @@ async def _republish(url: str, job: str, batches: list[tuple[int, str, bytes]]) 
     try:
         js = nc.jetstream()
         for _, batch_id, payload in batches:
-            ack = await js.publish(topology.batch_subject(job), payload,
-                                   headers=headers.message_headers(job, batch=batch_id, msg_id=batch_id))
+            ack = await js.publish(
+                topology.batch_subject(job),
+                payload,
+                headers=headers.message_headers(job, batch=batch_id, msg_id=batch_id),
+            )
             assert not ack.duplicate
     finally:
         await nc.close()

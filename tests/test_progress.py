@@ -22,21 +22,51 @@ PLAN = "abcdefabcdef"
 
 def _spec(total=4, batches=2, job="j"):
     return schemas.JobSpec(
-        job=job, model="m", model_revision="r", layers=[1], dtype="bfloat16", dest="file:///tmp/x", token_budget=64,
-        max_seq_len=32, dataset="d", plan_fingerprint=PLAN + "0" * 52, total_samples=total, total_tokens=40,
-        total_batches=batches, created_at=0.0, published=True,
+        job=job,
+        model="m",
+        model_revision="r",
+        layers=[1],
+        dtype="bfloat16",
+        dest="file:///tmp/x",
+        token_budget=64,
+        max_seq_len=32,
+        dataset="d",
+        plan_fingerprint=PLAN + "0" * 52,
+        total_samples=total,
+        total_tokens=40,
+        total_batches=batches,
+        created_at=0.0,
+        published=True,
     )
 
 
 def _written(batch, indices, attempt=1, job="j"):
-    return schemas.BatchWritten(job=job, batch_id=batch, consumer="c", node="n", sample_indices=indices,
-                                tokens=10 * len(indices), bytes=100 * len(indices), seconds=0.1, attempt=attempt,
-                                plan=PLAN)
+    return schemas.BatchWritten(
+        job=job,
+        batch_id=batch,
+        consumer="c",
+        node="n",
+        sample_indices=indices,
+        tokens=10 * len(indices),
+        bytes=100 * len(indices),
+        seconds=0.1,
+        attempt=attempt,
+        plan=PLAN,
+    )
 
 
 def _uploaded(index, job="j", attempt=1):
-    return schemas.FileUploaded(job=job, node="n", uploader="u", sample_index=index, key=f"{job}/00000/{index}.safetensors",
-                                size=100, tokens=10, attempt=attempt, plan=PLAN)
+    return schemas.FileUploaded(
+        job=job,
+        node="n",
+        uploader="u",
+        sample_index=index,
+        key=f"{job}/00000/{index}.safetensors",
+        size=100,
+        tokens=10,
+        attempt=attempt,
+        plan=PLAN,
+    )
 
 
 def test_done_when_every_sample_is_uploaded_and_nothing_is_queued():
@@ -74,8 +104,12 @@ def test_a_redelivered_batch_and_a_reupload_are_stored_once_and_counted_once(nat
             assert await events.mark(_written("b0", [0, 1], job=job_name), subject=batch)
             assert not await events.mark(_written("b0", [0, 1], attempt=2, job=job_name), subject=batch)
             for index in (0, 0, 1):
-                await events.mark(_uploaded(index, job=job_name), subject=topology.uploaded_subject(job_name, PLAN, index))
-            assert await count_stored(js, topology.EVENTS_STREAM, topology.marker_filter(job_name, "uploaded", PLAN)) == 2
+                await events.mark(
+                    _uploaded(index, job=job_name), subject=topology.uploaded_subject(job_name, PLAN, index)
+                )
+            assert (
+                await count_stored(js, topology.EVENTS_STREAM, topology.marker_filter(job_name, "uploaded", PLAN)) == 2
+            )
         finally:
             await nc.drain()
         return await read_status(NatsSettings(url=nats_server.url), job_name, sums_budget_s=30)
@@ -98,14 +132,22 @@ def test_sums_go_on_from_the_checkpoint_and_a_short_reading_says_so(nats_server,
             # As the workers publish them (stored once), but without waiting for each store.
             for batch in range(total // 3):
                 indices = [3 * batch, 3 * batch + 1, 3 * batch + 2]
-                await nc.publish(topology.written_subject(job_name, PLAN, f"b{batch}"),
-                                 schemas.encode(_written(f"b{batch}", indices, attempt=1 + batch % 2, job=job_name)),
-                                 headers=topology.ONCE_HEADERS)
+                await nc.publish(
+                    topology.written_subject(job_name, PLAN, f"b{batch}"),
+                    schemas.encode(_written(f"b{batch}", indices, attempt=1 + batch % 2, job=job_name)),
+                    headers=topology.ONCE_HEADERS,
+                )
                 for index in indices:
-                    await nc.publish(topology.uploaded_subject(job_name, PLAN, index),
-                                     schemas.encode(_uploaded(index, job=job_name)), headers=topology.ONCE_HEADERS)
+                    await nc.publish(
+                        topology.uploaded_subject(job_name, PLAN, index),
+                        schemas.encode(_uploaded(index, job=job_name)),
+                        headers=topology.ONCE_HEADERS,
+                    )
             await nc.flush()
-            while await count_stored(js, topology.EVENTS_STREAM, topology.marker_filter(job_name, "uploaded", PLAN)) < total:
+            while (
+                await count_stored(js, topology.EVENTS_STREAM, topology.marker_filter(job_name, "uploaded", PLAN))
+                < total
+            ):
                 await asyncio.sleep(0.05)
         finally:
             await nc.drain()
@@ -124,8 +166,14 @@ def test_sums_go_on_from_the_checkpoint_and_a_short_reading_says_so(nats_server,
     last = readings[-1]
     assert last.sums_complete, readings[-1]
     assert [r.tokens_uploaded for r in readings] == sorted(r.tokens_uploaded for r in readings)  # never back
-    expected = {"samples_written": total, "tokens_written": 10 * total, "bytes_written": 100 * total,
-                "tokens_uploaded": 10 * total, "bytes_uploaded": 100 * total, "batch_redeliveries": total // 6}
+    expected = {
+        "samples_written": total,
+        "tokens_written": 10 * total,
+        "bytes_written": 100 * total,
+        "tokens_uploaded": 10 * total,
+        "bytes_uploaded": 100 * total,
+        "batch_redeliveries": total // 6,
+    }
     assert {key: getattr(last, key) for key in expected} == expected, last
 
     # A fold from nothing reaches the same sums as the one that went on from checkpoints.
@@ -142,7 +190,11 @@ def test_sums_go_on_from_the_checkpoint_and_a_short_reading_says_so(nats_server,
 
     fold = asyncio.run(from_nothing())
     assert (fold.samples_written, fold.tokens_written, fold.tokens_uploaded, fold.batch_redeliveries) == (
-        total, 10 * total, 10 * total, total // 6)
+        total,
+        10 * total,
+        10 * total,
+        total // 6,
+    )
 
 
 def test_concurrent_checkpoints_merge_to_the_furthest_of_each_kind(nats_server, job_name):
@@ -153,10 +205,12 @@ def test_concurrent_checkpoints_merge_to_the_furthest_of_each_kind(nats_server, 
         js = nc.jetstream()
         await topology.ensure_topology(js)
         try:
-            ahead_in_written = schemas.ProgressCheckpoint(job=job_name, plan=PLAN, written_seq=50, tokens_written=500,
-                                                          uploaded_seq=10, tokens_uploaded=10)
-            ahead_in_uploaded = schemas.ProgressCheckpoint(job=job_name, plan=PLAN, written_seq=20, tokens_written=200,
-                                                           uploaded_seq=90, tokens_uploaded=90)
+            ahead_in_written = schemas.ProgressCheckpoint(
+                job=job_name, plan=PLAN, written_seq=50, tokens_written=500, uploaded_seq=10, tokens_uploaded=10
+            )
+            ahead_in_uploaded = schemas.ProgressCheckpoint(
+                job=job_name, plan=PLAN, written_seq=20, tokens_written=200, uploaded_seq=90, tokens_uploaded=90
+            )
             await asyncio.gather(save_checkpoint(js, ahead_in_written), save_checkpoint(js, ahead_in_uploaded))
             behind = schemas.ProgressCheckpoint(job=job_name, plan=PLAN, written_seq=5, uploaded_seq=5)
             await save_checkpoint(js, behind)
@@ -175,8 +229,15 @@ def test_a_dead_sample_uploaded_after_all_is_not_holding_the_job_back(nats_serve
     async def run() -> tuple[ProgressCounts, ProgressCounts]:
         nc, js, events, spec = await _publisher(nats_server.url, job_name)
         try:
-            await events.store_dead_letter(what="batch", error="boom", subject="s", payload=b"x", deliveries=5,
-                                           batch_id="b1", sample_indices=[2, 3])
+            await events.store_dead_letter(
+                what="batch",
+                error="boom",
+                subject="s",
+                payload=b"x",
+                deliveries=5,
+                batch_id="b1",
+                sample_indices=[2, 3],
+            )
             tracker = ProgressTracker(js, job_name, plan=PLAN)
             await tracker.start()
             await tracker.wait_caught_up(30)
@@ -205,7 +266,10 @@ def test_counting_reads_no_marker(nats_server, job_name, done_samples):
                 await nc.publish(topology.uploaded_subject(job, PLAN, index), schemas.encode(_uploaded(index, job=job)))
             await nc.flush()
             deadline = time.monotonic() + 30
-            while await count_stored(js, topology.EVENTS_STREAM, topology.marker_filter(job, "uploaded", PLAN)) < done_samples:
+            while (
+                await count_stored(js, topology.EVENTS_STREAM, topology.marker_filter(job, "uploaded", PLAN))
+                < done_samples
+            ):
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
             before = nc.stats["in_msgs"]

@@ -41,12 +41,21 @@ async def _take_without_acking(url: str, job: str, times: int) -> list[int]:
         await nc.drain()
 
 
-def test_a_file_event_redelivered_many_times_is_still_uploaded(hsx, hsx_service, nats_server, tiny_model, job_name,
-                                                              tmp_path):
+def test_a_file_event_redelivered_many_times_is_still_uploaded(
+    hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
+):
     rows = write_dataset(tmp_path / "data.jsonl", 6, min_len=8, max_len=40, seed=5)
     out = tmp_path / "out"
-    produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
-            token_budget=128, max_seq_len=64, env=None)
+    produce(
+        hsx,
+        job=job_name,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(out),
+        token_budget=128,
+        max_seq_len=64,
+        env=None,
+    )
     spool = tmp_path / "spool"
     consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), name="consumer")
     wait_until_spooled(hsx, consumer, job_name, 6)

@@ -28,17 +28,41 @@ ROWS = [
 
 
 def _spec(job: str, *, tokenized_object: str) -> schemas.JobSpec:
-    return schemas.JobSpec(job=job, model="m", model_revision="r", layers=[1], dtype="float32", dest="file:///x",
-                           token_budget=64, max_seq_len=64, dataset="d", plan_fingerprint=PLAN,
-                           total_samples=len(ROWS), total_tokens=sum(len(r.input_ids) for r in ROWS),
-                           total_batches=1, created_at=0.0, published=True, tokenized_object=tokenized_object)
+    return schemas.JobSpec(
+        job=job,
+        model="m",
+        model_revision="r",
+        layers=[1],
+        dtype="float32",
+        dest="file:///x",
+        token_budget=64,
+        max_seq_len=64,
+        dataset="d",
+        plan_fingerprint=PLAN,
+        total_samples=len(ROWS),
+        total_tokens=sum(len(r.input_ids) for r in ROWS),
+        total_batches=1,
+        created_at=0.0,
+        published=True,
+        tokenized_object=tokenized_object,
+    )
 
 
 def _lost(job: str, index: int, *, sample: schemas.Sample | None = None, plan: str = PLAN[:12]) -> schemas.FileReady:
     key = sample_key(job, index)
-    return schemas.FileReady(job=job, node=NODE, batch_id="b0", sample_index=index,
-                             num_tokens=len(ROWS[index].input_ids), spool_path=key, key=key, size=100, digest="d",
-                             sample=sample, plan=plan)
+    return schemas.FileReady(
+        job=job,
+        node=NODE,
+        batch_id="b0",
+        sample_index=index,
+        num_tokens=len(ROWS[index].input_ids),
+        spool_path=key,
+        key=key,
+        size=100,
+        digest="d",
+        sample=sample,
+        plan=plan,
+    )
 
 
 async def _stored(js, stream: str, subject: str) -> list[bytes]:
@@ -53,8 +77,15 @@ async def _stored(js, stream: str, subject: str) -> list[bytes]:
     return found
 
 
-async def _run(url: str, tmp_path, spec: schemas.JobSpec, rounds: list[list[schemas.FileReady]], *,
-               store_samples: bool, delete_samples_after: int | None = None):
+async def _run(
+    url: str,
+    tmp_path,
+    spec: schemas.JobSpec,
+    rounds: list[list[schemas.FileReady]],
+    *,
+    store_samples: bool,
+    delete_samples_after: int | None = None,
+):
     """Record the spec (and store ROWS as the job's samples if asked), then per round publish its
     file events and let one FileMover handle each; the stored samples are deleted after round
     `delete_samples_after`. Returns (redo batches, dead letters, file events left in HSX_FILES)."""
@@ -113,8 +144,9 @@ def test_an_event_that_names_its_sample_is_sent_back_from_the_stored_samples(nat
     spec = _spec(job_name, tokenized_object=tokens_object_name(job_name))
     # Rounds 1 and 2 come after the stored samples are deleted: the table loaded in round 0 serves them.
     rounds = [[_lost(job_name, 2), _lost(job_name, 0)], [_lost(job_name, 1)], [_lost(job_name, 1, plan="b" * 12)]]
-    redo, dead, left = asyncio.run(_run(nats_server.url, tmp_path, spec, rounds, store_samples=True,
-                                        delete_samples_after=0))
+    redo, dead, left = asyncio.run(
+        _run(nats_server.url, tmp_path, spec, rounds, store_samples=True, delete_samples_after=0)
+    )
     assert sorted(s.index for b in redo for s in b.samples) == [0, 1, 2]
     for batch in redo:
         (sample,) = batch.samples
@@ -143,8 +175,11 @@ def test_file_events_leave_the_sample_out_and_older_ones_still_decode():
     assert b'"sample":' not in encoded and b"input_ids" not in encoded
     assert schemas.file_decoder.decode(encoded) == ready
     # As a consumer before references published them: every field written out, the sample inline.
-    older = (b'{"type":"file.v2","job":"j","node":"n","batch_id":"b0","sample_index":0,"num_tokens":1,'
-             b'"spool_path":"p","key":"k","size":1,"digest":"d","sample":{"type":"sample.v1","index":0,'
-             b'"source_id":"s","input_ids":[7],"loss_spans":[[0,1]]},"plan":""}')
-    assert schemas.file_decoder.decode(older).sample == schemas.Sample(index=0, source_id="s", input_ids=[7],
-                                                                       loss_spans=[(0, 1)])
+    older = (
+        b'{"type":"file.v2","job":"j","node":"n","batch_id":"b0","sample_index":0,"num_tokens":1,'
+        b'"spool_path":"p","key":"k","size":1,"digest":"d","sample":{"type":"sample.v1","index":0,'
+        b'"source_id":"s","input_ids":[7],"loss_spans":[[0,1]]},"plan":""}'
+    )
+    assert schemas.file_decoder.decode(older).sample == schemas.Sample(
+        index=0, source_id="s", input_ids=[7], loss_spans=[(0, 1)]
+    )

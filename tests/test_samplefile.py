@@ -70,7 +70,7 @@ def test_a_changed_truncated_or_extended_file_is_refused(tmp_path):
         changed[at] ^= 0x01
         return bytes(changed)
 
-    for bad in (flipped(header_end), flipped(len(data) - 1), data[:-1], data + b"\0", data[:header_end - 3], data[:5]):
+    for bad in (flipped(header_end), flipped(len(data) - 1), data[:-1], data + b"\0", data[: header_end - 3], data[:5]):
         with pytest.raises(samplefile.SampleFileCorrupt):
             samplefile.checked_digest([bad])
     # A changed header byte that still parses changes the digest.

@@ -35,16 +35,34 @@ async def _publish_events(url: str, job: str, node: str, events: list[schemas.Fi
 
 
 def _event(job: str, index: int, spool_path: str, key: str | None = None) -> schemas.FileReady:
-    return schemas.FileReady(job=job, node="testnode", batch_id="forged", sample_index=index, num_tokens=3,
-                             spool_path=spool_path, key=key or f"{job}/00000/{index}.safetensors", size=5, digest="0" * 64)
+    return schemas.FileReady(
+        job=job,
+        node="testnode",
+        batch_id="forged",
+        sample_index=index,
+        num_tokens=3,
+        spool_path=spool_path,
+        key=key or f"{job}/00000/{index}.safetensors",
+        size=5,
+        digest="0" * 64,
+    )
 
 
-def test_hostile_events_are_dead_lettered_and_nothing_outside_is_touched(hsx, hsx_service, nats_server, tiny_model,
-                                                                         job_name, tmp_path):
+def test_hostile_events_are_dead_lettered_and_nothing_outside_is_touched(
+    hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
+):
     write_dataset(tmp_path / "d.jsonl", 2, min_len=4, max_len=8, seed=1)
     out = tmp_path / "out"
-    produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "d.jsonl", dest=str(out),
-            token_budget=64, max_seq_len=16, env=None)
+    produce(
+        hsx,
+        job=job_name,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "d.jsonl",
+        dest=str(out),
+        token_budget=64,
+        max_seq_len=16,
+        env=None,
+    )
     spool = tmp_path / "spool"
     secret = tmp_path / "outside" / "secret.safetensors"
     secret.parent.mkdir()
@@ -52,9 +70,9 @@ def test_hostile_events_are_dead_lettered_and_nothing_outside_is_touched(hsx, hs
     (spool / job_name / "00000").mkdir(parents=True)
     (spool / job_name / "00000" / "900.safetensors").symlink_to(secret)
     forged = [
-        _event(job_name, 900, f"{job_name}/00000/900.safetensors"),            # symlink out of the spool
-        _event(job_name, 901, "../outside/secret.safetensors"),                 # .. traversal
-        _event(job_name, 902, str(secret)),                                     # absolute path
+        _event(job_name, 900, f"{job_name}/00000/900.safetensors"),  # symlink out of the spool
+        _event(job_name, 901, "../outside/secret.safetensors"),  # .. traversal
+        _event(job_name, 902, str(secret)),  # absolute path
         _event(job_name, 903, f"{job_name}/00000/903.safetensors", key="../../escaped.safetensors"),  # key escape
     ]
     asyncio.run(_publish_events(nats_server.url, job_name, "testnode", forged))
@@ -79,13 +97,25 @@ def test_hostile_events_are_dead_lettered_and_nothing_outside_is_touched(hsx, hs
     assert sorted(p.name for p in (out / job_name / "00000").iterdir()) == ["0.safetensors", "1.safetensors"]
 
 
-def test_spool_permissions_and_no_secret_in_anything_a_run_writes(hsx, hsx_service, s3_env, tiny_model, job_name, tmp_path):
+def test_spool_permissions_and_no_secret_in_anything_a_run_writes(
+    hsx, hsx_service, s3_env, tiny_model, job_name, tmp_path
+):
     bucket, env = s3_env
     rows = write_dataset(tmp_path / "d.jsonl", 6, min_len=4, max_len=24, seed=2)
-    produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "d.jsonl", dest=f"s3://{bucket}/p",
-            token_budget=64, max_seq_len=32, env=env)
+    produce(
+        hsx,
+        job=job_name,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "d.jsonl",
+        dest=f"s3://{bucket}/p",
+        token_budget=64,
+        max_seq_len=32,
+        env=env,
+    )
     spool = tmp_path / "spool"
-    consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), env=env, name="consumer")
+    consumer = hsx_service(
+        "consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), env=env, name="consumer"
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and len(list(spool.rglob("*.safetensors"))) < 6:
         assert consumer.poll() is None

@@ -40,8 +40,16 @@ def _stop(process) -> float:
 def test_sigterm_mid_run_then_restart_completes_exactly_once(hsx, hsx_service, tiny_model, job_name, tmp_path):
     rows = write_dataset(tmp_path / "data.jsonl", 60, min_len=20, max_len=120, seed=5)
     out = tmp_path / "out"
-    produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
-            token_budget=256, max_seq_len=128, env=None)
+    produce(
+        hsx,
+        job=job_name,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(out),
+        token_budget=256,
+        max_seq_len=128,
+        env=None,
+    )
     spool = str(tmp_path / "spool")
     consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, name="consumer")
     uploader = hsx_service("upload", "--job", job_name, "--spool", spool, name="uploader")

@@ -42,6 +42,7 @@ def _assert_same(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     relative = ((got - ref).norm() / ref.norm()).item()
     assert relative < MAX_RELATIVE_ERROR, f"{what}: relative error {relative:.2e}"
 
+
 CONVERSATIONS = [
     [
         {"role": "system", "content": "You are a concise geography tutor."},
@@ -52,7 +53,10 @@ CONVERSATIONS = [
     ],
     [
         {"role": "user", "content": "Write a haiku about rain."},
-        {"role": "assistant", "content": "Soft rain on the roof,\nstreets shine under yellow lamps,\nthe city exhales."},
+        {
+            "role": "assistant",
+            "content": "Soft rain on the roof,\nstreets shine under yellow lamps,\nthe city exhales.",
+        },
     ],
     [
         {"role": "system", "content": "Answer with a number only."},
@@ -88,9 +92,12 @@ def smollm2(tmp_path_factory) -> Path:
 def _reference(model, input_ids: list[int]) -> tuple[dict[int, torch.Tensor], tuple[torch.Tensor, ...]]:
     """(raw output of each decoder layer in LAYERS [T, H], transformers' hidden_states)."""
     raw = {}
-    handles = [model.model.layers[i].register_forward_hook(
-        lambda _m, _a, out, i=i: raw.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[0].clone()))
-        for i in LAYERS]
+    handles = [
+        model.model.layers[i].register_forward_hook(
+            lambda _m, _a, out, i=i: raw.__setitem__(i, (out[0] if isinstance(out, tuple) else out)[0].clone())
+        )
+        for i in LAYERS
+    ]
     try:
         out = model(input_ids=torch.tensor([input_ids]), output_hidden_states=True)
     finally:
@@ -106,13 +113,37 @@ def test_smollm2_chat_rows_end_to_end(smollm2, hsx, hsx_service, job_name, tmp_p
     tokenizer = AutoTokenizer.from_pretrained(smollm2, local_files_only=True)
     assert tokenizer.chat_template and "{% generation" not in tokenizer.chat_template  # the turn-by-turn path
     dataset = tmp_path / "chats.jsonl"
-    dataset.write_text("".join(json.dumps({"id": f"conv-{i}", "messages": c}) + "\n" for i, c in enumerate(CONVERSATIONS)))
+    dataset.write_text(
+        "".join(json.dumps({"id": f"conv-{i}", "messages": c}) + "\n" for i, c in enumerate(CONVERSATIONS))
+    )
     out, spool = tmp_path / "out", tmp_path / "spool"
-    check_ok(hsx("produce", "--job", job_name, "--model", str(smollm2), "--dataset", str(dataset),
-                 "--layers", ",".join(map(str, LAYERS)), "--dest", str(out), "--dtype", "float32",
-                 "--token-budget", "256", "--max-seq-len", "128", timeout=180), "hsx produce")
-    workers = [hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), name="consume"),
-               hsx_service("upload", "--job", job_name, "--spool", str(spool), name="upload")]
+    check_ok(
+        hsx(
+            "produce",
+            "--job",
+            job_name,
+            "--model",
+            str(smollm2),
+            "--dataset",
+            str(dataset),
+            "--layers",
+            ",".join(map(str, LAYERS)),
+            "--dest",
+            str(out),
+            "--dtype",
+            "float32",
+            "--token-budget",
+            "256",
+            "--max-seq-len",
+            "128",
+            timeout=180,
+        ),
+        "hsx produce",
+    )
+    workers = [
+        hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), name="consume"),
+        hsx_service("upload", "--job", job_name, "--spool", str(spool), name="upload"),
+    ]
     monitor = start_monitor(hsx_service, job_name, None)
     wait_until_done(monitor, workers, timeout=240)
     view = status(hsx, job_name, None)

@@ -20,12 +20,21 @@ from test_headers import stored
 from hsx.wire import schemas, topology
 
 
-def test_lost_and_corrupted_spool_files_are_extracted_again(hsx, hsx_service, nats_server, tiny_model, job_name,
-                                                           tmp_path):
+def test_lost_and_corrupted_spool_files_are_extracted_again(
+    hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
+):
     rows = write_dataset(tmp_path / "data.jsonl", 12, min_len=8, max_len=48, seed=21)
     out = tmp_path / "out"
-    produce(hsx, job=job_name, model=tiny_model("qwen3"), dataset=tmp_path / "data.jsonl", dest=str(out),
-            token_budget=256, max_seq_len=64, env=None)
+    produce(
+        hsx,
+        job=job_name,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(out),
+        token_budget=256,
+        max_seq_len=64,
+        env=None,
+    )
     spool = tmp_path / "spool"
     consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), name="consumer")
     wait_until_spooled(hsx, consumer, job_name, 12)

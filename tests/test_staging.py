@@ -56,7 +56,9 @@ def _samples(first_index: int, lengths: list[int], *, seed: int, poison: int | N
         ids = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
         if position == poison:
             ids[length // 2] = VOCAB + 1000
-        samples.append(schemas.Sample(index=first_index + position, source_id=f"s{first_index + position}", input_ids=ids))
+        samples.append(
+            schemas.Sample(index=first_index + position, source_id=f"s{first_index + position}", input_ids=ids)
+        )
     return samples
 
 
@@ -76,8 +78,9 @@ async def _overlap(url: str, model_path: Path, job: str, spool: Path, device: st
     js = nc.jetstream()
     await topology.ensure_topology(js)
     for batch_id, samples in ((f"{job}-n", first), (f"{job}-n1", second)):
-        descriptor = schemas.BatchDescriptor(job=job, batch_id=batch_id, padded_len=max(len(s.input_ids) for s in samples),
-                                             samples=samples)
+        descriptor = schemas.BatchDescriptor(
+            job=job, batch_id=batch_id, padded_len=max(len(s.input_ids) for s in samples), samples=samples
+        )
         await js.publish(topology.batch_subject(job), schemas.encode(descriptor), headers={"Nats-Msg-Id": batch_id})
     durable = await topology.ensure_gpu_consumer(js, job)
     sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
@@ -88,8 +91,16 @@ async def _overlap(url: str, model_path: Path, job: str, spool: Path, device: st
         [msg_n1] = await sub.fetch(1, timeout=5)  # N is held unacked: only N+1 can come back
     assert schemas.batch_decoder.decode(msg_n.data).batch_id == f"{job}-n"
 
-    cfg = ConsumerConfig(nats=NatsSettings(url=url), job=job, device=device, spool=spool, node="node-a",
-                         instance="staging-1", spool_high_water_bytes=1 << 60, retry_delay_s=0.1)
+    cfg = ConsumerConfig(
+        nats=NatsSettings(url=url),
+        job=job,
+        device=device,
+        spool=spool,
+        node="node-a",
+        instance="staging-1",
+        spool_high_water_bytes=1 << 60,
+        retry_delay_s=0.1,
+    )
     worker = BatchWorker(cfg, js, EventPublisher(nc, js, job), spec, loaded, asyncio.Event())
     release_writes = threading.Event()
     entered: list[int] = []
@@ -120,11 +131,17 @@ async def _overlap(url: str, model_path: Path, job: str, spool: Path, device: st
     worker.close()
     await sub.unsubscribe()
     await nc.drain()
-    return dict(samples=first + second, failed=[s.index for s, _ in computed_n1.failed], staging=loaded.staging,
-                leased_during_overlap=leased_during_overlap)
+    return dict(
+        samples=first + second,
+        failed=[s.index for s, _ in computed_n1.failed],
+        staging=loaded.staging,
+        leased_during_overlap=leased_during_overlap,
+    )
 
 
-def check_overlap(nats_server, tiny_model, job_name, tmp_path, monkeypatch, *, device: str, case: dict, atol: float) -> None:
+def check_overlap(
+    nats_server, tiny_model, job_name, tmp_path, monkeypatch, *, device: str, case: dict, atol: float
+) -> None:
     monkeypatch.setattr(extract, "_FAKE_OOM_ABOVE", OOM_ABOVE if case["splits"] else 0)
     model_path = tiny_model("qwen3")
     spool = tmp_path / "spool"

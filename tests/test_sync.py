@@ -44,17 +44,25 @@ def _bucket_tree(bucket: str, prefix: str) -> dict[str, bytes]:
     out = {}
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
         for obj in page.get("Contents", []):
-            out[obj["Key"][len(prefix) + 1:]] = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+            out[obj["Key"][len(prefix) + 1 :]] = s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
     return out
 
 
 def _events(text: str, name: str) -> list[dict]:
-    return [e for e in (json.loads(line) for line in text.splitlines() if line.startswith("{")) if e.get("event") == name]
+    return [
+        e for e in (json.loads(line) for line in text.splitlines() if line.startswith("{")) if e.get("event") == name
+    ]
 
 
 def _sync(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hsx.cli", "sync", *args], capture_output=True, text=True, timeout=60,
-                          cwd=REPO, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "hsx.cli", "sync", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _modify(path: Path, data: bytes) -> None:
@@ -64,8 +72,12 @@ def _modify(path: Path, data: bytes) -> None:
     os.utime(path, ns=(before + 2_000_000_000, before + 2_000_000_000))
 
 
-FIRST = {"step-100/model.safetensors": b"weights-100" * 1000, "step-100/optim.pt": b"optim-100" * 500,
-         "trainer_state.json": b'{"step": 100}', "logs/events.txt": b"loss 1.0\n"}
+FIRST = {
+    "step-100/model.safetensors": b"weights-100" * 1000,
+    "step-100/optim.pt": b"optim-100" * 500,
+    "trainer_state.json": b'{"step": 100}',
+    "logs/events.txt": b"loss 1.0\n",
+}
 
 
 def test_once_to_file_then_only_changes_even_after_a_restart(tmp_path):
@@ -83,7 +95,9 @@ def test_once_to_file_then_only_changes_even_after_a_restart(tmp_path):
     second = _sync(str(source), "--once", "--dest", out.as_uri(), "--prefix", "/run1/")
     assert second.returncode == 0, second.stderr
     assert {e["key"] for e in _events(second.stderr, "sync_file_uploaded")} == {
-        "trainer_state.json", "step-200/model.safetensors"}
+        "trainer_state.json",
+        "step-200/model.safetensors",
+    }
     [done] = _events(second.stderr, "sync_pass_done")
     assert (done["uploaded"], done["unchanged"], done["failed"]) == (2, 3, 0)
     assert _tree(out / "run1") == _tree(source)
@@ -95,10 +109,27 @@ def test_every_to_s3_reuploads_only_the_changed_file_and_stops_on_sigterm(tmp_pa
     _write(source, FIRST)
     log = tmp_path / "sync.log"
     with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "hsx.cli", "sync", str(source), "--every", "1s",
-                                    "--dest", f"s3://{bucket}/checkpoints", "--prefix", "run1"],
-                                   stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **env})
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hsx.cli",
+                "sync",
+                str(source),
+                "--every",
+                "1s",
+                "--dest",
+                f"s3://{bucket}/checkpoints",
+                "--prefix",
+                "run1",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, **env},
+        )
     try:
+
         def passes() -> list[dict]:
             return _events(log.read_text(), "sync_pass_done")
 
@@ -196,7 +227,9 @@ def test_sigterm_lets_the_file_in_hand_finish(tmp_path):
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         stopping = stop_flag_on_signals()
-        result = Syncer(SyncConfig(source=source, dest=inner.url, every_s=None), SignalledMidUpload(), stopping).run_pass()
+        result = Syncer(
+            SyncConfig(source=source, dest=inner.url, every_s=None), SignalledMidUpload(), stopping
+        ).run_pass()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -214,16 +247,23 @@ def _cli(*args: str) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["{missing}", "--once", "--dest", "{out}"], "hsx: error: PATH '{missing}': no such directory"),
-    (["{file}", "--once", "--dest", "{out}"], "hsx: error: PATH '{file}': not a directory"),
-    (["{src}", "--every", "3x", "--dest", "{out}"], "hsx: error: --every '3x': not a duration"),
-    (["{src}", "--every", "0m", "--dest", "{out}"], "hsx: error: --every '0m': must be longer than zero"),
-    (["{src}", "--dest", "{out}"], "hsx: error: one of the arguments --every --once is required"),
-    (["{src}", "--once", "--every", "1m", "--dest", "{out}"], "hsx: error: argument --every: not allowed with argument --once"),
-    (["{src}", "--once", "--dest", "{src}/copy"], "hsx: error: --dest '{src}/copy' is inside PATH"),
-    (["{src}", "--once", "--dest", "ftp://x/y"], "hsx: error: --dest 'ftp://x/y': unsupported scheme"),
-], ids=["missing", "file", "bad-every", "zero-every", "no-every", "every-and-once", "dest-inside", "bad-dest"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{missing}", "--once", "--dest", "{out}"], "hsx: error: PATH '{missing}': no such directory"),
+        (["{file}", "--once", "--dest", "{out}"], "hsx: error: PATH '{file}': not a directory"),
+        (["{src}", "--every", "3x", "--dest", "{out}"], "hsx: error: --every '3x': not a duration"),
+        (["{src}", "--every", "0m", "--dest", "{out}"], "hsx: error: --every '0m': must be longer than zero"),
+        (["{src}", "--dest", "{out}"], "hsx: error: one of the arguments --every --once is required"),
+        (
+            ["{src}", "--once", "--every", "1m", "--dest", "{out}"],
+            "hsx: error: argument --every: not allowed with argument --once",
+        ),
+        (["{src}", "--once", "--dest", "{src}/copy"], "hsx: error: --dest '{src}/copy' is inside PATH"),
+        (["{src}", "--once", "--dest", "ftp://x/y"], "hsx: error: --dest 'ftp://x/y': unsupported scheme"),
+    ],
+    ids=["missing", "file", "bad-every", "zero-every", "no-every", "every-and-once", "dest-inside", "bad-dest"],
+)
 def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
     names = {"missing": tmp_path / "nope", "file": tmp_path / "f.txt", "src": tmp_path / "src", "out": tmp_path / "out"}
     names["file"].write_text("x")
@@ -236,8 +276,10 @@ def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("text, seconds", [("90", 90), ("90s", 90), ("30m", 1800), ("2h", 7200), ("1h30m", 5400),
-                                           ("1.5h", 5400), ("1d", 86400)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("90", 90), ("90s", 90), ("30m", 1800), ("2h", 7200), ("1h30m", 5400), ("1.5h", 5400), ("1d", 86400)],
+)
 def test_durations(text, seconds):
     from hsx.commands.sync import parse_duration
 

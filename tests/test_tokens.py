@@ -42,8 +42,11 @@ def _old_fixture_rows() -> list[TokenRow]:
         n = rng.randint(1, 50)
         ids = [rng.randrange(0, 2**31 - 1) if i == 7 else rng.randrange(0, 50000) for _ in range(n)]
         mask = None if i % 4 == 1 else [rng.randint(0, 1) for _ in range(n)]
-        rows.append(TokenRow(where=f"data.jsonl:{i + 1}", source_id=f"doc-{i}" if i % 3 else str(i),
-                             input_ids=ids, loss_mask=mask))
+        rows.append(
+            TokenRow(
+                where=f"data.jsonl:{i + 1}", source_id=f"doc-{i}" if i % 3 else str(i), input_ids=ids, loss_mask=mask
+            )
+        )
     return rows
 
 
@@ -104,34 +107,58 @@ def test_the_plan_fingerprint_is_the_old_formula(form, tiny_model, tmp_path):
     rows = _rows(20000, seed=3)  # several record batches and chunks
     if form == "parquet":
         path = tmp_path / "data.parquet"
-        pq.write_table(pa.table({
-            "id": pa.array([row.get("id") for row in rows], pa.string()),
-            "input_ids": pa.array([row["input_ids"] for row in rows], pa.list_(pa.int64())),
-            "loss_mask": pa.array([row.get("loss_mask") for row in rows], pa.list_(pa.int8())),
-        }), path, row_group_size=5000)
+        pq.write_table(
+            pa.table(
+                {
+                    "id": pa.array([row.get("id") for row in rows], pa.string()),
+                    "input_ids": pa.array([row["input_ids"] for row in rows], pa.list_(pa.int64())),
+                    "loss_mask": pa.array([row.get("loss_mask") for row in rows], pa.list_(pa.int8())),
+                }
+            ),
+            path,
+            row_group_size=5000,
+        )
     else:
         path = tmp_path / "data.jsonl"
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     inputs = tokenized_rows(path, model=str(tiny_model), vocab_size=512, max_seq_len=4096, on_long="error")
-    cfg = ProducerConfig(nats=NatsSettings(url="nats://unused"), job="j", model=str(tiny_model), dataset=path,
-                         layers=(1,), dest="file:///unused", dtype="bfloat16", token_budget=4096, max_seq_len=4096)
+    cfg = ProducerConfig(
+        nats=NatsSettings(url="nats://unused"),
+        job="j",
+        model=str(tiny_model),
+        dataset=path,
+        layers=(1,),
+        dest="file:///unused",
+        dtype="bfloat16",
+        token_budget=4096,
+        max_seq_len=4096,
+    )
     assert plan_fingerprint(cfg, [1], inputs.samples) == _old_fingerprint(
-        [str(tiny_model), [1], "bfloat16", 4096, None], rows)
+        [str(tiny_model), [1], "bfloat16", 4096, None], rows
+    )
     # Spot checks that the table holds the rows themselves.
     for i in (0, 1, 4999, 5000, 19999):
         row = inputs.samples[i]
-        assert (row.input_ids, row.loss_mask, row.source_id) == (rows[i]["input_ids"], rows[i].get("loss_mask"),
-                                                                 str(rows[i].get("id", i)))
+        assert (row.input_ids, row.loss_mask, row.source_id) == (
+            rows[i]["input_ids"],
+            rows[i].get("loss_mask"),
+            str(rows[i].get("id", i)),
+        )
 
 
 def test_a_bad_row_in_a_parquet_batch_gives_the_row_by_row_error(tmp_path):
     rows = _rows(100, seed=4)
     rows[57]["loss_mask"] = [2] * len(rows[57]["input_ids"])
     path = tmp_path / "bad.parquet"
-    pq.write_table(pa.table({
-        "input_ids": pa.array([row["input_ids"] for row in rows], pa.list_(pa.int64())),
-        "loss_mask": pa.array([row.get("loss_mask") for row in rows], pa.list_(pa.int8())),
-    }), path)
+    pq.write_table(
+        pa.table(
+            {
+                "input_ids": pa.array([row["input_ids"] for row in rows], pa.list_(pa.int64())),
+                "loss_mask": pa.array([row.get("loss_mask") for row in rows], pa.list_(pa.int8())),
+            }
+        ),
+        path,
+    )
     with pytest.raises(HsxError) as raised:
         list(read_source(path))
     assert str(raised.value) == f"{path}: row 57: loss_mask must hold only 0 and 1"
@@ -144,33 +171,52 @@ def test_loss_spans_round_trip_and_old_messages_still_read():
             spans = loss_spans(mask)
             assert all(0 <= a < b <= n for a, b in spans)
             sample = schemas.Sample(index=3, source_id="s", input_ids=list(range(n)), loss_spans=spans)
-            decoded = schemas.batch_decoder.decode(schemas.encode(schemas.BatchDescriptor(
-                job="j", batch_id="b", padded_len=n, samples=[sample]))).samples[0]
+            decoded = schemas.batch_decoder.decode(
+                schemas.encode(schemas.BatchDescriptor(job="j", batch_id="b", padded_len=n, samples=[sample]))
+            ).samples[0]
             assert decoded.mask() == mask.tolist() and decoded.loss_mask is None
     reply = [0] * 300 + [1] * 200  # a prompt and its reply: one span instead of 500 ints
     assert loss_spans(np.array(reply)) == [(300, 500)]
     # A descriptor of an older producer, still in a stream: the per-token list.
     old = b'{"type":"sample.v1","index":0,"source_id":"a","input_ids":[5,6,7],"loss_mask":[0,1,1]}'
     assert msgspec.json.decode(old, type=schemas.Sample).mask() == [0, 1, 1]
-    unmasked = msgspec.json.decode(b'{"type":"sample.v1","index":0,"source_id":"a","input_ids":[5]}', type=schemas.Sample)
+    unmasked = msgspec.json.decode(
+        b'{"type":"sample.v1","index":0,"source_id":"a","input_ids":[5]}', type=schemas.Sample
+    )
     assert unmasked.mask() is None
 
 
 def test_files_from_spans_and_from_the_list_are_identical(tmp_path):
     from gpu_consumer.writer import write_sample_file
 
-    spec = schemas.JobSpec(job="j", model="m", model_revision="r", layers=[1], dtype="float32", dest="file:///x",
-                           token_budget=64, max_seq_len=64, dataset="d", plan_fingerprint="f" * 64, total_samples=1,
-                           total_tokens=9, total_batches=1, created_at=0.0)
+    spec = schemas.JobSpec(
+        job="j",
+        model="m",
+        model_revision="r",
+        layers=[1],
+        dtype="float32",
+        dest="file:///x",
+        token_budget=64,
+        max_seq_len=64,
+        dataset="d",
+        plan_fingerprint="f" * 64,
+        total_samples=1,
+        total_tokens=9,
+        total_batches=1,
+        created_at=0.0,
+    )
     mask = [0, 0, 1, 1, 1, 0, 1, 0, 1]
     hidden = torch.randn(1, 9, 8)
     files = {}
     for form, sample in {
         "list": schemas.Sample(index=0, source_id="s", input_ids=list(range(9)), loss_mask=mask),
-        "spans": schemas.Sample(index=0, source_id="s", input_ids=list(range(9)), loss_spans=loss_spans(np.array(mask))),
+        "spans": schemas.Sample(
+            index=0, source_id="s", input_ids=list(range(9)), loss_spans=loss_spans(np.array(mask))
+        ),
     }.items():
-        ready = write_sample_file(spool=tmp_path / form, spec=spec, node="n", batch_id="b", sample=sample,
-                                  hidden_states=hidden)
+        ready = write_sample_file(
+            spool=tmp_path / form, spec=spec, node="n", batch_id="b", sample=sample, hidden_states=hidden
+        )
         files[form] = (tmp_path / form / ready.spool_path).read_bytes()
     assert files["list"] == files["spans"]
     from safetensors.torch import load
@@ -186,13 +232,27 @@ def test_load_samples_reads_a_few_by_index(nats_server, tmp_path):
         try:
             js = nc.jetstream()
             from hsx.wire import topology
+
             store = await topology.ensure_datasets_store(js)
             job = f"tokens-{random.randrange(1 << 30)}"
             await store.put(tokens_object_name(job), OLD_OBJECT.read_bytes())
-            spec = schemas.JobSpec(job=job, model="m", model_revision="r", layers=[1], dtype="float32",
-                                   dest="file:///x", token_budget=64, max_seq_len=64, dataset="d",
-                                   plan_fingerprint="f" * 64, total_samples=len(expected), total_tokens=0,
-                                   total_batches=1, created_at=0.0, tokenized_object=tokens_object_name(job))
+            spec = schemas.JobSpec(
+                job=job,
+                model="m",
+                model_revision="r",
+                layers=[1],
+                dtype="float32",
+                dest="file:///x",
+                token_budget=64,
+                max_seq_len=64,
+                dataset="d",
+                plan_fingerprint="f" * 64,
+                total_samples=len(expected),
+                total_tokens=0,
+                total_batches=1,
+                created_at=0.0,
+                tokenized_object=tokens_object_name(job),
+            )
             got = await load_samples(js, job, [39, 1, 7], spec=spec)
             with pytest.raises(HsxError, match="asked for"):
                 await load_samples(js, job, [40], spec=spec)

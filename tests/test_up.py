@@ -19,7 +19,11 @@ SMALL = ["--samples", "24", "--layers", "1,3", "--token-budget", "1024", "--max-
 def _up(workdir: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(workdir), *SMALL, *extra],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
 
 
@@ -49,8 +53,11 @@ def test_up_runs_the_embedded_demo_then_resumes_without_redoing(tmp_path):
     assert "uploaded 24/24" in first.stdout
     assert "Traceback" not in first.stderr
     # The monitor's lines are on stdout (its output is its product); hsx up's own log is on stderr.
-    summaries = [json.loads(line) for line in first.stdout.splitlines()
-                 if line.startswith("{") and json.loads(line).get("event") == "job_summary"]
+    summaries = [
+        json.loads(line)
+        for line in first.stdout.splitlines()
+        if line.startswith("{") and json.loads(line).get("event") == "job_summary"
+    ]
     assert summaries and summaries[0]["samples"] == 24
 
     files = _outputs(workdir)
@@ -81,7 +88,10 @@ def test_ctrl_c_stops_everything_and_a_rerun_completes(tmp_path):
     args = ["--samples", "160", "--layers", "1,3", "--token-budget", "512", "--max-seq-len", "256"]
     process = subprocess.Popen(
         [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(workdir), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
     )
     consumer_log = workdir / "logs" / "consumer-0.log"
     deadline = time.monotonic() + 120
@@ -100,7 +110,10 @@ def test_ctrl_c_stops_everything_and_a_rerun_completes(tmp_path):
 
     rerun = subprocess.run(
         [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(workdir), *args],
-        capture_output=True, text=True, timeout=240, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
     )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     files = _outputs(workdir)

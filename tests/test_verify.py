@@ -41,13 +41,20 @@ class Services:
         self.started: list[subprocess.Popen] = []
 
     def hsx(self, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "hsx.cli", *args], env=_env(self.nats_url, env),
-                              capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        return subprocess.run(
+            [sys.executable, "-m", "hsx.cli", *args],
+            env=_env(self.nats_url, env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+        )
 
     def service(self, *args: str, env: dict | None = None, name: str = "svc") -> subprocess.Popen:
         log = open(self.log_dir / f"{name}-{len(self.started)}.log", "wb")
-        process = subprocess.Popen([sys.executable, "-m", "hsx.cli", *args], env=_env(self.nats_url, env),
-                                   stdout=log, stderr=log, cwd=REPO)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hsx.cli", *args], env=_env(self.nats_url, env), stdout=log, stderr=log, cwd=REPO
+        )
         process.log_path = Path(log.name)
         self.started.append(process)
         return process
@@ -78,8 +85,9 @@ def file_job(services, tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verify-job")
     job = f"v{uuid.uuid4().hex[:8]}"
     out = tmp / "out"
-    rows, _spool, _workers = run_pipeline(tmp, services.hsx, services.service, job=job, model=tiny_model("qwen3"),
-                                          dest=str(out), env=None, count=COUNT)
+    rows, _spool, _workers = run_pipeline(
+        tmp, services.hsx, services.service, job=job, model=tiny_model("qwen3"), dest=str(out), env=None, count=COUNT
+    )
     services.stop_all()  # the job is done; idle workers would only take CPU from the checks
     return SimpleNamespace(job=job, out=out, rows=rows, nats_url=services.nats_url)
 
@@ -202,8 +210,12 @@ def test_stray_sample_file_is_an_extra_key(file_job):
         code, report = verify_in_process(file_job.job, file_job.nats_url, "--list")
     assert from_index["ok"] and from_index["stored_from"] == "index", from_index
     assert code == 1 and report["stored_from"] == "listing", report
-    assert problems(report) == {"missing": [], "corrupt": [], "mismatching": [],
-                                "extra_keys": [sample_key(file_job.job, COUNT)]}, report
+    assert problems(report) == {
+        "missing": [],
+        "corrupt": [],
+        "mismatching": [],
+        "extra_keys": [sample_key(file_job.job, COUNT)],
+    }, report
 
 
 def test_token_ids_come_from_the_job_not_the_dataset_file(file_job, tmp_path):
@@ -222,8 +234,9 @@ def test_token_ids_come_from_the_job_not_the_dataset_file(file_job, tmp_path):
             shutil.move(moved, dataset)
     assert code == 1 and report["token_ids_checked"] is True, report
     assert "tokenized dataset" in report["token_ids"], report
-    assert [(m["sample_index"], "sample_index" in m["checks"], "input_ids" in m["checks"])
-            for m in report["mismatching"]] == [(1, True, True)], report
+    assert [
+        (m["sample_index"], "sample_index" in m["checks"], "input_ids" in m["checks"]) for m in report["mismatching"]
+    ] == [(1, True, True)], report
 
 
 def test_unknown_job_is_a_user_error(file_job):

@@ -1,7 +1,6 @@
 """`hsx upload`: connect, read the job spec (for the destination), bind to this node's durable,
 and move files until stopped."""
 
-
 import structlog
 
 from hsx.storage.destinations import open_destination
@@ -17,7 +16,9 @@ log = structlog.get_logger("hsx.uploader")
 
 async def run(cfg: UploaderConfig) -> int:
     make_private_dirs(cfg.spool)
-    async with job_session(cfg.nats, cfg.job, name=f"hsx-upload-{cfg.job}-{cfg.instance}", uploader=cfg.instance) as session:
+    async with job_session(
+        cfg.nats, cfg.job, name=f"hsx-upload-{cfg.job}-{cfg.instance}", uploader=cfg.instance
+    ) as session:
         if session is None:
             return 0
         js, spec, stopping = session.js, session.spec, session.stopping

@@ -47,11 +47,13 @@ class StoredSamples:
         table, spec = await self._load(js, index)
         # A job deleted and made again under the same name numbers other samples the same way.
         if ready.plan and ready.plan != spec.plan_tag:
-            raise SampleNotFound(f"sample {index} was written under plan {ready.plan}; the job's stored samples are "
-                                 f"plan {spec.plan_tag}")
+            raise SampleNotFound(
+                f"sample {index} was written under plan {ready.plan}; the job's stored samples are plan {spec.plan_tag}"
+            )
         if not 0 <= index < len(table) or int(table.lengths[index]) != ready.num_tokens:
-            raise SampleNotFound(f"sample {index} ({ready.num_tokens} tokens) is not in the job's stored samples "
-                                 f"({len(table)} samples)")
+            raise SampleNotFound(
+                f"sample {index} ({ready.num_tokens} tokens) is not in the job's stored samples ({len(table)} samples)"
+            )
         return await asyncio.to_thread(table.sample, index)
 
     async def _load(self, js: JetStreamContext, index: int) -> tuple[SampleTable, schemas.JobSpec]:
@@ -65,15 +67,23 @@ class StoredSamples:
                     # plan the stored object belongs to.
                     spec = await spec_of(js, self.job, None)
                     if spec.tokenized_object:
-                        log.info("stored_samples_loading", object=spec.tokenized_object, samples=spec.total_samples,
-                                 tokens=spec.total_tokens)
+                        log.info(
+                            "stored_samples_loading",
+                            object=spec.tokenized_object,
+                            samples=spec.total_samples,
+                            tokens=spec.total_tokens,
+                        )
                     table = await load_table(js, self.job, spec=spec)
                 except HsxError as exc:
                     self._unreadable = str(exc)
                     raise SampleNotFound(f"sample {index}: {exc}") from None
                 self._table, self._spec = table, spec
-                log.info("stored_samples_loaded", samples=len(table), tokens=table.total_tokens,
-                         seconds=round(time.monotonic() - started, 2))
+                log.info(
+                    "stored_samples_loaded",
+                    samples=len(table),
+                    tokens=table.total_tokens,
+                    seconds=round(time.monotonic() - started, 2),
+                )
             return self._table, self._spec
 
     def close(self) -> None:

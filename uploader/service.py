@@ -66,8 +66,9 @@ def _checked_spool_file(path: Path) -> tuple[str, os.stat_result]:
 
 
 class FileMover:
-    def __init__(self, cfg: UploaderConfig, dest: Destination, events: EventPublisher,
-                 spec: schemas.JobSpec | None = None) -> None:
+    def __init__(
+        self, cfg: UploaderConfig, dest: Destination, events: EventPublisher, spec: schemas.JobSpec | None = None
+    ) -> None:
         self.cfg = cfg
         self.dest = dest
         self.events = events
@@ -213,13 +214,22 @@ class FileMover:
             # The object is stored and verified: a NATS outage from here on is waited out rather
             # than left to the ack wait (reporting twice is harmless: progress counts samples).
             uploaded = schemas.FileUploaded(
-                job=ready.job, node=ready.node, uploader=self.cfg.instance, sample_index=ready.sample_index,
-                key=ready.key, size=ready.size, tokens=ready.num_tokens, already_present=already,
-                attempt=msg.metadata.num_delivered, plan=ready.plan, digest=ready.digest,
+                job=ready.job,
+                node=ready.node,
+                uploader=self.cfg.instance,
+                sample_index=ready.sample_index,
+                key=ready.key,
+                size=ready.size,
+                tokens=ready.num_tokens,
+                already_present=already,
+                attempt=msg.metadata.num_delivered,
+                plan=ready.plan,
+                digest=ready.digest,
             )
             # The sample's marker (stored once): what `hsx status` counts and the index is built from.
-            await through_outage(lambda: self._report_uploaded(uploaded, ready), what="report_uploaded",
-                                 stopping=stopping)
+            await through_outage(
+                lambda: self._report_uploaded(uploaded, ready), what="report_uploaded", stopping=stopping
+            )
             await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
             log.debug("file_uploaded", key=ready.key, bytes=ready.size, already_present=already)
         finally:
@@ -234,7 +244,8 @@ class FileMover:
             # redelivered after its files were announced): not a second marker, but said, so the
             # index takes this object's digest and uploads done twice can be seen.
             await self.events.emit(
-                msgspec.structs.replace(uploaded, replaces=True), batch_id=ready.batch_id,
+                msgspec.structs.replace(uploaded, replaces=True),
+                batch_id=ready.batch_id,
                 subject=topology.replaced_subject(ready.job, ready.plan or self.plan, ready.sample_index),
             )
 
@@ -291,12 +302,18 @@ class FileMover:
                 self._refused_since = time.monotonic()
             self.refused = reason
             self._accepting.clear()
-            log.error("destination_refused", dest=self.dest.url, reason=reason, key=key,
-                      probe_every_s=self.cfg.probe_every_s)
+            log.error(
+                "destination_refused", dest=self.dest.url, reason=reason, key=key, probe_every_s=self.cfg.probe_every_s
+            )
             await self._beat()
         elif probe:
-            log.warning("destination_still_refused", dest=self.dest.url, reason=reason, key=key,
-                        refused_s=round(time.monotonic() - self._refused_since, 1))
+            log.warning(
+                "destination_still_refused",
+                dest=self.dest.url,
+                reason=reason,
+                key=key,
+                refused_s=round(time.monotonic() - self._refused_since, 1),
+            )
 
     async def _destination_accepts(self) -> None:
         log.info("destination_accepts", dest=self.dest.url, refused_s=round(time.monotonic() - self._refused_since, 1))
@@ -310,12 +327,16 @@ class FileMover:
         try:
             report = await asyncio.to_thread(self.heartbeat_state)
             await self.events.heartbeat(
-                service=SERVICE, instance=self.cfg.instance, node=self.cfg.node, state=report.state,
-                detail=report.detail, spool_files=report.spool_files, spool_bytes=report.spool_bytes,
+                service=SERVICE,
+                instance=self.cfg.instance,
+                node=self.cfg.node,
+                state=report.state,
+                detail=report.detail,
+                spool_files=report.spool_files,
+                spool_bytes=report.spool_bytes,
             )
         except Exception as exc:  # the heartbeat loop says it again within its interval
             log.warning("heartbeat_failed", error=str(exc))
-
 
     async def _requeue(self, msg: Msg, ready: schemas.FileReady, reason: str, stopping: asyncio.Event) -> None:
         """Publish the sample as a one-sample batch, then ack the event: its file will be announced
@@ -325,27 +346,38 @@ class FileMover:
             sample = await self.samples.sample_for(self.events.js, ready)
         except SampleNotFound as exc:
             await self.events.dead_letter(
-                msg, what="file", error=f"{reason}; not sent back for extraction: {exc}", batch_id=ready.batch_id,
+                msg,
+                what="file",
+                error=f"{reason}; not sent back for extraction: {exc}",
+                batch_id=ready.batch_id,
                 sample_indices=[ready.sample_index],
             )
             return
         batch_id = f"{ready.job}-redo-{ready.sample_index}-{msg.metadata.sequence.stream}"
         descriptor = schemas.BatchDescriptor(
-            job=ready.job, batch_id=batch_id, padded_len=len(sample.input_ids), samples=[sample], redo_reason=reason,
+            job=ready.job,
+            batch_id=batch_id,
+            padded_len=len(sample.input_ids),
+            samples=[sample],
+            redo_reason=reason,
         )
         await through_outage(
             lambda: self.events.js.publish(
-                topology.batch_subject(ready.job), schemas.encode(descriptor),
+                topology.batch_subject(ready.job),
+                schemas.encode(descriptor),
                 headers=message_headers(ready.job, batch=batch_id, sample=ready.sample_index, msg_id=batch_id),
             ),
-            what="requeue_sample", stopping=stopping,
+            what="requeue_sample",
+            stopping=stopping,
         )
-        requeued = schemas.SampleRequeued(job=ready.job, node=ready.node, sample_index=ready.sample_index, reason=reason)
-        await through_outage(lambda: self.events.emit(requeued, batch_id=batch_id), what="report_requeued", stopping=stopping)
+        requeued = schemas.SampleRequeued(
+            job=ready.job, node=ready.node, sample_index=ready.sample_index, reason=reason
+        )
+        await through_outage(
+            lambda: self.events.emit(requeued, batch_id=batch_id), what="report_requeued", stopping=stopping
+        )
         await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
         log.warning("sample_requeued", sample=ready.sample_index, reason=reason, batch=batch_id)
-
-
 
 
 async def pull_loop(mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event) -> None:

@@ -60,8 +60,13 @@ def _payload_batch_id(letter: schemas.DeadLetter) -> str:
 
 def _describe(seq: int, letter: schemas.DeadLetter) -> dict:
     return {
-        "seq": seq, "what": letter.what, "batch_id": letter.batch_id, "samples": letter.sample_indices,
-        "deliveries": letter.deliveries, "subject": letter.original_subject, "error": letter.error,
+        "seq": seq,
+        "what": letter.what,
+        "batch_id": letter.batch_id,
+        "samples": letter.sample_indices,
+        "deliveries": letter.deliveries,
+        "subject": letter.original_subject,
+        "error": letter.error,
     }
 
 
@@ -91,16 +96,30 @@ async def retry_dead(settings: NatsSettings, job: str, seqs: list[int] | None) -
         for seq, letter in letters:
             payload = resendable(letter)
             if payload is None:
-                log.error("dead_letter_not_resendable", seq=seq, samples=letter.sample_indices,
-                          reason="the letter could not keep its payload (larger than the server's max_payload)")
+                log.error(
+                    "dead_letter_not_resendable",
+                    seq=seq,
+                    samples=letter.sample_indices,
+                    reason="the letter could not keep its payload (larger than the server's max_payload)",
+                )
                 continue
             message_id = f"{letter.batch_id or letter.what}:retry:{seq}"
             single = letter.sample_indices[0] if len(letter.sample_indices) == 1 else None
-            await js.publish(letter.original_subject, payload, headers=message_headers(
-                job, batch=_payload_batch_id(letter), sample=single, msg_id=message_id, retry_of=seq,
-            ))
+            await js.publish(
+                letter.original_subject,
+                payload,
+                headers=message_headers(
+                    job,
+                    batch=_payload_batch_id(letter),
+                    sample=single,
+                    msg_id=message_id,
+                    retry_of=seq,
+                ),
+            )
             await js.delete_msg(topology.DEAD_STREAM, seq)
-            log.info("dead_letter_retried", seq=seq, what=letter.what, batch=letter.batch_id, samples=letter.sample_indices)
+            log.info(
+                "dead_letter_retried", seq=seq, what=letter.what, batch=letter.batch_id, samples=letter.sample_indices
+            )
             retried.append(_describe(seq, letter))
         return retried
     finally:

@@ -52,10 +52,16 @@ def prepare_demo(cfg: DemoConfig) -> None:
         log.info("demo_model_not_needed", model=str(cfg.model), reason="outside the demo folder: the user's own")
     if _inside(cfg.dataset, cfg.folder):
         if not _inside(cfg.model, cfg.folder):
-            raise HsxError(f"a synthetic dataset needs the demo model; {cfg.model} is not in {cfg.folder} "
-                           "(give HSX_DATASET as well, or leave HSX_MODEL unset)")
-        write_synthetic_dataset(cfg.dataset, count=cfg.samples, vocab_size=load_model_info(str(cfg.model)).vocab_size,
-                                max_len=min(DEMO_MAX_LEN, cfg.max_len))
+            raise HsxError(
+                f"a synthetic dataset needs the demo model; {cfg.model} is not in {cfg.folder} "
+                "(give HSX_DATASET as well, or leave HSX_MODEL unset)"
+            )
+        write_synthetic_dataset(
+            cfg.dataset,
+            count=cfg.samples,
+            vocab_size=load_model_info(str(cfg.model)).vocab_size,
+            max_len=min(DEMO_MAX_LEN, cfg.max_len),
+        )
         log.info("demo_dataset_ready", path=str(cfg.dataset), samples=cfg.samples)
     else:
         log.info("demo_dataset_not_needed", dataset=str(cfg.dataset), reason="outside the demo folder: the user's own")
@@ -66,14 +72,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folder", type=Path, required=True, help="build only inside this folder")
     parser.add_argument("--model", type=Path, required=True, help="the job's model path")
     parser.add_argument("--dataset", type=Path, required=True, help="the job's dataset path")
-    parser.add_argument("--samples", type=positive_int("--samples"), default=256, help="synthetic dataset size (default 256)")
-    parser.add_argument("--max-len", type=positive_int("--max-len"), default=DEMO_MAX_LEN,
-                        help=f"the producer's --max-seq-len; samples are at most min(this, {DEMO_MAX_LEN}) tokens")
+    parser.add_argument(
+        "--samples", type=positive_int("--samples"), default=256, help="synthetic dataset size (default 256)"
+    )
+    parser.add_argument(
+        "--max-len",
+        type=positive_int("--max-len"),
+        default=DEMO_MAX_LEN,
+        help=f"the producer's --max-seq-len; samples are at most min(this, {DEMO_MAX_LEN}) tokens",
+    )
     args = parser.parse_args(argv)
     configure_logging()
     try:
-        prepare_demo(DemoConfig(folder=args.folder, model=args.model, dataset=args.dataset, samples=args.samples,
-                                max_len=args.max_len))
+        prepare_demo(
+            DemoConfig(
+                folder=args.folder, model=args.model, dataset=args.dataset, samples=args.samples, max_len=args.max_len
+            )
+        )
     except HsxError as exc:
         print(f"hsx: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -22,8 +22,16 @@ from hsx.errors import HsxError
 from hsx.storage.fsutil import atomic_write_bytes
 
 DEMO_MODEL_CONFIG = dict(
-    model_type="qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=6, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, vocab_size=2048, max_position_embeddings=4096, tie_word_embeddings=False,
+    model_type="qwen3",
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=2048,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
 )
 
 
@@ -88,8 +96,13 @@ def wait_for_ports(
 
 
 def start_nats_server(
-    store: Path, *, port: int = -1, monitoring_port: int = -1, log_file: Path | None = None,
-    extra_args: tuple[str, ...] = (), max_payload: int | None = None,
+    store: Path,
+    *,
+    port: int = -1,
+    monitoring_port: int = -1,
+    log_file: Path | None = None,
+    extra_args: tuple[str, ...] = (),
+    max_payload: int | None = None,
 ) -> NatsServer:
     """JetStream on 127.0.0.1, store in `store`, client and HTTP monitoring ports as given (free
     ones by default); returns once it accepts. `max_payload` (bytes) lowers the server's message
@@ -102,9 +115,24 @@ def start_nats_server(
         extra_args = ("-c", str(config), *extra_args)
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     process = subprocess.Popen(
-        [str(nats_server_binary()), "-js", "-a", "127.0.0.1", "-p", str(port), "-m", str(monitoring_port),
-         "-sd", str(store / "jetstream"), "--ports_file_dir", str(ports_dir), *extra_args],
-        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            str(nats_server_binary()),
+            "-js",
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-m",
+            str(monitoring_port),
+            "-sd",
+            str(store / "jetstream"),
+            "--ports_file_dir",
+            str(ports_dir),
+            *extra_args,
+        ],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     return wait_for_ports(process, ports_dir, store, log_file)
 

@@ -27,6 +27,7 @@ from hsx.wire.natsconn import NatsSettings, connect
 
 log = structlog.get_logger("hsx.jobs")
 
+
 def _created(spec: schemas.JobSpec) -> str:
     return datetime.fromtimestamp(spec.created_at, UTC).isoformat(timespec="seconds")
 
@@ -51,10 +52,15 @@ async def list_jobs(js: JetStreamContext, kv: KeyValue) -> list[dict]:
         if spec is None:  # deleted since the keys were listed
             continue
         row.update(
-            published=spec.published, total_samples=spec.total_samples, total_batches=spec.total_batches,
+            published=spec.published,
+            total_samples=spec.total_samples,
+            total_batches=spec.total_batches,
             batches_queued=await count_messages(js, topology.BATCHES_STREAM, topology.batch_subject(name)),
             files_queued=await count_messages(js, topology.FILES_STREAM, topology.files_subject_all(name)),
-            dest=spec.dest, model=spec.model, created=_created(spec), created_at=spec.created_at,
+            dest=spec.dest,
+            model=spec.model,
+            created=_created(spec),
+            created_at=spec.created_at,
         )
         jobs.append(row)
     return jobs
@@ -67,14 +73,23 @@ def format_jobs(jobs: list[dict], *, as_json: bool) -> str:
         return "no jobs"
     header = ("job", "published", "samples", "batches queued", "files queued", "created", "dest")
     rows = [
-        (job["job"], "-", "-", "-", "-", "-", job["error"]) if "error" in job else
-        (job["job"], "yes" if job["published"] else "no", str(job["total_samples"]), str(job["batches_queued"]),
-         str(job["files_queued"]), job["created"], job["dest"])
+        (job["job"], "-", "-", "-", "-", "-", job["error"])
+        if "error" in job
+        else (
+            job["job"],
+            "yes" if job["published"] else "no",
+            str(job["total_samples"]),
+            str(job["batches_queued"]),
+            str(job["files_queued"]),
+            job["created"],
+            job["dest"],
+        )
         for job in jobs
     ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1]
-                     for row in [header, *rows])
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1] for row in [header, *rows]
+    )
 
 
 async def delete_job(js: JetStreamContext, kv: KeyValue, job: str, *, force: bool) -> dict:
@@ -103,13 +118,17 @@ async def delete_job(js: JetStreamContext, kv: KeyValue, job: str, *, force: boo
             stored.append(name)
     in_kv = spec is not None or await _has_key(kv, job)
     if not (in_kv or any(messages.values()) or durables or stored):
-        raise HsxError(f"job {job} not found: nothing in KV bucket {topology.JOBS_BUCKET}, the hsx streams or "
-                       f"object store {topology.DATASETS_BUCKET} (hsx jobs list shows the jobs)")
+        raise HsxError(
+            f"job {job} not found: nothing in KV bucket {topology.JOBS_BUCKET}, the hsx streams or "
+            f"object store {topology.DATASETS_BUCKET} (hsx jobs list shows the jobs)"
+        )
     if not force:
         alive = await live_workers(js, job)
         if alive:
-            raise HsxError(f"job {job} has {len(alive)} live workers: {'; '.join(alive[:5])}"
-                           f"{' ...' if len(alive) > 5 else ''}; stop them first, or pass --force")
+            raise HsxError(
+                f"job {job} has {len(alive)} live workers: {'; '.join(alive[:5])}"
+                f"{' ...' if len(alive) > 5 else ''}; stop them first, or pass --force"
+            )
     # Durables first: a worker still bound (with --force) then gets no more of the job's messages.
     for stream, durable in durables:
         try:
@@ -127,8 +146,13 @@ async def delete_job(js: JetStreamContext, kv: KeyValue, job: str, *, force: boo
     if in_kv:
         await kv.purge(job)
     summary = {
-        "job": job, "messages": messages, "durables": [durable for _, durable in durables], "objects": stored,
-        "spec": in_kv, "dest": spec.dest if spec else None, "forced": force,
+        "job": job,
+        "messages": messages,
+        "durables": [durable for _, durable in durables],
+        "objects": stored,
+        "spec": in_kv,
+        "dest": spec.dest if spec else None,
+        "forced": force,
     }
     log.info("job_deleted", **summary)
     return summary
@@ -172,7 +196,8 @@ def run_list(settings: NatsSettings, *, as_json: bool) -> int:
 
 
 def run_delete(settings: NatsSettings, job: str, *, force: bool, as_json: bool) -> int:
-    summary = asyncio.run(_with_jetstream(
-        settings, f"hsx-jobs-delete-{job}", lambda js, kv: delete_job(js, kv, job, force=force)))
+    summary = asyncio.run(
+        _with_jetstream(settings, f"hsx-jobs-delete-{job}", lambda js, kv: delete_job(js, kv, job, force=force))
+    )
     print(format_deleted(summary, as_json=as_json))
     return 0

@@ -24,8 +24,13 @@ DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_SUMS_BUDGET_S = 0.5
 
 
-async def read_status(settings: NatsSettings, job: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                      sums_budget_s: float = DEFAULT_SUMS_BUDGET_S) -> StatusView:
+async def read_status(
+    settings: NatsSettings,
+    job: str,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    sums_budget_s: float = DEFAULT_SUMS_BUDGET_S,
+) -> StatusView:
     """Count the job's markers and read its queues, fold the markers since the checkpoint for up
     to `sums_budget_s` and save how far it got; everything within `timeout_s`."""
     nc = await connect(settings, name=f"hsx-status-{job}")
@@ -49,8 +54,12 @@ async def read_status(settings: NatsSettings, job: str, *, timeout_s: float = DE
                 try:
                     await tracker.wait_caught_up(min(sums_budget_s, left()))
                 except TimeoutError:
-                    log.info("status_sums_short", job=job, budget_s=sums_budget_s,
-                             waited_s=round(time.monotonic() - sums_started, 3))
+                    log.info(
+                        "status_sums_short",
+                        job=job,
+                        budget_s=sums_budget_s,
+                        waited_s=round(time.monotonic() - sums_started, 3),
+                    )
                 complete = tracker.sums_caught_up
                 await tracker.stop()  # the sums stay as they are now, what `sums_complete` describes
                 await asyncio.wait_for(tracker.refresh_counts(), left())
@@ -86,11 +95,15 @@ def format_status(view: StatusView, *, as_json: bool) -> str:
         f"  dest     {view.dest}",
     ]
     if view.samples_truncated or view.samples_skipped:
-        lines.append(f"  inputs   {view.samples_truncated} truncated, {view.samples_skipped} skipped "
-                     f"(longer than max_seq_len; report: object store {view.input_report})")
+        lines.append(
+            f"  inputs   {view.samples_truncated} truncated, {view.samples_skipped} skipped "
+            f"(longer than max_seq_len; report: object store {view.input_report})"
+        )
     if view.samples_outside_plan or view.events_other_plan:
-        lines.append(f"  ignored  {view.samples_outside_plan} samples outside the plan, "
-                     f"{view.events_other_plan} events of another plan under this job name")
+        lines.append(
+            f"  ignored  {view.samples_outside_plan} samples outside the plan, "
+            f"{view.events_other_plan} events of another plan under this job name"
+        )
     if view.failure_reason:
         lines.append(f"  failure  {view.failure_reason}")
     if view.dead_samples:

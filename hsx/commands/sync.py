@@ -118,6 +118,7 @@ def _stat(path: Path) -> tuple[int, int]:
 
 def _files(source: Path):
     """(key, path) of every regular file under source, in a stable order; symlinked dirs not followed."""
+
     def unreadable(exc: OSError) -> None:  # a directory we cannot list is said, not skipped silently
         log.warning("sync_directory_unreadable", path=exc.filename, error=exc.strerror)
 
@@ -155,9 +156,17 @@ class Syncer:
                 result.unchanged += 1
             else:
                 result.failed.append(key)
-        log.info("sync_pass_done", source=str(self.cfg.source), dest=self.dest.url, uploaded=len(result.uploaded),
-                 unchanged=result.unchanged, failed=len(result.failed), bytes_uploaded=result.bytes_uploaded,
-                 seconds=round(time.monotonic() - started, 2), stopped=result.stopped)
+        log.info(
+            "sync_pass_done",
+            source=str(self.cfg.source),
+            dest=self.dest.url,
+            uploaded=len(result.uploaded),
+            unchanged=result.unchanged,
+            failed=len(result.failed),
+            bytes_uploaded=result.bytes_uploaded,
+            seconds=round(time.monotonic() - started, 2),
+            stopped=result.stopped,
+        )
         return result
 
     def _sync_file(self, key: str, path: Path) -> tuple[str, int]:
@@ -200,8 +209,13 @@ class Syncer:
         self.known[key] = _Uploaded(stat[0], stat[1], sha256)
         if there:
             return "unchanged", stat[0]
-        log.info("sync_file_uploaded", key=key, bytes=stat[0], sha256=sha256[:16],
-                 seconds=round(time.monotonic() - started, 3))
+        log.info(
+            "sync_file_uploaded",
+            key=key,
+            bytes=stat[0],
+            sha256=sha256[:16],
+            seconds=round(time.monotonic() - started, 3),
+        )
         return "uploaded", stat[0]
 
 

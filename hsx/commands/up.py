@@ -66,12 +66,27 @@ class UpConfig:
     @classmethod
     def from_args(cls, args, *, nats: NatsSettings | None) -> "UpConfig":
         return cls(
-            workdir=args.workdir.resolve(), job=args.job, nats=nats, model=args.model, dataset=args.dataset,
-            layers=args.layers, dtype=args.dtype, dest=args.dest, consumers=args.consumers, uploaders=args.uploaders,
-            token_budget=args.token_budget, max_seq_len=args.max_seq_len, samples=args.samples, device=args.device,
-            devices=tuple(node_devices(args.device, args.devices)), timeout_s=args.timeout, log_level=args.log_level,
-            on_long=args.on_long, compile_layers=args.compile,
-            trust_remote_code=args.trust_remote_code, config_file=Path(args.config).resolve() if args.config else None,
+            workdir=args.workdir.resolve(),
+            job=args.job,
+            nats=nats,
+            model=args.model,
+            dataset=args.dataset,
+            layers=args.layers,
+            dtype=args.dtype,
+            dest=args.dest,
+            consumers=args.consumers,
+            uploaders=args.uploaders,
+            token_budget=args.token_budget,
+            max_seq_len=args.max_seq_len,
+            samples=args.samples,
+            device=args.device,
+            devices=tuple(node_devices(args.device, args.devices)),
+            timeout_s=args.timeout,
+            log_level=args.log_level,
+            on_long=args.on_long,
+            compile_layers=args.compile,
+            trust_remote_code=args.trust_remote_code,
+            config_file=Path(args.config).resolve() if args.config else None,
         )
 
 
@@ -127,10 +142,28 @@ def global_flags(cfg: UpConfig) -> list[str]:
 
 def produce_args(cfg: UpConfig, *, model: str, dataset: Path, dest: str) -> list[str]:
     """`hsx produce` and its flags for this job, the model, dataset and destination resolved."""
-    return ["produce", "--job", cfg.job, "--model", model, "--dataset", str(dataset), "--layers", cfg.layers,
-            "--dest", dest, "--dtype", cfg.dtype, "--token-budget", str(cfg.token_budget),
-            "--max-seq-len", str(cfg.max_seq_len), "--on-long", cfg.on_long,
-            *(["--trust-remote-code"] if cfg.trust_remote_code else [])]
+    return [
+        "produce",
+        "--job",
+        cfg.job,
+        "--model",
+        model,
+        "--dataset",
+        str(dataset),
+        "--layers",
+        cfg.layers,
+        "--dest",
+        dest,
+        "--dtype",
+        cfg.dtype,
+        "--token-budget",
+        str(cfg.token_budget),
+        "--max-seq-len",
+        str(cfg.max_seq_len),
+        "--on-long",
+        cfg.on_long,
+        *(["--trust-remote-code"] if cfg.trust_remote_code else []),
+    ]
 
 
 def consumer_args(cfg: UpConfig, *, spool: Path) -> list[tuple[str, list[str]]]:
@@ -138,9 +171,22 @@ def consumer_args(cfg: UpConfig, *, spool: Path) -> list[tuple[str, list[str]]]:
     on its own device, all on one spool (the node's uploaders read it). Each process names its
     own instance (`<node>-<pid>`), so their heartbeats are told apart."""
     per_device = [device for device in cfg.devices for _ in range(cfg.consumers)]
-    return [(f"consumer-{i}", ["consume", "--job", cfg.job, "--device", device, "--spool", str(spool),
-                               *(["--compile"] if cfg.compile_layers else [])])
-            for i, device in enumerate(per_device)]
+    return [
+        (
+            f"consumer-{i}",
+            [
+                "consume",
+                "--job",
+                cfg.job,
+                "--device",
+                device,
+                "--spool",
+                str(spool),
+                *(["--compile"] if cfg.compile_layers else []),
+            ],
+        )
+        for i, device in enumerate(per_device)
+    ]
 
 
 def stop_all(children: list[Child]) -> None:
@@ -177,18 +223,23 @@ def run_up(cfg: UpConfig) -> int:
 
             info = load_model_info(model, trust_remote_code=cfg.trust_remote_code)
             dataset = write_synthetic_dataset(
-                cfg.workdir / "dataset.jsonl", count=cfg.samples, vocab_size=info.vocab_size,
+                cfg.workdir / "dataset.jsonl",
+                count=cfg.samples,
+                vocab_size=info.vocab_size,
                 max_len=min(512, cfg.max_seq_len),
             )
         dest = cfg.dest or str(cfg.workdir / "out")
-        env = {**os.environ, **nats.as_env(), "HSX_NODE": os.environ.get("HSX_NODE", "local"),
-               "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **nats.as_env(), "HSX_NODE": os.environ.get("HSX_NODE", "local"), "PYTHONUNBUFFERED": "1"}
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.consumers)))
         common = global_flags(cfg)
 
-        producer = Child("producer", hsx_argv(*common, *produce_args(cfg, model=model, dataset=dataset, dest=dest)),
-                          env, logs / "producer.log")
+        producer = Child(
+            "producer",
+            hsx_argv(*common, *produce_args(cfg, model=model, dataset=dataset, dest=dest)),
+            env,
+            logs / "producer.log",
+        )
         producer.start()
         while producer.poll() is None:
             if interrupted:
@@ -201,16 +252,24 @@ def run_up(cfg: UpConfig) -> int:
 
         spool = cfg.workdir / "spool"
         consumers = consumer_args(cfg, spool=spool)
-        log.info("consumers_planned", devices=list(cfg.devices), per_device=cfg.consumers,
-                 consumers={name: args[args.index("--device") + 1] for name, args in consumers})
-        workers = [
-            Child(name, hsx_argv(*common, *args), env, logs / f"{name}.log") for name, args in consumers
-        ] + [
-            Child(f"uploader-{i}", hsx_argv(*common, "upload", "--job", cfg.job, "--spool", str(spool)), env,
-                   logs / f"uploader-{i}.log")
+        log.info(
+            "consumers_planned",
+            devices=list(cfg.devices),
+            per_device=cfg.consumers,
+            consumers={name: args[args.index("--device") + 1] for name, args in consumers},
+        )
+        workers = [Child(name, hsx_argv(*common, *args), env, logs / f"{name}.log") for name, args in consumers] + [
+            Child(
+                f"uploader-{i}",
+                hsx_argv(*common, "upload", "--job", cfg.job, "--spool", str(spool)),
+                env,
+                logs / f"uploader-{i}.log",
+            )
             for i in range(cfg.uploaders)
         ]
-        monitor = Child("monitor", hsx_argv(*common, "monitor", "--job", cfg.job, "--until-done", "--interval", "2"), env, None)
+        monitor = Child(
+            "monitor", hsx_argv(*common, "monitor", "--job", cfg.job, "--until-done", "--interval", "2"), env, None
+        )
         children = workers + [monitor]
         for child in children:
             child.start()
@@ -224,13 +283,17 @@ def run_up(cfg: UpConfig) -> int:
             if code is not None:
                 break
             if time.monotonic() - started > cfg.timeout_s:
-                raise HsxError(f"job {cfg.job} not done after --timeout {cfg.timeout_s:.0f} s; run hsx up again to resume")
+                raise HsxError(
+                    f"job {cfg.job} not done after --timeout {cfg.timeout_s:.0f} s; run hsx up again to resume"
+                )
             for child in workers:
                 code = child.poll()
                 if code is None:
                     continue
                 if code == 2 or child.restarts >= _MAX_RESTARTS:
-                    raise HsxError(f"{child.name} exited with code {code}: {child.last_error()} (log: {child.log_path})")
+                    raise HsxError(
+                        f"{child.name} exited with code {code}: {child.last_error()} (log: {child.log_path})"
+                    )
                 child.restarts += 1
                 log.warning("worker_restarted", worker=child.name, exit_code=code, restarts=child.restarts)
                 child.start()

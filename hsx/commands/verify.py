@@ -79,8 +79,12 @@ def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> Sequence[list[int]
         log.warning("verify_token_ids_skipped", job=spec.job, dataset=spec.dataset, reason=str(exc))
         return None
     if len(rows) != spec.total_samples:
-        log.warning("verify_token_ids_skipped", job=spec.job, dataset=spec.dataset,
-                    reason=f"it has {len(rows)} rows, the job has {spec.total_samples} samples (changed since?)")
+        log.warning(
+            "verify_token_ids_skipped",
+            job=spec.job,
+            dataset=spec.dataset,
+            reason=f"it has {len(rows)} rows, the job has {spec.total_samples} samples (changed since?)",
+        )
         return None
     return rows.token_ids
 
@@ -108,7 +112,12 @@ class _Outcome:
 
 
 def check_sample(
-    data: bytes, *, spec: schemas.JobSpec, index: int, expected_ids: list[int] | None, hidden_size: int | None,
+    data: bytes,
+    *,
+    spec: schemas.JobSpec,
+    index: int,
+    expected_ids: list[int] | None,
+    hidden_size: int | None,
     indexed_digest: str | None = None,
 ) -> _Outcome:
     """Every check on one sample file's bytes (already known to be at the sample's key); with
@@ -129,24 +138,37 @@ def check_sample(
             failed[check] = detail
 
     expect("job", metadata.get("job") == spec.job, f"metadata job is {metadata.get('job')!r}")
-    expect("sample_index", metadata.get("sample_index") == str(index),
-           f"metadata sample_index is {metadata.get('sample_index')!r}, the key is sample {index}'s")
+    expect(
+        "sample_index",
+        metadata.get("sample_index") == str(index),
+        f"metadata sample_index is {metadata.get('sample_index')!r}, the key is sample {index}'s",
+    )
     try:
         layers = json.loads(metadata.get("layers", "null"))
     except json.JSONDecodeError:
         layers = metadata.get("layers")
     expect("layers", layers == list(spec.layers), f"metadata layers {layers!r}, the job has {list(spec.layers)}")
-    expect("dtype", metadata.get("dtype") == spec.dtype, f"metadata dtype {metadata.get('dtype')!r}, the job has {spec.dtype!r}")
+    expect(
+        "dtype",
+        metadata.get("dtype") == spec.dtype,
+        f"metadata dtype {metadata.get('dtype')!r}, the job has {spec.dtype!r}",
+    )
 
     ids = tensors.get("input_ids")
     hidden = tensors.get("hidden_states")
-    expect("input_ids", ids is not None and ids.dim() == 1 and ids.dtype == torch.int64,
-           "no input_ids tensor" if ids is None else f"input_ids {ids.dtype} {tuple(ids.shape)}, expected int64 [T]")
+    expect(
+        "input_ids",
+        ids is not None and ids.dim() == 1 and ids.dtype == torch.int64,
+        "no input_ids tensor" if ids is None else f"input_ids {ids.dtype} {tuple(ids.shape)}, expected int64 [T]",
+    )
     if expected_ids is not None and "input_ids" not in failed:
         expect("input_ids", ids.tolist() == expected_ids, "input_ids differ from the dataset's row")
     tokens = len(expected_ids) if expected_ids is not None else (ids.shape[0] if "input_ids" not in failed else None)
-    expect("num_tokens", tokens is not None and metadata.get("num_tokens") == str(tokens),
-           f"metadata num_tokens {metadata.get('num_tokens')!r}, the sample has {tokens} tokens")
+    expect(
+        "num_tokens",
+        tokens is not None and metadata.get("num_tokens") == str(tokens),
+        f"metadata num_tokens {metadata.get('num_tokens')!r}, the sample has {tokens} tokens",
+    )
 
     storage = STORAGE_DTYPES.get(spec.dtype)
     found_h = None
@@ -154,26 +176,40 @@ def check_sample(
         expect("hidden_states", False, "no hidden_states tensor")
     else:
         found_h = hidden.shape[-1] if hidden.dim() == 3 else None
-        shape_ok = (hidden.dim() == 3 and hidden.shape[1] == len(spec.layers)
-                    and (tokens is None or hidden.shape[0] == tokens)
-                    and (hidden_size is None or hidden.shape[2] == hidden_size))
+        shape_ok = (
+            hidden.dim() == 3
+            and hidden.shape[1] == len(spec.layers)
+            and (tokens is None or hidden.shape[0] == tokens)
+            and (hidden_size is None or hidden.shape[2] == hidden_size)
+        )
         want = f"[{tokens if tokens is not None else 'T'}, {len(spec.layers)}, {hidden_size or 'H'}]"
         expect("hidden_states", shape_ok, f"hidden_states shape {list(hidden.shape)}, expected {want}")
         expect("hidden_states", hidden.dtype == storage, f"hidden_states dtype {hidden.dtype}, expected {storage}")
     scale = tensors.get(SCALE_TENSOR)
     if spec.dtype == FLOAT8:
-        expect(SCALE_TENSOR, scale is not None and scale.dtype == torch.float32 and hidden is not None
-               and tuple(scale.shape) == tuple(hidden.shape[:-1]),
-               f"{SCALE_TENSOR} {None if scale is None else (scale.dtype, tuple(scale.shape))}, expected float32 [T, k]")
+        expect(
+            SCALE_TENSOR,
+            scale is not None
+            and scale.dtype == torch.float32
+            and hidden is not None
+            and tuple(scale.shape) == tuple(hidden.shape[:-1]),
+            f"{SCALE_TENSOR} {None if scale is None else (scale.dtype, tuple(scale.shape))}, expected float32 [T, k]",
+        )
     else:
         expect(SCALE_TENSOR, scale is None, f"a {SCALE_TENSOR} tensor in a {spec.dtype} file")
     mask = tensors.get("loss_mask")
     if mask is not None:
-        expect("loss_mask", mask.dim() == 1 and tokens is not None and mask.shape[0] == tokens,
-               f"loss_mask shape {list(mask.shape)}, expected [{tokens}]")
+        expect(
+            "loss_mask",
+            mask.dim() == 1 and tokens is not None and mask.shape[0] == tokens,
+            f"loss_mask shape {list(mask.shape)}, expected [{tokens}]",
+        )
     # Last: when the file is another sample's, the checks above say more than its digest does.
-    expect("index", indexed_digest is None or digest == indexed_digest,
-           f"digest {digest[:12]}, the index recorded {(indexed_digest or '')[:12]} (replaced since it was stored?)")
+    expect(
+        "index",
+        indexed_digest is None or digest == indexed_digest,
+        f"digest {digest[:12]}, the index recorded {(indexed_digest or '')[:12]} (replaced since it was stored?)",
+    )
     if failed:
         return _Outcome(index, "mismatching", checks=list(failed), details=list(failed.values()), hidden_size=found_h)
     return _Outcome(index, "ok", hidden_size=found_h)
@@ -190,8 +226,9 @@ def _read_and_check(dest, spec, index, expected_ids, hidden_size, indexed_digest
         if code in ("404", "NoSuchKey", "NotFound"):
             return _Outcome(index, "missing")
         return _Outcome(index, "corrupt", reason="read", details=[f"{type(exc).__name__}: {exc}"])
-    return check_sample(data, spec=spec, index=index, expected_ids=expected_ids, hidden_size=hidden_size,
-                        indexed_digest=indexed_digest)
+    return check_sample(
+        data, spec=spec, index=index, expected_ids=expected_ids, hidden_size=hidden_size, indexed_digest=indexed_digest
+    )
 
 
 def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[list[int]] | None) -> list[dict]:
@@ -211,8 +248,15 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
         reference = extract_samples(loaded, [sample])[0].float()
         stored = dequantize(tensors).float()
         if stored.shape != reference.shape:
-            results.append({"sample_index": index, "ok": False, "max_abs_error": None, "relative_error": None,
-                            "detail": f"stored shape {list(stored.shape)}, recomputed {list(reference.shape)}"})
+            results.append(
+                {
+                    "sample_index": index,
+                    "ok": False,
+                    "max_abs_error": None,
+                    "relative_error": None,
+                    "detail": f"stored shape {list(stored.shape)}, recomputed {list(reference.shape)}",
+                }
+            )
             continue
         diff = stored - reference
         max_abs = diff.abs().max().item() if diff.numel() else 0.0
@@ -223,15 +267,27 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
         else:
             limit = RELATIVE_TOLERANCE[spec.dtype]
             ok, tolerance = relative <= limit, {"relative_error": limit}
-        results.append({"sample_index": index, "ok": bool(ok), "max_abs_error": max_abs,
-                        "relative_error": relative, "tolerance": tolerance})
+        results.append(
+            {
+                "sample_index": index,
+                "ok": bool(ok),
+                "max_abs_error": max_abs,
+                "relative_error": relative,
+                "tolerance": tolerance,
+            }
+        )
         log.info("verify_recomputed", sample_index=index, max_abs_error=max_abs, relative_error=relative, ok=ok)
     return results
 
 
 def verify(
-    spec: schemas.JobSpec, token_ids: list[list[int]] | None, *, recompute: int = 0, seed: int | None = None,
-    workers: int = 16, list_folder: bool = False,
+    spec: schemas.JobSpec,
+    token_ids: list[list[int]] | None,
+    *,
+    recompute: int = 0,
+    seed: int | None = None,
+    workers: int = 16,
+    list_folder: bool = False,
 ) -> dict[str, Any]:
     """Check the job's destination against its spec; the report (see `format_report`)."""
     started = time.monotonic()
@@ -271,9 +327,17 @@ def verify(
         pending: set = set()
         while True:
             for index in to_read:
-                pending.add(pool.submit(_read_and_check, dest, spec, index,
-                                        None if token_ids is None else token_ids[index], hidden_size,
-                                        indexed_digests[index] if indexed_digests else None))
+                pending.add(
+                    pool.submit(
+                        _read_and_check,
+                        dest,
+                        spec,
+                        index,
+                        None if token_ids is None else token_ids[index],
+                        hidden_size,
+                        indexed_digests[index] if indexed_digests else None,
+                    )
+                )
                 if len(pending) >= workers * 4:
                     break
             if not pending:
@@ -283,9 +347,14 @@ def verify(
                 outcomes.append(future.result())
                 done += 1
                 if done % PROGRESS_EVERY == 0:
-                    log.info("verify_progress", job=job, checked=done, total=total,
-                             problems=sum(o.status != "ok" for o in outcomes),
-                             seconds=round(time.monotonic() - started, 1))
+                    log.info(
+                        "verify_progress",
+                        job=job,
+                        checked=done,
+                        total=total,
+                        problems=sum(o.status != "ok" for o in outcomes),
+                        seconds=round(time.monotonic() - started, 1),
+                    )
 
     if hidden_size is None:
         # No model config here: every file must agree with the most common hidden size.
@@ -294,8 +363,11 @@ def verify(
             common = sizes.most_common(1)[0][0]
             for o in outcomes:
                 if o.status == "ok" and o.hidden_size != common:
-                    o.status, o.checks, o.details = "mismatching", ["hidden_states"], [
-                        f"hidden size {o.hidden_size}, the other files have {common}"]
+                    o.status, o.checks, o.details = (
+                        "mismatching",
+                        ["hidden_states"],
+                        [f"hidden size {o.hidden_size}, the other files have {common}"],
+                    )
     outcomes.sort(key=lambda o: o.index)
 
     readable = [o.index for o in outcomes if o.status in ("ok", "mismatching")]
@@ -304,10 +376,16 @@ def verify(
     recomputed = _recompute(spec, dest, chosen, token_ids) if chosen else []
 
     missing = [o.index for o in outcomes if o.status == "missing"]
-    corrupt = [{"sample_index": o.index, "key": sample_key(job, o.index), "reason": o.reason, "detail": "; ".join(o.details)}
-               for o in outcomes if o.status == "corrupt"]
-    mismatching = [{"sample_index": o.index, "key": sample_key(job, o.index), "checks": o.checks, "detail": "; ".join(o.details)}
-                   for o in outcomes if o.status == "mismatching"]
+    corrupt = [
+        {"sample_index": o.index, "key": sample_key(job, o.index), "reason": o.reason, "detail": "; ".join(o.details)}
+        for o in outcomes
+        if o.status == "corrupt"
+    ]
+    mismatching = [
+        {"sample_index": o.index, "key": sample_key(job, o.index), "checks": o.checks, "detail": "; ".join(o.details)}
+        for o in outcomes
+        if o.status == "mismatching"
+    ]
     ok = not missing and not corrupt and not mismatching and not extra and all(r["ok"] for r in recomputed)
     report = {
         "job": job,
@@ -325,12 +403,26 @@ def verify(
         "token_ids": token_note,
         "token_ids_checked": token_ids is not None,
         "hidden_size": hidden_size,
-        "recompute": {"requested": recompute, "seed": seed if recompute else None, "indices": chosen, "results": recomputed},
+        "recompute": {
+            "requested": recompute,
+            "seed": seed if recompute else None,
+            "indices": chosen,
+            "results": recomputed,
+        },
         "seconds": round(time.monotonic() - started, 2),
         "ok": ok,
     }
-    log.info("verify_done", job=job, ok=ok, checked=len(outcomes), missing=len(missing), corrupt=len(corrupt),
-             mismatching=len(mismatching), extra_keys=len(extra), seconds=report["seconds"])
+    log.info(
+        "verify_done",
+        job=job,
+        ok=ok,
+        checked=len(outcomes),
+        missing=len(missing),
+        corrupt=len(corrupt),
+        mismatching=len(mismatching),
+        extra_keys=len(extra),
+        seconds=report["seconds"],
+    )
     return report
 
 
@@ -355,14 +447,21 @@ def format_report(report: dict[str, Any], *, as_json: bool) -> str:
     if report.get("stored_from") == "index":
         lines.append(f"  extra keys not looked for: what is stored came from {INDEX_KEY} (--list lists the folder)")
     else:
-        lines.append(f"  extra keys {len(report['extra_keys'])}" + (f": {_some(report['extra_keys'])}" if report["extra_keys"] else ""))
+        lines.append(
+            f"  extra keys {len(report['extra_keys'])}"
+            + (f": {_some(report['extra_keys'])}" if report["extra_keys"] else "")
+        )
     rec = report["recompute"]
     if rec["requested"]:
-        lines.append(f"  recomputed {len(rec['results'])} of {rec['requested']} requested (seed {rec['seed']}): {rec['indices']}")
+        lines.append(
+            f"  recomputed {len(rec['results'])} of {rec['requested']} requested (seed {rec['seed']}): {rec['indices']}"
+        )
         for r in rec["results"]:
             if r["max_abs_error"] is None:
                 lines.append(f"    sample {r['sample_index']}: FAIL ({r['detail']})")
             else:
-                lines.append(f"    sample {r['sample_index']}: {'ok' if r['ok'] else 'FAIL'} max abs error {r['max_abs_error']:.3g}, "
-                             f"relative error {r['relative_error']:.3g} (limit {r['tolerance']})")
+                lines.append(
+                    f"    sample {r['sample_index']}: {'ok' if r['ok'] else 'FAIL'} max abs error {r['max_abs_error']:.3g}, "
+                    f"relative error {r['relative_error']:.3g} (limit {r['tolerance']})"
+                )
     return "\n".join(lines)

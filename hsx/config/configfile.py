@@ -22,9 +22,17 @@ from hsx.errors import HsxError
 # Flags that define the job (what the producer records in the job spec), by argparse dest, and
 # their key in [job]. Every command that has one of these flags reads it from [job].
 _JOB_KEYS = {
-    "job": "name", "model": "model", "dataset": "dataset", "layers": "layers", "dtype": "dtype", "dest": "dest",
-    "token_budget": "token_budget", "max_seq_len": "max_seq_len", "max_batch_size": "max_batch_size",
-    "on_long": "on_long", "trust_remote_code": "trust_remote_code",
+    "job": "name",
+    "model": "model",
+    "dataset": "dataset",
+    "layers": "layers",
+    "dtype": "dtype",
+    "dest": "dest",
+    "token_budget": "token_budget",
+    "max_seq_len": "max_seq_len",
+    "max_batch_size": "max_batch_size",
+    "on_long": "on_long",
+    "trust_remote_code": "trust_remote_code",
 }
 
 
@@ -76,8 +84,9 @@ def read_toml(path: Path, *, given_by: str) -> dict:
         raise HsxError(f"{path}: not valid TOML: {exc}") from None
 
 
-def check_names(data: dict, path: Path, known: dict[Place, str],
-                command_line_only: dict[Place, str]) -> dict[Place, tuple[str, object]]:
+def check_names(
+    data: dict, path: Path, known: dict[Place, str], command_line_only: dict[Place, str]
+) -> dict[Place, tuple[str, object]]:
     """Every value of the file by place, as (the key as written, value), after checking that each
     table and key is one of `known` ({place: its flag, e.g. "--nats-user"}); `command_line_only`
     are flags a file may not set, named in the error. Values are not checked here. A key spelled
@@ -97,8 +106,15 @@ def check_names(data: dict, path: Path, known: dict[Place, str],
     return found
 
 
-def _add(found: dict, place: Place, written: str, value: object, path: Path, known: dict[Place, str],
-         command_line_only: dict[Place, str]) -> None:
+def _add(
+    found: dict,
+    place: Place,
+    written: str,
+    value: object,
+    path: Path,
+    known: dict[Place, str],
+    command_line_only: dict[Place, str],
+) -> None:
     where = f"{path} [{place.table}] {written}" if place.table else f"{path} {written}"
     if place not in known and place in command_line_only:
         raise HsxError(f"{where}: {command_line_only[place]} is given on the command line only, not in a file")

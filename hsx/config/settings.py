@@ -91,8 +91,9 @@ class Resolution:
     settings: tuple[Setting, ...]
 
 
-def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str],
-            *, require: bool = True) -> Resolution:
+def resolve(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str], *, require: bool = True
+) -> Resolution:
     """Sets every flag of the chosen command on `args` (given, or from the environment, the file,
     the default) and `args.config` to the file read, if any, and says where each came from. With
     `require`, a required flag that no layer sets is an error as argparse would give it."""
@@ -119,8 +120,16 @@ def resolve(parser: argparse.ArgumentParser, args: argparse.Namespace, environ: 
         setattr(args, action.dest, value)
         if getattr(action, "hsx_required", False) and value is None:
             missing.append(_flag(action))
-        settings.append(Setting(name=place.dotted, flag=_flag(action), env=variable, value=value, source=source,
-                                redact=getattr(action, "hsx_redact", None)))
+        settings.append(
+            Setting(
+                name=place.dotted,
+                flag=_flag(action),
+                env=variable,
+                value=value,
+                source=source,
+                redact=getattr(action, "hsx_redact", None),
+            )
+        )
     if missing and require:
         path[-1][1].error(f"the following arguments are required: {', '.join(missing)}")
     for group in getattr(path[-1][1], "hsx_one_required", []) if require else []:
@@ -133,13 +142,18 @@ def describe(resolution: Resolution, environment: Mapping[str, str | None], *, a
     """`hsx config show`: every setting, its (redacted) value and its source; `environment` is
     what other libraries read themselves (AWS_*), already redacted by the caller."""
     if as_json:
-        return json.dumps({
-            "command": resolution.command,
-            "config_file": str(resolution.config_file) if resolution.config_file else None,
-            "settings": {s.name: {"value": s.shown, "source": s.source, "flag": s.flag, "env": s.env}
-                         for s in resolution.settings},
-            "environment": dict(environment),
-        }, indent=2)
+        return json.dumps(
+            {
+                "command": resolution.command,
+                "config_file": str(resolution.config_file) if resolution.config_file else None,
+                "settings": {
+                    s.name: {"value": s.shown, "source": s.source, "flag": s.flag, "env": s.env}
+                    for s in resolution.settings
+                },
+                "environment": dict(environment),
+            },
+            indent=2,
+        )
     file = f"config file {resolution.config_file}" if resolution.config_file else "no config file"
     lines = [f"hsx {resolution.command} ({file}); precedence: flag > env > file > default"]
     width = max(len(s.name) for s in resolution.settings) + 2
@@ -175,8 +189,11 @@ def _text(value: object) -> str:
 
 
 def _flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [a for a in parser._actions
-            if a.option_strings and not isinstance(a, (argparse._HelpAction, argparse._VersionAction))]
+    return [
+        a
+        for a in parser._actions
+        if a.option_strings and not isinstance(a, (argparse._HelpAction, argparse._VersionAction))
+    ]
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
@@ -207,8 +224,9 @@ def _tables_of_a_job(parser: argparse.ArgumentParser) -> set[str]:
     return {table for table, sub in _all_parsers(parser, "") if table and any(a.dest == "job" for a in _flags(sub))}
 
 
-def _chosen_path(parser: argparse.ArgumentParser,
-                 args: argparse.Namespace) -> tuple[list[str], list[tuple[str, argparse.ArgumentParser]]]:
+def _chosen_path(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[str], list[tuple[str, argparse.ArgumentParser]]]:
     """The chosen subcommand names (["dead", "list"]) and [(table, parser)] from the top parser
     down to the chosen subcommand."""
     names, path, current = [], [("", parser)], parser
@@ -237,8 +255,9 @@ def _in_file(action: argparse.Action) -> bool:
 # -- the config file -----------------------------------------------------------------------------
 
 
-def _config_file(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                 environ: Mapping[str, str]) -> tuple[Path | None, str]:
+def _config_file(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, environ: Mapping[str, str]
+) -> tuple[Path | None, str]:
     if getattr(args, _CONFIG_DEST, None):
         return Path(getattr(args, _CONFIG_DEST)), "--config"
     variable = getattr(_action(parser, _CONFIG_DEST), "hsx_env", None)
@@ -267,8 +286,12 @@ def _read_file(parser: argparse.ArgumentParser, path: Path, given_by: str) -> di
     """Every value of the file with where it is written, for the error messages. The whole file is
     checked, not only the chosen command's tables: a typo in [upload] fails `hsx consume` too."""
     layout, command_line_only = file_layout(parser)
-    written = configfile.check_names(configfile.read_toml(path, given_by=given_by), path,
-                                     {place: _flag(action) for place, action in layout.items()}, command_line_only)
+    written = configfile.check_names(
+        configfile.read_toml(path, given_by=given_by),
+        path,
+        {place: _flag(action) for place, action in layout.items()},
+        command_line_only,
+    )
     values = {}
     for place, (key, raw) in written.items():
         where = f"{path} [{place.table}] {key}" if place.table else f"{path} {key}"

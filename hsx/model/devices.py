@@ -39,25 +39,27 @@ def _indices(devices: str) -> list[int]:
     for item in devices.split(","):
         item = item.strip()
         if not item.isdigit():
-            raise HsxError(f"--devices {devices!r}: expected GPU indices separated by commas, e.g. 0,2 "
-                           f"(got {item!r})")
+            raise HsxError(f"--devices {devices!r}: expected GPU indices separated by commas, e.g. 0,2 (got {item!r})")
         if int(item) in indices:
             raise HsxError(f"--devices {devices}: GPU {int(item)} is given twice")
         indices.append(int(item))
     return indices
 
 
-def plan_devices(device: str, devices: str | None, *, visible: int,
-                 cuda_visible_devices: str | None = None) -> list[str]:
+def plan_devices(
+    device: str, devices: str | None, *, visible: int, cuda_visible_devices: str | None = None
+) -> list[str]:
     """The torch device of each consumer of this node, from `--device` and `--devices` and the
     number of GPUs visible (`cuda_visible_devices` only words the errors)."""
     device = device.strip()
     seen = visible_text(visible, cuda_visible_devices)
     if devices is not None:
         if device != "cuda":
-            also = (f"--device {device} alone, or " if _CUDA_N.fullmatch(device) else "")
-            raise HsxError(f"--devices {devices} chooses GPUs but --device is {device}: give {also}"
-                           f"--device cuda --devices {devices}")
+            also = f"--device {device} alone, or " if _CUDA_N.fullmatch(device) else ""
+            raise HsxError(
+                f"--devices {devices} chooses GPUs but --device is {device}: give {also}"
+                f"--device cuda --devices {devices}"
+            )
         indices = _indices(devices)
         if visible <= 0:
             raise HsxError(f"--devices {devices}: {seen}")
@@ -89,13 +91,14 @@ def cuda_device_count() -> int:
 def node_devices(device: str, devices: str | None) -> list[str]:
     """`plan_devices` with the GPUs torch sees; torch is imported only when a GPU is asked for."""
     visible = cuda_device_count() if device.strip().startswith("cuda") else 0
-    return plan_devices(device, devices, visible=visible,
-                        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return plan_devices(device, devices, visible=visible, cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
 def check_consumer_device(device: str) -> str:
     """`hsx consume`'s one device: `cuda` alone is refused with where to go instead."""
     if device.strip() == "cuda":
-        raise HsxError("--device cuda: hsx consume runs on one GPU; use --device cuda:0 (one consumer per GPU: "
-                       "cuda:0, cuda:1, ...), or hsx up --device cuda for a consumer on every GPU of this node")
+        raise HsxError(
+            "--device cuda: hsx consume runs on one GPU; use --device cuda:0 (one consumer per GPU: "
+            "cuda:0, cuda:1, ...), or hsx up --device cuda for a consumer on every GPU of this node"
+        )
     return device

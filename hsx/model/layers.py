@@ -49,6 +49,8 @@ def resolve_layers(layers: list[LayerSelector], num_layers: int, *, model: str) 
     for original, selector in zip(layers, resolved):
         if selector in seen:
             what = "the final state" if selector == FINAL else f"layer {original}"
-            raise HsxError(f"--layers: {what} is selected twice" + (f" (as layer {selector})" if original != selector else ""))
+            raise HsxError(
+                f"--layers: {what} is selected twice" + (f" (as layer {selector})" if original != selector else "")
+            )
         seen.add(selector)
     return resolved

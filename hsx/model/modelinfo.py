@@ -34,7 +34,9 @@ def load_model_info(model: str, *, trust_remote_code: bool = False) -> ModelInfo
         raise HsxError(f"model {model}: cannot read its config ({str(exc).splitlines()[0]})") from None
     except OSError as exc:
         if Path(model).is_dir():
-            raise HsxError(f"model {model}: the folder has no usable config.json ({str(exc).splitlines()[0]})") from None
+            raise HsxError(
+                f"model {model}: the folder has no usable config.json ({str(exc).splitlines()[0]})"
+            ) from None
         # transformers' own text here talks about connecting to the hub, which never happens.
         raise HsxError(
             f"model {model}: not a local folder and not in the local Hugging Face cache (nothing is downloaded; "

@@ -103,10 +103,24 @@ _FILE_REFUSALS_ANYWHERE = {errno.EROFS, errno.ENOSPC, errno.EDQUOT}  # os.write 
 # S3 error codes no retry fixes: the bucket, the credentials, the clock or the permissions must
 # change first.
 _S3_REFUSALS = {
-    "NoSuchBucket", "AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidAccessKeyId",
-    "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired", "InvalidBucketName",
-    "NotSignedUp", "AuthorizationHeaderMalformed", "InvalidSecurity", "RequestTimeTooSkewed", "RequestExpired",
-    "PermanentRedirect", "InvalidPayer", "UnauthorizedAccess",
+    "NoSuchBucket",
+    "AccessDenied",
+    "AllAccessDisabled",
+    "AccountProblem",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "InvalidBucketName",
+    "NotSignedUp",
+    "AuthorizationHeaderMalformed",
+    "InvalidSecurity",
+    "RequestTimeTooSkewed",
+    "RequestExpired",
+    "PermanentRedirect",
+    "InvalidPayer",
+    "UnauthorizedAccess",
 }
 _S3_REFUSAL_STATUS = {401, 403}  # a response without a body to name its error (HEAD) says only this
 _S3_HINTS = {
@@ -221,7 +235,7 @@ class FileDestination:
 
     def put_file_verified(self, local: Path, key: str, *, size: int, sha256: str) -> None:
         copied = hashlib.sha256()  # the bytes copied, hashed in the same pass: a file that changed
-        count = 0                  # since the caller hashed it is caught here, not stored silently
+        count = 0  # since the caller hashed it is caught here, not stored silently
 
         def observe(chunk: memoryview) -> None:
             nonlocal count
@@ -266,7 +280,9 @@ class FileDestination:
         if not isinstance(exc, OSError) or exc.errno not in _FILE_REFUSALS:
             return None
         named = [Path(name) for name in (exc.filename, exc.filename2) if name]
-        if any(path.is_relative_to(self.root) for path in named) or (not named and exc.errno in _FILE_REFUSALS_ANYWHERE):
+        if any(path.is_relative_to(self.root) for path in named) or (
+            not named and exc.errno in _FILE_REFUSALS_ANYWHERE
+        ):
             where = f" ({named[0]})" if named else ""
             return _one_line(f"{self.url}: {exc.strerror or os.strerror(exc.errno)}{where}")
         return None
@@ -301,8 +317,10 @@ class S3Destination:
         self.reconnect()
         # One file is one transfer; concurrency comes from the uploader running many at once.
         self.transfer = TransferConfig(
-            multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK,
-            max_concurrency=4, use_threads=True,
+            multipart_threshold=MULTIPART_THRESHOLD,
+            multipart_chunksize=MULTIPART_CHUNK,
+            max_concurrency=4,
+            use_threads=True,
         )
 
     def reconnect(self) -> None:
@@ -365,24 +383,39 @@ class S3Destination:
         if size < MULTIPART_THRESHOLD:
             with open(local, "rb") as body:
                 self.client.put_object(
-                    Bucket=self.bucket, Key=full_key, Body=body, Metadata=metadata, ChecksumAlgorithm="CRC32",
+                    Bucket=self.bucket,
+                    Key=full_key,
+                    Body=body,
+                    Metadata=metadata,
+                    ChecksumAlgorithm="CRC32",
                 )
         else:
             self.client.upload_file(
-                str(local), self.bucket, full_key,
-                ExtraArgs={"Metadata": metadata, "ChecksumAlgorithm": "CRC32"}, Config=self.transfer,
+                str(local),
+                self.bucket,
+                full_key,
+                ExtraArgs={"Metadata": metadata, "ChecksumAlgorithm": "CRC32"},
+                Config=self.transfer,
             )
         if not self.has_verified(key, size=size, digest=digest):
             raise VerificationError(f"s3://{self.bucket}/{full_key}: stored object does not match the local file")
 
     def has_verified(self, key: str, *, size: int, digest: str) -> bool:
         head = self._head(key)
-        return head is not None and head["ContentLength"] == size and head.get("Metadata", {}).get(DIGEST_METADATA) == digest
+        return (
+            head is not None
+            and head["ContentLength"] == size
+            and head.get("Metadata", {}).get(DIGEST_METADATA) == digest
+        )
 
     def put_bytes_verified(self, data: bytes, key: str) -> None:
         sha256 = hashlib.sha256(data).hexdigest()
         self.client.put_object(
-            Bucket=self.bucket, Key=self._key(key), Body=data, Metadata={SHA256_METADATA: sha256}, ChecksumAlgorithm="CRC32",
+            Bucket=self.bucket,
+            Key=self._key(key),
+            Body=data,
+            Metadata={SHA256_METADATA: sha256},
+            ChecksumAlgorithm="CRC32",
         )
         if not self.has_sha256(key, size=len(data), sha256=sha256):
             raise VerificationError(f"s3://{self.bucket}/{self._key(key)}: stored object does not match the bytes sent")
@@ -393,21 +426,30 @@ class S3Destination:
             # refused instead of stored under a sha256 it does not have.
             data = local.read_bytes()
             if (len(data), hashlib.sha256(data).hexdigest()) != (size, sha256):
-                raise VerificationError(f"{local}: changed since it was hashed ({len(data)} bytes now, {size} expected)")
+                raise VerificationError(
+                    f"{local}: changed since it was hashed ({len(data)} bytes now, {size} expected)"
+                )
             self.put_bytes_verified(data, key)
             return
         # Multipart parts are read by the transfer's threads; a file that changes meanwhile is the
         # caller's to notice (hsx sync compares size and mtime before hashing and after the upload).
         self.client.upload_file(
-            str(local), self.bucket, self._key(key),
-            ExtraArgs={"Metadata": {SHA256_METADATA: sha256}, "ChecksumAlgorithm": "CRC32"}, Config=self.transfer,
+            str(local),
+            self.bucket,
+            self._key(key),
+            ExtraArgs={"Metadata": {SHA256_METADATA: sha256}, "ChecksumAlgorithm": "CRC32"},
+            Config=self.transfer,
         )
         if not self.has_sha256(key, size=size, sha256=sha256):
             raise VerificationError(f"s3://{self.bucket}/{self._key(key)}: stored object does not match {local}")
 
     def has_sha256(self, key: str, *, size: int, sha256: str) -> bool:
         head = self._head(key)
-        return head is not None and head["ContentLength"] == size and head.get("Metadata", {}).get(SHA256_METADATA) == sha256
+        return (
+            head is not None
+            and head["ContentLength"] == size
+            and head.get("Metadata", {}).get(SHA256_METADATA) == sha256
+        )
 
     def _head(self, key: str) -> dict | None:
         from botocore.exceptions import ClientError
@@ -453,7 +495,7 @@ class S3Destination:
         prefix = f"{self.prefix}/" if self.prefix else ""
         for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
             for obj in page.get("Contents", []):
-                yield obj["Key"][len(prefix):]
+                yield obj["Key"][len(prefix) :]
 
 
 def parse_dest(url: str) -> str:

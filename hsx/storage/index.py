@@ -62,13 +62,15 @@ DIGEST_BYTES = 32
 # A sample file's header is a few hundred bytes; one ranged GET of this much almost always holds it.
 HEADER_PROBE_BYTES = 64 << 10
 
-SCHEMA = pa.schema([
-    ("sample_index", pa.int64()),
-    ("key", pa.string()),
-    ("size", pa.int64()),
-    ("tokens", pa.int64()),
-    ("digest", pa.binary(DIGEST_BYTES)),
-])
+SCHEMA = pa.schema(
+    [
+        ("sample_index", pa.int64()),
+        ("key", pa.string()),
+        ("size", pa.int64()),
+        ("tokens", pa.int64()),
+        ("digest", pa.binary(DIGEST_BYTES)),
+    ]
+)
 
 
 class NotAnIndex(HsxError):
@@ -91,19 +93,31 @@ class StoredIndex:
     def complete(self) -> bool:
         """Every sample of the plan is in it, once each (rows are written in sample-index order)."""
         return self.table.num_rows == self.total_samples and bool(
-            np.array_equal(self.sample_indices, np.arange(self.total_samples)))
+            np.array_equal(self.sample_indices, np.arange(self.total_samples))
+        )
 
     def summary(self) -> dict:
-        return {"job": self.job, "plan": self.plan, "source": self.source, "samples": self.table.num_rows,
-                "total_samples": self.total_samples, "complete": self.complete,
-                "bytes": int(self.table.column("size").to_numpy().sum()),
-                "tokens": int(self.table.column("tokens").to_numpy().sum())}
+        return {
+            "job": self.job,
+            "plan": self.plan,
+            "source": self.source,
+            "samples": self.table.num_rows,
+            "total_samples": self.total_samples,
+            "complete": self.complete,
+            "bytes": int(self.table.column("size").to_numpy().sum()),
+            "tokens": int(self.table.column("tokens").to_numpy().sum()),
+        }
 
     def to_bytes(self) -> bytes:
         # No timestamp: the same rows give the same bytes, so two monitors writing one job's index
         # at once put identical objects and each one's verified put holds.
-        metadata = {"format": INDEX_FORMAT, "job": self.job, "plan": self.plan, "total_samples": self.total_samples,
-                    "source": self.source}
+        metadata = {
+            "format": INDEX_FORMAT,
+            "job": self.job,
+            "plan": self.plan,
+            "total_samples": self.total_samples,
+            "source": self.source,
+        }
         table = self.table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata).encode()})
         sink = pa.BufferOutputStream()
         # zstd: the index, keys and sizes shrink several times; the digests do not, and stay the bulk.
@@ -120,25 +134,43 @@ class StoredIndex:
                 raise ValueError(f"format {metadata.get('format')!r}, expected {INDEX_FORMAT!r}")
             if not table.schema.remove_metadata().equals(SCHEMA):
                 raise ValueError(f"columns {table.schema.names}, expected {SCHEMA.names}")
-            return cls(job=metadata["job"], plan=metadata["plan"], total_samples=int(metadata["total_samples"]),
-                       source=metadata["source"], table=table.replace_schema_metadata(None))
+            return cls(
+                job=metadata["job"],
+                plan=metadata["plan"],
+                total_samples=int(metadata["total_samples"]),
+                source=metadata["source"],
+                table=table.replace_schema_metadata(None),
+            )
         except (pa.ArrowException, KeyError, TypeError, ValueError) as exc:
             raise NotAnIndex(f"not an hsx index ({type(exc).__name__}: {exc})") from None
 
 
-def make_index(*, job: str, plan: str, total_samples: int, source: str, sample_index: Sequence[int] | np.ndarray,
-               size: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
-               digest: Sequence[str | None]) -> StoredIndex:
+def make_index(
+    *,
+    job: str,
+    plan: str,
+    total_samples: int,
+    source: str,
+    sample_index: Sequence[int] | np.ndarray,
+    size: Sequence[int] | np.ndarray,
+    tokens: Sequence[int] | np.ndarray,
+    digest: Sequence[str | None],
+) -> StoredIndex:
     """An index from parallel columns (any order; digests as hex, None or "" when unknown)."""
     order = np.argsort(np.asarray(sample_index, dtype=np.int64), kind="stable")
     indices = np.asarray(sample_index, dtype=np.int64)[order]
-    table = pa.table({
-        "sample_index": pa.array(indices, pa.int64()),
-        "key": pa.array([sample_key(job, int(i)) for i in indices], pa.string()),
-        "size": pa.array(np.asarray(size, dtype=np.int64)[order], pa.int64()),
-        "tokens": pa.array(np.asarray(tokens, dtype=np.int64)[order], pa.int64()),
-        "digest": pa.array([bytes.fromhex(digest[i]) if digest[i] else None for i in order], pa.binary(DIGEST_BYTES)),
-    }, schema=SCHEMA)
+    table = pa.table(
+        {
+            "sample_index": pa.array(indices, pa.int64()),
+            "key": pa.array([sample_key(job, int(i)) for i in indices], pa.string()),
+            "size": pa.array(np.asarray(size, dtype=np.int64)[order], pa.int64()),
+            "tokens": pa.array(np.asarray(tokens, dtype=np.int64)[order], pa.int64()),
+            "digest": pa.array(
+                [bytes.fromhex(digest[i]) if digest[i] else None for i in order], pa.binary(DIGEST_BYTES)
+            ),
+        },
+        schema=SCHEMA,
+    )
     return StoredIndex(job=job, plan=plan, total_samples=total_samples, source=source, table=table)
 
 
@@ -180,8 +212,10 @@ def read_index(folder: Destination, job: str, *, spec: schemas.JobSpec | None = 
     if index.job != job:
         return None, f"{INDEX_KEY} is job {index.job}'s"
     if spec is not None and (index.plan, index.total_samples) != (spec.plan_tag, spec.total_samples):
-        return None, (f"{INDEX_KEY} is of plan {index.plan} ({index.total_samples} samples), the job's is "
-                      f"{spec.plan_tag} ({spec.total_samples} samples)")
+        return None, (
+            f"{INDEX_KEY} is of plan {index.plan} ({index.total_samples} samples), the job's is "
+            f"{spec.plan_tag} ({spec.total_samples} samples)"
+        )
     if not index.complete:
         return None, f"{INDEX_KEY} holds {index.table.num_rows} of the job's {index.total_samples} samples"
     return index, ""
@@ -226,8 +260,9 @@ async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600
             if msg.metadata.num_pending == 0 or msg.metadata.sequence.stream >= newest:
                 caught_up.set()
 
-        sub = await js.subscribe(subject, stream=topology.EVENTS_STREAM, cb=on_msg, ordered_consumer=True,
-                                 deliver_policy=DeliverPolicy.ALL)
+        sub = await js.subscribe(
+            subject, stream=topology.EVENTS_STREAM, cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+        )
         try:
             await asyncio.wait_for(caught_up.wait(), timeout_s)
         except TimeoutError:
@@ -235,8 +270,16 @@ async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600
         finally:
             await sub.unsubscribe()
     stored = np.nonzero(size >= 0)[0]
-    return make_index(job=job, plan=spec.plan_tag, total_samples=total, source="events", sample_index=stored,
-                      size=size[stored], tokens=tokens[stored], digest=[digests[i] for i in stored])
+    return make_index(
+        job=job,
+        plan=spec.plan_tag,
+        total_samples=total,
+        source="events",
+        sample_index=stored,
+        size=size[stored],
+        tokens=tokens[stored],
+        digest=[digests[i] for i in stored],
+    )
 
 
 def _header_entry(folder: Destination, key: str) -> tuple[int, int, str]:
@@ -251,12 +294,17 @@ def _header_entry(folder: Destination, key: str) -> tuple[int, int, str]:
     return size, int(metadata["num_tokens"]), hashlib.sha256(head[:end]).hexdigest()
 
 
-def index_from_destination(folder: Destination, spec: schemas.JobSpec, *, workers: int = 32) -> tuple[StoredIndex, list[str]]:
+def index_from_destination(
+    folder: Destination, spec: schemas.JobSpec, *, workers: int = 32
+) -> tuple[StoredIndex, list[str]]:
     """The index made by listing the job folder and reading each sample file's header; also the
     keys whose header does not read (left out: hsx verify names what is wrong with them)."""
 
-    found = sorted((i, key) for key in folder.keys()
-                   if (i := sample_index_of(spec.job, key)) is not None and i < spec.total_samples)
+    found = sorted(
+        (i, key)
+        for key in folder.keys()
+        if (i := sample_index_of(spec.job, key)) is not None and i < spec.total_samples
+    )
     entries, unreadable = [], []
 
     def read(item: tuple[int, str]):
@@ -273,8 +321,16 @@ def index_from_destination(folder: Destination, spec: schemas.JobSpec, *, worker
             else:
                 entries.append((i, *entry))
     columns = list(zip(*entries)) if entries else [[], [], [], []]
-    index = make_index(job=spec.job, plan=spec.plan_tag, total_samples=spec.total_samples, source="destination",
-                       sample_index=columns[0], size=columns[1], tokens=columns[2], digest=columns[3])
+    index = make_index(
+        job=spec.job,
+        plan=spec.plan_tag,
+        total_samples=spec.total_samples,
+        source="destination",
+        sample_index=columns[0],
+        size=columns[1],
+        tokens=columns[2],
+        digest=columns[3],
+    )
     return index, unreadable
 
 
@@ -296,9 +352,17 @@ async def build_job_index(js, spec: schemas.JobSpec) -> StoredIndex:
     started = time.monotonic()
     index = await index_from_events(js, spec)
     with _destination_errors(f"writing the index to {spec.dest}/{spec.job}/{INDEX_KEY}"):
-        written = await asyncio.to_thread(lambda: write_index(open_job_folder(spec.dest, spec.job, max_connections=4), index))
-    log.info("index_written", **index.summary(), key=f"{spec.job}/{INDEX_KEY}", dest=spec.dest, index_bytes=written,
-             seconds=round(time.monotonic() - started, 2))
+        written = await asyncio.to_thread(
+            lambda: write_index(open_job_folder(spec.dest, spec.job, max_connections=4), index)
+        )
+    log.info(
+        "index_written",
+        **index.summary(),
+        key=f"{spec.job}/{INDEX_KEY}",
+        dest=spec.dest,
+        index_bytes=written,
+        seconds=round(time.monotonic() - started, 2),
+    )
     return index
 
 
@@ -316,8 +380,15 @@ def rebuild_job_index(url: str, *, workers: int = 32) -> StoredIndex:
             raise HsxError(f"{folder_url}: its bundle is job {spec.job}'s, not {job}'s")
         index, unreadable = index_from_destination(folder, spec, workers=workers)
         written = write_index(folder, index)
-    log.info("index_written", **index.summary(), key=f"{job}/{INDEX_KEY}", dest=folder_url, index_bytes=written,
-             unreadable=len(unreadable), seconds=round(time.monotonic() - started, 2))
+    log.info(
+        "index_written",
+        **index.summary(),
+        key=f"{job}/{INDEX_KEY}",
+        dest=folder_url,
+        index_bytes=written,
+        unreadable=len(unreadable),
+        seconds=round(time.monotonic() - started, 2),
+    )
     return index
 
 
@@ -341,5 +412,7 @@ def format_summary(index: StoredIndex, *, as_json: bool) -> str:
     if as_json:
         return json.dumps(summary, sort_keys=True)
     state = "complete" if summary["complete"] else "INCOMPLETE (readers will list the folder instead)"
-    return (f"job {summary['job']}: index of {summary['samples']}/{summary['total_samples']} samples from "
-            f"{summary['source']}, {state}; {summary['bytes']} bytes, {summary['tokens']} tokens stored")
+    return (
+        f"job {summary['job']}: index of {summary['samples']}/{summary['total_samples']} samples from "
+        f"{summary['source']}, {state}; {summary['bytes']} bytes, {summary['tokens']} tokens stored"
+    )

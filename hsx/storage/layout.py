@@ -23,6 +23,7 @@ LAYER_CONVENTION = "decoder_layer_output"
 
 FLOAT8 = "float8_e4m3"
 
+
 def sample_key(job: str, sample_index: int) -> str:
     return f"{job}/{sample_index // SHARD_SIZE:05d}/{sample_index}.safetensors"
 

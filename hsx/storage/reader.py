@@ -32,6 +32,7 @@ from hsx.storage.tensors import SCALE_TENSOR, dequantize_float8
 
 log = structlog.get_logger("hsx.data")
 
+
 def read_metadata(data: bytes) -> dict[str, str]:
     """The `__metadata__` of a safetensors file's header."""
     if len(data) < 8:
@@ -99,7 +100,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         else:
             log.info("dataset_listing", url=self.url, reason=why_not)
             self.sample_indices = sorted(
-                i for i in (sample_index_of(self.job, key) for key in folder.keys()) if i is not None)
+                i for i in (sample_index_of(self.job, key) for key in folder.keys()) if i is not None
+            )
         if not self.sample_indices:
             raise HsxError(f"{self.url}: no sample files of job {self.job} there")
         self._dest: Destination | None = None

@@ -37,9 +37,18 @@ _MAX_HEADER = 100 << 20  # safetensors refuses larger headers too
 
 # By torch's dtype name, so that checking a file (the uploader) needs no torch.
 _SAFETENSORS_DTYPES = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
-    "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "int32": "I32",
+    "int64": "I64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
 }
 
 
@@ -79,8 +88,11 @@ def write(
         if dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} has no safetensors name")
         data = _flat_bytes(tensor)
-        entries[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(tensor.shape),
-                         "data_offsets": [offset, offset + data.nbytes]}
+        entries[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + data.nbytes],
+        }
         buffers.append(data)
         offset += data.nbytes
     if CHECKSUM_KEY in metadata:
@@ -153,7 +165,9 @@ class DigestCheck:
             self._expected_checksum = metadata[CHECKSUM_KEY]
             self._data_len = max((entry["data_offsets"][1] for entry in parsed.values()), default=0)
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-            raise SampleFileCorrupt(f"the header does not parse as a sample file's ({type(exc).__name__}: {exc})") from None
+            raise SampleFileCorrupt(
+                f"the header does not parse as a sample file's ({type(exc).__name__}: {exc})"
+            ) from None
         self._digest = hashlib.sha256(header).hexdigest()
 
     def result(self) -> str:
@@ -161,7 +175,9 @@ class DigestCheck:
         if self._in_header:
             raise SampleFileCorrupt(f"the file ends inside its header ({len(self._head)} bytes)")
         if self._data_seen != self._data_len:
-            raise SampleFileCorrupt(f"the data section has {self._data_seen} bytes, the header describes {self._data_len}")
+            raise SampleFileCorrupt(
+                f"the data section has {self._data_seen} bytes, the header describes {self._data_len}"
+            )
         actual = _CHECKSUM_PREFIX + self._data_hash.hexdigest()
         if actual != self._expected_checksum:
             raise SampleFileCorrupt(f"the header's checksum is {self._expected_checksum}, the data hashes to {actual}")

@@ -44,14 +44,30 @@ def _fits(payload: bytes, max_payload: int) -> bool:
 
 
 def build_letters(
-    *, job: str, what: str, error: str, subject: str, payload: bytes, deliveries: int, max_payload: int,
-    source_seq: int = 0, part: str = "", batch_id: str = "", sample_indices: list[int] | None = None,
+    *,
+    job: str,
+    what: str,
+    error: str,
+    subject: str,
+    payload: bytes,
+    deliveries: int,
+    max_payload: int,
+    source_seq: int = 0,
+    part: str = "",
+    batch_id: str = "",
+    sample_indices: list[int] | None = None,
 ) -> list[LetterToStore]:
     """The letters that store `payload` (as it arrived on `subject`) with its error, each within
     max_payload. `part` tells apart letters made from one message (e.g. ":poison")."""
     envelope = schemas.DeadLetter(
-        job=job, what=what, error=error[: schemas.DEAD_LETTER_ERROR_CHARS], deliveries=deliveries,
-        original_subject=subject, batch_id=batch_id, sample_indices=list(sample_indices or []), source_seq=source_seq,
+        job=job,
+        what=what,
+        error=error[: schemas.DEAD_LETTER_ERROR_CHARS],
+        deliveries=deliveries,
+        original_subject=subject,
+        batch_id=batch_id,
+        sample_indices=list(sample_indices or []),
+        source_seq=source_seq,
     )
     decoder = schemas.batch_decoder if what == "batch" else schemas.file_decoder
     try:
@@ -61,15 +77,21 @@ def build_letters(
     if isinstance(decoded, schemas.BatchDescriptor):
         return _batch_letters(envelope, decoded, max_payload, part)
     letter = msgspec.structs.replace(
-        envelope, file=decoded, batch_id=envelope.batch_id or decoded.batch_id,
+        envelope,
+        file=decoded,
+        batch_id=envelope.batch_id or decoded.batch_id,
         sample_indices=envelope.sample_indices or [decoded.sample_index],
     )
     return [_fitted(letter, max_payload, _msg_id(what, source_seq, part))]
 
 
-def _batch_letters(envelope: schemas.DeadLetter, batch: schemas.BatchDescriptor, max_payload: int, part: str) -> list[LetterToStore]:
+def _batch_letters(
+    envelope: schemas.DeadLetter, batch: schemas.BatchDescriptor, max_payload: int, part: str
+) -> list[LetterToStore]:
     letter = msgspec.structs.replace(
-        envelope, batch=batch, batch_id=envelope.batch_id or batch.batch_id,
+        envelope,
+        batch=batch,
+        batch_id=envelope.batch_id or batch.batch_id,
         sample_indices=[sample.index for sample in batch.samples],
     )
     encoded = schemas.encode(letter)
@@ -82,10 +104,14 @@ def _batch_letters(envelope: schemas.DeadLetter, batch: schemas.BatchDescriptor,
     letters = []
     for name, samples in (("a", batch.samples[:half]), ("b", batch.samples[half:])):
         piece = msgspec.structs.replace(
-            batch, batch_id=f"{batch.batch_id}{name}", samples=samples,
+            batch,
+            batch_id=f"{batch.batch_id}{name}",
+            samples=samples,
             padded_len=max(len(sample.input_ids) for sample in samples),
         )
-        letters += _batch_letters(msgspec.structs.replace(envelope, batch_id=letter.batch_id), piece, max_payload, f"{part}:{name}")
+        letters += _batch_letters(
+            msgspec.structs.replace(envelope, batch_id=letter.batch_id), piece, max_payload, f"{part}:{name}"
+        )
     return letters
 
 

@@ -40,17 +40,22 @@ class EventPublisher:
         event knows its sample, not the batch that wrote it)."""
         subject = subject or topology.event_subject(self.job, schemas.EVENT_KINDS[type(event)])
         headers = message_headers(
-            self.job, batch=batch_id or getattr(event, "batch_id", ""), sample=getattr(event, "sample_index", None),
+            self.job,
+            batch=batch_id or getattr(event, "batch_id", ""),
+            sample=getattr(event, "sample_index", None),
         )
         await self.js.publish(subject, schemas.encode(event), headers=headers)
 
-    async def mark(self, event: schemas.BatchWritten | schemas.FileUploaded, *, subject: str, batch_id: str = "") -> bool:
+    async def mark(
+        self, event: schemas.BatchWritten | schemas.FileUploaded, *, subject: str, batch_id: str = ""
+    ) -> bool:
         """Publish a progress marker (topology.written_subject / uploaded_subject) unless its
         subject already holds one; True if this call stored it. A repeat (a redelivered batch, a
         re-upload, a retry after a lost ack) is refused by the server and changes nothing."""
         headers = {
-            **message_headers(self.job, batch=batch_id or getattr(event, "batch_id", ""),
-                              sample=getattr(event, "sample_index", None)),
+            **message_headers(
+                self.job, batch=batch_id or getattr(event, "batch_id", ""), sample=getattr(event, "sample_index", None)
+            ),
             **topology.ONCE_HEADERS,
         }
         try:
@@ -62,32 +67,67 @@ class EventPublisher:
         return True
 
     async def heartbeat(
-        self, *, service: str, instance: str, node: str, state: str, detail: str = "", last_batch: str = "",
-        spool_files: int = -1, spool_bytes: int = -1, stalled_s: float = 0.0,
+        self,
+        *,
+        service: str,
+        instance: str,
+        node: str,
+        state: str,
+        detail: str = "",
+        last_batch: str = "",
+        spool_files: int = -1,
+        spool_bytes: int = -1,
+        stalled_s: float = 0.0,
     ) -> None:
         beat = schemas.Heartbeat(
-            job=self.job, service=service, instance=instance, node=node, state=state, detail=detail,
-            last_batch=last_batch, spool_files=spool_files, spool_bytes=spool_bytes, sent_at=time.time(),
+            job=self.job,
+            service=service,
+            instance=instance,
+            node=node,
+            state=state,
+            detail=detail,
+            last_batch=last_batch,
+            spool_files=spool_files,
+            spool_bytes=spool_bytes,
+            sent_at=time.time(),
             stalled_s=stalled_s,
         )
         if self.nc.is_connected:
             # Rollup: the stream keeps only this instance's last beat (HSX_EVENTS has no age limit,
             # and a long job sends millions of beats); the monitor reads only the last one anyway.
             await self.nc.publish(
-                topology.heartbeat_subject(self.job, instance), schemas.encode(beat),
+                topology.heartbeat_subject(self.job, instance),
+                schemas.encode(beat),
                 headers={**message_headers(self.job), **HEARTBEAT_ROLLUP},
             )
 
     async def store_dead_letter(
-        self, *, what: str, error: str, subject: str, payload: bytes, deliveries: int, batch_id: str = "",
-        sample_indices: list[int] | None = None, source_seq: int = 0, part: str = "",
+        self,
+        *,
+        what: str,
+        error: str,
+        subject: str,
+        payload: bytes,
+        deliveries: int,
+        batch_id: str = "",
+        sample_indices: list[int] | None = None,
+        source_seq: int = 0,
+        part: str = "",
     ) -> None:
         """Store a payload that cannot be processed, with its error, in HSX_DEAD (as one letter, or
         several when one would not fit: hsx/wire/deadletter.py). Waits out a NATS outage: a letter that
         is not stored must not let its message leave the work queue."""
         letters = build_letters(
-            job=self.job, what=what, error=error, subject=subject, payload=payload, deliveries=deliveries,
-            max_payload=self.nc.max_payload, source_seq=source_seq, part=part, batch_id=batch_id,
+            job=self.job,
+            what=what,
+            error=error,
+            subject=subject,
+            payload=payload,
+            deliveries=deliveries,
+            max_payload=self.nc.max_payload,
+            source_seq=source_seq,
+            part=part,
+            batch_id=batch_id,
             sample_indices=sample_indices,
         )
         if deadletter.before_store is not None:
@@ -102,16 +142,29 @@ class EventPublisher:
                 ),
                 what="store_dead_letter",
             )
-            log.error("dead_lettered", what=what, batch=letter.batch_id, samples=letter.sample_indices[:20],
-                      deliveries=deliveries, error=letter.error, payload_kept=not letter.original_truncated)
+            log.error(
+                "dead_lettered",
+                what=what,
+                batch=letter.batch_id,
+                samples=letter.sample_indices[:20],
+                deliveries=deliveries,
+                error=letter.error,
+                payload_kept=not letter.original_truncated,
+            )
 
     async def dead_letter(
         self, msg: Msg, *, what: str, error: str, batch_id: str = "", sample_indices: list[int] | None = None
     ) -> None:
         """Store the message with its error in HSX_DEAD, then remove it from its work queue."""
         await self.store_dead_letter(
-            what=what, error=error, subject=msg.subject, payload=msg.data, deliveries=msg.metadata.num_delivered,
-            batch_id=batch_id, sample_indices=sample_indices, source_seq=msg.metadata.sequence.stream,
+            what=what,
+            error=error,
+            subject=msg.subject,
+            payload=msg.data,
+            deliveries=msg.metadata.num_delivered,
+            batch_id=batch_id,
+            sample_indices=sample_indices,
+            source_seq=msg.metadata.sequence.stream,
         )
         await through_outage(msg.term, what="remove_dead_lettered")
 
@@ -129,7 +182,13 @@ class WorkerState:
 
 
 async def heartbeat_loop(
-    events: EventPublisher, *, service: str, instance: str, node: str, interval_s: float, stopping: asyncio.Event,
+    events: EventPublisher,
+    *,
+    service: str,
+    instance: str,
+    node: str,
+    interval_s: float,
+    stopping: asyncio.Event,
     state: Callable[[], WorkerState],
 ) -> None:
     """Send `state()` as a heartbeat every `interval_s` until stopping. `state()` runs on a thread:
@@ -138,8 +197,14 @@ async def heartbeat_loop(
         try:
             report = await asyncio.to_thread(state)
             await events.heartbeat(
-                service=service, instance=instance, node=node, state=report.state, detail=report.detail,
-                last_batch=report.last_batch, spool_files=report.spool_files, spool_bytes=report.spool_bytes,
+                service=service,
+                instance=instance,
+                node=node,
+                state=report.state,
+                detail=report.detail,
+                last_batch=report.last_batch,
+                spool_files=report.spool_files,
+                spool_bytes=report.spool_bytes,
                 stalled_s=report.stalled_s,
             )
         except Exception as exc:
@@ -151,15 +216,25 @@ async def heartbeat_loop(
 
 
 async def goodbye_heartbeat(
-    events: EventPublisher, *, service: str, instance: str, node: str, state: Callable[[], WorkerState],
+    events: EventPublisher,
+    *,
+    service: str,
+    instance: str,
+    node: str,
+    state: Callable[[], WorkerState],
 ) -> None:
     """The last heartbeat of a worker that stops cleanly: `stopping` tells the monitor it is gone,
     not silent; the spool is measured once more, so the node's backlog stays right after it left."""
     try:
         last = await asyncio.to_thread(state)
         await events.heartbeat(
-            service=service, instance=instance, node=node, state="stopping", last_batch=last.last_batch,
-            spool_files=last.spool_files, spool_bytes=last.spool_bytes,
+            service=service,
+            instance=instance,
+            node=node,
+            state="stopping",
+            last_batch=last.last_batch,
+            spool_files=last.spool_files,
+            spool_bytes=last.spool_bytes,
         )
     except Exception as exc:  # stopping must go on; the monitor then calls the worker silent
         log.warning("heartbeat_failed", error=str(exc))

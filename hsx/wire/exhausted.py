@@ -53,8 +53,12 @@ async def dead_letter_exhausted(js: JetStreamContext, events: EventPublisher, *,
     if raw.subject != topology.batch_subject(events.job):
         return False
     await events.store_dead_letter(
-        what="batch", error=_error(deliveries), subject=raw.subject, payload=raw.data or b"",
-        deliveries=deliveries, source_seq=seq,
+        what="batch",
+        error=_error(deliveries),
+        subject=raw.subject,
+        payload=raw.data or b"",
+        deliveries=deliveries,
+        source_seq=seq,
     )
     try:
         await js.delete_msg(topology.BATCHES_STREAM, seq)

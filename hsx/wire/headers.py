@@ -23,9 +23,19 @@ MSG_ID = "Nats-Msg-Id"
 
 
 def message_headers(
-    job: str, *, batch: str = "", sample: int | None = None, msg_id: str = "", retry_of: int | None = None,
+    job: str,
+    *,
+    batch: str = "",
+    sample: int | None = None,
+    msg_id: str = "",
+    retry_of: int | None = None,
 ) -> dict[str, str]:
     """The headers of one message; empty values are left out, never sent blank."""
-    values = {JOB: job, BATCH: batch, SAMPLE: "" if sample is None else str(sample), MSG_ID: msg_id,
-              RETRY_OF: "" if retry_of is None else str(retry_of)}
+    values = {
+        JOB: job,
+        BATCH: batch,
+        SAMPLE: "" if sample is None else str(sample),
+        MSG_ID: msg_id,
+        RETRY_OF: "" if retry_of is None else str(retry_of),
+    }
     return {name: value for name, value in values.items() if value}

@@ -40,7 +40,9 @@ async def require_job_spec(kv: KeyValue, job: str) -> schemas.JobSpec:
     return spec
 
 
-async def wait_for_job_spec(kv: KeyValue, job: str, stopping: asyncio.Event, *, poll_s: float = 2.0) -> schemas.JobSpec | None:
+async def wait_for_job_spec(
+    kv: KeyValue, job: str, stopping: asyncio.Event, *, poll_s: float = 2.0
+) -> schemas.JobSpec | None:
     """The job's spec once the producer has recorded it; None if asked to stop first."""
     announced = False
     while not stopping.is_set():
@@ -72,10 +74,11 @@ async def count_messages(js: JetStreamContext, stream: str, subject: str) -> int
 async def job_durables(js: JetStreamContext, job: str) -> list[tuple[str, str]]:
     """(stream, durable) of every durable of the job that exists."""
     found = []
-    for stream, durable in ((topology.BATCHES_STREAM, topology.gpu_durable(job)),
-                            (topology.ADVISORIES_STREAM, topology.exhausted_durable(job)),
-                            *((topology.EVENTS_STREAM, topology.progress_durable(job, counter))
-                              for counter in topology.PROGRESS_COUNTERS)):
+    for stream, durable in (
+        (topology.BATCHES_STREAM, topology.gpu_durable(job)),
+        (topology.ADVISORIES_STREAM, topology.exhausted_durable(job)),
+        *((topology.EVENTS_STREAM, topology.progress_durable(job, counter)) for counter in topology.PROGRESS_COUNTERS),
+    ):
         try:
             await js.consumer_info(stream, durable)
             found.append((stream, durable))
@@ -86,8 +89,11 @@ async def job_durables(js: JetStreamContext, job: str) -> list[tuple[str, str]]:
     offset = 0
     while True:
         page = await js.consumers_info(topology.FILES_STREAM, offset=offset)
-        found += [(topology.FILES_STREAM, info.name) for info in page
-                  if (info.config.filter_subject or "").split(".")[2:3] == [job]]
+        found += [
+            (topology.FILES_STREAM, info.name)
+            for info in page
+            if (info.config.filter_subject or "").split(".")[2:3] == [job]
+        ]
         offset += len(page)
         if len(page) < 256:  # the server's page size
             return found
@@ -110,8 +116,10 @@ async def live_workers(js: JetStreamContext, job: str, *, now: float | None = No
         except (nats.js.errors.NotFoundError, msgspec.DecodeError):
             continue
         if isinstance(beat, schemas.Heartbeat) and beat.state != "stopping" and now - beat.sent_at < LIVE_HEARTBEAT_S:
-            alive.append(f"{beat.instance} ({beat.service} on {beat.node}, last heartbeat "
-                         f"{max(0.0, now - beat.sent_at):.0f} s ago)")
+            alive.append(
+                f"{beat.instance} ({beat.service} on {beat.node}, last heartbeat "
+                f"{max(0.0, now - beat.sent_at):.0f} s ago)"
+            )
     for stream, durable in await job_durables(js, job):
         try:
             waiting = (await js.consumer_info(stream, durable)).num_waiting or 0

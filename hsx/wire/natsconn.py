@@ -48,9 +48,14 @@ class NatsSettings:
     def as_env(self) -> dict[str, str]:
         """The settings as the HSX_NATS_* variables the CLI reads, for child processes."""
         values = {
-            "HSX_NATS_URL": self.url, "HSX_NATS_USER": self.user, "HSX_NATS_PASSWORD": self.password,
-            "HSX_NATS_TOKEN": self.token, "HSX_NATS_CREDS": self.creds_file, "HSX_NATS_TLS_CA": self.tls_ca,
-            "HSX_NATS_TLS_CERT": self.tls_cert, "HSX_NATS_TLS_KEY": self.tls_key,
+            "HSX_NATS_URL": self.url,
+            "HSX_NATS_USER": self.user,
+            "HSX_NATS_PASSWORD": self.password,
+            "HSX_NATS_TOKEN": self.token,
+            "HSX_NATS_CREDS": self.creds_file,
+            "HSX_NATS_TLS_CA": self.tls_ca,
+            "HSX_NATS_TLS_CERT": self.tls_cert,
+            "HSX_NATS_TLS_KEY": self.tls_key,
         }
         return {name: value for name, value in values.items() if value is not None}
 
@@ -141,8 +146,12 @@ async def connect(settings: NatsSettings, *, name: str) -> NATS:
 
 
 async def through_outage(
-    operation: Callable[[], Awaitable], *, what: str, stopping: asyncio.Event | None = None,
-    give_up_after_s: float = OUTAGE_RETRY_S, retry_s: float = 1.0,
+    operation: Callable[[], Awaitable],
+    *,
+    what: str,
+    stopping: asyncio.Event | None = None,
+    give_up_after_s: float = OUTAGE_RETRY_S,
+    retry_s: float = 1.0,
 ):
     """Await `operation()` (an idempotent publish or ack) until it succeeds, riding out a NATS
     outage: a disconnect, a server restart, JetStream not answering yet. Without this, one

@@ -73,7 +73,10 @@ async def count_stored(js: JetStreamContext, stream: str, subject_filter: str) -
     (a producer re-run, tests); a reading counts through the durables (`read_counts`), since a
     cluster pays every consumer created as a meta-layer proposal."""
     config = ConsumerConfig(
-        filter_subject=subject_filter, ack_policy=AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0,
+        filter_subject=subject_filter,
+        ack_policy=AckPolicy.NONE,
+        mem_storage=True,
+        inactive_threshold=30.0,
         deliver_policy=DeliverPolicy.ALL,
     )
     info = await js.add_consumer(stream, config)
@@ -101,7 +104,9 @@ async def read_counts(js: JetStreamContext, job: str, plan: str) -> ProgressCoun
 
     found = dict(zip(topology.PROGRESS_COUNTERS, await asyncio.gather(*map(count, topology.PROGRESS_COUNTERS))))
     return ProgressCounts(
-        samples_uploaded=found["uploaded"], batches_done=found["written"], samples_outside_plan=found["uploaded-extra"],
+        samples_uploaded=found["uploaded"],
+        batches_done=found["written"],
+        samples_outside_plan=found["uploaded-extra"],
         events_other_plan=(found["uploaded-any"] - found["uploaded"]) + (found["written-any"] - found["written"]),
         samples_requeued=found["requeued"],
     )
@@ -140,20 +145,33 @@ class ProgressFold:
     @classmethod
     def from_checkpoint(cls, checkpoint: schemas.ProgressCheckpoint) -> "ProgressFold":
         return cls(
-            job=checkpoint.job, plan=checkpoint.plan, written_seq=checkpoint.written_seq,
-            samples_written=checkpoint.samples_written, tokens_written=checkpoint.tokens_written,
-            bytes_written=checkpoint.bytes_written, batch_redeliveries=checkpoint.batch_redeliveries,
-            uploaded_seq=checkpoint.uploaded_seq, tokens_uploaded=checkpoint.tokens_uploaded,
-            bytes_uploaded=checkpoint.bytes_uploaded, file_redeliveries=checkpoint.file_redeliveries,
+            job=checkpoint.job,
+            plan=checkpoint.plan,
+            written_seq=checkpoint.written_seq,
+            samples_written=checkpoint.samples_written,
+            tokens_written=checkpoint.tokens_written,
+            bytes_written=checkpoint.bytes_written,
+            batch_redeliveries=checkpoint.batch_redeliveries,
+            uploaded_seq=checkpoint.uploaded_seq,
+            tokens_uploaded=checkpoint.tokens_uploaded,
+            bytes_uploaded=checkpoint.bytes_uploaded,
+            file_redeliveries=checkpoint.file_redeliveries,
         )
 
     def checkpoint(self) -> schemas.ProgressCheckpoint:
         return schemas.ProgressCheckpoint(
-            job=self.job, plan=self.plan, written_seq=self.written_seq, samples_written=self.samples_written,
-            tokens_written=self.tokens_written, bytes_written=self.bytes_written,
-            batch_redeliveries=self.batch_redeliveries, uploaded_seq=self.uploaded_seq,
-            tokens_uploaded=self.tokens_uploaded, bytes_uploaded=self.bytes_uploaded,
-            file_redeliveries=self.file_redeliveries, saved_at=time.time(),
+            job=self.job,
+            plan=self.plan,
+            written_seq=self.written_seq,
+            samples_written=self.samples_written,
+            tokens_written=self.tokens_written,
+            bytes_written=self.bytes_written,
+            batch_redeliveries=self.batch_redeliveries,
+            uploaded_seq=self.uploaded_seq,
+            tokens_uploaded=self.tokens_uploaded,
+            bytes_uploaded=self.bytes_uploaded,
+            file_redeliveries=self.file_redeliveries,
+            saved_at=time.time(),
         )
 
     def apply_marker(self, event: schemas.Event, *, seq: int, planned: bool) -> None:
@@ -190,8 +208,9 @@ class _Replay:
     """An ordered consumer over one subject filter from a stream sequence on, handing each
     message to `apply(msg)`; `caught_up` is set once it has read what was there when it started."""
 
-    def __init__(self, js: JetStreamContext, stream: str, subject: str, apply, deliver: DeliverPolicy,
-                 after_seq: int = 0) -> None:
+    def __init__(
+        self, js: JetStreamContext, stream: str, subject: str, apply, deliver: DeliverPolicy, after_seq: int = 0
+    ) -> None:
         self.js, self.stream, self.subject, self.apply, self.deliver = js, stream, subject, apply, deliver
         self.after_seq = after_seq
         self.until_seq = 0  # the newest message there was at the start: caught up once it is read
@@ -206,7 +225,11 @@ class _Replay:
         if self.until_seq <= self.after_seq:
             self.caught_up.set()
         self.sub = await self.js.subscribe(
-            self.subject, stream=self.stream, cb=self._on_msg, ordered_consumer=True, deliver_policy=deliver,
+            self.subject,
+            stream=self.stream,
+            cb=self._on_msg,
+            ordered_consumer=True,
+            deliver_policy=deliver,
             config=config,
         )
 
@@ -246,8 +269,12 @@ def _merged(mine: schemas.ProgressCheckpoint, theirs: schemas.ProgressCheckpoint
     written = mine if mine.written_seq >= theirs.written_seq else theirs
     uploaded = mine if mine.uploaded_seq >= theirs.uploaded_seq else theirs
     return msgspec.structs.replace(
-        written, uploaded_seq=uploaded.uploaded_seq, tokens_uploaded=uploaded.tokens_uploaded,
-        bytes_uploaded=uploaded.bytes_uploaded, file_redeliveries=uploaded.file_redeliveries, saved_at=time.time(),
+        written,
+        uploaded_seq=uploaded.uploaded_seq,
+        tokens_uploaded=uploaded.tokens_uploaded,
+        bytes_uploaded=uploaded.bytes_uploaded,
+        file_redeliveries=uploaded.file_redeliveries,
+        saved_at=time.time(),
     )
 
 
@@ -258,10 +285,16 @@ async def save_checkpoint(js: JetStreamContext, checkpoint: schemas.ProgressChec
     for _ in range(5):
         theirs, last_seq = await load_checkpoint(js, checkpoint.job, checkpoint.plan)
         merged = _merged(checkpoint, theirs)
-        if theirs is not None and (merged.written_seq, merged.uploaded_seq) == (theirs.written_seq, theirs.uploaded_seq):
+        if theirs is not None and (merged.written_seq, merged.uploaded_seq) == (
+            theirs.written_seq,
+            theirs.uploaded_seq,
+        ):
             return
-        headers = {**message_headers(checkpoint.job), **HEARTBEAT_ROLLUP,
-                   "Nats-Expected-Last-Subject-Sequence": str(last_seq)}
+        headers = {
+            **message_headers(checkpoint.job),
+            **HEARTBEAT_ROLLUP,
+            "Nats-Expected-Last-Subject-Sequence": str(last_seq),
+        }
         try:
             await js.publish(subject, schemas.encode(merged), headers=headers)
             return
@@ -293,16 +326,42 @@ class ProgressTracker:
             self.fold = ProgressFold.from_checkpoint(checkpoint)
         events, plan = topology.EVENTS_STREAM, self.plan or "none"
         self._sums = [
-            _Replay(self.js, events, topology.markers_all(self.job, "written", plan), self._apply_marker,
-                    DeliverPolicy.ALL, after_seq=self.fold.written_seq),
-            _Replay(self.js, events, topology.markers_all(self.job, "uploaded", plan), self._apply_marker,
-                    DeliverPolicy.ALL, after_seq=self.fold.uploaded_seq),
+            _Replay(
+                self.js,
+                events,
+                topology.markers_all(self.job, "written", plan),
+                self._apply_marker,
+                DeliverPolicy.ALL,
+                after_seq=self.fold.written_seq,
+            ),
+            _Replay(
+                self.js,
+                events,
+                topology.markers_all(self.job, "uploaded", plan),
+                self._apply_marker,
+                DeliverPolicy.ALL,
+                after_seq=self.fold.uploaded_seq,
+            ),
         ]
-        self._others = [_Replay(self.js, topology.DEAD_STREAM, topology.dead_subject_all(self.job),
-                                self._apply_whole(schemas.dead_decoder), DeliverPolicy.ALL)]
+        self._others = [
+            _Replay(
+                self.js,
+                topology.DEAD_STREAM,
+                topology.dead_subject_all(self.job),
+                self._apply_whole(schemas.dead_decoder),
+                DeliverPolicy.ALL,
+            )
+        ]
         if self.heartbeats:
-            self._others.append(_Replay(self.js, events, topology.heartbeats_subject_all(self.job),
-                                        self._apply_whole(schemas.event_decoder), DeliverPolicy.LAST_PER_SUBJECT))
+            self._others.append(
+                _Replay(
+                    self.js,
+                    events,
+                    topology.heartbeats_subject_all(self.job),
+                    self._apply_whole(schemas.event_decoder),
+                    DeliverPolicy.LAST_PER_SUBJECT,
+                )
+            )
         # Dead letters and heartbeats first: once the sums' replays run, their markers (a whole
         # job's, on a first reading) would queue ahead of them on the connection.
         for replay in self._others:
@@ -317,8 +376,9 @@ class ProgressTracker:
     def _apply_marker(self, msg) -> None:
         # hsx.events.<job>.<kind>.<plan>.<batch or sample>, or ...<plan>.extra.<batch or sample>
         planned = msg.subject.split(".")[5] != topology.EXTRA
-        self.fold.apply_marker(schemas.event_decoder.decode(msg.data), seq=msg.metadata.sequence.stream,
-                               planned=planned)
+        self.fold.apply_marker(
+            schemas.event_decoder.decode(msg.data), seq=msg.metadata.sequence.stream, planned=planned
+        )
 
     def _apply_whole(self, decoder):
         return lambda msg: self.fold.apply(decoder.decode(msg.data))
@@ -346,15 +406,24 @@ class ProgressTracker:
         """Until the sums hold every marker stored so far (False if that takes over `timeout`)."""
         deadline = time.monotonic() + timeout
         while True:
-            newest = await asyncio.gather(*(
-                last_sequence(self.js, topology.EVENTS_STREAM, topology.markers_all(self.job, kind, self.plan or "none"))
-                for kind in ("written", "uploaded")
-            ))
+            newest = await asyncio.gather(
+                *(
+                    last_sequence(
+                        self.js, topology.EVENTS_STREAM, topology.markers_all(self.job, kind, self.plan or "none")
+                    )
+                    for kind in ("written", "uploaded")
+                )
+            )
             if newest[0] <= self.fold.written_seq and newest[1] <= self.fold.uploaded_seq:
                 return True
             if time.monotonic() > deadline:
-                log.warning("sums_behind", written_seq=self.fold.written_seq, uploaded_seq=self.fold.uploaded_seq,
-                            newest=newest, waited_s=timeout)
+                log.warning(
+                    "sums_behind",
+                    written_seq=self.fold.written_seq,
+                    uploaded_seq=self.fold.uploaded_seq,
+                    newest=newest,
+                    waited_s=timeout,
+                )
                 return False
             await asyncio.sleep(0.1)
 
@@ -371,7 +440,7 @@ class ProgressTracker:
         dead = sorted(self.fold.dead_samples - self._uploaded_known)
         unfinished: set[int] = set()
         for start in range(0, len(dead), _LOOKUPS_IN_FLIGHT):
-            chunk = dead[start:start + _LOOKUPS_IN_FLIGHT]
+            chunk = dead[start : start + _LOOKUPS_IN_FLIGHT]
             found = await asyncio.gather(*(self._has_uploaded_marker(i) for i in chunk))
             for index, has in zip(chunk, found):
                 (self._uploaded_known.add if has else unfinished.add)(index)
@@ -383,8 +452,10 @@ class ProgressTracker:
         outside the plan) set aside."""
         for planned in (True, False):
             try:
-                await self.js.get_last_msg(topology.EVENTS_STREAM,
-                                           topology.uploaded_subject(self.job, self.plan or "none", index, planned=planned))
+                await self.js.get_last_msg(
+                    topology.EVENTS_STREAM,
+                    topology.uploaded_subject(self.job, self.plan or "none", index, planned=planned),
+                )
                 return True
             except nats.js.errors.NotFoundError:
                 pass
@@ -473,22 +544,34 @@ class StatusView(msgspec.Struct, frozen=True, kw_only=True):
     as_of: float
 
 
-def destination_refusals(heartbeats: dict[str, schemas.Heartbeat], *, now: float,
-                         live_s: float) -> list[DestinationRefusal]:
+def destination_refusals(
+    heartbeats: dict[str, schemas.Heartbeat], *, now: float, live_s: float
+) -> list[DestinationRefusal]:
     """Uploaders that say, in a heartbeat younger than `live_s`, that the destination refuses
     their writes; newest first. Told by live heartbeats, so a refusal ends with the uploader that
     saw it: a stopped or killed one leaves no stale failure behind for the next run."""
     refused = sorted(
-        (beat for beat in heartbeats.values()
-         if beat.service == "uploader" and beat.state == "refused" and now - beat.sent_at <= live_s),
-        key=lambda beat: beat.sent_at, reverse=True,
+        (
+            beat
+            for beat in heartbeats.values()
+            if beat.service == "uploader" and beat.state == "refused" and now - beat.sent_at <= live_s
+        ),
+        key=lambda beat: beat.sent_at,
+        reverse=True,
     )
     return [DestinationRefusal(uploader=beat.instance, node=beat.node, reason=beat.detail) for beat in refused]
 
 
 def status_view(
-    spec: schemas.JobSpec | None, fold: ProgressFold, queues: QueueState, counts: ProgressCounts, *, job: str,
-    now: float | None = None, live_s: float = 30.0, sums_complete: bool = True,
+    spec: schemas.JobSpec | None,
+    fold: ProgressFold,
+    queues: QueueState,
+    counts: ProgressCounts,
+    *,
+    job: str,
+    now: float | None = None,
+    live_s: float = 30.0,
+    sums_complete: bool = True,
 ) -> StatusView:
     """The reading of the job from what was counted and folded. Heartbeats older than `live_s` at `now` (default: the time now) are not taken as the word of a
     live worker. `sums_complete`: the fold has read every marker there was when it started."""
@@ -501,15 +584,23 @@ def status_view(
     done = spec is not None and spec.published and uploaded == total and drained
     dead_samples = set(counts.dead_unfinished)
     # Nothing is queued anywhere and every missing sample is dead: the job cannot finish by itself.
-    failed = (spec is not None and spec.published and not done and drained
-              and 0 < total - uploaded == sum(1 for i in dead_samples if 0 <= i < total))
+    failed = (
+        spec is not None
+        and spec.published
+        and not done
+        and drained
+        and 0 < total - uploaded == sum(1 for i in dead_samples if 0 <= i < total)
+    )
     failure_reason = (
         f"{len(dead_samples)} samples dead-lettered and nothing else left to run (hsx dead list --job {job})"
-        if failed else None
+        if failed
+        else None
     )
     # A refusing destination (a missing bucket, bad credentials, a denied permission) is a failure
     # for as long as it lasts: nothing is uploaded until someone fixes it, then it clears by itself.
-    refusals = [] if done else destination_refusals(fold.heartbeats, now=time.time() if now is None else now, live_s=live_s)
+    refusals = (
+        [] if done else destination_refusals(fold.heartbeats, now=time.time() if now is None else now, live_s=live_s)
+    )
     if refusals:
         failed = True
         failure_reason = f"the destination refuses uploads: {refusals[0].reason}"

@@ -8,7 +8,6 @@ A payload that does not decode is poison: the receiver terminates it and dead-le
 does not crash.
 """
 
-
 import msgspec
 
 

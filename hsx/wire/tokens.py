@@ -102,11 +102,21 @@ class TokenChunk:
         has_mask = np.fromiter((r.loss_mask is not None for r in rows), dtype=bool, count=len(rows))
         masks = None
         if has_mask.any():
-            masks = np.fromiter(chain.from_iterable(r.loss_mask if r.loss_mask is not None else repeat(0, len(r.input_ids))
-                                                    for r in rows), dtype=np.uint8, count=total)
-        return cls(values=values, offsets=offsets, masks=masks, has_mask=has_mask if masks is not None else None,
-                   source_ids=pa.array([r.source_id for r in rows], pa.string()),
-                   wheres=pa.array([r.where for r in rows], pa.string()))
+            masks = np.fromiter(
+                chain.from_iterable(
+                    r.loss_mask if r.loss_mask is not None else repeat(0, len(r.input_ids)) for r in rows
+                ),
+                dtype=np.uint8,
+                count=total,
+            )
+        return cls(
+            values=values,
+            offsets=offsets,
+            masks=masks,
+            has_mask=has_mask if masks is not None else None,
+            source_ids=pa.array([r.source_id for r in rows], pa.string()),
+            wheres=pa.array([r.where for r in rows], pa.string()),
+        )
 
 
 class _Spill:
@@ -210,7 +220,9 @@ class SampleTableBuilder:
         start = self._tokens.append(values)
         if loss_mask is not None:
             self._masks.write_at(start, np.asarray(loss_mask, dtype=np.uint8))
-        self._filled.append((index, start, len(values), loss_mask is not None, int(values.max()) if len(values) else -1))
+        self._filled.append(
+            (index, start, len(values), loss_mask is not None, int(values.max()) if len(values) else -1)
+        )
 
     def _flush_pending(self) -> None:
         if self._pending:
@@ -230,9 +242,15 @@ class SampleTableBuilder:
         for index, start, length, masked, top in self._filled:
             starts[index], lengths[index], has_mask[index], row_max[index] = start, length, masked, top
         return SampleTable(
-            tokens=self._tokens, masks=self._masks, starts=starts, lengths=lengths, has_mask=has_mask,
+            tokens=self._tokens,
+            masks=self._masks,
+            starts=starts,
+            lengths=lengths,
+            has_mask=has_mask,
             # One array each: a chunked array finds element i by walking its chunks.
-            row_max=row_max, source_ids=_one_array(self._source_ids), wheres=_one_array(self._wheres),
+            row_max=row_max,
+            source_ids=_one_array(self._source_ids),
+            wheres=_one_array(self._wheres),
         )
 
 
@@ -244,8 +262,18 @@ class SampleTable:
     """A job's samples, sample i at index i (see the module docstring). `table[i]` is a
     `TokenRow`; iterate `runs()` to walk every sample without one Python object per token."""
 
-    def __init__(self, *, tokens: _Spill, masks: _Spill, starts: np.ndarray, lengths: np.ndarray,
-                 has_mask: np.ndarray, row_max: np.ndarray, source_ids: pa.Array, wheres: pa.Array) -> None:
+    def __init__(
+        self,
+        *,
+        tokens: _Spill,
+        masks: _Spill,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        has_mask: np.ndarray,
+        row_max: np.ndarray,
+        source_ids: pa.Array,
+        wheres: pa.Array,
+    ) -> None:
         self._tokens, self._masks = tokens, masks
         self.starts = starts  # int64: sample i's first token's position in the spill files
         self.lengths = lengths  # int64: sample i's token count
@@ -278,8 +306,12 @@ class SampleTable:
             raise IndexError(i)
         i %= len(self)
         mask = self.loss_mask(i)
-        return TokenRow(where=self.where(i), source_id=self.source_id(i), input_ids=self.input_ids(i).tolist(),
-                        loss_mask=None if mask is None else mask.tolist())
+        return TokenRow(
+            where=self.where(i),
+            source_id=self.source_id(i),
+            input_ids=self.input_ids(i).tolist(),
+            loss_mask=None if mask is None else mask.tolist(),
+        )
 
     def __iter__(self) -> Iterator[TokenRow]:
         return (self[i] for i in range(len(self)))
@@ -292,8 +324,12 @@ class SampleTable:
     def sample(self, i: int) -> schemas.Sample:
         """Sample i as it goes on the wire: token ids inline, the loss mask as spans."""
         mask = self.loss_mask(i)
-        return schemas.Sample(index=i, source_id=self.source_id(i), input_ids=self.input_ids(i).tolist(),
-                              loss_spans=None if mask is None else loss_spans(mask))
+        return schemas.Sample(
+            index=i,
+            source_id=self.source_id(i),
+            input_ids=self.input_ids(i).tolist(),
+            loss_spans=None if mask is None else loss_spans(mask),
+        )
 
     def select(self, indices: np.ndarray, lengths: np.ndarray | None = None) -> SampleTable:
         """The samples at `indices` (renumbered 0..), each cut to `lengths` when given; the spill
@@ -305,11 +341,20 @@ class SampleTable:
             start = int(self.starts[indices[k]])
             row_max[k] = int(self._tokens.read(start, int(new_lengths[k])).max()) if new_lengths[k] else -1
         take = pa.array(indices)
-        return SampleTable(tokens=self._tokens, masks=self._masks, starts=self.starts[indices], lengths=new_lengths,
-                           has_mask=self.has_mask[indices], row_max=row_max, source_ids=self.source_ids.take(take),
-                           wheres=self.wheres.take(take))
+        return SampleTable(
+            tokens=self._tokens,
+            masks=self._masks,
+            starts=self.starts[indices],
+            lengths=new_lengths,
+            has_mask=self.has_mask[indices],
+            row_max=row_max,
+            source_ids=self.source_ids.take(take),
+            wheres=self.wheres.take(take),
+        )
 
-    def runs(self, *, max_rows: int = ROWS_PER_BATCH) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]]:
+    def runs(
+        self, *, max_rows: int = ROWS_PER_BATCH
+    ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]]:
         """(first sample, offsets, tokens int32, masks uint8 or None) for consecutive samples,
         at most `max_rows` and about 4M tokens at a time, read with one or two preads when the
         samples lie next to each other in the spill files (they do unless chat rows or cuts
@@ -337,8 +382,11 @@ class SampleTable:
                 masks = self._masks.read(low, high - low)[index] if masked else None
             else:
                 tokens = np.concatenate([self._tokens.read(int(s), int(k)) for s, k in zip(starts, lengths)])
-                masks = (np.concatenate([self._masks.read(int(s), int(k)) for s, k in zip(starts, lengths)])
-                         if masked else None)
+                masks = (
+                    np.concatenate([self._masks.read(int(s), int(k)) for s, k in zip(starts, lengths)])
+                    if masked
+                    else None
+                )
             yield first, offsets, tokens, masks
             first = end
 
@@ -391,14 +439,20 @@ def write_tokens(table: SampleTable, sink, *, job: str) -> None:
                 keep = np.repeat(has_mask, np.diff(offsets))
                 mask_offsets = np.zeros(end - first + 1, dtype=np.int32)
                 np.cumsum(np.where(has_mask, np.diff(offsets), 0), out=mask_offsets[1:])
-                mask_column = pa.ListArray.from_arrays(pa.array(mask_offsets), pa.array(masks[keep], pa.uint8()),
-                                                       mask=pa.array(~has_mask))
-            writer.write_batch(pa.record_batch([
-                table.wheres.slice(first, end - first),
-                table.source_ids.slice(first, end - first),
-                pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens, pa.int32())),
-                mask_column,
-            ], schema=schema))
+                mask_column = pa.ListArray.from_arrays(
+                    pa.array(mask_offsets), pa.array(masks[keep], pa.uint8()), mask=pa.array(~has_mask)
+                )
+            writer.write_batch(
+                pa.record_batch(
+                    [
+                        table.wheres.slice(first, end - first),
+                        table.source_ids.slice(first, end - first),
+                        pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(tokens, pa.int32())),
+                        mask_column,
+                    ],
+                    schema=schema,
+                )
+            )
 
 
 def _list_parts(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -421,9 +475,14 @@ def _chunk_of(batch: pa.RecordBatch) -> TokenChunk:
         if not np.array_equal(mask_lengths[has_mask], lengths[has_mask]):
             raise ValueError("a loss_mask's length differs from its row's input_ids")
         masks[np.repeat(has_mask, lengths)] = mask_values[np.repeat(has_mask, mask_lengths)]
-    return TokenChunk(values=values.astype(np.int64), offsets=offsets, masks=masks,
-                      has_mask=has_mask if masks is not None else None,
-                      source_ids=batch.column("source_id").cast(pa.string()), wheres=batch.column("where").cast(pa.string()))
+    return TokenChunk(
+        values=values.astype(np.int64),
+        offsets=offsets,
+        masks=masks,
+        has_mask=has_mask if masks is not None else None,
+        source_ids=batch.column("source_id").cast(pa.string()),
+        wheres=batch.column("where").cast(pa.string()),
+    )
 
 
 def record_batches(source, *, what: str) -> Iterator[pa.RecordBatch]:
@@ -505,8 +564,9 @@ async def load_table(js: JetStreamContext, job: str, *, spec: schemas.JobSpec | 
     return table
 
 
-async def load_samples(js: JetStreamContext, job: str, indices: Iterable[int], *,
-                       spec: schemas.JobSpec | None = None) -> list[schemas.Sample]:
+async def load_samples(
+    js: JetStreamContext, job: str, indices: Iterable[int], *, spec: schemas.JobSpec | None = None
+) -> list[schemas.Sample]:
     """A few of the job's samples by index, as they go on the wire (in the order asked), read
     from the stored object one record batch at a time: memory for one batch, not the job."""
     spec, what = await _stored_object(js, job, spec)
@@ -535,4 +595,3 @@ async def load_samples(js: JetStreamContext, job: str, indices: Iterable[int], *
     if missing:
         raise HsxError(f"job {job}: {what} holds fewer samples than the job's {spec.total_samples}")
     return [found[int(i)] for i in indices]
-

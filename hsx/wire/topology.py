@@ -392,8 +392,11 @@ async def _ensure_jobs_bucket(js: JetStreamContext, replicas: int | None) -> Key
         kv = await js.key_value(JOBS_BUCKET)
     except nats.js.errors.BucketNotFoundError:
         return await js.create_key_value(
-            bucket=JOBS_BUCKET, description="hsx job specs, key = job name", history=1,
-            storage=StorageType.FILE, replicas=replicas or 1,
+            bucket=JOBS_BUCKET,
+            description="hsx job specs, key = job name",
+            history=1,
+            storage=StorageType.FILE,
+            replicas=replicas or 1,
         )
     await _scale_bucket(js, kv_stream(JOBS_BUCKET), replicas)
     return kv
@@ -407,7 +410,8 @@ async def _ensure_datasets_store(js: JetStreamContext, replicas: int | None) -> 
             DATASETS_BUCKET,
             config=ObjectStoreConfig(
                 description="hsx tokenized datasets (<job>.tokens.arrow) and input reports (<job>.report.json)",
-                storage=StorageType.FILE, replicas=replicas or 1,
+                storage=StorageType.FILE,
+                replicas=replicas or 1,
             ),
         )
     await _scale_bucket(js, object_store_stream(DATASETS_BUCKET), replicas)
@@ -416,37 +420,43 @@ async def _ensure_datasets_store(js: JetStreamContext, replicas: int | None) -> 
 
 async def ensure_gpu_consumer(js: JetStreamContext, job: str, *, ack_wait_s: float = BATCH_ACK_WAIT_S) -> str:
     durable = gpu_durable(job)
-    await _while_unavailable(lambda: js.add_consumer(
-        BATCHES_STREAM,
-        ConsumerConfig(
-            durable_name=durable,
-            description=f"GPU extraction workers of job {job}",
-            filter_subject=batch_subject(job),
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=ack_wait_s,
-            max_deliver=BATCH_MAX_DELIVER,
-            max_ack_pending=10_000,
+    await _while_unavailable(
+        lambda: js.add_consumer(
+            BATCHES_STREAM,
+            ConsumerConfig(
+                durable_name=durable,
+                description=f"GPU extraction workers of job {job}",
+                filter_subject=batch_subject(job),
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=ack_wait_s,
+                max_deliver=BATCH_MAX_DELIVER,
+                max_ack_pending=10_000,
+            ),
         ),
-    ), what=f"consumer {durable}")
+        what=f"consumer {durable}",
+    )
     return durable
 
 
 async def ensure_exhausted_consumer(js: JetStreamContext, job: str) -> str:
     """The durable over the job's max-deliveries advisories, shared by every GPU consumer of the job."""
     durable = exhausted_durable(job)
-    await _while_unavailable(lambda: js.add_consumer(
-        ADVISORIES_STREAM,
-        ConsumerConfig(
-            durable_name=durable,
-            description=f"batches of job {job} that used up their deliveries, to dead-letter",
-            filter_subject=max_deliveries_subject(BATCHES_STREAM, gpu_durable(job)),
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=30.0,
-            max_deliver=-1,
+    await _while_unavailable(
+        lambda: js.add_consumer(
+            ADVISORIES_STREAM,
+            ConsumerConfig(
+                durable_name=durable,
+                description=f"batches of job {job} that used up their deliveries, to dead-letter",
+                filter_subject=max_deliveries_subject(BATCHES_STREAM, gpu_durable(job)),
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=30.0,
+                max_deliver=-1,
+            ),
         ),
-    ), what=f"consumer {durable}")
+        what=f"consumer {durable}",
+    )
     return durable
 
 
@@ -454,28 +464,36 @@ async def ensure_progress_counter(js: JetStreamContext, job: str, plan: str, cou
     """The counting durable `counter` of `job`, created or (another plan under the job's name)
     re-filtered; its info, whose num_pending is the count."""
     config = ConsumerConfig(
-        durable_name=progress_durable(job, counter), filter_subject=progress_counter_filter(job, plan, counter),
-        ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL, mem_storage=True,
+        durable_name=progress_durable(job, counter),
+        filter_subject=progress_counter_filter(job, plan, counter),
+        ack_policy=AckPolicy.NONE,
+        deliver_policy=DeliverPolicy.ALL,
+        mem_storage=True,
         description=f"hsx: counts {counter} markers of job {job} (never fetched from)",
     )
-    return await _while_unavailable(lambda: js.add_consumer(EVENTS_STREAM, config), what=f"counter {progress_durable(job, counter)}")
+    return await _while_unavailable(
+        lambda: js.add_consumer(EVENTS_STREAM, config), what=f"counter {progress_durable(job, counter)}"
+    )
 
 
 async def ensure_upload_consumer(
     js: JetStreamContext, job: str, node: str, *, ack_wait_s: float = FILE_ACK_WAIT_S
 ) -> str:
     durable = upload_durable(job, node)
-    await _while_unavailable(lambda: js.add_consumer(
-        FILES_STREAM,
-        ConsumerConfig(
-            durable_name=durable,
-            description=f"uploaders of job {job} on node {node}",
-            filter_subject=file_subject(job, node),
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=ack_wait_s,
-            max_deliver=FILE_MAX_DELIVER,
-            max_ack_pending=100_000,
+    await _while_unavailable(
+        lambda: js.add_consumer(
+            FILES_STREAM,
+            ConsumerConfig(
+                durable_name=durable,
+                description=f"uploaders of job {job} on node {node}",
+                filter_subject=file_subject(job, node),
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=ack_wait_s,
+                max_deliver=FILE_MAX_DELIVER,
+                max_ack_pending=100_000,
+            ),
         ),
-    ), what=f"consumer {durable}")
+        what=f"consumer {durable}",
+    )
     return durable

@@ -89,17 +89,31 @@ class Beating:
 
 
 @contextlib.asynccontextmanager
-async def heartbeats(events: EventPublisher, cfg: WorkerConfig, *, service: str, stopping: asyncio.Event,
-                     state: Callable[[], WorkerState], ready: bool = True) -> AsyncIterator[Beating]:
+async def heartbeats(
+    events: EventPublisher,
+    cfg: WorkerConfig,
+    *,
+    service: str,
+    stopping: asyncio.Event,
+    state: Callable[[], WorkerState],
+    ready: bool = True,
+) -> AsyncIterator[Beating]:
     """Beats `state()` while the block runs; on leaving it the beats stop, then, if the worker was
     ready (`ready`, or `Beating.ready()` called in the block), the goodbye is sent."""
     beating = Beating()
     if ready:
         beating.ready()
-    beats = asyncio.create_task(heartbeat_loop(
-        events, service=service, instance=cfg.instance, node=cfg.node, interval_s=cfg.heartbeat_s, stopping=stopping,
-        state=state,
-    ))
+    beats = asyncio.create_task(
+        heartbeat_loop(
+            events,
+            service=service,
+            instance=cfg.instance,
+            node=cfg.node,
+            interval_s=cfg.heartbeat_s,
+            stopping=stopping,
+            state=state,
+        )
+    )
     try:
         yield beating
     finally:
