@@ -1,13 +1,10 @@
-# One image for every hsx service (demo-init, producer, consumers, uploader,
-# monitor); compose.yaml picks the role with the command, e.g. `consume --job demo`.
+# Two images from one file, each hsx service picks its role with the command, e.g.
+# `consume --job demo` (compose.yaml):
 #
-#   docker build -t hsx .
+#   docker build -t hsx .                          # gpu (the last stage, the default): every command, torch
+#   docker build --target slim -t hsx-slim .       # uploader, monitor, status/dead/jobs/index/sync: no torch
 #   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu -t hsx:cpu .
-FROM python:3.11-slim
-
-# Where torch comes from. The default is the CUDA 12.8 build from the PyTorch
-# index; override with .../whl/cu126, .../whl/cpu, or a local mirror.
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+FROM python:3.11-slim AS base
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -20,18 +17,31 @@ RUN groupadd --system --gid 1000 hsx \
  && useradd --system --uid 1000 --gid hsx --create-home --home-dir /home/hsx hsx \
  && mkdir -p /app /spool /demo \
  && chown hsx:hsx /spool /demo
+WORKDIR /app
 
+
+# What a node that only moves files or reads NATS needs: `pip install hsx`, no extra.
+FROM base AS slim
+COPY . /app
+RUN pip install --no-cache-dir . \
+ && hsx --help >/dev/null \
+ && python -c "import sys, uploader.main, monitor.main; assert 'torch' not in sys.modules"
+USER hsx
+ENTRYPOINT ["hsx"]
+CMD ["--help"]
+
+
+FROM base AS gpu
+# Where torch comes from. The default is the CUDA 12.8 build from the PyTorch
+# index; override with .../whl/cu126, .../whl/cpu, or a local mirror.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 # torch is by far the largest layer; install it on its own so changes to the
 # project do not re-download it.
 RUN pip install --no-cache-dir torch --index-url "${TORCH_INDEX}"
-
-WORKDIR /app
 COPY . /app
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir '.[gpu]' \
  && hsx --help >/dev/null
-
 USER hsx
 ENV HF_HOME=/home/hsx/.cache/huggingface
-
 ENTRYPOINT ["hsx"]
 CMD ["--help"]

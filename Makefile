@@ -1,6 +1,7 @@
 # make setup: .venv with hsx and everything the demo and tests need (idempotent, fast when done)
 # make run:   setup + `hsx up` (embedded demo: nats-server, tiny model, synthetic data, local dest)
-# make test:  setup + the whole pytest suite, on TEST_WORKERS pytest-xdist workers (default 2)
+# make lint:  ruff check + ruff format --check (configured in pyproject.toml)
+# make test:  setup + lint + the whole pytest suite, on TEST_WORKERS pytest-xdist workers (default 2)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hsx-installed
@@ -24,7 +25,11 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/hsx up
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 clean:

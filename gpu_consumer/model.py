@@ -20,9 +20,10 @@ from gpu_consumer.staging import HostStaging
 from hsx.errors import HsxError
 from hsx.logs import route_transformers_logging
 from hsx.model.devices import visible_text
-from hsx.model.layers import FINAL, LayerSelector
+from hsx.model.layers import FINAL
 from hsx.storage.layout import FLOAT8
 from hsx.storage.tensors import STORAGE_DTYPES
+from hsx.wire.schemas import LayerSelector
 
 log = structlog.get_logger("hsx.gpu_consumer.model")
 

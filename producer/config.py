@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx.wire.natsconn import NatsSettings
+from hsx.wire.schemas import LayerSelector
 
 # What to do with a sample longer than max_seq_len (producer/lengths.py).
 ON_LONG = ("error", "truncate", "skip")
@@ -15,7 +16,7 @@ class ProducerConfig:
     job: str
     model: str
     dataset: Path
-    layers: tuple[int, ...]
+    layers: tuple[LayerSelector, ...]  # as given: resolved against the model by the producer
     dest: str
     dtype: str
     token_budget: int

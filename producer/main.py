@@ -37,6 +37,7 @@ from hsx.wire.headers import message_headers
 from hsx.wire.jobs import count_messages, live_workers, read_job_spec
 from hsx.wire.natsconn import connect, through_outage
 from hsx.wire.progress import count_stored
+from hsx.wire.schemas import LayerSelector
 from hsx.wire.tokens import SampleTable
 from producer import bundle, preflight, resume, stored
 from producer.config import ProducerConfig
@@ -49,7 +50,7 @@ log = structlog.get_logger("hsx.producer")
 _PUBLISH_WINDOW = 256
 
 
-def plan_fingerprint(cfg: ProducerConfig, layers: list[int], samples: SampleTable) -> str:
+def plan_fingerprint(cfg: ProducerConfig, layers: list[LayerSelector], samples: SampleTable) -> str:
     """sha256 over the settings and, per sample in index order, its tokens as int64 bytes, its
     mask as int8 bytes (b"|" without one) and its source id and a newline. The byte stream is
     the one of every hsx before the columnar table (batch ids of existing jobs must not change),
@@ -217,7 +218,7 @@ async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs) -> tuple[str, s
     return tokens, report
 
 
-async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
+async def _produce(cfg: ProducerConfig, nc, info, layers: list[LayerSelector]) -> int:
     js = nc.jetstream()
     kv = await topology.ensure_topology(js, replicas=cfg.replicas)
     existing = await read_job_spec(kv, cfg.job)
@@ -229,7 +230,15 @@ async def _produce(cfg: ProducerConfig, nc, info, layers: list[int]) -> int:
 
 
 async def _plan_and_publish(
-    cfg: ProducerConfig, nc, js, kv, info, layers: list[int], existing, rows: SampleTable, inputs: Inputs | None
+    cfg: ProducerConfig,
+    nc,
+    js,
+    kv,
+    info,
+    layers: list[LayerSelector],
+    existing,
+    rows: SampleTable,
+    inputs: Inputs | None,
 ) -> int:
     batches = plan_batches(rows.lengths, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
     fingerprint = await asyncio.to_thread(plan_fingerprint, cfg, layers, rows)

@@ -161,11 +161,24 @@ def test_all_services_exist(config, gpu_config):
     assert set(gpu_config["services"]) == set(config["services"]) | set(GPU_SERVICES)
 
 
-def test_hsx_services_share_one_image_and_run_their_subcommand(gpu_config):
+# The services that only move files or read NATS run the image without torch.
+SLIM_SERVICES = {"uploader", "monitor"}
+
+
+def test_hsx_services_share_two_images_and_run_their_subcommand(gpu_config):
+    """One Dockerfile, two images: its last stage (gpu, with torch) for the producer, consumers
+    and demo-init; its `slim` stage for the uploader and the monitor."""
     services = gpu_config["services"]
     hsx_services = {**HSX_SERVICES, **GPU_SERVICES}
-    images = {services[name]["image"] for name in [*hsx_services, "demo-init"]}
-    assert len(images) == 1
+    assert SLIM_SERVICES <= set(hsx_services)
+    full = {name for name in [*hsx_services, "demo-init"] if name not in SLIM_SERVICES}
+    assert len({services[name]["image"] for name in full}) == 1
+    assert len({services[name]["image"] for name in SLIM_SERVICES}) == 1
+    assert {services[name]["image"] for name in full}.isdisjoint(services[name]["image"] for name in SLIM_SERVICES)
+    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\w+)\s*$", (REPO / "Dockerfile").read_text(), re.M)
+    assert stages[-1] == "gpu" and "slim" in stages, stages
+    for name in [*hsx_services, "demo-init"]:
+        assert services[name]["build"].get("target") == ("slim" if name in SLIM_SERVICES else None), name
     for name, subcommand in hsx_services.items():
         svc = services[name]
         assert Path(svc["build"]["context"]) == REPO, name

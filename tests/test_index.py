@@ -163,12 +163,12 @@ def test_verify_reads_the_index_without_listing(s3_job):
     spec, token_ids = asyncio.run(fetch_job(NatsSettings(url=s3_job.nats_url), s3_job.job))
     with s3_requests() as calls:
         report = verify(spec, token_ids, workers=2)
-    assert report["ok"] and report["stored_from"] == "index" and report["samples_ok"] == COUNT, report
+    assert report.ok and report.stored_from == "index" and report.samples_ok == COUNT, report
     assert not [c for c in calls if c.startswith("List")], calls
     # Control: --list lists the folder (and would name stray keys).
     with s3_requests() as calls:
         report = verify(spec, token_ids, workers=2, list_folder=True)
-    assert report["ok"] and report["stored_from"] == "listing" and "ListObjectsV2" in calls, (report, calls)
+    assert report.ok and report.stored_from == "listing" and "ListObjectsV2" in calls, (report, calls)
 
 
 def test_index_is_made_again_after_a_crash(s3_job):

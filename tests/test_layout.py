@@ -22,7 +22,7 @@ CORE = {
     "hsx.base": set(),  # hsx/__init__.py, hsx/errors.py, hsx/logs.py
     "hsx.wire": {"hsx.base"},
     "hsx.storage": {"hsx.base", "hsx.wire"},
-    "hsx.model": {"hsx.base"},
+    "hsx.model": {"hsx.base", "hsx.wire"},  # the job spec's types (LayerSelector)
     "hsx.config": {"hsx.base"},
 }
 

@@ -21,12 +21,13 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 from conftest import REPO, _env
 from test_e2e_s3 import run_pipeline
 
 from hsx import cli
-from hsx.commands.verify import format_report
+from hsx.commands.verify import VerifyReport, format_report
 from hsx.storage.layout import sample_key
 
 COUNT = 12
@@ -197,7 +198,7 @@ def test_other_samples_file_under_a_key_is_mismatching(file_job):
     assert entry["sample_index"] == target and "sample_index" in entry["checks"], entry
     assert "input_ids" in entry["checks"], entry  # compared with the dataset's row
     assert "index" in entry["checks"], entry  # not the file the job's index recorded
-    text = format_report(report, as_json=False)
+    text = format_report(msgspec.convert(report, VerifyReport), as_json=False)  # the JSON reads back as the report
     assert "PROBLEMS FOUND" in text and f"{sample_key(file_job.job, target)}: sample_index" in text, text
 
 

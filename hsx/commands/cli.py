@@ -651,7 +651,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             spec, token_ids, recompute=args.recompute, seed=args.seed, workers=args.workers, list_folder=args.list
         )
         print(format_report(report, as_json=args.json))
-        return 0 if report["ok"] else 1
+        return 0 if report.ok else 1
     if args.command == "index":
         from hsx.storage.index import format_summary, rebuild_job_index, run_build
 

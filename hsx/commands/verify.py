@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+import msgspec
 import structlog
 import torch
 
@@ -99,6 +99,61 @@ def expected_hidden_size(spec: schemas.JobSpec) -> int | None:
     except HsxError as exc:
         log.warning("verify_hidden_size_from_files", job=spec.job, model=spec.model, reason=str(exc))
         return None
+
+
+class CorruptSample(msgspec.Struct, frozen=True, kw_only=True):
+    sample_index: int
+    key: str
+    reason: str  # "load" (not a loadable sample file), "checksum" (its data was changed) or "read"
+    detail: str
+
+
+class MismatchingSample(msgspec.Struct, frozen=True, kw_only=True):
+    sample_index: int
+    key: str
+    checks: list[str]  # what disagrees: input_ids, hidden_states, metadata keys, the index's digest
+    detail: str
+
+
+class Recomputed(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One sample computed again on the CPU; `max_abs_error` is None when the shapes differ."""
+
+    sample_index: int
+    ok: bool
+    max_abs_error: float | None
+    relative_error: float | None
+    tolerance: dict[str, float] | None = None  # {"max_abs_error": ...} or {"relative_error": ...}
+    detail: str | None = None
+
+
+class RecomputeReport(msgspec.Struct, frozen=True, kw_only=True):
+    requested: int
+    seed: int | None
+    indices: list[int]
+    results: list[Recomputed]
+
+
+class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What `hsx verify --json` prints, field for field."""
+
+    job: str
+    dest: str
+    dtype: str
+    layers: list[schemas.LayerSelector]
+    total_samples: int
+    samples_checked: int
+    samples_ok: int
+    missing: list[int]
+    corrupt: list[CorruptSample]
+    mismatching: list[MismatchingSample]
+    extra_keys: list[str]
+    stored_from: str  # "index" or "listing"
+    token_ids: str
+    token_ids_checked: bool
+    hidden_size: int | None
+    recompute: RecomputeReport
+    seconds: float
+    ok: bool
 
 
 @dataclass
@@ -249,13 +304,13 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
         stored = dequantize(tensors).float()
         if stored.shape != reference.shape:
             results.append(
-                {
-                    "sample_index": index,
-                    "ok": False,
-                    "max_abs_error": None,
-                    "relative_error": None,
-                    "detail": f"stored shape {list(stored.shape)}, recomputed {list(reference.shape)}",
-                }
+                Recomputed(
+                    sample_index=index,
+                    ok=False,
+                    max_abs_error=None,
+                    relative_error=None,
+                    detail=f"stored shape {list(stored.shape)}, recomputed {list(reference.shape)}",
+                )
             )
             continue
         diff = stored - reference
@@ -268,13 +323,9 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
             limit = RELATIVE_TOLERANCE[spec.dtype]
             ok, tolerance = relative <= limit, {"relative_error": limit}
         results.append(
-            {
-                "sample_index": index,
-                "ok": bool(ok),
-                "max_abs_error": max_abs,
-                "relative_error": relative,
-                "tolerance": tolerance,
-            }
+            Recomputed(
+                sample_index=index, ok=bool(ok), max_abs_error=max_abs, relative_error=relative, tolerance=tolerance
+            )
         )
         log.info("verify_recomputed", sample_index=index, max_abs_error=max_abs, relative_error=relative, ok=ok)
     return results
@@ -288,7 +339,7 @@ def verify(
     seed: int | None = None,
     workers: int = 16,
     list_folder: bool = False,
-) -> dict[str, Any]:
+) -> VerifyReport:
     """Check the job's destination against its spec; the report (see `format_report`)."""
     started = time.monotonic()
     job, total = spec.job, spec.total_samples
@@ -377,41 +428,40 @@ def verify(
 
     missing = [o.index for o in outcomes if o.status == "missing"]
     corrupt = [
-        {"sample_index": o.index, "key": sample_key(job, o.index), "reason": o.reason, "detail": "; ".join(o.details)}
+        CorruptSample(sample_index=o.index, key=sample_key(job, o.index), reason=o.reason, detail="; ".join(o.details))
         for o in outcomes
         if o.status == "corrupt"
     ]
     mismatching = [
-        {"sample_index": o.index, "key": sample_key(job, o.index), "checks": o.checks, "detail": "; ".join(o.details)}
+        MismatchingSample(
+            sample_index=o.index, key=sample_key(job, o.index), checks=o.checks, detail="; ".join(o.details)
+        )
         for o in outcomes
         if o.status == "mismatching"
     ]
-    ok = not missing and not corrupt and not mismatching and not extra and all(r["ok"] for r in recomputed)
-    report = {
-        "job": job,
-        "dest": spec.dest,
-        "dtype": spec.dtype,
-        "layers": list(spec.layers),
-        "total_samples": total,
-        "samples_checked": len(outcomes),
-        "samples_ok": sum(o.status == "ok" for o in outcomes),
-        "missing": missing,
-        "corrupt": corrupt,
-        "mismatching": mismatching,
-        "extra_keys": extra,
-        "stored_from": "index" if job_index is not None else "listing",
-        "token_ids": token_note,
-        "token_ids_checked": token_ids is not None,
-        "hidden_size": hidden_size,
-        "recompute": {
-            "requested": recompute,
-            "seed": seed if recompute else None,
-            "indices": chosen,
-            "results": recomputed,
-        },
-        "seconds": round(time.monotonic() - started, 2),
-        "ok": ok,
-    }
+    ok = not missing and not corrupt and not mismatching and not extra and all(r.ok for r in recomputed)
+    report = VerifyReport(
+        job=job,
+        dest=spec.dest,
+        dtype=spec.dtype,
+        layers=list(spec.layers),
+        total_samples=total,
+        samples_checked=len(outcomes),
+        samples_ok=sum(o.status == "ok" for o in outcomes),
+        missing=missing,
+        corrupt=corrupt,
+        mismatching=mismatching,
+        extra_keys=extra,
+        stored_from="index" if job_index is not None else "listing",
+        token_ids=token_note,
+        token_ids_checked=token_ids is not None,
+        hidden_size=hidden_size,
+        recompute=RecomputeReport(
+            requested=recompute, seed=seed if recompute else None, indices=chosen, results=recomputed
+        ),
+        seconds=round(time.monotonic() - started, 2),
+        ok=ok,
+    )
     log.info(
         "verify_done",
         job=job,
@@ -421,7 +471,7 @@ def verify(
         corrupt=len(corrupt),
         mismatching=len(mismatching),
         extra_keys=len(extra),
-        seconds=report["seconds"],
+        seconds=report.seconds,
     )
     return report
 
@@ -430,38 +480,35 @@ def _some(items: list, limit: int = 20) -> str:
     return ", ".join(map(str, items[:limit])) + (f", ... ({len(items)} in all)" if len(items) > limit else "")
 
 
-def format_report(report: dict[str, Any], *, as_json: bool) -> str:
+def format_report(report: VerifyReport, *, as_json: bool) -> str:
     if as_json:
-        return json.dumps(report, sort_keys=True)
+        return json.dumps(msgspec.to_builtins(report), sort_keys=True)
     lines = [
-        f"job {report['job']}: {'OK' if report['ok'] else 'PROBLEMS FOUND'}",
-        f"  dest     {report['dest']}",
-        f"  checked  {report['samples_checked']}/{report['total_samples']} samples, {report['samples_ok']} ok",
-        f"  tokens   {report['token_ids']}",
-        f"  missing  {len(report['missing'])}" + (f": {_some(report['missing'])}" if report["missing"] else ""),
-        f"  corrupt  {len(report['corrupt'])}",
+        f"job {report.job}: {'OK' if report.ok else 'PROBLEMS FOUND'}",
+        f"  dest     {report.dest}",
+        f"  checked  {report.samples_checked}/{report.total_samples} samples, {report.samples_ok} ok",
+        f"  tokens   {report.token_ids}",
+        f"  missing  {len(report.missing)}" + (f": {_some(report.missing)}" if report.missing else ""),
+        f"  corrupt  {len(report.corrupt)}",
     ]
-    lines += [f"    {c['key']}: {c['reason']} ({c['detail']})" for c in report["corrupt"][:20]]
-    lines.append(f"  mismatching {len(report['mismatching'])}")
-    lines += [f"    {m['key']}: {', '.join(m['checks'])} ({m['detail']})" for m in report["mismatching"][:20]]
-    if report.get("stored_from") == "index":
+    lines += [f"    {c.key}: {c.reason} ({c.detail})" for c in report.corrupt[:20]]
+    lines.append(f"  mismatching {len(report.mismatching)}")
+    lines += [f"    {m.key}: {', '.join(m.checks)} ({m.detail})" for m in report.mismatching[:20]]
+    if report.stored_from == "index":
         lines.append(f"  extra keys not looked for: what is stored came from {INDEX_KEY} (--list lists the folder)")
     else:
         lines.append(
-            f"  extra keys {len(report['extra_keys'])}"
-            + (f": {_some(report['extra_keys'])}" if report["extra_keys"] else "")
+            f"  extra keys {len(report.extra_keys)}" + (f": {_some(report.extra_keys)}" if report.extra_keys else "")
         )
-    rec = report["recompute"]
-    if rec["requested"]:
-        lines.append(
-            f"  recomputed {len(rec['results'])} of {rec['requested']} requested (seed {rec['seed']}): {rec['indices']}"
-        )
-        for r in rec["results"]:
-            if r["max_abs_error"] is None:
-                lines.append(f"    sample {r['sample_index']}: FAIL ({r['detail']})")
+    rec = report.recompute
+    if rec.requested:
+        lines.append(f"  recomputed {len(rec.results)} of {rec.requested} requested (seed {rec.seed}): {rec.indices}")
+        for r in rec.results:
+            if r.max_abs_error is None:
+                lines.append(f"    sample {r.sample_index}: FAIL ({r.detail})")
             else:
                 lines.append(
-                    f"    sample {r['sample_index']}: {'ok' if r['ok'] else 'FAIL'} max abs error {r['max_abs_error']:.3g}, "
-                    f"relative error {r['relative_error']:.3g} (limit {r['tolerance']})"
+                    f"    sample {r.sample_index}: {'ok' if r.ok else 'FAIL'} max abs error {r.max_abs_error:.3g}, "
+                    f"relative error {r.relative_error:.3g} (limit {r.tolerance})"
                 )
     return "\n".join(lines)

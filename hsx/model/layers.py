@@ -8,10 +8,9 @@ given; duplicates and out-of-range indices are errors naming the model's layer c
 """
 
 from hsx.errors import HsxError
+from hsx.wire.schemas import LayerSelector
 
 FINAL = "final"
-
-LayerSelector = int | str
 
 
 def parse_layers(text: str) -> list[LayerSelector]:

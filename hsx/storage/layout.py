@@ -14,6 +14,8 @@ self-describing. The tensors themselves (dtypes, float8 scaling) are hsx/storage
 import json
 import re
 
+from hsx.wire.schemas import LayerSelector
+
 FORMAT_VERSION = "2"  # 2: `checksum` is the sha256 of the data section (hsx.storage.samplefile)
 SHARD_SIZE = 1000
 # Layer i is the raw output of decoder layer i (0-based): transformers' output_hidden_states[i + 1]
@@ -61,7 +63,7 @@ def sample_metadata(
     source_id: str,
     model: str,
     model_revision: str,
-    layers: list[int | str],
+    layers: list[LayerSelector],
     dtype: str,
     num_tokens: int,
 ) -> dict[str, str]:

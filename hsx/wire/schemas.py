@@ -10,6 +10,10 @@ does not crash.
 
 import msgspec
 
+# A selected layer, as the job names it: a decoder layer index, or "final" (the post-norm final
+# state). hsx/model/layers.py parses and resolves it; every layers field in hsx has this type.
+LayerSelector = int | str
+
 
 class _Wire(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     pass
@@ -87,7 +91,7 @@ class JobSpec(_Wire, tag="job.v1"):
     job: str
     model: str
     model_revision: str
-    layers: list[int | str]  # decoder layer indices, or "final" for the post-norm final state
+    layers: list[LayerSelector]  # resolved decoder layer indices, or "final" (hsx/model/layers.py)
     dtype: str  # storage dtype: bfloat16 | float16 | float32 | float8_e4m3
     dest: str
     token_budget: int
