@@ -64,17 +64,29 @@ def _first_to_create(path: str) -> bool:
         return False
 
 
-def _consumer_extract(module, environ: Mapping[str, str]) -> None:
-    oom_above = int(environ.get("HSX_TEST_OOM_ABOVE_TOKENS") or 0)
-    hang_sample, hang_marker = environ.get("HSX_TEST_HANG_SAMPLE"), environ.get("HSX_TEST_HANG_MARKER", "")
-    if not (oom_above or hang_sample):
-        return
+def oom_above(tokens: int) -> Callable:
+    """A `gpu_consumer.extract.before_forward` that raises torch's out-of-memory error for any
+    forward of more than `tokens` padded tokens (tests in this process set it with monkeypatch)."""
 
     def before_forward(samples, padded_tokens: int) -> None:
         import torch
 
-        if oom_above and padded_tokens > oom_above:
-            raise torch.OutOfMemoryError(f"test fault: {padded_tokens} padded tokens > {oom_above}")
+        if padded_tokens > tokens:
+            raise torch.OutOfMemoryError(f"test fault: {padded_tokens} padded tokens > {tokens}")
+
+    return before_forward
+
+
+def _consumer_extract(module, environ: Mapping[str, str]) -> None:
+    oom_limit = int(environ.get("HSX_TEST_OOM_ABOVE_TOKENS") or 0)
+    hang_sample, hang_marker = environ.get("HSX_TEST_HANG_SAMPLE"), environ.get("HSX_TEST_HANG_MARKER", "")
+    if not (oom_limit or hang_sample):
+        return
+    oom = oom_above(oom_limit) if oom_limit else None
+
+    def before_forward(samples, padded_tokens: int) -> None:
+        if oom is not None:
+            oom(samples, padded_tokens)
         if hang_sample and any(str(s.index) == hang_sample for s in samples) and _first_to_create(hang_marker):
             module.log.warning("test_forward_hanging", sample=int(hang_sample), until=f"{hang_marker}.release")
             while not Path(f"{hang_marker}.release").exists():

@@ -48,22 +48,8 @@ def _decide(
             f"{name(i)[0]}: {lengths[i]} tokens is longer than --max-seq-len {max_seq_len} "
             "(raise --max-seq-len, pass --on-long truncate or --on-long skip, or remove the row)"
         )
-    long: list[LongSample] = []
-    if on_long == "skip":
-        kept = np.flatnonzero(lengths <= max_seq_len)
-        for i in long_rows.tolist():
-            where, source_id = name(i)
-            long.append(
-                LongSample(
-                    where=where,
-                    source_id=source_id,
-                    original_length=int(lengths[i]),
-                    action="skipped",
-                    sample_index=None,
-                    kept_length=0,
-                )
-            )
-        return kept, lengths[kept], long
+    skip = on_long == "skip"
+    long = []
     for i in long_rows.tolist():
         where, source_id = name(i)
         long.append(
@@ -71,11 +57,14 @@ def _decide(
                 where=where,
                 source_id=source_id,
                 original_length=int(lengths[i]),
-                action="truncated",
-                sample_index=i,
-                kept_length=max_seq_len,
+                action="skipped" if skip else "truncated",
+                sample_index=None if skip else i,
+                kept_length=0 if skip else max_seq_len,
             )
         )
+    if skip:
+        kept = np.flatnonzero(lengths <= max_seq_len)
+        return kept, lengths[kept], long
     return np.arange(len(lengths)), np.minimum(lengths, max_seq_len), long
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from devkit.faults import oom_above
 from gpu_consumer.extract import extract_samples
 from gpu_consumer.model import load_model
 from hsx.wire.schemas import Sample
@@ -62,7 +63,7 @@ def test_pinned_staging_survives_oom_splits_and_isolation(tiny_model, monkeypatc
     assert loaded.staging is not None and loaded.staging.pin
     samples = _samples([5, 9, 14, 20, 26, 31, 40, 50])
     whole = extract_samples(loaded, samples)  # no lease: copies of its own
-    monkeypatch.setattr(extract, "_FAKE_OOM_ABOVE", 60)  # forces splits down to 1-2 samples
+    monkeypatch.setattr(extract, "before_forward", oom_above(60))  # forces splits down to 1-2 samples
     split_lease, isolating_lease = loaded.staging.lease(), loaded.staging.lease()
     split = extract_samples(loaded, samples, lease=split_lease)
     good, bad = extract.extract_isolating(loaded, samples, lease=isolating_lease)

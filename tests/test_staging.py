@@ -23,6 +23,7 @@ from test_fidelity import _spec
 from transformers import AutoModelForCausalLM
 
 import gpu_consumer.extract as extract
+from devkit.faults import oom_above
 from gpu_consumer.config import ConsumerConfig
 from gpu_consumer.model import load_model
 from gpu_consumer.service import BatchWorker
@@ -34,7 +35,7 @@ from hsx.wire.natsconn import NatsSettings, connect
 
 LAYERS = [1, 3, 4]  # none is the last decoder layer: each is transformers' hidden_states[i + 1]
 VOCAB = 512  # tests/conftest.py TINY
-OOM_ABOVE = 64  # padded tokens per forward, with the test switch in gpu_consumer/extract.py
+OOM_ABOVE = 64  # padded tokens per forward, with the fault devkit.faults.oom_above
 
 # Batch N: 2 samples, 2 x 28 = 56 padded tokens, one forward, one buffer. Batch N+1 (4 samples):
 # - oom_split: 4 x 30 tokens > 64: split into [12, 30] and [25, 16], two forwards, two buffers;
@@ -142,7 +143,7 @@ async def _overlap(url: str, model_path: Path, job: str, spool: Path, device: st
 def check_overlap(
     nats_server, tiny_model, job_name, tmp_path, monkeypatch, *, device: str, case: dict, atol: float
 ) -> None:
-    monkeypatch.setattr(extract, "_FAKE_OOM_ABOVE", OOM_ABOVE if case["splits"] else 0)
+    monkeypatch.setattr(extract, "before_forward", oom_above(OOM_ABOVE) if case["splits"] else None)
     model_path = tiny_model("qwen3")
     spool = tmp_path / "spool"
     result = asyncio.run(_overlap(nats_server.url, model_path, job_name, spool, device, case))
@@ -214,7 +215,7 @@ def test_a_failed_forward_gives_its_buffers_back_and_the_lease_keeps_only_writte
     """OOM splits with a sample that fails even alone: the split's first half ran (a buffer),
     then its second half failed: that buffer goes back to the pool at once; bisection then keeps
     one buffer per forward that worked, each holding exactly its samples' states."""
-    monkeypatch.setattr(extract, "_FAKE_OOM_ABOVE", OOM_ABOVE)
+    monkeypatch.setattr(extract, "before_forward", oom_above(OOM_ABOVE))
     loaded = with_staging(load_model(str(tiny_model("qwen3")), layers=LAYERS, dtype="float32", device="cpu"))
     samples = _samples(10, CASES["oom_poison_last_delivery"]["lengths"], seed=2)
     lease = loaded.staging.lease()
