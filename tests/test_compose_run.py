@@ -36,6 +36,7 @@ from hsx.commands.status import read_status
 from hsx.errors import HsxError
 from hsx.storage.layout import bundle_key, sample_key
 from hsx.wire.natsconn import NatsSettings
+from hsx.wire.progress import StatusView
 from producer.stored import decode_rows
 
 UPLOADERS = 8  # docker compose up --scale uploader=8
@@ -206,13 +207,13 @@ def test_compose_services_run_a_demo_job_to_the_bucket(compose_project, nats_ser
 
         nats = NatsSettings(url=nats_server.url)
 
-        def status() -> dict:  # the producer runs beside the workers: the job may not exist yet
+        def status() -> StatusView | None:  # the producer runs beside the workers: the job may not exist yet
             try:
                 return asyncio.run(read_status(nats, job))
             except HsxError:
-                return {"done": False}
+                return None
 
-        while not (view := status()).done:
+        while (view := status()) is None or not view.done:
             # A service that should keep running (restart unless-stopped) must not exit; one that
             # runs to completion (the producer: restart on-failure) must exit 0.
             dead = [

@@ -139,3 +139,27 @@ def test_uploader_and_monitor_do_not_import_torch(code):
 
 def test_the_torch_check_sees_torch_when_it_is_imported():
     assert _torch_after("import gpu_consumer.writer") == "True"
+
+
+def test_no_argparse_private_api():
+    """argparse's private names (`argparse._SubParsersAction`, `parser._actions`, ...) are not used
+    by the product: hsx.config.settings.Parser lists what was declared on it instead."""
+    private = {
+        "_actions",
+        "_mutually_exclusive_groups",
+        "_group_actions",
+        "_option_string_actions",
+        "_expand_help",
+        "_subparsers",
+        "_registries",
+        "_defaults",
+    }
+    found = []
+    for path in product_modules():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.Attribute):
+                continue
+            on_argparse = isinstance(node.value, ast.Name) and node.value.id == "argparse" and node.attr.startswith("_")
+            if on_argparse or node.attr in private:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}")
+    assert found == []

@@ -11,7 +11,6 @@ file (`--config`, hsx/config/configfile.py) or the default, in that order.
 
 import argparse
 import asyncio
-import copy
 import os
 import socket
 import sys
@@ -19,11 +18,11 @@ from pathlib import Path
 
 from hsx import __version__
 from hsx.config.settings import (
+    Parser,
     command_names,
     declare_command_line_only,
     declare_env,
     declare_secret,
-    defer_defaults,
     describe,
     hide,
     positive_int,
@@ -47,29 +46,6 @@ def _storage_dtype(name: str) -> str:
 
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """Help that expands %(default)s to the flag's declared default: after `defer_defaults` the
-    parser's own default is argparse's "absent" sentinel."""
-
-    def _expand_help(self, action: argparse.Action) -> str:
-        if hasattr(action, "hsx_default"):
-            action = copy.copy(action)
-            action.default = action.hsx_default
-        return super()._expand_help(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose flag errors follow the CLI's one-line format (`hsx: error: ...`, exit 2)
-    instead of a usage dump; subcommand parsers inherit it."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", _HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        self.exit(2, f"hsx: error: {' '.join(message.split())} (see: {self.prog} --help)\n")
 
 
 def _metrics_port(text: str) -> int:
@@ -201,7 +177,7 @@ def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hsx", description="Hidden-state extraction over NATS JetStream.")
+    parser = Parser(prog="hsx", description="Hidden-state extraction over NATS JetStream.")
     parser.add_argument(
         "--config",
         metavar="FILE",
@@ -517,7 +493,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     declare_command_line_only(show, "json")
 
-    defer_defaults(parser)
     return parser
 
 
@@ -708,7 +683,7 @@ def _show_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         parser.error(f"config show: name a COMMAND ({', '.join(commands)}), e.g. hsx config show consume")
     global_flags = {dest: value for dest, value in vars(args).items() if dest in ("config", "log_level")}
     inner, unknown = parser.parse_known_args(target, namespace=argparse.Namespace(**global_flags))
-    as_json = getattr(args, "json", False) or "--json" in unknown  # a flag not given is absent (defer_defaults)
+    as_json = getattr(args, "json", False) or "--json" in unknown  # a flag not given is absent (settings.Parser)
     unknown = [arg for arg in unknown if arg != "--json"]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -1,10 +1,12 @@
 """Which value each flag takes, and where it came from: flag > environment > config file > default.
 
-hsx/commands/cli.py declares the flags with argparse as usual, names the environment variable of a flag
-(`declare_env`), the redaction of a secret one (`declare_secret`) and the flags a file may not
-set (`declare_command_line_only`); then `defer_defaults` replaces every default with argparse's
-"absent" sentinel, so that after parsing, a flag in the namespace is one that was given. `resolve`
-fills in the others from the environment, the config file (hsx/config/configfile.py) and the declared
+hsx/commands/cli.py declares the flags on a `Parser` (argparse, with its public methods only),
+names the environment variable of a flag (`declare_env`), the redaction of a secret one
+(`declare_secret`) and the flags a file may not set (`declare_command_line_only`). A `Parser`
+keeps each flag's declared default and whether it is required for `resolve`, and gives argparse
+its "absent" sentinel instead, so that after parsing, a flag in the namespace is one that was
+given; it also lists its own flags, subcommands and exclusive groups, which argparse has no
+public way to tell. `resolve` fills in the others from the environment, the config file (hsx/config/configfile.py) and the declared
 default, in that order, checks the required ones, and records each source for `hsx config show`.
 
 An environment or file value goes through the flag's own parser (type, choices), so it is held to
@@ -50,19 +52,79 @@ def declare_command_line_only(parser: argparse.ArgumentParser, *dests: str) -> N
         _action(parser, dest).hsx_in_file = False
 
 
-def defer_defaults(parser: argparse.ArgumentParser) -> None:
-    """Makes every flag of `parser` and its subcommands absent unless given, keeping its default
-    and whether it is required for `resolve` (a required flag, or one of a required group of
-    exclusive flags, may come from the file)."""
-    for _, sub in _all_parsers(parser, ""):
-        for action in _flags(sub):
-            if not hasattr(action, "hsx_default"):
-                action.hsx_default, action.hsx_required = action.default, action.required
-                action.default, action.required = argparse.SUPPRESS, False
-        for group in sub._mutually_exclusive_groups:
-            if group.required:
-                group.required = False
-                sub.hsx_one_required = [*getattr(sub, "hsx_one_required", []), tuple(group._group_actions)]
+class Parser(argparse.ArgumentParser):
+    """argparse, declared through its public methods, that lists what was declared on it: its
+    flags (`hsx_flags`, in order), its subcommands (`hsx_commands`, under `hsx_command_dest`) and
+    its exclusive groups of which one flag is required (`hsx_one_required`). A flag error is one
+    line (`hsx: error: ...`, exit 2) instead of a usage dump; subcommand parsers are Parsers too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.hsx_flags: list[argparse.Action] = []
+        self.hsx_commands: dict[str, Parser] = {}
+        self.hsx_command_dest: str | None = None
+        self.hsx_one_required: list[list[argparse.Action]] = []
+        self._hsx_declaring = False  # argparse makes its own groups while it starts
+        super().__init__(*args, **kwargs)
+        self._hsx_declaring = True
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        return self._declare(super().add_argument, args, kwargs)
+
+    def _declare(self, add, args: tuple, kwargs: dict, group: list | None = None) -> argparse.Action:
+        if not args or not str(args[0]).startswith("-") or kwargs.get("action") in ("help", "version"):
+            return add(*args, **kwargs)  # a positional, or -h / --version: argparse's own
+        # A required flag may still come from the environment or the file: `resolve` checks it.
+        required = kwargs.pop("required", False)
+        action = add(*args, **kwargs)
+        # argparse gets its "absent" sentinel, so a flag in the namespace is one that was given;
+        # the declared default (argparse's own for store_true and the like) is kept for `resolve`.
+        action.hsx_default, action.hsx_required = action.default, required
+        action.default = argparse.SUPPRESS
+        if isinstance(action.help, str) and "%(default)s" in action.help:
+            action.help = action.help.replace("%(default)s", str(action.hsx_default).replace("%", "%%"))
+        self.hsx_flags.append(action)
+        if group is not None:
+            group.append(action)
+        return action
+
+    def add_argument_group(self, *args, **kwargs):
+        group = super().add_argument_group(*args, **kwargs)
+        return _Group(self, group, None) if self._hsx_declaring else group
+
+    def add_mutually_exclusive_group(self, *, required: bool = False) -> "_Group":
+        members: list[argparse.Action] = []
+        if required:  # checked by `resolve`: the one flag may come from the environment or the file
+            self.hsx_one_required.append(members)
+        return _Group(self, super().add_mutually_exclusive_group(required=False), members)
+
+    def add_subparsers(self, **kwargs) -> "_Commands":
+        self.hsx_command_dest = kwargs.get("dest")
+        return _Commands(self, super().add_subparsers(**kwargs))
+
+    def error(self, message: str):
+        self.exit(2, f"hsx: error: {' '.join(message.split())} (see: {self.prog} --help)\n")
+
+
+class _Group:
+    """A flag group of a Parser whose flags the parser lists as its own."""
+
+    def __init__(self, parser: Parser, group, members: list | None) -> None:
+        self._parser, self._group, self._members = parser, group, members
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        return self._parser._declare(self._group.add_argument, args, kwargs, self._members)
+
+
+class _Commands:
+    """A Parser's subcommands, listed by name as they are added."""
+
+    def __init__(self, parser: Parser, commands) -> None:
+        self._parser, self._commands = parser, commands
+
+    def add_parser(self, name: str, **kwargs) -> Parser:
+        child = self._commands.add_parser(name, **kwargs)
+        self._parser.hsx_commands[name] = child
+        return child
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,62 +245,47 @@ def _text(value: object) -> str:
     return str(value)
 
 
-# -- the argparse tree -------------------------------------------------------------------------
-# argparse has no public way to list a parser's flags, subcommands and exclusive groups;
-# `_actions`, `_SubParsersAction` and `_mutually_exclusive_groups` have been stable since 3.2.
+# -- the parser tree (what a Parser recorded) ----------------------------------------------------
 
 
-def _flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    return [
-        a
-        for a in parser._actions
-        if a.option_strings and not isinstance(a, (argparse._HelpAction, argparse._VersionAction))
-    ]
+def _flags(parser: Parser) -> list[argparse.Action]:
+    return parser.hsx_flags
 
 
-def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
-    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
-
-
-def _all_parsers(parser: argparse.ArgumentParser, table: str):
+def _all_parsers(parser: Parser, table: str):
     """(table, parser) for the parser and every subcommand below it; a subcommand's flags live in
     the table of its top-level command (`dead list` and `dead retry` share [dead])."""
     yield table, parser
-    sub = _subcommands(parser)
-    if sub is not None:
-        seen = set()
-        for name, child in sub.choices.items():
-            if id(child) not in seen:  # aliases map to the same parser
-                seen.add(id(child))
-                yield from _all_parsers(child, table or name)
+    seen = set()
+    for name, child in parser.hsx_commands.items():
+        if id(child) not in seen:  # aliases map to the same parser
+            seen.add(id(child))
+            yield from _all_parsers(child, table or name)
 
 
-def command_names(parser: argparse.ArgumentParser) -> list[str]:
+def command_names(parser: Parser) -> list[str]:
     """The top-level subcommands, in the order declared."""
-    sub = _subcommands(parser)
-    return list(sub.choices) if sub is not None else []
+    return list(parser.hsx_commands)
 
 
-def _tables_of_a_job(parser: argparse.ArgumentParser) -> set[str]:
+def _tables_of_a_job(parser: Parser) -> set[str]:
     """The top-level commands that take --job somewhere (`dead` through `dead list`)."""
     return {table for table, sub in _all_parsers(parser, "") if table and any(a.dest == "job" for a in _flags(sub))}
 
 
-def _chosen_path(
-    parser: argparse.ArgumentParser, args: argparse.Namespace
-) -> tuple[list[str], list[tuple[str, argparse.ArgumentParser]]]:
+def _chosen_path(parser: Parser, args: argparse.Namespace) -> tuple[list[str], list[tuple[str, Parser]]]:
     """The chosen subcommand names (["dead", "list"]) and [(table, parser)] from the top parser
     down to the chosen subcommand."""
     names, path, current = [], [("", parser)], parser
-    while (sub := _subcommands(current)) is not None and getattr(args, sub.dest, None):
-        names.append(getattr(args, sub.dest))
-        current = sub.choices[names[-1]]
+    while current.hsx_command_dest and getattr(args, current.hsx_command_dest, None):
+        names.append(getattr(args, current.hsx_command_dest))
+        current = current.hsx_commands[names[-1]]
         path.append((names[0], current))
     return names, path
 
 
-def _action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
-    for action in parser._actions:
+def _action(parser: Parser, dest: str) -> argparse.Action:
+    for action in parser.hsx_flags:
         if action.dest == dest:
             return action
     raise AssertionError(f"{parser.prog} has no flag with dest {dest!r}")
