@@ -53,8 +53,8 @@ sys.path.insert(0, str(REPO))
 
 from pipeline import _pause_until  # noqa: E402  (bench/pipeline.py, beside this file)
 
-from hsx import topology  # noqa: E402
 from hsx.commands.embedded import build_tiny_model, start_nats_server  # noqa: E402
+from hsx.wire import topology  # noqa: E402
 from hsx.wire.natsconn import NatsSettings, connect  # noqa: E402
 
 JOB = "fleet"

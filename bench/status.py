@@ -32,10 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import nats  # noqa: E402
 
-from hsx import topology  # noqa: E402
 from hsx.commands.embedded import start_nats_server  # noqa: E402
 from hsx.commands.status import read_status  # noqa: E402
-from hsx.wire import schemas
+from hsx.wire import schemas, topology  # noqa: E402
 from hsx.wire.headers import message_headers  # noqa: E402
 from hsx.wire.natsconn import NatsSettings  # noqa: E402
 from hsx.wire.progress import ProgressTracker  # noqa: E402
