@@ -58,7 +58,9 @@ async def run(cfg: ConsumerConfig) -> int:
 
         # Beating while the model loads (minutes for a large one): a consumer that said nothing
         # meanwhile would be reported silent by the monitor.
-        async with heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state, ready=False) as beating:
+        async with heartbeats(
+            events, cfg, service=SERVICE, stopping=stopping, state=state, ready=lambda: worker is not None
+        ):
             loaded = await asyncio.to_thread(
                 load_model,
                 spec.model,
@@ -88,7 +90,6 @@ async def run(cfg: ConsumerConfig) -> int:
             durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
             sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
             worker = BatchWorker(cfg, js, events, spec, loaded, stopping)
-            beating.ready()
             reaper = asyncio.create_task(reap_exhausted(js, events, stopping))
             try:
                 await pull_loop(worker, sub, cfg, stopping)

@@ -465,8 +465,9 @@ class ProgressTracker:
         job = self.job
 
         async def count(stream: str, subject: str) -> int:
-            # Stream info, not `count_messages`: a work-queue stream refuses a second consumer whose
-            # filter overlaps its durable's. These filters match a few subjects each.
+            # Stream info, not `count_stored`: a work-queue stream refuses a second consumer whose
+            # filter overlaps its durable's. These filters match a few subjects each. Unlike
+            # hsx.wire.jobs.count_messages, a missing stream is an error here, not 0 queued.
             info = await self.js.stream_info(stream, subjects_filter=subject)
             return sum((info.state.subjects or {}).values())
 

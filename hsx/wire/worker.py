@@ -78,16 +78,6 @@ async def job_session(nats: NatsSettings, job: str, *, name: str, **log_context:
         await close_connection(nc)
 
 
-class Beating:
-    """The heartbeats of one worker; `ready()` once it serves, from when on leaving says goodbye."""
-
-    def __init__(self) -> None:
-        self.is_ready = False
-
-    def ready(self) -> None:
-        self.is_ready = True
-
-
 @contextlib.asynccontextmanager
 async def heartbeats(
     events: EventPublisher,
@@ -96,13 +86,10 @@ async def heartbeats(
     service: str,
     stopping: asyncio.Event,
     state: Callable[[], WorkerState],
-    ready: bool = True,
-) -> AsyncIterator[Beating]:
-    """Beats `state()` while the block runs; on leaving it the beats stop, then, if the worker was
-    ready (`ready`, or `Beating.ready()` called in the block), the goodbye is sent."""
-    beating = Beating()
-    if ready:
-        beating.ready()
+    ready: Callable[[], bool] = lambda: True,
+) -> AsyncIterator[None]:
+    """Beats `state()` while the block runs; on leaving it the beats stop, then, if the worker is
+    `ready()` by then (it got to serve), the goodbye is sent."""
     beats = asyncio.create_task(
         heartbeat_loop(
             events,
@@ -115,9 +102,9 @@ async def heartbeats(
         )
     )
     try:
-        yield beating
+        yield
     finally:
         beats.cancel()
         await asyncio.gather(beats, return_exceptions=True)
-        if beating.is_ready:
+        if ready():
             await goodbye_heartbeat(events, service=service, instance=cfg.instance, node=cfg.node, state=state)
