@@ -1,26 +1,64 @@
-"""The GPU consumer's settings, built and validated once by the CLI. What to extract (model,
-layers, dtype, destination) is not here: it comes from the job spec the producer recorded."""
+"""The GPU consumer's settings; each flag is declared on its field (hsx/config/fields.py). What to
+extract (model, layers, dtype, destination) is not here: it comes from the job spec the producer
+recorded."""
 
 from dataclasses import dataclass
 
+from hsx.config.fields import option
+from hsx.config.values import positive_float, size_or_auto
+from hsx.model.devices import check_consumer_device
 from hsx.wire.worker import WorkerConfig
 
 
 @dataclass(frozen=True, kw_only=True)
 class ConsumerConfig(WorkerConfig):
-    device: str
-    spool_high_water_bytes: int
+    device: str = option(
+        "--device",
+        default="cuda:0",
+        parse=check_consumer_device,
+        env="HSX_DEVICE",
+        help="env HSX_DEVICE, default cuda:0",
+    )
+    # As given ("auto", "200G"), made a byte count by the entry point (hsx/commands/services.py):
+    # auto is half the spool disk's free space.
+    spool_high_water_bytes: int = option(
+        "--spool-high-water",
+        default="auto",
+        parse=size_or_auto("--spool-high-water"),
+        env="HSX_SPOOL_HIGH_WATER",
+        help="pause fetching when the job's spool holds this many bytes (e.g. 200G; "
+        "auto = half the spool disk's free space at start; env HSX_SPOOL_HIGH_WATER)",
+    )
     # A failing batch is retried after retry_delay_s x its delivery number.
-    retry_delay_s: float = 2.0
+    retry_delay_s: float = option(
+        "--retry-delay",
+        default=2.0,
+        parse=positive_float("--retry-delay"),
+        env="HSX_RETRY_DELAY",
+        help="a failing batch is retried after this many seconds x its delivery number "
+        "(env HSX_RETRY_DELAY, default 2)",
+    )
     # Sample files are serialised, hashed and written on this many threads (safetensors, hashlib
     # and file writes release the GIL).
     writer_threads: int = 8
     # torch.compile each decoder layer (fuses the element-wise work between the matmuls): 1.36x the
     # forward on an H200 for a Qwen3-8B shape, for ~20 s of compiling at start (docs/PERFORMANCE.md).
-    compile_layers: bool = False
+    compile_layers: bool = option(
+        "--compile",
+        default=False,
+        env="HSX_COMPILE",
+        help="torch.compile the decoder layers: a faster forward after ~20 s of compiling (env HSX_COMPILE=1)",
+    )
     # A forward running longer than stall_factor x what its batch should take at this consumer's
     # measured pace, and never less than stall_after_s, is stalled: its batch is released to
     # another consumer and the heartbeat says `stalled` (gpu_consumer/stall.py). The floor covers
     # a first forward's compiling; a real device hang lasts far longer.
-    stall_after_s: float = 300.0
+    stall_after_s: float = option(
+        "--stall-after",
+        default=300.0,
+        parse=positive_float("--stall-after"),
+        help="a forward running 10x longer than its batch should take at this consumer's pace, "
+        "and at least this many seconds, is stalled: its batch is released to another "
+        "consumer and the heartbeat says so (default 300)",
+    )
     stall_factor: float = 10.0

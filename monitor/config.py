@@ -1,23 +1,53 @@
-"""The monitor's settings, built and validated once by the CLI."""
+"""The monitor's settings; each flag is declared on its field (hsx/config/fields.py)."""
 
 from dataclasses import dataclass
 from typing import Literal
 
+from hsx.config.fields import option
+from hsx.config.values import port, positive_float
 from hsx.wire.natsconn import NatsSettings
+from hsx.wire.topology import job_name
+
+# --format: auto is resolved by the entry point, from whether stdout is a terminal.
+MONITOR_FORMATS = ("auto", "bar", "json")
 
 
 @dataclass(frozen=True, kw_only=True)
 class MonitorConfig:
     nats: NatsSettings
-    job: str
-    interval_s: float = 5.0
-    until_done: bool = False
+    log_level: str = "info"  # the global --log-level
+    job: str = option("--job", parse=job_name, job=True, file_key="name", help="the job to follow")
+    until_done: bool = option("--until-done", default=False, help="exit 0 when done, 1 when it cannot finish")
+    interval_s: float = option(
+        "--interval", default=5.0, parse=positive_float("--interval"), help="seconds between readings (default 5)"
+    )
+    # "bar": one line redrawn in place on stdout (a terminal); "json": one JSON object per line on stdout.
+    output: Literal["bar", "json"] = option(
+        "--format",
+        default="auto",
+        choices=MONITOR_FORMATS,
+        env="HSX_MONITOR_FORMAT",
+        help="bar: one line redrawn in place; json: one JSON object per line; auto: bar when "
+        "stdout is a terminal, else json (env HSX_MONITOR_FORMAT, default auto)",
+    )
     # A worker whose last heartbeat is older than this is reported silent; well above the
     # workers' heartbeat interval (5 s), so one late beat is not an alarm.
-    silent_after_s: float = 30.0
-    # "bar": one line redrawn in place on stdout (a terminal); "json": one JSON object per line
-    # on stdout. The CLI resolves --format auto from whether stdout is a terminal.
-    output: Literal["bar", "json"] = "json"
-    log_level: str = "info"
-    metrics_port: int = 0  # 0: no /metrics
-    metrics_host: str = "0.0.0.0"
+    silent_after_s: float = option(
+        "--silent-after",
+        default=30.0,
+        parse=positive_float("--silent-after"),
+        help="report a worker whose last heartbeat is older than this many seconds (default 30)",
+    )
+    metrics_port: int = option(
+        "--metrics-port",
+        default=0,
+        parse=port("--metrics-port", off=0),
+        env="HSX_METRICS_PORT",
+        help="serve Prometheus metrics on this port at /metrics, e.g. 9108 (env HSX_METRICS_PORT, default 0: off)",
+    )
+    metrics_host: str = option(
+        "--metrics-host",
+        default="0.0.0.0",
+        env="HSX_METRICS_HOST",
+        help="address /metrics listens on (env HSX_METRICS_HOST, default %(default)s)",
+    )

@@ -1,10 +1,18 @@
-"""The producer's settings, built and validated once by the CLI."""
+"""The producer's settings. Each field that is a flag declares it here (hsx/config/fields.py): the
+CLI's `hsx produce` flags, the job file's keys, `hsx config show` and `hsx up` are made from these
+declarations, so a new setting is this field and the code that reads it."""
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsx.config.fields import option
+from hsx.config.values import positive_int
+from hsx.model.layers import parse_layers
+from hsx.storage.destinations import parse_dest
+from hsx.storage.layout import DTYPE_CHOICES, stored_dtype
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.schemas import LayerSelector
+from hsx.wire.topology import job_name
 
 # What to do with a sample longer than max_seq_len (producer/lengths.py).
 ON_LONG = ("error", "truncate", "skip")
@@ -13,17 +21,78 @@ ON_LONG = ("error", "truncate", "skip")
 @dataclass(frozen=True, kw_only=True)
 class ProducerConfig:
     nats: NatsSettings
-    job: str
-    model: str
-    dataset: Path
-    layers: tuple[LayerSelector, ...]  # as given: resolved against the model by the producer
-    dest: str
-    dtype: str
-    token_budget: int
-    max_seq_len: int
-    max_batch_size: int | None = None
-    on_long: str = "error"  # one of ON_LONG
-    trust_remote_code: bool = False
+    job: str = option(
+        "--job",
+        parse=job_name,
+        job=True,
+        file_key="name",
+        help="the job's name: it scopes subjects, consumers, the job spec and the output keys",
+    )
+    model: str = option("--model", job=True, help="a local model folder or an id in the local Hugging Face cache")
+    dataset: Path = option(
+        "--dataset",
+        parse=Path,
+        job=True,
+        help="JSONL/Parquet file or datasets save_to_disk folder: input_ids rows or chat messages rows",
+    )
+    # As given: resolved against the model's depth by the producer.
+    layers: tuple[LayerSelector, ...] = option(
+        "--layers",
+        parse=parse_layers,
+        job=True,
+        help="0-based decoder layer indices, e.g. 1,16,31 (-1 = last; final = after the final norm)",
+    )
+    dest: str = option(
+        "--dest",
+        parse=parse_dest,
+        job=True,
+        help="where the sample files go: s3://bucket/prefix, file:///dir or a path",
+    )
+    dtype: str = option(
+        "--dtype",
+        default="bfloat16",
+        parse=stored_dtype,
+        job=True,
+        help=f"{', '.join(DTYPE_CHOICES)} (float8: e4m3 with a per-token scale; default %(default)s)",
+    )
+    token_budget: int = option(
+        "--token-budget",
+        default=16384,
+        parse=positive_int("--token-budget"),
+        job=True,
+        help="tokens per batch, batch size x padded length (default %(default)s)",
+    )
+    max_seq_len: int = option(
+        "--max-seq-len", default=4096, parse=positive_int("--max-seq-len"), job=True, help="default %(default)s"
+    )
+    max_batch_size: int | None = option(
+        "--max-batch-size",
+        default=None,
+        parse=positive_int("--max-batch-size"),
+        job=True,
+        help="samples per batch at most (default: no limit besides --token-budget)",
+    )
+    on_long: str = option(
+        "--on-long",
+        default="error",
+        choices=ON_LONG,
+        job=True,
+        help="a sample longer than --max-seq-len: error (default), truncate to its first --max-seq-len "
+        "tokens, or skip it; truncated and skipped rows are counted in hsx status and listed in the job's report",
+    )
+    trust_remote_code: bool = option(
+        "--trust-remote-code",
+        default=False,
+        job=True,
+        help="allow a model that ships its own Python code (it runs on every consumer)",
+    )
     # Servers of a JetStream cluster holding each hsx stream and bucket; None keeps what exists
     # (R1 when creating). docs/OPERATIONS.md, Multi-node.
-    replicas: int | None = None
+    replicas: int | None = option(
+        "--replicas",
+        default=None,
+        parse=positive_int("--replicas"),
+        env="HSX_REPLICAS",
+        help="servers of a JetStream cluster that hold each hsx stream and bucket, e.g. 3 "
+        "(env HSX_REPLICAS; default: keep what exists, 1 when creating)",
+    )

@@ -8,11 +8,13 @@
 """
 
 import contextlib
+import io
 import os
 import signal
 import socket
 import subprocess
 import sys
+import traceback
 import uuid
 from pathlib import Path
 
@@ -165,6 +167,37 @@ def hsx(nats_server):
             timeout=timeout,
             cwd=REPO,
         )
+
+    return run
+
+
+@pytest.fixture
+def hsx_here(nats_server, monkeypatch):
+    """Run `hsx ARGS` in this process (`hsx.commands.cli.main`) against the session's nats-server,
+    with the environment a subprocess of `hsx` would get; returns a CompletedProcess of what it
+    printed and its exit code. For the checks that refuse a job before any service runs: they need
+    the CLI's code, not a new interpreter's seconds of imports each. An exception that escapes
+    main() is printed as its traceback, as the interpreter would."""
+
+    def run(*args: str, env: dict | None = None, nats_url: str | None = None) -> subprocess.CompletedProcess:
+        from hsx.commands.cli import main
+
+        environ = _env(nats_url or nats_server.url, env)
+        out, err = io.StringIO(), io.StringIO()
+        with monkeypatch.context() as patch:
+            for name in set(os.environ) - set(environ):
+                patch.delenv(name)
+            for name, value in environ.items():
+                patch.setenv(name, value)
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = main(list(args))
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else 1
+                except BaseException:  # noqa: BLE001 - what the interpreter would print and exit with
+                    traceback.print_exc()
+                    code = 1
+        return subprocess.CompletedProcess(["hsx", *args], code, out.getvalue(), err.getvalue())
 
     return run
 

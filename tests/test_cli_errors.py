@@ -12,10 +12,8 @@ and are checked one by one as subtests.
 
 import asyncio
 import json
-import os
 import random
 import socket
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,20 +153,17 @@ def _error_cases(tmp_path: Path) -> dict[str, Case]:
     }
 
 
-def test_bad_inputs_give_one_line_errors(hsx, tiny_model, job_name, good_jsonl, tmp_path, subtests):
+def test_bad_inputs_give_one_line_errors(hsx_here, tiny_model, job_name, good_jsonl, tmp_path, subtests):
+    """Each case through the CLI's main() in this process (the `hsx_here` fixture); the interpreter's
+    own entry point is the subject of the tests that start `hsx` as a subprocess."""
     model = tiny_model("qwen3")
     cases = _error_cases(tmp_path)
-
-    def run(case: Case):
-        args = _produce_args(model, good_jsonl, tmp_path / "out", job_name, **case.args)
-        return hsx(*args, nats_url=case.nats_url, timeout=90)
-
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        results = dict(zip(cases, pool.map(run, cases.values())))
-
     for name, case in cases.items():
+        result = hsx_here(
+            *_produce_args(model, good_jsonl, tmp_path / "out", job_name, **case.args), nats_url=case.nats_url
+        )
         with subtests.test(case=name):
-            assert_one_line_error(results[name], *case.needles)
+            assert_one_line_error(result, *case.needles)
 
 
 async def _job_state(url: str, job: str) -> tuple[dict | None, int]:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from hsx.commands.cli import build_parser
+
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "compose.yaml"
 ENV_EXAMPLE = REPO / ".env.example"
@@ -115,6 +117,44 @@ def test_env_example_lists_every_variable_with_its_default(compose, config):
     # The values in .env.example are exactly compose.yaml's defaults.
     assert _config(compose, env_file=ENV_EXAMPLE) == config
     assert _config(compose, env_file=ENV_EXAMPLE, profiles=["gpu"]) == _config(compose, profiles=["gpu"])
+
+
+def _flags_of(command: str) -> dict[str, object]:
+    """Every flag of `hsx COMMAND` (and the global ones) by its long name, as the CLI declares it."""
+    parser = build_parser()
+    return {max(a.option_strings, key=len): a for sub in (parser, parser.hsx_commands[command]) for a in sub.hsx_flags}
+
+
+def test_compose_and_env_example_use_the_flags_own_names_and_defaults(gpu_config):
+    """compose.yaml and .env.example are checked against the config fields that declare every
+    flag (hsx/config/fields.py): each service's command parses as that hsx command, each HSX_*
+    variable a service sets is the environment variable of one of its flags, and a default
+    written in compose (`--token-budget ${HSX_TOKEN_BUDGET:-16384}`, .env.example's value) is the
+    flag's own default, so the two cannot drift apart."""
+    text = COMPOSE_FILE.read_text()
+    example = dict(
+        line.split("=", 1) for line in ENV_EXAMPLE.read_text().splitlines() if line.strip() and not line.startswith("#")
+    )
+    parser = build_parser()
+    checked = 0
+    for name, command in {**HSX_SERVICES, **GPU_SERVICES}.items():
+        service = gpu_config["services"][name]
+        flags = _flags_of(command)
+        parser.parse_args(list(service["command"]))  # exits 2 on a flag hsx does not have
+        declared = {getattr(action, "hsx_env", None) for action in flags.values()}
+        for variable in service.get("environment", {}):
+            if variable.startswith("HSX_"):
+                assert variable in declared, f"{name}: {variable} is no flag's variable of hsx {command}"
+        block = re.search(rf"^  {name}:\n(.*?)(?=^  [a-z_-]+:\n|\Z)", text, re.MULTILINE | re.DOTALL).group(1)
+        for flag, variable, default in re.findall(r"(--[a-z-]+) \$\{(HSX_[A-Z_]+):-([^}]*)\}", block):
+            action = flags[flag]
+            value = action.type(default) if callable(action.type) else default
+            assert example[variable] == default, (variable, example[variable], default)
+            if action.hsx_required:  # the job's own choice (--job, --model, ...): only a valid value
+                continue
+            assert value == action.hsx_default, (name, flag, default, action.hsx_default)
+            checked += 1
+    assert checked >= 3  # --dtype, --token-budget, --max-seq-len at least: the regex found them
 
 
 def test_variables_reach_the_services(compose, tmp_path):

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 from test_cli_errors import assert_one_line_error
 
+from hsx.commands.child import order, read_order
 from hsx.commands.cli import build_parser, main
-from hsx.commands.up import UpConfig, global_flags, produce_args
+from hsx.commands.up import UpConfig
 from hsx.config.configfile import Place
 from hsx.config.settings import file_layout, resolve
 
@@ -350,18 +351,33 @@ def test_secrets_never_appear_in_show_or_errors(cli, tmp_path):
 
 
 def test_hsx_up_passes_trust_remote_code_and_the_file_to_what_it_starts(tmp_path):
-    file = _write(tmp_path / "hsx.toml", '[job]\nname = "remote"\ntrust_remote_code = true\n')
+    """up resolves each child's config once, as its own command would (flag > env > file >
+    default), and hands it over whole: what up itself sets (job, spool, device) beats the file."""
+    file = _write(
+        tmp_path / "hsx.toml",
+        '[job]\nname = "remote"\ntrust_remote_code = true\n[produce]\nreplicas = 3\n'
+        '[consume]\nretry_delay = 7.0\nspool = "/not/this/one"\n[upload]\nprobe_every = 9.0\n'
+        "[monitor]\nsilent_after = 11.0\n",
+    )
     parser = build_parser()
-    for argv, passed_on in (
-        (["--config", str(file), "up"], ["--config", str(file.resolve())]),
-        (["up", "--trust-remote-code", "--job", "remote"], []),
+    for argv, from_file in (
+        (["--config", str(file), "up", "--workdir", str(tmp_path)], True),
+        (["up", "--trust-remote-code", "--job", "remote", "--workdir", str(tmp_path)], False),
     ):
         args = parser.parse_args(argv)
         resolve(parser, args, {})
-        cfg = UpConfig.from_args(args, nats=None)
-        produce = produce_args(cfg, model="m", dataset=tmp_path / "d.jsonl", dest="out")
-        assert produce[:3] == ["produce", "--job", "remote"] and "--trust-remote-code" in produce
-        assert global_flags(cfg) == ["--log-level", "info", *passed_on]
+        cfg = UpConfig.from_args(parser, args, nats=None, environ={})
+        assert (cfg.producer.job, cfg.producer.trust_remote_code) == ("remote", True)
+        assert cfg.consumer.job == cfg.uploader.job == cfg.monitor.job == "remote"
+        assert cfg.consumer.spool == cfg.uploader.spool == tmp_path.resolve() / "spool"
+        assert cfg.producer.replicas == (3 if from_file else None)
+        assert cfg.consumer.retry_delay_s == (7.0 if from_file else 2.0)
+        assert cfg.uploader.probe_every_s == (9.0 if from_file else 30.0)
+        assert cfg.monitor.silent_after_s == (11.0 if from_file else 30.0)
+        assert cfg.monitor.until_done and cfg.consumer.node == cfg.uploader.node == "local"
+        # What a child reads back is what up built, but for its own instance.
+        for service_cfg in (cfg.producer, cfg.consumer, cfg.uploader, cfg.monitor):
+            assert read_order(order(service_cfg, log_level="debug")) == (service_cfg, "debug")
 
 
 def test_a_consumer_with_only_a_job_file_binds_to_the_files_job(nats_server, job_name, tmp_path):

@@ -17,8 +17,9 @@ import pytest
 from test_cli_errors import assert_one_line_error
 
 import hsx.model.devices
+from gpu_consumer.config import ConsumerConfig
 from hsx.commands.cli import build_parser
-from hsx.commands.up import UpConfig, consumer_args
+from hsx.commands.up import UpConfig, consumer_configs
 from hsx.config.settings import resolve
 from hsx.errors import HsxError
 from hsx.model.devices import check_consumer_device, plan_devices, visible_text
@@ -89,50 +90,50 @@ def test_consume_takes_one_device():
         check_consumer_device("cuda")
 
 
-def _up_config(argv: list[str], monkeypatch, visible: int) -> UpConfig:
+def _up_config(argv: list[str], monkeypatch, visible: int, workdir: Path) -> UpConfig:
     """UpConfig from `hsx up ARGV` as the CLI builds it, with `visible` GPUs as torch's count."""
     monkeypatch.setattr(hsx.model.devices, "cuda_device_count", lambda: visible)
     parser = build_parser()
-    args = parser.parse_args(["up", *argv])
+    args = parser.parse_args(["up", "--workdir", str(workdir), *argv])
     resolve(parser, args, {})
-    return UpConfig.from_args(args, nats=None)
+    return UpConfig.from_args(parser, args, nats=None, environ={})
 
 
-def _devices_of(consumers: list[tuple[str, list[str]]]) -> list[str]:
-    return [args[args.index("--device") + 1] for _, args in consumers]
+def _devices_of(consumers: list[tuple[str, ConsumerConfig]]) -> list[str]:
+    return [consumer.device for _, consumer in consumers]
 
 
 def test_up_starts_one_consumer_per_visible_gpu(monkeypatch, tmp_path):
-    cfg = _up_config(["--device", "cuda", "--compile"], monkeypatch, visible=4)
+    cfg = _up_config(["--device", "cuda", "--compile"], monkeypatch, visible=4, workdir=tmp_path)
     assert cfg.devices == ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
-    consumers = consumer_args(cfg, spool=tmp_path / "spool")
+    consumers = consumer_configs(cfg)
     assert [name for name, _ in consumers] == ["consumer-0", "consumer-1", "consumer-2", "consumer-3"]
     assert _devices_of(consumers) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
-    for _, args in consumers:  # one spool for the node, the job's flags on each
-        assert args[:3] == ["consume", "--job", "demo"] and "--compile" in args
-        assert args[args.index("--spool") + 1] == str(tmp_path / "spool")
+    for _, consumer in consumers:  # one spool for the node, the job's settings on each
+        assert consumer.job == "demo" and consumer.compile_layers
+        assert consumer.spool == tmp_path.resolve() / "spool"
 
 
 def test_up_consumers_is_per_device_and_devices_chooses(monkeypatch, tmp_path):
-    cfg = _up_config(["--device", "cuda", "--devices", "2,0", "--consumers", "2"], monkeypatch, visible=4)
-    consumers = consumer_args(cfg, spool=tmp_path)
+    cfg = _up_config(["--device", "cuda", "--devices", "2,0", "--consumers", "2"], monkeypatch, 4, tmp_path)
+    consumers = consumer_configs(cfg)
     assert _devices_of(consumers) == ["cuda:2", "cuda:2", "cuda:0", "cuda:0"]
     assert len({name for name, _ in consumers}) == 4  # each its own process, log file and instance
-    cpu = consumer_args(_up_config(["--consumers", "3"], monkeypatch, visible=4), spool=tmp_path)
+    cpu = consumer_configs(_up_config(["--consumers", "3"], monkeypatch, visible=4, workdir=tmp_path))
     assert _devices_of(cpu) == ["cpu", "cpu", "cpu"]
-    one = consumer_args(_up_config(["--device", "cuda:1"], monkeypatch, visible=4), spool=tmp_path)
+    one = consumer_configs(_up_config(["--device", "cuda:1"], monkeypatch, visible=4, workdir=tmp_path))
     assert _devices_of(one) == ["cuda:1"]
 
 
-def test_up_asks_torch_only_for_a_gpu(monkeypatch):
+def test_up_asks_torch_only_for_a_gpu(monkeypatch, tmp_path):
     def fail():
         raise AssertionError("torch asked for a CPU run")
 
     monkeypatch.setattr(hsx.model.devices, "cuda_device_count", fail)
     parser = build_parser()
-    args = parser.parse_args(["up", "--consumers", "2"])
+    args = parser.parse_args(["up", "--consumers", "2", "--workdir", str(tmp_path)])
     resolve(parser, args, {})
-    assert UpConfig.from_args(args, nats=None).devices == ("cpu",)
+    assert UpConfig.from_args(parser, args, nats=None, environ={}).devices == ("cpu",)
 
 
 def test_the_cli_refuses_with_one_line(tmp_path, subtests):

@@ -408,7 +408,7 @@ def test_on_long_counts_report_and_dense_indices(on_long, hsx, nats_server, chat
         assert all(len(samples[e["sample_index"]].input_ids) == max_len for e in entries)
 
 
-def test_bad_chat_inputs_give_one_line_errors(hsx, chat_models, tiny_model, job_name, tmp_path, subtests):
+def test_bad_chat_inputs_give_one_line_errors(hsx_here, chat_models, tiny_model, job_name, tmp_path, subtests):
     good = [{"messages": c} for c in CONVERSATIONS]
     files = {
         "no-messages": _write_jsonl(tmp_path / "no_messages.jsonl", [good[0], {"id": "x", "text": "hello"}]),
@@ -482,7 +482,8 @@ def test_bad_chat_inputs_give_one_line_errors(hsx, chat_models, tiny_model, job_
                 **{k: str(v) for k, v in flags.items()},
             )
         )
-    results = _run_all(hsx, arg_lists)
-    for (name, (_, needles)), result in zip(cases.items(), results):
+    # In this process, one case after another (the `hsx_here` fixture): no interpreter start each.
+    for (name, (_, needles)), args in zip(cases.items(), arg_lists):
+        result = hsx_here(*args)
         with subtests.test(case=name):
             assert_one_line_error(result, *needles)

@@ -20,10 +20,10 @@ SERVICES = ("producer", "gpu_consumer", "uploader", "monitor")
 # Each room of the core and the rooms it may import (besides itself and the standard library).
 CORE = {
     "hsx.base": set(),  # hsx/__init__.py, hsx/errors.py, hsx/logs.py
-    "hsx.wire": {"hsx.base"},
-    "hsx.storage": {"hsx.base", "hsx.wire"},
-    "hsx.model": {"hsx.base", "hsx.wire"},  # the job spec's types (LayerSelector)
-    "hsx.config": {"hsx.base"},
+    "hsx.config": {"hsx.base"},  # below the others: a config class anywhere declares its flags with it
+    "hsx.wire": {"hsx.base", "hsx.config"},
+    "hsx.storage": {"hsx.base", "hsx.config", "hsx.wire"},
+    "hsx.model": {"hsx.base", "hsx.config", "hsx.wire"},  # the job spec's types (LayerSelector)
 }
 
 

@@ -1,179 +1,70 @@
-"""The `hsx` command line: parses flags, builds each service's frozen config, runs it.
+"""The `hsx` command line: the parser of every command, and what each command runs.
 
-This is the only place that reads flags and environment variables. A user error (`HsxError`)
-prints one line, `hsx: error: ...`, and exits 2, with no traceback.
-
-Every flag is declared with its plain default; its environment variable is named with
-`declare_env` (never read inline as the default) and a secret one is marked with
-`declare_secret`. hsx/config/settings.py then takes each value from the flag, the environment, the job
-file (`--config`, hsx/config/configfile.py) or the default, in that order.
+A service's flags are declared on its config class (hsx/config/fields.py) and added here with
+`add_config_flags`; hsx/commands/services.py builds the config and runs it. The commands that run
+no service (status, verify, dead, ...) declare their few flags here, each environment variable with
+`declare_env` (never read inline as a default) and a secret with `declare_secret`.
+hsx/config/settings.py takes each value from the flag, the environment, the job file (`--config`,
+hsx/config/configfile.py) or the default, in that order. A user error (`HsxError`) prints one
+line, `hsx: error: ...`, and exits 2, with no traceback.
 """
 
 import argparse
 import asyncio
 import os
-import socket
 import sys
 from pathlib import Path
 
+from gpu_consumer.config import ConsumerConfig
 from hsx import __version__
+from hsx.commands.services import BUILDERS, nats_settings, run_service
+from hsx.commands.up import UP_JOB_DEFAULTS, UP_MADE, UpConfig
 from hsx.config.settings import (
     Parser,
+    add_config_flags,
     command_names,
     declare_command_line_only,
     declare_env,
+    declare_job,
     declare_secret,
     describe,
-    hide,
-    positive_int,
     resolve,
 )
+from hsx.config.values import hide, positive_int
 from hsx.errors import HsxError
 from hsx.logs import configure_logging
-from hsx.wire.natsconn import DEFAULT_NATS_URL, NatsSettings, redact_url
-from producer.config import ON_LONG
-
-_ON_LONG_HELP = (
-    "a sample longer than --max-seq-len: error (default), truncate to its first --max-seq-len tokens, "
-    "or skip it; truncated and skipped rows are counted in hsx status and listed in the job's report"
-)
-DTYPES = ("bfloat16", "float16", "float32", "float8")  # float8 = e4m3 with a per-token scale
-MONITOR_FORMATS = ("auto", "bar", "json")  # monitor/main.py
-
-
-def _storage_dtype(name: str) -> str:
-    return "float8_e4m3" if name == "float8" else name
-
-
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def _metrics_port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--metrics-port must be a port number, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"--metrics-port must be 0 (off) to 65535, got {port}")
-    return port
-
-
-_metrics_port.expects = int
-
-
-def _path_not_contents(flag: str):
-    """A file path flag that must never hold the file's contents: a pasted credentials file or key
-    would then be shown as a value. The error does not quote the value."""
-
-    def parse(text: str) -> str:
-        if "\n" in text or "-----BEGIN" in text:
-            raise argparse.ArgumentTypeError(f"{flag} takes the path of a file, not the file's contents")
-        return text
-
-    return parse
-
-
-def parse_size(text: str, flag: str) -> int:
-    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
-    unit = raw[-1] if raw and raw[-1] in _SIZE_UNITS else ""
-    try:
-        value = float(raw[: len(raw) - len(unit)]) * _SIZE_UNITS[unit]
-    except ValueError:
-        raise HsxError(f"{flag} {text!r}: not a size (e.g. 500G, 2T, 1048576)") from None
-    if value <= 0:
-        raise HsxError(f"{flag} {text!r}: must be positive")
-    return int(value)
-
-
-def _job_name(text: str) -> str:
-    from hsx.wire.topology import check_name
-
-    try:
-        return check_name(text, "--job")
-    except HsxError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+from hsx.wire.natsconn import NatsSettings, redact_url
+from hsx.wire.topology import job_name
+from monitor.config import MonitorConfig
+from producer.config import ProducerConfig
+from uploader.config import UploaderConfig
 
 
 def _add_nats(parser: argparse.ArgumentParser, *, embedded: bool = False) -> None:
+    """The connection flags (declared on NatsSettings). With `embedded` (hsx up): --nats names a
+    server to use instead of starting one, and HSX_NATS_URL does not apply, because an exported
+    URL would silently replace the embedded server; a job file's [nats] url does: a file is named
+    on purpose."""
     if embedded:
-        # No HSX_NATS_URL here: an exported URL would silently replace the embedded server.
-        # A config file's [nats] url does apply: a file is named on purpose.
-        parser.add_argument("--nats", default=None, help="use this NATS server instead of starting one")
+        parser.add_argument("--nats", dest="url", default=None, help="use this NATS server instead of starting one")
+        declare_secret(parser, url=redact_url)
     else:
-        parser.add_argument(
-            "--nats",
-            default=DEFAULT_NATS_URL,
-            help="NATS server URL(s), comma-separated (env HSX_NATS_URL, default %(default)s)",
-        )
-        declare_env(parser, nats="HSX_NATS_URL")
+        add_config_flags(parser, NatsSettings, only=lambda flag: flag.name == "--nats")
     auth = parser.add_argument_group("NATS credentials (prefer the environment for secrets: flags show in ps)")
-    auth.add_argument("--nats-user", default=None, help="env HSX_NATS_USER")
-    auth.add_argument("--nats-password", default=None, help="env HSX_NATS_PASSWORD")
-    auth.add_argument("--nats-token", default=None, help="env HSX_NATS_TOKEN")
-    auth.add_argument(
-        "--nats-creds",
-        type=_path_not_contents("--nats-creds"),
-        default=None,
-        help="credentials file (JWT + nkey), env HSX_NATS_CREDS",
-    )
-    auth.add_argument("--nats-tls-ca", default=None, help="CA bundle, env HSX_NATS_TLS_CA")
-    auth.add_argument("--nats-tls-cert", default=None, help="client certificate, env HSX_NATS_TLS_CERT")
-    auth.add_argument(
-        "--nats-tls-key",
-        type=_path_not_contents("--nats-tls-key"),
-        default=None,
-        help="client key, env HSX_NATS_TLS_KEY",
-    )
-    declare_env(
-        parser,
-        nats_user="HSX_NATS_USER",
-        nats_password="HSX_NATS_PASSWORD",
-        nats_token="HSX_NATS_TOKEN",
-        nats_creds="HSX_NATS_CREDS",
-        nats_tls_ca="HSX_NATS_TLS_CA",
-        nats_tls_cert="HSX_NATS_TLS_CERT",
-        nats_tls_key="HSX_NATS_TLS_KEY",
-    )
-    declare_secret(parser, nats=redact_url, nats_password=hide, nats_token=hide)
+    add_config_flags(auth, NatsSettings, only=lambda flag: flag.name != "--nats")
 
 
-def _nats_settings(args: argparse.Namespace) -> NatsSettings | None:
-    if not getattr(args, "nats", None):
-        return None
-    return NatsSettings(
-        url=args.nats,
-        user=getattr(args, "nats_user", None),
-        password=getattr(args, "nats_password", None),
-        token=getattr(args, "nats_token", None),
-        creds_file=getattr(args, "nats_creds", None),
-        tls_ca=getattr(args, "nats_tls_ca", None),
-        tls_cert=getattr(args, "nats_tls_cert", None),
-        tls_key=getattr(args, "nats_tls_key", None),
-    )
+def _add_job(parser: argparse.ArgumentParser) -> None:
+    """--job of a command that reads a job's state (status, dead, verify, ...): [job] name in a file."""
+    parser.add_argument("--job", type=_job_name, required=True)
+    declare_job(parser, job="name")
 
 
-def _node(given: str | None) -> str:
-    """This node's name as a subject token: --node (or HSX_NODE, or the file), else the host name."""
-    from hsx.wire.topology import node_name
-
-    return node_name(given or socket.gethostname())
-
-
-def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--spool",
-        type=Path,
-        default=Path("hsx-spool"),
-        help="local spool directory for finished files (env HSX_SPOOL, default ./hsx-spool)",
-    )
-    parser.add_argument("--node", default=None, help="this node's name (env HSX_NODE, default the host name)")
-    parser.add_argument(
-        "--ack-wait",
-        type=float,
-        default=60.0,
-        help="seconds without a sign of life before JetStream redelivers a message (default 60)",
-    )
-    declare_env(parser, spool="HSX_SPOOL", node="HSX_NODE")
+def _job_name(text: str) -> str:
+    try:
+        return job_name(text)
+    except HsxError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -198,171 +89,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="run a whole job on this machine; starts what is not given")
     _add_nats(up, embedded=True)
-    up.add_argument(
-        "--workdir", type=Path, default=Path("hsx-demo"), help="state, store, spool, logs (default ./hsx-demo)"
-    )
-    up.add_argument("--job", type=_job_name, default="demo")
-    up.add_argument("--model", default=None, help="model folder or cached id (default: a small random model)")
-    up.add_argument(
-        "--dataset",
-        type=Path,
-        default=None,
-        help="JSONL/Parquet file or datasets save_to_disk folder (default: synthetic)",
-    )
-    up.add_argument("--layers", default="1,3,5")
-    up.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    up.add_argument("--dest", default=None, help="s3://bucket/prefix, file:///dir or a path (default WORKDIR/out)")
-    up.add_argument(
-        "--consumers",
-        type=positive_int("--consumers"),
-        default=1,
-        help="consumers per device (default 1): --device cuda --consumers 2 on 4 GPUs starts 8",
-    )
-    up.add_argument("--uploaders", type=positive_int("--uploaders"), default=1)
-    up.add_argument("--token-budget", type=positive_int("--token-budget"), default=4096)
-    up.add_argument("--max-seq-len", type=positive_int("--max-seq-len"), default=1024)
-    up.add_argument("--on-long", choices=ON_LONG, default="error", help=_ON_LONG_HELP)
-    up.add_argument("--samples", type=positive_int("--samples"), default=256, help="synthetic dataset size")
-    up.add_argument(
-        "--device",
-        default="cpu",
-        help="where the consumers run: cpu (default), cuda:N, or cuda for every visible GPU "
-        "(CUDA_VISIBLE_DEVICES honoured), one consumer per GPU",
-    )
-    up.add_argument(
-        "--devices",
-        default=None,
-        metavar="LIST",
-        help="with --device cuda: only these GPUs, e.g. 0,2 (default: every visible GPU)",
-    )
-    up.add_argument(
-        "--compile", action="store_true", help="consumers torch.compile the decoder layers (hsx consume --compile)"
-    )
-    up.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow a model that ships its own Python code (hsx produce --trust-remote-code)",
-    )
-    up.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds")
+    add_config_flags(up, UpConfig)
+    # The job's flags are the producer's, with the demo's defaults (hsx/commands/up.py says why).
+    add_config_flags(up, ProducerConfig, only=lambda flag: flag.job, defaults={**UP_JOB_DEFAULTS, **UP_MADE})
 
     produce = commands.add_parser("produce", help="plan batches and publish them for a job")
     _add_nats(produce)
-    produce.add_argument("--job", type=_job_name, required=True)
-    produce.add_argument("--model", required=True)
-    produce.add_argument(
-        "--dataset",
-        type=Path,
-        required=True,
-        help="JSONL/Parquet file or datasets save_to_disk folder: input_ids rows or chat messages rows",
-    )
-    produce.add_argument("--layers", required=True, help="0-based decoder layer indices, e.g. 1,16,31 (-1 = last)")
-    produce.add_argument("--dest", required=True)
-    produce.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    produce.add_argument("--token-budget", type=positive_int("--token-budget"), default=16384)
-    produce.add_argument("--max-seq-len", type=positive_int("--max-seq-len"), default=4096)
-    produce.add_argument("--max-batch-size", type=positive_int("--max-batch-size"), default=None)
-    produce.add_argument("--on-long", choices=ON_LONG, default="error", help=_ON_LONG_HELP)
-    produce.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow a model that ships its own Python code (it runs on every consumer)",
-    )
-    produce.add_argument(
-        "--replicas",
-        type=positive_int("--replicas"),
-        default=None,
-        help="servers of a JetStream cluster that hold each hsx stream and bucket, e.g. 3 "
-        "(env HSX_REPLICAS; default: keep what exists, 1 when creating)",
-    )
-    declare_env(produce, replicas="HSX_REPLICAS")
+    add_config_flags(produce, ProducerConfig)
 
     consume = commands.add_parser("consume", help="run one GPU consumer for a job")
     _add_nats(consume)
-    consume.add_argument("--job", type=_job_name, required=True)
-    consume.add_argument("--device", default="cuda:0", help="env HSX_DEVICE, default cuda:0")
-    _add_worker_flags(consume)
-    consume.add_argument(
-        "--spool-high-water",
-        default="auto",
-        help="pause fetching when the job's spool holds this many bytes (e.g. 200G; "
-        "auto = half the spool disk's free space at start; env HSX_SPOOL_HIGH_WATER)",
-    )
-    consume.add_argument(
-        "--retry-delay",
-        type=float,
-        default=2.0,
-        help="a failing batch is retried after this many seconds x its delivery number "
-        "(env HSX_RETRY_DELAY, default 2)",
-    )
-    consume.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the decoder layers: a faster forward after ~20 s of compiling (env HSX_COMPILE=1)",
-    )
-    consume.add_argument(
-        "--stall-after",
-        type=float,
-        default=300.0,
-        help="a forward running 10x longer than its batch should take at this consumer's pace, "
-        "and at least this many seconds, is stalled: its batch is released to another "
-        "consumer and the heartbeat says so (default 300)",
-    )
-    declare_env(
-        consume,
-        device="HSX_DEVICE",
-        spool_high_water="HSX_SPOOL_HIGH_WATER",
-        retry_delay="HSX_RETRY_DELAY",
-        compile="HSX_COMPILE",
-    )
+    add_config_flags(consume, ConsumerConfig)
 
     upload = commands.add_parser("upload", help="run one uploader for a job on this node")
     _add_nats(upload)
-    upload.add_argument("--job", type=_job_name, required=True)
-    _add_worker_flags(upload)
-    upload.add_argument("--max-inflight", type=positive_int("--max-inflight"), default=100)
-    upload.add_argument(
-        "--probe-every",
-        type=float,
-        default=30.0,
-        help="while the destination refuses uploads (missing bucket, bad credentials, denied), "
-        "try it again every this many seconds (env HSX_PROBE_EVERY, default 30)",
-    )
-    declare_env(upload, probe_every="HSX_PROBE_EVERY")
+    add_config_flags(upload, UploaderConfig)
 
     monitor = commands.add_parser("monitor", help="follow a job's progress as a log stream")
     _add_nats(monitor)
-    monitor.add_argument("--job", type=_job_name, required=True)
-    monitor.add_argument("--until-done", action="store_true", help="exit 0 when done, 1 when it cannot finish")
-    monitor.add_argument("--interval", type=float, default=5.0)
-    monitor.add_argument(
-        "--format",
-        choices=MONITOR_FORMATS,
-        default="auto",
-        help="bar: one line redrawn in place; json: one JSON object per line; auto: bar when "
-        "stdout is a terminal, else json (env HSX_MONITOR_FORMAT, default auto)",
-    )
-    monitor.add_argument(
-        "--metrics-port",
-        type=_metrics_port,
-        default=0,
-        help="serve Prometheus metrics on this port at /metrics, e.g. 9108 (env HSX_METRICS_PORT, default 0: off)",
-    )
-    monitor.add_argument(
-        "--metrics-host",
-        default="0.0.0.0",
-        help="address /metrics listens on (env HSX_METRICS_HOST, default %(default)s)",
-    )
-    monitor.add_argument(
-        "--silent-after",
-        type=float,
-        default=30.0,
-        help="report a worker whose last heartbeat is older than this many seconds (default 30)",
-    )
-    declare_env(monitor, format="HSX_MONITOR_FORMAT", metrics_port="HSX_METRICS_PORT", metrics_host="HSX_METRICS_HOST")
+    add_config_flags(monitor, MonitorConfig)
 
     status = commands.add_parser("status", help="print a job's progress once")
     _add_nats(status)
-    status.add_argument("--job", type=_job_name, required=True)
+    _add_job(status)
     status.add_argument("--json", action="store_true")
     status.add_argument(
         "--timeout", type=float, default=120.0, help="seconds to wait for NATS before giving up (default 120)"
@@ -378,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = commands.add_parser("verify", help="check every sample file of a job in its destination")
     _add_nats(verify)
-    verify.add_argument("--job", type=_job_name, required=True)
+    _add_job(verify)
     verify.add_argument(
         "--recompute",
         type=positive_int("--recompute"),
@@ -409,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         "build", help="from the job's uploaded events in NATS (what the monitor does when the job is done)"
     )
     _add_nats(index_build)
-    index_build.add_argument("--job", type=_job_name, required=True)
+    _add_job(index_build)
     index_rebuild = index_commands.add_parser(
         "rebuild", help="from the destination alone: list the job's folder and read each file's header"
     )
@@ -444,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     dead_retry = dead_commands.add_parser("retry", help="send dead letters back to their queue")
     for action in (dead_list, dead_retry):
         _add_nats(action)
-        action.add_argument("--job", type=_job_name, required=True)
+        _add_job(action)
         action.add_argument("--json", action="store_true")
     selection = dead_retry.add_mutually_exclusive_group(required=True)
     selection.add_argument(
@@ -496,106 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _instance(node: str) -> str:
-    """Unique per process across machines and containers: every container's first process has
-    the same pid, and a scaled compose service shares its node name."""
-    host = socket.gethostname().split(".")[0]
-    return f"{node}-{os.getpid()}" if host == node else f"{node}-{host}-{os.getpid()}"
-
-
-def _dispatch(args: argparse.Namespace) -> int:
-    nats = _nats_settings(args)
-    if args.command == "produce":
-        from hsx.model.layers import parse_layers
-        from hsx.storage.destinations import parse_dest
-        from producer.config import ProducerConfig
-        from producer.main import run
-
-        cfg = ProducerConfig(
-            nats=nats,
-            job=args.job,
-            model=args.model,
-            dataset=args.dataset,
-            layers=tuple(parse_layers(args.layers)),
-            dest=parse_dest(args.dest),
-            dtype=_storage_dtype(args.dtype),
-            token_budget=args.token_budget,
-            max_seq_len=args.max_seq_len,
-            max_batch_size=args.max_batch_size,
-            trust_remote_code=args.trust_remote_code,
-            on_long=args.on_long,
-            replicas=args.replicas,
-        )
-        return asyncio.run(run(cfg))
-    if args.command == "consume":
-        from gpu_consumer.config import ConsumerConfig
-        from gpu_consumer.main import run
-        from hsx.model.devices import check_consumer_device
-        from hsx.storage.fsutil import free_bytes, make_private_dirs
-
-        check_consumer_device(args.device)
-        node = _node(args.node)
-        make_private_dirs(args.spool)
-        high_water = (
-            free_bytes(args.spool) // 2
-            if args.spool_high_water == "auto"
-            else parse_size(args.spool_high_water, "--spool-high-water")
-        )
-        if not args.stall_after > 0:
-            raise HsxError(f"--stall-after must be a positive number of seconds, got {args.stall_after}")
-        cfg = ConsumerConfig(
-            nats=nats,
-            job=args.job,
-            device=args.device,
-            spool=args.spool.resolve(),
-            node=node,
-            instance=_instance(node),
-            spool_high_water_bytes=high_water,
-            ack_wait_s=args.ack_wait,
-            retry_delay_s=args.retry_delay,
-            compile_layers=args.compile,
-            stall_after_s=args.stall_after,
-        )
-        return asyncio.run(run(cfg))
-    if args.command == "upload":
-        from uploader.config import UploaderConfig
-        from uploader.main import run
-
-        node = _node(args.node)
-        if not args.probe_every > 0:
-            raise HsxError(f"--probe-every must be a positive number of seconds, got {args.probe_every}")
-        cfg = UploaderConfig(
-            nats=nats,
-            job=args.job,
-            spool=args.spool.resolve(),
-            node=node,
-            instance=_instance(node),
-            max_inflight=args.max_inflight,
-            ack_wait_s=args.ack_wait,
-            probe_every_s=args.probe_every,
-        )
-        return asyncio.run(run(cfg))
-    if args.command == "monitor":
-        from monitor.config import MonitorConfig
-        from monitor.main import run
-
-        # auto: a person watching gets the bar, a pipe or a log shipper gets JSON lines.
-        output = args.format if args.format != "auto" else ("bar" if sys.stdout.isatty() else "json")
-        return asyncio.run(
-            run(
-                MonitorConfig(
-                    nats=nats,
-                    job=args.job,
-                    interval_s=args.interval,
-                    until_done=args.until_done,
-                    silent_after_s=args.silent_after,
-                    output=output,
-                    log_level=args.log_level,
-                    metrics_port=args.metrics_port,
-                    metrics_host=args.metrics_host,
-                )
-            )
-        )
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    nats = nats_settings(args)
+    if args.command in BUILDERS:
+        return run_service(BUILDERS[args.command](args, nats))
     if args.command == "status":
         from hsx.commands.status import format_status, read_status
 
@@ -654,9 +307,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         )
         return run_sync(cfg)
     if args.command == "up":
-        from hsx.commands.up import UpConfig, run_up
+        from hsx.commands.up import run_up
 
-        return run_up(UpConfig.from_args(args, nats=nats))
+        return run_up(UpConfig.from_args(parser, args, nats=nats))
     raise AssertionError(args.command)
 
 
@@ -705,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     configure_logging(level=args.log_level)
     try:
-        return _dispatch(args)
+        return _dispatch(parser, args)
     except HsxError as exc:
         print(f"hsx: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import structlog
 
-from hsx.config.settings import positive_int
+from hsx.config.settings import argparse_type
+from hsx.config.values import positive_int
 from hsx.errors import HsxError
 from hsx.logs import configure_logging
 
@@ -73,11 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, required=True, help="the job's model path")
     parser.add_argument("--dataset", type=Path, required=True, help="the job's dataset path")
     parser.add_argument(
-        "--samples", type=positive_int("--samples"), default=256, help="synthetic dataset size (default 256)"
+        "--samples",
+        type=argparse_type(positive_int("--samples")),
+        default=256,
+        help="synthetic dataset size (default 256)",
     )
     parser.add_argument(
         "--max-len",
-        type=positive_int("--max-len"),
+        type=argparse_type(positive_int("--max-len")),
         default=DEMO_MAX_LEN,
         help=f"the producer's --max-seq-len; samples are at most min(this, {DEMO_MAX_LEN}) tokens",
     )

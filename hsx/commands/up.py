@@ -10,26 +10,37 @@ resumes: the producer publishes nothing twice and only unfinished work runs. Ctr
 stops every process cleanly: workers finish their batch, then exit.
 """
 
+import argparse
 import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import structlog
 
+from gpu_consumer.config import ConsumerConfig
+from hsx.commands.child import order
 from hsx.commands.embedded import (
     NatsServer,
     build_tiny_model,
     start_nats_server,
     write_synthetic_dataset,
 )
+from hsx.commands.services import BUILDERS
+from hsx.config.fields import flag_fields, option
+from hsx.config.settings import build_config, resolve
+from hsx.config.values import positive_float, positive_int
 from hsx.errors import HsxError, JobFailed
 from hsx.model.devices import node_devices
+from hsx.storage.destinations import parse_dest
 from hsx.wire.natsconn import NatsSettings, redact_url
+from monitor.config import MonitorConfig
+from producer.config import ProducerConfig
+from uploader.config import UploaderConfig
 
 log = structlog.get_logger("hsx.up")
 
@@ -37,72 +48,141 @@ _MAX_RESTARTS = 5
 _STOP_DEADLINE_S = 90.0
 
 
+# The job settings `hsx up` gives other defaults than `hsx produce`, on purpose: a demo on a
+# laptop's CPU finishes in seconds with a small batch and short samples, and needs no flag at all.
+# model, dataset and dest default to what up makes in the workdir.
+UP_JOB_DEFAULTS = {"job": "demo", "layers": "1,3,5", "token_budget": 4096, "max_seq_len": 1024}
+UP_MADE = {"model": None, "dataset": None, "dest": None}
+
+
 @dataclass(frozen=True, kw_only=True)
 class UpConfig:
-    workdir: Path
-    job: str
-    nats: NatsSettings | None  # None: start an embedded nats-server
-    model: str | None
-    dataset: Path | None
-    layers: str
-    dtype: str
-    dest: str | None
-    consumers: int
-    uploaders: int
-    token_budget: int
-    max_seq_len: int
-    samples: int
-    device: str  # as given: cpu, cuda, cuda:N
-    devices: tuple[str, ...]  # the device of each consumer group, from --device and --devices (hsx/model/devices.py)
-    timeout_s: float
+    workdir: Path = option(
+        "--workdir", default=Path("hsx-demo"), parse=Path, help="state, store, spool, logs (default ./hsx-demo)"
+    )
+    consumers: int = option(
+        "--consumers",
+        default=1,
+        parse=positive_int("--consumers"),
+        help="consumers per device (default 1): --device cuda --consumers 2 on 4 GPUs starts 8",
+    )
+    uploaders: int = option("--uploaders", default=1, parse=positive_int("--uploaders"), help="default 1")
+    samples: int = option(
+        "--samples", default=256, parse=positive_int("--samples"), help="synthetic dataset size (default 256)"
+    )
+    device: str = option(
+        "--device",
+        default="cpu",
+        help="where the consumers run: cpu (default), cuda:N, or cuda for every visible GPU "
+        "(CUDA_VISIBLE_DEVICES honoured), one consumer per GPU",
+    )
+    gpus: str | None = option(
+        "--devices",
+        default=None,
+        metavar="LIST",
+        help="with --device cuda: only these GPUs, e.g. 0,2 (default: every visible GPU)",
+    )
+    compile_layers: bool = option(
+        "--compile", default=False, help="consumers torch.compile the decoder layers (hsx consume --compile)"
+    )
+    timeout_s: float = option(
+        "--timeout", default=3600.0, parse=positive_float("--timeout"), help="give up after this many seconds"
+    )
     log_level: str = "info"
-    on_long: str = "error"  # passed to hsx produce --on-long
-    compile_layers: bool = False  # passed to hsx consume --compile
-    trust_remote_code: bool = False  # passed to hsx produce --trust-remote-code
-    # The job file (--config or HSX_CONFIG), passed to every process started, so its [consume],
-    # [upload], [monitor] and [produce] settings apply to them; what up passes as a flag wins.
-    config_file: Path | None = None
+    nats: NatsSettings | None  # None: start a nats-server in the workdir (each child's nats is then replaced)
+    # What up starts, each config resolved here once (flag > env > job file > default) with the
+    # builders of its own command (hsx/commands/services.py) and passed to the child whole.
+    producer: ProducerConfig  # model, dataset and dest made in the workdir where not given
+    consumer: ConsumerConfig  # of every consumer, but for its device
+    uploader: UploaderConfig
+    monitor: MonitorConfig
+    make_model: bool  # no --model: a small random model in the workdir
+    make_dataset: bool  # no --dataset: --samples synthetic rows
+    devices: tuple[str, ...]  # the device of each consumer group, from --device and --devices (hsx/model/devices.py)
 
     @classmethod
-    def from_args(cls, args, *, nats: NatsSettings | None) -> "UpConfig":
-        return cls(
-            workdir=args.workdir.resolve(),
-            job=args.job,
+    def from_args(cls, parser, args: argparse.Namespace, *, nats: NatsSettings | None, environ=None) -> "UpConfig":
+        """From `hsx up`'s resolved flags; each child's other settings resolved from `environ`
+        (the process's), the job file and the defaults, as its own command would."""
+        environ = dict(os.environ if environ is None else environ)
+        # Every process up starts on this node names it `local` unless told otherwise.
+        environ.setdefault("HSX_NODE", "local")
+        workdir = args.workdir.resolve()
+        job = {field.name: getattr(args, field.name) for field, flag in flag_fields(ProducerConfig) if flag.job}
+        job["model"] = job["model"] or str(workdir / "model")
+        job["dataset"] = job["dataset"] or workdir / "dataset.jsonl"
+        job["dest"] = job["dest"] or parse_dest(str(workdir / "out"))
+        spool = workdir / "spool"
+        devices = tuple(node_devices(args.device, args.gpus))
+        stand_in = nats or NatsSettings(url="nats://embedded.invalid")  # replaced once the server runs
+
+        def child(command: str, **given):
+            namespace = argparse.Namespace(command=command, config=args.config, log_level=args.log_level, **given)
+            resolve(parser, namespace, environ)
+            return BUILDERS[command](namespace, stand_in)
+
+        return build_config(
+            cls,
+            args,
+            workdir=workdir,
             nats=nats,
-            model=args.model,
-            dataset=args.dataset,
-            layers=args.layers,
-            dtype=args.dtype,
-            dest=args.dest,
-            consumers=args.consumers,
-            uploaders=args.uploaders,
-            token_budget=args.token_budget,
-            max_seq_len=args.max_seq_len,
-            samples=args.samples,
-            device=args.device,
-            devices=tuple(node_devices(args.device, args.devices)),
-            timeout_s=args.timeout,
             log_level=args.log_level,
-            on_long=args.on_long,
-            compile_layers=args.compile,
-            trust_remote_code=args.trust_remote_code,
-            config_file=Path(args.config).resolve() if args.config else None,
+            producer=child("produce", **job),
+            consumer=child("consume", job=args.job, device=devices[0], spool=spool, compile_layers=args.compile_layers),
+            uploader=child("upload", job=args.job, spool=spool),
+            monitor=child("monitor", job=args.job, until_done=True, interval_s=2.0),
+            make_model=args.model is None,
+            make_dataset=args.dataset is None,
+            devices=devices,
         )
+
+
+def consumer_configs(cfg: UpConfig) -> list[tuple[str, ConsumerConfig]]:
+    """(name, config) of each consumer: `--consumers` per device, each process on its own device,
+    all on one spool (the node's uploaders read it). Each process names its own instance
+    (`<node>-<pid>`), so their heartbeats are told apart."""
+    per_device = [device for device in cfg.devices for _ in range(cfg.consumers)]
+    return [(f"consumer-{i}", replace(cfg.consumer, device=device)) for i, device in enumerate(per_device)]
 
 
 class Child:
     """One service process, its log file, and how often it was restarted."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path | None) -> None:
-        self.name, self.argv, self.env, self.log_path = name, argv, env, log_path
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], log_path: Path | None, *, stdin: bytes | None = None
+    ) -> None:
+        self.name, self.argv, self.env, self.log_path, self.stdin = name, argv, env, log_path, stdin
         self.restarts = 0
         self.process: subprocess.Popen | None = None
 
+    @classmethod
+    def of(cls, name: str, cfg, *, log_level: str, env: dict[str, str], log_path: Path | None) -> "Child":
+        """The service of `cfg`, in its own process, given the config whole (hsx/commands/child.py)."""
+        argv = [sys.executable, "-m", "hsx.commands.child"]
+        return cls(name, argv, env, log_path, stdin=order(cfg, log_level=log_level))
+
     def start(self) -> None:
         out = open(self.log_path, "ab") if self.log_path else None
-        self.process = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=out or None, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdin=subprocess.PIPE if self.stdin is not None else None,
+            stdout=out,
+            stderr=out or None,
+            start_new_session=True,
+        )
         if out:
             out.close()
+        if self.stdin is not None:
+            try:
+                self.process.stdin.write(self.stdin)
+            except BrokenPipeError:  # it died at once: poll() reports its exit code
+                pass
+            finally:
+                try:
+                    self.process.stdin.close()
+                except BrokenPipeError:
+                    pass
 
     def poll(self) -> int | None:
         return self.process.poll() if self.process else None
@@ -135,60 +215,6 @@ def hsx_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "hsx.cli", *args]
 
 
-def global_flags(cfg: UpConfig) -> list[str]:
-    """The flags before the command that every process up starts gets."""
-    return ["--log-level", cfg.log_level, *(["--config", str(cfg.config_file)] if cfg.config_file else [])]
-
-
-def produce_args(cfg: UpConfig, *, model: str, dataset: Path, dest: str) -> list[str]:
-    """`hsx produce` and its flags for this job, the model, dataset and destination resolved."""
-    return [
-        "produce",
-        "--job",
-        cfg.job,
-        "--model",
-        model,
-        "--dataset",
-        str(dataset),
-        "--layers",
-        cfg.layers,
-        "--dest",
-        dest,
-        "--dtype",
-        cfg.dtype,
-        "--token-budget",
-        str(cfg.token_budget),
-        "--max-seq-len",
-        str(cfg.max_seq_len),
-        "--on-long",
-        cfg.on_long,
-        *(["--trust-remote-code"] if cfg.trust_remote_code else []),
-    ]
-
-
-def consumer_args(cfg: UpConfig, *, spool: Path) -> list[tuple[str, list[str]]]:
-    """(name, `hsx consume` and its flags) of each consumer: `--consumers` per device, each process
-    on its own device, all on one spool (the node's uploaders read it). Each process names its
-    own instance (`<node>-<pid>`), so their heartbeats are told apart."""
-    per_device = [device for device in cfg.devices for _ in range(cfg.consumers)]
-    return [
-        (
-            f"consumer-{i}",
-            [
-                "consume",
-                "--job",
-                cfg.job,
-                "--device",
-                device,
-                "--spool",
-                str(spool),
-                *(["--compile"] if cfg.compile_layers else []),
-            ],
-        )
-        for i, device in enumerate(per_device)
-    ]
-
-
 def stop_all(children: list[Child]) -> None:
     deadline = time.monotonic() + _STOP_DEADLINE_S
     for child in children:
@@ -216,30 +242,27 @@ def run_up(cfg: UpConfig) -> int:
             server = start_nats_server(cfg.workdir / "nats", log_file=logs / "nats-server.log")
             nats = NatsSettings(url=server.url)
         log.info("nats_ready", url=redact_url(nats.url), embedded=server is not None)
-        model = cfg.model or str(build_tiny_model(cfg.workdir / "model"))
-        dataset = cfg.dataset
-        if dataset is None:
+        producer_cfg = replace(cfg.producer, nats=nats)
+        if cfg.make_model:
+            build_tiny_model(Path(producer_cfg.model))
+        if cfg.make_dataset:
             from hsx.model.modelinfo import load_model_info
 
-            info = load_model_info(model, trust_remote_code=cfg.trust_remote_code)
-            dataset = write_synthetic_dataset(
-                cfg.workdir / "dataset.jsonl",
+            info = load_model_info(producer_cfg.model, trust_remote_code=producer_cfg.trust_remote_code)
+            write_synthetic_dataset(
+                producer_cfg.dataset,
                 count=cfg.samples,
                 vocab_size=info.vocab_size,
-                max_len=min(512, cfg.max_seq_len),
+                max_len=min(512, producer_cfg.max_seq_len),
             )
-        dest = cfg.dest or str(cfg.workdir / "out")
-        env = {**os.environ, **nats.as_env(), "HSX_NODE": os.environ.get("HSX_NODE", "local"), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.consumers)))
-        common = global_flags(cfg)
 
-        producer = Child(
-            "producer",
-            hsx_argv(*common, *produce_args(cfg, model=model, dataset=dataset, dest=dest)),
-            env,
-            logs / "producer.log",
-        )
+        def service(name: str, service_cfg, log_path: Path | None) -> Child:
+            return Child.of(name, replace(service_cfg, nats=nats), log_level=cfg.log_level, env=env, log_path=log_path)
+
+        producer = service("producer", producer_cfg, logs / "producer.log")
         producer.start()
         while producer.poll() is None:
             if interrupted:
@@ -248,31 +271,22 @@ def run_up(cfg: UpConfig) -> int:
             time.sleep(0.1)
         if producer.poll() != 0:
             raise HsxError(f"producer failed: {producer.last_error()} (log: {producer.log_path})")
-        log.info("job_published", job=cfg.job, dest=dest)
+        log.info("job_published", job=producer_cfg.job, dest=producer_cfg.dest)
 
-        spool = cfg.workdir / "spool"
-        consumers = consumer_args(cfg, spool=spool)
+        consumers = consumer_configs(cfg)
         log.info(
             "consumers_planned",
             devices=list(cfg.devices),
             per_device=cfg.consumers,
-            consumers={name: args[args.index("--device") + 1] for name, args in consumers},
+            consumers={name: consumer.device for name, consumer in consumers},
         )
-        workers = [Child(name, hsx_argv(*common, *args), env, logs / f"{name}.log") for name, args in consumers] + [
-            Child(
-                f"uploader-{i}",
-                hsx_argv(*common, "upload", "--job", cfg.job, "--spool", str(spool)),
-                env,
-                logs / f"uploader-{i}.log",
-            )
-            for i in range(cfg.uploaders)
+        workers = [service(name, consumer, logs / f"{name}.log") for name, consumer in consumers] + [
+            service(f"uploader-{i}", cfg.uploader, logs / f"uploader-{i}.log") for i in range(cfg.uploaders)
         ]
-        monitor = Child(
-            "monitor", hsx_argv(*common, "monitor", "--job", cfg.job, "--until-done", "--interval", "2"), env, None
-        )
+        monitor = service("monitor", cfg.monitor, None)
         children = workers + [monitor]
-        for child in children:
-            child.start()
+        for process in children:
+            process.start()
 
         started = time.monotonic()
         while True:
@@ -284,7 +298,7 @@ def run_up(cfg: UpConfig) -> int:
                 break
             if time.monotonic() - started > cfg.timeout_s:
                 raise HsxError(
-                    f"job {cfg.job} not done after --timeout {cfg.timeout_s:.0f} s; run hsx up again to resume"
+                    f"job {cfg.producer.job} not done after --timeout {cfg.timeout_s:.0f} s; run hsx up again to resume"
                 )
             for child in workers:
                 code = child.poll()
@@ -301,18 +315,18 @@ def run_up(cfg: UpConfig) -> int:
 
         from hsx.commands.status import format_status, read_status
 
-        view = asyncio.run(read_status(nats, cfg.job))
+        view = asyncio.run(read_status(nats, cfg.producer.job))
         print(format_status(view, as_json=False), flush=True)
         if monitor.poll() != 0 or not view.done:
             if view.destination_error:
                 # Stopping the uploaders leaves their files in the spool: a run after the fix resumes.
                 raise JobFailed(
-                    f"job {cfg.job} stopped with {view.total_samples - view.samples_uploaded} samples not "
+                    f"job {cfg.producer.job} stopped with {view.total_samples - view.samples_uploaded} samples not "
                     f"uploaded: {view.failure_reason}; fix it and run hsx up again to resume"
                 )
             raise JobFailed(
-                f"job {cfg.job} finished without {view.total_samples - view.samples_uploaded} samples; "
-                f"dead samples: {view.dead_samples[:50]} (hsx status --job {cfg.job})"
+                f"job {cfg.producer.job} finished without {view.total_samples - view.samples_uploaded} samples; "
+                f"dead samples: {view.dead_samples[:50]} (hsx status --job {cfg.producer.job})"
             )
         return 0
     finally:

@@ -19,22 +19,6 @@ from pathlib import Path
 
 from hsx.errors import HsxError
 
-# Flags that define the job (what the producer records in the job spec), by argparse dest, and
-# their key in [job]. Every command that has one of these flags reads it from [job].
-_JOB_KEYS = {
-    "job": "name",
-    "model": "model",
-    "dataset": "dataset",
-    "layers": "layers",
-    "dtype": "dtype",
-    "dest": "dest",
-    "token_budget": "token_budget",
-    "max_seq_len": "max_seq_len",
-    "max_batch_size": "max_batch_size",
-    "on_long": "on_long",
-    "trust_remote_code": "trust_remote_code",
-}
-
 
 @dataclass(frozen=True, order=True)
 class Place:
@@ -52,19 +36,19 @@ class Place:
         return f"[{self.table}] {self.key}" if self.table else self.key
 
 
-def place_of(command: str, dest: str, *, of_a_job: bool) -> Place:
-    """The place of flag `dest` of `command` ("" for the global flags before the command).
-    `of_a_job`: the command works on a job (it has --job), so the job's settings come from [job];
-    another command's --dest (hsx sync) is its own, in its own table."""
+def place_of(command: str, key: str, *, job_key: str | None) -> Place:
+    """The place of the flag whose name is `key` (`token_budget` for --token-budget) in `command`
+    ("" for the global flags before the command). `job_key`: the flag defines the job, so it is
+    read from [job] under that key; another command's --dest (hsx sync) is its own, in its table."""
     if not command:
-        return Place("", dest)
-    if dest == "nats":
+        return Place("", key)
+    if key == "nats":
         return Place("nats", "url")
-    if dest.startswith("nats_"):
-        return Place("nats", dest.removeprefix("nats_"))
-    if of_a_job and dest in _JOB_KEYS:
-        return Place("job", _JOB_KEYS[dest])
-    return Place(command, dest)
+    if key.startswith("nats_"):
+        return Place("nats", key.removeprefix("nats_"))
+    if job_key:
+        return Place("job", job_key)
+    return Place(command, key)
 
 
 def read_toml(path: Path, *, given_by: str) -> dict:

@@ -1,8 +1,11 @@
 """Which value each flag takes, and where it came from: flag > environment > config file > default.
 
-hsx/commands/cli.py declares the flags on a `Parser` (argparse, with its public methods only),
-names the environment variable of a flag (`declare_env`), the redaction of a secret one
-(`declare_secret`) and the flags a file may not set (`declare_command_line_only`). A `Parser`
+A service's flags are declared on its config class (hsx/config/fields.py); `add_config_flags`
+puts them on a `Parser` (argparse, with its public methods only) and `build_config` makes the
+config from the resolved values. The few flags of the other commands are declared in
+hsx/commands/cli.py, with the environment variable of a flag (`declare_env`), the redaction of a
+secret one (`declare_secret`), the [job] key of one that defines the job (`declare_job`) and the
+flags a file may not set (`declare_command_line_only`). A `Parser`
 keeps each flag's declared default and whether it is required for `resolve`, and gives argparse
 its "absent" sentinel instead, so that after parsing, a flag in the namespace is one that was
 given; it also lists its own flags, subcommands and exclusive groups, which argparse has no
@@ -15,6 +18,7 @@ the file, table and key; a secret's value is never quoted, and `describe` shows 
 """
 
 import argparse
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -23,14 +27,10 @@ from pathlib import Path
 
 from hsx.config import configfile
 from hsx.config.configfile import Place
+from hsx.config.fields import Flag, flag_fields
 from hsx.errors import HsxError
 
 _CONFIG_DEST = "config"  # the global --config: where the file is; it is resolved before the file is read
-
-
-def hide(_value: str) -> str:
-    """The redaction of a secret with nothing in it worth showing (a password, a token)."""
-    return "***"
 
 
 def declare_env(parser: argparse.ArgumentParser, **variables: str) -> None:
@@ -50,6 +50,76 @@ def declare_command_line_only(parser: argparse.ArgumentParser, *dests: str) -> N
     """Flags a config file may not set."""
     for dest in dests:
         _action(parser, dest).hsx_in_file = False
+
+
+def declare_job(parser: argparse.ArgumentParser, **keys: str) -> None:
+    """Flag dest -> its key in the file's [job] table: the flag defines the job, so every command
+    that has it reads it from [job] (`--job` is [job] name)."""
+    for dest, key in keys.items():
+        _action(parser, dest).hsx_job_key = key
+
+
+def add_config_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    *,
+    defaults: Mapping[str, object] | None = None,
+    only: Callable[[Flag], bool] = lambda _flag: True,
+) -> None:
+    """The flags of config class `cls` (hsx/config/fields.py) on `parser`, each with the field's
+    name as its dest, so that `build_config` finds it. `defaults` gives a field another default
+    on this command, on purpose (and makes a required one optional); `only` picks the flags."""
+    defaults = defaults or {}
+    for field, flag in flag_fields(cls):
+        if not only(flag):
+            continue
+        kwargs: dict = {"dest": field.name, "help": flag.help}
+        if flag.metavar or not (flag.choices or field.type is bool):
+            kwargs["metavar"] = flag.metavar or flag.name.removeprefix("--").replace("-", "_").upper()
+        if field.name in defaults:
+            kwargs["default"] = defaults[field.name]
+        elif field.default is dataclasses.MISSING:
+            kwargs["default"], kwargs["required"] = None, True
+        else:
+            kwargs["default"] = field.default
+        if field.type is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = argparse_type(flag.parse) if flag.parse else None
+            kwargs["choices"] = flag.choices
+        action = parser.add_argument(flag.name, **kwargs)
+        action.hsx_key = flag.key
+        if flag.env:
+            action.hsx_env = flag.env
+        if flag.secret:
+            action.hsx_redact = flag.secret
+        if flag.command_line_only:
+            action.hsx_in_file = False
+        if flag.job:
+            action.hsx_job_key = flag.key
+
+
+def build_config(cls: type, args: argparse.Namespace, **given: object):
+    """Config class `cls` from the resolved flags in `args`, and `given` for its fields that are
+    not flags (the NATS connection) or that the entry point finishes (a spool made absolute)."""
+    values = {field.name: getattr(args, field.name) for field, _ in flag_fields(cls) if field.name not in given}
+    return cls(**values, **given)
+
+
+def argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """`parse` as argparse calls a type: an HsxError becomes argparse's one-line flag error."""
+    if parse in (int, float):
+        return parse
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except HsxError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")  # argparse's "invalid <name> value"
+    convert.expects = getattr(parse, "expects", None)
+    return convert
 
 
 class Parser(argparse.ArgumentParser):
@@ -79,6 +149,7 @@ class Parser(argparse.ArgumentParser):
         # argparse gets its "absent" sentinel, so a flag in the namespace is one that was given;
         # the declared default (argparse's own for store_true and the like) is kept for `resolve`.
         action.hsx_default, action.hsx_required = action.default, required
+        action.hsx_key = _flag(action).removeprefix("--").replace("-", "_")  # its key in the job file
         action.default = argparse.SUPPRESS
         if isinstance(action.help, str) and "%(default)s" in action.help:
             action.help = action.help.replace("%(default)s", str(action.hsx_default).replace("%", "%%"))
@@ -165,11 +236,10 @@ def resolve(
     # hsx up hands the file on to the processes it starts.
     setattr(args, _CONFIG_DEST, str(config_file) if config_file else None)
     settings, missing = [], []
-    of_a_job = _tables_of_a_job(parser)
     for table, action in ((table, action) for table, sub in path for action in _flags(sub)):
         if action.dest == _CONFIG_DEST:
             continue
-        place = configfile.place_of(table, action.dest, of_a_job=table in of_a_job)
+        place = _place(table, action)
         variable = getattr(action, "hsx_env", None)
         if action.dest in vars(args):
             value, source = getattr(args, action.dest), "flag"
@@ -268,9 +338,8 @@ def command_names(parser: Parser) -> list[str]:
     return list(parser.hsx_commands)
 
 
-def _tables_of_a_job(parser: Parser) -> set[str]:
-    """The top-level commands that take --job somewhere (`dead` through `dead list`)."""
-    return {table for table, sub in _all_parsers(parser, "") if table and any(a.dest == "job" for a in _flags(sub))}
+def _place(table: str, action: argparse.Action) -> Place:
+    return configfile.place_of(table, action.hsx_key, job_key=getattr(action, "hsx_job_key", None))
 
 
 def _chosen_path(parser: Parser, args: argparse.Namespace) -> tuple[list[str], list[tuple[str, Parser]]]:
@@ -318,10 +387,9 @@ def file_layout(parser: argparse.ArgumentParser) -> tuple[dict[Place, argparse.A
     share it); and the flags a file may not set, by the place they would have."""
     layout: dict[Place, argparse.Action] = {}
     command_line_only: dict[Place, str] = {}
-    of_a_job = _tables_of_a_job(parser)
     for table, sub in _all_parsers(parser, ""):
         for action in _flags(sub):
-            place = configfile.place_of(table, action.dest, of_a_job=table in of_a_job)
+            place = _place(table, action)
             if _in_file(action):
                 layout.setdefault(place, action)
             else:
@@ -357,7 +425,7 @@ def _kind(action: argparse.Action) -> str:
         return "bool"  # store_true and the like
     if action.type is int or getattr(action.type, "expects", None) is int:
         return "int"
-    if action.type is float:
+    if action.type is float or getattr(action.type, "expects", None) is float:
         return "float"
     return "text"
 
@@ -426,19 +494,3 @@ def _quote(action: argparse.Action, value: object) -> str:
 
 def _unless_secret(action: argparse.Action, message: str) -> str:
     return "not a valid value (not shown: secret)" if getattr(action, "hsx_redact", None) is not None else message
-
-
-def positive_int(flag: str):
-    """An argparse type for a positive integer flag; its error names the flag."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{flag} must be positive, got {value}")
-        return value
-
-    parse.expects = int  # a config file must give a TOML integer, not "16384"
-    return parse

@@ -13,7 +13,7 @@ from hsx.wire.schemas import LayerSelector
 FINAL = "final"
 
 
-def parse_layers(text: str) -> list[LayerSelector]:
+def parse_layers(text: str) -> tuple[LayerSelector, ...]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise HsxError("--layers is empty: give 0-based decoder layer indices, e.g. --layers 1,3,5 (or 'final')")
@@ -28,7 +28,7 @@ def parse_layers(text: str) -> list[LayerSelector]:
             raise HsxError(
                 f"--layers: {item!r} is not a layer index (0-based integers, e.g. 1,3,5 or -1, or 'final')"
             ) from None
-    return layers
+    return tuple(layers)
 
 
 def resolve_layers(layers: list[LayerSelector], num_layers: int, *, model: str) -> list[LayerSelector]:

@@ -14,6 +14,7 @@ self-describing. The tensors themselves (dtypes, float8 scaling) are hsx/storage
 import json
 import re
 
+from hsx.errors import HsxError
 from hsx.wire.schemas import LayerSelector
 
 FORMAT_VERSION = "2"  # 2: `checksum` is the sha256 of the data section (hsx.storage.samplefile)
@@ -24,6 +25,15 @@ LAYER_CONVENTION = "decoder_layer_output"
 
 
 FLOAT8 = "float8_e4m3"
+# --dtype: what a job's files hold; float8 is stored as FLOAT8, e4m3 with a per-token scale.
+DTYPE_CHOICES = ("bfloat16", "float16", "float32", "float8")
+
+
+def stored_dtype(name: str) -> str:
+    """The --dtype choice as the job spec and the files name it."""
+    if name not in DTYPE_CHOICES:
+        raise HsxError(f"expected one of {', '.join(DTYPE_CHOICES)}, got {json.dumps(name)}")
+    return FLOAT8 if name == "float8" else name
 
 
 def sample_key(job: str, sample_index: int) -> str:

@@ -11,7 +11,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 import nats
@@ -19,6 +19,8 @@ import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 
+from hsx.config.fields import flag_fields, option
+from hsx.config.values import hide, path_not_contents
 from hsx.errors import HsxError
 
 log = structlog.get_logger("hsx.nats")
@@ -32,14 +34,42 @@ OUTAGE_RETRY_S = 120.0
 
 @dataclass(frozen=True, kw_only=True)
 class NatsSettings:
-    url: str = field(default=DEFAULT_NATS_URL, repr=False)
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    token: str | None = field(default=None, repr=False)
-    creds_file: str | None = None
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
+    """The connection; its flags are declared here once for every command (hsx/config/fields.py)."""
+
+    url: str = option(
+        "--nats",
+        default=DEFAULT_NATS_URL,
+        env="HSX_NATS_URL",
+        secret=lambda url: redact_url(url),
+        help="NATS server URL(s), comma-separated (env HSX_NATS_URL, default %(default)s)",
+    )
+    user: str | None = option("--nats-user", default=None, env="HSX_NATS_USER", help="env HSX_NATS_USER")
+    password: str | None = option(
+        "--nats-password", default=None, env="HSX_NATS_PASSWORD", secret=hide, help="env HSX_NATS_PASSWORD"
+    )
+    token: str | None = option(
+        "--nats-token", default=None, env="HSX_NATS_TOKEN", secret=hide, help="env HSX_NATS_TOKEN"
+    )
+    creds_file: str | None = option(
+        "--nats-creds",
+        default=None,
+        env="HSX_NATS_CREDS",
+        parse=path_not_contents("--nats-creds"),
+        help="credentials file (JWT + nkey), env HSX_NATS_CREDS",
+    )
+    tls_ca: str | None = option(
+        "--nats-tls-ca", default=None, env="HSX_NATS_TLS_CA", help="CA bundle, env HSX_NATS_TLS_CA"
+    )
+    tls_cert: str | None = option(
+        "--nats-tls-cert", default=None, env="HSX_NATS_TLS_CERT", help="client certificate, env HSX_NATS_TLS_CERT"
+    )
+    tls_key: str | None = option(
+        "--nats-tls-key",
+        default=None,
+        env="HSX_NATS_TLS_KEY",
+        parse=path_not_contents("--nats-tls-key"),
+        help="client key, env HSX_NATS_TLS_KEY",
+    )
     connect_timeout_s: float = 3.0
 
     def __repr__(self) -> str:  # the URL may carry a password
@@ -47,16 +77,7 @@ class NatsSettings:
 
     def as_env(self) -> dict[str, str]:
         """The settings as the HSX_NATS_* variables the CLI reads, for child processes."""
-        values = {
-            "HSX_NATS_URL": self.url,
-            "HSX_NATS_USER": self.user,
-            "HSX_NATS_PASSWORD": self.password,
-            "HSX_NATS_TOKEN": self.token,
-            "HSX_NATS_CREDS": self.creds_file,
-            "HSX_NATS_TLS_CA": self.tls_ca,
-            "HSX_NATS_TLS_CERT": self.tls_cert,
-            "HSX_NATS_TLS_KEY": self.tls_key,
-        }
+        values = {flag.env: getattr(self, field.name) for field, flag in flag_fields(NatsSettings)}
         return {name: value for name, value in values.items() if value is not None}
 
     def connect_options(self) -> dict:

@@ -88,6 +88,11 @@ def check_name(value: str, what: str) -> str:
     return value
 
 
+def job_name(text: str) -> str:
+    """The parser of --job."""
+    return check_name(text, "--job")
+
+
 def node_name(raw: str) -> str:
     """A host name made safe as a subject token (dots and other characters become '-')."""
     return re.sub(r"[^A-Za-z0-9_-]", "-", raw)[:64] or "node"

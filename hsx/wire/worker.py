@@ -21,6 +21,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from hsx.config.fields import option
+from hsx.config.values import positive_float
 from hsx.wire import schemas, topology
 from hsx.wire.events import (
     EventPublisher,
@@ -31,20 +33,38 @@ from hsx.wire.events import (
 from hsx.wire.jobs import wait_for_job_spec
 from hsx.wire.lifecycle import stop_event_on_signals
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
+from hsx.wire.topology import job_name
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
-    """The settings every spooling worker (consumer, uploader) has."""
+    """The settings every spooling worker (consumer, uploader) has; its flags are declared here
+    once for both (hsx/config/fields.py)."""
 
     nats: NatsSettings
-    job: str
-    spool: Path
-    node: str
-    instance: str  # unique per process across machines (hsx/commands/cli.py)
+    instance: str  # unique per process across machines: named by the process itself (hsx/commands/services.py)
+    job: str = option("--job", parse=job_name, job=True, file_key="name", help="the job to work on")
+    # The entry point makes it absolute.
+    spool: Path = option(
+        "--spool",
+        default=Path("hsx-spool"),
+        parse=Path,
+        env="HSX_SPOOL",
+        help="local spool directory for finished files; the uploaders of this node read the same one "
+        "(env HSX_SPOOL, default ./hsx-spool)",
+    )
+    # None: the entry point names the node after the host.
+    node: str = option(
+        "--node", default=None, env="HSX_NODE", help="this node's name (env HSX_NODE, default the host name)"
+    )
     # How long a message may go without a sign of life before JetStream redelivers it; the
     # durable holds it, so it is shared by every worker of the job. in_progress() is sent well inside it.
-    ack_wait_s: float = 60.0
+    ack_wait_s: float = option(
+        "--ack-wait",
+        default=60.0,
+        parse=positive_float("--ack-wait"),
+        help="seconds without a sign of life before JetStream redelivers a message (default 60)",
+    )
     heartbeat_s: float = 5.0
     idle_fetch_timeout_s: float = 1.0
 

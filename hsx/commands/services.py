@@ -1,0 +1,110 @@
+"""Each service's frozen config, from the resolved flags of its command, and running it.
+
+The flags themselves are declared on the config classes (hsx/config/fields.py). What is finished
+here is what no flag says alone: the node named after the host, the process's own instance, the
+spool made absolute and created, the high-water mark `auto` measured on the spool's disk, the
+monitor's `auto` format. `hsx consume` and `hsx up` (for each consumer it starts) build a
+consumer's config with the same function.
+"""
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import socket
+import sys
+
+from gpu_consumer.config import ConsumerConfig
+from hsx.config.settings import build_config
+from hsx.config.values import parse_size
+from hsx.storage.fsutil import free_bytes, make_private_dirs
+from hsx.wire.natsconn import NatsSettings
+from hsx.wire.topology import node_name
+from hsx.wire.worker import WorkerConfig
+from monitor.config import MonitorConfig
+from producer.config import ProducerConfig
+from uploader.config import UploaderConfig
+
+ServiceConfig = ProducerConfig | ConsumerConfig | UploaderConfig | MonitorConfig
+
+# The command that runs each service, as `hsx up` names its children.
+COMMANDS: dict[type, str] = {
+    ProducerConfig: "produce",
+    ConsumerConfig: "consume",
+    UploaderConfig: "upload",
+    MonitorConfig: "monitor",
+}
+
+
+def nats_settings(args: argparse.Namespace) -> NatsSettings | None:
+    """The connection of a command with NATS flags; None for one without, or for `hsx up` with no
+    --nats (it starts its own server)."""
+    if not getattr(args, "url", None):
+        return None
+    return build_config(NatsSettings, args)
+
+
+def process_instance(node: str) -> str:
+    """Unique per process across machines and containers: every container's first process has
+    the same pid, and a scaled compose service shares its node name."""
+    host = socket.gethostname().split(".")[0]
+    return f"{node}-{os.getpid()}" if host == node else f"{node}-{host}-{os.getpid()}"
+
+
+def _worker_fields(args: argparse.Namespace) -> dict:
+    node = node_name(args.node or socket.gethostname())
+    spool = args.spool.resolve()
+    make_private_dirs(spool)
+    return {"node": node, "instance": process_instance(node), "spool": spool}
+
+
+def producer_config(args: argparse.Namespace, nats: NatsSettings) -> ProducerConfig:
+    return build_config(ProducerConfig, args, nats=nats)
+
+
+def consumer_config(args: argparse.Namespace, nats: NatsSettings) -> ConsumerConfig:
+    worker = _worker_fields(args)
+    high_water = args.spool_high_water_bytes
+    if high_water == "auto":
+        high_water = free_bytes(worker["spool"]) // 2
+    elif isinstance(high_water, str):  # "200G", as written: checked when it was parsed
+        high_water = parse_size(high_water, "--spool-high-water")
+    return build_config(ConsumerConfig, args, nats=nats, spool_high_water_bytes=high_water, **worker)
+
+
+def uploader_config(args: argparse.Namespace, nats: NatsSettings) -> UploaderConfig:
+    return build_config(UploaderConfig, args, nats=nats, **_worker_fields(args))
+
+
+def monitor_config(args: argparse.Namespace, nats: NatsSettings) -> MonitorConfig:
+    # auto: a person watching gets the bar, a pipe or a log shipper gets JSON lines.
+    output = args.output if args.output != "auto" else ("bar" if sys.stdout.isatty() else "json")
+    return build_config(MonitorConfig, args, nats=nats, output=output, log_level=args.log_level)
+
+
+BUILDERS = {
+    "produce": producer_config,
+    "consume": consumer_config,
+    "upload": uploader_config,
+    "monitor": monitor_config,
+}
+
+
+def in_this_process(cfg: ServiceConfig) -> ServiceConfig:
+    """A worker's config built by another process (`hsx up`) with this process's own instance."""
+    if isinstance(cfg, WorkerConfig):
+        return dataclasses.replace(cfg, instance=process_instance(cfg.node))
+    return cfg
+
+
+def run_service(cfg: ServiceConfig) -> int:
+    """Runs the service of `cfg` until it stops; its exit code."""
+    if isinstance(cfg, ProducerConfig):
+        from producer.main import run
+    elif isinstance(cfg, ConsumerConfig):
+        from gpu_consumer.main import run
+    elif isinstance(cfg, UploaderConfig):
+        from uploader.main import run
+    else:
+        from monitor.main import run
+    return asyncio.run(run(cfg))

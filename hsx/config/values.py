@@ -1,0 +1,100 @@
+"""Parsers of flag values: text (from the command line, the environment or the job file) to a
+value, or a one-line HsxError that names the flag. hsx/config/fields.py declares which flag
+uses which; `expects` on a parser says what TOML type a job file must give."""
+
+from collections.abc import Callable
+
+from hsx.errors import HsxError
+
+
+def hide(_value: str) -> str:
+    """The redaction of a secret with nothing in it worth showing (a password, a token)."""
+    return "***"
+
+
+def positive_int(flag: str) -> Callable[[str], int]:
+    """The parser of a positive integer flag; its error names the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise HsxError(f"{flag} must be an integer, got {text!r}") from None
+        if value <= 0:
+            raise HsxError(f"{flag} must be positive, got {value}")
+        return value
+
+    parse.expects = int  # a config file must give a TOML integer, not "16384"
+    return parse
+
+
+def positive_float(flag: str, unit: str = "seconds") -> Callable[[str], float]:
+    """The parser of a positive number flag (a duration in `unit`); its error names the flag."""
+
+    def parse(text: str) -> float:
+        value = float(text)  # a ValueError: "expected a number" / argparse's "invalid float value"
+        if not 0 < value < float("inf"):
+            raise HsxError(f"{flag} must be a positive number of {unit}, got {text}")
+        return value
+
+    parse.expects = float
+    parse.__name__ = "float"
+    return parse
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """A byte count: 1048576, 500G, 2T (binary units; a trailing B or iB is allowed)."""
+    raw = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = raw[-1] if raw and raw[-1] in _SIZE_UNITS else ""
+    try:
+        value = float(raw[: len(raw) - len(unit)]) * _SIZE_UNITS[unit]
+    except ValueError:
+        raise HsxError(f"{flag} {text!r}: not a size (e.g. 500G, 2T, 1048576)") from None
+    if value <= 0:
+        raise HsxError(f"{flag} {text!r}: must be positive")
+    return int(value)
+
+
+def size_or_auto(flag: str) -> Callable[[str], str]:
+    """A byte count as written (checked with parse_size, so `hsx config show` shows "200G"), or
+    "auto" for the entry point to measure."""
+
+    def parse(text: str) -> str:
+        if text.strip().lower() == "auto":
+            return "auto"
+        parse_size(text, flag)
+        return text
+
+    return parse
+
+
+def port(flag: str, *, off: int | None = None) -> Callable[[str], int]:
+    """A TCP port number; `off` (0) is allowed too and means no listener."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise HsxError(f"{flag} must be a port number, got {text!r}") from None
+        low = 0 if off == 0 else 1
+        if not low <= value <= 65535:
+            raise HsxError(f"{flag} must be {'0 (off) to' if off == 0 else '1 to'} 65535, got {value}")
+        return value
+
+    parse.expects = int
+    return parse
+
+
+def path_not_contents(flag: str) -> Callable[[str], str]:
+    """A file path flag that must never hold the file's contents: a pasted credentials file or key
+    would then be shown as a value. The error does not quote the value."""
+
+    def parse(text: str) -> str:
+        if "\n" in text or "-----BEGIN" in text:
+            raise HsxError(f"{flag} takes the path of a file, not the file's contents")
+        return text
+
+    return parse
