@@ -16,7 +16,9 @@ MONITOR_FORMATS = ("auto", "bar", "json")
 class MonitorConfig:
     nats: NatsSettings
     log_level: str = "info"  # the global --log-level
-    job: str = option("--job", parse=job_name, job=True, file_key="name", help="the job to follow")
+    job: str = option(
+        "--job", parse=job_name, job=True, file_key="name", example="qwen27b-l5", help="the job to follow"
+    )
     until_done: bool = option("--until-done", default=False, help="exit 0 when done, 1 when it cannot finish")
     interval_s: float = option(
         "--interval", default=5.0, parse=positive_float("--interval"), help="seconds between readings (default 5)"

@@ -26,13 +26,20 @@ class ProducerConfig:
         parse=job_name,
         job=True,
         file_key="name",
+        example="qwen27b-l5",
         help="the job's name: it scopes subjects, consumers, the job spec and the output keys",
     )
-    model: str = option("--model", job=True, help="a local model folder or an id in the local Hugging Face cache")
+    model: str = option(
+        "--model",
+        job=True,
+        example="/models/Qwen3-27B",
+        help="a local model folder or an id in the local Hugging Face cache",
+    )
     dataset: Path = option(
         "--dataset",
         parse=Path,
         job=True,
+        example="data.parquet",
         help="JSONL/Parquet file or datasets save_to_disk folder: input_ids rows or chat messages rows",
     )
     # As given: resolved against the model's depth by the producer.
@@ -40,12 +47,14 @@ class ProducerConfig:
         "--layers",
         parse=parse_layers,
         job=True,
+        example="1,16,31,46,61",
         help="0-based decoder layer indices, e.g. 1,16,31 (-1 = last; final = after the final norm)",
     )
     dest: str = option(
         "--dest",
         parse=parse_dest,
         job=True,
+        example="s3://bucket/hidden-states",
         help="where the sample files go: s3://bucket/prefix, file:///dir or a path",
     )
     dtype: str = option(
@@ -70,6 +79,7 @@ class ProducerConfig:
         default=None,
         parse=positive_int("--max-batch-size"),
         job=True,
+        example=64,
         help="samples per batch at most (default: no limit besides --token-budget)",
     )
     on_long: str = option(
@@ -93,6 +103,7 @@ class ProducerConfig:
         default=None,
         parse=positive_int("--replicas"),
         env="HSX_REPLICAS",
+        example=3,
         help="servers of a JetStream cluster that hold each hsx stream and bucket, e.g. 3 "
         "(env HSX_REPLICAS; default: keep what exists, 1 when creating)",
     )

@@ -28,9 +28,10 @@ from hsx.config.settings import (
     declare_job,
     declare_secret,
     describe,
+    example_file,
     resolve,
 )
-from hsx.config.values import hide, positive_int
+from hsx.config.values import count, hide, positive_int
 from hsx.errors import HsxError
 from hsx.logs import configure_logging
 from hsx.wire.natsconn import NatsSettings, redact_url
@@ -56,7 +57,7 @@ def _add_nats(parser: argparse.ArgumentParser, *, embedded: bool = False) -> Non
 
 def _add_job(parser: argparse.ArgumentParser) -> None:
     """--job of a command that reads a job's state (status, dead, verify, ...): [job] name in a file."""
-    parser.add_argument("--job", type=_job_name, required=True)
+    parser.add_argument("--job", type=_job_name, required=True, example="qwen27b-l5")
     declare_job(parser, job="name")
 
 
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         default=None,
         help="job file (TOML) with settings per command: flag > env > file > default "
-        "(env HSX_CONFIG; none unless given; see hsx.toml.example, hsx config show)",
+        "(env HSX_CONFIG; none unless given; hsx config example writes one; hsx config show)",
     )
     parser.add_argument(
         "--log-level",
@@ -130,13 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job(verify)
     verify.add_argument(
         "--recompute",
-        type=positive_int("--recompute"),
+        type=count("--recompute"),
         default=0,
         metavar="K",
         help="also recompute K random samples on the CPU and compare (loads the model)",
     )
     verify.add_argument(
-        "--seed", type=int, default=None, help="seed for choosing the recomputed samples (default: random, reported)"
+        "--seed",
+        type=int,
+        default=None,
+        example=1234,
+        help="seed for choosing the recomputed samples (default: random, reported)",
     )
     verify.add_argument(
         "--workers", type=positive_int("--workers"), default=16, help="objects read at once (default 16)"
@@ -175,10 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         "sync", help="upload a directory (e.g. checkpoints) to a destination, again every --every"
     )
     sync.add_argument("path", type=Path, metavar="PATH", help="the directory whose files are uploaded")
-    sync.add_argument("--dest", required=True, help="s3://bucket/prefix, file:///dir or a path")
+    sync.add_argument(
+        "--dest", required=True, example="s3://bucket/checkpoints", help="s3://bucket/prefix, file:///dir or a path"
+    )
     sync.add_argument("--prefix", default="", help="key prefix under --dest (default: none)")
     passes = sync.add_mutually_exclusive_group(required=True)
-    passes.add_argument("--every", help="time from one pass's start to the next, e.g. 30m, 2h, 90s")
+    passes.add_argument("--every", example="30m", help="time from one pass's start to the next, e.g. 30m, 2h, 90s")
     passes.add_argument("--once", action="store_true", help="one pass, then exit (1 if a file could not be uploaded)")
     sync.add_argument(
         "--retries",
@@ -241,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the command and any of its own flags, e.g. consume --device cuda:1",
     )
     declare_command_line_only(show, "json")
+    config_commands.add_parser(
+        "example",
+        help="print a job file with every key a file may set, commented out, with its flag, help and "
+        "default: hsx config example > hsx.toml",
+    )
 
     return parser
 
@@ -350,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "config" and args.config_command == "example":
+            print(example_file(parser), end="")
+            return 0
         if args.command == "config":
             return _show_config(parser, args)
         resolve(parser, args, os.environ)

@@ -80,6 +80,7 @@ class UpConfig:
         "--devices",
         default=None,
         metavar="LIST",
+        example="0,2",
         help="with --device cuda: only these GPUs, e.g. 0,2 (default: every visible GPU)",
     )
     compile_layers: bool = option(

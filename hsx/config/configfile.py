@@ -19,6 +19,34 @@ from pathlib import Path
 
 from hsx.errors import HsxError
 
+# The top of `hsx config example` (hsx/config/settings.py writes the keys from the flags).
+EXAMPLE_HEADER = (
+    "# A job file: `hsx --config hsx.toml COMMAND` (or HSX_CONFIG=hsx.toml hsx COMMAND).",
+    "# Made by `hsx config example` from the flags themselves: every key a file may set, commented",
+    "# out, with its flag, help and default (or an example value where there is no default).",
+    "#",
+    "# Every key is a long flag name (`_` or `-`), in the table of its command, except what several",
+    "# commands share: [nats] (the connection) and [job] (what defines the job). A value means",
+    "# exactly what it means on the command line (relative paths are relative to the working",
+    "# directory, not to this file).",
+    "#",
+    "# Precedence: flag > environment variable > this file > default.",
+    "# `hsx --config hsx.toml config show COMMAND` prints what a command would use and where each",
+    "# value came from. No file is read unless named: hsx never picks up ./hsx.toml by itself.",
+    "# An unknown table or key, or a value of the wrong type, is an error naming file, table and key.",
+    "# Secrets ([nats] password, token) are better kept in the environment; a file that holds one",
+    "# should be 0600. They are never printed: config show shows ***.",
+)
+TABLE_NOTES = {
+    "nats": ("For `hsx up`: url is a server to use instead of starting one (up ignores HSX_NATS_URL, not this).",),
+    "job": ("Read by every command that takes --job (produce, consume, upload, monitor, status, verify, dead, up).",),
+    "up": (
+        "hsx up resolves [produce], [consume], [upload] and [monitor] for the processes it starts too,",
+        "except what up sets itself (job, device, spool, interval, ...).",
+    ),
+    "sync": ("Has no --job, so [job] does not apply: dest here is where sync uploads.",),
+}
+
 
 @dataclass(frozen=True, order=True)
 class Place:

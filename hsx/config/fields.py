@@ -37,6 +37,7 @@ class Flag:
     secret: Callable[[str], str] | None = None  # how `hsx config show` shows it (redacted)
     command_line_only: bool = False  # a job file may not set it
     metavar: str | None = None
+    example: object = None  # `hsx config example`'s value for a flag without a default
 
     @property
     def key(self) -> str:

@@ -74,6 +74,8 @@ def add_config_flags(
         if not only(flag):
             continue
         kwargs: dict = {"dest": field.name, "help": flag.help}
+        if flag.example is not None:
+            kwargs["example"] = flag.example
         if flag.metavar or not (flag.choices or field.type is bool):
             kwargs["metavar"] = flag.metavar or flag.name.removeprefix("--").replace("-", "_").upper()
         if field.name in defaults:
@@ -85,7 +87,7 @@ def add_config_flags(
         if field.type is bool:
             kwargs["action"] = "store_true"
         else:
-            kwargs["type"] = argparse_type(flag.parse) if flag.parse else None
+            kwargs["type"] = flag.parse
             kwargs["choices"] = flag.choices
         action = parser.add_argument(flag.name, **kwargs)
         action.hsx_key = flag.key
@@ -108,7 +110,7 @@ def build_config(cls: type, args: argparse.Namespace, **given: object):
 
 def argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
     """`parse` as argparse calls a type: an HsxError becomes argparse's one-line flag error."""
-    if parse in (int, float):
+    if getattr(parse, "hsx_converts", False):
         return parse
 
     def convert(text: str) -> object:
@@ -119,6 +121,7 @@ def argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
 
     convert.__name__ = getattr(parse, "__name__", "value")  # argparse's "invalid <name> value"
     convert.expects = getattr(parse, "expects", None)
+    convert.hsx_converts = True
     return convert
 
 
@@ -145,7 +148,11 @@ class Parser(argparse.ArgumentParser):
             return add(*args, **kwargs)  # a positional, or -h / --version: argparse's own
         # A required flag may still come from the environment or the file: `resolve` checks it.
         required = kwargs.pop("required", False)
+        example = kwargs.pop("example", None)  # `hsx config example`'s value where there is no default
+        if callable(kwargs.get("type")) and not isinstance(kwargs["type"], type):
+            kwargs["type"] = argparse_type(kwargs["type"])  # a parser's HsxError is argparse's flag error
         action = add(*args, **kwargs)
+        action.hsx_example = example
         # argparse gets its "absent" sentinel, so a flag in the namespace is one that was given;
         # the declared default (argparse's own for store_true and the like) is kept for `resolve`.
         action.hsx_default, action.hsx_required = action.default, required
@@ -297,6 +304,56 @@ def describe(resolution: Resolution, environment: Mapping[str, str | None], *, a
         lines.append("read by the S3 client itself (AWS_*):")
         lines += [f"  {name:<{width}}{_text(value)}" for name, value in environment.items()]
     return "\n".join(lines)
+
+
+def example_file(parser: Parser) -> str:
+    """`hsx config example`: a job file with every key a file may set, each commented out with its
+    default (or, where it has none, an example value) and its flag's help, so that uncommented it
+    is a valid file. A [job] key whose default differs between commands says so."""
+    shared: dict[Place, list[tuple[str, argparse.Action]]] = {}
+    for table, sub in _all_parsers(parser, ""):
+        for action in _flags(sub):
+            if _in_file(action):
+                shared.setdefault(_place(table, action), []).append((table, action))
+    tables = ["", "nats", "job", *(name for name in command_names(parser) if name != "config")]
+    lines = [*configfile.EXAMPLE_HEADER, ""]
+    for table in tables:
+        places = [place for place in shared if place.table == table]
+        if not places:
+            continue
+        if table:
+            lines += ["", f"[{table}]"]
+        lines += [f"# {note}" for note in configfile.TABLE_NOTES.get(table, ())]
+        for place in places:
+            users = shared[place]
+            action = next((a for command, a in users if command != "up"), users[0][1])
+            value = action.hsx_example if action.hsx_default is None else action.hsx_default
+            if value is None:
+                raise AssertionError(f"{_flag(action)} has neither a default nor an example for hsx config example")
+            others = sorted(
+                {
+                    f"hsx {command}: {_toml(a.hsx_default)}"
+                    for command, a in users
+                    if a.hsx_default != action.hsx_default and a.hsx_default is not None
+                }
+            )
+            about = " ".join((action.help or "").split()) if isinstance(action.help, str) else ""
+            variable = getattr(action, "hsx_env", None)
+            if variable and variable not in about:
+                about = f"{about} (env {variable})".strip()
+            if others:
+                about = f"{about}; " + ", ".join(others) if about else ", ".join(others)
+            lines.append(f"# {_flag(action)}: {about}" if about else f"# {_flag(action)}")
+            lines.append(f"# {place.key} = {_toml(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))
 
 
 def _table_first(setting: Setting) -> int:

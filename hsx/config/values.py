@@ -28,6 +28,22 @@ def positive_int(flag: str) -> Callable[[str], int]:
     return parse
 
 
+def count(flag: str) -> Callable[[str], int]:
+    """The parser of an integer flag that may be 0 (none); its error names the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise HsxError(f"{flag} must be an integer, got {text!r}") from None
+        if value < 0:
+            raise HsxError(f"{flag} must be 0 or more, got {value}")
+        return value
+
+    parse.expects = int
+    return parse
+
+
 def positive_float(flag: str, unit: str = "seconds") -> Callable[[str], float]:
     """The parser of a positive number flag (a duration in `unit`); its error names the flag."""
 

@@ -43,31 +43,41 @@ class NatsSettings:
         secret=lambda url: redact_url(url),
         help="NATS server URL(s), comma-separated (env HSX_NATS_URL, default %(default)s)",
     )
-    user: str | None = option("--nats-user", default=None, env="HSX_NATS_USER", help="env HSX_NATS_USER")
+    user: str | None = option("--nats-user", default=None, env="HSX_NATS_USER", example="hsx", help="env HSX_NATS_USER")
     password: str | None = option(
-        "--nats-password", default=None, env="HSX_NATS_PASSWORD", secret=hide, help="env HSX_NATS_PASSWORD"
+        "--nats-password", default=None, env="HSX_NATS_PASSWORD", secret=hide, example="", help="env HSX_NATS_PASSWORD"
     )
     token: str | None = option(
-        "--nats-token", default=None, env="HSX_NATS_TOKEN", secret=hide, help="env HSX_NATS_TOKEN"
+        "--nats-token", default=None, env="HSX_NATS_TOKEN", secret=hide, example="", help="env HSX_NATS_TOKEN"
     )
     creds_file: str | None = option(
         "--nats-creds",
         default=None,
         env="HSX_NATS_CREDS",
         parse=path_not_contents("--nats-creds"),
+        example="/etc/hsx/user.creds",
         help="credentials file (JWT + nkey), env HSX_NATS_CREDS",
     )
     tls_ca: str | None = option(
-        "--nats-tls-ca", default=None, env="HSX_NATS_TLS_CA", help="CA bundle, env HSX_NATS_TLS_CA"
+        "--nats-tls-ca",
+        default=None,
+        env="HSX_NATS_TLS_CA",
+        example="/etc/hsx/ca.pem",
+        help="CA bundle, env HSX_NATS_TLS_CA",
     )
     tls_cert: str | None = option(
-        "--nats-tls-cert", default=None, env="HSX_NATS_TLS_CERT", help="client certificate, env HSX_NATS_TLS_CERT"
+        "--nats-tls-cert",
+        default=None,
+        env="HSX_NATS_TLS_CERT",
+        example="/etc/hsx/client.pem",
+        help="client certificate, env HSX_NATS_TLS_CERT",
     )
     tls_key: str | None = option(
         "--nats-tls-key",
         default=None,
         env="HSX_NATS_TLS_KEY",
         parse=path_not_contents("--nats-tls-key"),
+        example="/etc/hsx/client.key",
         help="client key, env HSX_NATS_TLS_KEY",
     )
     connect_timeout_s: float = 3.0

@@ -43,7 +43,9 @@ class WorkerConfig:
 
     nats: NatsSettings
     instance: str  # unique per process across machines: named by the process itself (hsx/commands/services.py)
-    job: str = option("--job", parse=job_name, job=True, file_key="name", help="the job to work on")
+    job: str = option(
+        "--job", parse=job_name, job=True, file_key="name", example="qwen27b-l5", help="the job to work on"
+    )
     # The entry point makes it absolute.
     spool: Path = option(
         "--spool",
@@ -55,7 +57,11 @@ class WorkerConfig:
     )
     # None: the entry point names the node after the host.
     node: str = option(
-        "--node", default=None, env="HSX_NODE", help="this node's name (env HSX_NODE, default the host name)"
+        "--node",
+        default=None,
+        env="HSX_NODE",
+        example="gpu-node-1",
+        help="this node's name (env HSX_NODE, default the host name)",
     )
     # How long a message may go without a sign of life before JetStream redelivers it; the
     # durable holds it, so it is shared by every worker of the job. in_progress() is sent well inside it.
