@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rebuild", help="from the destination alone: list the job's folder and read each file's header"
     )
     index_rebuild.add_argument(
-        "url", metavar="JOB_URL", help="the job's folder: s3://bucket/prefix/JOB, file:///out/JOB or a path"
+        "job_url", metavar="JOB_URL", help="the job's folder: s3://bucket/prefix/JOB, file:///out/JOB or a path"
     )
     index_rebuild.add_argument(
         "--workers", type=positive_int("--workers"), default=32, help="headers read at once (default 32)"
@@ -298,7 +298,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if args.index_command == "build":
             built = asyncio.run(run_build(nats, args.job))
         else:
-            built = rebuild_job_index(args.url, workers=args.workers)
+            built = rebuild_job_index(args.job_url, workers=args.workers)
         print(format_summary(built, as_json=args.json))
         return 0 if built.complete else 1
     if args.command == "sync":

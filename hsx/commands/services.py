@@ -15,6 +15,7 @@ import socket
 import sys
 
 from gpu_consumer.config import ConsumerConfig
+from hsx.config.fields import flag_fields
 from hsx.config.settings import build_config
 from hsx.config.values import parse_size
 from hsx.storage.fsutil import free_bytes, make_private_dirs
@@ -39,7 +40,8 @@ COMMANDS: dict[type, str] = {
 def nats_settings(args: argparse.Namespace) -> NatsSettings | None:
     """The connection of a command with NATS flags; None for one without, or for `hsx up` with no
     --nats (it starts its own server)."""
-    if not getattr(args, "url", None):
+    fields = [field.name for field, _ in flag_fields(NatsSettings)]
+    if not all(hasattr(args, name) for name in fields) or not args.url:
         return None
     return build_config(NatsSettings, args)
 
