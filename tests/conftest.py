@@ -7,13 +7,16 @@
 - `hsx`: runs the real `hsx` CLI as a subprocess; `hsx_service` starts a long-running one.
 """
 
+import _thread
 import contextlib
 import io
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import traceback
 import uuid
 from pathlib import Path
@@ -80,6 +83,8 @@ def s3_server():
 
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # Its request log would land in the output of a command run in this process (the `hsx` fixture).
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     server.start()
     yield f"http://127.0.0.1:{port}"
     server.stop()
@@ -154,50 +159,75 @@ def _env(nats_url: str | None, extra: dict | None) -> dict:
     return faults_env(env) if any(name.startswith("HSX_TEST_") for name in env) else env
 
 
+# Commands that run to completion and start no service: the `hsx` fixture runs them in the test's
+# own process (hsx.commands.cli.main), because a new interpreter's imports (transformers, for the
+# producer) cost seconds of CPU each, and the suite is CPU-bound. What only a real process shows
+# (signals, a SIGKILL, the `python -m hsx.cli` entry, faults installed at start-up) is tested
+# with processes: hsx_service, test_up, test_chaos, and `hsx` itself off the main thread or with
+# an HSX_TEST_* fault.
+_IN_PROCESS = {"produce", "status", "dead", "jobs", "verify", "index", "config"}
+_GLOBAL_WITH_VALUE = {"--config", "--log-level"}
+
+
+def _command_of(args: tuple[str, ...]) -> str | None:
+    rest = list(args)
+    while rest and rest[0].startswith("-"):
+        rest = rest[2:] if rest[0] in _GLOBAL_WITH_VALUE else rest[1:]
+    return rest[0] if rest else None
+
+
+def run_in_process(args, environ: dict, monkeypatch, *, timeout: float) -> subprocess.CompletedProcess:
+    """`hsx ARGS` through `hsx.commands.cli.main` in this process, with exactly `environ` as its
+    environment and the repository as its working directory; what it printed and its exit code,
+    as a subprocess would give them. An exception that escapes main() is printed as its traceback,
+    as the interpreter would; past `timeout` the run is interrupted (exit 130)."""
+    from hsx.commands.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    watchdog = threading.Timer(timeout, _thread.interrupt_main)
+    with monkeypatch.context() as patch:
+        for name in set(os.environ) - set(environ):
+            patch.delenv(name)
+        for name, value in environ.items():
+            patch.setenv(name, value)
+        patch.chdir(REPO)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            watchdog.start()
+            try:
+                code = main(list(args))
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:  # noqa: BLE001 - what the interpreter would print and exit with
+                traceback.print_exc()
+                code = 1
+            finally:
+                watchdog.cancel()
+    return subprocess.CompletedProcess(["hsx", *args], code, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture
-def hsx(nats_server):
-    """Run `hsx ARGS` to completion against the session's nats-server; returns CompletedProcess."""
+def hsx(nats_server, monkeypatch):
+    """Run `hsx ARGS` to completion against the session's nats-server; returns CompletedProcess.
+    A command of _IN_PROCESS, called from the main thread without a test fault, runs in this
+    process (run_in_process); anything else in a new `python -m hsx.cli`."""
 
     def run(*args: str, env: dict | None = None, timeout: float = 120, nats_url: str | None = None):
+        environ = _env(nats_url or nats_server.url, env)
+        faulted = any(name.startswith("HSX_TEST_") for name in {**os.environ, **(env or {})})
+        # hsx reads HSX_* and the S3 client AWS_* when used; anything else (HF_HOME, say) may be
+        # read by a library at import, which only a new process does.
+        read_when_used = all(name.startswith(("HSX_", "AWS_")) for name in env or {})
+        main_thread = threading.current_thread() is threading.main_thread()
+        if _command_of(args) in _IN_PROCESS and main_thread and read_when_used and not faulted:
+            return run_in_process(args, environ, monkeypatch, timeout=timeout)
         return subprocess.run(
             [sys.executable, "-m", "hsx.cli", *args],
-            env=_env(nats_url or nats_server.url, env),
+            env=environ,
             capture_output=True,
             text=True,
             timeout=timeout,
             cwd=REPO,
         )
-
-    return run
-
-
-@pytest.fixture
-def hsx_here(nats_server, monkeypatch):
-    """Run `hsx ARGS` in this process (`hsx.commands.cli.main`) against the session's nats-server,
-    with the environment a subprocess of `hsx` would get; returns a CompletedProcess of what it
-    printed and its exit code. For the checks that refuse a job before any service runs: they need
-    the CLI's code, not a new interpreter's seconds of imports each. An exception that escapes
-    main() is printed as its traceback, as the interpreter would."""
-
-    def run(*args: str, env: dict | None = None, nats_url: str | None = None) -> subprocess.CompletedProcess:
-        from hsx.commands.cli import main
-
-        environ = _env(nats_url or nats_server.url, env)
-        out, err = io.StringIO(), io.StringIO()
-        with monkeypatch.context() as patch:
-            for name in set(os.environ) - set(environ):
-                patch.delenv(name)
-            for name, value in environ.items():
-                patch.setenv(name, value)
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                try:
-                    code = main(list(args))
-                except SystemExit as exc:
-                    code = exc.code if isinstance(exc.code, int) else 1
-                except BaseException:  # noqa: BLE001 - what the interpreter would print and exit with
-                    traceback.print_exc()
-                    code = 1
-        return subprocess.CompletedProcess(["hsx", *args], code, out.getvalue(), err.getvalue())
 
     return run
 

@@ -153,15 +153,11 @@ def _error_cases(tmp_path: Path) -> dict[str, Case]:
     }
 
 
-def test_bad_inputs_give_one_line_errors(hsx_here, tiny_model, job_name, good_jsonl, tmp_path, subtests):
-    """Each case through the CLI's main() in this process (the `hsx_here` fixture); the interpreter's
-    own entry point is the subject of the tests that start `hsx` as a subprocess."""
+def test_bad_inputs_give_one_line_errors(hsx, tiny_model, job_name, good_jsonl, tmp_path, subtests):
     model = tiny_model("qwen3")
     cases = _error_cases(tmp_path)
     for name, case in cases.items():
-        result = hsx_here(
-            *_produce_args(model, good_jsonl, tmp_path / "out", job_name, **case.args), nats_url=case.nats_url
-        )
+        result = hsx(*_produce_args(model, good_jsonl, tmp_path / "out", job_name, **case.args), nats_url=case.nats_url)
         with subtests.test(case=name):
             assert_one_line_error(result, *case.needles)
 

@@ -20,9 +20,7 @@ tiny model's 512), saved with a ChatML template next to a copy of the tiny qwen3
 
 import asyncio
 import json
-import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nats
@@ -267,8 +265,8 @@ def published_samples(url: str, job: str) -> dict[int, schemas.Sample]:
 
 
 def _run_all(hsx, arg_lists: list[list[str]]):
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        return list(pool.map(lambda args: hsx(*args, timeout=120), arg_lists))
+    # One after another: `hsx` runs each in this process (tests/conftest.py says why).
+    return [hsx(*args, timeout=120) for args in arg_lists]
 
 
 def _ok(result):
@@ -408,7 +406,7 @@ def test_on_long_counts_report_and_dense_indices(on_long, hsx, nats_server, chat
         assert all(len(samples[e["sample_index"]].input_ids) == max_len for e in entries)
 
 
-def test_bad_chat_inputs_give_one_line_errors(hsx_here, chat_models, tiny_model, job_name, tmp_path, subtests):
+def test_bad_chat_inputs_give_one_line_errors(hsx, chat_models, tiny_model, job_name, tmp_path, subtests):
     good = [{"messages": c} for c in CONVERSATIONS]
     files = {
         "no-messages": _write_jsonl(tmp_path / "no_messages.jsonl", [good[0], {"id": "x", "text": "hello"}]),
@@ -482,8 +480,8 @@ def test_bad_chat_inputs_give_one_line_errors(hsx_here, chat_models, tiny_model,
                 **{k: str(v) for k, v in flags.items()},
             )
         )
-    # In this process, one case after another (the `hsx_here` fixture): no interpreter start each.
+    # One after another: `hsx` runs each in this process (tests/conftest.py says why).
     for (name, (_, needles)), args in zip(cases.items(), arg_lists):
-        result = hsx_here(*args)
+        result = hsx(*args)
         with subtests.test(case=name):
             assert_one_line_error(result, *needles)
