@@ -14,33 +14,25 @@ def hide(_value: str) -> str:
 
 def positive_int(flag: str) -> Callable[[str], int]:
     """The parser of a positive integer flag; its error names the flag."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise HsxError(f"{flag} must be an integer, got {text!r}") from None
-        if value <= 0:
-            raise HsxError(f"{flag} must be positive, got {value}")
-        return value
-
-    parse.expects = int  # a config file must give a TOML integer, not "16384"
-    return parse
+    return _integer(flag, minimum=1, below="must be positive")
 
 
 def count(flag: str) -> Callable[[str], int]:
     """The parser of an integer flag that may be 0 (none); its error names the flag."""
+    return _integer(flag, minimum=0, below="must be 0 or more")
 
+
+def _integer(flag: str, *, minimum: int, below: str) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise HsxError(f"{flag} must be an integer, got {text!r}") from None
-        if value < 0:
-            raise HsxError(f"{flag} must be 0 or more, got {value}")
+        if value < minimum:
+            raise HsxError(f"{flag} {below}, got {value}")
         return value
 
-    parse.expects = int
+    parse.expects = int  # a config file must give a TOML integer, not "16384"
     return parse
 
 
