@@ -68,6 +68,15 @@ def _job_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+# Each service's command: its flags are its config's fields (hsx/config/fields.py).
+_SERVICES = (
+    ("produce", ProducerConfig, "plan batches and publish them for a job"),
+    ("consume", ConsumerConfig, "run one GPU consumer for a job"),
+    ("upload", UploaderConfig, "run one uploader for a job on this node"),
+    ("monitor", MonitorConfig, "follow a job's progress as a log stream"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="hsx", description="Hidden-state extraction over NATS JetStream.")
     parser.add_argument(
@@ -94,21 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     # The job's flags are the producer's, with the demo's defaults (hsx/commands/up.py says why).
     add_config_flags(up, ProducerConfig, only=lambda flag: flag.job, defaults={**UP_JOB_DEFAULTS, **UP_MADE})
 
-    produce = commands.add_parser("produce", help="plan batches and publish them for a job")
-    _add_nats(produce)
-    add_config_flags(produce, ProducerConfig)
-
-    consume = commands.add_parser("consume", help="run one GPU consumer for a job")
-    _add_nats(consume)
-    add_config_flags(consume, ConsumerConfig)
-
-    upload = commands.add_parser("upload", help="run one uploader for a job on this node")
-    _add_nats(upload)
-    add_config_flags(upload, UploaderConfig)
-
-    monitor = commands.add_parser("monitor", help="follow a job's progress as a log stream")
-    _add_nats(monitor)
-    add_config_flags(monitor, MonitorConfig)
+    for name, config, about in _SERVICES:
+        service = commands.add_parser(name, help=about)
+        _add_nats(service)
+        add_config_flags(service, config)
 
     status = commands.add_parser("status", help="print a job's progress once")
     _add_nats(status)
@@ -233,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Deleting is asked for per run; a file must not force it.
     declare_command_line_only(jobs_delete, "force")
 
-    config = commands.add_parser("config", help="inspect settings: hsx config show COMMAND")
+    config = commands.add_parser("config", help="inspect settings: hsx config show COMMAND, hsx config example")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = config_commands.add_parser(
         "show",
