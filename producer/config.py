@@ -48,7 +48,8 @@ class ProducerConfig:
         parse=parse_layers,
         job=True,
         example="1,16,31,46,61",
-        help="0-based decoder layer indices, e.g. 1,16,31 (-1 = last; final = after the final norm)",
+        help="0-based decoder layer indices, e.g. 1,16,31 (-1 = last; final = after the final norm), or a "
+        "trainer's preset: dflash:N (a DFlash draft of N layers), eagle3, speculators",
     )
     dest: str = option(
         "--dest",

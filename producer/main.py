@@ -30,7 +30,7 @@ import numpy as np
 import structlog
 
 from hsx.errors import HsxError
-from hsx.model.layers import resolve_layers
+from hsx.model.layers import preset_of, resolve_layers
 from hsx.model.modelinfo import load_model_info
 from hsx.wire import schemas, topology
 from hsx.wire.headers import message_headers
@@ -290,6 +290,7 @@ async def _plan_and_publish(
         model=cfg.model,
         model_revision=info.revision,
         layers=layers,
+        layer_preset=preset_of(cfg.layers) or "",
         dtype=cfg.dtype,
         dest=cfg.dest,
         token_budget=cfg.token_budget,

@@ -5,15 +5,41 @@ Negative indices count from the end (-1 is the last decoder layer). `final` sele
 final state (the last layer's output after the model's final norm; transformers'
 `output_hidden_states[-1]`, the state EAGLE-3 trainers call `hidden_state`). Entries keep the order
 given; duplicates and out-of-range indices are errors naming the model's layer count.
+
+A preset names what a trainer reads, resolved against the model's depth by the producer, so that
+nobody has to reason about the trainers' +1 offsets (README, "Reading the output for training"):
+
+- `dflash:N`: the N layers a DFlash draft with N layers reads (SpecForge's and z-lab's
+  `build_target_layer_ids(L, N)`: N = 1 is [L // 2], else N ids spread from 1 to L - 3). Their ids
+  are hsx's: the output of decoder layer id. `dflash:5` on 64 layers is 1,16,31,46,61.
+- `eagle3`: SpecForge's EAGLE-3 auxiliary layers [1, L // 2 - 1, L - 4] and `final`, the
+  post-norm state its trainer puts through the lm_head.
+- `speculators`: speculators' default ids [2, L // 2, L - 3], which are transformers'
+  `hidden_states` indices (id i is the output of decoder layer i - 1: hsx's 1, L // 2 - 1, L - 4),
+  and the last decoder layer's raw output (hsx's L - 1), the extra slot its trainer norms itself.
+
+The job spec and every file record the preset beside the layers it resolved to.
 """
+
+import re
 
 from hsx.errors import HsxError
 from hsx.wire.schemas import LayerSelector
 
 FINAL = "final"
+PRESETS = ("dflash:N", "eagle3", "speculators")
+_DFLASH = re.compile(r"dflash:(\d+)")
 
 
 def parse_layers(text: str) -> tuple[LayerSelector, ...]:
+    """Layer indices and `final`, or one preset (kept as its name until the model's depth is known)."""
+    preset = text.strip().lower()
+    if preset in ("eagle3", "speculators") or _DFLASH.fullmatch(preset):
+        if preset.startswith("dflash:") and int(preset.removeprefix("dflash:")) == 0:
+            raise HsxError("--layers dflash:0: give the draft's layer count, e.g. dflash:5")
+        return (preset,)
+    if preset.startswith("dflash"):
+        raise HsxError(f"--layers {text.strip()!r}: the DFlash preset is dflash:N, N the draft's layer count")
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise HsxError("--layers is empty: give 0-based decoder layer indices, e.g. --layers 1,3,5 (or 'final')")
@@ -26,12 +52,44 @@ def parse_layers(text: str) -> tuple[LayerSelector, ...]:
             layers.append(int(item))
         except ValueError:
             raise HsxError(
-                f"--layers: {item!r} is not a layer index (0-based integers, e.g. 1,3,5 or -1, or 'final')"
+                f"--layers: {item!r} is not a layer index (0-based integers, e.g. 1,3,5 or -1, or 'final') "
+                f"nor a preset ({', '.join(PRESETS)})"
             ) from None
     return tuple(layers)
 
 
+def preset_of(layers) -> str | None:
+    """The preset `layers` names, if it is one (parse_layers keeps it as a one-item tuple)."""
+    if len(layers) == 1 and isinstance(layers[0], str) and layers[0] != FINAL:
+        return layers[0]
+    return None
+
+
+def preset_layers(preset: str, num_layers: int) -> list[LayerSelector]:
+    """The layers (hsx ids) preset `preset` names on a model with `num_layers` decoder layers."""
+    if match := _DFLASH.fullmatch(preset):
+        draft_layers = int(match.group(1))
+        if draft_layers == 1:
+            return [num_layers // 2]
+        span = num_layers - 4  # from 1 to num_layers - 3
+        return [round(1 + i * span / (draft_layers - 1)) for i in range(draft_layers)]
+    if preset == "eagle3":
+        return [1, num_layers // 2 - 1, num_layers - 4, FINAL]
+    if preset == "speculators":
+        return [1, num_layers // 2 - 1, num_layers - 4, num_layers - 1]
+    raise AssertionError(preset)
+
+
 def resolve_layers(layers: list[LayerSelector], num_layers: int, *, model: str) -> list[LayerSelector]:
+    preset = preset_of(layers)
+    if preset is not None:
+        expanded = preset_layers(preset, num_layers)
+        if len(set(expanded)) != len(expanded) or any(isinstance(i, int) and i < 0 for i in expanded):
+            raise HsxError(
+                f"--layers {preset}: model {model} has {num_layers} decoder layers, too few for this preset "
+                f"(it gives layers {', '.join(map(str, expanded))}); give --layers explicitly"
+            )
+        layers = expanded
     resolved: list[LayerSelector] = []
     for layer in layers:
         if layer == FINAL:

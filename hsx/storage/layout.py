@@ -76,9 +76,13 @@ def sample_metadata(
     layers: list[LayerSelector],
     dtype: str,
     num_tokens: int,
+    layer_preset: str = "",
 ) -> dict[str, str]:
-    """The metadata every sample file carries; the writer adds `checksum` (hsx.storage.samplefile)."""
+    """The metadata every sample file carries; the writer adds `checksum` (hsx.storage.samplefile).
+    `layer_preset` (dflash:5, eagle3, ...) only when the job named its layers by one."""
+    preset = {"layer_preset": layer_preset} if layer_preset else {}
     return {
+        **preset,
         "format": "pt",
         "hsx_format_version": FORMAT_VERSION,
         "job": job,
