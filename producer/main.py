@@ -291,6 +291,7 @@ async def _plan_and_publish(
         model_revision=info.revision,
         layers=layers,
         layer_preset=preset_of(cfg.layers) or "",
+        num_layers=info.num_layers,
         dtype=cfg.dtype,
         dest=cfg.dest,
         token_budget=cfg.token_budget,

@@ -34,6 +34,7 @@ from hsx.config.settings import (
 from hsx.config.values import count, hide, positive_int
 from hsx.errors import HsxError
 from hsx.logs import configure_logging
+from hsx.storage.trainers import FORMATS as EXPORT_FORMATS
 from hsx.wire.natsconn import NatsSettings, redact_url
 from hsx.wire.topology import job_name
 from monitor.config import MonitorConfig
@@ -174,6 +175,19 @@ def build_parser() -> argparse.ArgumentParser:
     for action in (index_build, index_rebuild):
         action.add_argument("--json", action="store_true")
 
+    export = commands.add_parser(
+        "export",
+        help="write a finished job's samples as a drafter trainer reads them (SpecForge DFlash or EAGLE-3, "
+        "speculators); no NATS: it reads the job's folder",
+    )
+    export.add_argument(
+        "source", metavar="SOURCE", help="the job's folder: s3://bucket/prefix/JOB, file:///out/JOB or a path"
+    )
+    export.add_argument("--to", required=True, choices=EXPORT_FORMATS, help="the trainer's format")
+    export.add_argument("out", type=Path, metavar="OUT", help="the folder to write (a rerun resumes it)")
+    export.add_argument("--workers", type=positive_int("--workers"), default=16, help="samples at once (default 16)")
+    export.add_argument("--json", action="store_true")
+
     sync = commands.add_parser(
         "sync", help="upload a directory (e.g. checkpoints) to a destination, again every --every"
     )
@@ -299,6 +313,12 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             built = rebuild_job_index(args.job_url, workers=args.workers)
         print(format_summary(built, as_json=args.json))
         return 0 if built.complete else 1
+    if args.command == "export":
+        from hsx.commands.export import ExportConfig, export_exit_code, format_report, run_export
+
+        report = run_export(ExportConfig(source=args.source, to=args.to, out=args.out, workers=args.workers))
+        print(format_report(report, as_json=args.json))
+        return export_exit_code(report)
     if args.command == "sync":
         from hsx.commands.sync import (
             SyncConfig,

@@ -112,6 +112,7 @@ class JobSpec(_Wire, tag="job.v1"):
     on_long: str = "error"  # --on-long: error | truncate | skip
     samples_truncated: int = 0
     samples_skipped: int = 0
+    num_layers: int = 0  # the model's decoder layers (0: a job from before it was recorded)
     layer_preset: str = ""  # --layers as a preset (dflash:5, eagle3, speculators), which `layers` resolves
 
     @property

@@ -1,0 +1,222 @@
+"""`hsx export SOURCE --to FORMAT OUT`: a finished job's files as a drafter trainer reads them
+(hsx/storage/trainers.py says what each format holds).
+
+SOURCE is the job's folder in its destination (`s3://bucket/prefix/JOB`, `file:///out/JOB` or a
+path), as HiddenStateDataset takes it: no NATS, because training runs elsewhere and later. The
+job's spec comes from its bundle (`<job>/_hsx/job.json`), the samples from its index (or a
+listing). `--workers` samples are read, checked (each file's checksum), dequantized and written
+at once; every output file is written atomically, so a run that stopped is resumed by running it
+again: what is there is kept. The job's layers are checked against the format first: a format it
+cannot make is one line naming the `--layers` that would.
+
+A sample the trainer cannot take (SpecForge's DFlash reader raises on one without two adjacent
+supervised tokens) is left out and listed; a damaged source file is listed and fails the run
+(exit 1), as does a sample that is missing from the job, after everything else is written.
+`OUT/hsx-export.json` holds the report: counts, the trainer's layer ids, what was left out and why.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import structlog
+import torch
+
+from hsx.errors import HsxError, JobFailed
+from hsx.storage import trainers
+from hsx.storage.destinations import Destination, open_destination, split_job_url
+from hsx.storage.index import bundle_spec, read_index
+from hsx.storage.layout import relative_sample_key, sample_index_of
+from hsx.storage.reader import dequantize, load_sample
+from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
+
+log = structlog.get_logger("hsx.export")
+
+REPORT = "hsx-export.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    source: str
+    to: str  # one of trainers.FORMATS
+    out: Path
+    workers: int = 16
+
+
+class LeftOut(msgspec.Struct, frozen=True):
+    sample_index: int
+    reason: str
+
+
+class ExportReport(msgspec.Struct, frozen=True, kw_only=True):
+    source: str
+    job: str
+    format: str
+    layers: list[int | str]  # hsx's ids
+    layer_preset: str
+    trainer_layer_ids: dict[str, list[int]]  # in the trainer's own convention, for its config
+    samples_in_job: int
+    samples_exported: int
+    left_out: list[LeftOut]  # the trainer cannot take them
+    failed: list[LeftOut]  # damaged or missing in the job: the run exits 1
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+def _samples(folder: Destination, job: str, spec) -> list[int]:
+    index, why_not = read_index(folder, job, spec=spec)
+    if index is not None:
+        return index.sample_indices.tolist()
+    log.info("export_listing", reason=why_not)
+    return sorted(i for i in (sample_index_of(job, key) for key in folder.keys()) if i is not None)
+
+
+def _read(folder: Destination, job: str, sample_index: int) -> trainers.Sample:
+    data = folder.read_bytes(relative_sample_key(job, sample_index))
+    checked_digest([data])  # the checksum inside the file: SampleFileCorrupt if a byte changed
+    tensors, _ = load_sample(data)
+    ids = tensors["input_ids"].to(torch.int64)
+    mask = tensors.get("loss_mask")
+    return trainers.Sample(
+        sample_index=sample_index,
+        input_ids=ids,
+        loss_mask=torch.ones_like(ids) if mask is None else mask.to(torch.int64),
+        hidden_states=dequantize(tensors),
+    )
+
+
+class _Progress:
+    """One line redrawn on a terminal (stderr); nothing otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.started = total, 0, time.monotonic()
+        self.shown = sys.stderr.isatty()
+
+    def step(self) -> None:
+        self.done += 1
+        if self.shown and (self.done == self.total or self.done % 20 == 0):
+            rate = self.done / max(time.monotonic() - self.started, 1e-9)
+            print(f"\rexport {self.done}/{self.total} samples, {rate:.0f}/s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.shown:
+            print(file=sys.stderr)
+
+
+def run_export(cfg: ExportConfig) -> ExportReport:
+    started = time.monotonic()
+    url, job = split_job_url(cfg.source)
+    folder = open_destination(url, max_connections=cfg.workers)
+    spec = bundle_spec(folder)
+    if spec is None:
+        raise HsxError(
+            f"{url}: no job bundle (_hsx/job.json) there: is this a job's folder? (e.g. s3://bucket/prefix/JOB)"
+        )
+    trainer_ids = trainers.trainer_layer_ids(cfg.to, spec)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    samples = _samples(folder, job, spec)
+
+    def target(sample_index: int) -> Path:
+        # speculators' row i is sample i: its table is written only once every sample is there.
+        if cfg.to == "speculators":
+            return trainers.speculators_path(cfg.out, sample_index)
+        return trainers.specforge_path(cfg.out, sample_index)
+
+    left_out: list[LeftOut] = []
+    failed = [LeftOut(i, "not in the job's folder") for i in sorted(set(range(spec.total_samples)) - set(samples))]
+    table: dict[int, tuple[list[int], list[int]]] = {}
+    exported: list[int] = []
+    progress = _Progress(len(samples))
+
+    def export_one(sample_index: int) -> None:
+        if target(sample_index).exists() and cfg.to != "speculators":
+            exported.append(sample_index)  # written by an earlier run, atomically
+            return
+        sample = _read(folder, job, sample_index)
+        why = trainers.refusal(cfg.to, sample)
+        if why is not None:
+            left_out.append(LeftOut(sample_index, why))
+            return
+        if cfg.to == "speculators":  # the table needs every row's tokens, written or not
+            table[sample_index] = (sample.input_ids.tolist(), sample.loss_mask.tolist())
+        if not target(sample_index).exists():
+            trainers.write_atomically(target(sample_index), trainers.encode(cfg.to, trainers.features(cfg.to, sample)))
+        exported.append(sample_index)
+
+    def guarded(sample_index: int) -> None:
+        try:
+            export_one(sample_index)
+        except SampleFileCorrupt as exc:
+            failed.append(LeftOut(sample_index, f"damaged: {exc}"))
+            log.warning("export_sample_damaged", sample_index=sample_index, error=str(exc))
+        finally:
+            progress.step()
+
+    with ThreadPoolExecutor(max_workers=cfg.workers) as pool:
+        for _ in pool.map(guarded, samples):
+            pass
+    progress.close()
+    failed.sort(key=lambda entry: entry.sample_index)
+    left_out.sort(key=lambda entry: entry.sample_index)
+    if cfg.to == "speculators" and not failed:
+        trainers.write_speculators_table(cfg.out, [table[i] for i in range(spec.total_samples)])
+    report = ExportReport(
+        source=url,
+        job=job,
+        format=cfg.to,
+        layers=list(spec.layers),
+        layer_preset=spec.layer_preset,
+        trainer_layer_ids=trainer_ids,
+        samples_in_job=spec.total_samples,
+        samples_exported=len(exported),
+        left_out=left_out,
+        failed=failed,
+        seconds=round(time.monotonic() - started, 3),
+    )
+    trainers.write_atomically(cfg.out / REPORT, msgspec.json.format(msgspec.json.encode(report)) + b"\n")
+    log.info(
+        "export_done",
+        job=job,
+        format=cfg.to,
+        exported=report.samples_exported,
+        left_out=len(left_out),
+        failed=len(failed),
+        out=str(cfg.out),
+    )
+    return report
+
+
+def format_report(report: ExportReport, *, as_json: bool) -> str:
+    if as_json:
+        return json.dumps(msgspec.to_builtins(report), indent=2)
+    lines = [
+        f"job {report.job} -> {report.format}: {report.samples_exported} of {report.samples_in_job} samples exported",
+        f"  trainer layer ids: {json.dumps(report.trainer_layer_ids)} (hsx layers {report.layers})",
+    ]
+    if report.left_out:
+        shown = ", ".join(f"{entry.sample_index}" for entry in report.left_out[:20])
+        lines.append(
+            f"  left out {len(report.left_out)} the trainer cannot take: {shown} ({report.left_out[0].reason})"
+        )
+    if report.failed:
+        shown = "; ".join(f"{entry.sample_index}: {entry.reason}" for entry in report.failed[:5])
+        lines.append(f"  failed {len(report.failed)}: {shown}; run hsx export again once they are there")
+    return "\n".join(lines)
+
+
+def export_exit_code(report: ExportReport) -> int:
+    if report.ok:
+        return 0
+    raise JobFailed(
+        f"export of job {report.job} is missing {len(report.failed)} samples (first: "
+        f"{report.failed[0].sample_index}, {report.failed[0].reason}); see {REPORT}"
+    )

@@ -1,0 +1,178 @@
+"""The files each drafter trainer reads, made from one hsx sample: SpecForge's DFlash and EAGLE-3
+offline features, and speculators' cached hidden states. `hsx export` (hsx/commands/export.py)
+drives them; this module knows the trainers' layouts and layer conventions, nothing of NATS.
+
+- `specforge-dflash`: `rows_<g>-<g+2000>/data_<i>.ckpt` (torch.save, zip format, read with
+  `torch.load(mmap=True)`): `input_ids` [T] int64, `loss_mask` [T] int64, `hidden_states`
+  [T, k*H], the job's k decoder layers concatenated in order. SpecForge's reader raises on a sample
+  without two adjacent supervised tokens, so such a sample is left out and listed.
+- `specforge-eagle3`: the same layout; `aux_hidden_state` [1, T, 3H] (three decoder layers),
+  `hidden_state` [1, T, H] (the post-norm final state, `final`).
+- `speculators`: a datasets `save_to_disk` folder (columns `input_ids`, `loss_mask` int64 lists,
+  `seq_len`; torch format) and `hidden_states/hs_<row>.safetensors` holding `hidden_states`
+  [T, k+1, H] (k layers, then the last decoder layer's raw output) and `token_ids` [T] int64.
+
+Tensors are what `HiddenStateDataset` gives for the file: the stored dtype, float8 dequantized to
+float32. Trainer ids: SpecForge's are hsx's (the output of decoder layer id); speculators' are
+transformers' hidden_states indices, hsx's id + 1 (README, "Layers for a trainer").
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hsx.errors import HsxError
+from hsx.model.layers import FINAL
+from hsx.wire import schemas
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where tensors are saved, so that the CLI names the formats without it.
+FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")
+SPECFORGE_GROUP = 2000  # SpecForge's writer: rows_<g>-<g+2000>
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sample:
+    sample_index: int
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] int64 (all ones when the dataset had none)
+    hidden_states: torch.Tensor  # [T, k, H], dequantized
+
+
+def trainer_layer_ids(fmt: str, spec: schemas.JobSpec) -> dict:
+    """What the trainer's config must name for this export (its own convention), or a one-line
+    HsxError saying which `--layers` would make this format."""
+    layers = list(spec.layers)
+    ints = [layer for layer in layers if layer != FINAL]
+    if fmt == "specforge-dflash":
+        if FINAL in layers:
+            raise HsxError(
+                f"job {spec.job} has layers {layers}: SpecForge's DFlash reads decoder layers only, not "
+                "'final'; make the job with --layers dflash:N (N = the draft's layers)"
+            )
+        return {"target_layer_ids": ints}
+    if fmt == "specforge-eagle3":
+        if len(ints) != 3 or layers[-1] != FINAL or len(layers) != 4:
+            raise HsxError(
+                f"job {spec.job} has layers {layers}: SpecForge's EAGLE-3 reads three decoder layers and "
+                "the final state; make the job with --layers eagle3 (or three layers then final)"
+            )
+        return {"aux_hidden_state_layer_ids": ints}
+    if fmt == "speculators":
+        last = spec.num_layers - 1 if spec.num_layers else None
+        if spec.layer_preset == "speculators" and last is None:
+            last = layers[-1]
+        if FINAL in layers or len(layers) < 2 or last is None or layers[-1] != last:
+            raise HsxError(
+                f"job {spec.job} has layers {layers}: speculators reads its layers then the last decoder "
+                "layer's raw output; make the job with --layers speculators (or your layers then -1)"
+            )
+        return {"target_layer_ids": [layer + 1 for layer in layers[:-1]]}
+    raise AssertionError(fmt)
+
+
+def has_adjacent_supervised(loss_mask: torch.Tensor) -> bool:
+    """SpecForge's DFlash reader needs two consecutive supervised tokens in a sample."""
+    mask = loss_mask.bool()
+    return bool((mask[1:] & mask[:-1]).any()) if mask.numel() > 1 else False
+
+
+def specforge_path(out: Path, sample_index: int) -> Path:
+    group = sample_index // SPECFORGE_GROUP * SPECFORGE_GROUP
+    return out / f"rows_{group}-{group + SPECFORGE_GROUP}" / f"data_{sample_index}.ckpt"
+
+
+def speculators_path(out: Path, row: int) -> Path:
+    return out / "hidden_states" / f"hs_{row}.safetensors"
+
+
+def refusal(fmt: str, sample: Sample) -> str | None:
+    """Why the trainer cannot take `sample` (it is left out and listed), or None."""
+    if fmt == "specforge-dflash" and not has_adjacent_supervised(sample.loss_mask):
+        return "no two consecutive supervised tokens (SpecForge's DFlash reader raises on it)"
+    return None
+
+
+def features(fmt: str, sample: Sample) -> dict[str, torch.Tensor]:
+    """The tensors of the trainer's file for `sample`."""
+    hidden = sample.hidden_states
+    tokens, width = hidden.shape[0], hidden.shape[-1]
+    if fmt == "specforge-dflash":
+        return {
+            "input_ids": sample.input_ids,
+            "loss_mask": sample.loss_mask,
+            "hidden_states": hidden.reshape(tokens, -1).contiguous(),
+        }
+    if fmt == "specforge-eagle3":
+        return {
+            "input_ids": sample.input_ids,
+            "loss_mask": sample.loss_mask,
+            "aux_hidden_state": hidden[:, :3].reshape(1, tokens, 3 * width).contiguous(),
+            "hidden_state": hidden[:, 3].reshape(1, tokens, width).contiguous(),
+        }
+    if fmt == "speculators":
+        return {"hidden_states": hidden.contiguous(), "token_ids": sample.input_ids}
+    raise AssertionError(fmt)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`path` holds all of `data` or is absent: a resumed export trusts every file it finds."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    with open(partial, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, path)
+
+
+def encode(fmt: str, tensors: dict[str, torch.Tensor]) -> bytes:
+    if fmt == "speculators":
+        from safetensors.torch import save
+
+        return save(tensors)
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)  # the zip format: SpecForge loads it with mmap=True
+    return buffer.getvalue()
+
+
+def write_speculators_table(out: Path, rows: list[tuple[list[int], list[int]]]) -> None:
+    """The datasets folder speculators' ArrowDataset opens, from each row's (input_ids, loss_mask):
+    row i <-> hidden_states/hs_<i>."""
+    try:
+        import datasets
+    except ImportError:
+        raise HsxError("--to speculators writes a datasets folder: pip install datasets") from None
+    input_ids, loss_masks = zip(*rows) if rows else ((), ())
+    table = datasets.Dataset.from_dict(
+        {
+            "input_ids": [list(ids) for ids in input_ids],
+            "loss_mask": [list(mask) for mask in loss_masks],
+            "seq_len": [len(ids) for ids in input_ids],
+        },
+        features=datasets.Features(
+            {
+                "input_ids": datasets.Sequence(datasets.Value("int64")),
+                "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                "seq_len": datasets.Value("int64"),
+            }
+        ),
+    )
+    table.set_format(type="torch")  # speculators compares token ids with torch.equal
+    partial = out / ".table.partial"
+    if partial.exists():
+        import shutil
+
+        shutil.rmtree(partial)
+    table.save_to_disk(str(partial))
+    for name in os.listdir(partial):  # beside hidden_states/, where speculators looks for them
+        os.replace(partial / name, out / name)
+    partial.rmdir()
