@@ -31,8 +31,8 @@ from bench.gpu import forward_flops  # noqa: E402
 from gpu_consumer.extract import pad_batch  # noqa: E402
 from gpu_consumer.model import LayerTap  # noqa: E402
 from hsx.commands.embedded import synthetic_lengths  # noqa: E402
+from hsx.packing import plan_batches  # noqa: E402
 from hsx.wire.schemas import Sample  # noqa: E402
-from producer.planner import plan_batches  # noqa: E402
 
 SHAPE = dict(
     hidden_size=256,

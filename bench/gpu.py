@@ -37,8 +37,8 @@ from gpu_consumer.extract import extract_samples, pad_batch  # noqa: E402
 from gpu_consumer.model import LayerTap, LoadedModel, choose_attention, decoder_layers  # noqa: E402
 from gpu_consumer.staging import HostStaging  # noqa: E402
 from hsx.commands.embedded import synthetic_lengths  # noqa: E402
+from hsx.packing import plan_batches  # noqa: E402
 from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
-from producer.planner import plan_batches  # noqa: E402
 
 QWEN3_8B = dict(
     hidden_size=4096,

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hsx.commands.embedded import synthetic_lengths  # noqa: E402
-from producer.planner import plan_batches  # noqa: E402
+from hsx.packing import plan_batches  # noqa: E402
 
 MEDIAN_LEN, MAX_LEN = 500, 4096
 FIXED_BATCH_SIZE = 32

@@ -27,11 +27,12 @@ from botocore.exceptions import BotoCoreError, ClientError
 from nats.js import JetStreamContext
 
 from hsx.errors import HsxError
+from hsx.packing import PlannedBatch
 from hsx.storage.destinations import VerificationError, open_destination
 from hsx.storage.layout import bundle_key
 from hsx.wire import schemas
 from hsx.wire.tokens import download
-from producer.planner import PlannedBatch, plan_batch_id
+from producer.planner import plan_batch_id
 
 log = structlog.get_logger("hsx.producer")
 

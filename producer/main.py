@@ -32,6 +32,7 @@ import structlog
 from hsx.errors import HsxError
 from hsx.model.layers import preset_of, resolve_layers
 from hsx.model.modelinfo import load_model_info
+from hsx.packing import PlannedBatch, plan_batches
 from hsx.wire import schemas, topology
 from hsx.wire.headers import message_headers
 from hsx.wire.jobs import count_messages, live_workers, read_job_spec
@@ -43,7 +44,7 @@ from producer import bundle, preflight, resume, stored
 from producer.config import ProducerConfig
 from producer.dataset import dataset_digest
 from producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
-from producer.planner import PlannedBatch, plan_batch_id, plan_batches
+from producer.planner import plan_batch_id
 
 log = structlog.get_logger("hsx.producer")
 

@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from producer.planner import plan_batches
+from hsx.packing import plan_batches
 
 
 def _lognormal(count: int, *, median: int, max_len: int, seed: int, sigma: float = 0.8) -> list[int]:

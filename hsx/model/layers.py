@@ -24,9 +24,8 @@ The job spec and every file record the preset beside the layers it resolved to.
 import re
 
 from hsx.errors import HsxError
-from hsx.wire.schemas import LayerSelector
+from hsx.wire.schemas import FINAL, LayerSelector
 
-FINAL = "final"
 PRESETS = ("dflash:N", "eagle3", "speculators")
 _DFLASH = re.compile(r"dflash:(\d+)")
 

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hsx.errors import HsxError
-from hsx.model.layers import FINAL
 from hsx.wire import schemas
+from hsx.wire.schemas import FINAL
 
 if TYPE_CHECKING:
     import torch

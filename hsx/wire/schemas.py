@@ -13,6 +13,7 @@ import msgspec
 # A selected layer, as the job names it: a decoder layer index, or "final" (the post-norm final
 # state). hsx/model/layers.py parses and resolves it; every layers field in hsx has this type.
 LayerSelector = int | str
+FINAL = "final"  # the selector of the post-norm final state
 
 
 class _Wire(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

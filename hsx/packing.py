@@ -1,0 +1,49 @@
+"""Packing samples into token-budgeted batches: the producer's plan (producer/planner.py) and the
+trainer-side sampler (hsx/storage/reader.py, TokenBudgetSampler) cut batches the same way.
+
+Samples are sorted by length (longest first, ties by index, so the plan is deterministic) and
+cut greedily: a batch's padded length is its first (longest) sample's length, and samples join
+it while `batch_size * padded_len <= token_budget`. Sorting keeps padding small, so nearly every
+computed token is a real one. Longest-first also means an out-of-memory batch shows up at once,
+not hours into a run. Pure function; knows nothing about NATS or models.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedBatch:
+    sample_indices: tuple[int, ...]
+    padded_len: int
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.sample_indices) * self.padded_len
+
+
+def plan_batches(lengths, *, token_budget: int, max_batch_size: int | None = None) -> list[PlannedBatch]:
+    """`lengths`: every sample's token count (a list or a NumPy array), sample i at index i."""
+    if token_budget <= 0:
+        raise ValueError("token_budget must be positive")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    # Longest first, ties by index: a stable sort of the negated lengths.
+    order = np.argsort(-lengths, kind="stable")
+    sorted_lengths = lengths[order].tolist()
+    order = order.tolist()
+    batches: list[PlannedBatch] = []
+    start = 0
+    while start < len(order):
+        padded_len = sorted_lengths[start]
+        if padded_len > token_budget:
+            raise ValueError(
+                f"sample {order[start]} has {padded_len} tokens, more than the token budget {token_budget}"
+            )
+        size = token_budget // padded_len
+        if max_batch_size is not None:
+            size = min(size, max_batch_size)
+        members = order[start : start + size]
+        batches.append(PlannedBatch(sample_indices=tuple(members), padded_len=padded_len))
+        start += len(members)
+    return batches
