@@ -24,8 +24,16 @@ from test_e2e_s3 import check_ok, start_monitor, wait_until_done, write_dataset
 from test_verify import Services, data_offset, run_cli
 
 from hsx.errors import HsxError
+from hsx.packing import plan_batches
 from hsx.storage.layout import sample_key
-from hsx.storage.reader import HiddenStateDataset, dequantize
+from hsx.storage.reader import (
+    HiddenStateDataset,
+    TokenBudgetSampler,
+    dequantize,
+    pack_collate,
+    pad_collate,
+    prefetched,
+)
 
 COUNT = 10
 LAYERS = [1, 5]
@@ -213,3 +221,81 @@ def test_verify_over_s3_float8(s3_job, monkeypatch):
     assert code == 1, report
     assert [(c["sample_index"], c["reason"]) for c in report["corrupt"]] == [(index, "checksum")], report
     assert report["missing"] == [] and report["mismatching"] == [], report
+
+
+def test_the_token_budget_sampler_groups_by_length_from_the_index(s3_job):
+    """Every sample once per epoch, each batch within the budget (size x longest), cut as the
+    producer's plan cuts it, from the index's lengths; epochs differ, an epoch repeats."""
+    dataset = HiddenStateDataset(s3_job.url)
+    lengths = [len(row["input_ids"]) for row in s3_job.rows]
+    assert dataset.sample_tokens == lengths  # read from the index: no file opened
+    sampler = TokenBudgetSampler(dataset, token_budget=256, seed=7)
+    first = list(sampler)
+    assert len(first) == len(sampler) == len(plan_batches(lengths, token_budget=256))
+    assert sorted(i for batch in first for i in batch) == list(range(COUNT))
+    assert all(len(batch) * max(lengths[i] for i in batch) <= 256 for batch in first)
+    assert list(sampler) == first
+    epochs = []
+    for epoch in range(1, 7):
+        sampler.set_epoch(epoch)
+        epochs.append(list(sampler))
+        assert sorted(i for batch in epochs[-1] for i in batch) == list(range(COUNT))
+    assert any(batches != first for batches in epochs)  # the batches' order is drawn per epoch
+    ties = TokenBudgetSampler([4] * 8, token_budget=8, seed=3)  # which equal samples pair up, too
+    pairings = set()
+    for epoch in range(4):
+        ties.set_epoch(epoch)
+        pairings.add(frozenset(frozenset(batch) for batch in ties))
+    assert len(pairings) > 1 and all(len(batch) == 2 for batch in ties)
+    capped = TokenBudgetSampler(lengths, token_budget=10_000, max_batch_size=3, shuffle=False)
+    assert all(len(batch) <= 3 for batch in capped) and len(capped) == -(-COUNT // 3)
+    with pytest.raises(HsxError, match="more than the token budget 16"):
+        TokenBudgetSampler(lengths, token_budget=16)
+
+
+def test_pad_and_pack_collate_hold_each_item_exactly(s3_job):
+    dataset = HiddenStateDataset(s3_job.url)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=TokenBudgetSampler(dataset, token_budget=256, seed=1), collate_fn=pad_collate
+    )
+    seen = []
+    for batch in loader:
+        for row, index in enumerate(batch["sample_index"].tolist()):
+            item, length = dataset[index], int(batch["lengths"][row])
+            assert length == len(s3_job.rows[index]["input_ids"])
+            assert torch.equal(batch["hidden_states"][row, :length], item["hidden_states"])
+            assert not batch["hidden_states"][row, length:].any()
+            assert batch["input_ids"][row, :length].tolist() == item["input_ids"].tolist()
+            assert batch["attention_mask"][row].tolist() == [1] * length + [0] * (batch["input_ids"].shape[1] - length)
+            assert batch["loss_mask"][row, :length].tolist() == s3_job.rows[index]["loss_mask"]
+            seen.append(index)
+    assert sorted(seen) == list(range(COUNT))
+
+    items = [dataset[i] for i in (4, 0, 7)]
+    packed = pack_collate(items)
+    sizes = [len(item["input_ids"]) for item in items]
+    assert packed["cu_seqlens"].tolist() == [0, sizes[0], sizes[0] + sizes[1], sum(sizes)]
+    assert torch.equal(packed["hidden_states"], torch.cat([item["hidden_states"] for item in items]))
+    assert packed["position_ids"].tolist() == [p for size in sizes for p in range(size)]
+    assert packed["sample_index"].tolist() == [4, 0, 7]
+
+
+def test_prefetched_reads_ahead_and_yields_in_order(s3_job):
+    dataset = HiddenStateDataset(s3_job.url)
+    order = [5, 1, 9, 0, 3, 8, 2, 7, 4, 6]
+    items = list(prefetched(dataset, order, in_flight=4))
+    assert [item["sample_index"] for item in items] == order
+    for item in items:
+        assert torch.equal(item["hidden_states"], dataset[item["sample_index"]]["hidden_states"])
+
+
+def test_the_sampler_needs_the_index_for_lengths(s3_job, tmp_path):
+    folder = tmp_path / "out" / s3_job.job
+    for i in range(2):  # two files and no index: the dataset lists the folder
+        path = tmp_path / "out" / sample_key(s3_job.job, i)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(read_object(s3_job, i))
+    listed = HiddenStateDataset(str(folder))
+    assert listed.sample_tokens is None
+    with pytest.raises(HsxError, match="no complete index"):
+        TokenBudgetSampler(listed, token_budget=256)

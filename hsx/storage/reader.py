@@ -8,6 +8,11 @@ it knows nothing about NATS, job specs or how the files were made.
 With a torch DataLoader, each worker process opens its own destination client on its first
 `__getitem__` (a boto3 client must not cross a fork), so `num_workers > 0` works over S3.
 
+For a training loop of one's own: `TokenBudgetSampler` yields batches of positions cut like the
+producer's plan (hsx/packing.py: batch size x longest sample within a token budget) from the
+index's lengths, without opening a file; `pad_collate` and `pack_collate` make a batch of them;
+`prefetched` reads ahead on threads in one process (over S3 the reads wait on the network).
+
 Which samples a job has comes from its index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) when that
 is complete: two GETs, whatever the job's size. Otherwise the folder is listed, and a
 `dataset_listing` log line says why.
@@ -17,13 +22,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 from safetensors.torch import load as _load_safetensors
 
 from hsx.errors import HsxError
+from hsx.packing import plan_batches
 from hsx.storage.destinations import Destination, open_destination, split_job_url
 from hsx.storage.index import read_index
 from hsx.storage.layout import relative_sample_key, sample_index_of
@@ -86,10 +96,13 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     grouping without opening a file), else None.
     """
 
-    def __init__(self, url: str, *, concat_layers: bool = False, dequantize: bool = True) -> None:
+    def __init__(
+        self, url: str, *, concat_layers: bool = False, dequantize: bool = True, max_connections: int = 16
+    ) -> None:
         self.url, self.job = split_job_url(url)
         self.concat_layers = concat_layers
         self.dequantize = dequantize
+        self.max_connections = max_connections  # per process: what `prefetched` reads at once
         # The opening client is dropped here: each process that reads opens its own.
         folder = open_destination(self.url, max_connections=4)
         index, why_not = read_index(folder, self.job)
@@ -112,7 +125,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
     def _destination(self) -> Destination:
         if self._dest is None or self._pid != os.getpid():
-            self._dest = open_destination(self.url, max_connections=4)
+            self._dest = open_destination(self.url, max_connections=self.max_connections)
             self._pid = os.getpid()
         return self._dest
 
@@ -144,3 +157,121 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if not self.dequantize and SCALE_TENSOR in tensors:
             item[SCALE_TENSOR] = tensors[SCALE_TENSOR]
         return item
+
+
+class TokenBudgetSampler(torch.utils.data.Sampler):
+    """Batches of dataset positions, each within `token_budget` padded tokens (batch size x its
+    longest sample, and at most `max_batch_size` samples), cut as the producer cuts its plan
+    (hsx/packing.py) from the lengths in the job's index: no file is opened to group them. With
+    `shuffle`, each epoch (`set_epoch`, as DistributedSampler) draws which samples of equal length
+    go together and the order of the batches from `seed` and the epoch; the batches' count does
+    not change. For `DataLoader(dataset, batch_sampler=sampler, collate_fn=pad_collate)`."""
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | HiddenStateDataset,
+        *,
+        token_budget: int,
+        max_batch_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(lengths, HiddenStateDataset):
+            if lengths.sample_tokens is None:
+                raise HsxError(
+                    f"{lengths.url}: the job has no complete index, so its samples' lengths are not known "
+                    "without opening every file; run hsx index rebuild JOB_URL, or pass the lengths"
+                )
+            lengths = lengths.sample_tokens
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        longest = int(self.lengths.argmax()) if len(self.lengths) else 0
+        if len(self.lengths) and self.lengths[longest] > token_budget:
+            raise HsxError(
+                f"sample at position {longest} has {self.lengths[longest]} tokens, more than the token budget "
+                f"{token_budget}"
+            )
+        self.token_budget, self.max_batch_size = token_budget, max_batch_size
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self._count = len(self._batches(np.arange(len(self.lengths))))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _batches(self, order: np.ndarray) -> list[list[int]]:
+        planned = plan_batches(self.lengths[order], token_budget=self.token_budget, max_batch_size=self.max_batch_size)
+        return [[int(order[i]) for i in batch.sample_indices] for batch in planned]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if not self.shuffle:
+            yield from self._batches(np.arange(len(self.lengths)))
+            return
+        rng = np.random.default_rng((self.seed, self.epoch))
+        batches = self._batches(rng.permutation(len(self.lengths)))
+        for i in rng.permutation(len(batches)):
+            yield batches[i]
+
+    def __len__(self) -> int:
+        return self._count
+
+
+def _loss_mask(item: dict[str, Any]) -> torch.Tensor:
+    """A file without a loss mask had none in its dataset: every token counts."""
+    mask = item.get("loss_mask")
+    return torch.ones(len(item["input_ids"]), dtype=torch.uint8) if mask is None else mask
+
+
+def pad_collate(items: list[dict[str, Any]], *, pad_token_id: int = 0) -> dict[str, Any]:
+    """Items of HiddenStateDataset padded on the right to the longest: `hidden_states` [B, T, ...]
+    (zeros after each sample), `input_ids` [B, T] (`pad_token_id` after), `attention_mask` and
+    `loss_mask` [B, T] (0 after), `lengths` and `sample_index` [B]."""
+    lengths = [len(item["input_ids"]) for item in items]
+    longest, first = max(lengths), items[0]["hidden_states"]
+    hidden = first.new_zeros((len(items), longest, *first.shape[1:]))
+    input_ids = torch.full((len(items), longest), pad_token_id, dtype=torch.int64)
+    attention = torch.zeros((len(items), longest), dtype=torch.int64)
+    loss = torch.zeros((len(items), longest), dtype=torch.int64)
+    for row, (item, length) in enumerate(zip(items, lengths)):
+        hidden[row, :length] = item["hidden_states"]
+        input_ids[row, :length] = item["input_ids"]
+        attention[row, :length] = 1
+        loss[row, :length] = _loss_mask(item)
+    return {
+        "hidden_states": hidden,
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "loss_mask": loss,
+        "lengths": torch.tensor(lengths, dtype=torch.int64),
+        "sample_index": torch.tensor([item["sample_index"] for item in items], dtype=torch.int64),
+    }
+
+
+def pack_collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Items of HiddenStateDataset packed end to end with no padding: `hidden_states` [N, ...],
+    `input_ids`, `loss_mask`, `position_ids` (from 0 in each sample) [N], `cu_seqlens` [B + 1]
+    int32 (each sample's start, as variable-length attention kernels take them), `sample_index` [B]."""
+    lengths = [len(item["input_ids"]) for item in items]
+    return {
+        "hidden_states": torch.cat([item["hidden_states"] for item in items]),
+        "input_ids": torch.cat([item["input_ids"].to(torch.int64) for item in items]),
+        "loss_mask": torch.cat([_loss_mask(item).to(torch.int64) for item in items]),
+        "position_ids": torch.cat([torch.arange(length) for length in lengths]),
+        "cu_seqlens": torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32),
+        "sample_index": torch.tensor([item["sample_index"] for item in items], dtype=torch.int64),
+    }
+
+
+def prefetched(
+    dataset: HiddenStateDataset, positions: Iterable[int], *, in_flight: int = 16
+) -> Iterator[dict[str, Any]]:
+    """`dataset[i]` for each position, in order, with up to `in_flight` read ahead on threads of
+    this process: an S3 read waits on the network, not on the interpreter, so one process keeps
+    that many GETs going (a DataLoader's workers do it with processes instead)."""
+    dataset._destination()  # one client for every thread (boto3 clients are thread-safe)
+    with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="hsx-prefetch") as pool:
+        pending: deque = deque()
+        for position in positions:
+            pending.append(pool.submit(dataset.__getitem__, position))
+            if len(pending) >= in_flight:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
