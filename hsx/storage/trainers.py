@@ -150,7 +150,7 @@ def write_speculators_table(out: Path, rows: list[tuple[list[int], list[int]]]) 
     try:
         import datasets
     except ImportError:
-        raise HsxError("--to speculators writes a datasets folder: pip install datasets") from None
+        raise HsxError("--to speculators writes a datasets folder: pip install 'hsx[export]' (or datasets)") from None
     input_ids, loss_masks = zip(*rows) if rows else ((), ())
     table = datasets.Dataset.from_dict(
         {
