@@ -29,7 +29,7 @@ from nats.js import JetStreamContext
 from hsx.errors import HsxError
 from hsx.packing import PlannedBatch
 from hsx.storage.destinations import VerificationError, open_destination
-from hsx.storage.layout import bundle_key
+from hsx.storage.layout import TOKENS_FILE, bundle_key
 from hsx.wire import schemas
 from hsx.wire.tokens import download
 from producer.planner import plan_batch_id
@@ -38,7 +38,6 @@ log = structlog.get_logger("hsx.producer")
 
 PLAN_FORMAT = "hsx.plan.v1"
 SPEC_FILE = "job.json"
-TOKENS_FILE = "tokens.arrow"
 PLAN_FILE = "plan.json"
 REPORT_FILE = "report.json"
 

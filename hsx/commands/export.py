@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import structlog
 import torch
 
@@ -32,9 +33,10 @@ from hsx.errors import HsxError, JobFailed
 from hsx.storage import trainers
 from hsx.storage.destinations import Destination, open_destination, split_job_url
 from hsx.storage.index import bundle_spec, read_index
-from hsx.storage.layout import relative_sample_key, sample_index_of
+from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, relative_sample_key, sample_index_of
 from hsx.storage.reader import dequantize, load_sample
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
+from hsx.wire.tokens import SampleTable, read_tokens
 
 log = structlog.get_logger("hsx.export")
 
@@ -78,6 +80,15 @@ def _samples(folder: Destination, job: str, spec) -> list[int]:
         return index.sample_indices.tolist()
     log.info("export_listing", reason=why_not)
     return sorted(i for i in (sample_index_of(job, key) for key in folder.keys()) if i is not None)
+
+
+def _bundle_tokens(folder: Destination, url: str) -> SampleTable:
+    key = f"{BUNDLE_DIR}/{TOKENS_FILE}"
+    try:
+        data = folder.read_bytes(key)
+    except Exception as exc:
+        raise HsxError(f"{url}/{key}: cannot read the job's tokenized samples ({type(exc).__name__}: {exc})") from None
+    return read_tokens(data, what=f"{url}/{key}")
 
 
 def _read(folder: Destination, job: str, sample_index: int) -> trainers.Sample:
@@ -124,6 +135,9 @@ def run_export(cfg: ExportConfig) -> ExportReport:
     trainer_ids = trainers.trainer_layer_ids(cfg.to, spec)
     cfg.out.mkdir(parents=True, exist_ok=True)
     samples = _samples(folder, job, spec)
+    # speculators' table comes from the job's tokenized samples, not from the files: a rerun
+    # reads no file it has written, and each file read is checked against the job's tokens.
+    tokens = _bundle_tokens(folder, url) if cfg.to == "speculators" else None
 
     def target(sample_index: int) -> Path:
         # speculators' row i is sample i: its table is written only once every sample is there.
@@ -133,23 +147,21 @@ def run_export(cfg: ExportConfig) -> ExportReport:
 
     left_out: list[LeftOut] = []
     failed = [LeftOut(i, "not in the job's folder") for i in sorted(set(range(spec.total_samples)) - set(samples))]
-    table: dict[int, tuple[list[int], list[int]]] = {}
     exported: list[int] = []
     progress = _Progress(len(samples))
 
     def export_one(sample_index: int) -> None:
-        if target(sample_index).exists() and cfg.to != "speculators":
+        if target(sample_index).exists():
             exported.append(sample_index)  # written by an earlier run, atomically
             return
         sample = _read(folder, job, sample_index)
+        if tokens is not None and not np.array_equal(tokens.input_ids(sample_index), sample.input_ids.numpy()):
+            raise SampleFileCorrupt("its input_ids differ from the job's tokenized sample")
         why = trainers.refusal(cfg.to, sample)
         if why is not None:
             left_out.append(LeftOut(sample_index, why))
             return
-        if cfg.to == "speculators":  # the table needs every row's tokens, written or not
-            table[sample_index] = (sample.input_ids.tolist(), sample.loss_mask.tolist())
-        if not target(sample_index).exists():
-            trainers.write_atomically(target(sample_index), trainers.encode(cfg.to, trainers.features(cfg.to, sample)))
+        trainers.write_atomically(target(sample_index), trainers.encode(cfg.to, trainers.features(cfg.to, sample)))
         exported.append(sample_index)
 
     def guarded(sample_index: int) -> None:
@@ -167,8 +179,10 @@ def run_export(cfg: ExportConfig) -> ExportReport:
     progress.close()
     failed.sort(key=lambda entry: entry.sample_index)
     left_out.sort(key=lambda entry: entry.sample_index)
-    if cfg.to == "speculators" and not failed:
-        trainers.write_speculators_table(cfg.out, [table[i] for i in range(spec.total_samples)])
+    if tokens is not None:
+        if not failed:
+            trainers.write_speculators_table(cfg.out, tokens)
+        tokens.close()
     report = ExportReport(
         source=url,
         job=job,

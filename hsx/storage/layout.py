@@ -60,6 +60,7 @@ def sample_index_of(job: str, relative_key: str) -> int | None:
 # beside the shards under `<job>/_hsx/`; the underscore keeps it apart from the five-digit shard
 # folders, and readers of sample files (hsx verify, HiddenStateDataset) pass over it.
 BUNDLE_DIR = "_hsx"
+TOKENS_FILE = "tokens.arrow"  # in the bundle: the job's tokenized samples (producer/bundle.py)
 
 
 def bundle_key(job: str, name: str) -> str:

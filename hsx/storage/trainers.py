@@ -32,6 +32,8 @@ from hsx.wire.schemas import FINAL
 if TYPE_CHECKING:
     import torch
 
+    from hsx.wire.tokens import SampleTable
+
 # torch is imported where tensors are saved, so that the CLI names the formats without it.
 FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")
 SPECFORGE_GROUP = 2000  # SpecForge's writer: rows_<g>-<g+2000>
@@ -144,35 +146,43 @@ def encode(fmt: str, tensors: dict[str, torch.Tensor]) -> bytes:
     return buffer.getvalue()
 
 
-def write_speculators_table(out: Path, rows: list[tuple[list[int], list[int]]]) -> None:
-    """The datasets folder speculators' ArrowDataset opens, from each row's (input_ids, loss_mask):
-    row i <-> hidden_states/hs_<i>."""
+def write_speculators_table(out: Path, table: SampleTable) -> None:
+    """The datasets folder speculators' ArrowDataset opens, from the job's tokenized samples (its
+    bundle's tokens.arrow, sample i at row i <-> hidden_states/hs_<i>): int64 lists, as its own
+    preprocessing writes them, in shards of at most 500 MB."""
     try:
         import datasets
     except ImportError:
         raise HsxError("--to speculators writes a datasets folder: pip install 'hsx[export]' (or datasets)") from None
-    input_ids, loss_masks = zip(*rows) if rows else ((), ())
-    table = datasets.Dataset.from_dict(
+    import numpy as np
+    import pyarrow as pa
+
+    lengths = np.asarray(table.lengths, dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.empty(int(offsets[-1]), dtype=np.int64)
+    masks = np.ones(int(offsets[-1]), dtype=np.int64)  # a dataset without masks: every token counts
+    for i in range(len(lengths)):
+        start, end = offsets[i], offsets[i + 1]
+        ids[start:end] = table.input_ids(i)
+        mask = table.loss_mask(i)
+        if mask is not None:
+            masks[start:end] = mask
+    arrow = pa.table(
         {
-            "input_ids": [list(ids) for ids in input_ids],
-            "loss_mask": [list(mask) for mask in loss_masks],
-            "seq_len": [len(ids) for ids in input_ids],
-        },
-        features=datasets.Features(
-            {
-                "input_ids": datasets.Sequence(datasets.Value("int64")),
-                "loss_mask": datasets.Sequence(datasets.Value("int64")),
-                "seq_len": datasets.Value("int64"),
-            }
-        ),
+            "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
+            "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(masks)),
+            "seq_len": pa.array(lengths),
+        }
     )
-    table.set_format(type="torch")  # speculators compares token ids with torch.equal
+    dataset = datasets.Dataset(arrow)
+    dataset.set_format(type="torch")  # speculators compares token ids with torch.equal
     partial = out / ".table.partial"
     if partial.exists():
         import shutil
 
         shutil.rmtree(partial)
-    table.save_to_disk(str(partial))
+    dataset.save_to_disk(str(partial), max_shard_size="500MB")
     for name in os.listdir(partial):  # beside hidden_states/, where speculators looks for them
         os.replace(partial / name, out / name)
     partial.rmdir()
