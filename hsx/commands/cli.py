@@ -183,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "source", metavar="SOURCE", help="the job's folder: s3://bucket/prefix/JOB, file:///out/JOB or a path"
     )
-    export.add_argument("--to", required=True, choices=EXPORT_FORMATS, help="the trainer's format")
+    export.add_argument(
+        "--to", required=True, choices=EXPORT_FORMATS, example="specforge-dflash", help="the trainer's format"
+    )
     export.add_argument("out", type=Path, metavar="OUT", help="the folder to write (a rerun resumes it)")
     export.add_argument("--workers", type=positive_int("--workers"), default=16, help="samples at once (default 16)")
     export.add_argument("--json", action="store_true")
