@@ -2,8 +2,8 @@
 same keys with the same concurrency.
 
 The S3 server is moto's, in its own process (bench/upload.py starts it). The files are real hsx
-sample files (`gpu_consumer.writer.write_sample_file`, bf16, --layers x --hidden per token,
-lognormal lengths), uploaded once under `<prefix>/<job>/` with the job's index
+sample files (bench/upload.py's: `gpu_consumer.writer.write_sample_file`, bf16, --layers x
+--hidden per token, lognormal lengths), uploaded once under `<prefix>/<job>/` with the job's index
 (`_hsx/index.arrow`), so the dataset opens through the index as a trainer's does.
 
 Per repeat, interleaved, each over every sample:
@@ -31,57 +31,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import boto3
-import numpy as np
 import torch
 from botocore.config import Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.upload import _start_moto  # noqa: E402
-from gpu_consumer.writer import write_sample_file  # noqa: E402
-from hsx.commands.embedded import synthetic_lengths  # noqa: E402
+from bench.upload import JOB, _start_moto, _write_pristine  # noqa: E402
 from hsx.storage.destinations import open_destination  # noqa: E402
 from hsx.storage.index import make_index, write_index  # noqa: E402
 from hsx.storage.reader import HiddenStateDataset, prefetched  # noqa: E402
 from hsx.wire import schemas  # noqa: E402
 
-JOB = "bench-reader"
 PREFIX = "hs"
-
-
-def _spec(args) -> schemas.JobSpec:
-    return schemas.JobSpec(
-        job=JOB,
-        model="bench",
-        model_revision="none",
-        layers=list(range(args.layers)),
-        dtype="bfloat16",
-        dest="file:///dev/null",
-        token_budget=0,
-        max_seq_len=args.max_len,
-        dataset="synthetic",
-        plan_fingerprint="bench",
-        total_samples=args.samples,
-        total_tokens=0,
-        total_batches=0,
-        created_at=0.0,
-    )
-
-
-def _write_files(args, root: Path) -> list[schemas.FileReady]:
-    lengths = synthetic_lengths(args.samples, median=args.median_len, max_len=args.max_len, seed=0).tolist()
-    spec = _spec(args)
-
-    def one(i: int) -> schemas.FileReady:
-        ids = np.random.default_rng(i).integers(0, 151936, size=lengths[i]).tolist()
-        sample = schemas.Sample(index=i, source_id=str(i), input_ids=ids)
-        hidden = torch.randn(lengths[i], args.layers, args.hidden, generator=torch.Generator().manual_seed(i))
-        return write_sample_file(
-            spool=root, spec=spec, node="bench", batch_id="b0", sample=sample, hidden_states=hidden.to(torch.bfloat16)
-        )
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(one, range(args.samples)))
 
 
 def _upload(root: Path, files: list[schemas.FileReady], bucket: str, concurrency: int) -> int:
@@ -160,7 +121,7 @@ def main() -> int:
         }
     )
     try:
-        files = _write_files(args, work / "files")
+        files = _write_pristine(args, work / "files")  # bench/upload.py's files: real, bf16
         bucket = "bench-reader"
         total_bytes = _upload(work / "files", files, bucket, args.concurrency)
         keys = [f"{PREFIX}/{f.spool_path}" for f in sorted(files, key=lambda f: f.sample_index)]
