@@ -1,1 +1,3 @@
-"""Where each setting's value comes from: flag > environment > job file (TOML) > default."""
+"""A setting declared once, on its config field (`fields`: flag, environment variable, default,
+help, parser from `values`), and where its value comes from: flag > environment > job file (TOML)
+> default (`settings`, `configfile`)."""
