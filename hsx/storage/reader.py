@@ -265,13 +265,17 @@ def prefetched(
 ) -> Iterator[dict[str, Any]]:
     """`dataset[i]` for each position, in order, with up to `in_flight` read ahead on threads of
     this process: an S3 read waits on the network, not on the interpreter, so one process keeps
-    that many GETs going (a DataLoader's workers do it with processes instead)."""
+    that many GETs going (a DataLoader's workers do it with processes instead); up to twice that
+    many items are held."""
     dataset._destination()  # one client for every thread (boto3 clients are thread-safe)
+    # Twice as many queued as read at once: while the oldest read is awaited (items come in order),
+    # the threads that are done go on with the next ones instead of waiting for it.
+    queued = 2 * in_flight
     with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="hsx-prefetch") as pool:
         pending: deque = deque()
         for position in positions:
             pending.append(pool.submit(dataset.__getitem__, position))
-            if len(pending) >= in_flight:
+            if len(pending) >= queued:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
