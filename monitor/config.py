@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hsx.config.fields import option
-from hsx.config.values import port, positive_float
+from hsx.config.values import port_or_off, positive_float
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.topology import job_name
 
@@ -43,7 +43,7 @@ class MonitorConfig:
     metrics_port: int = option(
         "--metrics-port",
         default=0,
-        parse=port("--metrics-port", off=0),
+        parse=port_or_off("--metrics-port"),
         env="HSX_METRICS_PORT",
         help="serve Prometheus metrics on this port at /metrics, e.g. 9108 (env HSX_METRICS_PORT, default 0: off)",
     )

@@ -58,15 +58,8 @@ def _add_nats(parser: argparse.ArgumentParser, *, embedded: bool = False) -> Non
 
 def _add_job(parser: argparse.ArgumentParser) -> None:
     """--job of a command that reads a job's state (status, dead, verify, ...): [job] name in a file."""
-    parser.add_argument("--job", type=_job_name, required=True, example="qwen27b-l5")
+    parser.add_argument("--job", type=job_name, required=True, example="qwen27b-l5")
     declare_job(parser, job="name")
-
-
-def _job_name(text: str) -> str:
-    try:
-        return job_name(text)
-    except HsxError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 # Each service's command: its flags are its config's fields (hsx/config/fields.py).
@@ -240,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     for action in (jobs_list, jobs_delete):
         _add_nats(action)
         action.add_argument("--json", action="store_true")
-    jobs_delete.add_argument("job", type=_job_name, metavar="JOB")
+    jobs_delete.add_argument("job", type=job_name, metavar="JOB")
     jobs_delete.add_argument(
         "--force", action="store_true", help="delete even while workers of the job are alive (they lose their durables)"
     )

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +31,9 @@ import torch
 from hsx.errors import HsxError, JobFailed
 from hsx.storage import trainers
 from hsx.storage.destinations import Destination, open_destination, split_job_url
-from hsx.storage.index import bundle_spec, read_index
-from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, relative_sample_key, sample_index_of
-from hsx.storage.reader import dequantize, load_sample
+from hsx.storage.index import bundle_spec, stored_samples
+from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, relative_sample_key
+from hsx.storage.reader import dequantize, load_sample, ordered_map
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.wire.tokens import SampleTable, read_tokens
 
@@ -72,14 +71,6 @@ class ExportReport(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def ok(self) -> bool:
         return not self.failed
-
-
-def _samples(folder: Destination, job: str, spec) -> list[int]:
-    index, why_not = read_index(folder, job, spec=spec)
-    if index is not None:
-        return index.sample_indices.tolist()
-    log.info("export_listing", reason=why_not)
-    return sorted(i for i in (sample_index_of(job, key) for key in folder.keys()) if i is not None)
 
 
 def _bundle_tokens(folder: Destination, url: str) -> SampleTable:
@@ -134,7 +125,9 @@ def run_export(cfg: ExportConfig) -> ExportReport:
         )
     trainer_ids = trainers.trainer_layer_ids(cfg.to, spec)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    samples = _samples(folder, job, spec)
+    samples, index, why_not = stored_samples(folder, job, spec=spec)
+    if index is None:
+        log.info("export_listing", reason=why_not)
     # speculators' table comes from the job's tokenized samples, not from the files: a rerun
     # reads no file it has written, and each file read is checked against the job's tokens.
     tokens = _bundle_tokens(folder, url) if cfg.to == "speculators" else None
@@ -173,9 +166,8 @@ def run_export(cfg: ExportConfig) -> ExportReport:
         finally:
             progress.step()
 
-    with ThreadPoolExecutor(max_workers=cfg.workers) as pool:
-        for _ in pool.map(guarded, samples):
-            pass
+    for _ in ordered_map(guarded, samples, in_flight=cfg.workers):
+        pass
     progress.close()
     failed.sort(key=lambda entry: entry.sample_index)
     left_out.sort(key=lambda entry: entry.sample_index)

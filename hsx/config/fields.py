@@ -41,7 +41,12 @@ class Flag:
 
     @property
     def key(self) -> str:
-        return self.file_key or self.name.removeprefix("--").replace("-", "_")
+        return self.file_key or key_of(self.name)
+
+
+def key_of(flag: str) -> str:
+    """`--token-budget` -> `token_budget`: the flag's key in a job file."""
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def option(name: str, *, default: Any = dataclasses.MISSING, **flag: Any) -> Any:

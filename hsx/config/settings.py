@@ -27,7 +27,7 @@ from pathlib import Path
 
 from hsx.config import configfile
 from hsx.config.configfile import Place
-from hsx.config.fields import Flag, flag_fields
+from hsx.config.fields import Flag, flag_fields, key_of
 from hsx.errors import HsxError
 
 _CONFIG_DEST = "config"  # the global --config: where the file is; it is resolved before the file is read
@@ -77,7 +77,7 @@ def add_config_flags(
         if flag.example is not None:
             kwargs["example"] = flag.example
         if flag.metavar or not (flag.choices or field.type is bool):
-            kwargs["metavar"] = flag.metavar or flag.name.removeprefix("--").replace("-", "_").upper()
+            kwargs["metavar"] = flag.metavar or key_of(flag.name).upper()
         if field.name in defaults:
             kwargs["default"] = defaults[field.name]
         elif field.default is dataclasses.MISSING:
@@ -144,19 +144,19 @@ class Parser(argparse.ArgumentParser):
         return self._declare(super().add_argument, args, kwargs)
 
     def _declare(self, add, args: tuple, kwargs: dict, group: list | None = None) -> argparse.Action:
+        if callable(kwargs.get("type")) and not isinstance(kwargs["type"], type):
+            kwargs["type"] = argparse_type(kwargs["type"])  # a parser's HsxError is argparse's one-line error
         if not args or not str(args[0]).startswith("-") or kwargs.get("action") in ("help", "version"):
             return add(*args, **kwargs)  # a positional, or -h / --version: argparse's own
         # A required flag may still come from the environment or the file: `resolve` checks it.
         required = kwargs.pop("required", False)
         example = kwargs.pop("example", None)  # `hsx config example`'s value where there is no default
-        if callable(kwargs.get("type")) and not isinstance(kwargs["type"], type):
-            kwargs["type"] = argparse_type(kwargs["type"])  # a parser's HsxError is argparse's flag error
         action = add(*args, **kwargs)
         action.hsx_example = example
         # argparse gets its "absent" sentinel, so a flag in the namespace is one that was given;
         # the declared default (argparse's own for store_true and the like) is kept for `resolve`.
         action.hsx_default, action.hsx_required = action.default, required
-        action.hsx_key = _flag(action).removeprefix("--").replace("-", "_")  # its key in the job file
+        action.hsx_key = key_of(_flag(action))  # its key in the job file
         action.default = argparse.SUPPRESS
         if isinstance(action.help, str) and "%(default)s" in action.help:
             action.help = action.help.replace("%(default)s", str(action.hsx_default).replace("%", "%%"))

@@ -79,17 +79,16 @@ def size_or_auto(flag: str) -> Callable[[str], str]:
     return parse
 
 
-def port(flag: str, *, off: int | None = None) -> Callable[[str], int]:
-    """A TCP port number; `off` (0) is allowed too and means no listener."""
+def port_or_off(flag: str) -> Callable[[str], int]:
+    """A TCP port number to listen on, or 0 for no listener."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise HsxError(f"{flag} must be a port number, got {text!r}") from None
-        low = 0 if off == 0 else 1
-        if not low <= value <= 65535:
-            raise HsxError(f"{flag} must be {'0 (off) to' if off == 0 else '1 to'} 65535, got {value}")
+        if not 0 <= value <= 65535:
+            raise HsxError(f"{flag} must be 0 (off) to 65535, got {value}")
         return value
 
     parse.expects = int

@@ -221,6 +221,18 @@ def read_index(folder: Destination, job: str, *, spec: schemas.JobSpec | None = 
     return index, ""
 
 
+def stored_samples(
+    folder: Destination, job: str, *, spec: schemas.JobSpec | None = None
+) -> tuple[list[int], StoredIndex | None, str]:
+    """The job's stored sample indices in order, from its complete index (returned too), else from
+    a listing of its folder, with why the index was not used."""
+    index, why_not = read_index(folder, job, spec=spec)
+    if index is not None:
+        return index.sample_indices.tolist(), index, ""
+    listed = sorted(i for i in (sample_index_of(job, key) for key in folder.keys()) if i is not None)
+    return listed, None, why_not
+
+
 def write_index(folder: Destination, index: StoredIndex) -> int:
     """Put the index with the destinations' verified put; the bytes written."""
     data = index.to_bytes()

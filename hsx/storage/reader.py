@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -35,8 +35,8 @@ from safetensors.torch import load as _load_safetensors
 from hsx.errors import HsxError
 from hsx.packing import plan_batches
 from hsx.storage.destinations import Destination, open_destination, split_job_url
-from hsx.storage.index import read_index
-from hsx.storage.layout import relative_sample_key, sample_index_of
+from hsx.storage.index import stored_samples
+from hsx.storage.layout import relative_sample_key
 from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.storage.tensors import SCALE_TENSOR, dequantize_float8
 
@@ -105,16 +105,12 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self.max_connections = max_connections  # per process: what `prefetched` reads at once
         # The opening client is dropped here: each process that reads opens its own.
         folder = open_destination(self.url, max_connections=4)
-        index, why_not = read_index(folder, self.job)
+        self.sample_indices, index, why_not = stored_samples(folder, self.job)
         self.sample_tokens: list[int] | None = None
         if index is not None:
-            self.sample_indices: list[int] = index.sample_indices.tolist()
             self.sample_tokens = index.table.column("tokens").to_numpy().tolist()
         else:
             log.info("dataset_listing", url=self.url, reason=why_not)
-            self.sample_indices = sorted(
-                i for i in (sample_index_of(self.job, key) for key in folder.keys()) if i is not None
-            )
         if not self.sample_indices:
             raise HsxError(f"{self.url}: no sample files of job {self.job} there")
         self._dest: Destination | None = None
@@ -268,14 +264,18 @@ def prefetched(
     that many GETs going (a DataLoader's workers do it with processes instead); up to twice that
     many items are held."""
     dataset._destination()  # one client for every thread (boto3 clients are thread-safe)
-    # Twice as many queued as read at once: while the oldest read is awaited (items come in order),
-    # the threads that are done go on with the next ones instead of waiting for it.
-    queued = 2 * in_flight
-    with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="hsx-prefetch") as pool:
+    yield from ordered_map(dataset.__getitem__, positions, in_flight=in_flight)
+
+
+def ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], *, in_flight: int) -> Iterator[Any]:
+    """`fn(item)` for each item, in order, `in_flight` at once on threads, with at most twice that
+    many submitted: memory for a window, not for a million items (Executor.map submits them all).
+    Twice: while the oldest is awaited, the threads that are done go on with the next ones."""
+    with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="hsx-read") as pool:
         pending: deque = deque()
-        for position in positions:
-            pending.append(pool.submit(dataset.__getitem__, position))
-            if len(pending) >= queued:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= 2 * in_flight:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
