@@ -108,6 +108,13 @@ def _export(source: Path, fmt: str, out: Path, *extra: str) -> subprocess.Comple
         )
 
 
+def _exported(source: Path, fmt: str, out: Path) -> dict:
+    """`hsx export` that must succeed, and its report."""
+    result = _export(source, fmt, out)
+    assert result.returncode == 0, result.stderr
+    return json.loads((out / "hsx-export.json").read_text())
+
+
 def _reference(model: Path):
     """transformers' own output_hidden_states, and each decoder layer's raw output (a hook)."""
     from transformers import AutoModelForCausalLM
@@ -150,9 +157,7 @@ def _specforge_batches(algorithm: str, out: Path) -> list:
 def test_specforge_dflash_reads_the_export(jobs, tmp_path):
     folders, model = jobs
     out = tmp_path / "dflash"
-    result = _export(folders["dflash"], "specforge-dflash", out)
-    assert result.returncode == 0, result.stderr
-    report = json.loads((out / "hsx-export.json").read_text())
+    report = _exported(folders["dflash"], "specforge-dflash", out)
     assert report["trainer_layer_ids"] == {"target_layer_ids": [1, 3, 5]} and report["layers"] == [1, 3, 5]
     left = {entry["sample_index"] for entry in report["left_out"]}
     assert left == {3, 4} and report["samples_exported"] == 4 and not report["failed"]
@@ -179,9 +184,7 @@ def test_specforge_dflash_reads_the_export(jobs, tmp_path):
 def test_specforge_eagle3_reads_the_float8_export(jobs, tmp_path):
     folders, model = jobs
     out = tmp_path / "eagle3"
-    result = _export(folders["eagle3"], "specforge-eagle3", out)
-    assert result.returncode == 0, result.stderr
-    report = json.loads((out / "hsx-export.json").read_text())
+    report = _exported(folders["eagle3"], "specforge-eagle3", out)
     assert report["trainer_layer_ids"] == {"aux_hidden_state_layer_ids": [1, 3, 4]}
     assert report["samples_exported"] == len(ROWS) and not report["left_out"]
     expected, reference = _hsx_items(folders["eagle3"]), _reference(model)
@@ -205,9 +208,7 @@ def test_specforge_eagle3_reads_the_float8_export(jobs, tmp_path):
 def test_speculators_reads_the_export(jobs, tmp_path):
     folders, model = jobs
     out = tmp_path / "speculators"
-    result = _export(folders["speculators"], "speculators", out)
-    assert result.returncode == 0, result.stderr
-    report = json.loads((out / "hsx-export.json").read_text())
+    report = _exported(folders["speculators"], "speculators", out)
     assert report["trainer_layer_ids"] == {"target_layer_ids": [2, 4, 5]}  # speculators' ids: hsx's + 1
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # a token mismatch is only a warning there: make it fail
