@@ -6,17 +6,27 @@ sample files (bench/upload.py's: `gpu_consumer.writer.write_sample_file`, bf16, 
 --hidden per token, lognormal lengths), uploaded once under `<prefix>/<job>/` with the job's index
 (`_hsx/index.arrow`), so the dataset opens through the index as a trainer's does.
 
-Per repeat, interleaved, each over every sample:
-- `boto3`: `--concurrency` threads, each a `get_object(...)["Body"].read()` of one key, one shared
+Steady state, as a training run spends its hours: every client, worker process and connection is
+made before the clock starts (the DataLoaders keep their workers, `persistent_workers=True`, and
+run one untimed epoch first; how long that first epoch took is reported on its own). Per repeat,
+interleaved, each over every sample, `--concurrency` GETs in flight:
+- `boto3`: that many threads, each a `get_object(...)["Body"].read()` of one key, one shared
   client with that many connections: bytes only, no decoding. The baseline.
-- `dataloader`: `DataLoader(dataset, batch_size=None, num_workers=--concurrency)` (a worker
-  process per connection), every item decoded to tensors.
-- `prefetched`: `hsx.storage.reader.prefetched(dataset, ..., in_flight=--concurrency)` in one
-  process, every item decoded.
-Samples/s and MB/s (file bytes) are medians of --repeats; the ratios are against boto3 of the same
-repeat. Goal (issue 13): dataloader / boto3 >= 0.9.
+- `dataloader`: what docs/TRAINING.md recommends: `DataLoader(dataset,
+  batch_sampler=TokenBudgetSampler(dataset, token_budget=--token-budget),
+  collate_fn=pack_collate, num_workers=--workers)`; each worker reads its batch's files on
+  concurrency / workers threads (`HiddenStateDataset.__getitems__`) and packs them in shared memory.
+- `dataloader_items`: `DataLoader(dataset, batch_size=None, num_workers=--concurrency)`, one item
+  at a time, a worker process per connection: the plain way, for comparison.
+- `dataloader_threads`: the batched DataLoader with `num_workers=0`: each batch's files read on
+  --concurrency threads of the training process, one batch after the other.
+- `prefetched_batches`: `DataLoader(PrefetchedBatches(dataset, sampler, in_flight=--concurrency),
+  batch_size=None)`: the same batches, read ahead on threads across batch boundaries, in one
+  process.
+Samples/s and MB/s (file bytes) are medians of --repeats; the ratios are the medians of each
+repeat's against boto3 of the same repeat. Goal (issue 13): dataloader / boto3 >= 0.9.
 
-Run: .venv/bin/python bench/reader.py [--samples 200] [--concurrency 8] [--repeats 3]
+Run: .venv/bin/python bench/reader.py [--samples 200] [--concurrency 8] [--workers 4] [--repeats 5]
 Prints one JSON object.
 """
 
@@ -39,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.upload import JOB, _start_moto, _write_pristine  # noqa: E402
 from hsx.storage.destinations import open_destination  # noqa: E402
 from hsx.storage.index import make_index, write_index  # noqa: E402
-from hsx.storage.reader import HiddenStateDataset, prefetched  # noqa: E402
+from hsx.storage.reader import HiddenStateDataset, PrefetchedBatches, TokenBudgetSampler, pack_collate  # noqa: E402
 from hsx.wire import schemas  # noqa: E402
 
 PREFIX = "hs"
@@ -80,28 +90,51 @@ def _boto3_pass(bucket: str, keys: list[str], concurrency: int) -> float:
     return time.perf_counter() - started
 
 
-def _dataloader_pass(url: str, concurrency: int, count: int) -> float:
+def _samples_in(batch: dict) -> int:
+    """A packed batch holds several samples, an item one."""
+    return len(batch["cu_seqlens"]) - 1 if "cu_seqlens" in batch else 1
+
+
+def _timed_epoch(batches, count: int) -> float:
+    started = time.perf_counter()
+    seen = sum(_samples_in(batch) for batch in batches)
+    assert seen == count, (seen, count)
+    return time.perf_counter() - started
+
+
+def _batched_loader(url: str, args) -> torch.utils.data.DataLoader:
+    dataset = HiddenStateDataset(url, max_connections=max(1, args.concurrency // args.workers))
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=TokenBudgetSampler(dataset, token_budget=args.token_budget, seed=0),
+        collate_fn=pack_collate,
+        num_workers=args.workers,
+        persistent_workers=True,
+    )
+
+
+def _item_loader(url: str, args) -> torch.utils.data.DataLoader:
     dataset = HiddenStateDataset(url, max_connections=1)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=concurrency, prefetch_factor=2)
-    started = time.perf_counter()
-    seen = sum(1 for _ in loader)
-    assert seen == count
-    return time.perf_counter() - started
+    return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=args.concurrency, persistent_workers=True)
 
 
-def _prefetched_pass(url: str, concurrency: int, count: int) -> float:
-    dataset = HiddenStateDataset(url, max_connections=concurrency)
-    started = time.perf_counter()
-    seen = sum(1 for _ in prefetched(dataset, range(len(dataset)), in_flight=concurrency))
-    assert seen == count
-    return time.perf_counter() - started
+def _in_process_loaders(url: str, args) -> dict[str, torch.utils.data.DataLoader]:
+    dataset = HiddenStateDataset(url, max_connections=args.concurrency)
+    sampler = TokenBudgetSampler(dataset, token_budget=args.token_budget, seed=0)
+    ahead = PrefetchedBatches(dataset, sampler, collate_fn=pack_collate, in_flight=args.concurrency)
+    return {
+        "dataloader_threads": torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=pack_collate),
+        "prefetched_batches": torch.utils.data.DataLoader(ahead, batch_size=None),
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=4, help="DataLoader worker processes (batched)")
+    parser.add_argument("--token-budget", type=int, default=4096, help="the sampler's tokens per batch")
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--median-len", type=int, default=300)
@@ -127,22 +160,32 @@ def main() -> int:
         keys = [f"{PREFIX}/{f.spool_path}" for f in sorted(files, key=lambda f: f.sample_index)]
         url = f"s3://{bucket}/{PREFIX}/{JOB}"
         assert HiddenStateDataset(url).sample_tokens is not None, "the dataset did not open through the index"
-        passes: dict[str, list[float]] = {"boto3": [], "dataloader": [], "prefetched": []}
+        loaders = {
+            "dataloader": _batched_loader(url, args),
+            "dataloader_items": _item_loader(url, args),
+            **_in_process_loaders(url, args),
+        }
+        first_epoch = {name: _timed_epoch(loader, len(keys)) for name, loader in loaders.items()}
+        passes: dict[str, list[float]] = {"boto3": [], **{name: [] for name in loaders}}
         for _ in range(args.repeats):
             passes["boto3"].append(_boto3_pass(bucket, keys, args.concurrency))
-            passes["dataloader"].append(_dataloader_pass(url, args.concurrency, len(keys)))
-            passes["prefetched"].append(_prefetched_pass(url, args.concurrency, len(keys)))
+            for name, loader in loaders.items():
+                passes[name].append(_timed_epoch(loader, len(keys)))
         result = {
             "samples": len(keys),
             "bytes": total_bytes,
             "concurrency": args.concurrency,
+            "workers": args.workers,
+            "token_budget": args.token_budget,
             "repeats": args.repeats,
             "cpus": os.cpu_count(),
         }
         for name, seconds in passes.items():
             result[f"{name}_samples_per_s"] = round(len(keys) / statistics.median(seconds), 1)
             result[f"{name}_mb_per_s"] = round(total_bytes / 1e6 / statistics.median(seconds), 1)
-        for name in ("dataloader", "prefetched"):
+        for name, seconds in first_epoch.items():
+            result[f"{name}_first_epoch_s"] = round(seconds, 3)  # worker start-up and connections included
+        for name in loaders:
             ratios = [b / s for b, s in zip(passes["boto3"], passes[name])]
             result[f"{name}_vs_boto3"] = round(statistics.median(ratios), 3)
         print(json.dumps(result, indent=2))

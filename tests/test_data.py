@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from hsx.packing import plan_batches
 from hsx.storage.layout import sample_key
 from hsx.storage.reader import (
     HiddenStateDataset,
+    PrefetchedBatches,
     TokenBudgetSampler,
     dequantize,
     pack_collate,
@@ -278,6 +280,93 @@ def test_pad_and_pack_collate_hold_each_item_exactly(s3_job):
     assert torch.equal(packed["hidden_states"], torch.cat([item["hidden_states"] for item in items]))
     assert packed["position_ids"].tolist() == [p for size in sizes for p in range(size)]
     assert packed["sample_index"].tolist() == [4, 0, 7]
+
+
+def test_a_batch_is_read_on_threads_at_once(s3_job):
+    """`__getitems__` (what a DataLoader calls for a batch) has its reads in flight together: three
+    reads wait at a barrier that only three concurrent reads pass (one at a time would time out)."""
+    dataset = HiddenStateDataset(s3_job.url, max_connections=3)
+    destination = dataset._destination()
+    together = threading.Barrier(3, timeout=20)
+    plain_read = destination.read_bytes
+
+    def read_when_three_are_waiting(key: str) -> bytes:
+        together.wait()
+        return plain_read(key)
+
+    destination.read_bytes = read_when_three_are_waiting
+    try:
+        items = dataset.__getitems__([5, 2, 8])
+    finally:
+        destination.read_bytes = plain_read
+    assert [item["sample_index"] for item in items] == [5, 2, 8]
+    for item in items:
+        assert torch.equal(item["hidden_states"], dataset[item["sample_index"]]["hidden_states"])
+
+
+@pytest.mark.parametrize("collate", [pack_collate, pad_collate])
+def test_worker_batches_arrive_in_shared_memory_and_exact(s3_job, collate):
+    """Batches cut by the sampler and collated in two worker processes: each batch's hidden
+    states were made in shared memory (sent to the training process without another copy) and
+    hold each item exactly; every sample arrives once."""
+    dataset = HiddenStateDataset(s3_job.url, max_connections=4)
+    sampler = TokenBudgetSampler(dataset, token_budget=256, shuffle=False)
+
+    def collate_and_say_if_shared(items: list) -> tuple[dict, bool]:  # runs in the worker
+        batch = collate(items)
+        return batch, batch["hidden_states"].is_shared()  # before sending, which would share a copy
+
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=2, collate_fn=collate_and_say_if_shared
+    )
+    seen = []
+    for batch, made_shared in loader:
+        assert made_shared
+        indices = batch["sample_index"].tolist()
+        items = [dataset[i] for i in indices]
+        if collate is pack_collate:
+            assert torch.equal(batch["hidden_states"], torch.cat([item["hidden_states"] for item in items]))
+        else:
+            for row, item in enumerate(items):
+                length = len(item["input_ids"])
+                assert torch.equal(batch["hidden_states"][row, :length], item["hidden_states"])
+                assert not batch["hidden_states"][row, length:].any()  # shared memory is not zeroed for us
+        seen += indices
+    assert sorted(seen) == list(range(COUNT))
+
+
+def test_prefetched_batches_are_the_samplers_batches_collated(s3_job):
+    """Read ahead across batch boundaries, yet each batch is exactly the sampler's, in its order;
+    through a DataLoader (batch_size=None) too; set_epoch reaches the sampler."""
+    dataset = HiddenStateDataset(s3_job.url)
+    sampler = TokenBudgetSampler(dataset, token_budget=256, seed=3)
+    batches = PrefetchedBatches(dataset, sampler, collate_fn=pad_collate, in_flight=3)
+    for epoch in (0, 1):
+        batches.set_epoch(epoch)
+        expected = list(sampler)
+        got = list(torch.utils.data.DataLoader(batches, batch_size=None)) if epoch else list(batches)
+        assert len(got) == len(expected) == len(batches)
+        for batch, positions in zip(got, expected):
+            assert batch["sample_index"].tolist() == positions
+            reference = pad_collate([dataset[i] for i in positions])
+            assert all(torch.equal(batch[key], reference[key]) for key in reference), positions
+
+
+def test_each_rank_takes_its_share_of_the_batches_and_all_the_same_number():
+    lengths = [7, 30, 12, 64, 3, 50, 9, 41, 22, 18, 5, 60, 33]
+    whole = TokenBudgetSampler(lengths, token_budget=64, seed=11)
+    for replicas in (2, 3, 4):
+        ranks = [
+            TokenBudgetSampler(lengths, token_budget=64, seed=11, num_replicas=replicas, rank=rank)
+            for rank in range(replicas)
+        ]
+        shares = [list(sampler) for sampler in ranks]
+        assert all(len(share) == len(sampler) == -(-len(whole) // replicas) for share, sampler in zip(shares, ranks))
+        dealt = [batch for round_ in zip(*shares) for batch in round_]  # rank 0, 1, ... per step
+        assert dealt[: len(whole)] == list(whole)  # every batch of the epoch, once, in its order
+        assert dealt[len(whole) :] == list(whole)[: len(dealt) - len(whole)]  # the last round filled
+    with pytest.raises(HsxError, match="rank 2 is not one of num_replicas 2"):
+        TokenBudgetSampler(lengths, token_budget=64, num_replicas=2, rank=2)
 
 
 def test_prefetched_reads_ahead_and_yields_in_order(s3_job):

@@ -11,7 +11,8 @@ With a torch DataLoader, each worker process opens its own destination client on
 For a training loop of one's own: `TokenBudgetSampler` yields batches of positions cut like the
 producer's plan (hsx/packing.py: batch size x longest sample within a token budget) from the
 index's lengths, without opening a file; `pad_collate` and `pack_collate` make a batch of them;
-`prefetched` reads ahead on threads in one process (over S3 the reads wait on the network).
+`prefetched` reads ahead on threads in one process (over S3 the reads wait on the network), and
+`PrefetchedBatches` does so for a sampler's batches, collated.
 
 Which samples a job has comes from its index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) when that
 is complete: two GETs, whatever the job's size. Otherwise the folder is listed, and a
@@ -21,10 +22,12 @@ is complete: two GETs, whatever the job's size. Otherwise the folder is listed, 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -114,6 +117,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if not self.sample_indices:
             raise HsxError(f"{self.url}: no sample files of job {self.job} there")
         self._dest: Destination | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._pid: int | None = None
 
     def __len__(self) -> int:
@@ -122,14 +126,23 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     def _destination(self) -> Destination:
         if self._dest is None or self._pid != os.getpid():
             self._dest = open_destination(self.url, max_connections=self.max_connections)
+            self._pool = None  # a forked child has the parent's pool object but none of its threads
             self._pid = os.getpid()
         return self._dest
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_dest"] = None
-        state["_pid"] = None
+        state["_dest"] = state["_pool"] = state["_pid"] = None
         return state
+
+    def __getitems__(self, positions: Sequence[int]) -> list[dict[str, Any]]:
+        """A DataLoader batch (`batch_size` or `batch_sampler`): its files read at once on up to
+        `max_connections` threads of this process, so each worker process keeps that many GETs
+        going instead of one at a time."""
+        self._destination()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.max_connections, thread_name_prefix="hsx-batch")
+        return list(self._pool.map(self.__getitem__, positions))
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not -len(self) <= i < len(self):
@@ -161,7 +174,10 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
     (hsx/packing.py) from the lengths in the job's index: no file is opened to group them. With
     `shuffle`, each epoch (`set_epoch`, as DistributedSampler) draws which samples of equal length
     go together and the order of the batches from `seed` and the epoch; the batches' count does
-    not change. For `DataLoader(dataset, batch_sampler=sampler, collate_fn=pad_collate)`."""
+    not change. For distributed training each of `num_replicas` ranks takes every
+    `num_replicas`-th batch from `rank` (all ranks draw the same epoch from the same seed), and
+    all take the same number. For `DataLoader(dataset, batch_sampler=sampler,
+    collate_fn=pad_collate)` or `PrefetchedBatches(dataset, sampler)`."""
 
     def __init__(
         self,
@@ -171,7 +187,11 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
         max_batch_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
     ) -> None:
+        if not 0 <= rank < num_replicas:
+            raise HsxError(f"rank {rank} is not one of num_replicas {num_replicas} (0 to {num_replicas - 1})")
         if isinstance(lengths, HiddenStateDataset):
             if lengths.sample_tokens is None:
                 raise HsxError(
@@ -188,7 +208,9 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
             )
         self.token_budget, self.max_batch_size = token_budget, max_batch_size
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
-        self._count = len(self._batches(np.arange(len(self.lengths))))
+        self.num_replicas, self.rank = num_replicas, rank
+        batches = len(self._batches(np.arange(len(self.lengths))))
+        self._count = -(-batches // num_replicas)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -198,16 +220,31 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
         return [[int(order[i]) for i in batch.sample_indices] for batch in planned]
 
     def __iter__(self) -> Iterator[list[int]]:
-        if not self.shuffle:
-            yield from self._batches(np.arange(len(self.lengths)))
-            return
-        rng = np.random.default_rng((self.seed, self.epoch))
-        batches = self._batches(rng.permutation(len(self.lengths)))
-        for i in rng.permutation(len(batches)):
-            yield batches[i]
+        if self.shuffle:
+            rng = np.random.default_rng((self.seed, self.epoch))
+            batches = self._batches(rng.permutation(len(self.lengths)))
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        else:
+            batches = self._batches(np.arange(len(self.lengths)))
+        # Every rank takes the same number of steps (a rank with one fewer would hang the others
+        # at their next all-reduce), so the last round is filled from the epoch's first batches,
+        # as DistributedSampler repeats samples.
+        short = self._count * self.num_replicas - len(batches)
+        batches += batches[:short]
+        yield from batches[self.rank :: self.num_replicas]
 
     def __len__(self) -> int:
         return self._count
+
+
+def _batch_tensor(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialized tensor for a batch's hidden states. In a DataLoader worker it is made in
+    shared memory, as torch's default_collate makes its output: the batch is then handed to the
+    training process as it is, not copied into shared memory a second time when it is sent."""
+    if torch.utils.data.get_worker_info() is None:
+        return like.new_empty(shape)
+    storage = like._typed_storage()._new_shared(math.prod(shape), device=like.device)
+    return like.new(storage).resize_(shape)
 
 
 def _loss_mask(item: dict[str, Any]) -> torch.Tensor:
@@ -222,12 +259,13 @@ def pad_collate(items: list[dict[str, Any]], *, pad_token_id: int = 0) -> dict[s
     `loss_mask` [B, T] (0 after), `lengths` and `sample_index` [B]."""
     lengths = [len(item["input_ids"]) for item in items]
     longest, first = max(lengths), items[0]["hidden_states"]
-    hidden = first.new_zeros((len(items), longest, *first.shape[1:]))
+    hidden = _batch_tensor(first, (len(items), longest, *first.shape[1:]))
     input_ids = torch.full((len(items), longest), pad_token_id, dtype=torch.int64)
     attention = torch.zeros((len(items), longest), dtype=torch.int64)
     loss = torch.zeros((len(items), longest), dtype=torch.int64)
     for row, (item, length) in enumerate(zip(items, lengths)):
         hidden[row, :length] = item["hidden_states"]
+        hidden[row, length:] = 0
         input_ids[row, :length] = item["input_ids"]
         attention[row, :length] = 1
         loss[row, :length] = _loss_mask(item)
@@ -246,8 +284,9 @@ def pack_collate(items: list[dict[str, Any]]) -> dict[str, Any]:
     `input_ids`, `loss_mask`, `position_ids` (from 0 in each sample) [N], `cu_seqlens` [B + 1]
     int32 (each sample's start, as variable-length attention kernels take them), `sample_index` [B]."""
     lengths = [len(item["input_ids"]) for item in items]
+    hidden = [item["hidden_states"] for item in items]
     return {
-        "hidden_states": torch.cat([item["hidden_states"] for item in items]),
+        "hidden_states": torch.cat(hidden, out=_batch_tensor(hidden[0], (sum(lengths), *hidden[0].shape[1:]))),
         "input_ids": torch.cat([item["input_ids"].to(torch.int64) for item in items]),
         "loss_mask": torch.cat([_loss_mask(item).to(torch.int64) for item in items]),
         "position_ids": torch.cat([torch.arange(length) for length in lengths]),
@@ -265,6 +304,46 @@ def prefetched(
     many items are held."""
     dataset._destination()  # one client for every thread (boto3 clients are thread-safe)
     yield from ordered_map(dataset.__getitem__, positions, in_flight=in_flight)
+
+
+class PrefetchedBatches(torch.utils.data.IterableDataset):
+    """A batch sampler's batches of `dataset`, collated, with up to `in_flight` files read ahead
+    on threads of the training process, across batch boundaries: over S3, where a sample's read
+    waits on the network and its decoding is cheap, this keeps the GETs going without worker
+    processes, whose batches cost one more copy through shared memory on their way
+    (docs/PERFORMANCE.md, "Reading"). Iterate it, or hand it to `DataLoader(batches,
+    batch_size=None)` (num_workers=0) for `pin_memory`. `set_epoch` reaches the sampler."""
+
+    def __init__(
+        self,
+        dataset: HiddenStateDataset,
+        batch_sampler: Iterable[list[int]],
+        *,
+        collate_fn: Callable[[list[dict[str, Any]]], Any] = pack_collate,
+        in_flight: int = 16,
+    ) -> None:
+        self.dataset, self.batch_sampler = dataset, batch_sampler
+        self.collate_fn, self.in_flight = collate_fn, in_flight
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        sizes: deque[int] = deque()
+
+        def positions() -> Iterator[int]:
+            for batch in self.batch_sampler:
+                if batch:  # its size is queued before its first position is read ahead
+                    sizes.append(len(batch))
+                    yield from batch
+
+        items = prefetched(self.dataset, positions(), in_flight=self.in_flight)
+        for first in items:
+            yield self.collate_fn([first, *islice(items, sizes.popleft() - 1)])
 
 
 def ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], *, in_flight: int) -> Iterator[Any]:
