@@ -108,9 +108,9 @@ def _export(source: Path, fmt: str, out: Path, *extra: str) -> subprocess.Comple
         )
 
 
-def _exported(source: Path, fmt: str, out: Path) -> dict:
+def _exported(source: Path, fmt: str, out: Path, *extra: str) -> dict:
     """`hsx export` that must succeed, and its report."""
-    result = _export(source, fmt, out)
+    result = _export(source, fmt, out, *extra)
     assert result.returncode == 0, result.stderr
     return json.loads((out / "hsx-export.json").read_text())
 
@@ -190,19 +190,47 @@ def test_specforge_eagle3_reads_the_float8_export(jobs, tmp_path):
     expected, reference = _hsx_items(folders["eagle3"]), _reference(model)
     batches = _specforge_batches("eagle3", out)
     assert sorted(tuple(b.tensors["input_ids"][0].tolist()) for b in batches) == sorted(expected)
+    assert report["dtype"] == "bfloat16"  # float8 is exported as bfloat16 unless --dtype says otherwise
     for batch in batches:
         ids = tuple(batch.tensors["input_ids"][0].tolist())
-        item = expected[ids]  # float8 dequantized by hsx's reader: the exported float32 values, exactly
+        # float8 dequantized by hsx's reader, then rounded to bfloat16: the exported values, exactly.
+        item = expected[ids]["hidden_states"].to(torch.bfloat16)
         aux, target = (
             batch.tensors["hidden_state"][0],
             batch.tensors["target"][0],
         )  # SpecForge's names after its normalizer
-        assert torch.equal(aux, item["hidden_states"][:, :3].reshape(len(ids), -1))
-        assert torch.equal(target, item["hidden_states"][:, 3])
+        assert aux.dtype == target.dtype == torch.bfloat16
+        assert torch.equal(aux, item[:, :3].reshape(len(ids), -1))
+        assert torch.equal(target, item[:, 3])
         states, _ = reference(list(ids))
         # aux: decoder layers 1, 3, 4 = hidden_states[2, 4, 5]; target: the post-norm state, [-1].
-        torch.testing.assert_close(aux, torch.cat([states[2], states[4], states[5]], -1), rtol=0.1, atol=0.1)
-        torch.testing.assert_close(target, states[-1], rtol=0.1, atol=0.1)
+        torch.testing.assert_close(aux.float(), torch.cat([states[2], states[4], states[5]], -1), rtol=0.1, atol=0.1)
+        torch.testing.assert_close(target.float(), states[-1], rtol=0.1, atol=0.1)
+
+
+def test_dtype_is_chosen_and_an_export_folder_holds_one_export(jobs, tmp_path):
+    """`--dtype float32` keeps the float8 job's dequantized values exactly; OUT then refuses to be
+    resumed as another dtype, format or job (its files would be mixed), in one line."""
+    folders, _ = jobs
+    out = tmp_path / "eagle3-f32"
+    report = _exported(folders["eagle3"], "specforge-eagle3", out, "--dtype", "float32")
+    assert report["dtype"] == "float32" and report["samples_exported"] == len(ROWS)
+    expected = _hsx_items(folders["eagle3"])
+    for path in out.rglob("*.ckpt"):
+        saved = torch.load(path, weights_only=False, mmap=True)
+        item = expected[tuple(saved["input_ids"].tolist())]["hidden_states"]
+        assert saved["hidden_state"].dtype == torch.float32 and torch.equal(saved["hidden_state"][0], item[:, 3])
+    for source, fmt, extra in (
+        (folders["eagle3"], "specforge-eagle3", ("--dtype", "bfloat16")),
+        (folders["eagle3"], "specforge-eagle3", ()),  # auto: bfloat16 for a float8 job
+        (folders["dflash"], "specforge-dflash", ("--dtype", "float32")),
+    ):
+        refused = _export(source, fmt, out, *extra)
+        lines = [line for line in refused.stderr.splitlines() if line.startswith("hsx: error:")]
+        assert refused.returncode == 2 and len(lines) == 1 and "holds the export of job" in lines[0], refused.stderr
+    assert (
+        _export(folders["eagle3"], "specforge-eagle3", out, "--dtype", "float32").returncode == 0
+    )  # the same: resumed
 
 
 def test_speculators_reads_the_export(jobs, tmp_path):

@@ -34,6 +34,7 @@ from hsx.config.settings import (
 from hsx.config.values import count, hide, positive_int
 from hsx.errors import HsxError
 from hsx.logs import configure_logging
+from hsx.storage.trainers import DTYPES as EXPORT_DTYPES
 from hsx.storage.trainers import FORMATS as EXPORT_FORMATS
 from hsx.wire.natsconn import NatsSettings, redact_url
 from hsx.wire.topology import job_name
@@ -181,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("out", type=Path, metavar="OUT", help="the folder to write (a rerun resumes it)")
     export.add_argument("--workers", type=positive_int("--workers"), default=16, help="samples at once (default 16)")
+    export.add_argument(
+        "--dtype",
+        choices=EXPORT_DTYPES,
+        default="auto",
+        help="the hidden states' dtype in the export (default auto: the job's, float8 as bfloat16)",
+    )
     export.add_argument("--json", action="store_true")
 
     sync = commands.add_parser(
@@ -311,7 +318,9 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.command == "export":
         from hsx.commands.export import ExportConfig, export_exit_code, format_report, run_export
 
-        report = run_export(ExportConfig(source=args.source, to=args.to, out=args.out, workers=args.workers))
+        report = run_export(
+            ExportConfig(source=args.source, to=args.to, out=args.out, workers=args.workers, dtype=args.dtype)
+        )
         print(format_report(report, as_json=args.json))
         return export_exit_code(report)
     if args.command == "sync":

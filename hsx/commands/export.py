@@ -25,6 +25,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import pyarrow as pa
 import structlog
 import torch
 
@@ -35,11 +36,15 @@ from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, relative_sample_key
 from hsx.storage.reader import dequantize, load_sample, ordered_map
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
+from hsx.storage.tensors import STORAGE_DTYPES
 from hsx.wire.tokens import SampleTable, read_tokens
 
 log = structlog.get_logger("hsx.export")
 
 REPORT = "hsx-export.json"
+
+
+IDENTITY = ".hsx-export.json"  # what OUT holds, written before the first file
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +53,35 @@ class ExportConfig:
     to: str  # one of trainers.FORMATS
     out: Path
     workers: int = 16
+    dtype: str = "auto"  # one of trainers.DTYPES
+
+
+class ExportIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """What an export folder holds: a rerun adds to it only if it is the same export."""
+
+    job: str
+    plan: str
+    format: str
+    dtype: str
+
+
+def _claim(out: Path, identity: ExportIdentity) -> None:
+    """Mark OUT as this export's, or refuse if it holds another: a resumed export trusts every
+    file it finds, so files of another job, format or dtype must not be among them."""
+    path = out / IDENTITY
+    if path.exists():
+        try:
+            found = msgspec.json.decode(path.read_bytes(), type=ExportIdentity)
+        except msgspec.DecodeError as exc:
+            raise HsxError(f"{path}: not an export's identity ({exc}); remove it if OUT is yours to reuse") from None
+        if found != identity:
+            raise HsxError(
+                f"{out} holds the export of job {found.job} (plan {found.plan}) as {found.format} in {found.dtype}, "
+                f"not job {identity.job} (plan {identity.plan}) as {identity.format} in {identity.dtype}: "
+                "choose another OUT, or empty it"
+            )
+        return
+    trainers.write_atomically(path, msgspec.json.encode(identity) + b"\n")
 
 
 class LeftOut(msgspec.Struct, frozen=True):
@@ -61,6 +95,7 @@ class ExportReport(msgspec.Struct, frozen=True, kw_only=True):
     format: str
     layers: list[int | str]  # hsx's ids
     layer_preset: str
+    dtype: str  # of the exported hidden states
     trainer_layer_ids: dict[str, list[int]]  # in the trainer's own convention, for its config
     samples_in_job: int
     samples_exported: int
@@ -74,15 +109,22 @@ class ExportReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _bundle_tokens(folder: Destination, url: str) -> SampleTable:
+    """The job's tokenized samples, streamed record batch by record batch into a SampleTable
+    (which spills the tokens to disk): bounded memory for a job of any size."""
     key = f"{BUNDLE_DIR}/{TOKENS_FILE}"
     try:
-        data = folder.read_bytes(key)
+        stream = folder.open_read(key)
     except Exception as exc:
         raise HsxError(f"{url}/{key}: cannot read the job's tokenized samples ({type(exc).__name__}: {exc})") from None
-    return read_tokens(data, what=f"{url}/{key}")
+    try:
+        return read_tokens(pa.PythonFile(stream, mode="r"), what=f"{url}/{key}")
+    except OSError as exc:  # the connection broke off mid-object
+        raise HsxError(f"{url}/{key}: reading the job's tokenized samples failed ({exc})") from None
+    finally:
+        stream.close()
 
 
-def _read(folder: Destination, job: str, sample_index: int) -> trainers.Sample:
+def _read(folder: Destination, job: str, sample_index: int, dtype: torch.dtype) -> trainers.Sample:
     data = folder.read_bytes(relative_sample_key(job, sample_index))
     checked_digest([data])  # the checksum inside the file: SampleFileCorrupt if a byte changed
     tensors, _ = load_sample(data)
@@ -92,7 +134,7 @@ def _read(folder: Destination, job: str, sample_index: int) -> trainers.Sample:
         sample_index=sample_index,
         input_ids=ids,
         loss_mask=torch.ones_like(ids) if mask is None else mask.to(torch.int64),
-        hidden_states=dequantize(tensors),
+        hidden_states=dequantize(tensors).to(dtype),
     )
 
 
@@ -124,7 +166,10 @@ def run_export(cfg: ExportConfig) -> ExportReport:
             f"{url}: no job bundle (_hsx/job.json) there: is this a job's folder? (e.g. s3://bucket/prefix/JOB)"
         )
     trainer_ids = trainers.trainer_layer_ids(cfg.to, spec)
+    dtype_name = trainers.export_dtype(cfg.dtype, spec.dtype)
+    dtype = STORAGE_DTYPES[dtype_name]
     cfg.out.mkdir(parents=True, exist_ok=True)
+    _claim(cfg.out, ExportIdentity(job=job, plan=spec.plan_tag, format=cfg.to, dtype=dtype_name))
     samples, index, why_not = stored_samples(folder, job, spec=spec)
     if index is None:
         log.info("export_listing", reason=why_not)
@@ -147,7 +192,7 @@ def run_export(cfg: ExportConfig) -> ExportReport:
         if target(sample_index).exists():
             exported.append(sample_index)  # written by an earlier run, atomically
             return
-        sample = _read(folder, job, sample_index)
+        sample = _read(folder, job, sample_index, dtype)
         if tokens is not None and not np.array_equal(tokens.input_ids(sample_index), sample.input_ids.numpy()):
             raise SampleFileCorrupt("its input_ids differ from the job's tokenized sample")
         why = trainers.refusal(cfg.to, sample)
@@ -181,6 +226,7 @@ def run_export(cfg: ExportConfig) -> ExportReport:
         format=cfg.to,
         layers=list(spec.layers),
         layer_preset=spec.layer_preset,
+        dtype=dtype_name,
         trainer_layer_ids=trainer_ids,
         samples_in_job=spec.total_samples,
         samples_exported=len(exported),
@@ -205,7 +251,8 @@ def format_report(report: ExportReport, *, as_json: bool) -> str:
     if as_json:
         return json.dumps(msgspec.to_builtins(report), indent=2)
     lines = [
-        f"job {report.job} -> {report.format}: {report.samples_exported} of {report.samples_in_job} samples exported",
+        f"job {report.job} -> {report.format} ({report.dtype}): {report.samples_exported} of "
+        f"{report.samples_in_job} samples exported",
         f"  trainer layer ids: {json.dumps(report.trainer_layer_ids)} (hsx layers {report.layers})",
     ]
     if report.left_out:

@@ -36,7 +36,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 from urllib.parse import unquote, urlsplit
 
 from hsx.errors import HsxError
@@ -81,6 +81,8 @@ class Destination(Protocol):
     def has_sha256(self, key: str, *, size: int, sha256: str) -> bool: ...
 
     def read_bytes(self, key: str) -> bytes: ...
+
+    def open_read(self, key: str) -> BinaryIO: ...
 
     def read_prefix(self, key: str, length: int) -> tuple[bytes, int]: ...
 
@@ -258,6 +260,10 @@ class FileDestination:
 
     def read_bytes(self, key: str) -> bytes:
         return self._path(key).read_bytes()
+
+    def open_read(self, key: str) -> BinaryIO:
+        """The file as a stream, for one read front to back in bounded memory."""
+        return open(self._path(key), "rb")
 
     def read_prefix(self, key: str, length: int) -> tuple[bytes, int]:
         """The first `length` bytes (fewer if the file is shorter) and the file's size."""
@@ -478,6 +484,10 @@ class S3Destination:
 
     def read_bytes(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+
+    def open_read(self, key: str) -> BinaryIO:
+        """The object as a stream (one GET), for one read front to back in bounded memory."""
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
 
     def read_prefix(self, key: str, length: int) -> tuple[bytes, int]:
         """The first `length` bytes (fewer if the object is shorter) and the object's size, in one

@@ -12,8 +12,8 @@ drives them; this module knows the trainers' layouts and layer conventions, noth
   `seq_len`; torch format) and `hidden_states/hs_<row>.safetensors` holding `hidden_states`
   [T, k+1, H] (k layers, then the last decoder layer's raw output) and `token_ids` [T] int64.
 
-Tensors are what `HiddenStateDataset` gives for the file: the stored dtype, float8 dequantized to
-float32. Trainer ids: SpecForge's are hsx's (the output of decoder layer id); speculators' are
+Hidden states are what `HiddenStateDataset` gives for the file, in the job's dtype (float8
+dequantized, then bfloat16) or the one `--dtype` names. Trainer ids: SpecForge's are hsx's (the output of decoder layer id); speculators' are
 transformers' hidden_states indices, hsx's id + 1 (README, "Layers for a trainer").
 """
 
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hsx.errors import HsxError
+from hsx.storage.layout import FLOAT8
 from hsx.wire import schemas
 from hsx.wire.schemas import FINAL
 
@@ -37,6 +38,16 @@ if TYPE_CHECKING:
 # torch is imported where tensors are saved, so that the CLI names the formats without it.
 FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")
 SPECFORGE_GROUP = 2000  # SpecForge's writer: rows_<g>-<g+2000>
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # of the exported hidden states
+
+
+def export_dtype(requested: str, stored: str) -> str:
+    """The exported hidden states' dtype: `auto` keeps the job's, except float8, which becomes
+    bfloat16 (what the trainers train in; its rounding, 2^-9, is far below float8's own, and
+    float32 would be four times the job's size)."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if stored == FLOAT8 else stored
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,40 +160,47 @@ def encode(fmt: str, tensors: dict[str, torch.Tensor]) -> bytes:
 def write_speculators_table(out: Path, table: SampleTable) -> None:
     """The datasets folder speculators' ArrowDataset opens, from the job's tokenized samples (its
     bundle's tokens.arrow, sample i at row i <-> hidden_states/hs_<i>): int64 lists, as its own
-    preprocessing writes them, in shards of at most 500 MB."""
+    preprocessing writes them, in shards of at most 500 MB. Made in bounded memory, whatever the
+    job's size: the rows go run by run into one Arrow file beside OUT (16 bytes a token, removed
+    after), which datasets maps from disk and cuts into its shards."""
     try:
         import datasets
     except ImportError:
         raise HsxError("--to speculators writes a datasets folder: pip install 'hsx[export]' (or datasets)") from None
+    import shutil
+
     import numpy as np
     import pyarrow as pa
 
-    lengths = np.asarray(table.lengths, dtype=np.int64)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    ids = np.empty(int(offsets[-1]), dtype=np.int64)
-    masks = np.ones(int(offsets[-1]), dtype=np.int64)  # a dataset without masks: every token counts
-    for i in range(len(lengths)):
-        start, end = offsets[i], offsets[i + 1]
-        ids[start:end] = table.input_ids(i)
-        mask = table.loss_mask(i)
-        if mask is not None:
-            masks[start:end] = mask
-    arrow = pa.table(
-        {
-            "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids)),
-            "loss_mask": pa.ListArray.from_arrays(pa.array(offsets), pa.array(masks)),
-            "seq_len": pa.array(lengths),
-        }
-    )
-    dataset = datasets.Dataset(arrow)
-    dataset.set_format(type="torch")  # speculators compares token ids with torch.equal
-    partial = out / ".table.partial"
+    partial, rows = out / ".table.partial", out / ".table.rows.arrow"
     if partial.exists():
-        import shutil
-
         shutil.rmtree(partial)
+    schema = pa.schema(
+        [("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())]
+    )
+    with pa.OSFile(str(rows), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for first, offsets, tokens, masks in table.runs():
+            lengths = np.diff(offsets)
+            # A sample without a mask had none in its dataset: every token counts.
+            unmasked = np.repeat(~table.has_mask[first : first + len(lengths)], lengths)
+            mask_values = np.ones(len(tokens), dtype=np.int64) if masks is None else masks.astype(np.int64)
+            mask_values[unmasked] = 1
+            list_offsets = pa.array(offsets.astype(np.int32))  # a run is a few million tokens
+            writer.write_batch(
+                pa.record_batch(
+                    [
+                        pa.ListArray.from_arrays(list_offsets, pa.array(tokens.astype(np.int64))),
+                        pa.ListArray.from_arrays(list_offsets, pa.array(mask_values)),
+                        pa.array(lengths),
+                    ],
+                    schema=schema,
+                )
+            )
+    dataset = datasets.Dataset.from_file(str(rows))  # memory-mapped, not loaded
+    dataset.set_format(type="torch")  # speculators compares token ids with torch.equal
     dataset.save_to_disk(str(partial), max_shard_size="500MB")
+    del dataset
+    rows.unlink()
     for name in os.listdir(partial):  # beside hidden_states/, where speculators looks for them
         os.replace(partial / name, out / name)
     partial.rmdir()
