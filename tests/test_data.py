@@ -365,6 +365,8 @@ def test_each_rank_takes_its_share_of_the_batches_and_all_the_same_number():
         dealt = [batch for round_ in zip(*shares) for batch in round_]  # rank 0, 1, ... per step
         assert dealt[: len(whole)] == list(whole)  # every batch of the epoch, once, in its order
         assert dealt[len(whole) :] == list(whole)[: len(dealt) - len(whole)]  # the last round filled
+    few = [TokenBudgetSampler([10, 20], token_budget=64, shuffle=False, num_replicas=4, rank=rank) for rank in range(4)]
+    assert [[sorted(batch) for batch in sampler] for sampler in few] == [[[0, 1]]] * 4  # one batch, four ranks
     with pytest.raises(HsxError, match="rank 2 is not one of num_replicas 2"):
         TokenBudgetSampler(lengths, token_budget=64, num_replicas=2, rank=2)
 
@@ -388,6 +390,22 @@ def test_the_sampler_needs_the_index_for_lengths(s3_job, tmp_path):
     assert listed.sample_tokens is None
     with pytest.raises(HsxError, match="no complete index"):
         TokenBudgetSampler(listed, token_budget=256)
+
+
+def test_the_jobs_tokenized_samples_stream_from_s3(s3_job):
+    """What the speculators export builds its table from: the bundle's tokens.arrow, read as a
+    stream from the bucket (not held whole in memory), equal to the dataset's rows."""
+    from hsx.commands.export import _bundle_tokens
+    from hsx.storage.destinations import open_destination
+
+    table = _bundle_tokens(open_destination(s3_job.url), s3_job.url)
+    try:
+        assert len(table) == COUNT
+        for i, row in enumerate(s3_job.rows):
+            assert table.input_ids(i).tolist() == row["input_ids"]
+            assert table.loss_mask(i).tolist() == row["loss_mask"]
+    finally:
+        table.close()
 
 
 def test_export_reads_the_job_straight_from_s3(s3_job, tmp_path):

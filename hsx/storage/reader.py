@@ -230,7 +230,7 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
         # at their next all-reduce), so the last round is filled from the epoch's first batches,
         # as DistributedSampler repeats samples.
         short = self._count * self.num_replicas - len(batches)
-        batches += batches[:short]
+        batches += [batches[i % len(batches)] for i in range(short)]  # more ranks than batches: again
         yield from batches[self.rank :: self.num_replicas]
 
     def __len__(self) -> int:
@@ -311,7 +311,7 @@ class PrefetchedBatches(torch.utils.data.IterableDataset):
     on threads of the training process, across batch boundaries: over S3, where a sample's read
     waits on the network and its decoding is cheap, this keeps the GETs going without worker
     processes, whose batches cost one more copy through shared memory on their way
-    (docs/PERFORMANCE.md, "Reading"). Iterate it, or hand it to `DataLoader(batches,
+    (docs/PERFORMANCE.md, "Reader against plain boto3"). Iterate it, or hand it to `DataLoader(batches,
     batch_size=None)` (num_workers=0) for `pin_memory`. `set_epoch` reaches the sampler."""
 
     def __init__(
