@@ -410,12 +410,13 @@ def test_the_jobs_tokenized_samples_stream_from_s3(s3_job):
 
 def test_export_reads_the_job_straight_from_s3(s3_job, tmp_path):
     """`hsx export` of the float8 job in the bucket (no NATS): each file's checksum checked,
-    dequantized as HiddenStateDataset gives it, the layers in order, the report complete."""
+    dequantized as HiddenStateDataset gives it and rounded to bfloat16 (`--dtype auto`), the
+    layers in order, the report complete."""
     from hsx.commands.export import ExportConfig, run_export
 
     out = tmp_path / "dflash"
     report = run_export(ExportConfig(source=s3_job.url, to="specforge-dflash", out=out, workers=4))
-    assert report.ok and report.trainer_layer_ids == {"target_layer_ids": LAYERS}
+    assert report.ok and report.trainer_layer_ids == {"target_layer_ids": LAYERS} and report.dtype == "bfloat16"
     dataset = HiddenStateDataset(s3_job.url, concat_layers=True)
     left = {entry.sample_index for entry in report.left_out}
     assert report.samples_exported == COUNT - len(left)
@@ -425,6 +426,6 @@ def test_export_reads_the_job_straight_from_s3(s3_job, tmp_path):
         if i in left:
             continue
         saved = torch.load(path, weights_only=False, mmap=True)  # as SpecForge's reader loads it
-        assert torch.equal(saved["hidden_states"], dataset[i]["hidden_states"])
+        assert torch.equal(saved["hidden_states"], dataset[i]["hidden_states"].to(torch.bfloat16))
         assert saved["input_ids"].tolist() == s3_job.rows[i]["input_ids"]
         assert saved["loss_mask"].tolist() == s3_job.rows[i]["loss_mask"]
