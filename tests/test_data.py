@@ -350,6 +350,8 @@ def test_prefetched_batches_are_the_samplers_batches_collated(s3_job):
             assert batch["sample_index"].tolist() == positions
             reference = pad_collate([dataset[i] for i in positions])
             assert all(torch.equal(batch[key], reference[key]) for key in reference), positions
+    with pytest.raises(HsxError, match="num_workers=0, not 2"):  # two workers would yield each batch twice
+        list(torch.utils.data.DataLoader(batches, batch_size=None, num_workers=2))
 
 
 def test_each_rank_takes_its_share_of_the_batches_and_all_the_same_number():

@@ -333,6 +333,12 @@ class PrefetchedBatches(torch.utils.data.IterableDataset):
         return len(self.batch_sampler)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None and worker.num_workers > 1:  # each worker would yield every batch
+            raise HsxError(
+                f"PrefetchedBatches reads ahead on threads: give it to a DataLoader with num_workers=0, "
+                f"not {worker.num_workers}"
+            )
         sizes: deque[int] = deque()
 
         def positions() -> Iterator[int]:
