@@ -13,8 +13,9 @@ drives them; this module knows the trainers' layouts and layer conventions, noth
   [T, k+1, H] (k layers, then the last decoder layer's raw output) and `token_ids` [T] int64.
 
 Hidden states are what `HiddenStateDataset` gives for the file, in the job's dtype (float8
-dequantized, then bfloat16) or the one `--dtype` names. Trainer ids: SpecForge's are hsx's (the output of decoder layer id); speculators' are
-transformers' hidden_states indices, hsx's id + 1 (README, "Layers for a trainer").
+dequantized, then bfloat16) or the one `--dtype` names. Trainer ids: SpecForge's are hsx's (the
+output of decoder layer id); speculators' are transformers' hidden_states indices, hsx's id + 1
+(README, "Layers for a trainer").
 """
 
 from __future__ import annotations
@@ -161,8 +162,8 @@ def write_speculators_table(out: Path, table: SampleTable) -> None:
     """The datasets folder speculators' ArrowDataset opens, from the job's tokenized samples (its
     bundle's tokens.arrow, sample i at row i <-> hidden_states/hs_<i>): int64 lists, as its own
     preprocessing writes them, in shards of at most 500 MB. Made in bounded memory, whatever the
-    job's size: the rows go run by run into one Arrow file beside OUT (16 bytes a token, removed
-    after), which datasets maps from disk and cuts into its shards."""
+    job's size: the rows go run by run into one Arrow file in OUT (`.table.rows.arrow`, 16 bytes
+    a token, removed after), which datasets maps from disk and cuts into its shards."""
     try:
         import datasets
     except ImportError:
