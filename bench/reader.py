@@ -46,7 +46,7 @@ from botocore.config import Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.upload import JOB, _start_moto, _write_pristine  # noqa: E402
+from bench.upload import JOB, _start_moto, _write_pristine, isolate_aws  # noqa: E402
 from hsx.storage.destinations import open_destination  # noqa: E402
 from hsx.storage.index import make_index, write_index  # noqa: E402
 from hsx.storage.reader import HiddenStateDataset, PrefetchedBatches, TokenBudgetSampler, pack_collate  # noqa: E402
@@ -142,17 +142,9 @@ def main() -> int:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="hsx-bench-reader-"))
+    isolate_aws(work)
     moto, endpoint = _start_moto(work / "moto.log")
-    os.environ.update(
-        {
-            "AWS_ENDPOINT_URL_S3": endpoint,
-            "AWS_ACCESS_KEY_ID": "bench",
-            "AWS_SECRET_ACCESS_KEY": "bench-secret",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_CONFIG_FILE": str(work / "aws-config"),
-            "AWS_SHARED_CREDENTIALS_FILE": str(work / "aws-creds"),
-        }
-    )
+    os.environ["AWS_ENDPOINT_URL_S3"] = endpoint
     try:
         files = _write_pristine(args, work / "files")  # bench/upload.py's files: real, bf16
         bucket = "bench-reader"

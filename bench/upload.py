@@ -93,6 +93,25 @@ def _find_aws(given: str | None) -> Path | None:
     return local if local.exists() else None
 
 
+def isolate_aws(workdir: Path) -> None:
+    """This process's AWS settings: bench credentials, config files in `workdir` (never ~/.aws),
+    and no endpoint, profile or session token of the caller's; the moto endpoint is set once the
+    server runs."""
+    (workdir / "aws-config").write_text("")
+    (workdir / "aws-creds").write_text("")
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        os.environ.pop(name, None)
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": "bench-key-id",
+            "AWS_SECRET_ACCESS_KEY": "bench-secret",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_CONFIG_FILE": str(workdir / "aws-config"),
+            "AWS_SHARED_CREDENTIALS_FILE": str(workdir / "aws-creds"),
+        }
+    )
+
+
 def _start_moto(log_path: Path) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     code = (
@@ -382,18 +401,7 @@ def main() -> int:
     configure_logging(json=True, level="warning")
     workdir = Path(tempfile.mkdtemp(prefix="hsx-bench-upload-", dir=args.dir))
     started = time.monotonic()
-    aws_env = {
-        "AWS_ACCESS_KEY_ID": "bench-key-id",
-        "AWS_SECRET_ACCESS_KEY": "bench-secret",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": str(workdir / "aws-config"),
-        "AWS_SHARED_CREDENTIALS_FILE": str(workdir / "aws-creds"),
-    }
-    (workdir / "aws-config").write_text("")
-    (workdir / "aws-creds").write_text("")
-    for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
-        os.environ.pop(name, None)
-    os.environ.update(aws_env)
+    isolate_aws(workdir)
     os.environ["TMPDIR"] = str(workdir)  # moto spills objects over 8 MB to temp files
     moto = None
     try:

@@ -42,8 +42,6 @@ from hsx.wire.tokens import SampleTable, read_tokens
 log = structlog.get_logger("hsx.export")
 
 REPORT = "hsx-export.json"
-
-
 IDENTITY = ".hsx-export.json"  # what OUT holds, written before the first file
 
 
