@@ -63,6 +63,7 @@ def write_sample_file(
         layers=spec.layers,
         dtype=spec.dtype,
         num_tokens=len(sample.input_ids),
+        plan=spec.plan_tag,
         layer_preset=spec.layer_preset,
     )
     key = sample_key(spec.job, sample.index)

@@ -73,20 +73,23 @@ def plan_fingerprint(cfg: ProducerConfig, layers: list[LayerSelector], samples: 
     return digest.hexdigest()
 
 
-def _descriptor(job: str, batch_id: str, batch: PlannedBatch, samples: SampleTable) -> schemas.BatchDescriptor:
+def _descriptor(
+    job: str, fingerprint: str, batch_id: str, batch: PlannedBatch, samples: SampleTable
+) -> schemas.BatchDescriptor:
     # Built when published (or measured), from the table's offsets: one descriptor's tokens at a time.
     return schemas.BatchDescriptor(
         job=job,
         batch_id=batch_id,
         padded_len=batch.padded_len,
         samples=[samples.sample(i) for i in batch.sample_indices],
+        plan=schemas.plan_tag_of(fingerprint),
     )
 
 
 def _descriptors(job: str, fingerprint: str, batches: list[PlannedBatch], rows):
     """Every descriptor of the plan, made one at a time (the preflight check measures and drops each)."""
     for seq, batch in enumerate(batches):
-        yield _descriptor(job, plan_batch_id(job, fingerprint, seq), batch, rows)
+        yield _descriptor(job, fingerprint, plan_batch_id(job, fingerprint, seq), batch, rows)
 
 
 async def _publish_all(
@@ -111,7 +114,7 @@ async def _publish_all(
         built = []
         for seq in window:
             batch_id = plan_batch_id(cfg.job, fingerprint, seq)
-            built.append((batch_id, schemas.encode(_descriptor(cfg.job, batch_id, batches[seq], rows))))
+            built.append((batch_id, schemas.encode(_descriptor(cfg.job, fingerprint, batch_id, batches[seq], rows))))
         return built
 
     async def publish_one(batch_id: str, payload: bytes) -> bool:
@@ -293,6 +296,7 @@ async def _plan_and_publish(
         layers=layers,
         layer_preset=preset_of(cfg.layers) or "",
         num_layers=info.num_layers,
+        hidden_size=info.hidden_size,
         dtype=cfg.dtype,
         dest=cfg.dest,
         token_budget=cfg.token_budget,
@@ -395,7 +399,7 @@ async def _replace_unpublished(js, cfg: ProducerConfig, existing: schemas.JobSpe
         "job_spec_replaced",
         job=cfg.job,
         old_plan=existing.plan_fingerprint[:12],
-        plan=fingerprint[:12],
+        plan=schemas.plan_tag_of(fingerprint),
         old_dest=existing.dest,
         dest=cfg.dest,
         orphan_batches_dropped=orphans,

@@ -360,6 +360,7 @@ class FileMover:
             padded_len=len(sample.input_ids),
             samples=[sample],
             redo_reason=reason,
+            plan=ready.plan or self.plan,
         )
         await through_outage(
             lambda: self.events.js.publish(

@@ -77,13 +77,17 @@ def sample_metadata(
     layers: list[LayerSelector],
     dtype: str,
     num_tokens: int,
+    plan: str,
     layer_preset: str = "",
 ) -> dict[str, str]:
     """The metadata every sample file carries; the writer adds `checksum` (hsx.storage.samplefile).
+    `plan` is the job's JobSpec.plan_tag: a file says which plan of a job name it was made for, so
+    a reader never takes a file left by an earlier job of that name as this one's.
     `layer_preset` (dflash:5, eagle3, ...) only when the job named its layers by one."""
     preset = {"layer_preset": layer_preset} if layer_preset else {}
     return {
         **preset,
+        "plan": plan,
         "format": "pt",
         "hsx_format_version": FORMAT_VERSION,
         "job": job,

@@ -16,6 +16,12 @@ LayerSelector = int | str
 FINAL = "final"  # the selector of the post-norm final state
 
 
+def plan_tag_of(fingerprint: str) -> str:
+    """A plan's short name (JobSpec.plan_tag): the first 12 characters of its fingerprint, as in
+    the plan's batch ids (producer/planner.py)."""
+    return fingerprint[:12]
+
+
 class _Wire(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     pass
 
@@ -55,6 +61,10 @@ class BatchDescriptor(_Wire, tag="batch.v1"):
     # Set when an uploader re-queues a sample whose spool file was lost or corrupted; such a batch
     # is not one of the job's planned batches and is not counted as one.
     redo_reason: str = ""
+    # JobSpec.plan_tag of the plan the batch belongs to: a worker serves one plan for its whole
+    # life and never handles another's batch (a job deleted and produced again under its name).
+    # "" from producers before it existed.
+    plan: str = ""
 
 
 class FileReady(_Wire, tag="file.v2", omit_defaults=True):
@@ -115,13 +125,14 @@ class JobSpec(_Wire, tag="job.v1"):
     samples_skipped: int = 0
     num_layers: int = 0  # the model's decoder layers (0: a job from before it was recorded)
     layer_preset: str = ""  # --layers as a preset (dflash:5, eagle3, speculators), which `layers` resolves
+    hidden_size: int = 0  # the model's hidden size H of every file's [T, k, H] (0: a job from before it was recorded)
 
     @property
     def plan_tag(self) -> str:
         """The plan's short name, carried by progress events so that events of another plan under
         the same job name (a deleted and re-created job, stray publishers) never count toward this
         one; the same 12 characters as in the plan's batch ids (producer/planner.py)."""
-        return self.plan_fingerprint[:12]
+        return plan_tag_of(self.plan_fingerprint)
 
 
 # Progress events, on `hsx.events.<job>.<kind>`.
