@@ -196,8 +196,8 @@ async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | N
     return inputs.samples, inputs
 
 
-async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs) -> tuple[str, str]:
-    tokens = await stored.store_tokenized(js, cfg.job, inputs.samples)
+async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs, *, max_payload: int) -> tuple[str, str]:
+    tokens = await stored.store_tokenized(js, cfg.job, inputs.samples, max_payload=max_payload)
     report = await stored.store_report(
         js,
         cfg.job,
@@ -208,6 +208,7 @@ async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs) -> tuple[str, s
             on_long=cfg.on_long,
             inputs=inputs,
         ),
+        max_payload=max_payload,
     )
     log.info("samples_stored", job=cfg.job, bucket=topology.DATASETS_BUCKET, object=tokens, samples=len(inputs.samples))
     (log.warning if inputs.long else log.info)(
@@ -283,7 +284,7 @@ async def _plan_and_publish(
     if replaces:
         await _replace_unpublished(js, cfg, existing, fingerprint)
     if inputs is not None:
-        tokens_object, report_object = await _store_inputs(cfg, js, inputs)
+        tokens_object, report_object = await _store_inputs(cfg, js, inputs, max_payload=nc.max_payload)
         digest = await asyncio.to_thread(dataset_digest, cfg.dataset)
         truncated, skipped = inputs.truncated, inputs.skipped
     else:

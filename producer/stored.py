@@ -22,6 +22,8 @@ import tempfile
 import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
+from nats.js.api import ObjectMeta, ObjectMetaOptions
+from nats.js.object_store import OBJ_DEFAULT_CHUNK_SIZE
 
 from hsx.errors import HsxError
 from hsx.wire import schemas, topology
@@ -44,21 +46,31 @@ def decode_rows(data: bytes, *, what: str) -> SampleTable:
     return read_tokens(data, what=what)
 
 
-async def store_tokenized(js: JetStreamContext, job: str, samples: SampleTable) -> str:
-    """Store the job's samples (index order); returns the object name."""
+def _chunked(name: str, max_payload: int) -> ObjectMeta:
+    """An object's put options with chunks the server takes. nats-py cuts objects into 128 KiB
+    messages by default, which a server with a smaller max_payload refuses (MaxPayloadError, after
+    preflight had passed). A chunk goes out without headers, so max_payload itself fits; readers
+    take any chunk size."""
+    return ObjectMeta(name=name, options=ObjectMetaOptions(max_chunk_size=min(OBJ_DEFAULT_CHUNK_SIZE, max_payload)))
+
+
+async def store_tokenized(js: JetStreamContext, job: str, samples: SampleTable, *, max_payload: int) -> str:
+    """Store the job's samples (index order) in chunks of at most `max_payload` bytes (the
+    connection's); returns the object name."""
     store = await topology.ensure_datasets_store(js)
     name = tokens_object_name(job)
     with tempfile.TemporaryFile(prefix="hsx-tokens-") as file:
         write_tokens(samples, file, job=job)
         file.seek(0)
-        await store.put(name, file)
+        await store.put(name, file, meta=_chunked(name, max_payload))
     return name
 
 
-async def store_report(js: JetStreamContext, job: str, report: dict) -> str:
+async def store_report(js: JetStreamContext, job: str, report: dict, *, max_payload: int) -> str:
     store = await topology.ensure_datasets_store(js)
     name = report_object_name(job)
-    await store.put(name, json.dumps(report, indent=1, sort_keys=True).encode())
+    data = json.dumps(report, indent=1, sort_keys=True).encode()
+    await store.put(name, data, meta=_chunked(name, max_payload))
     return name
 
 

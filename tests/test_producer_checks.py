@@ -178,6 +178,39 @@ def test_an_oversized_descriptor_is_refused_before_anything_is_written_and_the_a
         server.stop()
 
 
+async def _stored_object(url: str, name: str) -> tuple[bytes, int]:
+    """An object of bucket hsx_datasets: its bytes and the number of chunks it was stored in."""
+    nc = await nats.connect(url)
+    try:
+        store = await nc.jetstream().object_store(topology.DATASETS_BUCKET)
+        info = await store.get_info(name)
+        return (await store.get(name)).data, info.chunks
+    finally:
+        await nc.close()
+
+
+def test_a_server_whose_max_payload_is_below_the_object_chunk_stores_the_samples(tmp_path, hsx, tiny_model, job_name):
+    """nats-py cuts an object into 128 KiB messages; a server with a smaller max_payload refused
+    them, and the producer died with a MaxPayloadError traceback after preflight had passed."""
+    server = start_nats_server(tmp_path / "nats", log_file=tmp_path / "nats.log", max_payload=SMALL_MAX_PAYLOAD)
+    try:
+        env, out = {"HSX_NATS_URL": server.url}, tmp_path / "out"
+        # Random token ids compress poorly: the stored samples come to well over max_payload.
+        write_dataset(tmp_path / "data.jsonl", 500, min_len=150, max_len=256, seed=10)
+        args = _produce_args(
+            job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", str(out), budget=4096, max_seq_len=256
+        )
+        check_ok(hsx(*args, env=env), "produce on a server with max_payload 64 KiB")
+        data, chunks = asyncio.run(_stored_object(server.url, f"{job_name}.tokens.arrow"))
+        assert len(data) > SMALL_MAX_PAYLOAD and chunks == -(-len(data) // SMALL_MAX_PAYLOAD), (len(data), chunks)
+        # Read back in those chunks: the bundle's copy, and a re-run that plans from the stored samples.
+        assert (out / job_name / "_hsx" / "tokens.arrow").read_bytes() == data
+        rerun = check_ok(hsx(*args, env=env), "the re-run")
+        assert log_events_of(rerun.stderr, "samples_from_store"), rerun.stderr[-3000:]
+    finally:
+        server.stop()
+
+
 # ---------------------------------------------------------------- destination
 
 

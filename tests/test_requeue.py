@@ -101,7 +101,7 @@ async def _run(
             for row in ROWS:
                 builder.add_row(row)
             table = builder.finish()
-            await store_tokenized(js, job, table)
+            await store_tokenized(js, job, table, max_payload=nc.max_payload)
             table.close()
         cfg = UploaderConfig(nats=NatsSettings(url=url), job=job, spool=tmp_path / "spool", node=NODE, instance="u")
         mover = FileMover(cfg, FileDestination(tmp_path / "dest"), EventPublisher(nc, js, job))
