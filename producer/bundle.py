@@ -10,10 +10,14 @@ Under `<dest>/<job>/_hsx/` (`hsx.storage.layout.bundle_key`), beside the shard f
   "sample_indices"}]}` in publishing order;
 - `report.json`: the input report (`<job>.report.json`: rows truncated or skipped by --on-long).
 
-The producer writes it once the job is published and again on every re-run, through the
-destination's verified put (size and sha256); a file already there with the same bytes is left
-alone, so a re-run is cheap and a bundle lost with a crash is completed. This module knows the
-bundle's layout; the producer decides when to write it.
+The producer writes `job.json` alone before it publishes the first descriptor (`claim_folder`):
+from then on the folder says whose files it holds, even when the producer dies before the rest
+(producer/preflight.py refuses another plan's folder). The whole bundle follows once the job is
+published, and again on every re-run, through the destination's verified put (size and sha256);
+a file already there with the same bytes is left alone, so a re-run is cheap and a bundle lost
+with a crash is completed. A job that takes over another plan's folder first removes that plan's
+bundle files (`remove_replaced`), its index first. This module knows the bundle's layout; the
+producer decides when to write it.
 """
 
 import asyncio
@@ -29,6 +33,7 @@ from nats.js import JetStreamContext
 from hsx.errors import HsxError
 from hsx.packing import PlannedBatch
 from hsx.storage.destinations import VerificationError, open_destination
+from hsx.storage.index import INDEX_FILE
 from hsx.storage.layout import TOKENS_FILE, bundle_key
 from hsx.wire import schemas
 from hsx.wire.tokens import download
@@ -40,6 +45,11 @@ PLAN_FORMAT = "hsx.plan.v1"
 SPEC_FILE = "job.json"
 PLAN_FILE = "plan.json"
 REPORT_FILE = "report.json"
+# What removing a replaced plan's bundle deletes, the index first: no reader may take it for the
+# new job. job.json is not deleted but overwritten, by the new job's claim.
+REPLACED_FILES = (INDEX_FILE, PLAN_FILE, TOKENS_FILE, REPORT_FILE)
+# What writing to the destination raises after the S3 client's own retries.
+_WRITE_ERRORS = (OSError, VerificationError, BotoCoreError, ClientError)
 
 
 def plan_document(spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_batch_size: int | None) -> dict:
@@ -112,7 +122,7 @@ async def write_bundle(
         files = await _bundle_files(js, spec, batches, max_batch_size, Path(folder))
         try:
             written, size = await asyncio.to_thread(_put_missing, spec.dest, spec.job, files)
-        except (OSError, VerificationError, BotoCoreError, ClientError) as exc:  # after the S3 client's own retries
+        except _WRITE_ERRORS as exc:
             raise HsxError(
                 f"job {spec.job} is published, but writing its bundle to {spec.dest}/{bundle_key(spec.job, '')} "
                 f"failed ({type(exc).__name__}: {exc}); run hsx produce again to retry"
@@ -126,3 +136,34 @@ async def write_bundle(
         unchanged=sorted(set(files) - set(written)),
         bytes=size,
     )
+
+
+def claim_folder(spec: schemas.JobSpec) -> None:
+    """Put `spec` as the bundle's job.json unless it is there already: before the first descriptor."""
+    data = schemas.encode(spec)
+    key = bundle_key(spec.job, SPEC_FILE)
+    try:
+        dest = open_destination(spec.dest, max_connections=1)
+        if not dest.has_sha256(key, size=len(data), sha256=hashlib.sha256(data).hexdigest()):
+            dest.put_bytes_verified(data, key)
+    except _WRITE_ERRORS as exc:
+        raise HsxError(
+            f"job {spec.job}: writing its spec to {spec.dest}/{key} failed ({type(exc).__name__}: {exc}); "
+            "no batch was published; run hsx produce again to retry"
+        ) from exc
+
+
+def remove_replaced(dest_url: str, job: str) -> list[str]:
+    """Delete the bundle files of the plan whose folder a new job takes over (REPLACED_FILES);
+    their keys. Deleting a key that is not there is no error."""
+    keys = [bundle_key(job, name) for name in REPLACED_FILES]
+    try:
+        dest = open_destination(dest_url, max_connections=1)
+        for key in keys:
+            dest.delete(key)
+    except _WRITE_ERRORS as exc:
+        raise HsxError(
+            f"job {job}: removing the replaced plan's bundle from {dest_url}/{bundle_key(job, '')} failed "
+            f"({type(exc).__name__}: {exc}); nothing was published; run hsx produce again to retry"
+        ) from exc
+    return keys

@@ -97,6 +97,15 @@ class ProducerConfig:
         job=True,
         help="allow a model that ships its own Python code (it runs on every consumer)",
     )
+    # Command line only: a job file that said so would replace another plan's files on every run,
+    # long after the user meant it for one.
+    replace_output: bool = option(
+        "--replace-output",
+        default=False,
+        command_line_only=True,
+        help="let this job take over its folder <dest>/<job> when it holds another plan's files (a deleted job "
+        "of this name): that plan's bundle and index are removed, its sample files overwritten as this job writes",
+    )
     # Servers of a JetStream cluster holding each hsx stream and bucket; None keeps what exists
     # (R1 when creating). docs/OPERATIONS.md, Multi-node.
     replicas: int | None = option(

@@ -16,9 +16,11 @@ used for a different plan is refused once the job is published (`hsx jobs delete
 before that, the re-run replaces the spec, provided no worker has started on the old one.
 
 Nothing is written for a job until everything that can refuse it has been checked
-(producer/preflight.py): every descriptor fits the server's max_payload, and the destination
-takes a write. Once the job is published, its bundle (spec, samples, plan, report) goes to the destination under
-`<job>/_hsx/` (producer/bundle.py), on every run, so the job can be resumed elsewhere.
+(producer/preflight.py): every descriptor fits the server's max_payload, the destination takes a
+write, and the job's folder there holds no other plan's files (unless --replace-output). The
+spec goes to the folder's bundle as job.json before the first descriptor is published; once the
+job is published, the whole bundle (spec, samples, plan, report) goes under `<job>/_hsx/`
+(producer/bundle.py), on every run, so the job can be resumed elsewhere.
 """
 
 import asyncio
@@ -260,6 +262,7 @@ async def _plan_and_publish(
         from_store=inputs is None,
     )
     replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != cfg.dest)
+    plan = schemas.plan_tag_of(fingerprint)
     if existing is not None and existing.published:
         if replaces:
             raise HsxError(
@@ -269,6 +272,9 @@ async def _plan_and_publish(
                 f"(hsx jobs delete {cfg.job})"
             )
         log.info("job_already_published", job=cfg.job, batches=existing.total_batches)
+        owner = await _check_folder(cfg, plan, len(rows), existing)
+        if owner is not None:
+            await _remove_replaced(cfg, owner, plan)
         await bundle.write_bundle(js, existing, batches, max_batch_size=cfg.max_batch_size)
         return 0
     # Everything that can refuse the job, before anything of it is written.
@@ -280,9 +286,12 @@ async def _plan_and_publish(
         max_seq_len=cfg.max_seq_len,
     )
     await asyncio.to_thread(preflight.check_destination, cfg.dest, cfg.job)
+    owner = await _check_folder(cfg, plan, len(rows), existing)
     log.info("preflight_passed", job=cfg.job, batches=checked, max_payload=nc.max_payload, dest=cfg.dest)
     if replaces:
         await _replace_unpublished(js, cfg, existing, fingerprint)
+    if owner is not None:
+        await _remove_replaced(cfg, owner, plan)
     if inputs is not None:
         tokens_object, report_object = await _store_inputs(cfg, js, inputs, max_payload=nc.max_payload)
         digest = await asyncio.to_thread(dataset_digest, cfg.dataset)
@@ -316,6 +325,8 @@ async def _plan_and_publish(
         samples_truncated=truncated,
         samples_skipped=skipped,
     )
+    # The folder says whose files it holds before any worker can write one (producer/bundle.py).
+    await asyncio.to_thread(bundle.claim_folder, spec)
     await kv.put(cfg.job, schemas.encode(spec))
     # The durables that count the job's markers exist from its start (readers make them too).
     for counter in topology.PROGRESS_COUNTERS:
@@ -368,6 +379,36 @@ async def _republish_forgotten(
         reason="the stream remembered their ids from an earlier job of this name, which holds them no more",
     )
     return new
+
+
+async def _check_folder(
+    cfg: ProducerConfig, plan: str, total_samples: int, existing: schemas.JobSpec | None
+) -> preflight.FolderOwner | None:
+    return await asyncio.to_thread(
+        preflight.check_folder,
+        cfg.dest,
+        cfg.job,
+        plan=plan,
+        total_samples=total_samples,
+        known=existing,
+        replace=cfg.replace_output,
+    )
+
+
+async def _remove_replaced(cfg: ProducerConfig, owner: preflight.FolderOwner, plan: str) -> None:
+    """The job takes over a folder of another plan: that plan's bundle goes, its index first. Its
+    sample files stay until this job's overwrite them: each names its plan, so neither a reader
+    nor the uploader's "already stored" test (size and digest) takes one for this job's."""
+    removed = await asyncio.to_thread(bundle.remove_replaced, cfg.dest, cfg.job)
+    log.warning(
+        "output_replaced",
+        job=cfg.job,
+        folder=f"{cfg.dest}/{cfg.job}",
+        replaced=owner.what,
+        plan=plan,
+        removed=removed,
+        sample_files="left to be overwritten by this job's",
+    )
 
 
 async def _replace_unpublished(js, cfg: ProducerConfig, existing: schemas.JobSpec, fingerprint: str) -> None:

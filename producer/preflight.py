@@ -1,5 +1,6 @@
 """What the producer checks before it writes anything for a job: every batch descriptor fits the
-NATS server's max_payload, and the destination takes a write.
+NATS server's max_payload, the destination takes a write, and the job's folder there holds no
+other plan's files.
 
 Both used to be found late: an oversized descriptor mid-publish, after the job spec and some
 batches were in (and a re-run with a smaller --token-budget was then refused as another plan);
@@ -10,15 +11,24 @@ samples, no batch.
 A descriptor must leave room for the dead letter it may become (`schemas.dead_letter_headroom`):
 a letter carries the descriptor plus its error and indices, and must fit max_payload too. Each
 descriptor is encoded, measured and dropped, so the check holds one payload at a time.
+
+The folder `<dest>/<job>` is a job's by its bundle's job.json (the producer writes it before the
+first descriptor, producer/bundle.py), or, in a folder an older hsx left without one, by one
+sample file's metadata. `hsx jobs delete` frees the name in NATS, not the folder: a new job of
+that name and another plan would write its files beside the old plan's, and the old index would
+describe the folder. So another plan's folder is refused unless the run says --replace-output.
 """
 
 import math
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from hsx.errors import HsxError
-from hsx.storage.destinations import open_destination, probe
-from hsx.storage.layout import bundle_key
+from hsx.storage import samplefile
+from hsx.storage.destinations import Destination, open_destination, open_job_folder, probe
+from hsx.storage.index import BUNDLE_SPEC_KEY, HEADER_PROBE_BYTES, bundle_spec
+from hsx.storage.layout import bundle_key, sample_index_of
 from hsx.wire import schemas
 
 # The suggested --token-budget aims this far under the limit: batches of a smaller budget pack
@@ -92,3 +102,81 @@ def check_destination(dest_url: str, job: str) -> None:
             f"--dest {dest_url}: cannot write there (tried a small object under {where}): {reason}; "
             "nothing was published"
         ) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FolderOwner:
+    """The plan a job folder's files were made for, as far as they say."""
+
+    plan: str  # its JobSpec.plan_tag; "" when the files do not say
+    what: str  # how a message names it
+    # Sample files of this job from an hsx before plans: the job's spec in KV, if any, is theirs.
+    before_plans: bool = False
+
+
+def folder_owner(folder: Destination, job: str) -> FolderOwner | None:
+    """Whose files the job folder `folder` holds: its bundle's job.json, else the metadata of the
+    first sample file listed; None when it holds neither."""
+    spec = bundle_spec(folder)
+    if spec is not None:
+        made = f"{spec.total_samples} samples, model {spec.model}, layers {list(spec.layers)}"
+        return FolderOwner(plan=spec.plan_tag, what=f"plan {spec.plan_tag} ({made}; its {BUNDLE_SPEC_KEY})")
+    key = next((key for key in folder.keys() if sample_index_of(job, key) is not None), None)
+    if key is None:
+        return None
+    try:
+        metadata = samplefile.metadata_of(folder.read_prefix(key, HEADER_PROBE_BYTES)[0])
+    except samplefile.SampleFileCorrupt as exc:
+        return FolderOwner(plan="", what=f"sample files whose plan cannot be read ({key}: {exc}), no {BUNDLE_SPEC_KEY}")
+    made = f"model {metadata.get('model', '?')}, layers {metadata.get('layers', '?')}, e.g. {key}"
+    if metadata.get("job") != job:
+        return FolderOwner(plan="", what=f"sample files of job {metadata.get('job')} ({made}), no {BUNDLE_SPEC_KEY}")
+    plan = metadata.get("plan", "")
+    if plan:
+        return FolderOwner(plan=plan, what=f"sample files of plan {plan} ({made}), no {BUNDLE_SPEC_KEY}")
+    return FolderOwner(
+        plan="", what=f"sample files that name no plan, by an hsx from before plans ({made})", before_plans=True
+    )
+
+
+def check_folder(
+    dest_url: str,
+    job: str,
+    *,
+    plan: str,
+    total_samples: int,
+    known: schemas.JobSpec | None,
+    replace: bool,
+) -> FolderOwner | None:
+    """Refuse, in one line, a job folder that holds another plan's files, unless `replace` (the
+    user's --replace-output) or unless they are `known`'s: the job's spec in KV, which this run
+    re-runs or, unpublished, replaces (producer/main.py decides whether it may). Returns the
+    owner this run takes the folder from (its stale bundle is the caller's to remove), None when
+    the folder is empty or already this plan's."""
+    where = f"{dest_url.rstrip('/')}/{job}"
+    folder = None
+    try:
+        folder = open_job_folder(dest_url, job, max_connections=2)
+        owner = folder_owner(folder, job)
+    except HsxError:
+        raise
+    except Exception as exc:  # the probe wrote and read; a listing or a read can still be refused
+        reason = folder.refusal(exc) if folder is not None else None
+        reason = reason or " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise HsxError(
+            f"{where}: cannot tell whose files the job's folder holds ({reason}); nothing was published"
+        ) from None
+    if owner is None or owner.plan == plan:
+        return None
+    if replace:
+        return owner
+    if known is not None and known.dest == dest_url:
+        # The files of the job's spec in KV: this run re-runs it, or replaces it unpublished.
+        theirs = owner.plan == known.plan_tag if owner.plan else owner.before_plans
+        if theirs:
+            return owner if known.plan_tag != plan else None
+    raise HsxError(
+        f"{where} holds {owner.what}, not this job's plan {plan} ({total_samples} samples): left by a deleted job of "
+        "this name or written by another; nothing was published; use another --job name or another --dest, or "
+        "pass --replace-output to let this job replace those files"
+    )

@@ -3,9 +3,10 @@
 One round trip on the session's nats-server, with the real CLI, a real consumer and uploader: the
 job is listed; deleting it is refused while they are alive (and after they were SIGKILLed, until
 their heartbeats go stale), done with --force; every message, durable, stored object and the
-spec are gone, the destination keeps its files; the name then takes another dataset, and after
-one more delete the first dataset again, whose batch ids the stream still remembers from the
-deleted job (duplicate window): each batch is queued once.
+spec are gone, the destination keeps its files; the name then takes another dataset (into
+another destination: the first job's folder holds its plan, tests/test_output_claim.py), and
+after one more delete the first dataset again, into its folder, whose batch ids the stream still
+remembers from the deleted job (duplicate window): each batch is queued once.
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ def test_jobs_list_and_delete_free_the_name_for_another_dataset(
     assert list(out.glob(f"{job}/*/*.safetensors")), "the delete touched the destination"
     assert_one_line_error(hsx("jobs", "delete", job), job, "not found")
 
-    # The name takes another dataset.
-    _produce(hsx, job, model, tmp_path / "other.jsonl", out)
+    # The name takes another dataset, written elsewhere: `out` holds the first plan's files.
+    _produce(hsx, job, model, tmp_path / "other.jsonl", tmp_path / "out-other")
     state = leftovers(url, job)
     assert state["spec"]["total_samples"] == len(other) and state["spec"]["published"]
     assert state["messages"][topology.BATCHES_STREAM] == state["spec"]["total_batches"]
