@@ -1,14 +1,15 @@
 """`hsx verify`: check a job's destination against its spec, sample by sample.
 
 For every sample 0..total_samples-1: the file is at its key, loads as safetensors, its checksum
-metadata matches its tensors (a flipped data byte), and it is the file of that sample of that job
-(metadata job, sample_index, layers, dtype, num_tokens; tensor shapes and dtypes; input_ids equal
-to the dataset's row when the dataset is readable here). What is stored comes from the job's
-index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) when it is complete, with no LIST; otherwise, or
-with `--list`, from listing `<job>/`, and then keys there that are not sample files are reported
-too, except the job bundle under `<job>/_hsx/`. `--recompute K` reruns K random
-readable samples alone, from scratch, with the GPU consumer's own model code on the CPU in
-float32, and compares them with the stored states.
+metadata matches its tensors (a flipped data byte), and it is the file of that sample of that
+plan, as hsx/storage/expected.py defines it for every reader (metadata job, plan, sample_index,
+model, layers, dtype, num_tokens; tensor shapes and dtypes, H the spec's hidden size or the
+model config's; input_ids equal to the job's tokenized sample when it is readable here). What
+is stored comes from the job's index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) when it
+is complete, with no LIST; otherwise, or with `--list`, from listing `<job>/`, and then keys
+there that are not sample files are reported too, except the job bundle under `<job>/_hsx/`.
+`--recompute K` reruns K random readable samples alone, from scratch, with the GPU consumer's
+own model code on the CPU in float32, and compares them with the stored states.
 
 Outcome per sample, in order of the first failure: missing (no object), corrupt (does not load,
 or its checksum does not match its tensors), mismatching (a sound file, but not the one this key
@@ -30,15 +31,15 @@ from pathlib import Path
 
 import msgspec
 import structlog
-import torch
 
 from hsx.errors import HsxError
 from hsx.storage.destinations import open_job_folder
+from hsx.storage.expected import ExpectedSamples, is_missing, mismatches
 from hsx.storage.index import INDEX_KEY, read_index
 from hsx.storage.layout import BUNDLE_DIR, FLOAT8, relative_sample_key, sample_key
 from hsx.storage.reader import dequantize, load_sample
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
-from hsx.storage.tensors import SCALE_TENSOR, STORAGE_DTYPES
+from hsx.storage.tensors import STORAGE_DTYPES
 from hsx.wire import schemas, topology
 from hsx.wire.jobs import require_job_spec
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
@@ -90,8 +91,11 @@ def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> Sequence[list[int]
 
 
 def expected_hidden_size(spec: schemas.JobSpec) -> int | None:
-    """The model's hidden size when its config is readable here, else None (then every file
-    must agree with the most common size among the files)."""
+    """The model's hidden size: the spec's, or for a job from before the spec recorded it, the
+    model config's when it is readable here, else None (then every file must agree with the
+    most common size among the files)."""
+    if spec.hidden_size:
+        return spec.hidden_size
     from hsx.model.modelinfo import load_model_info
 
     try:
@@ -169,120 +173,51 @@ class _Outcome:
 def check_sample(
     data: bytes,
     *,
-    spec: schemas.JobSpec,
+    expected: ExpectedSamples,
     index: int,
     expected_ids: list[int] | None,
     hidden_size: int | None,
     indexed_digest: str | None = None,
 ) -> _Outcome:
-    """Every check on one sample file's bytes (already known to be at the sample's key); with
-    `indexed_digest`, also that it is the file the job's index recorded."""
+    """Every check on one sample file's bytes (already known to be at the sample's key): that it
+    loads, its checksum, that it is sample `index` of the plan (hsx.storage.expected.mismatches,
+    the ids compared with `expected_ids` when given), and with `indexed_digest` that it is the
+    file the job's index recorded."""
     try:
-        tensors, metadata = load_sample(data)
+        tensors, _ = load_sample(data)
     except SampleFileCorrupt as exc:
         return _Outcome(index, "corrupt", reason="load", details=[str(exc)])
     try:
         digest = checked_digest([data])
     except SampleFileCorrupt as exc:
         return _Outcome(index, "corrupt", reason="checksum", details=[str(exc)])
-
-    failed: dict[str, str] = {}
-
-    def expect(check: str, good: bool, detail: str) -> None:
-        if not good and check not in failed:
-            failed[check] = detail
-
-    expect("job", metadata.get("job") == spec.job, f"metadata job is {metadata.get('job')!r}")
-    expect(
-        "sample_index",
-        metadata.get("sample_index") == str(index),
-        f"metadata sample_index is {metadata.get('sample_index')!r}, the key is sample {index}'s",
-    )
-    try:
-        layers = json.loads(metadata.get("layers", "null"))
-    except json.JSONDecodeError:
-        layers = metadata.get("layers")
-    expect("layers", layers == list(spec.layers), f"metadata layers {layers!r}, the job has {list(spec.layers)}")
-    expect(
-        "dtype",
-        metadata.get("dtype") == spec.dtype,
-        f"metadata dtype {metadata.get('dtype')!r}, the job has {spec.dtype!r}",
-    )
-
-    ids = tensors.get("input_ids")
-    hidden = tensors.get("hidden_states")
-    expect(
-        "input_ids",
-        ids is not None and ids.dim() == 1 and ids.dtype == torch.int64,
-        "no input_ids tensor" if ids is None else f"input_ids {ids.dtype} {tuple(ids.shape)}, expected int64 [T]",
-    )
-    if expected_ids is not None and "input_ids" not in failed:
-        expect("input_ids", ids.tolist() == expected_ids, "input_ids differ from the dataset's row")
-    tokens = len(expected_ids) if expected_ids is not None else (ids.shape[0] if "input_ids" not in failed else None)
-    expect(
-        "num_tokens",
-        tokens is not None and metadata.get("num_tokens") == str(tokens),
-        f"metadata num_tokens {metadata.get('num_tokens')!r}, the sample has {tokens} tokens",
-    )
-
-    storage = STORAGE_DTYPES.get(spec.dtype)
-    found_h = None
-    if hidden is None:
-        expect("hidden_states", False, "no hidden_states tensor")
-    else:
-        found_h = hidden.shape[-1] if hidden.dim() == 3 else None
-        shape_ok = (
-            hidden.dim() == 3
-            and hidden.shape[1] == len(spec.layers)
-            and (tokens is None or hidden.shape[0] == tokens)
-            and (hidden_size is None or hidden.shape[2] == hidden_size)
-        )
-        want = f"[{tokens if tokens is not None else 'T'}, {len(spec.layers)}, {hidden_size or 'H'}]"
-        expect("hidden_states", shape_ok, f"hidden_states shape {list(hidden.shape)}, expected {want}")
-        expect("hidden_states", hidden.dtype == storage, f"hidden_states dtype {hidden.dtype}, expected {storage}")
-    scale = tensors.get(SCALE_TENSOR)
-    if spec.dtype == FLOAT8:
-        expect(
-            SCALE_TENSOR,
-            scale is not None
-            and scale.dtype == torch.float32
-            and hidden is not None
-            and tuple(scale.shape) == tuple(hidden.shape[:-1]),
-            f"{SCALE_TENSOR} {None if scale is None else (scale.dtype, tuple(scale.shape))}, expected float32 [T, k]",
-        )
-    else:
-        expect(SCALE_TENSOR, scale is None, f"a {SCALE_TENSOR} tensor in a {spec.dtype} file")
-    mask = tensors.get("loss_mask")
-    if mask is not None:
-        expect(
-            "loss_mask",
-            mask.dim() == 1 and tokens is not None and mask.shape[0] == tokens,
-            f"loss_mask shape {list(mask.shape)}, expected [{tokens}]",
-        )
+    failed = mismatches(data, expected, index, input_ids=expected_ids, hidden_size=hidden_size)
     # Last: when the file is another sample's, the checks above say more than its digest does.
-    expect(
-        "index",
-        indexed_digest is None or digest == indexed_digest,
-        f"digest {digest[:12]}, the index recorded {(indexed_digest or '')[:12]} (replaced since it was stored?)",
-    )
+    if indexed_digest is not None and digest != indexed_digest and "index" not in failed:
+        failed["index"] = (
+            f"digest {digest[:12]}, the index recorded {indexed_digest[:12]} (replaced since it was stored?)"
+        )
+    hidden = tensors.get("hidden_states")
+    found_h = hidden.shape[-1] if hidden is not None and hidden.dim() == 3 else None
     if failed:
         return _Outcome(index, "mismatching", checks=list(failed), details=list(failed.values()), hidden_size=found_h)
     return _Outcome(index, "ok", hidden_size=found_h)
 
 
-def _read_and_check(dest, spec, index, expected_ids, hidden_size, indexed_digest) -> _Outcome:
+def _read_and_check(dest, expected, index, expected_ids, hidden_size, indexed_digest) -> _Outcome:
     try:
-        data = dest.read_bytes(relative_sample_key(spec.job, index))
-    except FileNotFoundError:
-        return _Outcome(index, "missing")
-    except Exception as exc:  # S3: NoSuchKey is missing; anything else (after retries) is unreadable
-        response = getattr(exc, "response", None)
-        code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
-        if code in ("404", "NoSuchKey", "NotFound"):
+        data = dest.read_bytes(relative_sample_key(expected.job, index))
+    except Exception as exc:  # anything but a missing object (after the S3 client's retries) is unreadable
+        if is_missing(exc):
             return _Outcome(index, "missing")
         return _Outcome(index, "corrupt", reason="read", details=[f"{type(exc).__name__}: {exc}"])
     return check_sample(
-        data, spec=spec, index=index, expected_ids=expected_ids, hidden_size=hidden_size, indexed_digest=indexed_digest
+        data,
+        expected=expected,
+        index=index,
+        expected_ids=expected_ids,
+        hidden_size=hidden_size,
+        indexed_digest=indexed_digest,
     )
 
 
@@ -345,6 +280,7 @@ def verify(
     job, total = spec.job, spec.total_samples
     if spec.dtype not in STORAGE_DTYPES:
         raise HsxError(f"job {job}: unknown storage dtype {spec.dtype!r} in its spec")
+    expected = ExpectedSamples.of_spec(spec, where=f"job {job}'s spec")
     dest = open_job_folder(spec.dest, job, max_connections=workers)
     log.info("verify_started", job=job, dest=spec.dest, total_samples=total, workers=workers)
 
@@ -382,7 +318,7 @@ def verify(
                     pool.submit(
                         _read_and_check,
                         dest,
-                        spec,
+                        expected,
                         index,
                         None if token_ids is None else token_ids[index],
                         hidden_size,

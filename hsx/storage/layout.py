@@ -25,6 +25,7 @@ LAYER_CONVENTION = "decoder_layer_output"
 
 
 FLOAT8 = "float8_e4m3"
+SCALE_TENSOR = "hidden_states_scale"  # float8 files' per-token, per-layer scales [T, k]
 # --dtype: what a job's files hold; float8 is stored as FLOAT8, e4m3 with a per-token scale.
 DTYPE_CHOICES = ("bfloat16", "float16", "float32", "float8")
 

@@ -8,6 +8,7 @@ uploader or monitor node runs without it.
 import torch
 
 from hsx.storage.layout import FLOAT8
+from hsx.storage.layout import SCALE_TENSOR as SCALE_TENSOR  # named in layout.py, which headers are checked by
 
 # Metadata `dtype` (the job's storage dtype) -> the dtype of the stored `hidden_states` tensor.
 STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -16,7 +17,6 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     FLOAT8: torch.float8_e4m3fn,
 }
-SCALE_TENSOR = "hidden_states_scale"
 _FLOAT8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 

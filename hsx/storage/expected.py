@@ -1,0 +1,388 @@
+"""What a job's bundle says each of its samples is (`ExpectedSamples`), and whether a sample file
+is that sample (`mismatches`): the one definition of "this file is sample i of this plan" that
+`hsx verify`, `hsx export`, `hsx index rebuild` and `HiddenStateDataset` check files with, so
+that a file left by an earlier job of the same name, or copied in from another job, is never
+read as this job's.
+
+The expectation comes from the job's bundle (`<job>/_hsx/`, producer/bundle.py): its spec
+(`job.json`) gives the job, plan tag, model, layers, dtype, hidden size and `total_samples`; its
+tokenized samples (`tokens.arrow`, hsx/wire/tokens.py) give each sample's token count and a
+digest of its input ids (blake2b, 16 bytes, of the ids as little-endian int32, the tokens file's
+own width: nothing converted, 4 bytes a token hashed). The tokens file is streamed once, record
+batch by record batch, and only those two numbers are kept, as NumPy arrays: 24 bytes a sample
+(24 MB at 1M samples), picklable, so a DataLoader's worker processes get them whole. Loading
+costs one download of tokens.arrow (some 3 bytes a token) and, on one core of a 2-core VM,
+some 1.4 s of CPU per million samples plus 1.5 s per 100M tokens (zstd decoding and hashing):
+about 11 s for 1M samples of 650 tokens.
+
+The bundle's values are checked as they are loaded: a negative count or an unknown dtype is
+refused, and `total_samples` must be the tokens file's row count. Nothing is allocated for the
+claimed total before that check, and reading stops as soon as the file holds more rows than the
+spec claims, so a `job.json` that says a billion samples is one line, not a MemoryError. A bundle
+without tokens.arrow (a job from an hsx that did not store its samples) is accepted: input ids
+and token counts are then not compared, and a log line says so once.
+
+A file is checked from its safetensors header, and its input ids from their bytes in the data
+section: no torch here, and a header alone (`header_only`) is enough for every check but the
+input ids. This module knows the sample-file format and the bundle's layout; it reads the bundle
+and never writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import structlog
+
+from hsx.errors import HsxError
+from hsx.storage.destinations import Destination
+from hsx.storage.layout import BUNDLE_DIR, FLOAT8, SCALE_TENSOR, TOKENS_FILE
+from hsx.storage.samplefile import SampleFileCorrupt
+from hsx.wire import schemas
+from hsx.wire.tokens import SampleTable, record_batches
+
+log = structlog.get_logger("hsx.expected")
+
+BUNDLE_SPEC_KEY = f"{BUNDLE_DIR}/job.json"  # relative to the job's folder
+BUNDLE_TOKENS_KEY = f"{BUNDLE_DIR}/{TOKENS_FILE}"
+IDS_DIGEST_BYTES = 16
+# The safetensors dtype of `hidden_states` for each storage dtype a job names: hsx/storage/tensors.py's
+# STORAGE_DTYPES by safetensors' own names, as headers hold them.
+HIDDEN_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", FLOAT8: "F8_E4M3"}
+
+
+def is_missing(exc: BaseException) -> bool:
+    """Whether a destination's read failed because the key holds no object (file or S3)."""
+    if isinstance(exc, FileNotFoundError):
+        return True
+    response = getattr(exc, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    return code in ("404", "NoSuchKey", "NotFound")
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def ids_digest(input_ids: Sequence[int] | np.ndarray) -> bytes:
+    """The digest of token ids, as their int32 bytes; b"" (which no digest equals) for ids that
+    do not fit int32, which no job's samples have (the tokens file holds int32)."""
+    ids = np.asarray(input_ids, dtype=np.int64)
+    if ids.size and (int(ids.min()) < _INT32.min or int(ids.max()) > _INT32.max):
+        return b""
+    return hashlib.blake2b(ids.astype("<i4").tobytes(), digest_size=IDS_DIGEST_BYTES).digest()
+
+
+def _row_digests(offsets: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """[rows, 16] uint8: `ids_digest` of each row of a flattened list column of int32 ids."""
+    data = memoryview(np.ascontiguousarray(values, dtype="<i4")).cast("B")
+    bounds = (np.asarray(offsets, dtype=np.int64) * 4).tolist()
+    out = bytearray()
+    for start, end in zip(bounds, bounds[1:]):
+        out += hashlib.blake2b(data[start:end], digest_size=IDS_DIGEST_BYTES).digest()
+    return np.frombuffer(out, dtype=np.uint8).reshape(-1, IDS_DIGEST_BYTES)
+
+
+@dataclass(frozen=True, eq=False)
+class ExpectedSamples:
+    """What each sample of a job must be. A field left None is not checked: a folder without a
+    bundle is known only by its job name (`ExpectedSamples(job=...)`), its files checked
+    against their keys and themselves."""
+
+    job: str
+    plan: str | None = None
+    model: str | None = None
+    model_revision: str | None = None
+    layers: list[schemas.LayerSelector] | None = None
+    dtype: str | None = None
+    hidden_size: int = 0  # 0: not known (a job from before the spec recorded it)
+    total: int | None = None
+    lengths: np.ndarray | None = None  # int64 [total]: sample i's token count
+    digests: np.ndarray | None = None  # uint8 [total, 16]: ids_digest of sample i's input ids
+
+    @classmethod
+    def of_spec(cls, spec: schemas.JobSpec, *, where: str) -> ExpectedSamples:
+        """The job-wide expectations of a spec, its values checked (`where` names it in errors)."""
+        for name in ("total_samples", "hidden_size", "num_layers"):
+            if getattr(spec, name) < 0:
+                raise HsxError(f"{where}: {name} is {getattr(spec, name)}, not a count")
+        if spec.dtype not in HIDDEN_DTYPES:
+            raise HsxError(f"{where}: dtype {spec.dtype!r} is none of {', '.join(HIDDEN_DTYPES)}")
+        if not spec.layers:
+            raise HsxError(f"{where}: the job names no layers")
+        return cls(
+            job=spec.job,
+            plan=spec.plan_tag,
+            model=spec.model,
+            model_revision=spec.model_revision,
+            layers=list(spec.layers),
+            dtype=spec.dtype,
+            hidden_size=spec.hidden_size,
+            total=spec.total_samples,
+        )
+
+    def with_lengths(self, lengths: Sequence[int] | np.ndarray) -> ExpectedSamples:
+        return dataclasses.replace(self, lengths=np.asarray(lengths, dtype=np.int64))
+
+    @property
+    def input_ids_known(self) -> bool:
+        return self.digests is not None
+
+    def tokens(self, index: int) -> int | None:
+        if self.lengths is None or not 0 <= index < len(self.lengths):
+            return None
+        return int(self.lengths[index])
+
+    def ids_digest(self, index: int) -> bytes | None:
+        if self.digests is None or not 0 <= index < len(self.digests):
+            return None
+        return self.digests[index].tobytes()
+
+
+def load_expected(folder: Destination, url: str, spec: schemas.JobSpec, *, input_ids: bool = True) -> ExpectedSamples:
+    """The expectations of the job whose folder is `folder` (at `url`, for errors) and whose
+    bundle spec is `spec`: with `input_ids`, each sample's token count and ids digest from the
+    bundle's tokens.arrow, whose row count must be the spec's total_samples (one-line HsxError
+    otherwise); without, the spec's alone (no download)."""
+    spec_key = f"{url}/{BUNDLE_SPEC_KEY}"
+    expected = ExpectedSamples.of_spec(spec, where=spec_key)
+    if not input_ids:
+        return expected
+    what = f"{url}/{BUNDLE_TOKENS_KEY}"
+    try:
+        stream = folder.open_read(BUNDLE_TOKENS_KEY)
+    except Exception as exc:
+        if is_missing(exc):
+            log.info("bundle_without_tokens", url=url, consequence="input ids and token counts are not compared")
+            return expected
+        raise HsxError(f"{what}: cannot read the job's tokenized samples ({type(exc).__name__}: {exc})") from None
+
+    def rows() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for batch in record_batches(pa.PythonFile(stream, mode="r"), what=what):
+            column = batch.column("input_ids")
+            offsets = column.offsets.to_numpy().astype(np.int64)
+            yield offsets - offsets[0], column.flatten().to_numpy(zero_copy_only=False)
+
+    try:
+        return _with_input_ids(expected, rows(), claimed_by=spec_key)
+    except (pa.ArrowException, KeyError) as exc:
+        raise HsxError(f"{what}: unreadable samples ({exc})") from None
+    except OSError as exc:  # the connection broke off mid-object
+        raise HsxError(f"{what}: reading the job's tokenized samples failed ({exc})") from None
+    finally:
+        stream.close()
+
+
+def expected_of_table(spec: schemas.JobSpec, table: SampleTable, url: str) -> ExpectedSamples:
+    """As `load_expected`, from the bundle's tokenized samples already read into `table` (export
+    to speculators needs the table itself: the tokens file is downloaded once)."""
+    spec_key = f"{url}/{BUNDLE_SPEC_KEY}"
+    expected = ExpectedSamples.of_spec(spec, where=spec_key)
+    runs = ((offsets, tokens) for _first, offsets, tokens, _masks in table.runs())
+    return _with_input_ids(expected, runs, claimed_by=spec_key)
+
+
+def _with_input_ids(
+    expected: ExpectedSamples, rows: Iterable[tuple[np.ndarray, np.ndarray]], *, claimed_by: str
+) -> ExpectedSamples:
+    """`expected` with each sample's token count and ids digest, from consecutive runs of the
+    job's samples, (offsets from 0, token ids); their count must be the claimed total."""
+    claimed = expected.total or 0
+    lengths: list[np.ndarray] = []
+    digests: list[np.ndarray] = []
+    count = 0
+    for offsets, values in rows:
+        count += len(offsets) - 1
+        if count > claimed:  # stop here: the claim, not the file, is what is small
+            raise HsxError(
+                f"{claimed_by}: total_samples {claimed}, but {TOKENS_FILE} beside it holds more "
+                f"(at least {count}): the bundle is not one job's"
+            )
+        lengths.append(np.diff(offsets))
+        digests.append(_row_digests(offsets, values))
+    if count != claimed:
+        raise HsxError(
+            f"{claimed_by}: total_samples {claimed}, but {TOKENS_FILE} beside it holds {count} samples: "
+            "the bundle is not one job's"
+        )
+    return dataclasses.replace(
+        expected,
+        lengths=np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
+        digests=np.concatenate(digests) if digests else np.zeros((0, IDS_DIGEST_BYTES), np.uint8),
+    )
+
+
+def read_header(data: bytes | memoryview) -> tuple[dict, int]:
+    """A safetensors file's header (its `__metadata__` and one entry per tensor) and where its
+    data section starts; `data` may be the file or any prefix that holds the header."""
+    if len(data) < 8:
+        raise SampleFileCorrupt(f"{len(data)} bytes is too short for a safetensors file")
+    end = 8 + int.from_bytes(data[:8], "little")
+    if end > len(data):
+        raise SampleFileCorrupt(f"header length {end - 8} runs past the end of the file ({len(data)} bytes)")
+    try:
+        header = json.loads(bytes(data[8:end]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SampleFileCorrupt(f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
+        raise SampleFileCorrupt("header has no metadata object")
+    return header, end
+
+
+def _describe(entry: object) -> str:
+    if not isinstance(entry, dict):
+        return "absent"
+    return f"{entry.get('dtype')} {entry.get('shape')}"
+
+
+def _shape(entry: object, rank: int) -> list[int] | None:
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    if isinstance(shape, list) and len(shape) == rank and all(isinstance(n, int) for n in shape):
+        return shape
+    return None
+
+
+def mismatches(
+    data: bytes | memoryview,
+    expected: ExpectedSamples,
+    index: int,
+    *,
+    input_ids: Sequence[int] | None = None,
+    hidden_size: int | None = None,
+    header_only: bool = False,
+) -> dict[str, str]:
+    """What disagrees between the sample file `data` (found at sample `index`'s key) and sample
+    `index` of `expected`: {check: one-line detail}, in the order checked; empty when the file is
+    that sample. `input_ids`: the sample's ids when the caller has them (hsx verify) instead of
+    the bundle's digest. `hidden_size`: H to expect instead of the spec's (None: the spec's when
+    it has one). `header_only`: `data` is the header alone; the ids' bytes are not compared.
+    SampleFileCorrupt when the header does not parse."""
+    header, start = read_header(data)
+    metadata = header.get("__metadata__", {})
+    if expected.total is not None and not 0 <= index < expected.total:
+        return {"sample_index": f"sample {index} is past the plan's {expected.total} samples"}
+    failed: dict[str, str] = {}
+
+    def expect(check: str, good: bool, detail: str) -> None:
+        if not good and check not in failed:
+            failed[check] = detail
+
+    expect("job", metadata.get("job") == expected.job, f"metadata job is {metadata.get('job')!r}, not {expected.job!r}")
+    if expected.plan is not None:
+        plan = metadata.get("plan")
+        # A file from before plan tags has none: it is taken when all the rest, input ids too, is this sample.
+        expect(
+            "plan",
+            plan is None or plan == expected.plan,
+            f"metadata plan is {plan!r}, this job's is {expected.plan!r} (a file of an earlier job of this name?)",
+        )
+    expect(
+        "sample_index",
+        metadata.get("sample_index") == str(index),
+        f"metadata sample_index is {metadata.get('sample_index')!r}, the key is sample {index}'s",
+    )
+    if expected.model is not None:
+        found = (metadata.get("model"), metadata.get("model_revision"))
+        expect(
+            "model",
+            found == (expected.model, expected.model_revision),
+            f"metadata model {found[0]!r} at {found[1]!r}, the job's is {expected.model!r} at {expected.model_revision!r}",
+        )
+    if expected.layers is not None:
+        try:
+            layers = json.loads(metadata.get("layers", "null"))
+        except json.JSONDecodeError:
+            layers = metadata.get("layers")
+        expect("layers", layers == expected.layers, f"metadata layers {layers!r}, the job has {expected.layers}")
+    if expected.dtype is not None:
+        expect(
+            "dtype",
+            metadata.get("dtype") == expected.dtype,
+            f"metadata dtype {metadata.get('dtype')!r}, the job has {expected.dtype!r}",
+        )
+
+    ids = header.get("input_ids")
+    ids_shape = _shape(ids, 1)
+    expect(
+        "input_ids",
+        ids_shape is not None and ids.get("dtype") == "I64",
+        "no input_ids tensor" if ids is None else f"input_ids {_describe(ids)}, expected I64 [T]",
+    )
+    want_tokens = len(input_ids) if input_ids is not None else expected.tokens(index)
+    want_digest = ids_digest(input_ids) if input_ids is not None else expected.ids_digest(index)
+    if "input_ids" not in failed and want_tokens is not None:
+        expect(
+            "input_ids",
+            ids_shape[0] == want_tokens,
+            f"{ids_shape[0]} input ids, the job's sample {index} has {want_tokens} tokens",
+        )
+    if "input_ids" not in failed and want_digest is not None and not header_only:
+        low, high = ids.get("data_offsets", (0, -1))
+        body = memoryview(data)[start:]
+        sound = 0 <= low <= high <= len(body) and (high - low) % 8 == 0
+        expect(
+            "input_ids",
+            sound and ids_digest(np.frombuffer(body[low:high], dtype="<i8")) == want_digest,
+            f"input_ids differ from the job's tokenized sample {index}",
+        )
+    tokens = want_tokens if want_tokens is not None else (ids_shape[0] if ids_shape is not None else None)
+    expect(
+        "num_tokens",
+        tokens is not None and metadata.get("num_tokens") == str(tokens),
+        f"metadata num_tokens {metadata.get('num_tokens')!r}, the sample has {tokens} tokens",
+    )
+
+    hidden = header.get("hidden_states")
+    width = hidden_size if hidden_size is not None else (expected.hidden_size or None)
+    layers_count = len(expected.layers) if expected.layers is not None else None
+    if hidden is None:
+        expect("hidden_states", False, "no hidden_states tensor")
+    else:
+        shape = _shape(hidden, 3)
+        shape_ok = (
+            shape is not None
+            and (tokens is None or shape[0] == tokens)
+            and (layers_count is None or shape[1] == layers_count)
+            and (width is None or shape[2] == width)
+        )
+        want = f"[{tokens if tokens is not None else 'T'}, {layers_count or 'k'}, {width or 'H'}]"
+        expect("hidden_states", shape_ok, f"hidden_states shape {hidden.get('shape')}, expected {want}")
+        if expected.dtype is not None:
+            stored = HIDDEN_DTYPES[expected.dtype]
+            expect(
+                "hidden_states",
+                hidden.get("dtype") == stored,
+                f"hidden_states dtype {hidden.get('dtype')}, the job stores {stored}",
+            )
+    scale = header.get(SCALE_TENSOR)
+    dtype = expected.dtype or metadata.get("dtype")
+    if dtype == FLOAT8:
+        expect(
+            SCALE_TENSOR,
+            isinstance(scale, dict)
+            and scale.get("dtype") == "F32"
+            and isinstance(hidden, dict)
+            and scale.get("shape") == (hidden.get("shape") or [None])[:-1],
+            f"{SCALE_TENSOR} {_describe(scale)}, expected F32 [T, k]",
+        )
+    elif dtype is not None:
+        expect(SCALE_TENSOR, scale is None, f"a {SCALE_TENSOR} tensor in a {dtype} file")
+    mask = header.get("loss_mask")
+    if mask is not None:
+        mask_shape = _shape(mask, 1)
+        expect(
+            "loss_mask",
+            mask_shape is not None and (tokens is None or mask_shape[0] == tokens),
+            f"loss_mask shape {mask.get('shape') if isinstance(mask, dict) else mask}, expected [{tokens}]",
+        )
+    return failed
+
+
+def describe(failed: dict[str, str]) -> str:
+    """`mismatches`' findings as one line: what disagrees, check by check."""
+    return "; ".join(f"{check}: {detail}" for check, detail in failed.items())
