@@ -301,7 +301,7 @@ def test_a_damaged_source_file_is_named_and_the_rest_exported(jobs, tmp_path):
     assert result.returncode == 1, result.stderr
     report = json.loads((out / "hsx-export.json").read_text())
     assert [entry["sample_index"] for entry in report["failed"]] == [2] and "damaged" in report["failed"][0]["reason"]
-    assert "missing 1 samples (first: 2" in result.stderr
+    assert "failed 1 samples (first: 2, damaged: " in result.stderr
     assert not (out / "state.json").exists()  # no table with a hole for speculators to trip on
     assert len(list((out / "hidden_states").glob("hs_*.safetensors"))) == len(ROWS) - 1
     shutil.copy(folders["speculators"] / victim.relative_to(copy), victim)  # mended: a rerun finishes

@@ -151,12 +151,18 @@ def test_dataset_opens_through_the_index_without_listing(s3_job):
         dataset = HiddenStateDataset(s3_job.url)
         opened = list(calls)
         item = dataset[COUNT - 1]
-    # The bundle's job spec and the index: two GETs, whatever the job's size.
-    assert opened == ["GetObject", "GetObject"], opened
+    # The bundle's job spec, its tokenized samples (each file's input ids are checked against
+    # them) and the index: three GETs, whatever the job's size.
+    assert opened == ["GetObject", "GetObject", "GetObject"], opened
     assert not [c for c in calls if c.startswith("List")], calls
     assert dataset.sample_indices == list(range(COUNT))
     assert dataset.sample_tokens == [len(row["input_ids"]) for row in s3_job.rows]
     assert item["input_ids"].tolist() == s3_job.rows[COUNT - 1]["input_ids"]
+    with s3_requests() as calls:
+        lengths_only = HiddenStateDataset(s3_job.url, check_input_ids=False)
+        opened = list(calls)
+        assert lengths_only[COUNT - 1]["input_ids"].tolist() == s3_job.rows[COUNT - 1]["input_ids"]
+    assert opened == ["GetObject", "GetObject"], opened  # no tokens file: the spec and the index
 
 
 def test_verify_reads_the_index_without_listing(s3_job):
@@ -206,7 +212,7 @@ def test_index_is_made_again_after_a_crash(s3_job):
     assert rebuilt.source == "destination" and rows_of(rebuilt) == rows_of(written)
     with s3_requests() as calls:
         assert len(HiddenStateDataset(s3_job.url)) == COUNT
-    assert calls == ["GetObject", "GetObject"], calls
+    assert calls == ["GetObject", "GetObject", "GetObject"], calls
 
 
 def test_rebuild_leaves_out_a_damaged_file_and_says_the_index_is_incomplete(s3_job):

@@ -3,15 +3,19 @@
 
 SOURCE is the job's folder in its destination (`s3://bucket/prefix/JOB`, `file:///out/JOB` or a
 path), as HiddenStateDataset takes it: no NATS, because training runs elsewhere and later. The
-job's spec comes from its bundle (`<job>/_hsx/job.json`), the samples from its index (or a
-listing). `--workers` samples are read, checked (each file's checksum), dequantized and written
-at once; every output file is written atomically, so a run that stopped is resumed by running it
-again: what is there is kept. The job's layers are checked against the format first: a format it
-cannot make is one line naming the `--layers` that would.
+job's spec comes from its bundle (`<job>/_hsx/job.json`), what each sample must be from the
+bundle too (hsx/storage/expected.py: its token count and input ids from `tokens.arrow`, whose
+row count must be the spec's total_samples), the samples from its index (or a listing), only
+those of the plan (0 to total_samples - 1). `--workers` samples are read, checked (each file's
+checksum, then that it is this plan's sample: job, plan, sample index, model, layers, dtype,
+shape, token count, input ids), dequantized and written at once; every output file is written
+atomically, so a run that stopped is resumed by running it again: what is there is kept. The
+job's layers are checked against the format first: a format it cannot make is one line naming
+the `--layers` that would.
 
 A sample the trainer cannot take (SpecForge's DFlash reader raises on one without two adjacent
-supervised tokens) is left out and listed; a damaged source file is listed and fails the run
-(exit 1), as does a sample that is missing from the job, after everything else is written.
+supervised tokens) is left out and listed; a source file that is missing, damaged or not this
+plan's sample is listed with why and fails the run (exit 1), after everything else is written.
 `OUT/hsx-export.json` holds the report: counts, the trainer's layer ids, what was left out and why.
 """
 
@@ -20,11 +24,11 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import pyarrow as pa
 import structlog
 import torch
@@ -32,8 +36,17 @@ import torch
 from hsx.errors import HsxError, JobFailed
 from hsx.storage import trainers
 from hsx.storage.destinations import Destination, open_destination, split_job_url
+from hsx.storage.expected import (
+    BUNDLE_SPEC_KEY,
+    ExpectedSamples,
+    describe,
+    expected_of_table,
+    is_missing,
+    load_expected,
+    mismatches,
+)
 from hsx.storage.index import bundle_spec, stored_samples
-from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, relative_sample_key
+from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, relative_sample_key, sample_key
 from hsx.storage.reader import dequantize, load_sample, ordered_map
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.tensors import STORAGE_DTYPES
@@ -43,6 +56,9 @@ log = structlog.get_logger("hsx.export")
 
 REPORT = "hsx-export.json"
 IDENTITY = ".hsx-export.json"  # what OUT holds, written before the first file
+# A run of more missing samples than this is one entry of the report, not one each: its size
+# stays that of what is stored, whatever total_samples a bundle without a tokens file claims.
+MISSING_LISTED_EACH = 1000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,9 +98,14 @@ def _claim(out: Path, identity: ExportIdentity) -> None:
     trainers.write_atomically(path, msgspec.json.encode(identity) + b"\n")
 
 
-class LeftOut(msgspec.Struct, frozen=True):
+class LeftOut(msgspec.Struct, frozen=True, omit_defaults=True):
     sample_index: int
     reason: str
+    count: int = 1  # consecutive samples from sample_index that this entry stands for
+
+
+class _Failed(Exception):
+    """The source file of a sample is not exported; the reason goes to the report."""
 
 
 class ExportReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,12 +119,16 @@ class ExportReport(msgspec.Struct, frozen=True, kw_only=True):
     samples_in_job: int
     samples_exported: int
     left_out: list[LeftOut]  # the trainer cannot take them
-    failed: list[LeftOut]  # damaged or missing in the job: the run exits 1
+    failed: list[LeftOut]  # missing, damaged or not this plan's sample: the run exits 1
     seconds: float
 
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    @property
+    def samples_failed(self) -> int:
+        return sum(entry.count for entry in self.failed)
 
 
 def _bundle_tokens(folder: Destination, url: str) -> SampleTable:
@@ -122,10 +147,25 @@ def _bundle_tokens(folder: Destination, url: str) -> SampleTable:
         stream.close()
 
 
-def _read(folder: Destination, job: str, sample_index: int, dtype: torch.dtype) -> trainers.Sample:
-    data = folder.read_bytes(relative_sample_key(job, sample_index))
-    checked_digest([data])  # the checksum inside the file: SampleFileCorrupt if a byte changed
-    tensors, _ = load_sample(data)
+def _read(
+    folder: Destination, job: str, sample_index: int, dtype: torch.dtype, expected: ExpectedSamples
+) -> trainers.Sample:
+    """The sample from its file, once the file is found to be this plan's sample; _Failed if not."""
+    key = sample_key(job, sample_index)
+    try:
+        data = folder.read_bytes(relative_sample_key(job, sample_index))
+    except Exception as exc:
+        if is_missing(exc):
+            raise _Failed(f"missing: {key}") from None
+        raise _Failed(f"unreadable: {key}: {type(exc).__name__}: {exc}") from None
+    try:
+        checked_digest([data])  # the checksum inside the file: SampleFileCorrupt if a byte changed
+        tensors, _ = load_sample(data)
+        failed = mismatches(data, expected, sample_index)
+    except SampleFileCorrupt as exc:
+        raise _Failed(f"damaged: {key}: {exc}") from None
+    if failed:
+        raise _Failed(f"mismatching: {key} is not this job's sample {sample_index}: {describe(failed)}")
     ids = tensors["input_ids"].to(torch.int64)
     mask = tensors.get("loss_mask")
     return trainers.Sample(
@@ -163,17 +203,26 @@ def run_export(cfg: ExportConfig) -> ExportReport:
         raise HsxError(
             f"{url}: no job bundle (_hsx/job.json) there: is this a job's folder? (e.g. s3://bucket/prefix/JOB)"
         )
+    if spec.job != job:
+        raise HsxError(f"{url}/{BUNDLE_SPEC_KEY} is job {spec.job}'s, not {job}'s")
     trainer_ids = trainers.trainer_layer_ids(cfg.to, spec)
     dtype_name = trainers.export_dtype(cfg.dtype, spec.dtype)
     dtype = STORAGE_DTYPES[dtype_name]
     cfg.out.mkdir(parents=True, exist_ok=True)
     _claim(cfg.out, ExportIdentity(job=job, plan=spec.plan_tag, format=cfg.to, dtype=dtype_name))
+    # speculators' table comes from the job's tokenized samples, not from the files: a rerun
+    # reads no file it has written. The bundle's claims are checked (total_samples against its
+    # tokens) before anything is sized by them.
+    tokens = _bundle_tokens(folder, url) if cfg.to == "speculators" else None
+    try:
+        expected = load_expected(folder, url, spec) if tokens is None else expected_of_table(spec, tokens, url)
+    except HsxError:
+        if tokens is not None:
+            tokens.close()
+        raise
     samples, index, why_not = stored_samples(folder, job, spec=spec)
     if index is None:
         log.info("export_listing", reason=why_not)
-    # speculators' table comes from the job's tokenized samples, not from the files: a rerun
-    # reads no file it has written, and each file read is checked against the job's tokens.
-    tokens = _bundle_tokens(folder, url) if cfg.to == "speculators" else None
 
     def target(sample_index: int) -> Path:
         # speculators' row i is sample i: its table is written only once every sample is there.
@@ -182,7 +231,7 @@ def run_export(cfg: ExportConfig) -> ExportReport:
         return trainers.specforge_path(cfg.out, sample_index)
 
     left_out: list[LeftOut] = []
-    failed = [LeftOut(i, "not in the job's folder") for i in sorted(set(range(spec.total_samples)) - set(samples))]
+    failed = list(_missing(samples, spec.total_samples, job))
     exported: list[int] = []
     progress = _Progress(len(samples))
 
@@ -190,9 +239,7 @@ def run_export(cfg: ExportConfig) -> ExportReport:
         if target(sample_index).exists():
             exported.append(sample_index)  # written by an earlier run, atomically
             return
-        sample = _read(folder, job, sample_index, dtype)
-        if tokens is not None and not np.array_equal(tokens.input_ids(sample_index), sample.input_ids.numpy()):
-            raise SampleFileCorrupt("its input_ids differ from the job's tokenized sample")
+        sample = _read(folder, job, sample_index, dtype, expected)
         why = trainers.refusal(cfg.to, sample)
         if why is not None:
             left_out.append(LeftOut(sample_index, why))
@@ -203,9 +250,9 @@ def run_export(cfg: ExportConfig) -> ExportReport:
     def guarded(sample_index: int) -> None:
         try:
             export_one(sample_index)
-        except SampleFileCorrupt as exc:
-            failed.append(LeftOut(sample_index, f"damaged: {exc}"))
-            log.warning("export_sample_damaged", sample_index=sample_index, error=str(exc))
+        except _Failed as exc:
+            failed.append(LeftOut(sample_index, str(exc)))
+            log.warning("export_sample_failed", sample_index=sample_index, reason=str(exc))
         finally:
             progress.step()
 
@@ -245,6 +292,20 @@ def run_export(cfg: ExportConfig) -> ExportReport:
     return report
 
 
+def _missing(samples: list[int], total: int, job: str) -> Iterator[LeftOut]:
+    """An entry for each of the plan's samples (0 to total - 1) that `samples` (sorted, within the
+    plan) lacks; a run longer than MISSING_LISTED_EACH is one entry."""
+    previous = -1
+    for present in [*samples, total]:
+        first, count = previous + 1, present - previous - 1
+        if count > MISSING_LISTED_EACH:
+            last = sample_key(job, present - 1)
+            yield LeftOut(first, f"missing: {sample_key(job, first)} and the {count - 1} after it, to {last}", count)
+        else:
+            yield from (LeftOut(i, f"missing: {sample_key(job, i)}") for i in range(first, present))
+        previous = present
+
+
 def format_report(report: ExportReport, *, as_json: bool) -> str:
     if as_json:
         return json.dumps(msgspec.to_builtins(report), indent=2)
@@ -260,7 +321,7 @@ def format_report(report: ExportReport, *, as_json: bool) -> str:
         )
     if report.failed:
         shown = "; ".join(f"{entry.sample_index}: {entry.reason}" for entry in report.failed[:5])
-        lines.append(f"  failed {len(report.failed)}: {shown}; run hsx export again once they are there")
+        lines.append(f"  failed {report.samples_failed}: {shown}; run hsx export again once they are mended")
     return "\n".join(lines)
 
 
@@ -268,6 +329,6 @@ def export_exit_code(report: ExportReport) -> int:
     if report.ok:
         return 0
     raise JobFailed(
-        f"export of job {report.job} is missing {len(report.failed)} samples (first: "
+        f"export of job {report.job} failed {report.samples_failed} samples (first: "
         f"{report.failed[0].sample_index}, {report.failed[0].reason}); see {REPORT}"
     )

@@ -46,6 +46,14 @@ from hsx.storage.destinations import (
     open_job_folder,
     split_job_url,
 )
+from hsx.storage.expected import (
+    BUNDLE_SPEC_KEY,
+    ExpectedSamples,
+    describe,
+    is_missing,
+    load_expected,
+    mismatches,
+)
 from hsx.storage.layout import BUNDLE_DIR, sample_index_of, sample_key
 from hsx.wire import schemas
 
@@ -54,10 +62,9 @@ log = structlog.get_logger("hsx.index")
 INDEX_FORMAT = "hsx.index.v1"
 INDEX_FILE = "index.arrow"
 METADATA_KEY = b"hsx.index"
-# Keys relative to the job's folder (hsx.storage.destinations.open_job_folder): the index, and the job spec that
-# the producer writes into the bundle (producer/bundle.py, SPEC_FILE).
+# Relative to the job's folder (hsx.storage.destinations.open_job_folder), beside the bundle's
+# job spec (BUNDLE_SPEC_KEY, producer/bundle.py).
 INDEX_KEY = f"{BUNDLE_DIR}/{INDEX_FILE}"
-BUNDLE_SPEC_KEY = f"{BUNDLE_DIR}/job.json"
 DIGEST_BYTES = 32
 # A sample file's header is a few hundred bytes; one ranged GET of this much almost always holds it.
 HEADER_PROBE_BYTES = 64 << 10
@@ -174,20 +181,12 @@ def make_index(
     return StoredIndex(job=job, plan=plan, total_samples=total_samples, source=source, table=table)
 
 
-def _is_missing(exc: BaseException) -> bool:
-    if isinstance(exc, FileNotFoundError):
-        return True
-    response = getattr(exc, "response", None)
-    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
-    return code in ("404", "NoSuchKey", "NotFound")
-
-
 def bundle_spec(folder: Destination) -> schemas.JobSpec | None:
     """The job spec the producer put into the bundle; None for a job from before bundles."""
     try:
         data = folder.read_bytes(BUNDLE_SPEC_KEY)
     except Exception as exc:
-        if _is_missing(exc):
+        if is_missing(exc):
             return None
         raise
     try:
@@ -206,7 +205,7 @@ def read_index(folder: Destination, job: str, *, spec: schemas.JobSpec | None = 
     except NotAnIndex as exc:
         return None, f"{INDEX_KEY} is {exc}"
     except Exception as exc:
-        if _is_missing(exc):
+        if is_missing(exc):
             return None, f"no {INDEX_KEY} (run hsx index build --job {job}, or hsx index rebuild)"
         raise
     if index.job != job:
@@ -225,11 +224,18 @@ def stored_samples(
     folder: Destination, job: str, *, spec: schemas.JobSpec | None = None
 ) -> tuple[list[int], StoredIndex | None, str]:
     """The job's stored sample indices in order, from its complete index (returned too), else from
-    a listing of its folder, with why the index was not used."""
+    a listing of its folder, with why the index was not used. With a spec, only the plan's
+    samples (0 to total_samples - 1): a file past them is another job's (an earlier one of this
+    name), whatever its header says."""
     index, why_not = read_index(folder, job, spec=spec)
     if index is not None:
         return index.sample_indices.tolist(), index, ""
-    listed = sorted(i for i in (sample_index_of(job, key) for key in folder.keys()) if i is not None)
+    total = spec.total_samples if spec is not None else None
+    listed = sorted(
+        i
+        for i in (sample_index_of(job, key) for key in folder.keys())
+        if i is not None and (total is None or i < total)
+    )
     return listed, None, why_not
 
 
@@ -294,42 +300,49 @@ async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600
     )
 
 
-def _header_entry(folder: Destination, key: str) -> tuple[int, int, str]:
-    """(size, tokens, digest) of the sample file at `key`, from its header alone."""
+def _header_entry(folder: Destination, key: str, index: int, expected: ExpectedSamples) -> tuple[int, int, str] | str:
+    """(size, tokens, digest) of the sample file at `key`, from its header alone; or, when the
+    header says it is not sample `index` of `expected`, what disagrees."""
     head, size = folder.read_prefix(key, HEADER_PROBE_BYTES)
     end = 8 + int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
     if not 8 < end <= size:
         raise ValueError(f"header length runs past the end of the file ({size} bytes)")
     if end > len(head):
         head, _ = folder.read_prefix(key, end)
+    failed = mismatches(head[:end], expected, index, header_only=True)
+    if failed:
+        return f"not this job's sample {index}: {describe(failed)}"
     metadata = json.loads(head[8:end])["__metadata__"]
     return size, int(metadata["num_tokens"]), hashlib.sha256(head[:end]).hexdigest()
 
 
 def index_from_destination(
-    folder: Destination, spec: schemas.JobSpec, *, workers: int = 32
+    folder: Destination, spec: schemas.JobSpec, *, expected: ExpectedSamples | None = None, workers: int = 32
 ) -> tuple[StoredIndex, list[str]]:
-    """The index made by listing the job folder and reading each sample file's header; also the
-    keys whose header does not read (left out: hsx verify names what is wrong with them)."""
-
+    """The index made by listing the job folder and reading each sample file's header, checked
+    against `expected` (by default the spec's own values; hsx.storage.expected); also the files
+    left out, "key: why": a header that does not read, or that says another job, plan, sample,
+    layers, dtype, shape or token count (hsx verify says more about each)."""
+    if expected is None:
+        expected = ExpectedSamples.of_spec(spec, where=f"job {spec.job}'s spec")
     found = sorted(
         (i, key)
         for key in folder.keys()
         if (i := sample_index_of(spec.job, key)) is not None and i < spec.total_samples
     )
-    entries, unreadable = [], []
+    entries, left_out = [], []
 
     def read(item: tuple[int, str]):
         try:
-            return item, _header_entry(folder, item[1])
+            return item, _header_entry(folder, item[1], item[0], expected)
         except Exception as exc:  # a damaged header, an object gone since the LIST: not indexed
-            return item, f"{type(exc).__name__}: {exc}"
+            return item, f"unreadable: {type(exc).__name__}: {exc}"
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hsx-index") as pool:
         for (i, key), entry in pool.map(read, found):
             if isinstance(entry, str):
-                log.warning("index_entry_unreadable", key=f"{spec.job}/{key}", error=entry)
-                unreadable.append(f"{spec.job}/{key}")
+                log.warning("index_entry_left_out", key=f"{spec.job}/{key}", reason=entry)
+                left_out.append(f"{spec.job}/{key}: {entry}")
             else:
                 entries.append((i, *entry))
     columns = list(zip(*entries)) if entries else [[], [], [], []]
@@ -343,7 +356,7 @@ def index_from_destination(
         tokens=columns[2],
         digest=columns[3],
     )
-    return index, unreadable
+    return index, left_out
 
 
 @contextlib.contextmanager
@@ -390,7 +403,10 @@ def rebuild_job_index(url: str, *, workers: int = 32) -> StoredIndex:
             raise HsxError(f"{folder_url}: no job bundle there ({BUNDLE_SPEC_KEY}); the index needs the job's spec")
         if spec.job != job:
             raise HsxError(f"{folder_url}: its bundle is job {spec.job}'s, not {job}'s")
-        index, unreadable = index_from_destination(folder, spec, workers=workers)
+        # The bundle's claims are checked (total_samples against its tokens file) before the
+        # listing is bounded by them; each header is then checked against its sample.
+        expected = load_expected(folder, folder_url, spec)
+        index, left_out = index_from_destination(folder, spec, expected=expected, workers=workers)
         written = write_index(folder, index)
     log.info(
         "index_written",
@@ -398,7 +414,7 @@ def rebuild_job_index(url: str, *, workers: int = 32) -> StoredIndex:
         key=f"{job}/{INDEX_KEY}",
         dest=folder_url,
         index_bytes=written,
-        unreadable=len(unreadable),
+        left_out=len(left_out),
         seconds=round(time.monotonic() - started, 2),
     )
     return index

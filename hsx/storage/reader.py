@@ -2,8 +2,14 @@
 dequantization, and `HiddenStateDataset`, a random-access torch Dataset over a job's folder in a
 destination (`file:///out/myjob`, `s3://bucket/prefix/myjob` or a plain path).
 
-This module knows the file layout (`hsx/storage/layout.py`) and the destinations (`hsx/storage/destinations.py`);
-it knows nothing about NATS, job specs or how the files were made.
+This module knows the file layout (`hsx/storage/layout.py`), the destinations
+(`hsx/storage/destinations.py`) and the job's bundle as far as it says what each sample is
+(`hsx/storage/expected.py`); it knows nothing about NATS or how the files were made.
+
+Every file is checked against the job's bundle before it is yielded (job, plan, sample index,
+model, layers, dtype, shape, token count, input ids): a file of an earlier job of the same name,
+or one copied in from another job, is never taken for this job's sample. What happens to a file
+that fails, or is missing, is the dataset's `on_bad_file`.
 
 With a torch DataLoader, each worker process opens its own destination client on its first
 `__getitem__` (a boto3 client must not cross a fork), so `num_workers > 0` works over S3.
@@ -15,13 +21,14 @@ index's lengths, without opening a file; `pad_collate` and `pack_collate` make a
 `PrefetchedBatches` does so for a sampler's batches, collated.
 
 Which samples a job has comes from its index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) when that
-is complete: two GETs, whatever the job's size. Otherwise the folder is listed, and a
-`dataset_listing` log line says why.
+is complete: a GET of the bundle's spec and one of the index (and one of its tokenized samples,
+for the checks), whatever the job's size. Otherwise the folder is listed, and a
+`dataset_listing` log line says why. Either way only the plan's samples (0 to total_samples - 1)
+are the dataset's.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections import deque
@@ -38,7 +45,16 @@ from safetensors.torch import load as _load_safetensors
 from hsx.errors import HsxError
 from hsx.packing import plan_batches
 from hsx.storage.destinations import Destination, open_destination, split_job_url
-from hsx.storage.index import stored_samples
+from hsx.storage.expected import (
+    BUNDLE_SPEC_KEY,
+    ExpectedSamples,
+    describe,
+    is_missing,
+    load_expected,
+    mismatches,
+    read_header,
+)
+from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import relative_sample_key
 from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.storage.tensors import SCALE_TENSOR, dequantize_float8
@@ -46,21 +62,17 @@ from hsx.storage.tensors import SCALE_TENSOR, dequantize_float8
 log = structlog.get_logger("hsx.data")
 
 
+ON_BAD_FILE = ("raise", "skip")
+
+
+class BadSampleFile(HsxError):
+    """A sample file the dataset will not yield: missing, damaged, or not this job's sample (one
+    line naming its key and what is wrong)."""
+
+
 def read_metadata(data: bytes) -> dict[str, str]:
     """The `__metadata__` of a safetensors file's header."""
-    if len(data) < 8:
-        raise SampleFileCorrupt(f"{len(data)} bytes is too short for a safetensors file")
-    header_len = int.from_bytes(data[:8], "little")
-    if header_len > len(data) - 8:
-        raise SampleFileCorrupt(f"header length {header_len} runs past the end of the file ({len(data)} bytes)")
-    try:
-        header = json.loads(data[8 : 8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SampleFileCorrupt(f"header is not JSON ({exc})") from None
-    metadata = header.get("__metadata__", {}) if isinstance(header, dict) else None
-    if not isinstance(metadata, dict):
-        raise SampleFileCorrupt("header has no metadata object")
-    return metadata
+    return read_header(data)[0].get("__metadata__", {})
 
 
 def load_sample(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -97,21 +109,61 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
     `sample_tokens` holds each sample's token count when the job's index was read (for length
     grouping without opening a file), else None.
+
+    Only the samples of the job's current plan are the dataset's (those below its bundle's
+    `total_samples`), and each file is checked before it is yielded against what the bundle says
+    that sample is (hsx/storage/expected.py: job, plan, sample index, model, layers, dtype, shape
+    [T, k, H], token count, and its input ids against the bundle's tokenized samples). For that the
+    bundle's `tokens.arrow` is read once, here: one download (some 3 bytes a token) and about
+    1.4 s of CPU per million samples plus 1.5 s per 100M tokens (11 s for 1M samples of 650
+    tokens), kept as 24 bytes a sample. `check_input_ids=False` skips that download and
+    compares the metadata, and the lengths when the index was read, only. A bundle whose
+    `total_samples` is not its tokens file's row count is refused here, in one line. A folder
+    without a bundle (files copied by hand) is read with each file checked against its key and
+    itself only.
+
+    `on_bad_file`: what a missing file, a damaged one or one that is not this job's sample does.
+    "raise" (the default): `BadSampleFile`, an HsxError of one line naming the key and what is
+    wrong. "skip": `dataset[i]` is None, a `sample_file_skipped` warning names the key and why,
+    and `pad_collate`, `pack_collate`, `prefetched` and `PrefetchedBatches` leave it out (a batch
+    whose every item was skipped collates to None, and PrefetchedBatches yields nothing for it).
     """
 
     def __init__(
-        self, url: str, *, concat_layers: bool = False, dequantize: bool = True, max_connections: int = 16
+        self,
+        url: str,
+        *,
+        concat_layers: bool = False,
+        dequantize: bool = True,
+        max_connections: int = 16,
+        on_bad_file: str = "raise",
+        check_input_ids: bool = True,
     ) -> None:
+        if on_bad_file not in ON_BAD_FILE:
+            raise HsxError(f"on_bad_file is {on_bad_file!r}, expected one of {', '.join(ON_BAD_FILE)}")
         self.url, self.job = split_job_url(url)
         self.concat_layers = concat_layers
         self.dequantize = dequantize
         self.max_connections = max_connections  # per process: what `prefetched` reads at once
+        self.on_bad_file = on_bad_file
         # The opening client is dropped here: each process that reads opens its own.
         folder = open_destination(self.url, max_connections=4)
-        self.sample_indices, index, why_not = stored_samples(folder, self.job)
+        spec = bundle_spec(folder)
+        if spec is not None and spec.job != self.job:
+            raise HsxError(f"{self.url}/{BUNDLE_SPEC_KEY} is job {spec.job}'s, not {self.job}'s")
+        if spec is None:
+            log.info("dataset_without_bundle", url=self.url, checked="each file against its key and itself")
+            self.expected = ExpectedSamples(job=self.job)
+        else:
+            # Before the listing: the listing is bounded by total_samples, which this checks.
+            self.expected = load_expected(folder, self.url, spec, input_ids=check_input_ids)
+        self.sample_indices, index, why_not = stored_samples(folder, self.job, spec=spec)
         self.sample_tokens: list[int] | None = None
         if index is not None:
-            self.sample_tokens = index.table.column("tokens").to_numpy().tolist()
+            tokens = index.table.column("tokens").to_numpy()
+            self.sample_tokens = tokens.tolist()
+            if spec is not None and self.expected.lengths is None:
+                self.expected = self.expected.with_lengths(tokens)  # complete: row i is sample i
         else:
             log.info("dataset_listing", url=self.url, reason=why_not)
         if not self.sample_indices:
@@ -135,7 +187,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         state["_dest"] = state["_pool"] = state["_pid"] = None
         return state
 
-    def __getitems__(self, positions: Sequence[int]) -> list[dict[str, Any]]:
+    def __getitems__(self, positions: Sequence[int]) -> list[dict[str, Any] | None]:
         """A DataLoader batch (`batch_size` or `batch_sampler`): its files read at once on up to
         `max_connections` threads of this process, so each worker process keeps that many GETs
         going instead of one at a time."""
@@ -144,14 +196,31 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             self._pool = ThreadPoolExecutor(max_workers=self.max_connections, thread_name_prefix="hsx-batch")
         return list(self._pool.map(self.__getitem__, positions))
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def _bad(self, sample_index: int, reason: str) -> None:
+        key = f"{self.url}/{relative_sample_key(self.job, sample_index)}"
+        if self.on_bad_file == "skip":
+            log.warning("sample_file_skipped", key=key, sample_index=sample_index, reason=reason)
+            return None
+        raise BadSampleFile(f"{key}: {reason}")
+
+    def __getitem__(self, i: int) -> dict[str, Any] | None:
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} samples")
-        key = relative_sample_key(self.job, self.sample_indices[i])
+        sample_index = self.sample_indices[i]
+        key = relative_sample_key(self.job, sample_index)
         try:
-            tensors, metadata = load_sample(self._destination().read_bytes(key))
+            data = self._destination().read_bytes(key)
+        except Exception as exc:
+            if is_missing(exc):  # gone since the index or the listing said it was there
+                return self._bad(sample_index, "missing: no object at this key")
+            raise
+        try:
+            tensors, metadata = load_sample(data)
+            failed = mismatches(data, self.expected, sample_index)
         except SampleFileCorrupt as exc:
-            raise SampleFileCorrupt(f"{self.url}/{key}: {exc}") from None
+            return self._bad(sample_index, f"damaged: {exc}")
+        if failed:
+            return self._bad(sample_index, f"not this job's sample {sample_index}: {describe(failed)}")
         hidden = dequantize(tensors) if self.dequantize else tensors["hidden_states"]
         if self.concat_layers:
             hidden = hidden.reshape(hidden.shape[0], -1)
@@ -253,10 +322,14 @@ def _loss_mask(item: dict[str, Any]) -> torch.Tensor:
     return torch.ones(len(item["input_ids"]), dtype=torch.uint8) if mask is None else mask
 
 
-def pad_collate(items: list[dict[str, Any]], *, pad_token_id: int = 0) -> dict[str, Any]:
+def pad_collate(items: list[dict[str, Any] | None], *, pad_token_id: int = 0) -> dict[str, Any] | None:
     """Items of HiddenStateDataset padded on the right to the longest: `hidden_states` [B, T, ...]
     (zeros after each sample), `input_ids` [B, T] (`pad_token_id` after), `attention_mask` and
-    `loss_mask` [B, T] (0 after), `lengths` and `sample_index` [B]."""
+    `loss_mask` [B, T] (0 after), `lengths` and `sample_index` [B]. Skipped items (None) are left
+    out; None if every one was."""
+    items = [item for item in items if item is not None]
+    if not items:
+        return None
     lengths = [len(item["input_ids"]) for item in items]
     longest, first = max(lengths), items[0]["hidden_states"]
     hidden = _batch_tensor(first, (len(items), longest, *first.shape[1:]))
@@ -279,10 +352,14 @@ def pad_collate(items: list[dict[str, Any]], *, pad_token_id: int = 0) -> dict[s
     }
 
 
-def pack_collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+def pack_collate(items: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """Items of HiddenStateDataset packed end to end with no padding: `hidden_states` [N, ...],
     `input_ids`, `loss_mask`, `position_ids` (from 0 in each sample) [N], `cu_seqlens` [B + 1]
-    int32 (each sample's start, as variable-length attention kernels take them), `sample_index` [B]."""
+    int32 (each sample's start, as variable-length attention kernels take them), `sample_index` [B].
+    Skipped items (None) are left out; None if every one was."""
+    items = [item for item in items if item is not None]
+    if not items:
+        return None
     lengths = [len(item["input_ids"]) for item in items]
     hidden = [item["hidden_states"] for item in items]
     return {
@@ -301,9 +378,13 @@ def prefetched(
     """`dataset[i]` for each position, in order, with up to `in_flight` read ahead on threads of
     this process: an S3 read waits on the network, not on the interpreter, so one process keeps
     that many GETs going (a DataLoader's workers do it with processes instead); up to twice that
-    many items are held."""
+    many items are held. Items the dataset skipped (`on_bad_file="skip"`) are left out."""
+    yield from (item for item in _read_ahead(dataset, positions, in_flight=in_flight) if item is not None)
+
+
+def _read_ahead(dataset: HiddenStateDataset, positions: Iterable[int], *, in_flight: int) -> Iterator[Any]:
     dataset._destination()  # one client for every thread (boto3 clients are thread-safe)
-    yield from ordered_map(dataset.__getitem__, positions, in_flight=in_flight)
+    return ordered_map(dataset.__getitem__, positions, in_flight=in_flight)
 
 
 class PrefetchedBatches(torch.utils.data.IterableDataset):
@@ -347,9 +428,13 @@ class PrefetchedBatches(torch.utils.data.IterableDataset):
                     sizes.append(len(batch))
                     yield from batch
 
-        items = prefetched(self.dataset, positions(), in_flight=self.in_flight)
+        # Skipped items (None) keep their places here, so each batch is cut where the sampler cut
+        # it; the collate function sees only the items that were read.
+        items = _read_ahead(self.dataset, positions(), in_flight=self.in_flight)
         for first in items:
-            yield self.collate_fn([first, *islice(items, sizes.popleft() - 1)])
+            batch = [item for item in (first, *islice(items, sizes.popleft() - 1)) if item is not None]
+            if batch:
+                yield self.collate_fn(batch)
 
 
 def ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], *, in_flight: int) -> Iterator[Any]:
