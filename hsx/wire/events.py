@@ -78,6 +78,7 @@ class EventPublisher:
         spool_files: int = -1,
         spool_bytes: int = -1,
         stalled_s: float = 0.0,
+        spool: str = "",
     ) -> None:
         beat = schemas.Heartbeat(
             job=self.job,
@@ -91,6 +92,7 @@ class EventPublisher:
             spool_bytes=spool_bytes,
             sent_at=time.time(),
             stalled_s=stalled_s,
+            spool=spool,
         )
         if self.nc.is_connected:
             # Rollup: the stream keeps only this instance's last beat (HSX_EVENTS has no age limit,
@@ -190,6 +192,7 @@ async def heartbeat_loop(
     interval_s: float,
     stopping: asyncio.Event,
     state: Callable[[], WorkerState],
+    spool: str = "",
 ) -> None:
     """Send `state()` as a heartbeat every `interval_s` until stopping. `state()` runs on a thread:
     it measures the spool, a directory walk that must not hold up the event loop."""
@@ -206,6 +209,7 @@ async def heartbeat_loop(
                 spool_files=report.spool_files,
                 spool_bytes=report.spool_bytes,
                 stalled_s=report.stalled_s,
+                spool=spool,
             )
         except Exception as exc:
             log.warning("heartbeat_failed", error=str(exc))
@@ -222,6 +226,7 @@ async def goodbye_heartbeat(
     instance: str,
     node: str,
     state: Callable[[], WorkerState],
+    spool: str = "",
 ) -> None:
     """The last heartbeat of a worker that stops cleanly: `stopping` tells the monitor it is gone,
     not silent; the spool is measured once more, so the node's backlog stays right after it left."""
@@ -235,6 +240,7 @@ async def goodbye_heartbeat(
             last_batch=last.last_batch,
             spool_files=last.spool_files,
             spool_bytes=last.spool_bytes,
+            spool=spool,
         )
     except Exception as exc:  # stopping must go on; the monitor then calls the worker silent
         log.warning("heartbeat_failed", error=str(exc))

@@ -99,27 +99,44 @@ async def job_durables(js: JetStreamContext, job: str) -> list[tuple[str, str]]:
             return found
 
 
-async def live_workers(js: JetStreamContext, job: str, *, now: float | None = None) -> list[str]:
-    """The job's workers that look alive, each as `instance (service on node, last heartbeat N s
-    ago)` or `durable D: N pull requests waiting`."""
-    now = time.time() if now is None else now
-    alive = []
+async def last_heartbeats(js: JetStreamContext, job: str) -> list[schemas.Heartbeat]:
+    """The last heartbeat of each of the job's workers (one subject each), oldest worker first."""
     subject = topology.heartbeats_subject_all(job)
     try:
         info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=subject)
     except nats.js.errors.NotFoundError:
-        info = None
-    for beat_subject in sorted((info.state.subjects or {}) if info else {}):
+        return []
+    beats = []
+    for beat_subject in sorted(info.state.subjects or {}):
         try:
             msg = await js.get_last_msg(topology.EVENTS_STREAM, beat_subject)
             beat = schemas.event_decoder.decode(msg.data)
         except (nats.js.errors.NotFoundError, msgspec.DecodeError):
             continue
-        if isinstance(beat, schemas.Heartbeat) and beat.state != "stopping" and now - beat.sent_at < LIVE_HEARTBEAT_S:
-            alive.append(
-                f"{beat.instance} ({beat.service} on {beat.node}, last heartbeat "
-                f"{max(0.0, now - beat.sent_at):.0f} s ago)"
-            )
+        if isinstance(beat, schemas.Heartbeat):
+            beats.append(beat)
+    return beats
+
+
+async def waiting_files(js: JetStreamContext, job: str) -> dict[str, int]:
+    """Files announced and not yet uploaded, per node: they lie in that node's spool."""
+    try:
+        info = await js.stream_info(topology.FILES_STREAM, subjects_filter=topology.files_subject_all(job))
+    except nats.js.errors.NotFoundError:
+        return {}
+    # hsx.files.<job>.<node>: a job name and a node name are one subject token each.
+    return {subject.split(".")[3]: count for subject, count in sorted((info.state.subjects or {}).items()) if count}
+
+
+async def live_workers(js: JetStreamContext, job: str, *, now: float | None = None) -> list[str]:
+    """The job's workers that look alive, each as `instance (service on node, last heartbeat N s
+    ago)` or `durable D: N pull requests waiting`."""
+    now = time.time() if now is None else now
+    alive = [
+        f"{beat.instance} ({beat.service} on {beat.node}, last heartbeat {max(0.0, now - beat.sent_at):.0f} s ago)"
+        for beat in await last_heartbeats(js, job)
+        if beat.state != "stopping" and now - beat.sent_at < LIVE_HEARTBEAT_S
+    ]
     for stream, durable in await job_durables(js, job):
         try:
             waiting = (await js.consumer_info(stream, durable)).num_waiting or 0

@@ -176,6 +176,13 @@ async def connect(settings: NatsSettings, *, name: str) -> NATS:
     return nc
 
 
+# What a publish, request or ack raises while NATS is away: a timeout, a client error (no
+# connection, reconnecting, closed), or InvalidStateError from a reply future that the client's
+# teardown resolved after its timeout (nats-py, a connection closed while NATS is down). Not a
+# bug: the message is left to its redelivery, and a line without a traceback says so.
+NATS_OUTAGE_ERRORS = (TimeoutError, nats.errors.Error, asyncio.InvalidStateError)
+
+
 async def through_outage(
     operation: Callable[[], Awaitable],
     *,
@@ -193,7 +200,7 @@ async def through_outage(
     while True:
         try:
             return await operation()
-        except (TimeoutError, nats.errors.Error) as exc:
+        except NATS_OUTAGE_ERRORS as exc:
             if time.monotonic() - started >= give_up_after_s or (stopping is not None and stopping.is_set()):
                 raise
             log.warning("nats_retry", what=what, error=str(exc) or type(exc).__name__, retry_in_s=retry_s)

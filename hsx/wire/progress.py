@@ -304,6 +304,20 @@ async def save_checkpoint(js: JetStreamContext, checkpoint: schemas.ProgressChec
     log.warning("checkpoint_not_saved", job=checkpoint.job, reason="another reader kept saving first")
 
 
+async def has_uploaded_marker(js: JetStreamContext, job: str, plan: str, index: int) -> bool:
+    """Whether sample `index` has an `uploaded` marker of `plan`, planned or (an index outside the
+    plan) set aside: whether it is in the destination, as the job's journal says."""
+    for planned in (True, False):
+        try:
+            await js.get_last_msg(
+                topology.EVENTS_STREAM, topology.uploaded_subject(job, plan or "none", index, planned=planned)
+            )
+            return True
+        except nats.js.errors.NotFoundError:
+            pass
+    return False
+
+
 class ProgressTracker:
     """Follows a job: its sums from the checkpoint on, its dead letters, optionally its heartbeats;
     `refresh_counts` and `refresh_queues` read JetStream's counts and queue state."""
@@ -448,18 +462,7 @@ class ProgressTracker:
         return self.counts
 
     async def _has_uploaded_marker(self, index: int) -> bool:
-        """Whether sample `index` has an `uploaded` marker of this plan, planned or (an index
-        outside the plan) set aside."""
-        for planned in (True, False):
-            try:
-                await self.js.get_last_msg(
-                    topology.EVENTS_STREAM,
-                    topology.uploaded_subject(self.job, self.plan or "none", index, planned=planned),
-                )
-                return True
-            except nats.js.errors.NotFoundError:
-                pass
-        return False
+        return await has_uploaded_marker(self.js, self.job, self.plan, index)
 
     async def refresh_queues(self) -> QueueState:
         job = self.job

@@ -18,8 +18,14 @@ FINAL = "final"  # the selector of the post-norm final state
 
 def plan_tag_of(fingerprint: str) -> str:
     """A plan's short name (JobSpec.plan_tag): the first 12 characters of its fingerprint, as in
-    the plan's batch ids (producer/planner.py)."""
+    the plan's batch ids (`plan_batch_id`)."""
     return fingerprint[:12]
+
+
+def plan_batch_id(job: str, fingerprint: str, seq: int) -> str:
+    """The id of the plan's `seq`-th batch: the same samples and settings (the plan's fingerprint)
+    always give the same ids, which go out as `Nats-Msg-Id` and into the job bundle's plan."""
+    return f"{job}-{plan_tag_of(fingerprint)}-{seq:06d}"
 
 
 class _Wire(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
@@ -134,6 +140,23 @@ class JobSpec(_Wire, tag="job.v1"):
         one; the same 12 characters as in the plan's batch ids (producer/planner.py)."""
         return plan_tag_of(self.plan_fingerprint)
 
+    def owns(self, plan: str) -> bool:
+        """Whether a message naming `plan` is of this spec's plan (messages from before they
+        carried their plan name none, and are taken as the job's)."""
+        return plan in ("", self.plan_tag)
+
+    def is_plan_batch(self, batch_id: str) -> bool:
+        """Whether `batch_id` is one of the plan's own batches (a re-queued sample's batch, a
+        poisoned batch's retry or a dead letter's half is not: each holds samples of the plan, but
+        counting it as a batch of the plan would count past `total_batches`)."""
+        prefix = plan_batch_id(self.job, self.plan_fingerprint, 0)[:-6]
+        seq = batch_id.removeprefix(prefix)
+        return (
+            seq.isdigit()
+            and int(seq) < self.total_batches
+            and batch_id == plan_batch_id(self.job, self.plan_fingerprint, int(seq))
+        )
+
 
 # Progress events, on `hsx.events.<job>.<kind>`.
 
@@ -197,6 +220,9 @@ class Heartbeat(_Wire, tag="heartbeat.v1"):
     spool_bytes: int = -1
     # With state "stalled": seconds the forward of `last_batch` has been running (past its bound).
     stalled_s: float = 0.0
+    # The worker's spool directory on its node (absolute); "" for workers without one. `hsx jobs
+    # delete --force` says from it where a deleted job's waiting files lie.
+    spool: str = ""
 
 
 class DeadLetter(_Wire, tag="dead.v1"):

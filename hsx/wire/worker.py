@@ -8,6 +8,10 @@ beats are stopped first, then the goodbye (`stopping`) is sent, so no regular be
 it and make a stopped worker look alive. A worker that failed before it was ready sends no
 goodbye: it did not stop, it never started, and the monitor reports it silent. Shutdown: the
 connection is drained whatever happened.
+
+A spooling worker serves the one job spec it started with (`JobWatch`): when its job is deleted,
+or its name now carries another plan, it stops within JobWatch.every_s (plus its fetch timeout),
+does nothing more for the old spec, and exits with one line (`JobLost`).
 """
 
 import asyncio
@@ -23,6 +27,7 @@ from nats.js.kv import KeyValue
 
 from hsx.config.fields import option
 from hsx.config.values import positive_float
+from hsx.errors import JobFailed
 from hsx.wire import schemas, topology
 from hsx.wire.events import (
     EventPublisher,
@@ -30,10 +35,12 @@ from hsx.wire.events import (
     goodbye_heartbeat,
     heartbeat_loop,
 )
-from hsx.wire.jobs import wait_for_job_spec
+from hsx.wire.jobs import read_job_spec, wait_for_job_spec
 from hsx.wire.lifecycle import stop_event_on_signals
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
 from hsx.wire.topology import job_name
+
+log = structlog.get_logger("hsx.worker")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +84,73 @@ class WorkerConfig:
     @property
     def in_progress_s(self) -> float:
         return max(0.5, min(10.0, self.ack_wait_s / 3))
+
+
+class JobLost(JobFailed):
+    """The job this worker served was deleted, or its name now carries another plan."""
+
+
+def _identity(spec: schemas.JobSpec) -> tuple:
+    # What makes a job the one a worker started for. `published` and the counters change while
+    # it runs; a job deleted and produced again gets a new created_at even with the same plan.
+    return spec.plan_fingerprint, spec.dest, spec.created_at
+
+
+class JobWatch:
+    """Whether the job a worker started for is still the job of its name in KV bucket hsx_jobs.
+
+    `check()` reads the spec; once it is gone or another (`lost` says which, in one line) the
+    worker's stop event is set and it stays lost. `watch()` checks every `every_s` until stopping.
+    A message of another plan (JobSpec.owns) asks for a check at once: a worker that is still
+    current takes such a message for a stray of an earlier job of the name; a lost one hands it back."""
+
+    def __init__(self, kv: KeyValue, spec: schemas.JobSpec, stopping: asyncio.Event, *, every_s: float = 5.0) -> None:
+        self.kv, self.spec, self.stopping, self.every_s = kv, spec, stopping, every_s
+        self.lost = ""
+
+    async def check(self) -> str:
+        if self.lost:
+            return self.lost
+        try:
+            current = await read_job_spec(self.kv, self.spec.job)
+        except Exception as exc:  # NATS away, or a spec that does not decode: not a verdict
+            log.warning("job_watch_failed", error=str(exc) or type(exc).__name__)
+            return ""
+        job, plan = self.spec.job, self.spec.plan_tag
+        if current is None:
+            self.lost = f"job {job} was deleted while this worker served it (plan {plan}); stopped"
+        elif _identity(current) != _identity(self.spec):
+            self.lost = (
+                f"job {job} was deleted and produced again (now plan {current.plan_tag}, dest {current.dest}) while "
+                f"this worker served plan {plan}; stopped: start a new worker for the new job"
+            )
+        if self.lost:
+            log.error("job_lost", reason=self.lost)
+            self.stopping.set()
+        return self.lost
+
+    async def watch(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                await asyncio.wait_for(self.stopping.wait(), timeout=self.every_s)
+            except TimeoutError:
+                await self.check()
+
+    def raise_if_lost(self) -> None:
+        if self.lost:
+            raise JobLost(self.lost)
+
+
+@contextlib.asynccontextmanager
+async def watching(watch: JobWatch) -> AsyncIterator[None]:
+    """`watch.watch()` beside the block; JobLost on leaving it if the job was lost meanwhile."""
+    task = asyncio.create_task(watch.watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    watch.raise_if_lost()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +199,7 @@ async def heartbeats(
             interval_s=cfg.heartbeat_s,
             stopping=stopping,
             state=state,
+            spool=str(cfg.spool),
         )
     )
     try:
@@ -133,4 +208,6 @@ async def heartbeats(
         beats.cancel()
         await asyncio.gather(beats, return_exceptions=True)
         if ready():
-            await goodbye_heartbeat(events, service=service, instance=cfg.instance, node=cfg.node, state=state)
+            await goodbye_heartbeat(
+                events, service=service, instance=cfg.instance, node=cfg.node, state=state, spool=str(cfg.spool)
+            )
