@@ -28,7 +28,8 @@ from gpu_consumer.extract import extract_samples  # noqa: E402
 from gpu_consumer.model import load_model  # noqa: E402
 from gpu_consumer.writer import write_sample_file  # noqa: E402
 from hsx.commands.embedded import build_tiny_model, synthetic_lengths  # noqa: E402
-from hsx.storage.layout import FLOAT8, sample_key  # noqa: E402
+from hsx.storage.layout import FLOAT8  # noqa: E402
+from hsx.storage.spool import spool_file
 from hsx.storage.tensors import dequantize_float8  # noqa: E402
 from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
 
@@ -72,7 +73,7 @@ def measure(path: Path, layers: list[int], samples: list[Sample], work: Path) ->
             size += write_sample_file(
                 spool=spool, spec=spec, node="n", batch_id="b", sample=sample, hidden_states=hidden
             ).size
-            tensors = load_file(str(spool / sample_key("bench", sample.index)))
+            tensors = load_file(str(spool_file(spool, "bench", spec.plan_tag, sample.index)))
             stored = (
                 dequantize_float8(tensors["hidden_states"], tensors["hidden_states_scale"])
                 if dtype == FLOAT8

@@ -7,6 +7,7 @@ import torch
 
 from hsx.storage import samplefile
 from hsx.storage.layout import FLOAT8, sample_key, sample_metadata
+from hsx.storage.spool import spool_file
 from hsx.storage.tensors import quantize_float8
 from hsx.wire.schemas import FileReady, JobSpec, Sample
 
@@ -14,13 +15,13 @@ from hsx.wire.schemas import FileReady, JobSpec, Sample
 _TEMP_NAME = re.compile(r"^\..+\.safetensors\.[0-9a-f]+\.tmp$")
 
 
-def remove_orphaned_temp_files(spool: Path, job: str, *, older_than: float) -> int:
-    """Remove the temp files a killed writer left in the job's spool (it died between creating
-    and renaming one) that were last modified before `older_than`, this process's start: a live
-    writer keeps its temp file's mtime current, and a writer killed before this process started
-    will never rename its own. Returns how many were removed."""
+def remove_orphaned_temp_files(folder: Path, *, older_than: float) -> int:
+    """Remove the temp files a killed writer left in the plan's spool folder (it died between
+    creating and renaming one) that were last modified before `older_than`, this process's start:
+    a live writer keeps its temp file's mtime current, and a writer killed before this process
+    started will never rename its own. Returns how many were removed."""
     removed = 0
-    for path in (spool / job).rglob(".*.tmp"):
+    for path in folder.rglob(".*.tmp"):
         if not _TEMP_NAME.match(path.name):
             continue
         try:
@@ -66,16 +67,17 @@ def write_sample_file(
         plan=spec.plan_tag,
         layer_preset=spec.layer_preset,
     )
-    key = sample_key(spec.job, sample.index)
-    size, digest = samplefile.write(spool / key, tensors, metadata, sync_dir=sync_dir)
+    path = spool_file(spool, spec.job, spec.plan_tag, sample.index)
+    size, digest = samplefile.write(path, tensors, metadata, sync_dir=sync_dir)
     return FileReady(
         job=spec.job,
         node=node,
         batch_id=batch_id,
         sample_index=sample.index,
         num_tokens=len(sample.input_ids),
-        spool_path=key,
-        key=key,
+        # For uploaders before paths were derived; a current one derives it from the sample.
+        spool_path=str(path.relative_to(spool)),
+        key=sample_key(spec.job, sample.index),
         size=size,
         digest=digest,
         plan=spec.plan_tag,

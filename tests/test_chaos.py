@@ -319,7 +319,9 @@ class SpoolDeletionWatcher(threading.Thread):
         gone = [p for p in self.present if p not in now]
         for path in gone:
             size, digest = self.present.pop(path)
-            key = f"{self.prefix}/{path.relative_to(self.spool).as_posix()}"
+            # <spool>/<job>/<plan>/<shard>/<i>.safetensors is stored at <prefix>/<job>/<shard>/<i>.safetensors.
+            job, _plan, *rest = path.relative_to(self.spool).parts
+            key = "/".join([self.prefix, job, *rest])
             try:
                 head = self.client.head_object(Bucket=self.bucket, Key=key)
             except ClientError as exc:

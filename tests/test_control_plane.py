@@ -12,27 +12,47 @@ from gpu_consumer.service import publish_all
 from hsx.storage import samplefile
 from hsx.storage.destinations import FileDestination, FolderSync, VerificationError
 from hsx.storage.layout import sample_key
+from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.natsconn import NatsSettings, connect
 from uploader.config import UploaderConfig
 from uploader.service import FileMover, _SpoolFileLost
 
 
+def _spec(job: str) -> schemas.JobSpec:
+    return schemas.JobSpec(
+        job=job,
+        model="m",
+        model_revision="r",
+        layers=[1],
+        dtype="float32",
+        dest="file:///x",
+        token_budget=64,
+        max_seq_len=64,
+        dataset="d",
+        plan_fingerprint="c" * 64,
+        total_samples=10,
+        total_tokens=40,
+        total_batches=1,
+        created_at=0.0,
+    )
+
+
 def _spool_file(spool, job: str, index: int) -> schemas.FileReady:
-    key = sample_key(job, index)
+    path = spool_file(spool, job, _spec(job).plan_tag, index)
     tensors = {
         "hidden_states": torch.arange(64, dtype=torch.float32).reshape(4, 16) + index,
         "input_ids": torch.arange(4, dtype=torch.int64),
     }
-    size, digest = samplefile.write(spool / key, tensors, {"job": job})
+    size, digest = samplefile.write(path, tensors, {"job": job})
     return schemas.FileReady(
         job=job,
         node="n",
         batch_id="b",
         sample_index=index,
         num_tokens=4,
-        spool_path=key,
-        key=key,
+        spool_path=str(path.relative_to(spool)),
+        key=sample_key(job, index),
         size=size,
         digest=digest,
     )
@@ -42,7 +62,7 @@ def _mover(tmp_path, job: str) -> FileMover:
     cfg = UploaderConfig(
         nats=NatsSettings(url="nats://127.0.0.1:1"), job=job, spool=tmp_path / "spool", node="n", instance="u"
     )
-    return FileMover(cfg, FileDestination(tmp_path / "dest"), events=None)
+    return FileMover(cfg, FileDestination(tmp_path / "dest"), events=None, spec=_spec(job))
 
 
 def test_same_file_system_upload_is_the_checked_inode(tmp_path):

@@ -21,7 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from hsx.storage.layout import SHARD_SIZE, bundle_key
+from hsx.storage.layout import SHARD_SIZE, bundle_key, relative_sample_key
+from hsx.wire import schemas
 
 LAYERS = [0, 2, 5]  # of the tiny qwen3's 6 decoder layers: 5 is the last (pre-norm in hsx, post-norm in HF)
 HIDDEN = 64
@@ -140,6 +141,16 @@ def start_monitor(hsx_service, job: str, env: dict | None) -> subprocess.Popen:
 def spool_files(spool: Path) -> list[Path]:
     """Everything left in a spool that is not a directory (finished files and temp files alike)."""
     return sorted(p for p in spool.rglob("*") if not p.is_dir()) if spool.exists() else []
+
+
+def spooled(spool: Path, job: str, index: int) -> Path | None:
+    """Sample `index`'s file in the spool, under its plan's folder (hsx/storage/spool.py), or None."""
+    return next(spool.glob(f"{job}/*/{relative_sample_key(job, index)}"), None)
+
+
+def job_plan(out: Path, job: str) -> str:
+    """The job's plan tag, from the job.json of its bundle in a local destination."""
+    return schemas.job_decoder.decode((out / bundle_key(job, "job.json")).read_bytes()).plan_tag
 
 
 def expected_key(job: str, index: int) -> str:

@@ -22,10 +22,10 @@ from pathlib import Path
 import nats
 import pytest
 from conftest import _free_port
-from test_e2e_s3 import check_ok, check_outputs, logs_of, produce, read_dir_objects, write_dataset
+from test_e2e_s3 import check_ok, check_outputs, job_plan, logs_of, produce, read_dir_objects, write_dataset
 
 from hsx.commands.embedded import start_nats_server
-from hsx.storage.layout import sample_key
+from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 
@@ -106,9 +106,9 @@ def _retry_and_finish(hsx, hsx_service, job: str, rows, out: Path, env: dict | N
     assert view["done"] and view["samples_uploaded"] == len(rows) and view["dead_letters"] == 0, view
 
 
-def _block_sample_path(spool: Path, job: str, sample: int) -> Path:
+def _block_sample_path(spool: Path, out: Path, job: str, sample: int) -> Path:
     """Make the sample's spool file impossible to write: its path is a non-empty directory."""
-    blocker = spool / sample_key(job, sample)
+    blocker = spool_file(spool, job, job_plan(out, job), sample)
     blocker.mkdir(parents=True)
     (blocker / "in-the-way").write_text("x")
     return blocker
@@ -121,7 +121,7 @@ def test_a_write_that_fails_on_every_delivery_ends_dead_lettered_then_retried(
     bad = 5
     samples = _batch_of(nats_server.url, job_name, bad)
     spool = tmp_path / "spool"
-    blocker = _block_sample_path(spool, job_name, bad)
+    blocker = _block_sample_path(spool, out, job_name, bad)
     consumer = hsx_service(
         "consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), *FAST, name="consume"
     )
@@ -189,7 +189,7 @@ def test_nats_restart_while_dead_lettering_loses_nothing(tmp_path, hsx, hsx_serv
         bad = 3
         samples = _batch_of(server.url, job_name, bad)
         spool = tmp_path / "spool"
-        blocker = _block_sample_path(spool, job_name, bad)
+        blocker = _block_sample_path(spool, out, job_name, bad)
         hold = tmp_path / "hold"
         hold.mkdir()
         consumer = hsx_service(

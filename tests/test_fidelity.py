@@ -22,6 +22,7 @@ from gpu_consumer.extract import extract_samples
 from gpu_consumer.model import load_model
 from gpu_consumer.writer import write_sample_file
 from hsx.storage.layout import LAYER_CONVENTION, sample_key
+from hsx.storage.spool import spool_file
 from hsx.wire.schemas import FileReady, JobSpec, Sample
 
 FAMILIES = ["qwen3", "llama"]
@@ -131,7 +132,8 @@ def _check_file(spool: Path, spec: JobSpec, sample: Sample, ready: FileReady, la
     assert ready.digest == digest
     assert ready.sample_index == sample.index
     assert ready.num_tokens == len(sample.input_ids)
-    assert ready.key == ready.spool_path == sample_key(spec.job, sample.index)
+    assert ready.key == sample_key(spec.job, sample.index)
+    assert spool / ready.spool_path == spool_file(spool, spec.job, spec.plan_tag, sample.index)
     assert ready.job == spec.job and ready.node == "node-a" and ready.batch_id == "batch-0"
 
     T, k = len(sample.input_ids), len(layers)

@@ -150,10 +150,10 @@ def _foreign_file(tmp_path: Path, index: int) -> bytes:
     )  # fmt: skip
     sample = schemas.Sample(index=index, source_id="x", input_ids=list(range(40)))
     spool = tmp_path / "foreign-spool"
-    write_sample_file(
+    ready = write_sample_file(
         spool=spool, spec=other, node="n", batch_id="b", sample=sample, hidden_states=torch.randn(40, 2, 32)
     )
-    return (spool / sample_key(other.job, index)).read_bytes()
+    return (spool / ready.spool_path).read_bytes()
 
 
 def _strip_plan(data: bytes) -> bytes:

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import boto3
 import pytest
 from conftest import aws_bucket
-from test_e2e_s3 import check_ok, logs_of, start_monitor, wait_until_done, write_dataset
+from test_e2e_s3 import check_ok, logs_of, spooled, start_monitor, wait_until_done, write_dataset
 from test_verify import Services, run_cli
 
 from hsx.commands.verify import fetch_job, verify
@@ -95,8 +95,8 @@ def wait_for_spool(spool: Path, job: str, consumer, timeout: float = 90.0) -> li
     """Every sample's file in the spool, by sample index, once the consumer has written them all."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and consumer.poll() is None:
-        paths = [spool / sample_key(job, i) for i in range(COUNT)]
-        if all(path.exists() for path in paths):
+        paths = [spooled(spool, job, i) for i in range(COUNT)]
+        if all(paths):
             return paths
         time.sleep(0.2)
     pytest.fail(f"the consumer did not write {COUNT} files to {spool} (exit {consumer.poll()})\n{logs_of(consumer)}")

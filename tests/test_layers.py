@@ -13,6 +13,7 @@ from gpu_consumer.writer import write_sample_file
 from hsx.errors import HsxError
 from hsx.model.layers import FINAL, parse_layers, resolve_layers
 from hsx.storage.layout import FLOAT8
+from hsx.storage.spool import spool_file
 from hsx.storage.tensors import dequantize_float8
 from hsx.wire.schemas import JobSpec, Sample
 
@@ -116,7 +117,7 @@ def test_float8_files_are_smaller_and_dequantize_close_to_float32(tiny_model, tm
             sizes[dtype] += ready.size
     worst = 0.0
     for sample, expected in zip(samples, reference):
-        tensors = load_file(str(tmp_path / "f8" / "j" / "00000" / f"{sample.index}.safetensors"))
+        tensors = load_file(str(spool_file(tmp_path / "f8", "j", _spec(path, layers, FLOAT8).plan_tag, sample.index)))
         assert tensors["hidden_states"].dtype == torch.float8_e4m3fn
         assert tensors["hidden_states_scale"].shape == (len(sample.input_ids), len(layers))
         restored = dequantize_float8(tensors["hidden_states"], tensors["hidden_states_scale"])

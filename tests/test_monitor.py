@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO, _env, _free_port
 from prometheus_client.parser import text_string_to_metric_families
 from test_chaos import log_events, sigkill
-from test_e2e_s3 import logs_of, produce, status, write_dataset
+from test_e2e_s3 import job_plan, logs_of, produce, status, write_dataset
 
 from hsx.storage.spool import spool_usage
 from monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS
@@ -223,7 +223,7 @@ def test_metrics_and_json_lines_agree_with_status_and_a_terminal_gets_the_bar(
         assert live == 1, (service, after)
 
     # The spool drains to nothing, and the heartbeats say so (they come every 5 s).
-    assert spool_usage(spool, job) == (0, 0)
+    assert spool_usage(spool, job, job_plan(tmp_path / "out", job)) == (0, 0)
     wait_for(
         lambda: metric(scrape(port), "hsx_spool_bytes", job, node=NODE) == 0,
         timeout=20,
@@ -327,7 +327,7 @@ def test_a_consumer_killed_mid_run_is_named_with_its_node_and_last_batch(
     # The job is unfinished: batches are still queued; the node's spool holds what was written.
     view = status(hsx, job, None)
     assert 0 < view["batches_done"] < view["batches_total"] and view["batches_queued"] > 0, view
-    files, used = spool_usage(spool, job)
+    files, used = spool_usage(spool, job, job_plan(tmp_path / "out", job))
     assert used > 0 and files == view["samples_written"], (files, used, view)
     samples = scrape(port)
     assert metric(samples, "hsx_workers", job, service="gpu_consumer", node=NODE, state="silent") == 1, samples

@@ -1,8 +1,9 @@
 """Hostile file-ready events and file permissions.
 
-An event cannot make an uploader read outside its spool (`..` paths, absolute paths, a symlink
-planted in the spool) nor write outside the job's prefix (a forged key): each such event is
-refused and dead-lettered, and nothing outside is read or written. Spool files are 0600 in 0700
+An event cannot make an uploader read outside its spool (`..` paths, absolute paths: the uploader
+derives the path from the sample and never reads the event's; a symlink planted where the file
+would lie) nor write outside the job's prefix (a forged key): each such event is refused and
+dead-lettered, and nothing outside is read or written. Spool files are 0600 in 0700
 directories. The S3 secret key appears in nothing a run prints or writes."""
 
 import asyncio
@@ -15,6 +16,7 @@ import nats
 from test_e2e_s3 import (
     check_final_status,
     check_outputs,
+    job_plan,
     produce,
     read_s3_objects,
     start_monitor,
@@ -23,6 +25,7 @@ from test_e2e_s3 import (
     write_dataset,
 )
 
+from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
 
 
@@ -67,12 +70,14 @@ def test_hostile_events_are_dead_lettered_and_nothing_outside_is_touched(
     secret = tmp_path / "outside" / "secret.safetensors"
     secret.parent.mkdir()
     secret.write_bytes(b"do not read")
-    (spool / job_name / "00000").mkdir(parents=True)
-    (spool / job_name / "00000" / "900.safetensors").symlink_to(secret)
+    # A link planted where sample 900's file would lie (the uploader derives that path itself).
+    planted = spool_file(spool, job_name, job_plan(out, job_name), 900)
+    planted.parent.mkdir(parents=True)
+    planted.symlink_to(secret)
     forged = [
-        _event(job_name, 900, f"{job_name}/00000/900.safetensors"),  # symlink out of the spool
-        _event(job_name, 901, "../outside/secret.safetensors"),  # .. traversal
-        _event(job_name, 902, str(secret)),  # absolute path
+        _event(job_name, 900, "anything"),  # the derived path is a link out of the spool
+        _event(job_name, 901, "../outside/secret.safetensors"),  # .. traversal: not read, the path is derived
+        _event(job_name, 902, str(secret)),  # absolute path: likewise
         _event(job_name, 903, f"{job_name}/00000/903.safetensors", key="../../escaped.safetensors"),  # key escape
     ]
     asyncio.run(_publish_events(nats_server.url, job_name, "testnode", forged))

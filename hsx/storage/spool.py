@@ -1,13 +1,46 @@
-"""A node's spool: the local directory where finished sample files wait for upload."""
+"""A node's spool: the local directory where finished sample files wait for upload.
+
+Layout: `<spool>/<job>/<plan>/<shard>/<sample_index>.safetensors`, the destination key's shard
+and name under a folder per plan (JobSpec.plan_tag). The plan's folder keeps apart the files of
+two jobs that had the same name (one deleted, the next produced): where a file lies follows from
+(job, plan, sample) alone, so the uploader derives it as it derives the destination key, never
+from an event; the spool's use is measured per plan, so a deleted plan's leftovers never count
+against the next one's high-water mark; and the leftovers are one folder to remove.
+"""
 
 import os
+import re
+import shutil
 from pathlib import Path
 
+import structlog
 
-def spool_usage(spool: Path, job: str) -> tuple[int, int]:
-    """(files, bytes) of the job's finished files in the spool; temp files excluded."""
+from hsx.storage.layout import relative_sample_key
+from hsx.wire.schemas import JobSpec
+
+log = structlog.get_logger("hsx.spool")
+
+# A plan's folder is named by its tag: 12 hex characters, never a shard's 5 digits.
+_PLAN_FOLDER = re.compile(r"^[0-9a-f]{12}$")
+
+
+def plan_folder(spool: Path, job: str, plan: str) -> Path:
+    return spool / job / plan
+
+
+def spool_file(spool: Path, job: str, plan: str, sample_index: int) -> Path:
+    """Where sample `sample_index` of the job's plan waits for upload."""
+    return plan_folder(spool, job, plan) / relative_sample_key(job, sample_index)
+
+
+def spool_usage(spool: Path, job: str, plan: str) -> tuple[int, int]:
+    """(files, bytes) of the plan's finished files in the spool; temp files excluded."""
+    return _usage(plan_folder(spool, job, plan))
+
+
+def _usage(folder: Path) -> tuple[int, int]:
     files = total = 0
-    stack = [spool / job]
+    stack = [folder]
     while stack:
         try:
             entries = list(os.scandir(stack.pop()))
@@ -23,3 +56,37 @@ def spool_usage(spool: Path, job: str) -> tuple[int, int]:
                 except FileNotFoundError:
                     pass
     return files, total
+
+
+def other_plans(spool: Path, job: str, plan: str) -> list[Path]:
+    """The job name's plan folders in the spool that are not `plan`'s: what earlier jobs of the
+    same name left (deleted with files still waiting). Folders of another shape are not touched."""
+    try:
+        entries = list(os.scandir(spool / job))
+    except FileNotFoundError:
+        return []
+    return sorted(
+        Path(entry.path)
+        for entry in entries
+        if entry.is_dir(follow_symlinks=False) and _PLAN_FOLDER.match(entry.name) and entry.name != plan
+    )
+
+
+def remove_plan_folder(folder: Path, *, reason: str) -> tuple[int, int]:
+    """Remove a plan's folder and everything in it, saying so; (files, bytes) of the finished
+    files it held."""
+    files, used = _usage(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    if files:
+        log.warning("spool_plan_removed", folder=str(folder), files=files, bytes=used, reason=reason)
+    return files, used
+
+
+def remove_stale_plans(spool: Path, spec: JobSpec) -> None:
+    """Remove what earlier jobs of `spec.job`'s name left in the spool. Called by a worker that
+    has just read `spec` as its job's current spec: those plans' work queues went with their jobs,
+    so nothing will ever upload their files."""
+    for folder in other_plans(spool, spec.job, spec.plan_tag):
+        remove_plan_folder(
+            folder, reason=f"left by an earlier job named {spec.job}; the job's plan is now {spec.plan_tag}"
+        )
