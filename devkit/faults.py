@@ -10,6 +10,9 @@ is imported (an import hook, so an uploader never imports the consumer's torch m
 - HSX_TEST_HANG_SAMPLE=I with HSX_TEST_HANG_MARKER=PATH: the first forward holding sample I (the
   one that creates PATH) hangs, as a wedged device would, until PATH.release exists; forwards
   that find PATH there already run normally.
+- HSX_TEST_HANG_WRITE_SAMPLE=I with HSX_TEST_HANG_WRITE_MARKER=PATH: the first spool write of
+  sample I's file (the one that creates PATH) hangs, as a dead disk or a hung network file system
+  would, until PATH.release exists; writes that find PATH there already run normally.
 - HSX_TEST_CRASH_ON_SAMPLE=I: a consumer kills itself (SIGKILL) when it takes up a batch holding
   sample I, as a batch that takes its process down every time would (host OOM killer, segfault).
 - HSX_TEST_CRASH_BEFORE_ACK=PATH: the first consumer to write and announce a batch creates PATH
@@ -28,12 +31,16 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import structlog
+
 INJECT_DIR = Path(__file__).resolve().parent / "inject"
 REPO = Path(__file__).resolve().parent.parent
 SWITCHES = (
     "HSX_TEST_OOM_ABOVE_TOKENS",
     "HSX_TEST_HANG_SAMPLE",
     "HSX_TEST_HANG_MARKER",
+    "HSX_TEST_HANG_WRITE_SAMPLE",
+    "HSX_TEST_HANG_WRITE_MARKER",
     "HSX_TEST_CRASH_ON_SAMPLE",
     "HSX_TEST_CRASH_BEFORE_ACK",
     "HSX_TEST_HOLD_DEAD_LETTER",
@@ -89,10 +96,38 @@ def _consumer_extract(module, environ: Mapping[str, str]) -> None:
             oom(samples, padded_tokens)
         if hang_sample and any(str(s.index) == hang_sample for s in samples) and _first_to_create(hang_marker):
             module.log.warning("test_forward_hanging", sample=int(hang_sample), until=f"{hang_marker}.release")
-            while not Path(f"{hang_marker}.release").exists():
-                time.sleep(0.1)
+            _wait_for_release(hang_marker)
 
     module.before_forward = before_forward
+
+
+def _wait_for_release(marker: str) -> None:
+    while not Path(f"{marker}.release").exists():
+        time.sleep(0.1)
+
+
+def _consumer_writer(module, environ: Mapping[str, str]) -> None:
+    """The spool write of one sample hangs. The writer has no seam of its own: the file write
+    it calls (hsx.storage.samplefile.write, as this module sees it) is wrapped."""
+    sample, marker = environ.get("HSX_TEST_HANG_WRITE_SAMPLE"), environ.get("HSX_TEST_HANG_WRITE_MARKER", "")
+    if not sample:
+        return
+    files = module.samplefile
+
+    class _HangingWrites:
+        def __getattr__(self, name):
+            return getattr(files, name)
+
+        @staticmethod
+        def write(final, tensors, metadata, **kwargs):
+            if metadata.get("sample_index") == sample and _first_to_create(marker):
+                structlog.get_logger("hsx.test").warning(
+                    "test_write_hanging", sample=int(sample), until=f"{marker}.release"
+                )
+                _wait_for_release(marker)
+            return files.write(final, tensors, metadata, **kwargs)
+
+    module.samplefile = _HangingWrites()
 
 
 def _consumer_service(module, environ: Mapping[str, str]) -> None:
@@ -129,6 +164,7 @@ def _dead_letters(module, environ: Mapping[str, str]) -> None:
 _SEAMS: dict[str, Callable] = {
     "gpu_consumer.extract": _consumer_extract,
     "gpu_consumer.service": _consumer_service,
+    "gpu_consumer.writer": _consumer_writer,
     "hsx.wire.deadletter": _dead_letters,
 }
 

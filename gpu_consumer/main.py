@@ -12,10 +12,11 @@ from gpu_consumer.model import load_model
 from gpu_consumer.service import SERVICE, BatchWorker, pull_loop
 from gpu_consumer.writer import remove_orphaned_temp_files
 from hsx.storage.fsutil import make_private_dirs
+from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.exhausted import reap_exhausted
-from hsx.wire.worker import heartbeats, job_session
+from hsx.wire.worker import JobWatch, heartbeats, job_session, watching
 
 log = structlog.get_logger("hsx.gpu_consumer")
 
@@ -52,14 +53,16 @@ async def run(cfg: ConsumerConfig) -> int:
         js, spec, stopping = session.js, session.spec, session.stopping
         events = EventPublisher(session.nc, js, cfg.job)
         worker: BatchWorker | None = None
+        watch = JobWatch(session.kv, spec, stopping)
 
         def state() -> WorkerState:
             return WorkerState(state="starting") if worker is None else worker.heartbeat_state()
 
         # Beating while the model loads (minutes for a large one): a consumer that said nothing
         # meanwhile would be reported silent by the monitor.
-        async with heartbeats(
-            events, cfg, service=SERVICE, stopping=stopping, state=state, ready=lambda: worker is not None
+        async with (
+            watching(watch),
+            heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state, ready=lambda: worker is not None),
         ):
             loaded = await asyncio.to_thread(
                 load_model,
@@ -72,9 +75,13 @@ async def run(cfg: ConsumerConfig) -> int:
                 compile_layers=cfg.compile_layers,
             )
             await asyncio.to_thread(_warm_up, loaded)
-            orphans = await asyncio.to_thread(remove_orphaned_temp_files, cfg.spool, cfg.job, older_than=started_at)
+            folder = plan_folder(cfg.spool, spec.job, spec.plan_tag)
+            orphans = await asyncio.to_thread(remove_orphaned_temp_files, folder, older_than=started_at)
             if orphans:
                 log.info("spool_temp_files_removed", count=orphans, reason="left by a writer that was killed")
+            if await watch.check():
+                return 1  # deleted while the model loaded (JobLost on leaving `watching`)
+            await asyncio.to_thread(remove_stale_plans, cfg.spool, spec)
             log.info(
                 "consumer_ready",
                 model=spec.model,
@@ -89,7 +96,7 @@ async def run(cfg: ConsumerConfig) -> int:
             )
             durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
             sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
-            worker = BatchWorker(cfg, js, events, spec, loaded, stopping)
+            worker = BatchWorker(cfg, js, events, spec, loaded, stopping, watch=watch)
             reaper = asyncio.create_task(reap_exhausted(js, events, stopping))
             try:
                 await pull_loop(worker, sub, cfg, stopping)
@@ -97,5 +104,7 @@ async def run(cfg: ConsumerConfig) -> int:
                 await _stop_reaper(reaper, stopping)
                 await sub.unsubscribe()
                 worker.close()
+                if watch.lost:
+                    await asyncio.to_thread(remove_plan_folder, folder, reason="the job was lost")
         log.info("consumer_stopped")
         return 0

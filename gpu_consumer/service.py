@@ -33,9 +33,11 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TypeVar
 
 import msgspec
 import nats.errors
+import nats.js.errors
 import structlog
 import torch
 from nats.aio.msg import Msg
@@ -45,19 +47,21 @@ from gpu_consumer.config import ConsumerConfig
 from gpu_consumer.extract import extract_isolating, extract_samples
 from gpu_consumer.model import LoadedModel
 from gpu_consumer.staging import StagingLease
-from gpu_consumer.stall import ForwardPace, ReleasedBatch, Stall
+from gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
 from gpu_consumer.writer import write_sample_file
 from hsx.storage.fsutil import fsync_dir
 from hsx.storage.spool import spool_usage
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState, keep_in_progress
 from hsx.wire.headers import message_headers
-from hsx.wire.natsconn import through_outage
+from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
+from hsx.wire.worker import JobWatch
 
 log = structlog.get_logger("hsx.gpu_consumer")
 
 SERVICE = "gpu_consumer"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+T = TypeVar("T")
 
 # Seams for tests (devkit/faults.py installs faults here, e.g. a crash at the worst moment):
 # called when a batch is taken up, and after its files are written and announced, before its ack.
@@ -66,18 +70,46 @@ before_ack: Callable[[], None] | None = None
 
 
 @dataclass
+class Taken:
+    """A message taken from the queue. `in_progress` runs from its fetch until it is settled
+    (acked, nak'ed, terminated, dead-lettered, handed back) or released by a stall, so a message
+    held anywhere in this consumer (a descriptor fetched ahead, a redelivery waiting for the batch
+    before it, a batch whose files wait for a full disk) is never handed to another consumer."""
+
+    msg: Msg
+    keep_alive: asyncio.Task
+
+    @classmethod
+    def of(cls, msg: Msg, *, interval_s: float) -> "Taken":
+        """`msg`, kept in progress every `interval_s` from now on (call inside the running loop)."""
+        return cls(msg, asyncio.create_task(keep_in_progress(msg, interval_s=interval_s)))
+
+    def release(self) -> None:
+        """Stop vouching for the message: settled, or given up to JetStream's redelivery."""
+        self.keep_alive.cancel()
+
+    def renew(self, *, interval_s: float) -> None:
+        """Vouch for it again (a stalled stage that ended while the batch was still queued)."""
+        self.keep_alive.cancel()
+        self.keep_alive = asyncio.create_task(keep_in_progress(self.msg, interval_s=interval_s))
+
+
+@dataclass
 class _Computed:
     """A batch whose forward is done and whose files are still to be written and announced."""
 
-    msg: Msg
+    taken: Taken
     batch: schemas.BatchDescriptor
     attempt: int
     started: float
-    keep_alive: asyncio.Task
     extracted: list[tuple[schemas.Sample, torch.Tensor]]
     failed: list[tuple[schemas.Sample, str]] = field(default_factory=list)
     # The host buffers `extracted` are views into (None without staging): released by finish().
     lease: StagingLease | None = None
+
+    @property
+    def msg(self) -> Msg:
+        return self.taken.msg
 
 
 class BatchWorker:
@@ -89,6 +121,8 @@ class BatchWorker:
         spec: schemas.JobSpec,
         loaded: LoadedModel,
         stopping: asyncio.Event,
+        *,
+        watch: JobWatch | None = None,
     ) -> None:
         self.cfg = cfg
         self.js = js
@@ -96,13 +130,19 @@ class BatchWorker:
         self.spec = spec
         self.loaded = loaded
         self.stopping = stopping
+        # Whether the job is still the one this worker started for (None: not watched, in tests).
+        self.watch = watch
         self.state = "idle"
         self.last_batch = ""
         self.detail = ""  # why the worker is not working, when it is paused or waiting
         self.pace = ForwardPace(stall_after_s=cfg.stall_after_s, stall_factor=cfg.stall_factor)
-        self.stall: Stall | None = None  # the forward past its bound, while it runs
+        self.stall: Stall | None = None  # the stage past its bound, while it runs
         self.batch_bytes = _full_batch_bytes(spec, loaded)
         self._writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="hsx-writer")
+
+    @property
+    def job_lost(self) -> bool:
+        return self.watch is not None and bool(self.watch.lost)
 
     def _write_one(self, batch_id: str, sample: schemas.Sample, hidden: torch.Tensor) -> schemas.FileReady:
         """Its folder is fsynced by the caller (`_sync_folders`), once for the batch's files."""
@@ -126,33 +166,48 @@ class BatchWorker:
         for folder in {(self.cfg.spool / f.spool_path).parent for f in files}:
             fsync_dir(folder)
 
-    async def _write_until_written(self, computed: _Computed) -> list[schemas.FileReady] | None:
-        """Write the batch's files; while the spool disk is full, keep the computed states and the
-        message (in_progress continues) and retry with a growing delay. None if asked to stop first."""
+    async def _write_files(self, computed: _Computed) -> list[schemas.FileReady]:
+        """One attempt at writing the batch's files. One job per writer thread, each a contiguous
+        share of the batch (not one job per file: a future and two thread hand-offs per small file
+        cost more than its write)."""
         loop = asyncio.get_running_loop()
+        extracted = computed.extracted
+        share = -(-len(extracted) // max(1, self.cfg.writer_threads))
+        parts = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    self._writers, self._write_some, computed.batch.batch_id, extracted[start : start + share]
+                )
+                for start in range(0, len(extracted), share)
+            ),
+            return_exceptions=True,
+        )
+        # Every write has ended before a failure is acted on: the others still read the batch's
+        # leased host buffers, which must not be released (and reused) under them.
+        errors = [outcome for outcome in parts if isinstance(outcome, BaseException)]
+        if errors:
+            raise errors[0]
+        files = [ready for part in parts for ready in part]
+        await loop.run_in_executor(self._writers, self._sync_folders, files)
+        return files
+
+    async def _write_until_written(
+        self, computed: _Computed, on_stall: Callable[[], Awaitable[None]] | None
+    ) -> list[schemas.FileReady] | None:
+        """Write the batch's files; while the spool disk is full, keep the computed states and the
+        message (in_progress continues) and retry with a growing delay. Each attempt is watched: a
+        write that hangs (a dead disk) stalls the batch. None if asked to stop first."""
         delay = 2.0
         while True:
             try:
-                # One job per writer thread, each a contiguous share of the batch (not one job per
-                # file: a future and two thread hand-offs per small file cost more than its write).
-                extracted = computed.extracted
-                share = -(-len(extracted) // max(1, self.cfg.writer_threads))
-                parts = await asyncio.gather(
-                    *(
-                        loop.run_in_executor(
-                            self._writers, self._write_some, computed.batch.batch_id, extracted[start : start + share]
-                        )
-                        for start in range(0, len(extracted), share)
-                    ),
-                    return_exceptions=True,
+                files = await self._watched(
+                    self._write_files(computed),
+                    stage="write",
+                    batch=computed.batch,
+                    taken=computed.taken,
+                    bound_s=self.cfg.stall_after_s,
+                    on_stall=on_stall,
                 )
-                # Every write has ended before a failure is acted on: the others still read the
-                # batch's leased host buffers, which must not be released (and reused) under them.
-                errors = [outcome for outcome in parts if isinstance(outcome, BaseException)]
-                if errors:
-                    raise errors[0]
-                files = [ready for part in parts for ready in part]
-                await loop.run_in_executor(self._writers, self._sync_folders, files)
                 self.state, self.detail = "working", ""
                 return files
             except OSError as exc:
@@ -171,34 +226,43 @@ class BatchWorker:
 
     async def _watched(
         self,
-        run: Callable,
+        work: Awaitable[T],
+        *,
+        stage: str,
         batch: schemas.BatchDescriptor,
-        keep_alive: asyncio.Task,
+        taken: Taken,
+        bound_s: float,
         on_stall: Callable[[], Awaitable[None]] | None,
-    ):
-        """`run(loaded, samples)` on a thread, watched. Past the batch's stall bound the forward is
-        stalled: in_progress stops, so JetStream hands the batch to another consumer after the ack
-        wait, `on_stall` hands back what the pull loop holds, and the heartbeat says `stalled`. A
-        thread cannot be interrupted, so the forward is still awaited; if it ends after all, its
-        result is used (a late ack of a redelivered batch is harmless: same files, file events
-        carry their delivery in their msg ids, progress counts each batch and sample once), but
-        a failure is not settled from here (`ReleasedBatch`): a nak would hand out the copy
-        another consumer is working on."""
-        bound = self.pace.bound_s(batch)
+    ) -> T:
+        """`work` (one stage of the batch: its forward, a write attempt, the announcing), watched.
+        Past `bound_s` the stage is stalled: in_progress stops, so JetStream hands the batch to
+        another consumer after the ack wait, `on_stall` hands back what the pull loop holds, and
+        the heartbeat says `stalled`. A thread cannot be interrupted, so the stage is still
+        awaited. If it ends after all, its result is used only while the batch is still in the
+        queue (a redelivery in another consumer's hands: finishing it too is harmless, same
+        files, file events carry their delivery in their msg ids, progress counts each batch and
+        sample once); a batch settled elsewhere meanwhile (done by another consumer, or
+        dead-lettered) is left alone (`ReleasedBatch`), so that it is never both written and
+        dead-lettered. Nor is a failure settled from here: a nak would hand out the copy another
+        consumer is working on."""
         began = time.monotonic()
-        forward = asyncio.ensure_future(asyncio.to_thread(run, self.loaded, batch.samples))
-        done, _ = await asyncio.wait({forward}, timeout=bound)
+        running = asyncio.ensure_future(work)
+        done, _ = await asyncio.wait({running}, timeout=bound_s)
         if done:
-            result = forward.result()
-            self.pace.add(batch, time.monotonic() - began)
+            result = running.result()
+            if stage == "forward":
+                # Only forwards within their bound: a stalled one would raise every later bound
+                # by the time the device spent hung.
+                self.pace.add(batch, time.monotonic() - began)
             return result
-        keep_alive.cancel()
-        self.stall = Stall(batch_id=batch.batch_id, began=began, bound_s=bound)
+        stalled_event, finished_event = STAGES[stage].stalled, STAGES[stage].finished
+        taken.release()
+        self.stall = Stall(batch_id=batch.batch_id, began=began, bound_s=bound_s, stage=stage)
         log.warning(
-            "forward_stalled",
+            stalled_event,
             batch=batch.batch_id,
-            running_s=round(bound, 1),
-            bound_s=round(bound, 1),
+            running_s=round(bound_s, 1),
+            bound_s=round(bound_s, 1),
             padded_tokens=self.pace.padded_tokens(batch),
             released_after_s=self.cfg.ack_wait_s,
         )
@@ -206,10 +270,11 @@ class BatchWorker:
             if on_stall is not None:
                 await on_stall()
             try:
-                result = await forward
+                result = await running
             except Exception as exc:
                 log.warning(
-                    "stalled_forward_failed",
+                    "stalled_stage_failed",
+                    stage=stage,
                     batch=batch.batch_id,
                     error=f"{type(exc).__name__}: {exc}",
                     seconds=round(time.monotonic() - began, 1),
@@ -217,13 +282,30 @@ class BatchWorker:
                 raise ReleasedBatch(batch.batch_id) from exc
         finally:
             self.stall = None
-        log.warning("stalled_forward_finished", batch=batch.batch_id, seconds=round(time.monotonic() - began, 1))
+        log.warning(finished_event, batch=batch.batch_id, seconds=round(time.monotonic() - began, 1))
+        if not await self._still_queued(taken.msg):
+            log.warning("released_batch_settled_elsewhere", batch=batch.batch_id, stage=stage)
+            raise ReleasedBatch(batch.batch_id)
+        # Kept alive again for the rest of its way (a stalled stage may have taken its ack wait).
+        taken.renew(interval_s=self.cfg.in_progress_s)
         return result
 
-    async def compute(self, msg: Msg, *, on_stall: Callable[[], Awaitable[None]] | None = None) -> _Computed | None:
+    async def _still_queued(self, msg: Msg) -> bool:
+        """Whether the message is still in the work queue: not acked by another consumer, not
+        dead-lettered and removed. When NATS cannot say, it is taken as queued (going on is harmless)."""
+        try:
+            await self.js.get_msg(topology.BATCHES_STREAM, msg.metadata.sequence.stream)
+        except nats.js.errors.NotFoundError:
+            return False
+        except Exception as exc:
+            log.warning("batch_state_unknown", error=str(exc) or type(exc).__name__)
+        return True
+
+    async def compute(self, taken: Taken, *, on_stall: Callable[[], Awaitable[None]] | None = None) -> _Computed | None:
         """Stage 1: decode and run the forward. Returns None when the message was settled here
-        (poison dead-lettered, or a failure nak'ed for a later retry), or was released by a
-        stalled forward that then failed.
+        (poison dead-lettered, a failure nak'ed for a later retry, another plan's batch set
+        aside or handed back), or was released by a stalled forward that then failed or whose
+        batch was settled elsewhere.
 
         The batch's states are copied into host buffers leased to this batch alone
         (gpu_consumer/staging.py), and its files are written straight from them while the next
@@ -231,7 +313,7 @@ class BatchWorker:
         files are written; a batch that comes to nothing releases it here."""
         lease = self.loaded.staging.lease() if self.loaded.staging is not None else None
         try:
-            computed = await self._compute_batch(msg, lease, on_stall)
+            computed = await self._compute_batch(taken, lease, on_stall)
         except asyncio.CancelledError:
             # The forward's thread may still be copying into the lease: its buffers stay leased
             # (the consumer is going down).
@@ -239,71 +321,103 @@ class BatchWorker:
         except BaseException:
             if lease is not None:
                 lease.release()
+            taken.release()
             raise
         if computed is None:
             if lease is not None:
                 lease.release()
+            taken.release()
             return None
         computed.lease = lease
         return computed
 
+    async def _not_this_plan(self, msg: Msg, batch: schemas.BatchDescriptor) -> None:
+        """A descriptor of another plan than this worker's. If this worker's job is still current,
+        the descriptor is a stray of an earlier job of the name: removed from the queue, with a
+        warning, never extracted (nor dead-lettered, which would count against this job). If the
+        job moved on, this worker is the stray: it hands the batch back and stops."""
+        if self.watch is not None and await self.watch.check():
+            await give_back(self.js, msg)
+            return
+        log.warning(
+            "stale_batch_dropped",
+            batch=batch.batch_id,
+            batch_plan=batch.plan,
+            plan=self.spec.plan_tag,
+            samples=[s.index for s in batch.samples[:20]],
+        )
+        await through_outage(msg.term, what="drop_stale_batch", stopping=self.stopping)
+
     async def _compute_batch(
-        self, msg: Msg, lease: StagingLease | None, on_stall: Callable[[], Awaitable[None]] | None
+        self, taken: Taken, lease: StagingLease | None, on_stall: Callable[[], Awaitable[None]] | None
     ) -> _Computed | None:
+        msg = taken.msg
         attempt = msg.metadata.num_delivered
         try:
             batch = schemas.batch_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
             await self.events.dead_letter(msg, what="batch", error=f"descriptor does not decode: {exc}")
             return None
+        if not self.spec.owns(batch.plan):
+            await self._not_this_plan(msg, batch)
+            return None
         if on_batch is not None:
             on_batch(batch)
         self.state, self.last_batch = "working", batch.batch_id
         log_ = log.bind(batch=batch.batch_id, attempt=attempt)
-        keep_alive = asyncio.create_task(keep_in_progress(msg, interval_s=self.cfg.in_progress_s))
         started = time.perf_counter()
-        try:
-            try:
-                outputs = await self._watched(partial(extract_samples, lease=lease), batch, keep_alive, on_stall)
-                return _Computed(msg, batch, attempt, started, keep_alive, list(zip(batch.samples, outputs)))
-            except ReleasedBatch:
-                return None
-            except Exception as exc:
-                if attempt < topology.BATCH_MAX_DELIVER:
-                    delay = self.cfg.retry_delay_s * attempt
-                    log_.warning("batch_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay, exc_info=True)
-                    await msg.nak(delay=delay)
-                    keep_alive.cancel()
-                    return None
-            # Last delivery: give up only the samples that fail on their own.
-            try:
-                extracted, failed = await self._watched(
-                    partial(extract_isolating, lease=lease), batch, keep_alive, on_stall
-                )
-            except ReleasedBatch:
-                return None
-            if not extracted:
-                keep_alive.cancel()
-                await self.events.dead_letter(
-                    msg,
-                    what="batch",
-                    error=failed[0][1],
-                    batch_id=batch.batch_id,
-                    sample_indices=[s.index for s, _ in failed],
-                )
-                return None
-            return _Computed(msg, batch, attempt, started, keep_alive, extracted, failed)
-        except BaseException:
-            keep_alive.cancel()
-            raise
 
-    async def finish(self, computed: _Computed) -> None:
-        """Stage 2: write the files, announce them, report progress, and only then ack."""
+        def forward(run: Callable) -> Awaitable:
+            return self._watched(
+                asyncio.to_thread(run, self.loaded, batch.samples),
+                stage="forward",
+                batch=batch,
+                taken=taken,
+                bound_s=self.pace.bound_s(batch),
+                on_stall=on_stall,
+            )
+
+        try:
+            outputs = await forward(partial(extract_samples, lease=lease))
+            return _Computed(taken, batch, attempt, started, list(zip(batch.samples, outputs)))
+        except ReleasedBatch:
+            return None
+        except Exception as exc:
+            if attempt < topology.BATCH_MAX_DELIVER:
+                delay = self.cfg.retry_delay_s * attempt
+                log_.warning("batch_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay, exc_info=True)
+                await msg.nak(delay=delay)
+                return None
+        # Last delivery: give up only the samples that fail on their own.
+        try:
+            extracted, failed = await forward(partial(extract_isolating, lease=lease))
+        except ReleasedBatch:
+            return None
+        if not extracted:
+            await self.events.dead_letter(
+                msg,
+                what="batch",
+                error=failed[0][1],
+                batch_id=batch.batch_id,
+                sample_indices=[s.index for s, _ in failed],
+            )
+            return None
+        return _Computed(taken, batch, attempt, started, extracted, failed)
+
+    async def finish(self, computed: _Computed, *, on_stall: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Stage 2: write the files, announce them, report progress, and only then ack. A worker
+        whose job was lost meanwhile (deleted, or its name given to another plan) writes and
+        announces nothing more."""
         msg, batch, attempt = computed.msg, computed.batch, computed.attempt
         log_ = log.bind(batch=batch.batch_id, attempt=attempt)
         try:
+            if self.job_lost:
+                log_.warning("batch_abandoned", reason="the job was lost")
+                return
             try:
-                files = await self._write_until_written(computed)
+                files = await self._write_until_written(computed, on_stall)
+            except ReleasedBatch:
+                return
             except Exception as exc:
                 error = f"writing to the spool {self.cfg.spool} failed: {type(exc).__name__}: {exc}"
                 if attempt >= topology.BATCH_MAX_DELIVER:
@@ -317,93 +431,116 @@ class BatchWorker:
             if files is None:
                 await give_back(self.js, msg)
                 return
-            if computed.failed:
-                poisoned = [s for s, _ in computed.failed]
-                await self.events.store_dead_letter(
-                    what="batch",
-                    error="; ".join(f"sample {s.index}: {e}" for s, e in computed.failed),
-                    subject=msg.subject,
-                    payload=schemas.encode(
-                        msgspec.structs.replace(
-                            batch,
-                            batch_id=f"{batch.batch_id}-poison",
-                            padded_len=max(len(s.input_ids) for s in poisoned),
-                            samples=poisoned,
-                        )
-                    ),
-                    deliveries=attempt,
-                    batch_id=batch.batch_id,
-                    sample_indices=[s.index for s in poisoned],
-                    source_seq=msg.metadata.sequence.stream,
-                    part=":poison",
+            if self.job_lost:
+                log_.warning("batch_abandoned", reason="the job was lost")
+                return
+            try:
+                await self._watched(
+                    self._announce(computed, files, log_),
+                    stage="announce",
+                    batch=batch,
+                    taken=computed.taken,
+                    bound_s=self.cfg.stall_after_s,
+                    on_stall=on_stall,
                 )
-            # From here on a NATS outage is waited out, not left to a redelivery that would redo
-            # the batch after the ack wait: each step is idempotent (file events carry a
-            # Nats-Msg-Id; progress is folded per batch and sample).
-            subject = topology.file_subject(self.spec.job, self.cfg.node)
-            await publish_all(
-                self.js,
-                [
-                    (
-                        subject,
-                        schemas.encode(ready),
-                        message_headers(
-                            self.spec.job,
-                            batch=batch.batch_id,
-                            sample=ready.sample_index,
-                            msg_id=f"{batch.batch_id}:{ready.sample_index}:{attempt}",
-                        ),
-                    )
-                    for ready in files
-                ],
-                what="announce_file",
-                stopping=self.stopping,
-            )
-            seconds = time.perf_counter() - computed.started
-            tokens = sum(f.num_tokens for f in files)
-            written = sum(f.size for f in files)
-            written_event = schemas.BatchWritten(
-                job=self.spec.job,
-                batch_id=batch.batch_id,
-                consumer=self.cfg.instance,
-                node=self.cfg.node,
-                sample_indices=[f.sample_index for f in files],
-                tokens=tokens,
-                bytes=written,
-                seconds=round(seconds, 4),
-                attempt=attempt,
-                redo=bool(batch.redo_reason),
-                plan=self.spec.plan_tag,
-            )
-            # A planned batch's marker counts toward the plan; a re-queued sample's batch, or one
-            # with samples outside the plan (a descriptor published by hand), is set aside.
-            planned = not batch.redo_reason and all(0 <= f.sample_index < self.spec.total_samples for f in files)
-            marker = topology.written_subject(self.spec.job, self.spec.plan_tag, batch.batch_id, planned=planned)
-            await through_outage(
-                lambda: self.events.mark(written_event, subject=marker), what="report_written", stopping=self.stopping
-            )
-            if before_ack is not None:
-                before_ack()
-            await through_outage(msg.ack_sync, what="ack_batch", stopping=self.stopping)
-            log_.info(
-                "batch_done",
-                samples=len(files),
-                tokens=tokens,
-                bytes=written,
-                seconds=round(seconds, 3),
-                tokens_per_s=round(tokens / seconds, 1),
-            )
+            except ReleasedBatch:
+                return
         finally:
-            computed.keep_alive.cancel()
+            computed.taken.release()
             if computed.lease is not None:
                 # Every write has ended (_write_until_written waits for all of them), written or
                 # not: the buffers may go to the next batch.
                 computed.lease.release()
 
+    async def _announce(self, computed: _Computed, files: list[schemas.FileReady], log_) -> None:
+        """Dead-letter what failed on its own, announce the files, report the batch, ack."""
+        msg, batch, attempt = computed.msg, computed.batch, computed.attempt
+        if computed.failed:
+            poisoned = [s for s, _ in computed.failed]
+            await self.events.store_dead_letter(
+                what="batch",
+                error="; ".join(f"sample {s.index}: {e}" for s, e in computed.failed),
+                subject=msg.subject,
+                payload=schemas.encode(
+                    msgspec.structs.replace(
+                        batch,
+                        batch_id=f"{batch.batch_id}-poison",
+                        padded_len=max(len(s.input_ids) for s in poisoned),
+                        samples=poisoned,
+                    )
+                ),
+                deliveries=attempt,
+                batch_id=batch.batch_id,
+                sample_indices=[s.index for s in poisoned],
+                source_seq=msg.metadata.sequence.stream,
+                part=":poison",
+            )
+        # From here on a NATS outage is waited out, not left to a redelivery that would redo
+        # the batch after the ack wait: each step is idempotent (file events carry a
+        # Nats-Msg-Id; progress is folded per batch and sample).
+        subject = topology.file_subject(self.spec.job, self.cfg.node)
+        await publish_all(
+            self.js,
+            [
+                (
+                    subject,
+                    schemas.encode(ready),
+                    message_headers(
+                        self.spec.job,
+                        batch=batch.batch_id,
+                        sample=ready.sample_index,
+                        msg_id=f"{batch.batch_id}:{ready.sample_index}:{attempt}",
+                    ),
+                )
+                for ready in files
+            ],
+            what="announce_file",
+            stopping=self.stopping,
+        )
+        seconds = time.perf_counter() - computed.started
+        tokens = sum(f.num_tokens for f in files)
+        written = sum(f.size for f in files)
+        written_event = schemas.BatchWritten(
+            job=self.spec.job,
+            batch_id=batch.batch_id,
+            consumer=self.cfg.instance,
+            node=self.cfg.node,
+            sample_indices=[f.sample_index for f in files],
+            tokens=tokens,
+            bytes=written,
+            seconds=round(seconds, 4),
+            attempt=attempt,
+            redo=bool(batch.redo_reason),
+            plan=self.spec.plan_tag,
+        )
+        # Only the plan's own batches count toward it; a re-queued sample's batch, a poisoned
+        # batch's retry, a dead letter's half, or one with samples outside the plan (a descriptor
+        # published by hand) is set aside, so batches_done never passes batches_total.
+        planned = (
+            not batch.redo_reason
+            and self.spec.is_plan_batch(batch.batch_id)
+            and all(0 <= f.sample_index < self.spec.total_samples for f in files)
+        )
+        marker = topology.written_subject(self.spec.job, self.spec.plan_tag, batch.batch_id, planned=planned)
+        await through_outage(
+            lambda: self.events.mark(written_event, subject=marker), what="report_written", stopping=self.stopping
+        )
+        if before_ack is not None:
+            before_ack()
+        await through_outage(msg.ack_sync, what="ack_batch", stopping=self.stopping)
+        log_.info(
+            "batch_done",
+            samples=len(files),
+            tokens=tokens,
+            bytes=written,
+            seconds=round(seconds, 3),
+            tokens_per_s=round(tokens / seconds, 1),
+        )
+
     def heartbeat_state(self) -> WorkerState:
-        files, used = spool_usage(self.cfg.spool, self.spec.job)
+        files, used = spool_usage(self.cfg.spool, self.spec.job, self.spec.plan_tag)
         stall = self.stall
-        if stall is not None:  # whatever the other stage says: this worker's forward is hung
+        if stall is not None:  # whatever the other stage says: this worker's batch is hung
             running = stall.running_s()
             return WorkerState(
                 state="stalled",
@@ -411,15 +548,15 @@ class BatchWorker:
                 spool_files=files,
                 spool_bytes=used,
                 stalled_s=round(running, 1),
-                detail=f"forward of batch {stall.batch_id} running {running:.0f} s, bound {stall.bound_s:.0f} s; "
-                f"batch released to other consumers",
+                detail=f"{STAGES[stall.stage].name} of batch {stall.batch_id} running {running:.0f} s, bound "
+                f"{stall.bound_s:.0f} s; batch released to other consumers",
             )
         return WorkerState(
             state=self.state, detail=self.detail, last_batch=self.last_batch, spool_files=files, spool_bytes=used
         )
 
     def spool_full(self) -> tuple[bool, int]:
-        _, used = spool_usage(self.cfg.spool, self.spec.job)
+        _, used = spool_usage(self.cfg.spool, self.spec.job, self.spec.plan_tag)
         return used >= self.cfg.spool_high_water_bytes, used
 
     def room_for(self, used: int, batches: int) -> bool:
@@ -496,12 +633,21 @@ async def give_back(js: JetStreamContext, msg: Msg) -> None:
     log.info("batch_requeued_fresh", seq=seq, deliveries=msg.metadata.num_delivered)
 
 
-async def _finish_guarded(worker: BatchWorker, computed: _Computed) -> None:
+async def _finish_guarded(
+    worker: BatchWorker, computed: _Computed, on_stall: Callable[[], Awaitable[None]] | None
+) -> None:
     try:
-        await worker.finish(computed)
-    except Exception as exc:
-        # A NATS outage while announcing or acking: the batch stays unacked and is redelivered
-        # after the ack wait (its files are rewritten identically).
+        await worker.finish(computed, on_stall=on_stall)
+    except NATS_OUTAGE_ERRORS as exc:
+        # NATS away while announcing or acking (past the outage budget, or stopping): the batch
+        # stays unacked and is redelivered after the ack wait (its files are rewritten identically).
+        log.warning(
+            "batch_left_unacked",
+            batch=computed.batch.batch_id,
+            error=f"{type(exc).__name__}: {exc}",
+            redelivered_after_s=worker.cfg.ack_wait_s,
+        )
+    except Exception as exc:  # a bug: its traceback
         log.warning(
             "batch_interrupted", batch=computed.batch.batch_id, error=f"{type(exc).__name__}: {exc}", exc_info=True
         )
@@ -512,42 +658,35 @@ async def _settle(task: asyncio.Task | None) -> None:
         await task
 
 
-@dataclass
-class _Fetched:
-    msgs: list[Msg]
-    # A descriptor fetched ahead waits for the batch before it, possibly longer than the ack wait
-    # on a slow device: it is kept alive until its own forward starts.
-    keep_alive: asyncio.Task | None = None
-
-    def started(self) -> None:
-        if self.keep_alive is not None:
-            self.keep_alive.cancel()
-
-
-async def _fetch_one(sub, cfg: ConsumerConfig, *, ahead: bool) -> _Fetched:
+async def _take(sub, cfg: ConsumerConfig) -> Taken:
+    """One descriptor from the queue, kept in progress from now on (TimeoutError: none came)."""
     msgs = await sub.fetch(1, timeout=cfg.idle_fetch_timeout_s)
-    if ahead and msgs:
-        return _Fetched(msgs, asyncio.create_task(keep_in_progress(msgs[0], interval_s=cfg.in_progress_s)))
-    return _Fetched(msgs)
+    if not msgs:
+        raise TimeoutError
+    return Taken.of(msgs[0], interval_s=cfg.in_progress_s)
+
+
+async def _hand_back(js: JetStreamContext, taken: Taken, *, why: str) -> None:
+    """Give a message this consumer will not start back to the queue (`give_back`); its next
+    delivery counts as one: JetStream has no way to return a message uncounted."""
+    taken.release()
+    try:
+        await give_back(js, taken.msg)
+    except Exception as exc:  # NATS gone: the ack wait hands it back instead
+        log.warning("batch_not_returned", why=why, error=str(exc) or type(exc).__name__)
 
 
 async def _return_unstarted(prefetch: asyncio.Task | None, js: JetStreamContext) -> None:
     """Hand back a descriptor fetched ahead but never started (we are stopping, paused at the
-    high-water mark, or stuck in a stalled forward): it goes to another consumer at once instead
-    of waiting here, kept alive, for as long as that lasts (`give_back`). Its next delivery
-    counts as one: JetStream has no way to return a message uncounted."""
+    high-water mark, or stuck in a stalled batch): it goes to another consumer at once instead of
+    waiting here, kept alive, for as long as that lasts."""
     if prefetch is None:
         return
     try:
-        fetched = await prefetch
+        taken = await prefetch
     except Exception:
         return
-    fetched.started()
-    for msg in fetched.msgs:
-        try:
-            await give_back(js, msg)
-        except Exception as exc:  # NATS gone: the ack wait hands it back instead
-            log.warning("prefetched_batch_not_returned", error=str(exc) or type(exc).__name__)
+    await _hand_back(js, taken, why="fetched ahead, not started")
 
 
 async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asyncio.Event) -> None:
@@ -561,6 +700,23 @@ async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asy
         nonlocal prefetch
         held, prefetch = prefetch, None
         await _return_unstarted(held, worker.js)
+
+    async def finished_first(taken: Taken, computed: _Computed | None = None) -> bool:
+        """Wait for the batch being finished before going on with `taken`. Should that batch stall
+        meanwhile (a hung write), what this loop holds is handed back rather than held, kept
+        alive, for as long as the stall lasts: False."""
+        nonlocal finishing
+        while finishing is not None and not finishing.done():
+            if worker.stall is not None:
+                await release_ahead()
+                if computed is not None and computed.lease is not None:
+                    computed.lease.release()  # its forward is done: no thread writes into it
+                await _hand_back(worker.js, taken, why="the batch before it stalled")
+                return False
+            await asyncio.wait({finishing}, timeout=0.5)
+        await _settle(finishing)
+        finishing = None
+        return True
 
     try:
         while not stopping.is_set():
@@ -589,42 +745,45 @@ async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asy
                 log.info("spool_resumed", spool_bytes=used)
                 paused = False
                 worker.state, worker.detail = "idle", ""
-            fetching, prefetch = prefetch or asyncio.create_task(_fetch_one(sub, cfg, ahead=False)), None
+            fetching, prefetch = prefetch or asyncio.create_task(_take(sub, cfg)), None
             try:
-                fetched = await fetching
+                taken = await fetching
             except TimeoutError:
                 await _settle(finishing)  # idle: nothing to overlap with
                 finishing = None
                 if worker.state == "working":
                     worker.state = "idle"
                 continue
-            except Exception as exc:  # NATS reconnecting: wait and fetch again
+            except Exception as exc:  # NATS reconnecting, or the durable gone with its job
                 log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
+                if worker.watch is not None:
+                    await worker.watch.check()
                 await asyncio.sleep(1.0)
                 continue
-            fetched.started()
-            for msg in fetched.msgs:
+            if taken.msg.metadata.num_delivered > 1:
                 # A redelivered batch may be what killed its last consumer: it runs alone (the
                 # batch before it finished first, nothing fetched ahead), so that dying on it
                 # again costs no other batch one of its deliveries.
-                if msg.metadata.num_delivered > 1:
-                    await _settle(finishing)
-                    finishing = None
-                elif not stopping.is_set() and worker.room_for(used, 2):
-                    # Only what can be started: near the high-water mark (this batch and the one
-                    # being written still to land), a descriptor fetched ahead would be held
-                    # through the pause that follows.
-                    prefetch = asyncio.create_task(_fetch_one(sub, cfg, ahead=True))
-                try:
-                    computed = await worker.compute(msg, on_stall=release_ahead)
-                except Exception as exc:
-                    log.warning("batch_interrupted", error=f"{type(exc).__name__}: {exc}", exc_info=True)
+                if not await finished_first(taken):
                     continue
-                # Batch N must be finished before batch N+1's finish starts (and before batch N+2's
-                # forward leases staging buffers: two batches leased at most); batch N+1's forward
-                # has just run alongside it.
+            elif not stopping.is_set() and worker.room_for(used, 2):
+                # Only what can be started: near the high-water mark (this batch and the one
+                # being written still to land), a descriptor fetched ahead would be held
+                # through the pause that follows.
+                prefetch = asyncio.create_task(_take(sub, cfg))
+            try:
+                computed = await worker.compute(taken, on_stall=release_ahead)
+            except Exception as exc:
+                log.warning("batch_interrupted", error=f"{type(exc).__name__}: {exc}", exc_info=True)
+                continue
+            # Batch N must be finished before batch N+1's finish starts (and before batch N+2's
+            # forward leases staging buffers: two batches leased at most); batch N+1's forward
+            # has just run alongside it.
+            if computed is None:
                 await _settle(finishing)
-                finishing = asyncio.create_task(_finish_guarded(worker, computed)) if computed else None
+                finishing = None
+            elif await finished_first(computed.taken, computed):
+                finishing = asyncio.create_task(_finish_guarded(worker, computed, release_ahead))
     finally:
         await _return_unstarted(prefetch, worker.js)
         await _settle(finishing)

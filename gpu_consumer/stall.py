@@ -1,32 +1,52 @@
-"""When a forward counts as stalled, and what the consumer says about one.
+"""When a batch's work counts as stalled, and what the consumer says about one.
 
 A forward runs on a worker thread and cannot be interrupted: a wedged device, a deadlocked
 kernel or a driver hang leaves it running for good, while the consumer's `in_progress()` keeps
-its batch away from every other consumer. The consumer therefore measures its own pace (seconds
-per padded token, from the forwards it finished) and gives each batch a bound derived from its
-size: `stall_factor` x the time the batch should take, never less than `stall_after_s`. Past it
-the forward is *stalled*: the consumer stops vouching for the batch (JetStream hands it to
-another consumer after the ack wait) and says so in its heartbeat.
+its batch away from every other consumer. So can a spool write or fsync on a dead disk or a hung
+network file system, and the announcements and ack that follow. The consumer therefore measures
+its own pace (seconds per padded token, from the forwards it finished) and gives each forward a
+bound derived from its batch's size: `stall_factor` x the time the batch should take, never less
+than `stall_after_s`; a write attempt and the announcing get `stall_after_s`. Past its bound the
+stage is *stalled*: the consumer stops vouching for the batch (JetStream hands it to another
+consumer after the ack wait) and says so in its heartbeat.
 
 Knows nothing of NATS or threads: the pull loop and BatchWorker do the releasing.
 """
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from hsx.wire.schemas import BatchDescriptor
 
 
 class ReleasedBatch(Exception):
-    """A stalled forward failed after its batch was released: the batch belongs to whoever holds
-    its redelivery now, so it must not be nak'ed or dead-lettered from here."""
+    """A stalled stage failed, or ended after its batch was settled elsewhere (done by another
+    consumer, or dead-lettered by the exhausted-batch reaper), after the batch was released: it
+    belongs to whoever holds it now, so nothing more is written, announced, nak'ed or
+    dead-lettered from here."""
+
+
+class Stage(NamedTuple):
+    name: str  # as the heartbeat's detail says it
+    stalled: str  # the log event when it stalls
+    finished: str  # the log event when a stalled one ends after all
+
+
+# The stages of a batch that are watched.
+STAGES = {
+    "forward": Stage("forward", "forward_stalled", "stalled_forward_finished"),
+    "write": Stage("spool write", "write_stalled", "stalled_write_finished"),
+    "announce": Stage("announcing", "announce_stalled", "stalled_announce_finished"),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Stall:
     batch_id: str
-    began: float  # time.monotonic() when the forward started
+    began: float  # time.monotonic() when the stage started
     bound_s: float
+    stage: str = "forward"  # one of STAGES
 
     def running_s(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.began

@@ -1,7 +1,9 @@
 """Clean edges (docs/RELIABILITY.md): a status that cannot read its events in time says so in one
 line; a service stopped while NATS is down exits 0 without a traceback; events are kept as long
 as the job (no age limit) while heartbeats stay one per worker; the stdlib logging of the
-libraries underneath comes out in hsx's JSON stream, and an exception keeps its traceback."""
+libraries underneath comes out in hsx's JSON stream, and an exception keeps its traceback; an
+uploader stopped with uploads in hand while NATS is down leaves them to their redelivery in one
+line each, without a traceback."""
 
 import asyncio
 import json
@@ -14,7 +16,7 @@ import msgspec
 import nats
 from conftest import REPO, _free_port
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
-from test_chaos import log_events, wait_for
+from test_chaos import log_events, stoppable_s3, wait_for  # noqa: F401 (stoppable_s3: a fixture)
 from test_e2e_s3 import logs_of, produce, write_dataset
 from test_nats_names import documented_names
 
@@ -240,3 +242,71 @@ def test_library_logging_comes_out_as_json_lines_with_tracebacks(tiny_model):
     assert any("a python warning" in record["event"] and record["logger"] == "py.warnings" for record in records), (
         records
     )
+
+
+def test_an_uploader_stopped_with_uploads_in_hand_while_nats_is_down_exits_0_without_a_traceback(
+    tmp_path, hsx, hsx_service, tiny_model, job_name, request
+):
+    """Its uploads wait out an S3 outage while NATS goes away too; S3 comes back, so the uploads
+    are stored and their reports wait for NATS; then SIGTERM: each event in hand is left to its
+    redelivery with one line, no traceback from the NATS client."""
+    s3, bucket, _ = request.getfixturevalue("stoppable_s3")
+    store, port = tmp_path / "nats", _free_port()
+    server = start_nats_server(store, port=port, log_file=tmp_path / "nats-server.log")
+    try:
+        env = {"HSX_NATS_URL": server.url}
+        write_dataset(tmp_path / "data.jsonl", 6, min_len=4, max_len=12, seed=7)
+        produce(
+            hsx,
+            job=job_name,
+            model=tiny_model("qwen3"),
+            dataset=tmp_path / "data.jsonl",
+            dest=f"s3://{bucket}/prefix",
+            token_budget=32,
+            max_seq_len=16,
+            env=env,
+        )
+        spool = str(tmp_path / "spool")
+        consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, env=env)
+        wait_for(
+            lambda: len(list((tmp_path / "spool").rglob("*.safetensors"))) == 6,
+            timeout=60,
+            what="every file spooled",
+            procs=[consumer],
+            alive=[consumer],
+        )
+        s3.stop()
+        uploader = hsx_service("upload", "--job", job_name, "--spool", spool, env=env, name="upload")
+        wait_for(
+            lambda: log_events(uploader, "upload_retry"),
+            timeout=60,
+            what="uploads waiting out the S3 outage",
+            procs=[uploader],
+            alive=[uploader],
+        )
+        server.stop()
+        wait_for(
+            lambda: log_events(uploader, "nats_disconnected"),
+            timeout=20,
+            what="the uploader seeing NATS go",
+            procs=[uploader],
+            alive=[uploader],
+        )
+        s3.start()
+        wait_for(
+            lambda: [r for r in log_events(uploader, "nats_retry") if r["what"] == "report_uploaded"],
+            timeout=60,
+            what="stored uploads waiting for NATS to report them",
+            procs=[uploader],
+            alive=[uploader],
+        )
+        uploader.send_signal(signal.SIGTERM)
+        assert uploader.wait(timeout=30) == 0, logs_of(uploader)
+        text = uploader.log_path.read_text()
+        raw = [line for line in text.splitlines() if not line.startswith("{")]
+        assert not raw, "printed lines outside its JSON log:\n" + "\n".join(raw[-40:])
+        traced = [line for line in text.splitlines() if '"exception"' in line]
+        assert not traced, "a traceback in the log:\n" + "\n".join(traced[:3])
+        assert log_events(uploader, "file_left_unacked"), logs_of(uploader)
+    finally:
+        server.stop()

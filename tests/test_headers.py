@@ -155,7 +155,9 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
         # job (dead-lettered with its batch and sample).
         lost = 3
         (spool / announced[lost].spool_path).unlink()
-        bad = msgspec.structs.replace(announced[7], key="../outside.safetensors")
+        # (For a sample outside the plan, so that no upload of it resolves the letter, and
+        # `hsx dead retry` sends it back.)
+        bad = msgspec.structs.replace(announced[7], sample_index=99, key="../outside.safetensors")
         asyncio.run(_publish(url, files_subject, schemas.encode(bad)))
 
         uploader = hsx_service("upload", "--job", job, "--spool", str(spool), name="upload")
@@ -168,7 +170,7 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
         headers = dict(letters[0].headers)
         # The letter's message id is its payload's place in HSX_FILES: stored twice, kept once.
         assert headers.pop(H.MSG_ID, "").startswith("dead:file:"), letters[0].headers
-        assert headers == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: "7"}
+        assert headers == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: "99"}
         retried = hsx("dead", "retry", "--job", job, "--all")
         assert retried.returncode == 0, retried.stderr
         wait_for(
@@ -230,10 +232,10 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
     assert retry == {
         H.JOB: job,
         H.BATCH: bad.batch_id,
-        H.SAMPLE: "7",
+        H.SAMPLE: "99",
         H.RETRY_OF: str(letters[0].seq),
         H.MSG_ID: f"{bad.batch_id}:retry:{letters[0].seq}",
     }
     dead_again = dict(recorder.on(f"hsx.dead.{job}.")[-1][1])
     assert dead_again.pop(H.MSG_ID, "").startswith("dead:file:"), recorder.on(f"hsx.dead.{job}.")[-1][1]
-    assert dead_again == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: "7"}
+    assert dead_again == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: "99"}

@@ -26,9 +26,9 @@ import gpu_consumer.extract as extract
 from devkit.faults import oom_above
 from gpu_consumer.config import ConsumerConfig
 from gpu_consumer.model import load_model
-from gpu_consumer.service import BatchWorker
+from gpu_consumer.service import BatchWorker, Taken
 from gpu_consumer.staging import HostStaging
-from hsx.storage.layout import sample_key
+from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings, connect
@@ -115,14 +115,14 @@ async def _overlap(url: str, model_path: Path, job: str, spool: Path, device: st
 
     worker._write_one = held_write
     try:
-        computed_n = await worker.compute(msg_n)
+        computed_n = await worker.compute(Taken.of(msg_n, interval_s=cfg.in_progress_s))
         assert computed_n is not None and not computed_n.failed
         finishing = asyncio.create_task(worker.finish(computed_n))
         deadline = time.monotonic() + 30
         while len(entered) < len(first):  # every write of N is open, none has read its states yet
             assert time.monotonic() < deadline and not finishing.done()
             await asyncio.sleep(0.01)
-        computed_n1 = await worker.compute(msg_n1)
+        computed_n1 = await worker.compute(Taken.of(msg_n1, interval_s=cfg.in_progress_s))
         assert computed_n1 is not None
         leased_during_overlap = loaded.staging.leased_bytes
     finally:
@@ -153,7 +153,7 @@ def check_overlap(
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
     checked = 0
     for sample in result["samples"]:
-        path = spool / sample_key(job_name, sample.index)
+        path = spool_file(spool, job_name, _spec(job_name, model_path, LAYERS, "float32", []).plan_tag, sample.index)
         if sample.index in bad:
             assert not path.exists()
             continue

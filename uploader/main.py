@@ -1,13 +1,16 @@
 """`hsx upload`: connect, read the job spec (for the destination), bind to this node's durable,
 and move files until stopped."""
 
+import asyncio
+
 import structlog
 
 from hsx.storage.destinations import open_destination
 from hsx.storage.fsutil import make_private_dirs
+from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans
 from hsx.wire import topology
 from hsx.wire.events import EventPublisher
-from hsx.wire.worker import heartbeats, job_session
+from hsx.wire.worker import JobWatch, heartbeats, job_session, watching
 from uploader.config import UploaderConfig
 from uploader.service import SERVICE, FileMover, pull_loop
 
@@ -24,15 +27,21 @@ async def run(cfg: UploaderConfig) -> int:
         js, spec, stopping = session.js, session.spec, session.stopping
         dest = open_destination(spec.dest, max_connections=cfg.max_inflight)
         events = EventPublisher(session.nc, js, cfg.job)
+        watch = JobWatch(session.kv, spec, stopping)
+        await asyncio.to_thread(remove_stale_plans, cfg.spool, spec)
         durable = await topology.ensure_upload_consumer(js, cfg.job, cfg.node, ack_wait_s=cfg.ack_wait_s)
         sub = await js.pull_subscribe_bind(durable=durable, stream=topology.FILES_STREAM)
-        mover = FileMover(cfg, dest, events, spec)
+        mover = FileMover(cfg, dest, events, spec, watch=watch)
         log.info("uploader_ready", dest=dest.url, node=cfg.node, durable=durable, max_inflight=cfg.max_inflight)
-        try:
-            async with heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=mover.heartbeat_state):
-                await pull_loop(mover, sub, cfg, stopping)
-        finally:
-            mover.close()
-            await sub.unsubscribe()
+        async with watching(watch):
+            try:
+                async with heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=mover.heartbeat_state):
+                    await pull_loop(mover, sub, cfg, stopping)
+            finally:
+                mover.close()
+                await sub.unsubscribe()
+                if watch.lost:
+                    folder = plan_folder(cfg.spool, spec.job, spec.plan_tag)
+                    await asyncio.to_thread(remove_plan_folder, folder, reason="the job was lost")
         log.info("uploader_stopped")
         return 0

@@ -1,12 +1,18 @@
 """Moving one announced file from the spool to the destination, with explicit ack discipline.
 
-Per event: decode (poison -> dead letter) -> if the destination already holds exactly this
-object (size and digest), delete the local copy and ack without re-uploading -> else check the
-local file (hsx.storage.samplefile: its data against the checksum in its header, its digest against the
+Per event: decode (poison -> dead letter) -> an event of another plan than the uploader's is not
+handled (a stray of an earlier job of the name is dropped; an uploader whose job moved on hands
+it back and stops) -> if the destination already holds exactly this object (size and digest),
+delete the local copy and ack without re-uploading -> else check the local file
+(hsx.storage.samplefile: its data against the checksum in its header, its digest against the
 event's), upload, verify the stored object, delete the local file, publish the `uploaded` event,
-ack. A file:// destination on the spool's file system takes the checked file by a rename instead
+ack. Where the local file lies is derived from the sample, under this uploader's own spool and
+plan (hsx/storage/spool.py), as the destination key is: nothing in an event names a file to
+open or delete. A sound spool file whose digest is not the event's is another event's (a batch
+redone after the event was sent): the event is outdated, and is acked without touching the file. A file:// destination on the spool's file system takes the checked file by a rename instead
 of a copy (`Destination.move_verified`: verified to be the checked inode, its folder fsynced).
-A spool file that is lost (in neither place) or corrupted is sent back for extraction: the
+A spool file that is lost (in neither place) or corrupted is sent back for extraction, unless the
+sample already has its `uploaded` marker (the event is outdated): the
 uploader publishes the sample as a one-sample batch and acks the event. The event names its
 sample; its tokens come from the job's stored samples, loaded once when the first loss needs
 them (uploader/samples.py), or from the event itself where an older GPU consumer put them; a
@@ -35,12 +41,14 @@ from nats.aio.msg import Msg
 from hsx.storage.destinations import Destination
 from hsx.storage.layout import sample_key
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
-from hsx.storage.spool import spool_usage
+from hsx.storage.spool import spool_file, spool_usage
 from hsx.wire import schemas, topology
 from hsx.wire.backoff import jittered, retry_delay
 from hsx.wire.events import EventPublisher, WorkerState, keep_in_progress
 from hsx.wire.headers import message_headers
-from hsx.wire.natsconn import through_outage
+from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
+from hsx.wire.progress import has_uploaded_marker
+from hsx.wire.worker import JobWatch
 from uploader.config import UploaderConfig
 from uploader.samples import SampleNotFound, StoredSamples
 
@@ -57,6 +65,11 @@ class _SpoolFileLost(Exception):
     """The spool file is gone or corrupted and the destination does not have it: extract again."""
 
 
+class _OutdatedEvent(Exception):
+    """The spool file is sound but not the one the event announced: a later write of the sample
+    replaced it, whose own event uploads it."""
+
+
 def _checked_spool_file(path: Path) -> tuple[str, os.stat_result]:
     """A spool file's digest, after checking its data against the checksum in its header (one
     read), and its fstat taken while it was read: which inode the checked bytes are."""
@@ -67,14 +80,24 @@ def _checked_spool_file(path: Path) -> tuple[str, os.stat_result]:
 
 class FileMover:
     def __init__(
-        self, cfg: UploaderConfig, dest: Destination, events: EventPublisher, spec: schemas.JobSpec | None = None
+        self,
+        cfg: UploaderConfig,
+        dest: Destination,
+        events: EventPublisher,
+        spec: schemas.JobSpec,
+        *,
+        watch: JobWatch | None = None,
     ) -> None:
         self.cfg = cfg
         self.dest = dest
         self.events = events
-        # The job's plan and size: which `uploaded` markers count toward it (`_marker`).
-        self.plan = spec.plan_tag if spec else ""
-        self.total_samples = spec.total_samples if spec else 0
+        self.spec = spec
+        # Whether the job is still the one this uploader started for (None: not watched, in tests).
+        self.watch = watch
+        # The job's plan and size: where its files lie in the spool, which `uploaded` markers
+        # count toward it (`_marker`).
+        self.plan = spec.plan_tag
+        self.total_samples = spec.total_samples
         self.inflight = 0
         self.retrying = 0  # uploads waiting out a destination failure
         self.last_error = ""
@@ -102,9 +125,11 @@ class FileMover:
             )
 
     def _local_path(self, ready: schemas.FileReady) -> Path:
-        path = (self.spool_root / ready.spool_path).resolve()
-        if not path.is_relative_to(self.spool_root) or Path(ready.spool_path).is_absolute():
-            raise _PermanentFailure(f"spool_path {ready.spool_path!r} points outside the spool {self.spool_root}")
+        """Derived from the sample (the event's `spool_path` is not read): a link planted there
+        must not lead the uploader out of its spool either."""
+        path = spool_file(self.spool_root, self.cfg.job, self.plan, ready.sample_index)
+        if not path.resolve().is_relative_to(self.spool_root):
+            raise _PermanentFailure(f"{path} points outside the spool {self.spool_root}")
         return path
 
     def _move(self, ready: schemas.FileReady) -> bool:
@@ -121,14 +146,13 @@ class FileMover:
             # redelivered batch) between the check above and now: look again before calling it lost.
             if self.dest.has_verified(ready.key, size=ready.size, digest=ready.digest):
                 return True
-            raise _SpoolFileLost(f"{ready.spool_path}: missing from the spool and not in the destination") from None
+            raise _SpoolFileLost(f"{local}: missing from the spool and not in the destination") from None
         except SampleFileCorrupt as exc:
             local.unlink(missing_ok=True)
-            raise _SpoolFileLost(f"{ready.spool_path}: spool file is corrupt: {exc}") from None
+            raise _SpoolFileLost(f"{local}: spool file is corrupt: {exc}") from None
         if local_digest != ready.digest:
-            local.unlink(missing_ok=True)
-            raise _SpoolFileLost(
-                f"{ready.spool_path}: spool file digest {local_digest[:12]} does not match the announced {ready.digest[:12]}"
+            raise _OutdatedEvent(
+                f"{local}: the spool file's digest is {local_digest[:12]}, the event announced {ready.digest[:12]}"
             )
         try:
             # A file:// destination on the spool's file system takes the checked file by a rename.
@@ -146,8 +170,12 @@ class FileMover:
         self._threads.shutdown(wait=True)
         self.samples.close()
 
+    @property
+    def job_lost(self) -> bool:
+        return self.watch is not None and bool(self.watch.lost)
+
     def heartbeat_state(self) -> WorkerState:
-        files, used = spool_usage(self.cfg.spool, self.cfg.job)
+        files, used = spool_usage(self.cfg.spool, self.cfg.job, self.plan)
         if self.refused:
             state, detail = "refused", self.refused
         elif self.retrying:
@@ -159,9 +187,17 @@ class FileMover:
     async def handle(self, msg: Msg, stopping: asyncio.Event) -> None:
         try:
             await self._handle(msg, stopping)
-        except Exception as exc:
-            # A NATS outage while reporting or acking: the event stays unacked and comes back after
-            # the ack wait; the destination then already holds the object and it is acked at once.
+        except NATS_OUTAGE_ERRORS as exc:
+            # NATS away while reporting, acking or handing back (past the outage budget, or
+            # stopping): the event stays unacked and comes back after the ack wait; the
+            # destination then already holds the object and it is acked at once.
+            log.warning(
+                "file_left_unacked",
+                error=f"{type(exc).__name__}: {exc}",
+                redelivered_after_s=self.cfg.ack_wait_s,
+                reason="NATS did not answer",
+            )
+        except Exception as exc:  # a bug: its traceback
             log.warning("file_interrupted", error=f"{type(exc).__name__}: {exc}", exc_info=True)
 
     async def _handle(self, msg: Msg, stopping: asyncio.Event) -> None:
@@ -173,8 +209,14 @@ class FileMover:
             except msgspec.DecodeError as exc:
                 await self.events.dead_letter(msg, what="file", error=f"file-ready event does not decode: {exc}")
                 return
+            if not self.spec.owns(ready.plan):
+                await self._not_this_plan(msg, ready, stopping)
+                return
             attempt = 0
             while True:
+                if self.job_lost:
+                    log.warning("upload_abandoned", key=ready.key, reason="the job was lost")
+                    return
                 probe = False
                 if self.refused:
                     probe = await self._wait_for_turn(stopping)
@@ -185,7 +227,13 @@ class FileMover:
                     already = await self._try_move(ready, probe=probe)
                     break
                 except _SpoolFileLost as exc:
-                    await self._requeue(msg, ready, str(exc), stopping)
+                    if await self._uploaded_already(ready):
+                        await self._ack_outdated(msg, ready, f"{exc}; the sample is uploaded already", stopping)
+                    else:
+                        await self._requeue(msg, ready, str(exc), stopping)
+                    return
+                except _OutdatedEvent as exc:
+                    await self._ack_outdated(msg, ready, str(exc), stopping)
                     return
                 except _PermanentFailure as exc:
                     await self.events.dead_letter(
@@ -211,6 +259,8 @@ class FileMover:
                         self.retrying -= 1
             if self.refused:
                 await self._destination_accepts()
+            if self.job_lost:
+                return
             # The object is stored and verified: a NATS outage from here on is waited out rather
             # than left to the ack wait (reporting twice is harmless: progress counts samples).
             uploaded = schemas.FileUploaded(
@@ -235,6 +285,35 @@ class FileMover:
         finally:
             keep_alive.cancel()
             self.inflight -= 1
+
+    async def _not_this_plan(self, msg: Msg, ready: schemas.FileReady, stopping: asyncio.Event) -> None:
+        """An event of another plan than this uploader's. While this uploader's job is current, it
+        is a stray of an earlier job of the name (its consumer wrote on after the job was
+        deleted): dropped with a warning, its file left alone (never this plan's to delete). If
+        the job moved on, this uploader is the stray: it hands the event back and stops."""
+        if self.watch is not None and await self.watch.check():
+            await msg.nak()
+            return
+        log.warning(
+            "stale_file_event_dropped",
+            sample=ready.sample_index,
+            event_plan=ready.plan,
+            plan=self.plan,
+            batch=ready.batch_id,
+        )
+        await through_outage(msg.term, what="drop_stale_file_event", stopping=stopping)
+
+    async def _uploaded_already(self, ready: schemas.FileReady) -> bool:
+        try:
+            return await has_uploaded_marker(self.events.js, ready.job, ready.plan or self.plan, ready.sample_index)
+        except Exception as exc:  # NATS away: the sample is sent back, which is harmless
+            log.warning("uploaded_marker_unknown", sample=ready.sample_index, error=str(exc) or type(exc).__name__)
+            return False
+
+    async def _ack_outdated(self, msg: Msg, ready: schemas.FileReady, reason: str, stopping: asyncio.Event) -> None:
+        """An event whose file another event of the sample covers: acked, nothing touched or redone."""
+        log.warning("file_event_outdated", sample=ready.sample_index, batch=ready.batch_id, reason=reason)
+        await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
 
     async def _report_uploaded(self, uploaded: schemas.FileUploaded, ready: schemas.FileReady) -> None:
         if await self.events.mark(uploaded, subject=self._marker(ready), batch_id=ready.batch_id):
@@ -334,6 +413,7 @@ class FileMover:
                 detail=report.detail,
                 spool_files=report.spool_files,
                 spool_bytes=report.spool_bytes,
+                spool=str(self.cfg.spool),
             )
         except Exception as exc:  # the heartbeat loop says it again within its interval
             log.warning("heartbeat_failed", error=str(exc))
@@ -394,8 +474,10 @@ async def pull_loop(mover: FileMover, sub, cfg: UploaderConfig, stopping: asynci
             msgs = await sub.fetch(1 if mover.refused else min(free, 256), timeout=cfg.idle_fetch_timeout_s)
         except TimeoutError:
             continue
-        except Exception as exc:
+        except Exception as exc:  # NATS reconnecting, or the durable gone with its job
             log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
+            if mover.watch is not None:
+                await mover.watch.check()
             await asyncio.sleep(1.0)
             continue
         for msg in msgs:
