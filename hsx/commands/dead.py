@@ -6,19 +6,27 @@ Retrying publishes the payload again to its original subject under a new message
 alone would be dropped as a duplicate inside the stream's duplicate window), then deletes the
 dead letter. A crash between the two retries it twice at worst: extraction and upload are
 idempotent and progress counts distinct samples.
+
+A letter is *resolved* when its samples were written after all: each has its `uploaded` marker,
+or the `written` marker of its batch names them (a stalled forward that finished after the
+reaper dead-lettered its batch, a consumer that handed a spent batch back as a fresh copy and
+died before removing the spent one). Listing shows it so; retrying skips it.
 """
 
 import asyncio
 import json
 
 import msgspec
+import nats.js.errors
 import structlog
 
 from hsx.errors import HsxError
 from hsx.wire import schemas, topology
 from hsx.wire.deadletter import resendable
 from hsx.wire.headers import message_headers
+from hsx.wire.jobs import read_job_spec
 from hsx.wire.natsconn import NatsSettings, connect
+from hsx.wire.progress import has_uploaded_marker
 
 log = structlog.get_logger("hsx.dead")
 
@@ -58,7 +66,7 @@ def _payload_batch_id(letter: schemas.DeadLetter) -> str:
         return letter.batch_id
 
 
-def _describe(seq: int, letter: schemas.DeadLetter) -> dict:
+def _describe(seq: int, letter: schemas.DeadLetter, resolved: str) -> dict:
     return {
         "seq": seq,
         "what": letter.what,
@@ -67,33 +75,84 @@ def _describe(seq: int, letter: schemas.DeadLetter) -> dict:
         "deliveries": letter.deliveries,
         "subject": letter.original_subject,
         "error": letter.error,
+        "resolved": bool(resolved),
+        "resolved_by": resolved,  # "" | "uploaded" | "written"
     }
+
+
+async def _written_with(js, job: str, plan: str, batch_id: str) -> set[int]:
+    """The samples the `written` marker of `batch_id` names (planned or set aside); none without one."""
+    for planned in (True, False):
+        try:
+            msg = await js.get_last_msg(
+                topology.EVENTS_STREAM, topology.written_subject(job, plan, batch_id, planned=planned)
+            )
+        except nats.js.errors.NotFoundError:
+            continue
+        try:
+            event = schemas.event_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            continue
+        if isinstance(event, schemas.BatchWritten):
+            return set(event.sample_indices)
+    return set()
+
+
+async def _resolution(js, job: str, plan: str, letter: schemas.DeadLetter) -> str:
+    """How the letter's samples were written after all ("" when they were not): "written" (its
+    batch's marker names them) or "uploaded" (each has its marker)."""
+    samples = letter.sample_indices
+    if not samples or not plan:
+        return ""
+    if letter.batch_id and set(samples) <= await _written_with(js, job, plan, letter.batch_id):
+        return "written"
+    for start in range(0, len(samples), 64):
+        chunk = samples[start : start + 64]
+        if not all(await asyncio.gather(*(has_uploaded_marker(js, job, plan, i) for i in chunk))):
+            return ""
+    return "uploaded"
+
+
+async def _letters_and_resolutions(js, kv, job: str) -> list[tuple[int, schemas.DeadLetter, str]]:
+    spec = await read_job_spec(kv, job)
+    plan = spec.plan_tag if spec else ""
+    return [(seq, letter, await _resolution(js, job, plan, letter)) for seq, letter in await _read_letters(js, job)]
 
 
 async def list_dead(settings: NatsSettings, job: str) -> list[dict]:
     nc = await connect(settings, name=f"hsx-dead-{job}")
     try:
         js = nc.jetstream()
-        await topology.ensure_topology(js)
-        return [_describe(seq, letter) for seq, letter in await _read_letters(js, job)]
+        kv = await topology.ensure_topology(js)
+        return [
+            _describe(seq, letter, resolved) for seq, letter, resolved in await _letters_and_resolutions(js, kv, job)
+        ]
     finally:
         await nc.drain()
 
 
-async def retry_dead(settings: NatsSettings, job: str, seqs: list[int] | None) -> list[dict]:
-    """Send back the chosen dead letters (all when seqs is None); returns what was sent."""
+async def retry_dead(settings: NatsSettings, job: str, seqs: list[int] | None) -> tuple[list[dict], list[dict]]:
+    """Send back the chosen dead letters (all when seqs is None) that are not resolved; returns
+    (what was sent, the resolved letters skipped)."""
     nc = await connect(settings, name=f"hsx-dead-retry-{job}")
     try:
         js = nc.jetstream()
-        await topology.ensure_topology(js)
-        letters = await _read_letters(js, job)
+        kv = await topology.ensure_topology(js)
+        letters = await _letters_and_resolutions(js, kv, job)
         if seqs is not None:
-            unknown = sorted(set(seqs) - {seq for seq, _ in letters})
+            unknown = sorted(set(seqs) - {seq for seq, _, _ in letters})
             if unknown:
                 raise HsxError(f"--seq {unknown}: no such dead letter for job {job} (see hsx dead list --job {job})")
-            letters = [(seq, letter) for seq, letter in letters if seq in set(seqs)]
+            letters = [entry for entry in letters if entry[0] in set(seqs)]
+        skipped = [_describe(seq, letter, resolved) for seq, letter, resolved in letters if resolved]
+        for entry in skipped:
+            log.info(
+                "dead_letter_resolved_skipped", seq=entry["seq"], samples=entry["samples"], by=entry["resolved_by"]
+            )
         retried = []
-        for seq, letter in letters:
+        for seq, letter, resolved in letters:
+            if resolved:
+                continue
             payload = resendable(letter)
             if payload is None:
                 log.error(
@@ -120,8 +179,8 @@ async def retry_dead(settings: NatsSettings, job: str, seqs: list[int] | None) -
             log.info(
                 "dead_letter_retried", seq=seq, what=letter.what, batch=letter.batch_id, samples=letter.sample_indices
             )
-            retried.append(_describe(seq, letter))
-        return retried
+            retried.append(_describe(seq, letter, resolved))
+        return retried, skipped
     finally:
         await nc.drain()
 
@@ -135,9 +194,10 @@ def format_letters(letters: list[dict], *, as_json: bool) -> str:
     for letter in letters:
         samples = letter["samples"][:10]
         more = " ..." if len(letter["samples"]) > 10 else ""
+        resolved = f" (resolved: its samples were {letter['resolved_by']} since)" if letter["resolved"] else ""
         lines.append(
             f"seq {letter['seq']}: {letter['what']} {letter['batch_id'] or '-'} samples {samples}{more} "
-            f"after {letter['deliveries']} deliveries: {letter['error']}"
+            f"after {letter['deliveries']} deliveries: {letter['error']}{resolved}"
         )
     return "\n".join(lines)
 
@@ -148,6 +208,14 @@ def run_list(settings: NatsSettings, job: str, *, as_json: bool) -> int:
 
 
 def run_retry(settings: NatsSettings, job: str, *, seqs: list[int] | None, as_json: bool) -> int:
-    retried = asyncio.run(retry_dead(settings, job, seqs))
-    print(format_letters(retried, as_json=as_json) if retried else "nothing to retry")
+    retried, skipped = asyncio.run(retry_dead(settings, job, seqs))
+    if as_json:  # the letters sent back; the resolved ones skipped are in the log
+        print(format_letters(retried, as_json=True))
+        return 0
+    print(format_letters(retried, as_json=False) if retried else "nothing to retry")
+    if skipped:
+        print(
+            f"skipped {len(skipped)} resolved letters (their samples were written since): "
+            f"seq {', '.join(str(entry['seq']) for entry in skipped)}"
+        )
     return 0

@@ -7,13 +7,18 @@ HSX_ADVISORIES (`topology.job_subjects`), and its durables (`gpu-<job>`, `upload
 `exhausted-<job>`). Deleting removes all of that; the files already in the destination are the
 job's output and stay where they are.
 
-A job whose workers are alive (`hsx.wire.jobs.live_workers`) is not deleted unless forced: its
-consumers and uploaders would lose their durables under them.
+A job whose workers are alive (`hsx.wire.jobs.live_workers`), or whose files wait for upload in
+some node's spool, is not deleted unless forced: its consumers and uploaders would lose their
+durables under them, and the waiting files their events. Forced, the delete says on which nodes
+files waited and in which spool folders (from the workers' heartbeats); the job's workers still
+running notice the delete, stop and remove them, and so does the next worker of a job of that name
+on the node (hsx/storage/spool.py).
 """
 
 import asyncio
 import json
 from datetime import UTC, datetime
+from pathlib import Path
 
 import nats.js.errors
 import structlog
@@ -21,8 +26,9 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from hsx.errors import HsxError
+from hsx.storage.spool import plan_folder
 from hsx.wire import schemas, topology
-from hsx.wire.jobs import count_messages, job_durables, live_workers, read_job_spec
+from hsx.wire.jobs import count_messages, job_durables, last_heartbeats, live_workers, read_job_spec, waiting_files
 from hsx.wire.natsconn import NatsSettings, connect
 
 log = structlog.get_logger("hsx.jobs")
@@ -129,6 +135,14 @@ async def delete_job(js: JetStreamContext, kv: KeyValue, job: str, *, force: boo
                 f"job {job} has {len(alive)} live workers: {'; '.join(alive[:5])}"
                 f"{' ...' if len(alive) > 5 else ''}; stop them first, or pass --force"
             )
+    waiting = await waiting_files(js, job)
+    if waiting and not force:
+        raise HsxError(
+            f"job {job} has {sum(waiting.values())} files waiting for upload in the spools of "
+            f"{_per_node(waiting)}; run its uploaders there until they are uploaded (hsx upload --job {job}), "
+            "or pass --force to delete them with the job"
+        )
+    spools = await _spool_folders(js, job, spec) if waiting else {}
     # Durables first: a worker still bound (with --force) then gets no more of the job's messages.
     for stream, durable in durables:
         try:
@@ -153,9 +167,25 @@ async def delete_job(js: JetStreamContext, kv: KeyValue, job: str, *, force: boo
         "spec": in_kv,
         "dest": spec.dest if spec else None,
         "forced": force,
+        "files_waiting": waiting,  # node -> files that were waiting for upload there
+        "spool_folders": spools,  # node -> where they lie, as the node's workers last said
     }
     log.info("job_deleted", **summary)
     return summary
+
+
+def _per_node(counts: dict[str, int]) -> str:
+    return ", ".join(f"node {node} ({count})" for node, count in counts.items())
+
+
+async def _spool_folders(js: JetStreamContext, job: str, spec: schemas.JobSpec | None) -> dict[str, list[str]]:
+    """Per node, the folders holding the job's spooled files, from its workers' last heartbeats."""
+    folders: dict[str, set[str]] = {}
+    for beat in await last_heartbeats(js, job):
+        if beat.spool:
+            folder = plan_folder(Path(beat.spool), job, spec.plan_tag) if spec else Path(beat.spool) / job
+            folders.setdefault(beat.node, set()).add(str(folder))
+    return {node: sorted(paths) for node, paths in sorted(folders.items())}
 
 
 async def _has_key(kv: KeyValue, job: str) -> bool:
@@ -174,6 +204,17 @@ def format_deleted(summary: dict, *, as_json: bool) -> str:
         f"deleted job {summary['job']}: messages {purged}; durables {', '.join(summary['durables']) or 'none'}; "
         f"objects {', '.join(summary['objects']) or 'none'}; job spec {'yes' if summary['spec'] else 'none'}",
     ]
+    if summary["files_waiting"]:
+        waiting = summary["files_waiting"]
+        where = "; ".join(
+            f"node {node}: {count} in {', '.join(summary['spool_folders'].get(node, [])) or 'its spool (no worker said where)'}"
+            for node, count in waiting.items()
+        )
+        lines.append(
+            f"{sum(waiting.values())} files were waiting for upload ({where}); the job's workers still running there "
+            f"remove them as they stop, as does the next worker of a job named {summary['job']} on that node; "
+            "otherwise remove those folders by hand"
+        )
     if summary["dest"]:
         lines.append(f"files already in {summary['dest']} were not deleted")
     return "\n".join(lines)
