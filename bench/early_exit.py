@@ -2,7 +2,7 @@
 whole model with output_hidden_states=True, the baseline one-off extraction scripts use.
 
 A Qwen3-shaped model (hidden 256, 16 layers, vocab 32000; random float32 weights built from its
-config, nothing downloaded) runs the same padded batches (producer.planner.plan_batches +
+config, nothing downloaded) runs the same padded batches (hsx.packing.plan_batches +
 gpu_consumer.extract.pad_batch) three ways, under torch.inference_mode:
 - full: `model(..., output_hidden_states=True, use_cache=False)`, all 16 layers, the final norm
   and the lm_head over every position (picking the selected entries out of it costs nothing);

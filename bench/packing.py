@@ -1,4 +1,4 @@
-"""CPU benchmark: the producer's batch planner (producer/planner.py), packing and planning time.
+"""CPU benchmark: the producer's batch planner (hsx/packing.py), packing and planning time.
 
 Lengths are `hsx.commands.embedded.synthetic_lengths` (lognormal, median 500, clipped to 4096 tokens).
 Prints one JSON object with:

@@ -1,4 +1,4 @@
-"""Packing samples into token-budgeted batches: the producer's plan (producer/planner.py) and the
+"""Packing samples into token-budgeted batches: the producer's plan (producer/main.py) and the
 trainer-side sampler (hsx/storage/reader.py, TokenBudgetSampler) cut batches the same way.
 
 Samples are sorted by length (longest first, ties by index, so the plan is deterministic) and

@@ -5,4 +5,4 @@ descriptor per batch (deduplicated by batch id). `hsx produce` runs it.
 
 Modules: dataset (formats, row checks), chat (chat template, assistant masks), lengths
 (--on-long), inputs (dataset -> samples, the input report), stored (samples and report in the
-object store; `load_tokenized` for other code), planner (batches), main (the run)."""
+object store; `load_tokenized` for other code), main (the plan and the run; packing is hsx/packing.py)."""

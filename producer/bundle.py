@@ -37,7 +37,6 @@ from hsx.storage.index import INDEX_FILE
 from hsx.storage.layout import TOKENS_FILE, bundle_key
 from hsx.wire import schemas
 from hsx.wire.tokens import download
-from producer.planner import plan_batch_id
 
 log = structlog.get_logger("hsx.producer")
 
@@ -62,7 +61,7 @@ def plan_document(spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_bat
         "total_samples": spec.total_samples,
         "batches": [
             {
-                "batch_id": plan_batch_id(spec.job, spec.plan_fingerprint, seq),
+                "batch_id": schemas.plan_batch_id(spec.job, spec.plan_fingerprint, seq),
                 "padded_len": batch.padded_len,
                 "sample_indices": list(batch.sample_indices),
             }

@@ -40,13 +40,12 @@ from hsx.wire.headers import message_headers
 from hsx.wire.jobs import count_messages, live_workers, read_job_spec
 from hsx.wire.natsconn import connect, through_outage
 from hsx.wire.progress import count_stored
-from hsx.wire.schemas import LayerSelector
+from hsx.wire.schemas import LayerSelector, plan_batch_id
 from hsx.wire.tokens import SampleTable
 from producer import bundle, preflight, resume, stored
 from producer.config import ProducerConfig
 from producer.dataset import dataset_digest
 from producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
-from producer.planner import plan_batch_id
 
 log = structlog.get_logger("hsx.producer")
 

@@ -99,14 +99,14 @@ def test_the_rule_catches_each_kind_of_violation(tmp_path, monkeypatch):
     (fake / "hsx" / "wire" / "bad.py").write_text(
         "from gpu_consumer.model import load\n\ndef f():\n    from hsx.commands import up\n    import hsx.storage.index\n"
     )
-    (fake / "uploader" / "bad.py").write_text("import producer.planner\nfrom devkit import start_nats_cluster\n")
+    (fake / "uploader" / "bad.py").write_text("import producer.preflight\nfrom devkit import start_nats_cluster\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
     found = violations([fake / "hsx" / "wire" / "bad.py", fake / "uploader" / "bad.py"])
     assert [line.split(": ", 1)[1] for line in found] == [
         "hsx.wire imports gpu_consumer.model.load (gpu_consumer)",
         "hsx.wire imports hsx.commands.up (hsx.commands)",
         "hsx.wire imports hsx.storage.index (hsx.storage)",
-        "uploader imports producer.planner (producer)",
+        "uploader imports producer.preflight (producer)",
         "uploader imports devkit.start_nats_cluster (devkit)",
     ]
 

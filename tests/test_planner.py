@@ -1,4 +1,4 @@
-"""producer.planner.plan_batches: token-budgeted packing.
+"""hsx.packing.plan_batches: token-budgeted packing.
 
 Checked on several length distributions: every batch fits the budget (`len * padded_len <=
 budget`), its padded length is its longest member, every sample lands in exactly one batch, the

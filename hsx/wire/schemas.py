@@ -137,7 +137,7 @@ class JobSpec(_Wire, tag="job.v1"):
     def plan_tag(self) -> str:
         """The plan's short name, carried by progress events so that events of another plan under
         the same job name (a deleted and re-created job, stray publishers) never count toward this
-        one; the same 12 characters as in the plan's batch ids (producer/planner.py)."""
+        one; the same 12 characters as in the plan's batch ids (`plan_batch_id`)."""
         return plan_tag_of(self.plan_fingerprint)
 
     def owns(self, plan: str) -> bool:
