@@ -17,15 +17,13 @@ import shutil
 import sys
 import time
 
-import nats.errors
 import structlog
 
 from hsx.logs import configure_logging
 from hsx.storage.index import build_job_index
 from hsx.wire import schemas
-from hsx.wire.jobs import wait_for_job_spec
 from hsx.wire.progress import ProgressTracker, status_view
-from hsx.wire.worker import job_session
+from hsx.wire.worker import JobWatch, job_session
 from monitor.bar import TerminalBar, render_bar
 from monitor.config import MonitorConfig
 from monitor.metrics import JobCollector, serve_metrics
@@ -92,6 +90,9 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
         if session is None:
             return 0
         js, kv, spec, stopping = session.js, session.kv, session.spec, session.stopping
+        # A job deleted (or produced again with another plan) under the monitor ends it: the
+        # counts it follows are the old plan's.
+        watch = JobWatch(kv, spec, stopping)
         tracker = ProgressTracker(js, cfg.job, plan=spec.plan_tag, heartbeats=True)
         await tracker.start()
         started = saved = time.monotonic()
@@ -102,12 +103,9 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
         refusal: str | None = None  # the destination's refusal last logged
         try:
             while not stopping.is_set():
-                try:
-                    spec = await wait_for_job_spec(kv, cfg.job, stopping)
-                except (TimeoutError, nats.errors.Error) as exc:  # NATS reconnecting: keep the last spec
-                    log.warning("job_spec_unavailable", error=str(exc) or type(exc).__name__)
-                if spec is None:
+                if await watch.check():
                     break
+                spec = watch.current  # NATS reconnecting: the last spec read
                 try:
                     await tracker.refresh_queues()
                     await tracker.refresh_counts()
@@ -200,4 +198,5 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                 await tracker.save_checkpoint()
             except Exception as exc:  # the next reader folds from the last checkpoint: nothing lost
                 log.warning("checkpoint_not_saved", error=str(exc) or type(exc).__name__)
+        watch.raise_if_lost()
         return 0

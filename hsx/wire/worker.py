@@ -107,6 +107,7 @@ class JobWatch:
     def __init__(self, kv: KeyValue, spec: schemas.JobSpec, stopping: asyncio.Event, *, every_s: float = 5.0) -> None:
         self.kv, self.spec, self.stopping, self.every_s = kv, spec, stopping, every_s
         self.lost = ""
+        self.current = spec  # the spec as last read (its `published` flag changes while it runs)
 
     async def check(self) -> str:
         if self.lost:
@@ -114,12 +115,14 @@ class JobWatch:
         try:
             current = await read_job_spec(self.kv, self.spec.job)
         except Exception as exc:  # NATS away, or a spec that does not decode: not a verdict
-            log.warning("job_watch_failed", error=str(exc) or type(exc).__name__)
+            log.warning("job_spec_unavailable", error=str(exc) or type(exc).__name__)
             return ""
         job, plan = self.spec.job, self.spec.plan_tag
         if current is None:
             self.lost = f"job {job} was deleted while this worker served it (plan {plan}); stopped"
-        elif _identity(current) != _identity(self.spec):
+        elif _identity(current) == _identity(self.spec):
+            self.current = current
+        else:
             self.lost = (
                 f"job {job} was deleted and produced again (now plan {current.plan_tag}, dest {current.dest}) while "
                 f"this worker served plan {plan}; stopped: start a new worker for the new job"
