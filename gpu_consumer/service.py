@@ -720,6 +720,11 @@ async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asy
 
     try:
         while not stopping.is_set():
+            if finishing is not None and not finishing.done() and worker.stall is not None:
+                # The batch being written or announced is stalled: a batch fetched now could only
+                # be handed back (a delivery spent for nothing) until it ends.
+                await asyncio.wait({finishing}, timeout=1.0)
+                continue
             full, used = worker.spool_full()
             if not full and finishing is not None and not finishing.done() and not worker.room_for(used, 1):
                 # The batch being written may take the spool past the mark: let it land before
