@@ -15,8 +15,13 @@ host buffers the forward copied into, leased to that batch until its files are w
 (gpu_consumer/staging.py), so at most two batches' states are leased at once. The next
 descriptor is fetched while the current one computes, unless the spool is near its high-water
 mark or the current batch is a redelivery (it runs alone: it may be what killed its last
-consumer): a consumer paused there, or stuck in a stalled forward (gpu_consumer/stall.py), holds
-no batch it has not started.
+consumer): a consumer paused there, or stuck in a stalled forward, write or announcement
+(gpu_consumer/stall.py), holds no batch it has not started. Every message taken from the queue
+is kept in progress from its fetch until it is settled (`Taken`), wherever it waits.
+
+The consumer serves the one job spec it started with: a descriptor of another plan is never
+extracted, and once its job is lost (deleted, or its name given another spec: hsx.wire.worker
+JobWatch) it writes and announces nothing more.
 
 Stopping: the stop event ends fetching; batches in hand are finished (not abandoned) first, and a
 descriptor fetched ahead but not started is handed back (`give_back`: a nak, or on its last

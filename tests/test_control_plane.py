@@ -4,9 +4,11 @@ consumer announces a batch's files with their acks awaited together, each stored
 
 import asyncio
 import os
+from pathlib import Path
 
 import pytest
 import torch
+from test_fidelity import _spec as fidelity_spec
 
 from gpu_consumer.service import publish_all
 from hsx.storage import samplefile
@@ -20,22 +22,7 @@ from uploader.service import FileMover, _SpoolFileLost
 
 
 def _spec(job: str) -> schemas.JobSpec:
-    return schemas.JobSpec(
-        job=job,
-        model="m",
-        model_revision="r",
-        layers=[1],
-        dtype="float32",
-        dest="file:///x",
-        token_budget=64,
-        max_seq_len=64,
-        dataset="d",
-        plan_fingerprint="c" * 64,
-        total_samples=10,
-        total_tokens=40,
-        total_batches=1,
-        created_at=0.0,
-    )
+    return fidelity_spec(job, Path("m"), [1], "float32", [])
 
 
 def _spool_file(spool, job: str, index: int) -> schemas.FileReady:

@@ -69,7 +69,16 @@ def check_ok(result: subprocess.CompletedProcess, what: str) -> subprocess.Compl
 
 
 def produce(
-    hsx, *, job: str, model: Path, dataset: Path, dest: str, token_budget: int, max_seq_len: int, env: dict | None
+    hsx,
+    *,
+    job: str,
+    model: Path,
+    dataset: Path,
+    dest: str,
+    token_budget: int,
+    max_seq_len: int,
+    env: dict | None,
+    layers: str = ",".join(map(str, LAYERS)),
 ):
     check_ok(
         hsx(
@@ -81,7 +90,7 @@ def produce(
             "--dataset",
             str(dataset),
             "--layers",
-            ",".join(map(str, LAYERS)),
+            layers,
             "--dest",
             dest,
             "--dtype",

@@ -9,7 +9,7 @@
 - A dead letter whose samples were written after all (a consumer that handed back a spent batch
   as a fresh copy and died before removing the spent one) is shown resolved and not retried.
   Batches that are not the plan's own (a poison retry, a hand-made descriptor) never push
-  `batches_done` past `batches_total`.
+  `batches_done` past `batches_total` (the same job, afterwards).
 - A spool write that hangs is a stall like a hung forward: the batch is released and another
   consumer finishes the job.
 """
@@ -42,6 +42,23 @@ from gpu_consumer.service import BatchWorker, pull_loop
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings, connect
+
+
+def _job(hsx, tiny_model, tmp_path, job: str, count: int, *, seed: int, lengths, budget: int, max_seq_len: int):
+    """A job of `count` dataset rows (`lengths`: min and max tokens) produced into tmp_path/out;
+    returns the rows."""
+    rows = write_dataset(tmp_path / "data.jsonl", count, min_len=lengths[0], max_len=lengths[1], seed=seed)
+    produce(
+        hsx,
+        job=job,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(tmp_path / "out"),
+        token_budget=budget,
+        max_seq_len=max_seq_len,
+        env=None,
+    )
+    return rows
 
 
 def _spend_deliveries(url: str, job: str, count: int, *, ack_wait_s: float) -> tuple[int, bytes]:
@@ -95,17 +112,7 @@ def test_a_stalled_forward_on_the_last_delivery_writes_nothing_once_its_batch_is
     tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name
 ):
     job = job_name
-    write_dataset(tmp_path / "data.jsonl", 4, min_len=4, max_len=30, seed=41)
-    produce(
-        hsx,
-        job=job,
-        model=tiny_model("qwen3"),
-        dataset=tmp_path / "data.jsonl",
-        dest=str(tmp_path / "out"),
-        token_budget=256,
-        max_seq_len=32,
-        env=None,
-    )
+    _job(hsx, tiny_model, tmp_path, job, 4, seed=41, lengths=(4, 30), budget=256, max_seq_len=32)
     assert status(hsx, job, None)["batches_total"] == 1
     _spend_deliveries(nats_server.url, job, topology.BATCH_MAX_DELIVER - 1, ack_wait_s=2)
     spool = tmp_path / "spool"
@@ -272,17 +279,7 @@ def test_a_letter_whose_samples_were_written_after_all_is_resolved_and_not_retri
     tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name
 ):
     job, url = job_name, nats_server.url
-    rows = write_dataset(tmp_path / "data.jsonl", 5, min_len=4, max_len=30, seed=42)
-    produce(
-        hsx,
-        job=job,
-        model=tiny_model("qwen3"),
-        dataset=tmp_path / "data.jsonl",
-        dest=str(tmp_path / "out"),
-        token_budget=256,
-        max_seq_len=32,
-        env=None,
-    )
+    rows = _job(hsx, tiny_model, tmp_path, job, 5, seed=42, lengths=(4, 30), budget=256, max_seq_len=32)
     assert status(hsx, job, None)["batches_total"] == 1
     # A consumer hands back a batch on its last delivery as a fresh copy (gpu_consumer.service
     # give_back) and dies before removing the spent one: both are in the stream.
@@ -324,34 +321,9 @@ def test_a_letter_whose_samples_were_written_after_all_is_resolved_and_not_retri
     assert view["batches_queued"] == 0 and view["done"] and view["dead_samples"] == [], view
     check_uploaded_once(url, job, len(rows))
 
-
-def test_batches_that_are_not_the_plans_own_never_count_past_batches_total(
-    tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name
-):
-    """A batch that is not one of the plan's (a poisoned batch's retry, a dead letter's half, a
-    hand-made descriptor) holding a planned sample is extracted, but never counted as a batch of
-    the plan."""
-    job, url = job_name, nats_server.url
-    rows = write_dataset(tmp_path / "data.jsonl", 3, min_len=4, max_len=30, seed=44)
-    produce(
-        hsx,
-        job=job,
-        model=tiny_model("qwen3"),
-        dataset=tmp_path / "data.jsonl",
-        dest=str(tmp_path / "out"),
-        token_budget=256,
-        max_seq_len=32,
-        env=None,
-    )
-    consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(tmp_path / "spool"))
-    wait_for(
-        lambda: status(hsx, job, None)["batches_done"] == 1,
-        timeout=60,
-        what="the plan's batch written",
-        procs=[consumer],
-        alive=[consumer],
-        period=0.3,
-    )
+    # A batch that is not one of the plan's (a poisoned batch's retry, a dead letter's half, a
+    # hand-made descriptor) holding a planned sample is extracted, but never counted as a batch
+    # of the plan.
     sample = schemas.Sample(index=0, source_id="0", input_ids=rows[0]["input_ids"])
     extra = schemas.BatchDescriptor(
         job=job, batch_id=f"{job}-000000-poison", padded_len=len(sample.input_ids), samples=[sample]
@@ -368,11 +340,11 @@ def test_batches_that_are_not_the_plans_own_never_count_past_batches_total(
 
     asyncio.run(publish_extra())
     wait_for(
-        lambda: [r for r in log_events(consumer, "batch_done") if r["batch"] == extra.batch_id],
+        lambda: [r for r in log_events(workers[0], "batch_done") if r["batch"] == extra.batch_id],
         timeout=30,
         what="the extra batch written",
-        procs=[consumer],
-        alive=[consumer],
+        procs=workers,
+        alive=workers,
         period=0.2,
     )
     view = status(hsx, job, None)
@@ -383,17 +355,7 @@ def test_a_hung_spool_write_is_a_stall_and_another_consumer_finishes_the_job(
     tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name
 ):
     job = job_name
-    write_dataset(tmp_path / "data.jsonl", 16, min_len=8, max_len=40, seed=43)
-    produce(
-        hsx,
-        job=job,
-        model=tiny_model("qwen3"),
-        dataset=tmp_path / "data.jsonl",
-        dest=str(tmp_path / "out"),
-        token_budget=128,
-        max_seq_len=64,
-        env=None,
-    )
+    _job(hsx, tiny_model, tmp_path, job, 16, seed=43, lengths=(8, 40), budget=128, max_seq_len=64)
     spool = tmp_path / "spool"
     marker = tmp_path / "write.marker"
     args = ("consume", "--job", job, "--device", "cpu", "--spool", str(spool), "--ack-wait", "2", "--stall-after", "2")

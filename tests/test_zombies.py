@@ -1,9 +1,9 @@
 """A worker serves one job spec for its whole life, and nothing in an event names a file (issue 21,
 items 5-7).
 
-- A deleted job's consumer and uploader stop within 30 s with one line, and never serve the next
-  job of that name (which carries another plan): its output holds only its own layers, and it
-  finishes although the first job's workers shared its node.
+- A deleted job's consumer, uploader and monitor stop within 30 s with one line, and never serve
+  the next job of that name (which carries another plan): its output holds only its own layers,
+  and it finishes although the first job's workers shared its node.
 - `hsx jobs delete` refuses while files wait for upload in a spool; forced, it says on which nodes
   they wait. Leftovers of a deleted plan never gate the next job of that name at the spool's
   high-water mark; its workers remove them.
@@ -28,7 +28,7 @@ import nats
 from safetensors import safe_open
 from test_chaos import log_events, wait_for
 from test_cli_errors import assert_one_line_error
-from test_e2e_s3 import check_ok, logs_of, read_dir_objects, spool_files, status, write_dataset
+from test_e2e_s3 import check_ok, logs_of, produce, read_dir_objects, spool_files, status, write_dataset
 
 from hsx.wire import schemas, topology
 
@@ -36,27 +36,16 @@ ZOMBIE_STOP_S = 30.0
 
 
 def _produce(hsx, job: str, model: Path, dataset: Path, out: Path, *, layers: str, budget: int = 64) -> None:
-    check_ok(
-        hsx(
-            "produce",
-            "--job",
-            job,
-            "--model",
-            str(model),
-            "--dataset",
-            str(dataset),
-            "--layers",
-            layers,
-            "--dest",
-            str(out),
-            "--dtype",
-            "float32",
-            "--token-budget",
-            str(budget),
-            "--max-seq-len",
-            "40",
-        ),
-        f"produce {dataset.name}",
+    produce(
+        hsx,
+        job=job,
+        model=model,
+        dataset=dataset,
+        dest=str(out),
+        token_budget=budget,
+        max_seq_len=40,
+        env=None,
+        layers=layers,
     )
 
 
@@ -104,7 +93,11 @@ def test_a_deleted_jobs_workers_stop_and_never_serve_the_next_job_of_its_name(
     first_out, second_out = tmp_path / "out1", tmp_path / "out2"
     _produce(hsx, job, model, tmp_path / "first.jsonl", first_out, layers="1,3")
     old_spool = tmp_path / "spool-old"
-    zombies = [_consume(hsx_service, job, old_spool, name="consume-old"), _upload(hsx_service, job, old_spool)]
+    zombies = [
+        _consume(hsx_service, job, old_spool, name="consume-old"),
+        _upload(hsx_service, job, old_spool),
+        hsx_service("monitor", "--job", job, "--interval", "0.5", name="monitor-old"),
+    ]
     _wait_done(hsx, job, zombies)
 
     check_ok(hsx("jobs", "delete", job, "--force"), "jobs delete --force")
@@ -115,7 +108,7 @@ def test_a_deleted_jobs_workers_stop_and_never_serve_the_next_job_of_its_name(
     new_spool = tmp_path / "spool-new"
     workers = [_consume(hsx_service, job, new_spool, name="consume-new"), _upload(hsx_service, job, new_spool)]
 
-    # The old workers stop by themselves, each with one line naming the job.
+    # The old workers (and the old monitor) stop by themselves, each with one line naming the job.
     wait_for(
         lambda: all(z.poll() is not None for z in zombies),
         timeout=ZOMBIE_STOP_S - (time.monotonic() - deleted_at),
@@ -142,32 +135,7 @@ def test_a_deleted_jobs_workers_stop_and_never_serve_the_next_job_of_its_name(
     assert not [p for p in spool_files(old_spool) if p.suffix == ".safetensors"], spool_files(old_spool)
 
 
-def test_delete_refuses_while_files_wait_for_upload_and_forced_says_where(
-    tmp_path, hsx, hsx_service, tiny_model, job_name
-):
-    job = job_name
-    write_dataset(tmp_path / "data.jsonl", 6, min_len=4, max_len=30, seed=33)
-    _produce(hsx, job, tiny_model("qwen3"), tmp_path / "data.jsonl", tmp_path / "out", layers="1,3")
-    spool = tmp_path / "spool"
-    consumer = _consume(hsx_service, job, spool)
-    wait_for(
-        lambda: status(hsx, job, None)["files_waiting_upload"] == 6,
-        timeout=60,
-        what="every file spooled",
-        procs=[consumer],
-        alive=[consumer],
-        period=0.3,
-    )
-    consumer.send_signal(signal.SIGTERM)
-    assert consumer.wait(timeout=30) == 0, logs_of(consumer)
-
-    refused = hsx("jobs", "delete", job)
-    assert_one_line_error(refused, job, "6 files", "waiting for upload", "testnode", "--force")
-    forced = check_ok(hsx("jobs", "delete", job, "--force"), "jobs delete --force")
-    assert "6 files" in forced.stdout and "testnode" in forced.stdout and str(spool) in forced.stdout, forced.stdout
-
-
-def test_a_deleted_plans_spool_leftovers_never_gate_the_next_job_of_its_name(
+def test_delete_refuses_while_files_wait_and_their_leftovers_never_gate_the_next_job_of_the_name(
     tmp_path, hsx, hsx_service, tiny_model, job_name
 ):
     job, model = job_name, tiny_model("qwen3")
@@ -186,7 +154,12 @@ def test_a_deleted_plans_spool_leftovers_never_gate_the_next_job_of_its_name(
     )
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=30) == 0, logs_of(first)
-    check_ok(hsx("jobs", "delete", job, "--force"), "jobs delete --force")
+
+    # No worker is alive, but files wait for upload: refused; forced, the delete says where they lie.
+    refused = hsx("jobs", "delete", job)
+    assert_one_line_error(refused, job, "8 files", "waiting for upload", "testnode", "--force")
+    forced = check_ok(hsx("jobs", "delete", job, "--force"), "jobs delete --force")
+    assert "8 files" in forced.stdout and "testnode" in forced.stdout and str(spool) in forced.stdout, forced.stdout
     leftovers = [p for p in spool_files(spool) if p.suffix == ".safetensors"]
     assert len(leftovers) == 8, leftovers
     leftover_bytes = sum(p.stat().st_size for p in leftovers)
