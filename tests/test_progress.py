@@ -96,6 +96,28 @@ async def _publisher(url: str, job: str):
     return nc, js, EventPublisher(nc, js, job), spec
 
 
+def test_dead_letters_of_another_plan_under_the_job_name_are_not_the_jobs():
+    """A worker of a deleted job that stored a letter before it noticed: its samples are not this
+    plan's dead samples (they would make the job look failed)."""
+
+    def letter(index: int, plan: str) -> schemas.DeadLetter:
+        batch = schemas.BatchDescriptor(
+            job="j",
+            batch_id=f"b{index}",
+            padded_len=1,
+            samples=[schemas.Sample(index=index, source_id="s", input_ids=[1])],
+            plan=plan,
+        )
+        return schemas.DeadLetter(
+            job="j", what="batch", error="e", deliveries=5, original_subject="s", batch=batch, sample_indices=[index]
+        )
+
+    fold = ProgressFold(job="j", plan="aaaaaaaaaaaa")
+    for event in (letter(1, "aaaaaaaaaaaa"), letter(2, "bbbbbbbbbbbb"), letter(3, "")):
+        fold.apply(event)
+    assert fold.dead_samples == {1, 3}
+
+
 def test_a_redelivered_batch_and_a_reupload_are_stored_once_and_counted_once(nats_server, job_name):
     async def run() -> dict:
         nc, js, events, spec = await _publisher(nats_server.url, job_name)

@@ -425,6 +425,9 @@ class FileMover:
         try:
             sample = await self.samples.sample_for(self.events.js, ready)
         except SampleNotFound as exc:
+            if self.watch is not None and await self.watch.check():
+                await msg.nak()  # the job is gone: its letter would count against the next one of its name
+                return
             await self.events.dead_letter(
                 msg,
                 what="file",

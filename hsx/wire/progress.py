@@ -199,9 +199,18 @@ class ProgressFold:
         if isinstance(event, schemas.Heartbeat):
             self.heartbeats[event.instance] = event
         elif isinstance(event, schemas.DeadLetter):
+            if self.plan and not _letter_of_plan(event, self.plan):
+                return  # stored by a worker of an earlier job of this name: not this job's samples
             self.dead_samples.update(event.sample_indices)
             if event.batch_id:
                 self.dead_batches.add(event.batch_id)
+
+
+def _letter_of_plan(letter: schemas.DeadLetter, plan: str) -> bool:
+    """Whether a dead letter is of `plan`: the plan its payload names (letters of payloads from
+    before payloads named one, or of payloads that did not decode, are taken as the job's)."""
+    payload = letter.batch or letter.file
+    return payload is None or payload.plan in ("", plan)
 
 
 class _Replay:
