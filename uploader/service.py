@@ -9,11 +9,12 @@ event's), upload, verify the stored object, delete the local file, publish the `
 ack. Where the local file lies is derived from the sample, under this uploader's own spool and
 plan (hsx/storage/spool.py), as the destination key is: nothing in an event names a file to
 open or delete. A sound spool file whose digest is not the event's is another event's (a batch
-redone after the event was sent): the event is outdated, and is acked without touching the file. A file:// destination on the spool's file system takes the checked file by a rename instead
-of a copy (`Destination.move_verified`: verified to be the checked inode, its folder fsynced).
-A spool file that is lost (in neither place) or corrupted is sent back for extraction, unless the
-sample already has its `uploaded` marker (the event is outdated): the
-uploader publishes the sample as a one-sample batch and acks the event. The event names its
+redone after the event was sent): the event is outdated, and is acked without touching the file.
+A file:// destination on the spool's file system takes the checked file by a rename instead of a
+copy (`Destination.move_verified`: verified to be the checked inode, its folder fsynced). A
+spool file that is lost (in neither place) or corrupted is sent back for extraction, unless the
+sample already has its `uploaded` marker (the event is outdated): the uploader publishes the
+sample as a one-sample batch and acks the event. The event names its
 sample; its tokens come from the job's stored samples, loaded once when the first loss needs
 them (uploader/samples.py), or from the event itself where an older GPU consumer put them; a
 sample that cannot be found again dead-letters its event. A failing upload is retried here with
@@ -305,7 +306,7 @@ class FileMover:
 
     async def _uploaded_already(self, ready: schemas.FileReady) -> bool:
         try:
-            return await has_uploaded_marker(self.events.js, ready.job, ready.plan or self.plan, ready.sample_index)
+            return await has_uploaded_marker(self.events.js, ready.job, self.plan, ready.sample_index)
         except Exception as exc:  # NATS away: the sample is sent back, which is harmless
             log.warning("uploaded_marker_unknown", sample=ready.sample_index, error=str(exc) or type(exc).__name__)
             return False
