@@ -7,7 +7,7 @@ final state (the last layer's output after the model's final norm; transformers'
 given; duplicates and out-of-range indices are errors naming the model's layer count.
 
 A preset names what a trainer reads, resolved against the model's depth by the producer, so that
-nobody has to reason about the trainers' +1 offsets (README, "Reading the output for training"):
+nobody has to reason about the trainers' +1 offsets (docs/REFERENCE.md, "Layers for a trainer"):
 
 - `dflash:N`: the N layers a DFlash draft with N layers reads (SpecForge's and z-lab's
   `build_target_layer_ids(L, N)`: N = 1 is [L // 2], else N ids spread from 1 to L - 3). Their ids

@@ -15,7 +15,7 @@ drives them; this module knows the trainers' layouts and layer conventions, noth
 Hidden states are what `HiddenStateDataset` gives for the file, in the job's dtype (float8
 dequantized, then bfloat16) or the one `--dtype` names. Trainer ids: SpecForge's are hsx's (the
 output of decoder layer id); speculators' are transformers' hidden_states indices, hsx's id + 1
-(README, "Layers for a trainer").
+(docs/REFERENCE.md, "Layers for a trainer").
 """
 
 from __future__ import annotations
