@@ -25,10 +25,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hsx.errors import HsxError
-from hsx.storage import samplefile
 from hsx.storage.destinations import Destination, open_destination, open_job_folder, probe
+from hsx.storage.expected import read_metadata
 from hsx.storage.index import BUNDLE_SPEC_KEY, HEADER_PROBE_BYTES, bundle_spec
 from hsx.storage.layout import bundle_key, sample_index_of
+from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.wire import schemas
 
 # The suggested --token-budget aims this far under the limit: batches of a smaller budget pack
@@ -125,8 +126,8 @@ def folder_owner(folder: Destination, job: str) -> FolderOwner | None:
     if key is None:
         return None
     try:
-        metadata = samplefile.metadata_of(folder.read_prefix(key, HEADER_PROBE_BYTES)[0])
-    except samplefile.SampleFileCorrupt as exc:
+        metadata = read_metadata(folder.read_prefix(key, HEADER_PROBE_BYTES)[0])
+    except SampleFileCorrupt as exc:
         return FolderOwner(plan="", what=f"sample files whose plan cannot be read ({key}: {exc}), no {BUNDLE_SPEC_KEY}")
     made = f"model {metadata.get('model', '?')}, layers {metadata.get('layers', '?')}, e.g. {key}"
     if metadata.get("job") != job:

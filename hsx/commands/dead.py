@@ -17,7 +17,6 @@ import asyncio
 import json
 
 import msgspec
-import nats.js.errors
 import structlog
 
 from hsx.errors import HsxError
@@ -26,7 +25,7 @@ from hsx.wire.deadletter import resendable
 from hsx.wire.headers import message_headers
 from hsx.wire.jobs import read_job_spec
 from hsx.wire.natsconn import NatsSettings, connect
-from hsx.wire.progress import has_uploaded_marker
+from hsx.wire.progress import find_marker, has_uploaded_marker
 
 log = structlog.get_logger("hsx.dead")
 
@@ -82,20 +81,12 @@ def _describe(seq: int, letter: schemas.DeadLetter, resolved: str) -> dict:
 
 async def _written_with(js, job: str, plan: str, batch_id: str) -> set[int]:
     """The samples the `written` marker of `batch_id` names (planned or set aside); none without one."""
-    for planned in (True, False):
-        try:
-            msg = await js.get_last_msg(
-                topology.EVENTS_STREAM, topology.written_subject(job, plan, batch_id, planned=planned)
-            )
-        except nats.js.errors.NotFoundError:
-            continue
-        try:
-            event = schemas.event_decoder.decode(msg.data)
-        except msgspec.DecodeError:
-            continue
-        if isinstance(event, schemas.BatchWritten):
-            return set(event.sample_indices)
-    return set()
+    msg = await find_marker(js, topology.written_subject, job, plan, batch_id)
+    try:
+        event = schemas.event_decoder.decode(msg.data) if msg is not None else None
+    except msgspec.DecodeError:
+        event = None
+    return set(event.sample_indices) if isinstance(event, schemas.BatchWritten) else set()
 
 
 async def _resolution(js, job: str, plan: str, letter: schemas.DeadLetter) -> str:

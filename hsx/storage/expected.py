@@ -234,6 +234,12 @@ def read_header(data: bytes | memoryview) -> tuple[dict, int]:
     return header, end
 
 
+def read_metadata(data: bytes | memoryview) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file's header (`data`: the file or a prefix holding
+    the header); SampleFileCorrupt when the header does not parse."""
+    return read_header(data)[0].get("__metadata__", {})
+
+
 def _describe(entry: object) -> str:
     if not isinstance(entry, dict):
         return "absent"

@@ -53,6 +53,7 @@ from hsx.storage.expected import (
     is_missing,
     load_expected,
     mismatches,
+    read_metadata,
 )
 from hsx.storage.layout import BUNDLE_DIR, sample_index_of, sample_key
 from hsx.wire import schemas
@@ -312,7 +313,7 @@ def _header_entry(folder: Destination, key: str, index: int, expected: ExpectedS
     failed = mismatches(head[:end], expected, index, header_only=True)
     if failed:
         return f"not this job's sample {index}: {describe(failed)}"
-    metadata = json.loads(head[8:end])["__metadata__"]
+    metadata = read_metadata(head[:end])
     return size, int(metadata["num_tokens"]), hashlib.sha256(head[:end]).hexdigest()
 
 

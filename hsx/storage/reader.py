@@ -52,7 +52,7 @@ from hsx.storage.expected import (
     is_missing,
     load_expected,
     mismatches,
-    read_header,
+    read_metadata,
 )
 from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import relative_sample_key
@@ -68,11 +68,6 @@ ON_BAD_FILE = ("raise", "skip")
 class BadSampleFile(HsxError):
     """A sample file the dataset will not yield: missing, damaged, or not this job's sample (one
     line naming its key and what is wrong)."""
-
-
-def read_metadata(data: bytes) -> dict[str, str]:
-    """The `__metadata__` of a safetensors file's header."""
-    return read_header(data)[0].get("__metadata__", {})
 
 
 def load_sample(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

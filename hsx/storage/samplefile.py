@@ -200,18 +200,3 @@ def read_chunks(path: Path, chunk_size: int = 8 << 20) -> Iterable[bytes]:
 def checked_file_digest(path: Path) -> str:
     """The digest of the sample file at `path`, after checking it (one read)."""
     return checked_digest(read_chunks(path))
-
-
-def metadata_of(head: bytes | memoryview) -> dict[str, str]:
-    """The metadata of a sample file from its first bytes, which must hold the whole header (a
-    few hundred bytes); SampleFileCorrupt when they do not."""
-    end = 8 + int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
-    if not 8 < end <= len(head):
-        raise SampleFileCorrupt(f"no whole header in the first {len(head)} bytes")
-    try:
-        metadata = json.loads(bytes(head[8:end]))["__metadata__"]
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-        raise SampleFileCorrupt(f"the header does not parse as a sample file's ({type(exc).__name__}: {exc})") from None
-    if not isinstance(metadata, dict):
-        raise SampleFileCorrupt("the header's metadata is not a map")
-    return metadata

@@ -25,6 +25,7 @@ JetStream's own state. Nothing here infers progress from processes.
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import msgspec
@@ -313,18 +314,21 @@ async def save_checkpoint(js: JetStreamContext, checkpoint: schemas.ProgressChec
     log.warning("checkpoint_not_saved", job=checkpoint.job, reason="another reader kept saving first")
 
 
-async def has_uploaded_marker(js: JetStreamContext, job: str, plan: str, index: int) -> bool:
-    """Whether sample `index` has an `uploaded` marker of `plan`, planned or (an index outside the
-    plan) set aside: whether it is in the destination, as the job's journal says."""
+async def find_marker(js: JetStreamContext, subject: Callable[..., str], job: str, plan: str, name: int | str):
+    """The marker of batch or sample `name` of `plan` (`subject`: topology.written_subject or
+    uploaded_subject), planned or (outside the plan) set aside; None when there is none."""
     for planned in (True, False):
         try:
-            await js.get_last_msg(
-                topology.EVENTS_STREAM, topology.uploaded_subject(job, plan or "none", index, planned=planned)
-            )
-            return True
+            return await js.get_last_msg(topology.EVENTS_STREAM, subject(job, plan or "none", name, planned=planned))
         except nats.js.errors.NotFoundError:
             pass
-    return False
+    return None
+
+
+async def has_uploaded_marker(js: JetStreamContext, job: str, plan: str, index: int) -> bool:
+    """Whether sample `index` has an `uploaded` marker of `plan`: whether it is in the
+    destination, as the job's journal says."""
+    return await find_marker(js, topology.uploaded_subject, job, plan, index) is not None
 
 
 class ProgressTracker:
