@@ -25,7 +25,7 @@ FROM base AS slim
 COPY . /app
 RUN pip install --no-cache-dir . \
  && hsx --help >/dev/null \
- && python -c "import sys, uploader.main, monitor.main; assert 'torch' not in sys.modules"
+ && python -c "import sys, hsx.uploader.main, hsx.monitor.main; assert 'torch' not in sys.modules"
 USER hsx
 ENTRYPOINT ["hsx"]
 CMD ["--help"]

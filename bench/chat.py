@@ -37,8 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from producer.chat import ChatTokenizer  # noqa: E402
-from producer.dataset import ChatRow  # noqa: E402
+from hsx.producer.chat import ChatTokenizer  # noqa: E402
+from hsx.producer.dataset import ChatRow  # noqa: E402
 
 WORDS = (
     "the of and to in is that it for as with was on be by this are from at or an have not which but "
@@ -113,7 +113,7 @@ def _chunked(model: str, rows: list[ChatRow], workers: int) -> list:
 
 
 def _pool(model: str, rows: list[ChatRow], workers: int) -> list:
-    from producer.chat_pool import tokenize_chats
+    from hsx.producer.chat_pool import tokenize_chats
 
     chat = ChatTokenizer.load(model, first_chat_row=rows[0].where)
     return list(tokenize_chats(chat, rows, workers=workers))
@@ -127,7 +127,7 @@ def _available(path: str) -> bool:
         return hasattr(ChatTokenizer, "tokenize_many")
     if path == "pool":
         try:
-            import producer.chat_pool  # noqa: F401
+            import hsx.producer.chat_pool  # noqa: F401
         except ImportError:
             return False
     return True

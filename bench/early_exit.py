@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu import forward_flops  # noqa: E402
-from gpu_consumer.extract import pad_batch  # noqa: E402
-from gpu_consumer.model import LayerTap  # noqa: E402
 from hsx.commands.embedded import synthetic_lengths  # noqa: E402
+from hsx.gpu_consumer.extract import pad_batch  # noqa: E402
+from hsx.gpu_consumer.model import LayerTap  # noqa: E402
 from hsx.packing import plan_batches  # noqa: E402
 from hsx.wire.schemas import Sample  # noqa: E402
 

@@ -33,10 +33,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_consumer.extract import extract_samples, pad_batch  # noqa: E402
-from gpu_consumer.model import LayerTap, LoadedModel, choose_attention, decoder_layers  # noqa: E402
-from gpu_consumer.staging import HostStaging  # noqa: E402
 from hsx.commands.embedded import synthetic_lengths  # noqa: E402
+from hsx.gpu_consumer.extract import extract_samples, pad_batch  # noqa: E402
+from hsx.gpu_consumer.model import LayerTap, LoadedModel, choose_attention, decoder_layers  # noqa: E402
+from hsx.gpu_consumer.staging import HostStaging  # noqa: E402
 from hsx.packing import plan_batches  # noqa: E402
 from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
 
@@ -76,9 +76,9 @@ async def _service_pass(loaded, batches, spec, spool: Path) -> tuple[int, float]
     """One pass of the real consumer loop over `batches`; returns (bytes written, seconds from the
     loop's start to the last batch acked). Starting NATS and publishing come before the clock
     starts; tearing down and deleting the files after it stops."""
-    from gpu_consumer.config import ConsumerConfig
-    from gpu_consumer.service import BatchWorker, pull_loop
     from hsx.commands.embedded import start_nats_server
+    from hsx.gpu_consumer.config import ConsumerConfig
+    from hsx.gpu_consumer.service import BatchWorker, pull_loop
     from hsx.wire import schemas, topology
     from hsx.wire.events import EventPublisher
     from hsx.wire.natsconn import NatsSettings, connect

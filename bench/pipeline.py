@@ -68,17 +68,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_consumer.extract import pad_batch  # noqa: E402
-from gpu_consumer.model import load_model  # noqa: E402
-from gpu_consumer.service import SERVICE as CONSUMER_SERVICE  # noqa: E402
 from hsx.commands.embedded import DEMO_MODEL_CONFIG, build_tiny_model, start_nats_server, write_synthetic_dataset  # noqa: E402
 from hsx.commands.status import read_status  # noqa: E402
 from hsx.commands.up import Child, hsx_argv, stop_all  # noqa: E402
 from hsx.errors import HsxError  # noqa: E402
+from hsx.gpu_consumer.extract import pad_batch  # noqa: E402
+from hsx.gpu_consumer.model import load_model  # noqa: E402
+from hsx.gpu_consumer.service import SERVICE as CONSUMER_SERVICE  # noqa: E402
+from hsx.uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 from hsx.wire import schemas, topology  # noqa: E402
 from hsx.wire.jobs import require_job_spec  # noqa: E402
 from hsx.wire.natsconn import NatsSettings, connect  # noqa: E402
-from uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 
 NODE = "bench"
 _DAY_S = 86400.0

@@ -62,14 +62,14 @@ from bench.pipeline import (  # noqa: E402
     _pause_until,
     _wait_until,
 )
-from gpu_consumer.writer import write_sample_file  # noqa: E402
 from hsx.commands.embedded import start_nats_server, synthetic_lengths  # noqa: E402
 from hsx.commands.up import Child, hsx_argv, stop_all  # noqa: E402
 from hsx.errors import HsxError  # noqa: E402
+from hsx.gpu_consumer.writer import write_sample_file  # noqa: E402
+from hsx.uploader.config import UploaderConfig  # noqa: E402
+from hsx.uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 from hsx.wire import schemas, topology  # noqa: E402
 from hsx.wire.natsconn import NatsSettings, connect  # noqa: E402
-from uploader.config import UploaderConfig  # noqa: E402
-from uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 
 JOB = "bench"
 NODE = "bench"

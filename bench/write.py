@@ -35,9 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_consumer.config import ConsumerConfig  # noqa: E402
-from gpu_consumer.writer import write_sample_file  # noqa: E402
 from hsx.commands.embedded import synthetic_lengths  # noqa: E402
+from hsx.gpu_consumer.config import ConsumerConfig  # noqa: E402
+from hsx.gpu_consumer.writer import write_sample_file  # noqa: E402
 from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
 
 

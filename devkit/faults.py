@@ -162,9 +162,9 @@ def _dead_letters(module, environ: Mapping[str, str]) -> None:
 
 
 _SEAMS: dict[str, Callable] = {
-    "gpu_consumer.extract": _consumer_extract,
-    "gpu_consumer.service": _consumer_service,
-    "gpu_consumer.writer": _consumer_writer,
+    "hsx.gpu_consumer.extract": _consumer_extract,
+    "hsx.gpu_consumer.service": _consumer_service,
+    "hsx.gpu_consumer.writer": _consumer_writer,
     "hsx.wire.deadletter": _dead_letters,
 }
 

@@ -19,7 +19,7 @@ class ConsumerConfig(WorkerConfig):
         env="HSX_DEVICE",
         help="env HSX_DEVICE, default cuda:0",
     )
-    # As given ("auto", "200G"), made a byte count by the entry point (hsx/commands/services.py):
+    # As given ("auto", "200G"), made a byte count by the entry point (commands/services.py):
     # auto is half the spool disk's free space.
     spool_high_water_bytes: int = option(
         "--spool-high-water",

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from gpu_consumer.model import LoadedModel
-from gpu_consumer.staging import StagingLease
+from hsx.gpu_consumer.model import LoadedModel
+from hsx.gpu_consumer.staging import StagingLease
 from hsx.wire.schemas import Sample
 
 log = structlog.get_logger("hsx.gpu_consumer.extract")

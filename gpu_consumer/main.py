@@ -7,10 +7,10 @@ import time
 import structlog
 import torch
 
-from gpu_consumer.config import ConsumerConfig
-from gpu_consumer.model import load_model
-from gpu_consumer.service import SERVICE, BatchWorker, pull_loop
-from gpu_consumer.writer import remove_orphaned_temp_files
+from hsx.gpu_consumer.config import ConsumerConfig
+from hsx.gpu_consumer.model import load_model
+from hsx.gpu_consumer.service import SERVICE, BatchWorker, pull_loop
+from hsx.gpu_consumer.writer import remove_orphaned_temp_files
 from hsx.storage.fsutil import make_private_dirs
 from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans
 from hsx.wire import schemas, topology
@@ -22,7 +22,7 @@ log = structlog.get_logger("hsx.gpu_consumer")
 
 
 def _warm_up(loaded) -> None:
-    from gpu_consumer.extract import extract_samples
+    from hsx.gpu_consumer.extract import extract_samples
 
     extract_samples(loaded, [schemas.Sample(index=-1, source_id="warmup", input_ids=[loaded.pad_token_id] * 16)])
 

@@ -16,8 +16,8 @@ import structlog
 import torch
 from torch import nn
 
-from gpu_consumer.staging import HostStaging
 from hsx.errors import HsxError
+from hsx.gpu_consumer.staging import HostStaging
 from hsx.logs import route_transformers_logging
 from hsx.model.devices import visible_text
 from hsx.model.layers import FINAL

@@ -48,12 +48,12 @@ import torch
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from gpu_consumer.config import ConsumerConfig
-from gpu_consumer.extract import extract_isolating, extract_samples
-from gpu_consumer.model import LoadedModel
-from gpu_consumer.staging import StagingLease
-from gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
-from gpu_consumer.writer import write_sample_file
+from hsx.gpu_consumer.config import ConsumerConfig
+from hsx.gpu_consumer.extract import extract_isolating, extract_samples
+from hsx.gpu_consumer.model import LoadedModel
+from hsx.gpu_consumer.staging import StagingLease
+from hsx.gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
+from hsx.gpu_consumer.writer import write_sample_file
 from hsx.storage.fsutil import fsync_dir
 from hsx.storage.spool import spool_usage
 from hsx.wire import schemas, topology

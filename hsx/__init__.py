@@ -2,9 +2,9 @@
 
 The core, in rooms (docs/ARCHITECTURE.md, "Layout"): `hsx.wire` (messages, topology, progress),
 `hsx.storage` (the output format, destinations, index, the trainers' reader), `hsx.model`
-(layers, model configs, devices), `hsx.config` (where settings come from), and `hsx.commands`,
-the command line. The services are the top-level packages `producer`, `gpu_consumer`,
-`uploader` and `monitor`.
+(layers, model configs, devices) and `hsx.config` (where settings come from). The services
+`hsx.producer`, `hsx.gpu_consumer`, `hsx.uploader`, `hsx.monitor` and the command line
+`hsx.commands` are installed under this namespace from the top-level folders of those names.
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -1,4 +1,4 @@
-"""The `hsx` entry point (`hsx ...`, `python -m hsx.cli ...`); the command line is hsx/commands/cli.py."""
+"""The `hsx` entry point (`hsx ...`, `python -m hsx.cli ...`); the command line is commands/cli.py."""
 
 import sys
 

@@ -8,7 +8,7 @@ the other view of the same reading.
 import threading
 from typing import TextIO
 
-from monitor.report import Reading, live_workers_by_service, percent_uploaded, silent_count
+from hsx.monitor.report import Reading, live_workers_by_service, percent_uploaded, silent_count
 
 _BAR_CELLS = 20
 _SERVICE_SHORT = {"gpu_consumer": "gpu", "uploader": "up", "producer": "prod"}

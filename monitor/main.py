@@ -20,15 +20,11 @@ import time
 import structlog
 
 from hsx.logs import configure_logging
-from hsx.storage.index import build_job_index
-from hsx.wire import schemas
-from hsx.wire.progress import ProgressTracker, status_view
-from hsx.wire.worker import JobWatch, job_session
-from monitor.bar import TerminalBar, render_bar
-from monitor.config import MonitorConfig
-from monitor.metrics import JobCollector, serve_metrics
-from monitor.rates import RateWindow
-from monitor.report import (
+from hsx.monitor.bar import TerminalBar, render_bar
+from hsx.monitor.config import MonitorConfig
+from hsx.monitor.metrics import JobCollector, serve_metrics
+from hsx.monitor.rates import RateWindow
+from hsx.monitor.report import (
     degraded_workers,
     progress_line,
     silent_workers,
@@ -36,6 +32,10 @@ from monitor.report import (
     summary_line,
     take_reading,
 )
+from hsx.storage.index import build_job_index
+from hsx.wire import schemas
+from hsx.wire.progress import ProgressTracker, status_view
+from hsx.wire.worker import JobWatch, job_session
 
 log = structlog.get_logger("hsx.monitor")
 

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hsx.errors import HsxError
-from monitor.report import Reading
+from hsx.monitor.report import Reading
 
 # name (without _total), help, field of the status view
 _COUNTERS = (

@@ -8,9 +8,9 @@ line, the terminal bar and /metrics all show one `Reading`, so they cannot disag
 
 from dataclasses import dataclass
 
+from hsx.monitor.rates import eta_seconds
 from hsx.wire import schemas
 from hsx.wire.progress import StatusView
-from monitor.rates import eta_seconds
 
 # The keys of every `progress` line (docs/OPERATIONS.md, "Monitoring", describes each one).
 PROGRESS_FIELDS = (

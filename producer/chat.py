@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx.errors import HsxError
-from producer.dataset import ChatRow, DatasetRow
+from hsx.producer.dataset import ChatRow, DatasetRow
 
 # transformers' own test for generation markers (apply_chat_template, return_assistant_tokens_mask).
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")

@@ -23,8 +23,8 @@ from concurrent.futures.process import BrokenProcessPool
 from itertools import islice
 
 from hsx.errors import HsxError
-from producer.chat import ChatTokenizer
-from producer.dataset import ChatRow, DatasetRow
+from hsx.producer.chat import ChatTokenizer
+from hsx.producer.dataset import ChatRow, DatasetRow
 
 CHUNK_ROWS = 512
 # Below this many rows a pool's start-up (about a second per worker, in parallel) costs more than it saves.

@@ -18,11 +18,11 @@ import numpy as np
 import structlog
 
 from hsx.errors import HsxError
+from hsx.producer.chat import ChatTemplateInfo, ChatTokenizer
+from hsx.producer.chat_pool import tokenize_chats
+from hsx.producer.dataset import ChatRow, DatasetRow, read_source
+from hsx.producer.lengths import LongSample, apply_on_long_table
 from hsx.wire.tokens import SampleTable, SampleTableBuilder
-from producer.chat import ChatTemplateInfo, ChatTokenizer
-from producer.chat_pool import tokenize_chats
-from producer.dataset import ChatRow, DatasetRow, read_source
-from producer.lengths import LongSample, apply_on_long_table
 
 log = structlog.get_logger("hsx.producer")
 

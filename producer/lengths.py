@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hsx.errors import HsxError
+from hsx.producer.config import ON_LONG
+from hsx.producer.dataset import DatasetRow
 from hsx.wire.tokens import SampleTable
-from producer.config import ON_LONG
-from producer.dataset import DatasetRow
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -35,6 +35,10 @@ from hsx.errors import HsxError
 from hsx.model.layers import preset_of, resolve_layers
 from hsx.model.modelinfo import load_model_info
 from hsx.packing import PlannedBatch, plan_batches
+from hsx.producer import bundle, preflight, resume, stored
+from hsx.producer.config import ProducerConfig
+from hsx.producer.dataset import dataset_digest
+from hsx.producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
 from hsx.wire import schemas, topology
 from hsx.wire.headers import message_headers
 from hsx.wire.jobs import count_messages, live_workers, read_job_spec
@@ -42,10 +46,6 @@ from hsx.wire.natsconn import connect, through_outage
 from hsx.wire.progress import count_stored
 from hsx.wire.schemas import LayerSelector, plan_batch_id
 from hsx.wire.tokens import SampleTable
-from producer import bundle, preflight, resume, stored
-from producer.config import ProducerConfig
-from producer.dataset import dataset_digest
-from producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
 
 log = structlog.get_logger("hsx.producer")
 

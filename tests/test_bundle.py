@@ -20,9 +20,9 @@ import boto3
 from test_e2e_s3 import check_ok, logs_of, start_monitor, wait_until_done, write_dataset
 
 from hsx.commands.embedded import start_nats_server
+from hsx.producer.stored import decode_rows
 from hsx.wire import schemas, topology
 from hsx.wire.natsconn import NatsSettings, connect
-from producer.stored import decode_rows
 
 MAX_SEQ_LEN = 96
 BUNDLE_FILES = {"job.json", "tokens.arrow", "plan.json", "report.json"}

@@ -34,10 +34,10 @@ from test_compose import REPO, _config, compose  # noqa: F401  (compose is a fix
 
 from hsx.commands.status import read_status
 from hsx.errors import HsxError
+from hsx.producer.stored import decode_rows
 from hsx.storage.layout import bundle_key, sample_key
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.progress import StatusView
-from producer.stored import decode_rows
 
 UPLOADERS = 8  # docker compose up --scale uploader=8
 DEMO_SAMPLES = 48

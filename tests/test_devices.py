@@ -17,11 +17,11 @@ import pytest
 from test_cli_errors import assert_one_line_error
 
 import hsx.model.devices
-from gpu_consumer.config import ConsumerConfig
 from hsx.commands.cli import build_parser
 from hsx.commands.up import UpConfig, consumer_configs
 from hsx.config.settings import resolve
 from hsx.errors import HsxError
+from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.model.devices import check_consumer_device, plan_devices, visible_text
 
 REPO = Path(__file__).resolve().parent.parent

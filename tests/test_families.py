@@ -37,9 +37,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_consumer.extract import extract_samples
-from gpu_consumer.model import decoder_stack, load_model
 from hsx.commands.embedded import build_tiny_model
+from hsx.gpu_consumer.extract import extract_samples
+from hsx.gpu_consumer.model import decoder_stack, load_model
 from hsx.model.layers import FINAL
 from hsx.wire.schemas import Sample
 

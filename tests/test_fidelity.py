@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from test_e2e_s3 import digest_and_checksum
 from transformers import AutoModelForCausalLM
 
-from gpu_consumer.extract import extract_samples
-from gpu_consumer.model import load_model
-from gpu_consumer.writer import write_sample_file
+from hsx.gpu_consumer.extract import extract_samples
+from hsx.gpu_consumer.model import load_model
+from hsx.gpu_consumer.writer import write_sample_file
 from hsx.storage.layout import LAYER_CONVENTION, sample_key
 from hsx.storage.spool import spool_file
 from hsx.wire.schemas import FileReady, JobSpec, Sample

@@ -31,8 +31,8 @@ from conftest import REPO, _env, aws_bucket, run_in_process
 from test_e2e_s3 import check_ok, write_dataset
 from test_verify import restored, verify_in_process
 
-from gpu_consumer.writer import write_sample_file
 from hsx.errors import HsxError
+from hsx.gpu_consumer.writer import write_sample_file
 from hsx.logs import configure_logging
 from hsx.storage.layout import sample_key
 from hsx.storage.reader import HiddenStateDataset, pack_collate, pad_collate, prefetched

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from devkit.faults import oom_above
-from gpu_consumer.extract import extract_samples
-from gpu_consumer.model import load_model
+from hsx.gpu_consumer.extract import extract_samples
+from hsx.gpu_consumer.model import load_model
 from hsx.wire.schemas import Sample
 
 pytestmark = pytest.mark.gpu
@@ -56,7 +56,7 @@ def test_pinned_staging_survives_oom_splits_and_isolation(tiny_model, monkeypatc
     """On CUDA the states come back in pinned buffers leased per batch; batches split on OOM or
     bisected for poison must still return every sample's own states, and one lease's states
     stay valid while another lease's forwards run."""
-    import gpu_consumer.extract as extract
+    import hsx.gpu_consumer.extract as extract
 
     path = tiny_model("qwen3")
     loaded = load_model(str(path), layers=[1, 3], dtype="float32", device="cuda:0")

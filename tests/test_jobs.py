@@ -1,4 +1,4 @@
-"""`hsx jobs list` and `hsx jobs delete` (hsx/commands/jobs.py): a job name can be used again.
+"""`hsx jobs list` and `hsx jobs delete` (commands/jobs.py): a job name can be used again.
 
 One round trip on the session's nats-server, with the real CLI, a real consumer and uploader: the
 job is listed; deleting it is refused while they are alive (and after they were SIGKILLed, until

@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gpu_consumer.extract import extract_samples
-from gpu_consumer.model import load_model
-from gpu_consumer.writer import write_sample_file
 from hsx.errors import HsxError
+from hsx.gpu_consumer.extract import extract_samples
+from hsx.gpu_consumer.model import load_model
+from hsx.gpu_consumer.writer import write_sample_file
 from hsx.model.layers import FINAL, parse_layers, resolve_layers
 from hsx.storage.layout import FLOAT8
 from hsx.storage.spool import spool_file

@@ -1,7 +1,8 @@
 """The import rule of docs/ARCHITECTURE.md ("Layout"), read from the source with `ast`: every
 import in every module, at the top or inside a function, is checked against the rooms it may
 reach. commands -> services -> core; the core never imports a service or a command; a service
-never imports another service; nothing in the product imports devkit/.
+never imports another service; nothing in the product imports devkit/; and every module is
+imported by its installed name (`hsx.producer`, not the folder name `producer`).
 
 Also: the uploader's service module, `hsx upload --help` and `hsx monitor --help` do not import
 torch (an uploader or monitor node installs no torch; `pip install hsx` without the `gpu` extra).
@@ -10,12 +11,15 @@ torch (an uploader or monitor node installs no torch; `pip install hsx` without 
 import ast
 import subprocess
 import sys
+from graphlib import TopologicalSorter
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICES = ("producer", "gpu_consumer", "uploader", "monitor")
+# Each top-level folder of the product and the name it is installed under (pyproject.toml).
+FOLDERS = {"hsx": "hsx", **{folder: f"hsx.{folder}" for folder in (*SERVICES, "commands")}}
 
 # Each room of the core and the rooms it may import (besides itself and the standard library).
 CORE = {
@@ -25,17 +29,23 @@ CORE = {
     "hsx.storage": {"hsx.base", "hsx.config", "hsx.wire"},
     "hsx.model": {"hsx.base", "hsx.config", "hsx.wire"},  # the job spec's types (LayerSelector)
 }
+BY_FOLDER_NAME = "a folder name (not installed)"
 
 
 def room_of(module: str) -> str | None:
-    """`hsx.wire.events` -> hsx.wire; `uploader.service` -> uploader; None outside the product."""
+    """`hsx.wire.events` -> hsx.wire; `hsx.uploader.service` -> uploader; `hsx.cli` and
+    `hsx.commands.*` -> commands; None outside the product."""
     parts = module.split(".")
-    if parts[0] in SERVICES or parts[0] == "devkit":
-        return parts[0]
+    if parts[0] == "devkit":
+        return "devkit"
+    if parts[0] in FOLDERS and parts[0] != "hsx":
+        return BY_FOLDER_NAME
     if parts[0] != "hsx":
         return None
     if module == "hsx.cli" or (len(parts) > 1 and parts[1] == "commands"):
-        return "hsx.commands"
+        return "commands"
+    if len(parts) > 1 and parts[1] in SERVICES:
+        return parts[1]
     if len(parts) > 1 and f"hsx.{parts[1]}" in CORE:
         return f"hsx.{parts[1]}"
     return "hsx.base"
@@ -46,13 +56,15 @@ def may_import(room: str) -> set[str]:
         return CORE[room] | {room}
     if room in SERVICES:
         return set(CORE) | {room}
-    if room == "hsx.commands":
+    if room == "commands":
         return set(CORE) | set(SERVICES) | {room}
     raise AssertionError(room)
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    """The installed name of a source file: producer/main.py -> hsx.producer.main."""
+    folder, *rest = path.relative_to(REPO).with_suffix("").parts
+    parts = [*FOLDERS[folder].split("."), *rest]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -70,7 +82,7 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
 
 
 def product_modules() -> list[Path]:
-    return sorted(p for top in ("hsx", *SERVICES) for p in (REPO / top).rglob("*.py"))
+    return sorted(p for top in FOLDERS for p in (REPO / top).rglob("*.py"))
 
 
 def violations(paths: list[Path]) -> list[str]:
@@ -84,31 +96,86 @@ def violations(paths: list[Path]) -> list[str]:
     return found
 
 
+def room_graph() -> dict[str, set[str]]:
+    """Each room and the other rooms its modules import, drawn from the source."""
+    graph: dict[str, set[str]] = {}
+    for path in product_modules():
+        room = room_of(module_name(path))
+        targets = {room_of(imported) for _, imported in imports_of(path)}
+        graph.setdefault(room, set()).update(t for t in targets if t is not None and t != room)
+    return graph
+
+
+# Top floor first: every import points to a later floor.
+FLOORS = ["commands", *SERVICES, "hsx.storage", "hsx.model", "hsx.wire", "hsx.config", "hsx.base"]
+
+
+def drawn(graph: dict[str, set[str]]) -> str:
+    """The graph as docs/ARCHITECTURE.md shows it: one line a room, top floor first."""
+    tuple(TopologicalSorter(graph).static_order())  # raises CycleError on a circle
+    upward = [f"{room} -> {to}" for room in graph for to in graph[room] if FLOORS.index(to) <= FLOORS.index(room)]
+    assert upward == [], f"arrows pointing up: {upward}"
+    return "\n".join(
+        f"{room} -> {', '.join(sorted(graph[room], key=FLOORS.index)) or '(standard library)'}"
+        for room in FLOORS
+        if room in graph
+    )
+
+
 def test_every_product_module_follows_the_import_rule():
     modules = product_modules()
     assert len(modules) > 60  # the walk found the product, not an empty folder
     assert violations(modules) == []
 
 
+def test_the_rooms_draw_a_graph_without_circles_and_the_docs_show_it():
+    graph = room_graph()
+    assert set(graph) == {*CORE, *SERVICES, "commands"}
+    picture = drawn(graph)
+    assert picture in (REPO / "docs" / "ARCHITECTURE.md").read_text(), picture
+
+
+def test_a_circle_and_an_upward_arrow_are_caught():
+    with pytest.raises(Exception, match="cycle"):
+        drawn({"hsx.wire": {"hsx.storage"}, "hsx.storage": {"hsx.wire"}})
+    with pytest.raises(AssertionError, match="arrows pointing up: .'hsx.wire -> producer'"):
+        drawn({"hsx.wire": {"producer"}, "producer": set()})
+
+
 def test_the_rule_catches_each_kind_of_violation(tmp_path, monkeypatch):
-    """The check itself can fail: a core module importing a service or a command, and a service
-    importing another service or devkit, are each reported."""
+    """The check itself can fail: a core module importing a service or a command, a service
+    importing another service or devkit, and an import by a folder name are each reported."""
     fake = tmp_path / "repo"
     (fake / "hsx" / "wire").mkdir(parents=True)
     (fake / "uploader").mkdir()
     (fake / "hsx" / "wire" / "bad.py").write_text(
-        "from gpu_consumer.model import load\n\ndef f():\n    from hsx.commands import up\n    import hsx.storage.index\n"
+        "from hsx.gpu_consumer.model import load\n\ndef f():\n    from hsx.commands import up\n    import hsx.storage.index\n"
     )
-    (fake / "uploader" / "bad.py").write_text("import producer.preflight\nfrom devkit import start_nats_cluster\n")
+    (fake / "uploader" / "bad.py").write_text(
+        "import hsx.producer.preflight\nfrom devkit import start_nats_cluster\nfrom hsx.uploader import main\nimport uploader.main\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "REPO", fake)
     found = violations([fake / "hsx" / "wire" / "bad.py", fake / "uploader" / "bad.py"])
     assert [line.split(": ", 1)[1] for line in found] == [
-        "hsx.wire imports gpu_consumer.model.load (gpu_consumer)",
-        "hsx.wire imports hsx.commands.up (hsx.commands)",
+        "hsx.wire imports hsx.gpu_consumer.model.load (gpu_consumer)",
+        "hsx.wire imports hsx.commands.up (commands)",
         "hsx.wire imports hsx.storage.index (hsx.storage)",
-        "uploader imports producer.preflight (producer)",
+        "uploader imports hsx.producer.preflight (producer)",
         "uploader imports devkit.start_nats_cluster (devkit)",
+        f"uploader imports uploader.main ({BY_FOLDER_NAME})",
     ]
+
+
+def test_the_services_are_installed_under_hsx_only():
+    """Outside the checkout, `hsx.producer` imports and no top-level `producer` (or any other
+    service or command folder name) exists to collide with a user's own package."""
+    code = (
+        "import importlib.util, hsx.producer, hsx.gpu_consumer, hsx.uploader, hsx.monitor, hsx.commands\n"
+        "print([n for n in ('producer', 'gpu_consumer', 'uploader', 'monitor', 'commands') if importlib.util.find_spec(n)])"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def _torch_after(code: str) -> str:
@@ -127,8 +194,8 @@ def _torch_after(code: str) -> str:
 @pytest.mark.parametrize(
     "code",
     [
-        "import uploader.service, uploader.main",
-        "import monitor.main",
+        "import hsx.uploader.service, hsx.uploader.main",
+        "import hsx.monitor.main",
         "from hsx.commands.cli import main\ntry:\n    main(['upload', '--help'])\nexcept SystemExit:\n    pass",
         "from hsx.commands.cli import main\ntry:\n    main(['monitor', '--help'])\nexcept SystemExit:\n    pass",
     ],
@@ -138,7 +205,7 @@ def test_uploader_and_monitor_do_not_import_torch(code):
 
 
 def test_the_torch_check_sees_torch_when_it_is_imported():
-    assert _torch_after("import gpu_consumer.writer") == "True"
+    assert _torch_after("import hsx.gpu_consumer.writer") == "True"
 
 
 def test_no_argparse_private_api():

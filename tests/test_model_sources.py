@@ -114,7 +114,7 @@ def test_an_unknown_model_id_is_a_one_line_error(hsx, job_name, tmp_path):
 def test_flash_attention_only_where_it_can_run():
     import torch
 
-    from gpu_consumer.model import choose_attention
+    from hsx.gpu_consumer.model import choose_attention
 
     cuda, cpu = torch.device("cuda:0"), torch.device("cpu")
     assert choose_attention(cuda, torch.bfloat16, flash_attn_installed=True) == "flash_attention_2"

@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_chaos import log_events, sigkill
 from test_e2e_s3 import job_plan, logs_of, produce, status, write_dataset
 
+from hsx.monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS
 from hsx.storage.spool import spool_usage
-from monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS
 
 NODE = "testnode"  # HSX_NODE of every service the fixtures start
 

@@ -9,11 +9,11 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hsx.monitor.bar import TerminalBar, render_bar
+from hsx.monitor.metrics import JobCollector
+from hsx.monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS, progress_line, silent_workers, take_reading
 from hsx.wire import schemas
 from hsx.wire.progress import ProgressCounts, ProgressFold, QueueState, status_view
-from monitor.bar import TerminalBar, render_bar
-from monitor.metrics import JobCollector
-from monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS, progress_line, silent_workers, take_reading
 
 NOW = 1_000_000.0
 

@@ -293,7 +293,7 @@ def test_a_hung_forward_is_reported_stalled_and_its_batch_finished_by_another_co
 
 
 def test_the_stall_bound_grows_with_the_batch_and_the_measured_pace_and_has_a_floor():
-    from gpu_consumer.stall import ForwardPace
+    from hsx.gpu_consumer.stall import ForwardPace
     from hsx.wire.schemas import BatchDescriptor, Sample
 
     def batch(size: int, padded_len: int) -> BatchDescriptor:

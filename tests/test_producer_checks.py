@@ -124,7 +124,7 @@ def _descriptor(samples: int, tokens_each: int) -> schemas.BatchDescriptor:
 
 
 def test_a_descriptor_must_leave_room_for_its_dead_letter():
-    from producer import preflight
+    from hsx.producer import preflight
 
     descriptor = _descriptor(4, 500)
     size = len(schemas.encode(descriptor))

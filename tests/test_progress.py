@@ -11,11 +11,11 @@ import nats
 import pytest
 
 from hsx.commands.status import read_status
+from hsx.monitor.rates import RateWindow, eta_seconds
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.progress import ProgressCounts, ProgressFold, ProgressTracker, QueueState, count_stored, status_view
-from monitor.rates import RateWindow, eta_seconds
 
 PLAN = "abcdefabcdef"
 

@@ -36,9 +36,9 @@ from test_e2e_s3 import (
 )
 from test_fidelity import _spec
 
-from gpu_consumer.config import ConsumerConfig
-from gpu_consumer.model import load_model
-from gpu_consumer.service import BatchWorker, pull_loop
+from hsx.gpu_consumer.config import ConsumerConfig
+from hsx.gpu_consumer.model import load_model
+from hsx.gpu_consumer.service import BatchWorker, pull_loop
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings, connect

@@ -22,12 +22,12 @@ from safetensors.torch import load_file
 from test_fidelity import _spec
 from transformers import AutoModelForCausalLM
 
-import gpu_consumer.extract as extract
+import hsx.gpu_consumer.extract as extract
 from devkit.faults import oom_above
-from gpu_consumer.config import ConsumerConfig
-from gpu_consumer.model import load_model
-from gpu_consumer.service import BatchWorker, Taken
-from gpu_consumer.staging import HostStaging
+from hsx.gpu_consumer.config import ConsumerConfig
+from hsx.gpu_consumer.model import load_model
+from hsx.gpu_consumer.service import BatchWorker, Taken
+from hsx.gpu_consumer.staging import HostStaging
 from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher

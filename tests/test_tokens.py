@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from hsx.errors import HsxError
+from hsx.producer.dataset import read_source
+from hsx.producer.inputs import tokenized_rows
 from hsx.wire import schemas
 from hsx.wire.tokens import TokenRow, load_samples, loss_spans, read_tokens, tokens_object_name, write_tokens
-from producer.dataset import read_source
-from producer.inputs import tokenized_rows
 
 OLD_OBJECT = Path(__file__).parent / "data" / "tokens_v1_old.arrow"
 
@@ -100,9 +100,9 @@ def _rows(count: int, seed: int) -> list[dict]:
 
 @pytest.mark.parametrize("form", ["parquet", "jsonl"])
 def test_the_plan_fingerprint_is_the_old_formula(form, tiny_model, tmp_path):
+    from hsx.producer.config import ProducerConfig
+    from hsx.producer.main import plan_fingerprint
     from hsx.wire.natsconn import NatsSettings
-    from producer.config import ProducerConfig
-    from producer.main import plan_fingerprint
 
     rows = _rows(20000, seed=3)  # several record batches and chunks
     if form == "parquet":
@@ -187,7 +187,7 @@ def test_loss_spans_round_trip_and_old_messages_still_read():
 
 
 def test_files_from_spans_and_from_the_list_are_identical(tmp_path):
-    from gpu_consumer.writer import write_sample_file
+    from hsx.gpu_consumer.writer import write_sample_file
 
     spec = schemas.JobSpec(
         job="j",

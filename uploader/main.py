@@ -8,11 +8,11 @@ import structlog
 from hsx.storage.destinations import open_destination
 from hsx.storage.fsutil import make_private_dirs
 from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans
+from hsx.uploader.config import UploaderConfig
+from hsx.uploader.service import SERVICE, FileMover, pull_loop
 from hsx.wire import topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.worker import JobWatch, heartbeats, job_session, watching
-from uploader.config import UploaderConfig
-from uploader.service import SERVICE, FileMover, pull_loop
 
 log = structlog.get_logger("hsx.uploader")
 

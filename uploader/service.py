@@ -43,6 +43,8 @@ from hsx.storage.destinations import Destination
 from hsx.storage.layout import sample_key
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.spool import spool_file, spool_usage
+from hsx.uploader.config import UploaderConfig
+from hsx.uploader.samples import SampleNotFound, StoredSamples
 from hsx.wire import schemas, topology
 from hsx.wire.backoff import jittered, retry_delay
 from hsx.wire.events import EventPublisher, WorkerState, keep_in_progress
@@ -50,8 +52,6 @@ from hsx.wire.headers import message_headers
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
 from hsx.wire.progress import has_uploaded_marker
 from hsx.wire.worker import JobWatch
-from uploader.config import UploaderConfig
-from uploader.samples import SampleNotFound, StoredSamples
 
 log = structlog.get_logger("hsx.uploader")
 

@@ -3,7 +3,7 @@
 A service's flags are declared on its config class (hsx/config/fields.py); `add_config_flags`
 puts them on a `Parser` (argparse, with its public methods only) and `build_config` makes the
 config from the resolved values. The few flags of the other commands are declared in
-hsx/commands/cli.py, with the environment variable of a flag (`declare_env`), the redaction of a
+commands/cli.py, with the environment variable of a flag (`declare_env`), the redaction of a
 secret one (`declare_secret`), the [job] key of one that defines the job (`declare_job`) and the
 flags a file may not set (`declare_command_line_only`). A `Parser`
 keeps each flag's declared default and whether it is required for `resolve`, and gives argparse

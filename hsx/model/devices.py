@@ -8,7 +8,7 @@ HsxError naming the flag and what is visible. `node_devices` asks torch, and onl
 asked for. `check_consumer_device` refuses `hsx consume --device cuda`: one consumer is one
 process on one device.
 
-This module knows nothing of processes (hsx/commands/up.py starts one consumer per device) or of models
+This module knows nothing of processes (commands/up.py starts one consumer per device) or of models
 (gpu_consumer/model.py loads the model on the device it is given).
 """
 

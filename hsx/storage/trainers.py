@@ -1,5 +1,5 @@
 """The files each drafter trainer reads, made from one hsx sample: SpecForge's DFlash and EAGLE-3
-offline features, and speculators' cached hidden states. `hsx export` (hsx/commands/export.py)
+offline features, and speculators' cached hidden states. `hsx export` (commands/export.py)
 drives them; this module knows the trainers' layouts and layer conventions, nothing of NATS.
 
 - `specforge-dflash`: `rows_<g>-<g+2000>/data_<i>.ckpt` (torch.save, zip format, read with

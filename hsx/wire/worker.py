@@ -49,7 +49,7 @@ class WorkerConfig:
     once for both (hsx/config/fields.py)."""
 
     nats: NatsSettings
-    instance: str  # unique per process across machines: named by the process itself (hsx/commands/services.py)
+    instance: str  # unique per process across machines: named by the process itself (commands/services.py)
     job: str = option(
         "--job", parse=job_name, job=True, file_key="name", example="qwen27b-l5", help="the job to work on"
     )

@@ -1,7 +1,7 @@
 """The `hsx` command line: the parser of every command, and what each command runs.
 
 A service's flags are declared on its config class (hsx/config/fields.py) and added here with
-`add_config_flags`; hsx/commands/services.py builds the config and runs it. The commands that run
+`add_config_flags`; commands/services.py builds the config and runs it. The commands that run
 no service (status, verify, dead, ...) declare their few flags here, each environment variable with
 `declare_env` (never read inline as a default) and a secret with `declare_secret`.
 hsx/config/settings.py takes each value from the flag, the environment, the job file (`--config`,
@@ -15,7 +15,6 @@ import os
 import sys
 from pathlib import Path
 
-from gpu_consumer.config import ConsumerConfig
 from hsx import __version__
 from hsx.commands.services import BUILDERS, nats_settings, run_service
 from hsx.commands.up import UP_JOB_DEFAULTS, UP_MADE, UpConfig
@@ -33,14 +32,15 @@ from hsx.config.settings import (
 )
 from hsx.config.values import count, hide, positive_int
 from hsx.errors import HsxError
+from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.logs import configure_logging
+from hsx.monitor.config import MonitorConfig
+from hsx.producer.config import ProducerConfig
 from hsx.storage.trainers import DTYPES as EXPORT_DTYPES
 from hsx.storage.trainers import FORMATS as EXPORT_FORMATS
+from hsx.uploader.config import UploaderConfig
 from hsx.wire.natsconn import NatsSettings, redact_url
 from hsx.wire.topology import job_name
-from monitor.config import MonitorConfig
-from producer.config import ProducerConfig
-from uploader.config import UploaderConfig
 
 
 def _add_nats(parser: argparse.ArgumentParser, *, embedded: bool = False) -> None:
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run a whole job on this machine; starts what is not given")
     _add_nats(up, embedded=True)
     add_config_flags(up, UpConfig)
-    # The job's flags are the producer's, with the demo's defaults (hsx/commands/up.py says why).
+    # The job's flags are the producer's, with the demo's defaults (commands/up.py says why).
     add_config_flags(up, ProducerConfig, only=lambda flag: flag.job, defaults={**UP_JOB_DEFAULTS, **UP_MADE})
 
     for name, config, about in _SERVICES:

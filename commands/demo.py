@@ -1,5 +1,5 @@
 """The demo inputs of `docker compose up`: the small random model and the synthetic dataset that
-`hsx up` uses (hsx/commands/embedded.py), built into a folder (compose's `demo` volume, at /demo) by the
+`hsx up` uses (commands/embedded.py), built into a folder (compose's `demo` volume, at /demo) by the
 one-shot `demo-init` service before the producer starts.
 
 It builds only what the job names inside that folder and is not there yet: a model or dataset

@@ -72,7 +72,7 @@ async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, 
 def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> Sequence[list[int]] | None:
     """Every sample's token ids in index order, from the dataset the spec names; None when that
     dataset cannot be read on this machine (the comparison is then skipped and reported so)."""
-    from producer.dataset import read_dataset
+    from hsx.producer.dataset import read_dataset
 
     try:
         rows = read_dataset(Path(spec.dataset), max_seq_len=spec.max_seq_len)
@@ -222,8 +222,8 @@ def _read_and_check(dest, expected, index, expected_ids, hidden_size, indexed_di
 
 
 def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[list[int]] | None) -> list[dict]:
-    from gpu_consumer.extract import extract_samples
-    from gpu_consumer.model import load_model
+    from hsx.gpu_consumer.extract import extract_samples
+    from hsx.gpu_consumer.model import load_model
     from hsx.wire.schemas import Sample
 
     started = time.monotonic()

@@ -1,7 +1,7 @@
 """A service started by `hsx up` with its config built by up: `python -m hsx.commands.child`
 reads one msgspec JSON object from stdin, `{"command": "consume", "config": {...}}`, and runs that
 service. up resolved the config once (flags, environment, job file, defaults) with the same
-builders as the command itself (hsx/commands/services.py); the child parses nothing again, and
+builders as the command itself (commands/services.py); the child parses nothing again, and
 its secrets (a NATS password) travel in the pipe, not in argv or the environment.
 """
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import structlog
 
-from gpu_consumer.config import ConsumerConfig
 from hsx.commands.child import order
 from hsx.commands.embedded import (
     NatsServer,
@@ -35,12 +34,13 @@ from hsx.config.fields import flag_fields, option
 from hsx.config.settings import build_config, resolve
 from hsx.config.values import positive_float, positive_int
 from hsx.errors import HsxError, JobFailed
+from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.model.devices import node_devices
+from hsx.monitor.config import MonitorConfig
+from hsx.producer.config import ProducerConfig
 from hsx.storage.destinations import parse_dest
+from hsx.uploader.config import UploaderConfig
 from hsx.wire.natsconn import NatsSettings, redact_url
-from monitor.config import MonitorConfig
-from producer.config import ProducerConfig
-from uploader.config import UploaderConfig
 
 log = structlog.get_logger("hsx.up")
 
@@ -92,7 +92,7 @@ class UpConfig:
     log_level: str = "info"
     nats: NatsSettings | None  # None: start a nats-server in the workdir (each child's nats is then replaced)
     # What up starts, each config resolved here once (flag > env > job file > default) with the
-    # builders of its own command (hsx/commands/services.py) and passed to the child whole.
+    # builders of its own command (commands/services.py) and passed to the child whole.
     producer: ProducerConfig  # model, dataset and dest made in the workdir where not given
     consumer: ConsumerConfig  # of every consumer, but for its device
     uploader: UploaderConfig
@@ -158,7 +158,7 @@ class Child:
 
     @classmethod
     def of(cls, name: str, cfg, *, log_level: str, env: dict[str, str], log_path: Path | None) -> "Child":
-        """The service of `cfg`, in its own process, given the config whole (hsx/commands/child.py)."""
+        """The service of `cfg`, in its own process, given the config whole (commands/child.py)."""
         argv = [sys.executable, "-m", "hsx.commands.child"]
         return cls(name, argv, env, log_path, stdin=order(cfg, log_level=log_level))
 

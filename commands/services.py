@@ -14,17 +14,17 @@ import os
 import socket
 import sys
 
-from gpu_consumer.config import ConsumerConfig
 from hsx.config.fields import flag_fields
 from hsx.config.settings import build_config
 from hsx.config.values import parse_size
+from hsx.gpu_consumer.config import ConsumerConfig
+from hsx.monitor.config import MonitorConfig
+from hsx.producer.config import ProducerConfig
 from hsx.storage.fsutil import free_bytes, make_private_dirs
+from hsx.uploader.config import UploaderConfig
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.topology import node_name
 from hsx.wire.worker import WorkerConfig
-from monitor.config import MonitorConfig
-from producer.config import ProducerConfig
-from uploader.config import UploaderConfig
 
 ServiceConfig = ProducerConfig | ConsumerConfig | UploaderConfig | MonitorConfig
 
@@ -102,11 +102,11 @@ def in_this_process(cfg: ServiceConfig) -> ServiceConfig:
 def run_service(cfg: ServiceConfig) -> int:
     """Runs the service of `cfg` until it stops; its exit code."""
     if isinstance(cfg, ProducerConfig):
-        from producer.main import run
+        from hsx.producer.main import run
     elif isinstance(cfg, ConsumerConfig):
-        from gpu_consumer.main import run
+        from hsx.gpu_consumer.main import run
     elif isinstance(cfg, UploaderConfig):
-        from uploader.main import run
+        from hsx.uploader.main import run
     else:
-        from monitor.main import run
+        from hsx.monitor.main import run
     return asyncio.run(run(cfg))
