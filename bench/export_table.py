@@ -36,8 +36,8 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hsx.storage.tokens import SampleTable, SampleTableBuilder, TokenChunk  # noqa: E402
 from hsx.storage.trainers import write_speculators_table  # noqa: E402
-from hsx.wire.tokens import SampleTable, SampleTableBuilder, TokenChunk  # noqa: E402
 
 CHUNK = 65_536
 

@@ -50,7 +50,7 @@ from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, relative_sample_key, sam
 from hsx.storage.reader import dequantize, load_sample, ordered_map
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.tensors import STORAGE_DTYPES
-from hsx.wire.tokens import SampleTable, read_tokens
+from hsx.storage.tokens import SampleTable, read_tokens
 
 log = structlog.get_logger("hsx.export")
 

@@ -101,7 +101,7 @@ def format_jobs(jobs: list[dict], *, as_json: bool) -> str:
 async def delete_job(js: JetStreamContext, kv: KeyValue, job: str, *, force: bool) -> dict:
     """Remove everything NATS holds of `job`; refuse while its workers are alive unless `force`.
     The spec goes last, so a delete that stops half-way still lists the job and can be run again."""
-    from hsx.wire.tokens import report_object_name, tokens_object_name
+    from hsx.storage.tokens import report_object_name, tokens_object_name
 
     try:
         spec = await read_job_spec(kv, job)

@@ -40,10 +40,10 @@ from hsx.storage.layout import BUNDLE_DIR, FLOAT8, relative_sample_key, sample_k
 from hsx.storage.reader import dequantize, load_sample
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.tensors import STORAGE_DTYPES
+from hsx.storage.tokens import load_table
 from hsx.wire import schemas, topology
 from hsx.wire.jobs import require_job_spec
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
-from hsx.wire.tokens import load_table
 
 log = structlog.get_logger("hsx.verify")
 
@@ -56,7 +56,7 @@ RELATIVE_TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, FLOAT8: 8e-2}
 async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, Sequence[list[int]] | None]:
     """The job spec, and every sample's token ids as the producer planned them (from the tokenized
     dataset stored with the job; for jobs made before it was stored, from the dataset file):
-    `token_ids[i]` reads sample i's from a temp file (hsx/wire/tokens.py), so a job of any size fits."""
+    `token_ids[i]` reads sample i's from a temp file (hsx/storage/tokens.py), so a job of any size fits."""
     nc = await connect(settings, name=f"hsx-verify-{job}")
     try:
         js = nc.jetstream()

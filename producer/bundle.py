@@ -4,7 +4,7 @@ Under `<dest>/<job>/_hsx/` (`hsx.storage.layout.bundle_key`), beside the shard f
 
 - `job.json`: the job spec, the same JSON as in KV bucket `hsx_jobs` (tag `job.v1`);
 - `tokens.arrow`: the tokenized samples, byte for byte the object `<job>.tokens.arrow` of object
-  store `hsx_datasets` (format `hsx.tokens.v1`, see hsx/wire/tokens.py), streamed through a temp file;
+  store `hsx_datasets` (format `hsx.tokens.v1`, see hsx/storage/tokens.py), streamed through a temp file;
 - `plan.json`: the batch plan, `{"format": "hsx.plan.v1", "job", "plan_fingerprint",
   "token_budget", "max_batch_size", "total_samples", "batches": [{"batch_id", "padded_len",
   "sample_indices"}]}` in publishing order;
@@ -35,8 +35,8 @@ from hsx.packing import PlannedBatch
 from hsx.storage.destinations import VerificationError, open_destination
 from hsx.storage.index import INDEX_FILE
 from hsx.storage.layout import TOKENS_FILE, bundle_key
+from hsx.storage.tokens import download
 from hsx.wire import schemas
-from hsx.wire.tokens import download
 
 log = structlog.get_logger("hsx.producer")
 

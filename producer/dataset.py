@@ -2,7 +2,7 @@
 
 A row is either pre-tokenized, `input_ids` (list of int) with optional `loss_mask` (same length,
 0/1), or a chat, `messages` (list of {role, content}); both may carry an `id`. This module checks
-each row's shape and yields pre-tokenized rows as columnar `TokenChunk`s (hsx/wire/tokens.py) and chat
+each row's shape and yields pre-tokenized rows as columnar `TokenChunk`s (hsx/storage/tokens.py) and chat
 rows as `ChatRow`s (to be tokenized by `producer/chat.py`), in dataset order; it does not tokenize,
 apply --max-seq-len, or know about batches or NATS.
 
@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from hsx.errors import HsxError
-from hsx.wire.tokens import SampleTable, SampleTableBuilder, TokenChunk, TokenRow
+from hsx.storage.tokens import SampleTable, SampleTableBuilder, TokenChunk, TokenRow
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -345,11 +345,13 @@ def read_dataset(path: Path, *, max_seq_len: int | None = None) -> SampleTable:
 
     For jobs made before their samples were stored (`hsx verify`); the producer itself goes
     through `producer.inputs.tokenized_rows`, and the samples a job was actually planned from
-    are `hsx.wire.tokens.load_table`."""
+    are `hsx.storage.tokens.load_table`."""
     builder = SampleTableBuilder()
     for item in read_source(path):
         if isinstance(item, ChatRow):
-            raise HsxError(f"{item.where}: a chat row; it needs the model's tokenizer (use hsx.wire.tokens.load_table)")
+            raise HsxError(
+                f"{item.where}: a chat row; it needs the model's tokenizer (use hsx.storage.tokens.load_table)"
+            )
         builder.add(item)
     table = builder.finish()
     if max_seq_len is not None:

@@ -4,7 +4,7 @@
 is what gets stored (`producer/stored.py`), planned and published. `report_document` is the
 job's input report. No NATS here.
 
-Token rows stream from the reader into a columnar `SampleTable` (hsx/wire/tokens.py: tokens spilled to
+Token rows stream from the reader into a columnar `SampleTable` (hsx/storage/tokens.py: tokens spilled to
 a temp file, a few numbers per sample in memory). Chat rows keep a place in the table while the
 dataset is read; `_tokenize` then turns them into tokens, in order, and each result is written
 into its place as it comes, so only the conversations' text is held meanwhile.
@@ -22,7 +22,7 @@ from hsx.producer.chat import ChatTemplateInfo, ChatTokenizer
 from hsx.producer.chat_pool import tokenize_chats
 from hsx.producer.dataset import ChatRow, DatasetRow, read_source
 from hsx.producer.lengths import LongSample, apply_on_long_table
-from hsx.wire.tokens import SampleTable, SampleTableBuilder
+from hsx.storage.tokens import SampleTable, SampleTableBuilder
 
 log = structlog.get_logger("hsx.producer")
 

@@ -18,7 +18,7 @@ import numpy as np
 from hsx.errors import HsxError
 from hsx.producer.config import ON_LONG
 from hsx.producer.dataset import DatasetRow
-from hsx.wire.tokens import SampleTable
+from hsx.storage.tokens import SampleTable
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

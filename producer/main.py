@@ -39,13 +39,13 @@ from hsx.producer import bundle, preflight, resume, stored
 from hsx.producer.config import ProducerConfig
 from hsx.producer.dataset import dataset_digest
 from hsx.producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
+from hsx.storage.tokens import SampleTable
 from hsx.wire import schemas, topology
 from hsx.wire.headers import message_headers
 from hsx.wire.jobs import count_messages, live_workers, read_job_spec
 from hsx.wire.natsconn import connect, through_outage
 from hsx.wire.progress import count_stored
 from hsx.wire.schemas import LayerSelector, plan_batch_id
-from hsx.wire.tokens import SampleTable
 
 log = structlog.get_logger("hsx.producer")
 

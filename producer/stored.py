@@ -7,7 +7,7 @@ tokenizer or chat template changed on the machine since cannot change the plan; 
 compares the files in the destination with them.
 
 The samples object's format, `hsx.tokens.v1`, and its bounded-memory reading and writing are in
-`hsx/wire/tokens.py` (core: other services read it too); this module stores what the producer made.
+`hsx/storage/tokens.py` (core: other services read it too); this module stores what the producer made.
 It is written record batch by record batch to a temp file and put from that open file, so the
 object never sits in memory whole.
 
@@ -26,8 +26,7 @@ from nats.js.api import ObjectMeta, ObjectMetaOptions
 from nats.js.object_store import OBJ_DEFAULT_CHUNK_SIZE
 
 from hsx.errors import HsxError
-from hsx.wire import schemas, topology
-from hsx.wire.tokens import (  # noqa: F401  (re-exported: the producer's and its tests' names for them)
+from hsx.storage.tokens import (  # noqa: F401  (re-exported: the producer's and its tests' names for them)
     SampleTable,
     load_table,
     read_tokens,
@@ -36,8 +35,9 @@ from hsx.wire.tokens import (  # noqa: F401  (re-exported: the producer's and it
     tokens_object_name,
     write_tokens,
 )
+from hsx.wire import schemas, topology
 
-# The job's samples as planned and published, `table[i]` sample i (hsx.wire.tokens.load_table).
+# The job's samples as planned and published, `table[i]` sample i (hsx.storage.tokens.load_table).
 load_tokenized = load_table
 
 

@@ -11,12 +11,12 @@ import nats
 from hsx.producer.stored import store_tokenized
 from hsx.storage.destinations import FileDestination
 from hsx.storage.layout import sample_key
+from hsx.storage.tokens import SampleTableBuilder, TokenRow, tokens_object_name
 from hsx.uploader.config import UploaderConfig
 from hsx.uploader.service import FileMover
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings
-from hsx.wire.tokens import SampleTableBuilder, TokenRow, tokens_object_name
 
 NODE = "n"
 PLAN = "a" * 64

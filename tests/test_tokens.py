@@ -1,4 +1,4 @@
-"""The job's samples in bounded memory (hsx/wire/tokens.py) and loss masks as spans on the wire.
+"""The job's samples in bounded memory (hsx/storage/tokens.py) and loss masks as spans on the wire.
 
 - An object written by the old, list-based encoder (`tests/data/tokens_v1_old.arrow`, made with
   `producer.stored.encode_rows` of commit 0ee1e2a) reads back row for row; the streaming writer's
@@ -28,8 +28,8 @@ import torch
 from hsx.errors import HsxError
 from hsx.producer.dataset import read_source
 from hsx.producer.inputs import tokenized_rows
+from hsx.storage.tokens import TokenRow, load_samples, loss_spans, read_tokens, tokens_object_name, write_tokens
 from hsx.wire import schemas
-from hsx.wire.tokens import TokenRow, load_samples, loss_spans, read_tokens, tokens_object_name, write_tokens
 
 OLD_OBJECT = Path(__file__).parent / "data" / "tokens_v1_old.arrow"
 

@@ -4,7 +4,7 @@ A file-ready event names its sample (job, `sample_index`, the writing plan's tag
 carrying its tokens a second time: the tokens are in the job's stored samples
 (`JobSpec.tokenized_object`, sample i at index i). Reading them costs a download of the whole
 object, so it happens only when a loss needs it, once per uploader process: the first loss loads
-the table (hsx.wire.tokens.load_table: bounded memory, tokens in temp files) and every later one reads
+the table (hsx.storage.tokens.load_table: bounded memory, tokens in temp files) and every later one reads
 one sample from it. An event from an older GPU consumer still carries its sample and is sent back
 with that, nothing loaded.
 
@@ -18,8 +18,8 @@ import structlog
 from nats.js import JetStreamContext
 
 from hsx.errors import HsxError
+from hsx.storage.tokens import SampleTable, load_table, spec_of
 from hsx.wire import schemas
-from hsx.wire.tokens import SampleTable, load_table, spec_of
 
 log = structlog.get_logger("hsx.uploader")
 

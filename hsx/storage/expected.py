@@ -6,7 +6,7 @@ read as this job's.
 
 The expectation comes from the job's bundle (`<job>/_hsx/`, producer/bundle.py): its spec
 (`job.json`) gives the job, plan tag, model, layers, dtype, hidden size and `total_samples`; its
-tokenized samples (`tokens.arrow`, hsx/wire/tokens.py) give each sample's token count and a
+tokenized samples (`tokens.arrow`, hsx/storage/tokens.py) give each sample's token count and a
 digest of its input ids (blake2b, 16 bytes, of the ids as little-endian int32, the tokens file's
 own width: nothing converted, 4 bytes a token hashed). The tokens file is streamed once, record
 batch by record batch, and only those two numbers are kept, as NumPy arrays: 24 bytes a sample
@@ -44,8 +44,8 @@ from hsx.errors import HsxError
 from hsx.storage.destinations import Destination
 from hsx.storage.layout import BUNDLE_DIR, FLOAT8, SCALE_TENSOR, TOKENS_FILE
 from hsx.storage.samplefile import SampleFileCorrupt
+from hsx.storage.tokens import SampleTable, record_batches
 from hsx.wire import schemas
-from hsx.wire.tokens import SampleTable, record_batches
 
 log = structlog.get_logger("hsx.expected")
 

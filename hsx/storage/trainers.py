@@ -34,7 +34,7 @@ from hsx.wire.schemas import FINAL
 if TYPE_CHECKING:
     import torch
 
-    from hsx.wire.tokens import SampleTable
+    from hsx.storage.tokens import SampleTable
 
 # torch is imported where tensors are saved, so that the CLI names the formats without it.
 FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")
