@@ -1,33 +1,10 @@
-"""Where finished sample files end up: `file:///dir` (or a plain path) and `s3://bucket/prefix`.
+"""Where finished files end up: `file:///dir` (or a plain path) and `s3://bucket/prefix`, behind
+one `Destination` interface (`FileDestination`, `S3Destination`; `open_destination` picks one).
+It holds the verified puts of sample files (`put_verified`, `has_verified`, `move_verified`) and
+of other bytes (`put_bytes_verified`, `put_file_verified`, `has_sha256`), the producer's write
+test (`probe`), and each destination's own errors (`refusal`, `reconnect`). Calls block.
 
-One small interface: `put_verified` copies a local file to a key and returns only once the stored
-object is known to have the expected size and digest (hsx.storage.samplefile); `has_verified` answers whether a key already
-holds exactly that object (a redelivered upload is then acked without re-uploading). Calls block;
-the uploader runs them on worker threads.
-
-Files that are not sample files (the job bundle the producer writes under `<job>/_hsx/`, the
-directories `hsx sync` uploads) go through `put_bytes_verified` / `put_file_verified` and
-`has_sha256`: the same verified put, checked by size and the sha256 of the whole content (S3 user
-metadata `hsx-sha256`; a file:// destination re-reads the stored file). `probe` writes, reads
-back and deletes a small object: the producer's check that a job's files can go there at all.
-`read_prefix` reads an object's first bytes and learns its size in one request (`hsx index
-rebuild` reads each sample file's header with it).
-
-A file:// destination on the spool's own file system also takes a spool file by renaming it
-(`move_verified`): no copy and no second fsync of the bytes; the caller has checked them, and
-the stored file is verified to be that very inode (spool files are never written in place) with
-the announced size. The rename is made durable by an fsync of the folder that concurrent moves
-into it share (`FolderSync`).
-
-Each destination also knows its own errors: `refusal(exc)` tells a refusal, which no retry fixes
-until a person does (a missing bucket, wrong or expired credentials, a denied permission, a
-read-only or full file system), from a fault that may pass (a connection reset, a 503), and
-words it as one line naming the destination, with no secret in it. `reconnect()` opens a fresh
-client, so credentials fixed in the credentials file are picked up without a restart.
-
-S3 settings come from the standard AWS variables (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL,
-AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION); a custom endpoint gets path-style
-addressing, which MinIO, moto and most S3-compatible stores need.
+Design notes: docs/ARCHITECTURE.md, "Module notes".
 """
 
 import errno

@@ -1,31 +1,10 @@
-"""What a job's bundle says each of its samples is (`ExpectedSamples`), and whether a sample file
-is that sample (`mismatches`): the one definition of "this file is sample i of this plan" that
-`hsx verify`, `hsx export`, `hsx index rebuild` and `HiddenStateDataset` check files with, so
-that a file left by an earlier job of the same name, or copied in from another job, is never
-read as this job's.
+"""What a job's bundle says each of its samples is (`ExpectedSamples`, `load_expected`), and
+whether a sample file is that sample (`mismatches`, read from its header: `read_header`,
+`read_metadata`): the one check that `hsx verify`, `hsx export`, `hsx index rebuild` and
+`HiddenStateDataset` apply, so that no file of another job, or of an earlier job of the same
+name, is read as this job's. No torch here; it reads the bundle and never writes.
 
-The expectation comes from the job's bundle (`<job>/_hsx/`, producer/bundle.py): its spec
-(`job.json`) gives the job, plan tag, model, layers, dtype, hidden size and `total_samples`; its
-tokenized samples (`tokens.arrow`, hsx/storage/tokens.py) give each sample's token count and a
-digest of its input ids (blake2b, 16 bytes, of the ids as little-endian int32, the tokens file's
-own width: nothing converted, 4 bytes a token hashed). The tokens file is streamed once, record
-batch by record batch, and only those two numbers are kept, as NumPy arrays: 24 bytes a sample
-(24 MB at 1M samples), picklable, so a DataLoader's worker processes get them whole. Loading
-costs one download of tokens.arrow (some 3 bytes a token) and, on one core of a 2-core VM,
-some 1.4 s of CPU per million samples plus 1.5 s per 100M tokens (zstd decoding and hashing):
-about 11 s for 1M samples of 650 tokens.
-
-The bundle's values are checked as they are loaded: a negative count or an unknown dtype is
-refused, and `total_samples` must be the tokens file's row count. Nothing is allocated for the
-claimed total before that check, and reading stops as soon as the file holds more rows than the
-spec claims, so a `job.json` that says a billion samples is one line, not a MemoryError. A bundle
-without tokens.arrow (a job from an hsx that did not store its samples) is accepted: input ids
-and token counts are then not compared, and a log line says so once.
-
-A file is checked from its safetensors header, and its input ids from their bytes in the data
-section: no torch here, and a header alone (`header_only`) is enough for every check but the
-input ids. This module knows the sample-file format and the bundle's layout; it reads the bundle
-and never writes.
+Design notes: docs/ARCHITECTURE.md, "Module notes".
 """
 
 from __future__ import annotations

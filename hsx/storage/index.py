@@ -1,26 +1,11 @@
-"""The index of what a job has stored: one Arrow IPC file, `<job>/_hsx/index.arrow`, that readers
-(`HiddenStateDataset`, `hsx verify`, trainers) GET instead of listing the job's folder.
+"""The index of what a job has stored, one Arrow IPC file `<job>/_hsx/index.arrow` (`StoredIndex`)
+that readers GET instead of listing the job's folder: compacted from the job's `uploaded` events
+(`index_from_events`) or made from the destination alone (`index_from_destination`,
+`rebuild_job_index`), written by `write_index`. `read_index` returns it only when it is complete
+(else why not), and `stored_samples` lists the folder otherwise. It never writes samples.
 
-One row per stored sample, in sample-index order: `sample_index` int64, `key` (relative to the
-destination prefix: `<job>/<shard>/<sample_index>.safetensors`), `size` (bytes), `tokens`,
-`digest` (32 bytes: hsx.storage.samplefile's digest of the stored file; null for samples reported by
-uploaders from before `uploaded` events carried it). The schema's metadata `hsx.index` is JSON:
-`format` (hsx.index.v1), `job`, `plan` (JobSpec.plan_tag), `total_samples`, `source` (`events`
-or `destination`).
-
-Where it comes from. The journal is the job's `uploaded` events in HSX_EVENTS: an uploader
-publishes one for each verified put, and for each object it finds already stored, before it acks
-the file event. An uploader killed at any point therefore leaves no stored sample without its
-event: the unacked file event comes back, the next uploader finds the object and reports it. The
-index object is compacted from that journal (`index_from_events`) by the monitor when the job is
-done and by `hsx index build --job J`. `hsx index rebuild JOB_URL` makes it from the destination
-alone (`index_from_destination`: a LIST and one ranged GET of each file's header), for when the
-journal is gone (the job deleted from NATS) or the index is in doubt.
-
-Readers use the index only when it is complete: made for the job's current plan (the bundle's
-`job.json`, or the spec the caller has) and holding every one of its samples. Then opening a job
-is two GETs and no LIST; otherwise they list and say why (`read_index` returns the reason).
-This module knows the output layout, the bundle and the destinations; it never writes samples.
+Format and where it comes from: docs/OPERATIONS.md, "The index of stored samples"; notes in
+docs/ARCHITECTURE.md, "Module notes".
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
-"""Reading a finished job's sample files back: one file's bytes to tensors and metadata, float8
-dequantization, and `HiddenStateDataset`, a random-access torch Dataset over a job's folder in a
-destination (`file:///out/myjob`, `s3://bucket/prefix/myjob` or a plain path).
+"""Reading a finished job's sample files back: `load_sample` (one file's bytes to tensors and
+metadata), `dequantize` (float8), `HiddenStateDataset` (a random-access torch Dataset over a job's
+folder: `file:///out/myjob`, `s3://bucket/prefix/myjob` or a plain path; every file checked
+against the job's bundle first, `on_bad_file` for one that fails), and for a training loop of
+one's own `TokenBudgetSampler`, `pad_collate`, `pack_collate`, `prefetched` and
+`PrefetchedBatches`. It knows nothing about NATS or how the files were made.
 
-This module knows the file layout (`hsx/storage/layout.py`), the destinations
-(`hsx/storage/destinations.py`) and the job's bundle as far as it says what each sample is
-(`hsx/storage/expected.py`); it knows nothing about NATS or how the files were made.
-
-Every file is checked against the job's bundle before it is yielded (job, plan, sample index,
-model, layers, dtype, shape, token count, input ids): a file of an earlier job of the same name,
-or one copied in from another job, is never taken for this job's sample. What happens to a file
-that fails, or is missing, is the dataset's `on_bad_file`.
-
-With a torch DataLoader, each worker process opens its own destination client on its first
-`__getitem__` (a boto3 client must not cross a fork), so `num_workers > 0` works over S3.
-
-For a training loop of one's own: `TokenBudgetSampler` yields batches of positions cut like the
-producer's plan (hsx/packing.py: batch size x longest sample within a token budget) from the
-index's lengths, without opening a file; `pad_collate` and `pack_collate` make a batch of them;
-`prefetched` reads ahead on threads in one process (over S3 the reads wait on the network), and
-`PrefetchedBatches` does so for a sampler's batches, collated.
-
-Which samples a job has comes from its index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) when that
-is complete: a GET of the bundle's spec and one of the index (and one of its tokenized samples,
-for the checks), whatever the job's size. Otherwise the folder is listed, and a
-`dataset_listing` log line says why. Either way only the plan's samples (0 to total_samples - 1)
-are the dataset's.
+How to use them: docs/REFERENCE.md, "Reading the output in your own loop", and docs/TRAINING.md;
+notes in docs/ARCHITECTURE.md, "Module notes".
 """
 
 from __future__ import annotations

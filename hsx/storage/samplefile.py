@@ -1,20 +1,9 @@
-"""The bytes of one sample file, and their digest.
+"""The bytes of one sample file, and their digest: `write` (one pass, straight from the tensors'
+memory), `checked_digest` and `checked_file_digest` (the data checked against the checksum in the
+header, and the file's digest), `SampleFileCorrupt`. A sample file is a standard safetensors file
+with a sorted header and a checksum inside (docs/REFERENCE.md, "Output"). No torch import here.
 
-A sample file is a standard safetensors file (any safetensors reader loads it) with two
-properties the library's own writer does not give:
-
-- Deterministic bytes: the header is sorted, compact JSON (safetensors writes its metadata map in
-  a per-process random order, so a redone batch would have produced different bytes).
-- A checksum inside: the metadata key `checksum` holds `sha256:<hex>` of the data section (every
-  byte after the header). The file's *digest* is the sha256 of its first 8 + header bytes, which
-  therefore covers the data too. Checking a file (`checked_digest`) is one pass: hash the header,
-  hash the data, compare the data's hash with the one the header holds.
-
-Writing (`write`) is one pass too, straight from the tensors' memory: the data section
-is written at its final offset chunk by chunk, each chunk hashed while it is still in cache, then
-the header (whose length does not depend on the checksum's value) is written in front. There is no
-serialised copy of the file in memory and no second hashing pass, which is what made the
-consumer's writes (and so the GPU) wait (docs/PERFORMANCE.md).
+Why it is written this way: docs/ARCHITECTURE.md, "Module notes".
 """
 
 import hashlib

@@ -1,26 +1,12 @@
-"""A job's tokenized samples in bounded memory: the columnar `SampleTable`, and the stored format
-`hsx.tokens.v1` (`<job>.tokens.arrow` in object store bucket `hsx_datasets`) read and written
-record batch by record batch.
+"""A job's tokenized samples in bounded memory: the columnar `SampleTable` (built by
+`SampleTableBuilder`), which keeps per sample only its numbers and names in memory (some 60 bytes)
+and spills the tokens and loss masks to anonymous temp files; and the stored format
+`hsx.tokens.v1` (`<job>.tokens.arrow` in object store bucket `hsx_datasets`), written and read
+record batch by record batch (`write_tokens`, `read_tokens`). `load_table` and `load_samples`
+read a job's stored samples for any service; reading datasets and the producer's policies
+(--on-long, vocabulary) live in `producer/`.
 
-A table holds per sample only its numbers (token count, where its tokens lie, whether it has a
-loss mask, its largest token id) as NumPy arrays and its names (source id, dataset row) as Arrow
-string arrays: some 60 bytes a sample. The tokens themselves (int32) and loss masks (uint8, at
-the same positions) are spilled to two anonymous files in the system temp dir (unlinked at once,
-so they vanish with the process however it ends) and read back with `os.pread` one sample, or
-one run of samples, at a time. mmap is avoided on purpose: every page touched would count in the
-process's RSS. So a 650M-token job costs about 60 MB of memory for 1M samples, not 27 GB of
-Python lists.
-
-Stored format (unchanged since hsx.tokens.v1; objects of older producers read the same): one
-Arrow IPC stream, zstd-compressed, one row per sample in sample-index order, columns `where`
-(string, how errors name the dataset row), `source_id` (string), `input_ids` (list<int32>),
-`loss_mask` (list<uint8>, null when the row has none); schema metadata `hsx_format` =
-`hsx.tokens.v1` and `job`. Record batches are written 8,192 rows at a time (older producers wrote
-65,536; any size reads).
-
-This module knows the table and the format; reading datasets and the producer's policies
-(--on-long, vocabulary) live in `producer/`, planning and publishing too. `load_table` and
-`load_samples` read a job's stored samples for any service.
+Memory and format in detail: docs/ARCHITECTURE.md, "Module notes".
 """
 
 from __future__ import annotations

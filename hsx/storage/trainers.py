@@ -1,21 +1,10 @@
-"""The files each drafter trainer reads, made from one hsx sample: SpecForge's DFlash and EAGLE-3
-offline features, and speculators' cached hidden states. `hsx export` (commands/export.py)
-drives them; this module knows the trainers' layouts and layer conventions, nothing of NATS.
+"""The files each drafter trainer reads, made from one hsx sample (`FORMATS`: SpecForge's DFlash and
+EAGLE-3 offline features, speculators' cached hidden states; `features`, `encode`,
+`write_speculators_table`), and the layer ids to give each trainer (`trainer_layer_ids`).
+`hsx export` (commands/export.py) drives them; nothing of NATS here.
 
-- `specforge-dflash`: `rows_<g>-<g+2000>/data_<i>.ckpt` (torch.save, zip format, read with
-  `torch.load(mmap=True)`): `input_ids` [T] int64, `loss_mask` [T] int64, `hidden_states`
-  [T, k*H], the job's k decoder layers concatenated in order. SpecForge's reader raises on a sample
-  without two adjacent supervised tokens, so such a sample is left out and listed.
-- `specforge-eagle3`: the same layout; `aux_hidden_state` [1, T, 3H] (three decoder layers),
-  `hidden_state` [1, T, H] (the post-norm final state, `final`).
-- `speculators`: a datasets `save_to_disk` folder (columns `input_ids`, `loss_mask` int64 lists,
-  `seq_len`; torch format) and `hidden_states/hs_<row>.safetensors` holding `hidden_states`
-  [T, k+1, H] (k layers, then the last decoder layer's raw output) and `token_ids` [T] int64.
-
-Hidden states are what `HiddenStateDataset` gives for the file, in the job's dtype (float8
-dequantized, then bfloat16) or the one `--dtype` names. Trainer ids: SpecForge's are hsx's (the
-output of decoder layer id); speculators' are transformers' hidden_states indices, hsx's id + 1
-(docs/REFERENCE.md, "Layers for a trainer").
+What each format holds: docs/TRAINING.md, "Export", and docs/ARCHITECTURE.md, "Module notes";
+layer conventions: docs/REFERENCE.md, "Layers for a trainer".
 """
 
 from __future__ import annotations
