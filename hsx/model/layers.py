@@ -1,24 +1,9 @@
-"""Layer selection.
+"""Layer selection: `parse_layers` reads `--layers` (0-based decoder layer indices, negative ones
+counted from the end, `final`, or one of the trainer presets in `PRESETS`), `preset_layers` gives
+a preset's ids for a model's depth, and `resolve_layers` checks the selection against the model.
 
-`--layers 1,16,31` are 0-based decoder layer indices: layer i is the raw output of decoder layer i.
-Negative indices count from the end (-1 is the last decoder layer). `final` selects the post-norm
-final state (the last layer's output after the model's final norm; transformers'
-`output_hidden_states[-1]`, the state EAGLE-3 trainers call `hidden_state`). Entries keep the order
-given; duplicates and out-of-range indices are errors naming the model's layer count.
-
-A preset names what a trainer reads, resolved against the model's depth by the producer, so that
-nobody has to reason about the trainers' +1 offsets (docs/REFERENCE.md, "Layers for a trainer"):
-
-- `dflash:N`: the N layers a DFlash draft with N layers reads (SpecForge's and z-lab's
-  `build_target_layer_ids(L, N)`: N = 1 is [L // 2], else N ids spread from 1 to L - 3). Their ids
-  are hsx's: the output of decoder layer id. `dflash:5` on 64 layers is 1,16,31,46,61.
-- `eagle3`: SpecForge's EAGLE-3 auxiliary layers [1, L // 2 - 1, L - 4] and `final`, the
-  post-norm state its trainer puts through the lm_head.
-- `speculators`: speculators' default ids [2, L // 2, L - 3], which are transformers'
-  `hidden_states` indices (id i is the output of decoder layer i - 1: hsx's 1, L // 2 - 1, L - 4),
-  and the last decoder layer's raw output (hsx's L - 1), the extra slot its trainer norms itself.
-
-The job spec and every file record the preset beside the layers it resolved to.
+What an id and a preset mean: docs/REFERENCE.md, "Layers for a trainer"; notes in
+docs/ARCHITECTURE.md, "Module notes".
 """
 
 import re

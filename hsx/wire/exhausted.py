@@ -1,21 +1,10 @@
-"""Batches that used up their deliveries: dead-lettered with their samples, removed from the queue.
+"""Batches that used up their deliveries: dead-lettered with their samples, then removed from the
+queue (`reap_exhausted`, which every GPU consumer of a job runs beside its pull loop; it finds
+them by JetStream's max-deliveries advisories and by a `sweep`, and stores each with
+`dead_letter_exhausted`).
 
-A work-queue message that reaches max_deliver stays in its stream but is never delivered again,
-so without this a batch whose consumer died on it every time (OOM killer, segfault, SIGKILL), or
-whose last delivery was lost in a NATS outage, would hold its job forever: neither done nor
-failed. Two ways find such a batch:
-
-- JetStream's advisory (`$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.HSX_BATCHES.gpu-<job>`, with
-  the stream sequence), kept in stream HSX_ADVISORIES so that none is lost while no process
-  listens, and read through the job's durable `exhausted-<job>`;
-- a sweep, the backstop for an advisory that was never stored (a leader election at that moment):
-  when the job's durable has nothing left to deliver and nothing in flight, every message of the
-  job still in the stream at or below the durable's delivered sequence has used up its deliveries.
-
-Each is stored as a dead letter naming its samples (message id from its stream sequence, so two
-finders store one letter), then deleted from the work queue, then its advisory is acked; a crash
-between the steps redoes them. Every GPU consumer of the job runs this beside its pull loop.
-`hsx dead retry` sends the samples back.
+Why and how: docs/OPERATIONS.md, "Streams, subjects, consumers and buckets", and
+docs/ARCHITECTURE.md, "Module notes".
 """
 
 import asyncio

@@ -1,20 +1,10 @@
-"""The JetStream topology, declared once and created idempotently at every service's start-up.
+"""The JetStream topology, declared once and created idempotently at every service's start-up:
+every stream, subject, consumer and bucket name is built here and nowhere else (names are part
+of the user interface: `nats stream ls` and `nats consumer ls HSX_BATCHES` show them), with the
+streams' and consumers' settings.
 
-Names are part of the user interface (`nats stream ls`, `nats consumer ls HSX_BATCHES` show them),
-so every stream, subject, consumer and bucket name is built here and nowhere else.
-
-Consumers are created with `add_consumer` and then bound (never implicitly by `pull_subscribe`,
-which silently keeps an old config). Work-queue streams allow one consumer per subject, so workers
-scale by binding many processes to one durable:
-
-- `gpu-<job>` on HSX_BATCHES, filtered to `hsx.batches.<job>`: every GPU process of the job.
-- `upload-<job>-<node>` on HSX_FILES, filtered to `hsx.files.<job>.<node>`: every uploader of a node,
-  because only that node's spool holds those files.
-
-On a JetStream cluster every stream and bucket can be replicated (`hsx produce --replicas 3`);
-consumers follow their stream. Creating the topology waits out a JetStream that does not answer
-(a leader election after a server died), so a service started meanwhile waits rather than exits.
-docs/OPERATIONS.md lists the names and the `nats` commands that show them.
+All the names: docs/OPERATIONS.md, "Streams, subjects, consumers and buckets"; notes in
+docs/ARCHITECTURE.md, "Module notes".
 """
 
 import asyncio
