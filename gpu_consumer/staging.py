@@ -1,28 +1,10 @@
-"""Host buffers for device-to-host copies of captured states, leased to one batch at a time.
+"""Host buffers for device-to-host copies of captured states, leased to one batch at a time
+(`HostStaging`, `StagingLease`): pinned where CUDA is available, kept and reused, and none of a
+lease handed out again until the lease is released, once the batch's files (written straight
+from these buffers) are written. It knows nothing of batches, files or messages: it hands out
+buffers and takes them back.
 
-A copy from pageable host memory runs at a few GB/s and blocks; into pinned (page-locked) memory
-it runs at full PCIe/NVLink-C2C speed and can be asynchronous. Pinned allocations are slow to
-make, so buffers are kept and reused. A batch takes its buffers through a lease
-(`HostStaging.lease()`): every forward the batch runs (one, or several when it is split on OOM
-or bisected on its last delivery) copies into a buffer of its own, and no buffer of the lease is
-handed out again until the whole lease is released. The consumer releases a batch's lease once
-its files are written (or when the batch is settled without writing any), because the files are
-written straight from these buffers while the next batch's forward runs.
-
-What it does not know: batches, files, messages. It hands out buffers and takes them back.
-
-Memory: a `take` gets the smallest free buffer that fits, else a new one 1.25x the request. A
-forward that fails gives its buffers back at once (`release_since`), so a lease holds only the
-buffers of forwards whose states will be written, and their rows never overlap: without splits,
-one buffer of the batch's states, as the former 2-slot ring held; split, one per fragment. The
-consumer has at most two batches leased at once (batch N being written while N+1 computes;
-N+2's forward starts after N is finished), so the leased bytes are bounded by about two batches'
-states plus a split batch's fragments. Released buffers are kept for reuse, but never more than
-leased + free = twice the largest buffer: the smallest are dropped first (to torch's host
-allocator, which may reuse them).
-
-Not pinned (`pin=False`, the default without CUDA) the pool works the same in ordinary memory,
-which is how the CPU tests run the real pool.
+Why pinned, and how much memory it holds: docs/ARCHITECTURE.md, "Module notes".
 """
 
 import threading

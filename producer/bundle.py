@@ -1,23 +1,12 @@
-"""The job bundle: everything resuming a job on another machine needs, next to its samples.
+"""The job bundle: everything resuming a job on another machine needs, beside its samples under
+`<dest>/<job>/_hsx/` (`job.json`, `tokens.arrow`, `plan.json`, `report.json`). `claim_folder`
+writes `job.json` alone before the first descriptor, `write_bundle` the whole bundle once the job
+is published (again on every re-run: what is missing or different), and `remove_replaced`
+deletes another plan's bundle files when `--replace-output` takes its folder. This module knows
+the bundle's layout; the producer decides when to write it.
 
-Under `<dest>/<job>/_hsx/` (`hsx.storage.layout.bundle_key`), beside the shard folders:
-
-- `job.json`: the job spec, the same JSON as in KV bucket `hsx_jobs` (tag `job.v1`);
-- `tokens.arrow`: the tokenized samples, byte for byte the object `<job>.tokens.arrow` of object
-  store `hsx_datasets` (format `hsx.tokens.v1`, see hsx/storage/tokens.py), streamed through a temp file;
-- `plan.json`: the batch plan, `{"format": "hsx.plan.v1", "job", "plan_fingerprint",
-  "token_budget", "max_batch_size", "total_samples", "batches": [{"batch_id", "padded_len",
-  "sample_indices"}]}` in publishing order;
-- `report.json`: the input report (`<job>.report.json`: rows truncated or skipped by --on-long).
-
-The producer writes `job.json` alone before it publishes the first descriptor (`claim_folder`):
-from then on the folder says whose files it holds, even when the producer dies before the rest
-(producer/preflight.py refuses another plan's folder). The whole bundle follows once the job is
-published, and again on every re-run, through the destination's verified put (size and sha256);
-a file already there with the same bytes is left alone, so a re-run is cheap and a bundle lost
-with a crash is completed. A job that takes over another plan's folder first removes that plan's
-bundle files (`remove_replaced`), its index first. This module knows the bundle's layout; the
-producer decides when to write it.
+The files and when each is written: docs/OPERATIONS.md, "The job bundle" and "Jobs: what the
+producer checks, re-runs, and reusing a name".
 """
 
 import asyncio

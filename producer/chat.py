@@ -1,33 +1,13 @@
-"""Chat rows to tokens: the model's chat template, applied once by the producer.
+"""Chat rows to tokens: the model's chat template, applied once by the producer (`ChatTokenizer`).
+`tokenize` renders a `ChatRow`'s messages with the model's own tokenizer and template; its
+`loss_mask` is 1 exactly on the assistant's tokens, from the template's `{% generation %}` markers
+where it has them, otherwise by rendering the conversation turn by turn. `tokenize_many` gives the
+same result for many rows, row for row, with one batched `apply_chat_template` call per kind of
+rendering and one tokenizer call for the chunk. This module knows nothing about files,
+--max-seq-len, processes or NATS.
 
-A `ChatRow`'s `messages` are rendered with the model's own tokenizer and chat template
-(`AutoTokenizer.from_pretrained(model, local_files_only=True)`) and tokenized. Its `loss_mask` is
-1 exactly on the assistant's tokens:
-
-- when the template marks them (`{% generation %}` ... `{% endgeneration %}`), from transformers'
-  `return_assistant_tokens_mask`;
-- otherwise turn by turn: for each assistant message i, the conversation up to message i is
-  rendered with the generation prompt (`<|im_start|>assistant\\n`) and the conversation up to and
-  including message i without it; the tokens between the two are the ones message i added. Both
-  renderings must be token prefixes of the whole conversation's tokens, or the row is refused
-  (a template that rewrites earlier turns, e.g. dropping old reasoning, has no such split). Text
-  the template puts after the end-of-turn token (ChatML's newline after `<|im_end|>`) is not
-  something the model generates, so when all that follows the span's last special token is
-  whitespace it is left out: the mask covers the reply and its end-of-turn token, as the
-  generation-marker templates of the same format do.
-
-`tokenize_many` does the same for many rows at once, with the same result row for row: one
-batched `apply_chat_template` call per kind of rendering and one tokenizer call for the chunk.
-Turn by turn, it tokenizes each prefix rendering only from the last added token (e.g.
-`<|im_start|>`) it shares with the whole conversation: a fast tokenizer splits text on added tokens
-before anything else and tokenizes the pieces independently, so the prefix's tokens are the whole
-conversation's tokens up to that added token followed by that tail's tokens. It does so only for
-tokenizers whose added tokens strip nothing and are matched on the raw text, checks that the
-added tokens it finds in the text are the ones in the conversation's tokens, and otherwise
-tokenizes the whole prefix as `tokenize` does. A chunk with a row `tokenize` would refuse is
-redone row by row, so the error (naming the first such row) is `tokenize`'s own.
-
-This module knows nothing about files, --max-seq-len, processes or NATS.
+How the mask is found turn by turn, and the batched path's shortcut: docs/ARCHITECTURE.md,
+"Module notes".
 """
 
 import bisect

@@ -1,26 +1,9 @@
-"""Reading a dataset's rows from JSONL, Parquet, or a Hugging Face `datasets` save_to_disk folder.
+"""Reading a dataset's rows from JSONL, Parquet, or a Hugging Face `datasets` save_to_disk folder
+(`read_source`): each row's shape checked, pre-tokenized rows yielded as columnar `TokenChunk`s
+(hsx/storage/tokens.py) and chat rows as `ChatRow`s (tokenized by producer/chat.py), in dataset
+order, every problem naming the file and row. No tokenizing, batches or NATS here.
 
-A row is either pre-tokenized, `input_ids` (list of int) with optional `loss_mask` (same length,
-0/1), or a chat, `messages` (list of {role, content}); both may carry an `id`. This module checks
-each row's shape and yields pre-tokenized rows as columnar `TokenChunk`s (hsx/storage/tokens.py) and chat
-rows as `ChatRow`s (to be tokenized by `producer/chat.py`), in dataset order; it does not tokenize,
-apply --max-seq-len, or know about batches or NATS.
-
-Memory: Parquet and save_to_disk folders are read one Arrow record batch at a time; a batch of
-well-formed token rows (integer ids, none negative or null, masks of 0/1 as long as the ids) is
-checked with NumPy and handed on as arrays, never as Python lists. A batch with anything else
-(chat rows, a bad row, unexpected types) goes row by row through the same checks as JSONL, so
-the error names the same row with the same words. JSONL is decoded line by line (msgspec) and
-handed on in chunks of at most 8,192 rows and about 1M tokens. Arrow batches are checked 1,024
-rows at a time, so the checks' temporaries stay small whatever the rows' lengths.
-
-Every problem names the file (or folder) and the row: JSONL by 1-based line number ("data.jsonl:7"),
-Parquet and save_to_disk folders by 0-based row index ("data.parquet: row 6"; for a folder the index
-is the one `datasets.load_from_disk(folder)[i]` gives). A row without an `id` is named by that same
-0-based position, so the same rows give the same sample ids in every format.
-
-A save_to_disk folder is read with pyarrow alone (its data files are Arrow IPC streams listed in
-`state.json`), so the `datasets` library is not needed at run time.
+Row forms: docs/REFERENCE.md, "Input"; memory and row names: docs/ARCHITECTURE.md, "Module notes".
 """
 
 import hashlib

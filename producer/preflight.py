@@ -1,22 +1,10 @@
 """What the producer checks before it writes anything for a job: every batch descriptor fits the
-NATS server's max_payload, the destination takes a write, and the job's folder there holds no
-other plan's files.
+NATS server's max_payload with room for its dead letter (`check_payloads`), the destination
+takes a write (`check_destination`), and the job's folder there holds no other plan's files
+(`check_folder`, `folder_owner`). A refusal leaves nothing behind.
 
-Both used to be found late: an oversized descriptor mid-publish, after the job spec and some
-batches were in (and a re-run with a smaller --token-budget was then refused as another plan);
-a destination that cannot be written only after the whole job was published, with uploaders
-retrying it forever. Checked first, a refusal leaves nothing behind: no spec, no stored
-samples, no batch.
-
-A descriptor must leave room for the dead letter it may become (`schemas.dead_letter_headroom`):
-a letter carries the descriptor plus its error and indices, and must fit max_payload too. Each
-descriptor is encoded, measured and dropped, so the check holds one payload at a time.
-
-The folder `<dest>/<job>` is a job's by its bundle's job.json (the producer writes it before the
-first descriptor, producer/bundle.py), or, in a folder an older hsx left without one, by one
-sample file's metadata. `hsx jobs delete` frees the name in NATS, not the folder: a new job of
-that name and another plan would write its files beside the old plan's, and the old index would
-describe the folder. So another plan's folder is refused unless the run says --replace-output.
+The checks and their messages: docs/OPERATIONS.md, "Jobs: what the producer checks, re-runs, and
+reusing a name"; why: docs/ARCHITECTURE.md, "Module notes".
 """
 
 import math

@@ -1,19 +1,11 @@
-"""Which of a plan's batches are already accounted for: queued in HSX_BATCHES, or finished.
+"""Which of a plan's batches are already accounted for (`accounted_batch_ids`): queued in
+HSX_BATCHES (`queued_batch_ids`) or finished, written or dead-lettered (`finished_batch_ids`), so
+that the re-run of a producer stopped mid-publish publishes only the others, also after the
+stream's 24 h duplicate window. Queued is read before finished: a batch acked in between is then
+seen in one or the other, never in neither. This module reads; the producer decides what to
+publish.
 
-A producer that stopped mid-publish leaves a job spec with `published` false. Its re-run must
-publish only the batches that are neither queued nor finished: `Nats-Msg-Id` de-duplication
-covers that only inside the stream's duplicate window (24 h), and after it a blind re-publish
-would queue, and extract, the whole job again.
-
-- queued: the batch ids of the messages on `hsx.batches.<job>`, read by sequence number (a work
-  queue takes no second consumer on the job's subject, and reading by sequence takes nothing off
-  the queue); a message is queued until its consumer acks it, so a batch being extracted counts.
-- finished: the batch ids of the job's `written` markers (a consumer publishes one before it acks
-  its batch) and of its batch dead letters (stored before the batch leaves the queue; `hsx dead
-  retry` sends those back itself).
-
-Queued is read before finished: a batch acked in between is then seen in one or the other,
-never in neither. This module reads; the producer decides what to publish.
+How each is read: docs/ARCHITECTURE.md, "Module notes".
 """
 
 import msgspec

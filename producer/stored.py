@@ -1,18 +1,11 @@
-"""A job's tokenized samples and input report, kept in the JetStream object store.
+"""A job's tokenized samples and input report, kept in the JetStream object store bucket
+`hsx_datasets`: `store_tokenized` puts the samples the producer planned from (after --on-long)
+as `<job>.tokens.arrow`, whose format is hsx/storage/tokens.py's; `store_report` and
+`load_report` the report `<job>.report.json`, JSON: which rows were truncated or skipped
+(file/line or row, source id, original length, action), the counts, and how chat rows were
+tokenized.
 
-The producer tokenizes a dataset once; the samples it planned from (after --on-long) are stored
-in object store bucket `hsx_datasets` as `<job>.tokens.arrow`, and the job spec names the object.
-A producer re-run reads them back instead of reading and tokenizing the dataset again, so a
-tokenizer or chat template changed on the machine since cannot change the plan; `hsx verify`
-compares the files in the destination with them.
-
-The samples object's format, `hsx.tokens.v1`, and its bounded-memory reading and writing are in
-`hsx/storage/tokens.py` (core: other services read it too); this module stores what the producer made.
-It is written record batch by record batch to a temp file and put from that open file, so the
-object never sits in memory whole.
-
-The report, `<job>.report.json`, is JSON: which rows were truncated or skipped (file/line or row,
-source id, original length, action), the counts, and how chat rows were tokenized.
+Why they are stored: docs/ARCHITECTURE.md, "Module notes".
 """
 
 import io
