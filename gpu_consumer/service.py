@@ -41,7 +41,6 @@ from functools import partial
 from typing import TypeVar
 
 import msgspec
-import nats.errors
 import nats.js.errors
 import structlog
 import torch
@@ -59,6 +58,7 @@ from hsx.storage.spool import spool_usage
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState, keep_in_progress
 from hsx.wire.headers import message_headers
+from hsx.wire.jetstream import give_back, publish_all
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
 from hsx.wire.worker import JobWatch
 
@@ -580,62 +580,6 @@ def _full_batch_bytes(spec: schemas.JobSpec, loaded: LoadedModel) -> int:
     except (AttributeError, TypeError, ValueError):
         return 0
     return spec.token_budget * len(spec.layers) * hidden * torch.empty((), dtype=loaded.dtype).element_size()
-
-
-# How long the acks of a batch's announcements are awaited together before the missing ones are
-# published again one by one (their msg ids make a repeat harmless).
-_PUBLISH_ACK_WAIT_S = 10.0
-
-
-async def publish_all(
-    js: JetStreamContext,
-    messages: list[tuple[str, bytes, dict[str, str]]],
-    *,
-    what: str,
-    stopping: asyncio.Event | None = None,
-) -> None:
-    """Publish every (subject, payload, headers) to JetStream, each stored before this returns.
-
-    The publishes go out back to back and their acks are awaited together (`publish_async`): one
-    round trip for a batch's files instead of one each. Any that failed or had no ack within
-    _PUBLISH_ACK_WAIT_S (a NATS outage) is published again on its own through the outage, as
-    before; every message must carry a Nats-Msg-Id, so one stored twice is kept once."""
-    futures: list[asyncio.Future] = []
-    try:
-        for subject, payload, headers in messages:
-            futures.append(await js.publish_async(subject, payload, headers=headers))
-    except (TimeoutError, nats.errors.Error) as exc:  # disconnected: the rest go one by one below
-        log.warning("publish_async_failed", what=what, error=str(exc) or type(exc).__name__)
-    if futures:
-        _, late = await asyncio.wait(futures, timeout=_PUBLISH_ACK_WAIT_S)
-        for future in late:
-            future.cancel()  # frees its slot in the client's pending-publish window
-    again = [
-        message
-        for i, message in enumerate(messages)
-        if i >= len(futures) or futures[i].cancelled() or futures[i].exception() is not None
-    ]
-    for subject, payload, headers in again:
-        await through_outage(
-            lambda subject=subject, payload=payload, headers=headers: js.publish(subject, payload, headers=headers),
-            what=what,
-            stopping=stopping,
-        )
-
-
-async def give_back(js: JetStreamContext, msg: Msg) -> None:
-    """Hand back a batch this consumer will not finish (it is stopping). A nak sends it to another
-    consumer at once; on its last delivery a nak would strand it (JetStream never delivers it
-    again), so a fresh copy is published first and the spent one removed. A crash between the two
-    leaves both: the batch runs twice, which is harmless (same files, progress counts samples)."""
-    if msg.metadata.num_delivered < topology.BATCH_MAX_DELIVER:
-        await msg.nak()
-        return
-    seq = msg.metadata.sequence.stream
-    headers = {**(msg.headers or {}), "Nats-Msg-Id": f"requeue:{seq}"}
-    await through_outage(lambda: js.publish(msg.subject, msg.data, headers=headers), what="requeue_batch")
-    await through_outage(msg.term, what="remove_requeued_batch")
-    log.info("batch_requeued_fresh", seq=seq, deliveries=msg.metadata.num_delivered)
 
 
 async def _finish_guarded(

@@ -42,17 +42,18 @@ from hsx.producer.inputs import Inputs, check_vocab, report_document, tokenized_
 from hsx.storage.tokens import SampleTable
 from hsx.wire import schemas, topology
 from hsx.wire.headers import message_headers
+from hsx.wire.jetstream import publish_all
 from hsx.wire.jobs import count_messages, live_workers, read_job_spec
-from hsx.wire.natsconn import connect, through_outage
+from hsx.wire.natsconn import connect
 from hsx.wire.progress import count_stored
-from hsx.wire.schemas import LayerSelector, plan_batch_id
+from hsx.wire.schemas import Layer, plan_batch_id
 
 log = structlog.get_logger("hsx.producer")
 
 _PUBLISH_WINDOW = 256
 
 
-def plan_fingerprint(cfg: ProducerConfig, layers: list[LayerSelector], samples: SampleTable) -> str:
+def plan_fingerprint(cfg: ProducerConfig, layers: list[Layer], samples: SampleTable) -> str:
     """sha256 over the settings and, per sample in index order, its tokens as int64 bytes, its
     mask as int8 bytes (b"|" without one) and its source id and a newline. The byte stream is
     the one of every hsx before the columnar table (batch ids of existing jobs must not change),
@@ -93,7 +94,7 @@ def _descriptors(job: str, fingerprint: str, batches: list[PlannedBatch], rows):
         yield _descriptor(job, fingerprint, plan_batch_id(job, fingerprint, seq), batch, rows)
 
 
-async def _publish_all(
+async def _publish_batches(
     js,
     cfg: ProducerConfig,
     fingerprint: str,
@@ -118,16 +119,19 @@ async def _publish_all(
             built.append((batch_id, schemas.encode(_descriptor(cfg.job, fingerprint, batch_id, batches[seq], rows))))
         return built
 
-    async def publish_one(batch_id: str, payload: bytes) -> bool:
-        headers = message_headers(cfg.job, batch=batch_id, msg_id=batch_id + msg_id_suffix)
-        # A lost or late ack is retried: the message id keeps a repeat out of the stream.
-        ack = await through_outage(lambda: js.publish(subject, payload, headers=headers), what="publish_batch")
-        return not ack.duplicate
-
     for start in range(0, len(todo), _PUBLISH_WINDOW):
         window = todo[start : start + _PUBLISH_WINDOW]
         built = await asyncio.to_thread(build, window)
-        results = await asyncio.gather(*(publish_one(batch_id, payload) for batch_id, payload in built))
+        # A lost or late ack is retried: the message id keeps a repeat out of the stream.
+        acks = await publish_all(
+            js,
+            [
+                (subject, payload, message_headers(cfg.job, batch=batch_id, msg_id=batch_id + msg_id_suffix))
+                for batch_id, payload in built
+            ],
+            what="publish_batch",
+        )
+        results = [not ack.duplicate for ack in acks]
         published += sum(results)
         duplicates += [seq for seq, new in zip(window, results) if not new]
     return published, duplicates
@@ -135,12 +139,7 @@ async def _publish_all(
 
 async def run(cfg: ProducerConfig) -> int:
     info = load_model_info(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    layers = resolve_layers(list(cfg.layers), info.num_layers, model=cfg.model)
-    if cfg.token_budget < cfg.max_seq_len:
-        raise HsxError(
-            f"--token-budget {cfg.token_budget} is smaller than --max-seq-len {cfg.max_seq_len}: "
-            "the longest allowed sample must fit in one batch"
-        )
+    layers = resolve_layers(cfg.layers, info.num_layers, model=cfg.model)
     # Reach NATS first: an unreachable server is reported at once, not after reading a big dataset.
     nc = await connect(cfg.nats, name=f"hsx-producer-{cfg.job}")
     try:
@@ -224,7 +223,7 @@ async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs, *, max_payload:
     return tokens, report
 
 
-async def _produce(cfg: ProducerConfig, nc, info, layers: list[LayerSelector]) -> int:
+async def _produce(cfg: ProducerConfig, nc, info, layers: list[Layer]) -> int:
     js = nc.jetstream()
     kv = await topology.ensure_topology(js, replicas=cfg.replicas)
     existing = await read_job_spec(kv, cfg.job)
@@ -241,7 +240,7 @@ async def _plan_and_publish(
     js,
     kv,
     info,
-    layers: list[LayerSelector],
+    layers: list[Layer],
     existing,
     rows: SampleTable,
     inputs: Inputs | None,
@@ -260,7 +259,7 @@ async def _plan_and_publish(
         fingerprint=fingerprint[:12],
         from_store=inputs is None,
     )
-    replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != cfg.dest)
+    replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != str(cfg.dest))
     plan = schemas.plan_tag_of(fingerprint)
     if existing is not None and existing.published:
         if replaces:
@@ -286,7 +285,7 @@ async def _plan_and_publish(
     )
     await asyncio.to_thread(preflight.check_destination, cfg.dest, cfg.job)
     owner = await _check_folder(cfg, plan, len(rows), existing)
-    log.info("preflight_passed", job=cfg.job, batches=checked, max_payload=nc.max_payload, dest=cfg.dest)
+    log.info("preflight_passed", job=cfg.job, batches=checked, max_payload=nc.max_payload, dest=str(cfg.dest))
     if replaces:
         await _replace_unpublished(js, cfg, existing, fingerprint)
     if owner is not None:
@@ -307,7 +306,7 @@ async def _plan_and_publish(
         num_layers=info.num_layers,
         hidden_size=info.hidden_size,
         dtype=cfg.dtype,
-        dest=cfg.dest,
+        dest=str(cfg.dest),
         token_budget=cfg.token_budget,
         max_seq_len=cfg.max_seq_len,
         dataset=str(cfg.dataset),
@@ -333,7 +332,7 @@ async def _plan_and_publish(
     # Queued or finished already: a producer stopped mid-publish, or one racing this one.
     accounted = await resume.accounted_batch_ids(js, cfg.job)
     already = sum(plan_batch_id(cfg.job, fingerprint, seq) in accounted for seq in range(len(batches)))
-    published, duplicates = await _publish_all(js, cfg, fingerprint, batches, rows, skip=accounted)
+    published, duplicates = await _publish_batches(js, cfg, fingerprint, batches, rows, skip=accounted)
     republished = await _republish_forgotten(js, cfg, spec, batches, rows, duplicates)
     spec = msgspec.structs.replace(spec, published=True)
     await kv.put(cfg.job, schemas.encode(spec))
@@ -361,7 +360,7 @@ async def _republish_forgotten(
     forgotten = {plan_batch_id(cfg.job, spec.plan_fingerprint, seq) for seq in duplicates} - accounted
     if not forgotten:
         return 0
-    new, _ = await _publish_all(
+    new, _ = await _publish_batches(
         js,
         cfg,
         spec.plan_fingerprint,
@@ -442,6 +441,6 @@ async def _replace_unpublished(js, cfg: ProducerConfig, existing: schemas.JobSpe
         old_plan=existing.plan_fingerprint[:12],
         plan=schemas.plan_tag_of(fingerprint),
         old_dest=existing.dest,
-        dest=cfg.dest,
+        dest=str(cfg.dest),
         orphan_batches_dropped=orphans,
     )

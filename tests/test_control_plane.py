@@ -10,7 +10,6 @@ import pytest
 import torch
 from test_fidelity import _spec as fidelity_spec
 
-from hsx.gpu_consumer.service import publish_all
 from hsx.storage import samplefile
 from hsx.storage.destinations import FileDestination, FolderSync, VerificationError
 from hsx.storage.layout import sample_key
@@ -18,6 +17,7 @@ from hsx.storage.spool import spool_file
 from hsx.uploader.config import UploaderConfig
 from hsx.uploader.service import FileMover, _SpoolFileLost
 from hsx.wire import schemas, topology
+from hsx.wire.jetstream import publish_all
 from hsx.wire.natsconn import NatsSettings, connect
 
 

@@ -275,7 +275,7 @@ def test_a_batch_handed_back_on_its_last_delivery_is_queued_fresh(nats_server, j
     """A consumer stopping with a batch in hand on its last delivery (graceful stop, or the
     descriptor it fetched ahead): a nak would strand it; it is published again with a fresh
     delivery count and the spent copy removed."""
-    from hsx.gpu_consumer.service import give_back
+    from hsx.wire.jetstream import give_back
 
     async def scenario() -> None:
         nc = await nats.connect(nats_server.url)
