@@ -6,7 +6,7 @@ Prints one JSON object with, for the same packed batches:
   model, output_hidden_states=True, then pick the layers and copy them to the host);
 - forward_tokens_per_s: the layer tap alone (forward up to the deepest layer);
 - extract_tokens_per_s: forward + stacking + device-to-host copy (what the consumer computes);
-- pipeline_tokens_per_s: the real consumer loop (gpu_consumer.service) against a real
+- pipeline_tokens_per_s: the real consumer loop (gpu_consumer.scheduler) against a real
   nats-server: forward, files written on the writer pool while the next batch computes,
   file-ready and progress events, acks (no uploader);
 - mfu: model FLOP utilisation of the forward (against 989 TFLOP/s dense bf16);
@@ -78,7 +78,8 @@ async def _service_pass(loaded, batches, spec, spool: Path) -> tuple[int, float]
     starts; tearing down and deleting the files after it stops."""
     from hsx.commands.embedded import start_nats_server
     from hsx.gpu_consumer.config import ConsumerConfig
-    from hsx.gpu_consumer.service import BatchWorker, pull_loop
+    from hsx.gpu_consumer.scheduler import pull_loop
+    from hsx.gpu_consumer.service import BatchWorker
     from hsx.wire import schemas, topology
     from hsx.wire.events import EventPublisher
     from hsx.wire.natsconn import NatsSettings, connect
@@ -331,7 +332,7 @@ def main() -> int:
     )
 
     def pipeline(spool: Path) -> tuple[int, float]:
-        """The real consumer service loop (gpu_consumer.service.pull_loop) against a real
+        """The real consumer service loop (gpu_consumer.scheduler.pull_loop) against a real
         nats-server: fetch, forward, files written on the writer pool while the next batch
         computes, file-ready events, progress events, ack. No uploader: files stay in the spool."""
         sync()

@@ -9,7 +9,8 @@ import torch
 
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.model import load_model
-from hsx.gpu_consumer.service import SERVICE, BatchWorker, pull_loop
+from hsx.gpu_consumer.scheduler import pull_loop
+from hsx.gpu_consumer.service import SERVICE, BatchWorker
 from hsx.gpu_consumer.writer import remove_orphaned_temp_files
 from hsx.storage.fsutil import make_private_dirs
 from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans

@@ -59,7 +59,7 @@ from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState, keep_in_progress
 from hsx.wire.headers import message_headers
 from hsx.wire.jetstream import give_back, publish_all
-from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
+from hsx.wire.natsconn import through_outage
 from hsx.wire.worker import JobWatch
 
 log = structlog.get_logger("hsx.gpu_consumer")
@@ -100,7 +100,7 @@ class Taken:
 
 
 @dataclass
-class _Computed:
+class Computed:
     """A batch whose forward is done and whose files are still to be written and announced."""
 
     taken: Taken
@@ -171,7 +171,7 @@ class BatchWorker:
         for folder in {(self.cfg.spool / f.spool_path).parent for f in files}:
             fsync_dir(folder)
 
-    async def _write_files(self, computed: _Computed) -> list[schemas.FileReady]:
+    async def _write_files(self, computed: Computed) -> list[schemas.FileReady]:
         """One attempt at writing the batch's files. One job per writer thread, each a contiguous
         share of the batch (not one job per file: a future and two thread hand-offs per small file
         cost more than its write)."""
@@ -197,7 +197,7 @@ class BatchWorker:
         return files
 
     async def _write_until_written(
-        self, computed: _Computed, on_stall: Callable[[], Awaitable[None]] | None
+        self, computed: Computed, on_stall: Callable[[], Awaitable[None]] | None
     ) -> list[schemas.FileReady] | None:
         """Write the batch's files; while the spool disk is full, keep the computed states and the
         message (in_progress continues) and retry with a growing delay. Each attempt is watched: a
@@ -306,7 +306,7 @@ class BatchWorker:
             log.warning("batch_state_unknown", error=str(exc) or type(exc).__name__)
         return True
 
-    async def compute(self, taken: Taken, *, on_stall: Callable[[], Awaitable[None]] | None = None) -> _Computed | None:
+    async def compute(self, taken: Taken, *, on_stall: Callable[[], Awaitable[None]] | None = None) -> Computed | None:
         """Stage 1: decode and run the forward. Returns None when the message was settled here
         (poison dead-lettered, a failure nak'ed for a later retry, another plan's batch set
         aside or handed back), or was released by a stalled forward that then failed or whose
@@ -355,7 +355,7 @@ class BatchWorker:
 
     async def _compute_batch(
         self, taken: Taken, lease: StagingLease | None, on_stall: Callable[[], Awaitable[None]] | None
-    ) -> _Computed | None:
+    ) -> Computed | None:
         msg = taken.msg
         attempt = msg.metadata.num_delivered
         try:
@@ -384,7 +384,7 @@ class BatchWorker:
 
         try:
             outputs = await forward(partial(extract_samples, lease=lease))
-            return _Computed(taken, batch, attempt, started, list(zip(batch.samples, outputs)))
+            return Computed(taken, batch, attempt, started, list(zip(batch.samples, outputs)))
         except ReleasedBatch:
             return None
         except Exception as exc:
@@ -407,9 +407,9 @@ class BatchWorker:
                 sample_indices=[s.index for s, _ in failed],
             )
             return None
-        return _Computed(taken, batch, attempt, started, extracted, failed)
+        return Computed(taken, batch, attempt, started, extracted, failed)
 
-    async def finish(self, computed: _Computed, *, on_stall: Callable[[], Awaitable[None]] | None = None) -> None:
+    async def finish(self, computed: Computed, *, on_stall: Callable[[], Awaitable[None]] | None = None) -> None:
         """Stage 2: write the files, announce them, report progress, and only then ack. A worker
         whose job was lost meanwhile (deleted, or its name given to another plan) writes and
         announces nothing more."""
@@ -457,7 +457,7 @@ class BatchWorker:
                 # not: the buffers may go to the next batch.
                 computed.lease.release()
 
-    async def _announce(self, computed: _Computed, files: list[schemas.FileReady], log_) -> None:
+    async def _announce(self, computed: Computed, files: list[schemas.FileReady], log_) -> None:
         """Dead-letter what failed on its own, announce the files, report the batch, ack."""
         msg, batch, attempt = computed.msg, computed.batch, computed.attempt
         if computed.failed:
@@ -580,164 +580,3 @@ def _full_batch_bytes(spec: schemas.JobSpec, loaded: LoadedModel) -> int:
     except (AttributeError, TypeError, ValueError):
         return 0
     return spec.token_budget * len(spec.layers) * hidden * torch.empty((), dtype=loaded.dtype).element_size()
-
-
-async def _finish_guarded(
-    worker: BatchWorker, computed: _Computed, on_stall: Callable[[], Awaitable[None]] | None
-) -> None:
-    try:
-        await worker.finish(computed, on_stall=on_stall)
-    except NATS_OUTAGE_ERRORS as exc:
-        # NATS away while announcing or acking (past the outage budget, or stopping): the batch
-        # stays unacked and is redelivered after the ack wait (its files are rewritten identically).
-        log.warning(
-            "batch_left_unacked",
-            batch=computed.batch.batch_id,
-            error=f"{type(exc).__name__}: {exc}",
-            redelivered_after_s=worker.cfg.ack_wait_s,
-        )
-    except Exception as exc:  # a bug: its traceback
-        log.warning(
-            "batch_interrupted", batch=computed.batch.batch_id, error=f"{type(exc).__name__}: {exc}", exc_info=True
-        )
-
-
-async def _settle(task: asyncio.Task | None) -> None:
-    if task is not None:
-        await task
-
-
-async def _take(sub, cfg: ConsumerConfig) -> Taken:
-    """One descriptor from the queue, kept in progress from now on (TimeoutError: none came)."""
-    msgs = await sub.fetch(1, timeout=cfg.idle_fetch_timeout_s)
-    if not msgs:
-        raise TimeoutError
-    return Taken.of(msgs[0], interval_s=cfg.in_progress_s)
-
-
-async def _hand_back(js: JetStreamContext, taken: Taken, *, why: str) -> None:
-    """Give a message this consumer will not start back to the queue (`give_back`); its next
-    delivery counts as one: JetStream has no way to return a message uncounted."""
-    taken.release()
-    try:
-        await give_back(js, taken.msg)
-    except Exception as exc:  # NATS gone: the ack wait hands it back instead
-        log.warning("batch_not_returned", why=why, error=str(exc) or type(exc).__name__)
-
-
-async def _return_unstarted(prefetch: asyncio.Task | None, js: JetStreamContext) -> None:
-    """Hand back a descriptor fetched ahead but never started (we are stopping, paused at the
-    high-water mark, or stuck in a stalled batch): it goes to another consumer at once instead of
-    waiting here, kept alive, for as long as that lasts."""
-    if prefetch is None:
-        return
-    try:
-        taken = await prefetch
-    except Exception:
-        return
-    await _hand_back(js, taken, why="fetched ahead, not started")
-
-
-async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asyncio.Event) -> None:
-    finishing: asyncio.Task | None = None
-    # The next descriptor is fetched while the current batch computes, so the GPU does not wait
-    # for a round trip to NATS between batches.
-    prefetch: asyncio.Task | None = None
-    paused = False
-
-    async def release_ahead() -> None:
-        nonlocal prefetch
-        held, prefetch = prefetch, None
-        await _return_unstarted(held, worker.js)
-
-    async def finished_first(taken: Taken, computed: _Computed | None = None) -> bool:
-        """Wait for the batch being finished before going on with `taken`. Should that batch stall
-        meanwhile (a hung write), what this loop holds is handed back rather than held, kept
-        alive, for as long as the stall lasts: False."""
-        nonlocal finishing
-        while finishing is not None and not finishing.done():
-            if worker.stall is not None:
-                await release_ahead()
-                if computed is not None and computed.lease is not None:
-                    computed.lease.release()  # its forward is done: no thread writes into it
-                await _hand_back(worker.js, taken, why="the batch before it stalled")
-                return False
-            await asyncio.wait({finishing}, timeout=0.5)
-        await _settle(finishing)
-        finishing = None
-        return True
-
-    try:
-        while not stopping.is_set():
-            if finishing is not None and not finishing.done() and worker.stall is not None:
-                # The batch being written or announced is stalled: a batch fetched now could only
-                # be handed back (a delivery spent for nothing) until it ends.
-                await asyncio.wait({finishing}, timeout=1.0)
-                continue
-            full, used = worker.spool_full()
-            if not full and finishing is not None and not finishing.done() and not worker.room_for(used, 1):
-                # The batch being written may take the spool past the mark: let it land before
-                # fetching one that could then not be started.
-                await _settle(finishing)
-                finishing = None
-                full, used = worker.spool_full()
-            if full:
-                if prefetch is not None:
-                    # Kept, it would wait here with in_progress for as long as the pause lasts.
-                    await release_ahead()
-                if not paused:
-                    log.warning("spool_high_water_paused", spool_bytes=used, high_water=cfg.spool_high_water_bytes)
-                    paused = True
-                worker.state = "paused"
-                worker.detail = f"spool holds {used} bytes, high-water mark {cfg.spool_high_water_bytes}"
-                try:
-                    await asyncio.wait_for(stopping.wait(), timeout=2.0)
-                except TimeoutError:
-                    pass
-                continue
-            if paused:
-                log.info("spool_resumed", spool_bytes=used)
-                paused = False
-                worker.state, worker.detail = "idle", ""
-            fetching, prefetch = prefetch or asyncio.create_task(_take(sub, cfg)), None
-            try:
-                taken = await fetching
-            except TimeoutError:
-                await _settle(finishing)  # idle: nothing to overlap with
-                finishing = None
-                if worker.state == "working":
-                    worker.state = "idle"
-                continue
-            except Exception as exc:  # NATS reconnecting, or the durable gone with its job
-                log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
-                if worker.watch is not None:
-                    await worker.watch.check()
-                await asyncio.sleep(1.0)
-                continue
-            if taken.msg.metadata.num_delivered > 1:
-                # A redelivered batch may be what killed its last consumer: it runs alone (the
-                # batch before it finished first, nothing fetched ahead), so that dying on it
-                # again costs no other batch one of its deliveries.
-                if not await finished_first(taken):
-                    continue
-            elif not stopping.is_set() and worker.room_for(used, 2):
-                # Only what can be started: near the high-water mark (this batch and the one
-                # being written still to land), a descriptor fetched ahead would be held
-                # through the pause that follows.
-                prefetch = asyncio.create_task(_take(sub, cfg))
-            try:
-                computed = await worker.compute(taken, on_stall=release_ahead)
-            except Exception as exc:
-                log.warning("batch_interrupted", error=f"{type(exc).__name__}: {exc}", exc_info=True)
-                continue
-            # Batch N must be finished before batch N+1's finish starts (and before batch N+2's
-            # forward leases staging buffers: two batches leased at most); batch N+1's forward
-            # has just run alongside it.
-            if computed is None:
-                await _settle(finishing)
-                finishing = None
-            elif await finished_first(computed.taken, computed):
-                finishing = asyncio.create_task(_finish_guarded(worker, computed, release_ahead))
-    finally:
-        await _return_unstarted(prefetch, worker.js)
-        await _settle(finishing)

@@ -38,7 +38,8 @@ from test_fidelity import _spec
 
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.model import load_model
-from hsx.gpu_consumer.service import BatchWorker, pull_loop
+from hsx.gpu_consumer.scheduler import pull_loop
+from hsx.gpu_consumer.service import BatchWorker
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings, connect
