@@ -1,22 +1,8 @@
-"""`hsx export SOURCE --to FORMAT OUT`: a finished job's files as a drafter trainer reads them
-(hsx/storage/trainers.py says what each format holds).
-
-SOURCE is the job's folder in its destination (`s3://bucket/prefix/JOB`, `file:///out/JOB` or a
-path), as HiddenStateDataset takes it: no NATS, because training runs elsewhere and later. The
-job's spec comes from its bundle (`<job>/_hsx/job.json`), what each sample must be from the
-bundle too (hsx/storage/expected.py: its token count and input ids from `tokens.arrow`, whose
-row count must be the spec's total_samples), the samples from its index (or a listing), only
-those of the plan (0 to total_samples - 1). `--workers` samples are read, checked (each file's
-checksum, then that it is this plan's sample: job, plan, sample index, model, layers, dtype,
-shape, token count, input ids), dequantized and written at once; every output file is written
-atomically, so a run that stopped is resumed by running it again: what is there is kept. The
-job's layers are checked against the format first: a format it cannot make is one line naming
-the `--layers` that would.
-
-A sample the trainer cannot take (SpecForge's DFlash reader raises on one without two adjacent
-supervised tokens) is left out and listed; a source file that is missing, damaged or not this
-plan's sample is listed with why and fails the run (exit 1), after everything else is written.
-`OUT/hsx-export.json` holds the report: counts, the trainer's layer ids, what was left out and why.
+"""`hsx export SOURCE --to FORMAT OUT`: a finished job's samples, read from the job's folder in its
+destination (no NATS), checked, and written as a drafter trainer reads them (hsx/storage/trainers.py
+says what each format holds). A rerun resumes OUT. A sample the trainer cannot take is left out
+and listed; one whose file is missing, damaged or not this plan's fails the run (exit 1) after the
+rest is written. `OUT/hsx-export.json` holds the report.
 """
 
 from __future__ import annotations
@@ -25,7 +11,6 @@ import json
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -33,9 +18,10 @@ import pyarrow as pa
 import structlog
 import torch
 
+from hsx.commands.configs import ExportConfig
 from hsx.errors import HsxError, JobFailed
 from hsx.storage import trainers
-from hsx.storage.destinations import Destination, open_destination, split_job_url
+from hsx.storage.destinations import Destination, open_destination
 from hsx.storage.expected import (
     BUNDLE_SPEC_KEY,
     ExpectedSamples,
@@ -47,6 +33,7 @@ from hsx.storage.expected import (
 )
 from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, relative_sample_key, sample_key
+from hsx.storage.location import Location
 from hsx.storage.reader import dequantize, load_sample, ordered_map
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.tensors import STORAGE_DTYPES
@@ -59,15 +46,6 @@ IDENTITY = ".hsx-export.json"  # what OUT holds, written before the first file
 # A run of more missing samples than this is one entry of the report, not one each: its size
 # stays that of what is stored, whatever total_samples a bundle without a tokens file claims.
 MISSING_LISTED_EACH = 1000
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExportConfig:
-    source: str
-    to: str  # one of trainers.FORMATS
-    out: Path
-    workers: int = 16
-    dtype: str = "auto"  # one of trainers.DTYPES
 
 
 class ExportIdentity(msgspec.Struct, frozen=True, kw_only=True):
@@ -196,7 +174,8 @@ class _Progress:
 
 def run_export(cfg: ExportConfig) -> ExportReport:
     started = time.monotonic()
-    url, job = split_job_url(cfg.source)
+    url = Location.parse_job_folder(cfg.source, what="SOURCE")
+    job = url.name
     folder = open_destination(url, max_connections=cfg.workers)
     spec = bundle_spec(folder)
     if spec is None:
@@ -266,7 +245,7 @@ def run_export(cfg: ExportConfig) -> ExportReport:
             trainers.write_speculators_table(cfg.out, tokens)
         tokens.close()
     report = ExportReport(
-        source=url,
+        source=str(url),
         job=job,
         format=cfg.to,
         layers=list(spec.layers),

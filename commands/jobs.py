@@ -1,18 +1,6 @@
-"""`hsx jobs list` and `hsx jobs delete`: the jobs NATS holds, and removing one so that its name
-can be used again.
-
-A job lives in NATS in: its spec (KV bucket `hsx_jobs`), its stored samples and input report
-(object store `hsx_datasets`), its messages in HSX_BATCHES, HSX_FILES, HSX_EVENTS, HSX_DEAD and
-HSX_ADVISORIES (`topology.job_subjects`), and its durables (`gpu-<job>`, `upload-<job>-<node>`,
-`exhausted-<job>`). Deleting removes all of that; the files already in the destination are the
-job's output and stay where they are.
-
-A job whose workers are alive (`hsx.wire.jobs.live_workers`), or whose files wait for upload in
-some node's spool, is not deleted unless forced: its consumers and uploaders would lose their
-durables under them, and the waiting files their events. Forced, the delete says on which nodes
-files waited and in which spool folders (from the workers' heartbeats); the job's workers still
-running notice the delete, stop and remove them, and so does the next worker of a job of that name
-on the node (hsx/storage/spool.py).
+"""`hsx jobs list` and `hsx jobs delete`: the jobs NATS holds, and removing everything NATS holds of
+one (not its output in the destination) so that its name can be used again; refused while the
+job's workers are alive or its files wait in a spool, unless forced.
 """
 
 import asyncio

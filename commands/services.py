@@ -53,32 +53,37 @@ def process_instance(node: str) -> str:
     return f"{node}-{os.getpid()}" if host == node else f"{node}-{host}-{os.getpid()}"
 
 
-def _worker_fields(args: argparse.Namespace) -> dict:
+def _worker_fields(args: argparse.Namespace, *, prepare: bool) -> dict:
     node = node_name(args.node or socket.gethostname())
     spool = args.spool.resolve()
-    make_private_dirs(spool)
+    if prepare:
+        make_private_dirs(spool)
     return {"node": node, "instance": process_instance(node), "spool": spool}
 
 
-def producer_config(args: argparse.Namespace, nats: NatsSettings) -> ProducerConfig:
+# Each builder takes `prepare`: False for `hsx config show`, which builds the config for its
+# checks only, so nothing is made on this machine (a spool) and nothing measured (its disk).
+
+
+def producer_config(args: argparse.Namespace, nats: NatsSettings, *, prepare: bool = True) -> ProducerConfig:
     return build_config(ProducerConfig, args, nats=nats)
 
 
-def consumer_config(args: argparse.Namespace, nats: NatsSettings) -> ConsumerConfig:
-    worker = _worker_fields(args)
+def consumer_config(args: argparse.Namespace, nats: NatsSettings, *, prepare: bool = True) -> ConsumerConfig:
+    worker = _worker_fields(args, prepare=prepare)
     high_water = args.spool_high_water_bytes
-    if high_water == "auto":
-        high_water = free_bytes(worker["spool"]) // 2
+    if high_water == "auto":  # left so unprepared: the spool's disk is measured once it exists
+        high_water = free_bytes(worker["spool"]) // 2 if prepare else high_water
     elif isinstance(high_water, str):  # "200G", as written: checked when it was parsed
         high_water = parse_size(high_water, "--spool-high-water")
     return build_config(ConsumerConfig, args, nats=nats, spool_high_water_bytes=high_water, **worker)
 
 
-def uploader_config(args: argparse.Namespace, nats: NatsSettings) -> UploaderConfig:
-    return build_config(UploaderConfig, args, nats=nats, **_worker_fields(args))
+def uploader_config(args: argparse.Namespace, nats: NatsSettings, *, prepare: bool = True) -> UploaderConfig:
+    return build_config(UploaderConfig, args, nats=nats, **_worker_fields(args, prepare=prepare))
 
 
-def monitor_config(args: argparse.Namespace, nats: NatsSettings) -> MonitorConfig:
+def monitor_config(args: argparse.Namespace, nats: NatsSettings, *, prepare: bool = True) -> MonitorConfig:
     # auto: a person watching gets the bar, a pipe or a log shipper gets JSON lines.
     output = args.output if args.output != "auto" else ("bar" if sys.stdout.isatty() else "json")
     return build_config(MonitorConfig, args, nats=nats, output=output, log_level=args.log_level)

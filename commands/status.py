@@ -8,20 +8,15 @@ import msgspec
 import nats.errors
 import structlog
 
+from hsx.commands.configs import DEFAULT_SUMS_BUDGET_S, DEFAULT_TIMEOUT_S
 from hsx.errors import HsxError
 from hsx.wire import topology
 from hsx.wire.jobs import require_job_spec
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
-from hsx.wire.progress import ProgressTracker, StatusView, status_view
+from hsx.wire.statusview import StatusView, status_view
+from hsx.wire.tracker import ProgressTracker
 
 log = structlog.get_logger("hsx.status")
-
-DEFAULT_TIMEOUT_S = 120.0
-# How long `hsx status` folds markers the last reader has not (progress.py, "Sums"): with a
-# monitor running there are a few seconds' worth; after none for hours, the sums are reported
-# short (`sums_complete` false) rather than making the reading wait, and the next reading goes on
-# from where this one stopped. The counts, and `done`, never wait on it.
-DEFAULT_SUMS_BUDGET_S = 0.5
 
 
 async def read_status(

@@ -1,68 +1,33 @@
-"""`hsx sync`: upload a directory (training checkpoints, logs) to a destination, pass after pass.
-
-Each pass walks the directory and uploads every regular file whose bytes the destination does not
-hold yet, under `<dest>/<prefix>/<path relative to the directory>`, through the destinations'
-verified put (hsx/storage/destinations.py: size and sha256 checked after the upload; S3 user metadata
-`hsx-sha256`). What a pass uploaded is remembered by size and mtime: an untouched file is not read
-again, a touched one is hashed and uploaded only if its bytes changed. The first pass of a process
-asks the destination instead, so a restarted sync re-uploads nothing that is already there.
-
-A failing upload, or a file that changes while it is uploaded (a checkpoint still being written),
-is retried with backoff and then left to the next pass; the pass goes on with the other files.
-The first SIGTERM/SIGINT lets the file in hand finish, then the sync exits 0.
-
-Upload only: a file deleted here stays in the destination, and symlinked directories are not
-followed. This module knows directories and the destination interface; not NATS, not jobs.
+"""`hsx sync`: upload a directory (training checkpoints, logs) to a destination, pass after pass,
+each file whose bytes the destination does not hold yet, verified (hsx/storage/destinations.py).
+Upload only: a file deleted here stays there. This module knows directories and the destination
+interface; not NATS, not jobs.
 """
 
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import structlog
 from botocore.exceptions import BotoCoreError, ClientError
 
+from hsx.commands.configs import SyncConfig
+from hsx.config.values import parse_duration  # noqa: F401 - `hsx sync --every`'s, named here too
 from hsx.errors import HsxError
 from hsx.storage.destinations import (
     Destination,
     VerificationError,
     file_sha256,
     open_destination,
-    parse_dest,
 )
+from hsx.storage.location import Location
 from hsx.wire.lifecycle import stop_flag_on_signals
 
 log = structlog.get_logger("hsx.sync")
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd]?)")
-_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _UPLOAD_ERRORS = (OSError, VerificationError, BotoCoreError, ClientError)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SyncConfig:
-    source: Path  # an existing directory, resolved
-    dest: str  # normalised destination URL, --prefix included
-    every_s: float | None  # seconds from one pass's start to the next; None: one pass (--once)
-    retries: int = 5  # attempts per file and pass
-    backoff_s: float = 1.0  # first retry delay, doubled per attempt
-    backoff_max_s: float = 60.0
-
-
-def parse_duration(text: str, flag: str) -> float:
-    """`90`, `90s`, `30m`, `2h`, `1d`, `1h30m`, `1.5h` -> seconds; anything else is a one-line error."""
-    raw = text.strip().lower()
-    parts = _DURATION_PART.findall(raw)
-    if not raw or "".join(number + unit for number, unit in parts) != raw:
-        raise HsxError(f"{flag} {text!r}: not a duration (e.g. 90s, 30m, 2h, 1h30m)")
-    seconds = sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
-    if seconds <= 0:
-        raise HsxError(f"{flag} {text!r}: must be longer than zero")
-    return seconds
 
 
 def check_source(path: Path) -> Path:
@@ -76,17 +41,14 @@ def check_source(path: Path) -> Path:
     return path.resolve()
 
 
-def dest_url(dest: str, prefix: str, *, source: Path) -> str:
-    """--dest with --prefix appended, normalised; a file:// destination inside PATH is refused
-    (every pass would upload the previous pass's copies)."""
-    url = parse_dest(dest)
+def dest_url(dest: Location, prefix: str, *, source: Path) -> Location:
+    """--dest with --prefix appended; a local destination inside PATH is refused (every pass would
+    upload the previous pass's copies)."""
     prefix = prefix.strip("/")
-    if prefix:
-        url = f"{url}/{prefix}"
-    split = urlsplit(url)
-    if split.scheme == "file" and Path(unquote(split.path)).resolve().is_relative_to(source):
-        raise HsxError(f"--dest {dest!r} is inside PATH {str(source)!r}; choose a destination outside it")
-    return url
+    location = dest.child(prefix) if prefix else dest
+    if not location.is_s3 and Path(location.path).resolve().is_relative_to(source):
+        raise HsxError(f"--dest {str(dest)!r} is inside PATH {str(source)!r}; choose a destination outside it")
+    return location
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.model.devices import node_devices
 from hsx.monitor.config import MonitorConfig
 from hsx.producer.config import ProducerConfig
-from hsx.storage.destinations import parse_dest
+from hsx.storage.location import Location
 from hsx.uploader.config import UploaderConfig
 from hsx.wire.natsconn import NatsSettings, redact_url
 
@@ -57,6 +57,12 @@ UP_MADE = {"model": None, "dataset": None, "dest": None}
 
 @dataclass(frozen=True, kw_only=True)
 class UpConfig:
+    # A server to use instead of starting one (`nats` is then it, with the credentials' flags).
+    # Not HSX_NATS_URL: an exported URL would silently replace the embedded server; a job file's
+    # [nats] url does, a file is named on purpose.
+    url: str | None = option(
+        "--nats", default=None, secret=redact_url, help="use this NATS server instead of starting one"
+    )
     workdir: Path = option(
         "--workdir", default=Path("hsx-demo"), parse=Path, help="state, store, spool, logs (default ./hsx-demo)"
     )
@@ -102,9 +108,12 @@ class UpConfig:
     devices: tuple[str, ...]  # the device of each consumer group, from --device and --devices (hsx/model/devices.py)
 
     @classmethod
-    def from_args(cls, parser, args: argparse.Namespace, *, nats: NatsSettings | None, environ=None) -> "UpConfig":
+    def from_args(
+        cls, parser, args: argparse.Namespace, *, nats: NatsSettings | None, environ=None, prepare: bool = True
+    ) -> "UpConfig":
         """From `hsx up`'s resolved flags; each child's other settings resolved from `environ`
-        (the process's), the job file and the defaults, as its own command would."""
+        (the process's), the job file and the defaults, as its own command would. Without
+        `prepare` (hsx config show), nothing on this machine is made or asked: no spool, no GPUs."""
         environ = dict(os.environ if environ is None else environ)
         # Every process up starts on this node names it `local` unless told otherwise.
         environ.setdefault("HSX_NODE", "local")
@@ -112,15 +121,16 @@ class UpConfig:
         job = {field.name: getattr(args, field.name) for field, flag in flag_fields(ProducerConfig) if flag.job}
         job["model"] = job["model"] or str(workdir / "model")
         job["dataset"] = job["dataset"] or workdir / "dataset.jsonl"
-        job["dest"] = job["dest"] or parse_dest(str(workdir / "out"))
+        job["dest"] = job["dest"] or Location.parse(workdir / "out")
         spool = workdir / "spool"
-        devices = tuple(node_devices(args.device, args.gpus))
+        # Which GPUs the consumers get is this machine's to say: not asked unprepared (config show).
+        devices = tuple(node_devices(args.device, args.gpus)) if prepare else (args.device,)
         stand_in = nats or NatsSettings(url="nats://embedded.invalid")  # replaced once the server runs
 
         def child(command: str, **given):
             namespace = argparse.Namespace(command=command, config=args.config, log_level=args.log_level, **given)
             resolve(parser, namespace, environ)
-            return BUILDERS[command](namespace, stand_in)
+            return BUILDERS[command](namespace, stand_in, prepare=prepare)
 
         return build_config(
             cls,

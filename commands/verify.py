@@ -1,20 +1,7 @@
-"""`hsx verify`: check a job's destination against its spec, sample by sample.
-
-For every sample 0..total_samples-1: the file is at its key, loads as safetensors, its checksum
-metadata matches its tensors (a flipped data byte), and it is the file of that sample of that
-plan, as hsx/storage/expected.py defines it for every reader (metadata job, plan, sample_index,
-model, layers, dtype, num_tokens; tensor shapes and dtypes, H the spec's hidden size or the
-model config's; input_ids equal to the job's tokenized sample when it is readable here). What
-is stored comes from the job's index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) when it
-is complete, with no LIST; otherwise, or with `--list`, from listing `<job>/`, and then keys
-there that are not sample files are reported too, except the job bundle under `<job>/_hsx/`.
-`--recompute K` reruns K random readable samples alone, from scratch, with the GPU consumer's
-own model code on the CPU in float32, and compares them with the stored states.
-
-Outcome per sample, in order of the first failure: missing (no object), corrupt (does not load,
-or its checksum does not match its tensors), mismatching (a sound file, but not the one this key
-should hold; with the index, also a file whose digest is not the one the index recorded). This
-module reads the job spec and the destination; it writes nothing.
+"""`hsx verify`: check a job's destination against its spec, sample by sample: each file is at its
+key, sound, and the file of that sample of that plan (hsx/storage/expected.py); `--recompute K`
+reruns K samples on the CPU and compares. It reads the job spec and the destination; it writes
+nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +24,7 @@ from hsx.storage.destinations import open_job_folder
 from hsx.storage.expected import ExpectedSamples, is_missing, mismatches
 from hsx.storage.index import INDEX_KEY, read_index
 from hsx.storage.layout import BUNDLE_DIR, FLOAT8, relative_sample_key, sample_key
+from hsx.storage.location import spec_location
 from hsx.storage.reader import dequantize, load_sample
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.tensors import STORAGE_DTYPES
@@ -143,7 +131,7 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
     job: str
     dest: str
     dtype: str
-    layers: list[schemas.LayerSelector]
+    layers: list[schemas.Layer]
     total_samples: int
     samples_checked: int
     samples_ok: int
@@ -281,7 +269,7 @@ def verify(
     if spec.dtype not in STORAGE_DTYPES:
         raise HsxError(f"job {job}: unknown storage dtype {spec.dtype!r} in its spec")
     expected = ExpectedSamples.of_spec(spec, where=f"job {job}'s spec")
-    dest = open_job_folder(spec.dest, job, max_connections=workers)
+    dest = open_job_folder(spec_location(spec.dest), job, max_connections=workers)
     log.info("verify_started", job=job, dest=spec.dest, total_samples=total, workers=workers)
 
     if token_ids is not None:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 from hsx.config.fields import option
 from hsx.config.values import positive_int
-from hsx.model.layers import parse_layers
-from hsx.storage.destinations import parse_dest
+from hsx.errors import HsxError
+from hsx.model.layers import LayerRequest, parse_layers
 from hsx.storage.layout import DTYPE_CHOICES, stored_dtype
+from hsx.storage.location import Location
 from hsx.wire.natsconn import NatsSettings
-from hsx.wire.schemas import LayerSelector
 from hsx.wire.topology import job_name
 
 # What to do with a sample longer than max_seq_len (producer/lengths.py).
@@ -43,7 +43,7 @@ class ProducerConfig:
         help="JSONL/Parquet file or datasets save_to_disk folder: input_ids rows or chat messages rows",
     )
     # As given: resolved against the model's depth by the producer.
-    layers: tuple[LayerSelector, ...] = option(
+    layers: LayerRequest = option(
         "--layers",
         parse=parse_layers,
         job=True,
@@ -51,9 +51,9 @@ class ProducerConfig:
         help="0-based decoder layer indices, e.g. 1,16,31 (-1 = last; final = after the final norm), or a "
         "trainer's preset: dflash:N (a DFlash draft of N layers), eagle3, speculators",
     )
-    dest: str = option(
+    dest: Location = option(
         "--dest",
-        parse=parse_dest,
+        parse=Location.parse,
         job=True,
         example="s3://bucket/hidden-states",
         help="where the sample files go: s3://bucket/prefix, file:///dir or a path",
@@ -117,3 +117,10 @@ class ProducerConfig:
         help="servers of a JetStream cluster that hold each hsx stream and bucket, e.g. 3 "
         "(env HSX_REPLICAS; default: keep what exists, 1 when creating)",
     )
+
+    def __post_init__(self) -> None:
+        if self.token_budget < self.max_seq_len:
+            raise HsxError(
+                f"--token-budget {self.token_budget} is smaller than --max-seq-len {self.max_seq_len}: "
+                "the longest allowed sample must fit in one batch"
+            )

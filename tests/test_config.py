@@ -229,7 +229,7 @@ def test_a_required_flag_may_come_from_the_file(cli, tmp_path):
     parser = build_parser()
     with_file = parser.parse_args(["--config", str(file), "sync", str(tmp_path)])
     resolve(parser, with_file, {})
-    assert with_file.once is True and with_file.every is None and with_file.dest == "/d"
+    assert with_file.once is True and with_file.every_s is None and with_file.dest == "/d"
     without = parser.parse_args(["sync", str(tmp_path), "--dest", "/d"])
     with pytest.raises(SystemExit) as exited:
         resolve(parser, without, {})

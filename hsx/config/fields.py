@@ -1,16 +1,12 @@
-"""A config field that is also a setting: its flag, environment variable, help and parser are
-declared on the field itself, once, next to its default.
+"""A config field that is also a setting: its flag (or positional argument), environment variable,
+help and parser are declared on the field itself, once, next to its default:
 
     token_budget: int = option("--token-budget", default=16384, parse=positive_int("--token-budget"),
                                job=True, help="...")
 
-From these, hsx/config/settings.py adds the command's flags (`add_config_flags`), places each in
-the job file (`[job]` for what defines the job, else the command's table), shows it in
-`hsx config show`, and builds the frozen config from the resolved values (`build_config`); `hsx up`
-builds its children's configs the same way. A field without `option` (the NATS connection, a
-worker's instance) is not a flag: the entry point supplies it.
-
-This module is only the declaration: it imports nothing of argparse or the environment.
+From these hsx/config/settings.py makes every command's flags, job-file keys, `hsx config show`
+and config. A field without `option` (the NATS connection, a worker's instance) is not a flag: the
+entry point supplies it. This module imports nothing of argparse or the environment.
 """
 
 import dataclasses
@@ -22,7 +18,9 @@ _METADATA_KEY = "hsx"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Flag:
-    name: str  # the long flag, "--token-budget"; its key in the job file is token_budget
+    # The long flag, "--token-budget" (its key in the job file is token_budget); or, without
+    # dashes, a positional argument named so in the usage ("SOURCE"): command line only.
+    name: str
     help: str = ""
     env: str | None = None  # the environment variable that sets it, e.g. HSX_SPOOL
     # Text (from the command line, the environment or the file) -> the field's value; raises
@@ -38,10 +36,20 @@ class Flag:
     command_line_only: bool = False  # a job file may not set it
     metavar: str | None = None
     example: object = None  # `hsx config example`'s value for a flag without a default
+    # The flag may be given again and again; the field is the tuple of the values (None: not
+    # given). A file has no way to write a list: such a flag is command line only.
+    repeat: bool = False
+    # The flags of a command with the same `one_of` exclude each other on the command line, and
+    # one of them is required (from the command line, the environment or the file).
+    one_of: str | None = None
 
     @property
     def key(self) -> str:
         return self.file_key or key_of(self.name)
+
+    @property
+    def positional(self) -> bool:
+        return not self.name.startswith("-")
 
 
 def key_of(flag: str) -> str:

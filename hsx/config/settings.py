@@ -1,20 +1,11 @@
 """Which value each flag takes, and where it came from: flag > environment > config file > default.
 
-A service's flags are declared on its config class (hsx/config/fields.py); `add_config_flags`
-puts them on a `Parser` (argparse, with its public methods only) and `build_config` makes the
-config from the resolved values. The few flags of the other commands are declared in
-commands/cli.py, with the environment variable of a flag (`declare_env`), the redaction of a
-secret one (`declare_secret`), the [job] key of one that defines the job (`declare_job`) and the
-flags a file may not set (`declare_command_line_only`). A `Parser`
-keeps each flag's declared default and whether it is required for `resolve`, and gives argparse
-its "absent" sentinel instead, so that after parsing, a flag in the namespace is one that was
-given; it also lists its own flags, subcommands and exclusive groups, which argparse has no
-public way to tell. `resolve` fills in the others from the environment, the config file (hsx/config/configfile.py) and the declared
-default, in that order, checks the required ones, and records each source for `hsx config show`.
-
-An environment or file value goes through the flag's own parser (type, choices), so it is held to
-the same rules as the flag. A value that is wrong is a one-line HsxError naming the variable, or
-the file, table and key; a secret's value is never quoted, and `describe` shows it redacted.
+Every command's flags are declared on its config class (hsx/config/fields.py); `add_config_flags`
+puts them on a `Parser` and `build_config` makes the config from the resolved values. `resolve`
+fills in each flag not given from the environment, the job file (hsx/config/configfile.py) and the
+declared default, checks the required ones and records each source for `hsx config show`
+(`describe`); `hsx config example` writes the file (`example_file`). A wrong value is a one-line
+HsxError naming the flag, the variable, or the file, table and key; a secret is never quoted.
 """
 
 import argparse
@@ -34,29 +25,16 @@ _CONFIG_DEST = "config"  # the global --config: where the file is; it is resolve
 
 
 def declare_env(parser: argparse.ArgumentParser, **variables: str) -> None:
-    """Environment variable per flag dest: it sets the flag when the flag is not given."""
+    """Environment variable per flag dest, for the global flags that belong to no config: it sets
+    the flag when the flag is not given."""
     for dest, variable in variables.items():
         _action(parser, dest).hsx_env = variable
 
 
-def declare_secret(parser: argparse.ArgumentParser, **redactions: Callable[[str], str]) -> None:
-    """Flag dest -> how to show its value (`hide`, or e.g. redact_url for a URL that may hold a
-    password). Errors about a secret's value never quote it."""
-    for dest, redaction in redactions.items():
-        _action(parser, dest).hsx_redact = redaction
-
-
 def declare_command_line_only(parser: argparse.ArgumentParser, *dests: str) -> None:
-    """Flags a config file may not set."""
+    """Flags (of no config) that a config file may not set."""
     for dest in dests:
         _action(parser, dest).hsx_in_file = False
-
-
-def declare_job(parser: argparse.ArgumentParser, **keys: str) -> None:
-    """Flag dest -> its key in the file's [job] table: the flag defines the job, so every command
-    that has it reads it from [job] (`--job` is [job] name)."""
-    for dest, key in keys.items():
-        _action(parser, dest).hsx_job_key = key
 
 
 def add_config_flags(
@@ -70,13 +48,26 @@ def add_config_flags(
     name as its dest, so that `build_config` finds it. `defaults` gives a field another default
     on this command, on purpose (and makes a required one optional); `only` picks the flags."""
     defaults = defaults or {}
+    groups: dict[str, _Group] = {}
     for field, flag in flag_fields(cls):
         if not only(flag):
+            continue
+        if flag.positional:  # argparse's own: command line only, required unless it has a default
+            optional = field.default is not dataclasses.MISSING
+            parser.add_argument(
+                field.name,
+                metavar=flag.name,
+                help=flag.help,
+                type=flag.parse,
+                choices=flag.choices,
+                **({"nargs": "?", "default": field.default} if optional else {}),
+            )
             continue
         kwargs: dict = {"dest": field.name, "help": flag.help}
         if flag.example is not None:
             kwargs["example"] = flag.example
-        if flag.metavar or not (flag.choices or field.type is bool):
+        boolean = field.type in (bool, "bool")
+        if flag.metavar or not (flag.choices or boolean):
             kwargs["metavar"] = flag.metavar or key_of(flag.name).upper()
         if field.name in defaults:
             kwargs["default"] = defaults[field.name]
@@ -84,18 +75,25 @@ def add_config_flags(
             kwargs["default"], kwargs["required"] = None, True
         else:
             kwargs["default"] = field.default
-        if field.type is bool:
+        if boolean:
             kwargs["action"] = "store_true"
         else:
             kwargs["type"] = flag.parse
             kwargs["choices"] = flag.choices
-        action = parser.add_argument(flag.name, **kwargs)
+            if flag.repeat:
+                kwargs["action"] = "append"
+        target = parser
+        if flag.one_of:
+            if flag.one_of not in groups:
+                groups[flag.one_of] = parser.add_mutually_exclusive_group(required=True)
+            target = groups[flag.one_of]
+        action = target.add_argument(flag.name, **kwargs)
         action.hsx_key = flag.key
         if flag.env:
             action.hsx_env = flag.env
         if flag.secret:
             action.hsx_redact = flag.secret
-        if flag.command_line_only:
+        if flag.command_line_only or flag.repeat:
             action.hsx_in_file = False
         if flag.job:
             action.hsx_job_key = flag.key
@@ -105,6 +103,9 @@ def build_config(cls: type, args: argparse.Namespace, **given: object):
     """Config class `cls` from the resolved flags in `args`, and `given` for its fields that are
     not flags (the NATS connection) or that the entry point finishes (a spool made absolute)."""
     values = {field.name: getattr(args, field.name) for field, _ in flag_fields(cls) if field.name not in given}
+    for field, flag in flag_fields(cls):
+        if flag.repeat and isinstance(values.get(field.name), list):
+            values[field.name] = tuple(values[field.name])  # a frozen config holds no list
     return cls(**values, **given)
 
 
@@ -127,12 +128,14 @@ def argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
 
 class Parser(argparse.ArgumentParser):
     """argparse, declared through its public methods, that lists what was declared on it: its
-    flags (`hsx_flags`, in order), its subcommands (`hsx_commands`, under `hsx_command_dest`) and
-    its exclusive groups of which one flag is required (`hsx_one_required`). A flag error is one
-    line (`hsx: error: ...`, exit 2) instead of a usage dump; subcommand parsers are Parsers too."""
+    flags (`hsx_flags`, in order), its positional arguments (`hsx_positionals`), its subcommands
+    (`hsx_commands`, under `hsx_command_dest`) and its exclusive groups of which one flag is
+    required (`hsx_one_required`). A flag error is one line (`hsx: error: ...`, exit 2) instead of
+    a usage dump; subcommand parsers are Parsers too."""
 
     def __init__(self, *args, **kwargs) -> None:
         self.hsx_flags: list[argparse.Action] = []
+        self.hsx_positionals: list[argparse.Action] = []
         self.hsx_commands: dict[str, Parser] = {}
         self.hsx_command_dest: str | None = None
         self.hsx_one_required: list[list[argparse.Action]] = []
@@ -146,8 +149,12 @@ class Parser(argparse.ArgumentParser):
     def _declare(self, add, args: tuple, kwargs: dict, group: list | None = None) -> argparse.Action:
         if callable(kwargs.get("type")) and not isinstance(kwargs["type"], type):
             kwargs["type"] = argparse_type(kwargs["type"])  # a parser's HsxError is argparse's one-line error
-        if not args or not str(args[0]).startswith("-") or kwargs.get("action") in ("help", "version"):
-            return add(*args, **kwargs)  # a positional, or -h / --version: argparse's own
+        if not args or not str(args[0]).startswith("-"):
+            action = add(*args, **kwargs)  # a positional: argparse's own, command line only
+            self.hsx_positionals.append(action)
+            return action
+        if kwargs.get("action") in ("help", "version"):
+            return add(*args, **kwargs)  # -h / --version: argparse's own
         # A required flag may still come from the environment or the file: `resolve` checks it.
         required = kwargs.pop("required", False)
         example = kwargs.pop("example", None)  # `hsx config example`'s value where there is no default
@@ -180,7 +187,12 @@ class Parser(argparse.ArgumentParser):
         return _Commands(self, super().add_subparsers(**kwargs))
 
     def error(self, message: str):
-        self.exit(2, f"hsx: error: {' '.join(message.split())} (see: {self.prog} --help)\n")
+        message = " ".join(message.split())
+        # "argument --every: --every '3x': not a duration": a parser's own error names its flag.
+        named, _, reason = message.partition(": ")
+        if named.startswith("argument ") and reason.startswith(named.removeprefix("argument ").split("/")[-1] + " "):
+            message = reason
+        self.exit(2, f"hsx: error: {message} (see: {self.prog} --help)\n")
 
 
 class _Group:
@@ -221,7 +233,8 @@ class Setting:
             return None
         if self.redact is not None:
             return self.redact(str(self.value))
-        return str(self.value) if isinstance(self.value, Path) else self.value
+        plain = isinstance(self.value, str | int | float | bool | list | tuple)
+        return self.value if plain else str(self.value)  # a path, a destination: as text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,6 +242,7 @@ class Resolution:
     command: str  # "consume", "dead list"
     config_file: Path | None
     settings: tuple[Setting, ...]
+    missing: tuple[str, ...] = ()  # required flags that no layer set (resolved with require=False)
 
 
 def resolve(
@@ -274,7 +288,9 @@ def resolve(
     for group in getattr(path[-1][1], "hsx_one_required", []) if require else []:
         if all(getattr(args, action.dest) in (None, False) for action in group):
             path[-1][1].error(f"one of the arguments {' '.join(_flag(action) for action in group)} is required")
-    return Resolution(command=" ".join(names), config_file=config_file, settings=tuple(settings))
+    return Resolution(
+        command=" ".join(names), config_file=config_file, settings=tuple(settings), missing=tuple(missing)
+    )
 
 
 def describe(resolution: Resolution, environment: Mapping[str, str | None], *, as_json: bool) -> str:

@@ -2,6 +2,7 @@
 value, or a one-line HsxError that names the flag. hsx/config/fields.py declares which flag
 uses which; `expects` on a parser says what TOML type a job file must give."""
 
+import re
 from collections.abc import Callable
 
 from hsx.errors import HsxError
@@ -47,6 +48,31 @@ def positive_float(flag: str, unit: str = "seconds") -> Callable[[str], float]:
 
     parse.expects = float
     parse.__name__ = "float"
+    return parse
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhd]?)")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, flag: str) -> float:
+    """`90`, `90s`, `30m`, `2h`, `1d`, `1h30m`, `1.5h` -> seconds; anything else is a one-line error."""
+    raw = text.strip().lower()
+    parts = _DURATION_PART.findall(raw)
+    if not raw or "".join(number + unit for number, unit in parts) != raw:
+        raise HsxError(f"{flag} {text!r}: not a duration (e.g. 90s, 30m, 2h, 1h30m)")
+    seconds = sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
+    if seconds <= 0:
+        raise HsxError(f"{flag} {text!r}: must be longer than zero")
+    return seconds
+
+
+def duration(flag: str) -> Callable[[str], float]:
+    """The parser of a duration flag (`parse_duration`); its error names the flag."""
+
+    def parse(text: str) -> float:
+        return parse_duration(text, flag)
+
     return parse
 
 

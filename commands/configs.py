@@ -1,0 +1,213 @@
+"""The config of each command that runs no service, its fields declaring its flags (hsx/config/fields.py).
+
+One module apart from the commands, so that building the parser imports none of what they run
+(torch for export, NATS for status). The flags several commands share (--job, --json) are the
+field helpers `job_flag` and `json_flag`; the NATS flags are NatsSettings' (a `nats` field). A
+check of a flag against another is the config's `__post_init__`, so `hsx config show` and the
+job file meet it too; what needs the filesystem is checked when the config is built (`from_args`).
+"""
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsx.config.fields import option
+from hsx.config.settings import build_config
+from hsx.config.values import count, duration, positive_int
+from hsx.errors import HsxError
+from hsx.storage.location import Location
+from hsx.storage.trainers import DTYPES as EXPORT_DTYPES
+from hsx.storage.trainers import FORMATS as EXPORT_FORMATS
+from hsx.wire.natsconn import NatsSettings
+from hsx.wire.topology import job_name
+
+DEFAULT_TIMEOUT_S = 120.0
+# How long `hsx status` folds markers the last reader has not (commands/status.py): with a
+# monitor running there are a few seconds' worth; after none for hours, the sums are reported
+# short (`sums_complete` false) rather than making the reading wait, and the next reading goes on
+# from where this one stopped. The counts, and `done`, never wait on it.
+DEFAULT_SUMS_BUDGET_S = 0.5
+
+
+def job_flag() -> str:
+    """--job of a command that reads a job's state: [job] name in a file."""
+    return option("--job", parse=job_name, job=True, file_key="name", example="qwen27b-l5", help="the job's name")
+
+
+def json_flag() -> bool:
+    return option("--json", default=False, help="print JSON instead of text")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusConfig:
+    nats: NatsSettings
+    job: str = job_flag()
+    as_json: bool = json_flag()
+    timeout_s: float = option(
+        "--timeout",
+        default=DEFAULT_TIMEOUT_S,
+        parse=float,
+        help="seconds to wait for NATS before giving up (default 120)",
+    )
+    sums_budget_s: float = option(
+        "--sums-budget",
+        default=DEFAULT_SUMS_BUDGET_S,
+        parse=float,
+        metavar="S",
+        help="seconds to spend adding up the markers the last reading had not (tokens, bytes, "
+        "samples written); the counts and done never wait on it (default 0.5)",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise HsxError(f"--timeout must be positive, got {self.timeout_s:g}")
+        if self.sums_budget_s < 0:
+            raise HsxError(f"--sums-budget must not be negative, got {self.sums_budget_s:g}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyConfig:
+    nats: NatsSettings
+    job: str = job_flag()
+    recompute: int = option(
+        "--recompute",
+        default=0,
+        parse=count("--recompute"),
+        metavar="K",
+        help="also recompute K random samples on the CPU and compare (loads the model)",
+    )
+    seed: int | None = option(
+        "--seed",
+        default=None,
+        parse=int,
+        example=1234,
+        help="seed for choosing the recomputed samples (default: random, reported)",
+    )
+    workers: int = option(
+        "--workers", default=16, parse=positive_int("--workers"), help="objects read at once (default 16)"
+    )
+    list_folder: bool = option(
+        "--list",
+        default=False,
+        help="list the job's folder even when its index is complete, to report stray keys too",
+    )
+    as_json: bool = json_flag()
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexBuildConfig:
+    nats: NatsSettings
+    job: str = job_flag()
+    as_json: bool = json_flag()
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexRebuildConfig:
+    job_url: str = option("JOB_URL", help="the job's folder: s3://bucket/prefix/JOB, file:///out/JOB or a path")
+    workers: int = option(
+        "--workers", default=32, parse=positive_int("--workers"), help="headers read at once (default 32)"
+    )
+    as_json: bool = json_flag()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    source: str = option("SOURCE", help="the job's folder: s3://bucket/prefix/JOB, file:///out/JOB or a path")
+    to: str = option("--to", choices=EXPORT_FORMATS, example="specforge-dflash", help="the trainer's format")
+    out: Path = option("OUT", parse=Path, help="the folder to write (a rerun resumes it)")
+    workers: int = option("--workers", default=16, parse=positive_int("--workers"), help="samples at once (default 16)")
+    dtype: str = option(
+        "--dtype",
+        default="auto",
+        choices=EXPORT_DTYPES,
+        help="the hidden states' dtype in the export (default auto: the job's, float8 as bfloat16)",
+    )
+    as_json: bool = json_flag()
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncConfig:
+    # From the command line, resolved and checked to be a directory by `from_args`.
+    source: Path = option("PATH", parse=Path, help="the directory whose files are uploaded")
+    # As given ("/backups", shown so by hsx config show); `from_args` makes it the Location with
+    # --prefix joined, which is what the sync uploads to.
+    dest: Location = option(
+        "--dest", example="s3://bucket/checkpoints", help="s3://bucket/prefix, file:///dir or a path"
+    )
+    prefix: str = option("--prefix", default="", help="key prefix under --dest (default: none)")
+    # Seconds from one pass's start to the next; None: one pass (--once).
+    every_s: float | None = option(
+        "--every",
+        default=None,
+        parse=duration("--every"),
+        one_of="passes",
+        example="30m",
+        help="time from one pass's start to the next, e.g. 30m, 2h, 90s",
+    )
+    once: bool = option(
+        "--once", default=False, one_of="passes", help="one pass, then exit (1 if a file could not be uploaded)"
+    )
+    retries: int = option(
+        "--retries",
+        default=5,
+        parse=positive_int("--retries"),
+        help="attempts per file and pass, with backoff, before it is left to the next pass (default 5)",
+    )
+    backoff_s: float = 1.0  # first retry delay, doubled per attempt
+    backoff_max_s: float = 60.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, *, nats: NatsSettings | None = None) -> "SyncConfig":
+        """From `hsx sync`'s resolved flags: PATH must be a readable directory, and a local
+        --dest must not lie inside it (every pass would upload the previous pass's copies)."""
+        from hsx.commands.sync import check_source, dest_url
+
+        source = check_source(args.source)
+        dest = dest_url(Location.parse(args.dest), args.prefix, source=source)
+        return build_config(cls, args, source=source, dest=dest, every_s=None if args.once else args.every_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadListConfig:
+    nats: NatsSettings
+    job: str = job_flag()
+    as_json: bool = json_flag()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeadRetryConfig:
+    nats: NatsSettings
+    job: str = job_flag()
+    as_json: bool = json_flag()
+    # Which samples to retry is asked for per run: a file must not retry anything by itself.
+    seqs: tuple[int, ...] | None = option(
+        "--seq",
+        default=None,
+        parse=positive_int("--seq"),
+        repeat=True,
+        one_of="letters",
+        help="the dead letter's sequence number from `hsx dead list` (repeatable)",
+    )
+    every_letter: bool = option(
+        "--all", default=False, one_of="letters", command_line_only=True, help="every dead letter of the job"
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobsListConfig:
+    nats: NatsSettings
+    as_json: bool = json_flag()
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobsDeleteConfig:
+    nats: NatsSettings
+    as_json: bool = json_flag()
+    job: str = option("JOB", parse=job_name, help="the job to delete")
+    # Deleting is asked for per run: a file must not force it.
+    force: bool = option(
+        "--force",
+        default=False,
+        command_line_only=True,
+        help="delete even while workers of the job are alive (they lose their durables)",
+    )
