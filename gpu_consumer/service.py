@@ -56,10 +56,11 @@ from hsx.gpu_consumer.writer import write_sample_file
 from hsx.storage.fsutil import fsync_dir
 from hsx.storage.spool import spool_usage
 from hsx.wire import schemas, topology
-from hsx.wire.events import EventPublisher, WorkerState, keep_in_progress
+from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.headers import message_headers
 from hsx.wire.jetstream import give_back, publish_all
 from hsx.wire.natsconn import through_outage
+from hsx.wire.pull import Taken
 from hsx.wire.worker import JobWatch
 
 log = structlog.get_logger("hsx.gpu_consumer")
@@ -72,31 +73,6 @@ T = TypeVar("T")
 # called when a batch is taken up, and after its files are written and announced, before its ack.
 on_batch: Callable[[schemas.BatchDescriptor], None] | None = None
 before_ack: Callable[[], None] | None = None
-
-
-@dataclass
-class Taken:
-    """A message taken from the queue. `in_progress` runs from its fetch until it is settled
-    (acked, nak'ed, terminated, dead-lettered, handed back) or released by a stall, so a message
-    held anywhere in this consumer (a descriptor fetched ahead, a redelivery waiting for the batch
-    before it, a batch whose files wait for a full disk) is never handed to another consumer."""
-
-    msg: Msg
-    keep_alive: asyncio.Task
-
-    @classmethod
-    def of(cls, msg: Msg, *, interval_s: float) -> "Taken":
-        """`msg`, kept in progress every `interval_s` from now on (call inside the running loop)."""
-        return cls(msg, asyncio.create_task(keep_in_progress(msg, interval_s=interval_s)))
-
-    def release(self) -> None:
-        """Stop vouching for the message: settled, or given up to JetStream's redelivery."""
-        self.keep_alive.cancel()
-
-    def renew(self, *, interval_s: float) -> None:
-        """Vouch for it again (a stalled stage that ended while the batch was still queued)."""
-        self.keep_alive.cancel()
-        self.keep_alive = asyncio.create_task(keep_in_progress(self.msg, interval_s=interval_s))
 
 
 @dataclass

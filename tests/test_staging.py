@@ -26,12 +26,13 @@ import hsx.gpu_consumer.extract as extract
 from devkit.faults import oom_above
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.model import load_model
-from hsx.gpu_consumer.service import BatchWorker, Taken
+from hsx.gpu_consumer.service import BatchWorker
 from hsx.gpu_consumer.staging import HostStaging
 from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings, connect
+from hsx.wire.pull import Taken
 
 LAYERS = [1, 3, 4]  # none is the last decoder layer: each is transformers' hidden_states[i + 1]
 VOCAB = 512  # tests/conftest.py TINY

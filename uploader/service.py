@@ -47,10 +47,11 @@ from hsx.uploader.config import UploaderConfig
 from hsx.uploader.samples import SampleNotFound, StoredSamples
 from hsx.wire import schemas, topology
 from hsx.wire.backoff import jittered, retry_delay
-from hsx.wire.events import EventPublisher, WorkerState, keep_in_progress
+from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.headers import message_headers
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
 from hsx.wire.progress import has_uploaded_marker
+from hsx.wire.pull import PullLoop, Taken
 from hsx.wire.worker import JobWatch
 
 log = structlog.get_logger("hsx.uploader")
@@ -203,7 +204,7 @@ class FileMover:
 
     async def _handle(self, msg: Msg, stopping: asyncio.Event) -> None:
         self.inflight += 1
-        keep_alive = asyncio.create_task(keep_in_progress(msg, interval_s=self.cfg.in_progress_s))
+        taken = Taken.of(msg, interval_s=self.cfg.in_progress_s)
         try:
             try:
                 ready = schemas.file_decoder.decode(msg.data)
@@ -284,7 +285,7 @@ class FileMover:
             await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
             log.debug("file_uploaded", key=ready.key, bytes=ready.size, already_present=already)
         finally:
-            keep_alive.cancel()
+            taken.release()
             self.inflight -= 1
 
     async def _not_this_plan(self, msg: Msg, ready: schemas.FileReady, stopping: asyncio.Event) -> None:
@@ -465,32 +466,41 @@ class FileMover:
         log.warning("sample_requeued", sample=ready.sample_index, reason=reason, batch=batch_id)
 
 
-async def pull_loop(mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
-    tasks: set[asyncio.Task] = set()
-    while not stopping.is_set():
-        free = cfg.max_inflight - len(tasks)
+class FilePuller(PullLoop[list[Msg]]):
+    """The uploader's policy in the shared pull loop: up to `max_inflight` uploads at once, each
+    event handled on a task of its own; while the destination refuses, only one event is fetched,
+    to probe it; stopping, the uploads in hand get `stop_deadline_s` to finish."""
+
+    def __init__(self, mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
+        super().__init__(sub, stopping=stopping, watch=mover.watch, fetch_timeout_s=cfg.idle_fetch_timeout_s)
+        self.mover = mover
+        self.cfg = cfg
+        self.tasks: set[asyncio.Task] = set()
+
+    async def room(self) -> int:
+        free = self.cfg.max_inflight - len(self.tasks)
         # While the destination refuses, the uploads in hand wait for it (one of them probing):
         # events fetched now would only be held as well. With none in hand, one is fetched to probe.
-        if free <= 0 or (mover.refused and tasks):
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
-            continue
-        try:
-            msgs = await sub.fetch(1 if mover.refused else min(free, 256), timeout=cfg.idle_fetch_timeout_s)
-        except TimeoutError:
-            continue
-        except Exception as exc:  # NATS reconnecting, or the durable gone with its job
-            log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
-            if mover.watch is not None:
-                await mover.watch.check()
-            await asyncio.sleep(1.0)
-            continue
-        for msg in msgs:
-            task = asyncio.create_task(mover.handle(msg, stopping))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-    if tasks:
-        started = time.monotonic()
-        log.info("finishing_inflight_uploads", inflight=len(tasks), deadline_s=cfg.stop_deadline_s)
-        await asyncio.wait(tasks, timeout=cfg.stop_deadline_s)
+        if free <= 0 or (self.mover.refused and self.tasks):
+            await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
+            return 0
+        return 1 if self.mover.refused else min(free, 256)
+
+    async def take(self, got: list[Msg]) -> None:
+        for msg in got:
+            task = asyncio.create_task(self.mover.handle(msg, self.stopping))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def wind_down(self) -> None:
+        tasks = self.tasks
         if tasks:
-            log.warning("uploads_left_unacked", count=len(tasks), waited_s=round(time.monotonic() - started, 1))
+            started = time.monotonic()
+            log.info("finishing_inflight_uploads", inflight=len(tasks), deadline_s=self.cfg.stop_deadline_s)
+            await asyncio.wait(tasks, timeout=self.cfg.stop_deadline_s)
+            if tasks:
+                log.warning("uploads_left_unacked", count=len(tasks), waited_s=round(time.monotonic() - started, 1))
+
+
+async def pull_loop(mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
+    await FilePuller(mover, sub, cfg, stopping).run()
