@@ -47,7 +47,7 @@ def dest_url(dest: Location, prefix: str, *, source: Path) -> Location:
     prefix = prefix.strip("/")
     location = dest.child(prefix) if prefix else dest
     if not location.is_s3 and Path(location.path).resolve().is_relative_to(source):
-        raise HsxError(f"--dest {str(dest)!r} is inside PATH {str(source)!r}; choose a destination outside it")
+        raise HsxError(f"--dest {dest.path!r} is inside PATH {str(source)!r}; choose a destination outside it")
     return location
 
 
