@@ -37,7 +37,7 @@ from hsx.commands.status import read_status  # noqa: E402
 from hsx.wire import schemas, topology  # noqa: E402
 from hsx.wire.headers import message_headers  # noqa: E402
 from hsx.wire.natsconn import NatsSettings  # noqa: E402
-from hsx.wire.progress import ProgressTracker  # noqa: E402
+from hsx.wire.tracker import ProgressTracker  # noqa: E402
 
 JOB = "benchstatus"
 TOKENS_PER_SAMPLE = 500

@@ -21,11 +21,11 @@ import structlog
 
 from hsx.errors import HsxError
 from hsx.wire import schemas, topology
+from hsx.wire.counts import find_marker, has_uploaded_marker
 from hsx.wire.deadletter import resendable
 from hsx.wire.headers import message_headers
 from hsx.wire.jobs import read_job_spec
 from hsx.wire.natsconn import NatsSettings, connect
-from hsx.wire.progress import find_marker, has_uploaded_marker
 
 log = structlog.get_logger("hsx.dead")
 

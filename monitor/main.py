@@ -34,12 +34,13 @@ from hsx.monitor.report import (
 )
 from hsx.storage.index import build_job_index
 from hsx.wire import schemas
-from hsx.wire.progress import ProgressTracker, status_view
+from hsx.wire.statusview import status_view
+from hsx.wire.tracker import ProgressTracker
 from hsx.wire.worker import JobWatch, job_session
 
 log = structlog.get_logger("hsx.monitor")
 
-# How often the monitor saves its sums for the next reader (hsx/wire/progress.py, "Sums").
+# How often the monitor saves its sums for the next reader (hsx/wire/fold.py).
 CHECKPOINT_EVERY_S = 15.0
 # At the job's end, how long the summary waits for the last markers to reach the sums.
 SUMS_AT_END_WAIT_S = 30.0

@@ -1,4 +1,4 @@
-"""What the monitor reports each interval, computed from a status view (`hsx.wire.progress.status_view`)
+"""What the monitor reports each interval, computed from a status view (`hsx.wire.statusview.status_view`)
 and the workers' last heartbeats: the progress line, workers by service, node and state, the
 spool backlog per node, silent and degraded workers, ETA and the job summary.
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from hsx.monitor.rates import eta_seconds
 from hsx.wire import schemas
-from hsx.wire.progress import StatusView
+from hsx.wire.statusview import StatusView
 
 # The keys of every `progress` line (docs/OPERATIONS.md, "Monitoring", describes each one).
 PROGRESS_FIELDS = (

@@ -41,11 +41,11 @@ from hsx.producer.dataset import dataset_digest
 from hsx.producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
 from hsx.storage.tokens import SampleTable
 from hsx.wire import schemas, topology
+from hsx.wire.counts import count_stored
 from hsx.wire.headers import message_headers
 from hsx.wire.jetstream import publish_all
 from hsx.wire.jobs import count_messages, live_workers, read_job_spec
 from hsx.wire.natsconn import connect
-from hsx.wire.progress import count_stored
 from hsx.wire.schemas import Layer, plan_batch_id
 
 log = structlog.get_logger("hsx.producer")

@@ -37,7 +37,7 @@ from hsx.errors import HsxError
 from hsx.producer.stored import decode_rows
 from hsx.storage.layout import bundle_key, sample_key
 from hsx.wire.natsconn import NatsSettings
-from hsx.wire.progress import StatusView
+from hsx.wire.statusview import StatusView
 
 UPLOADERS = 8  # docker compose up --scale uploader=8
 DEMO_SAMPLES = 48

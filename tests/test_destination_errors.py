@@ -46,7 +46,9 @@ from test_e2e_s3 import (
 from hsx.storage.destinations import FileDestination, S3Destination
 from hsx.wire import schemas
 from hsx.wire.backoff import jittered, retry_delay
-from hsx.wire.progress import DestinationRefusal, ProgressCounts, ProgressFold, QueueState, StatusView, status_view
+from hsx.wire.counts import ProgressCounts, QueueState
+from hsx.wire.fold import ProgressFold
+from hsx.wire.statusview import DestinationRefusal, StatusView, status_view
 
 PROBE = ("--probe-every", "1")  # the uploader tries a refusing destination again every ~1 s
 

@@ -185,7 +185,7 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
     kinds = {}
     for message in events:
         kinds.setdefault(message.subject.split(".")[3], []).append(message)
-    # `checkpoint`: the sums saved by a status reading or the monitor, if one read markers (hsx/wire/progress.py).
+    # `checkpoint`: the sums saved by a status reading or the monitor, if one read markers (hsx/wire/fold.py).
     assert set(kinds) - {"checkpoint"} == {"written", "uploaded", "requeued", "heartbeat"}, sorted(kinds)
     for message in kinds.get("checkpoint", []):  # rolled up, saved only over the checkpoint its saver read
         assert message.headers.pop("Nats-Expected-Last-Subject-Sequence").isdigit()

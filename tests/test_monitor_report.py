@@ -13,7 +13,9 @@ from hsx.monitor.bar import TerminalBar, render_bar
 from hsx.monitor.metrics import JobCollector
 from hsx.monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS, progress_line, silent_workers, take_reading
 from hsx.wire import schemas
-from hsx.wire.progress import ProgressCounts, ProgressFold, QueueState, status_view
+from hsx.wire.counts import ProgressCounts, QueueState
+from hsx.wire.fold import ProgressFold
+from hsx.wire.statusview import status_view
 
 NOW = 1_000_000.0
 

@@ -1,4 +1,4 @@
-"""Progress is counted, not replayed (hsx/wire/progress.py): each planned batch and sample leaves one
+"""Progress is counted, not replayed (hsx/wire/counts.py): each planned batch and sample leaves one
 marker, stored once, that JetStream counts; the sums are folded once and checkpointed. So
 redeliveries and re-uploads never inflate progress, a job whose every missing sample is dead is
 failed, not running, and a reading that stops early says its sums are short instead of
@@ -13,9 +13,12 @@ import pytest
 from hsx.commands.status import read_status
 from hsx.monitor.rates import RateWindow, eta_seconds
 from hsx.wire import schemas, topology
+from hsx.wire.counts import ProgressCounts, QueueState, count_stored
 from hsx.wire.events import EventPublisher
+from hsx.wire.fold import ProgressFold
 from hsx.wire.natsconn import NatsSettings
-from hsx.wire.progress import ProgressCounts, ProgressFold, ProgressTracker, QueueState, count_stored, status_view
+from hsx.wire.statusview import status_view
+from hsx.wire.tracker import ProgressTracker
 
 PLAN = "abcdefabcdef"
 
@@ -220,7 +223,7 @@ def test_sums_go_on_from_the_checkpoint_and_a_short_reading_says_so(nats_server,
 
 
 def test_concurrent_checkpoints_merge_to_the_furthest_of_each_kind(nats_server, job_name):
-    from hsx.wire.progress import load_checkpoint, save_checkpoint
+    from hsx.wire.fold import load_checkpoint, save_checkpoint
 
     async def run() -> schemas.ProgressCheckpoint:
         nc = await nats.connect(nats_server.url)

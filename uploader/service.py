@@ -47,10 +47,10 @@ from hsx.uploader.config import UploaderConfig
 from hsx.uploader.samples import SampleNotFound, StoredSamples
 from hsx.wire import schemas, topology
 from hsx.wire.backoff import jittered, retry_delay
+from hsx.wire.counts import has_uploaded_marker
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.headers import message_headers
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
-from hsx.wire.progress import has_uploaded_marker
 from hsx.wire.pull import PullLoop, Taken
 from hsx.wire.worker import JobWatch
 

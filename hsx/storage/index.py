@@ -239,7 +239,7 @@ async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600
     from nats.js.api import DeliverPolicy
 
     from hsx.wire import topology
-    from hsx.wire.progress import last_sequence
+    from hsx.wire.counts import last_sequence
 
     total, job, plan = spec.total_samples, spec.job, spec.plan_tag or "none"
     size = np.full(total, -1, dtype=np.int64)  # -1: no `uploaded` marker for the sample

@@ -104,7 +104,7 @@ def event_subject(job: str, kind: str) -> str:
     return f"hsx.events.{job}.{kind}"
 
 
-# Progress markers (hsx/wire/progress.py counts them): one subject per planned batch written and per
+# Progress markers (hsx/wire/counts.py counts them): one subject per planned batch written and per
 # planned sample uploaded, each stored at most once (`ONCE_HEADERS`), so JetStream's count of a
 # filter's subjects is the number of distinct batches or samples, read in constant time. What is
 # not of the plan (a re-queued sample's batch, a sample index outside the plan) goes under
@@ -138,7 +138,7 @@ def markers_all(job: str, kind: str, plan: str) -> str:
     return f"hsx.events.{job}.{kind}.{plan}.>"
 
 
-# The durables that count a job's markers (hsx/wire/progress.py `read_counts`): never fetched from, so
+# The durables that count a job's markers (hsx/wire/counts.py `read_counts`): never fetched from, so
 # each one's num_pending is the number of messages under its filter, kept current by the server
 # and read with one cheap request (creating a consumer per reading would cost a cluster a
 # meta-layer proposal each time). Name -> (kind, plan or "*", extra); "requeued" counts events.
@@ -164,7 +164,7 @@ def progress_counter_filter(job: str, plan: str, counter: str) -> str:
 
 
 def checkpoint_subject(job: str) -> str:
-    """The job's progress checkpoint (hsx/wire/progress.py): one message, rolled up on each save."""
+    """The job's progress checkpoint (hsx/wire/fold.py): one message, rolled up on each save."""
     return f"hsx.events.{job}.checkpoint"
 
 

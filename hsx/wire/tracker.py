@@ -1,0 +1,247 @@
+"""Following a job's progress (`ProgressTracker`): its sums replayed into a `ProgressFold` from the
+last checkpoint on, its dead letters and heartbeats replayed whole, and JetStream's counts and
+queue state read on demand. Sums that did not catch up within a budget are reported as such
+(`sums_complete`), never as the whole. Nothing here infers progress from processes.
+"""
+
+import asyncio
+import time
+from dataclasses import replace
+
+import msgspec
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from hsx.wire import schemas, topology
+from hsx.wire.counts import ProgressCounts, QueueState, has_uploaded_marker, last_sequence, read_counts
+from hsx.wire.fold import ProgressFold, load_checkpoint, save_checkpoint
+
+log = structlog.get_logger("hsx.progress")
+
+# How long a tracker's start waits for the dead letters and heartbeats before the sums' replays.
+_OTHERS_FIRST_S = 10.0
+# Dead samples whose `uploaded` marker is looked up at once (`ProgressTracker.refresh_counts`).
+_LOOKUPS_IN_FLIGHT = 64
+
+
+class _Replay:
+    """An ordered consumer over one subject filter from a stream sequence on, handing each
+    message to `apply(msg)`; `caught_up` is set once it has read what was there when it started."""
+
+    def __init__(
+        self, js: JetStreamContext, stream: str, subject: str, apply, deliver: DeliverPolicy, after_seq: int = 0
+    ) -> None:
+        self.js, self.stream, self.subject, self.apply, self.deliver = js, stream, subject, apply, deliver
+        self.after_seq = after_seq
+        self.until_seq = 0  # the newest message there was at the start: caught up once it is read
+        self.caught_up = asyncio.Event()
+        self.sub = None
+
+    async def start(self) -> None:
+        deliver, config = self.deliver, None
+        if self.after_seq:
+            deliver, config = DeliverPolicy.BY_START_SEQUENCE, ConsumerConfig(opt_start_seq=self.after_seq + 1)
+        self.until_seq = await last_sequence(self.js, self.stream, self.subject)
+        if self.until_seq <= self.after_seq:
+            self.caught_up.set()
+        self.sub = await self.js.subscribe(
+            self.subject,
+            stream=self.stream,
+            cb=self._on_msg,
+            ordered_consumer=True,
+            deliver_policy=deliver,
+            config=config,
+        )
+
+    async def _on_msg(self, msg) -> None:
+        try:
+            self.apply(msg)
+        except msgspec.DecodeError:
+            log.warning("undecodable_event", subject=msg.subject)
+        if msg.metadata.num_pending == 0 or msg.metadata.sequence.stream >= self.until_seq:
+            self.caught_up.set()
+
+    async def stop(self) -> None:
+        if self.sub is not None:
+            await self.sub.unsubscribe()
+            self.sub = None
+
+
+class ProgressTracker:
+    """Follows a job: its sums from the checkpoint on, its dead letters, optionally its heartbeats;
+    `refresh_counts` and `refresh_queues` read JetStream's counts and queue state."""
+
+    def __init__(self, js: JetStreamContext, job: str, *, plan: str = "", heartbeats: bool = False) -> None:
+        self.js = js
+        self.job = job
+        self.plan = plan
+        self.fold = ProgressFold(job=job, plan=plan)
+        self.queues = QueueState()
+        self.counts = ProgressCounts()
+        self.heartbeats = heartbeats
+        self._sums: list[_Replay] = []
+        self._others: list[_Replay] = []
+        self._uploaded_known: set[int] = set()  # dead samples whose marker was found: it stays
+
+    async def start(self) -> None:
+        checkpoint, _ = await load_checkpoint(self.js, self.job, self.plan)
+        if checkpoint is not None:
+            self.fold = ProgressFold.from_checkpoint(checkpoint)
+        events, plan = topology.EVENTS_STREAM, self.plan or "none"
+        self._sums = [
+            _Replay(
+                self.js,
+                events,
+                topology.markers_all(self.job, "written", plan),
+                self._apply_marker,
+                DeliverPolicy.ALL,
+                after_seq=self.fold.written_seq,
+            ),
+            _Replay(
+                self.js,
+                events,
+                topology.markers_all(self.job, "uploaded", plan),
+                self._apply_marker,
+                DeliverPolicy.ALL,
+                after_seq=self.fold.uploaded_seq,
+            ),
+        ]
+        self._others = [
+            _Replay(
+                self.js,
+                topology.DEAD_STREAM,
+                topology.dead_subject_all(self.job),
+                self._apply_whole(schemas.dead_decoder),
+                DeliverPolicy.ALL,
+            )
+        ]
+        if self.heartbeats:
+            self._others.append(
+                _Replay(
+                    self.js,
+                    events,
+                    topology.heartbeats_subject_all(self.job),
+                    self._apply_whole(schemas.event_decoder),
+                    DeliverPolicy.LAST_PER_SUBJECT,
+                )
+            )
+        # Dead letters and heartbeats first: once the sums' replays run, their markers (a whole
+        # job's, on a first reading) would queue ahead of them on the connection.
+        for replay in self._others:
+            await replay.start()
+        try:
+            await self._all_caught_up_within(self._others, _OTHERS_FIRST_S)
+        except TimeoutError:
+            pass  # `wait_caught_up` reports it; the sums need not wait any longer
+        for replay in self._sums:
+            await replay.start()
+
+    def _apply_marker(self, msg) -> None:
+        # hsx.events.<job>.<kind>.<plan>.<batch or sample>, or ...<plan>.extra.<batch or sample>
+        planned = msg.subject.split(".")[5] != topology.EXTRA
+        self.fold.apply_marker(
+            schemas.event_decoder.decode(msg.data), seq=msg.metadata.sequence.stream, planned=planned
+        )
+
+    def _apply_whole(self, decoder):
+        return lambda msg: self.fold.apply(decoder.decode(msg.data))
+
+    @property
+    def sums_caught_up(self) -> bool:
+        return all(replay.caught_up.is_set() for replay in self._sums)
+
+    async def wait_caught_up(self, timeout: float | None = 120.0, *, sums: bool = True) -> None:
+        """Until the replays have read what was there when they started (the sums too, unless not
+        `sums`): asyncio.TimeoutError after `timeout`."""
+        await asyncio.wait_for(self._all_caught_up(self._others + (self._sums if sums else [])), timeout)
+
+    async def _all_caught_up_within(self, replays: list[_Replay], timeout: float) -> None:
+        await asyncio.wait_for(self._all_caught_up(replays), timeout)
+
+    @staticmethod
+    async def _all_caught_up(replays: list[_Replay]) -> None:
+        # One after the other, not gather(): a gather cancelled by the timeout leaves a future whose
+        # CancelledError asyncio then logs as "never retrieved".
+        for replay in replays:
+            await replay.caught_up.wait()
+
+    async def wait_sums_current(self, *, timeout: float) -> bool:
+        """Until the sums hold every marker stored so far (False if that takes over `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            newest = await asyncio.gather(
+                *(
+                    last_sequence(
+                        self.js, topology.EVENTS_STREAM, topology.markers_all(self.job, kind, self.plan or "none")
+                    )
+                    for kind in ("written", "uploaded")
+                )
+            )
+            if newest[0] <= self.fold.written_seq and newest[1] <= self.fold.uploaded_seq:
+                return True
+            if time.monotonic() > deadline:
+                log.warning(
+                    "sums_behind",
+                    written_seq=self.fold.written_seq,
+                    uploaded_seq=self.fold.uploaded_seq,
+                    newest=newest,
+                    waited_s=timeout,
+                )
+                return False
+            await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        for replay in self._others + self._sums:
+            await replay.stop()
+
+    async def save_checkpoint(self) -> None:
+        if self.fold.written_seq or self.fold.uploaded_seq:
+            await save_checkpoint(self.js, self.fold.checkpoint())
+
+    async def refresh_counts(self) -> ProgressCounts:
+        counts = await read_counts(self.js, self.job, self.plan or "none")
+        dead = sorted(self.fold.dead_samples - self._uploaded_known)
+        unfinished: set[int] = set()
+        for start in range(0, len(dead), _LOOKUPS_IN_FLIGHT):
+            chunk = dead[start : start + _LOOKUPS_IN_FLIGHT]
+            found = await asyncio.gather(*(self._has_uploaded_marker(i) for i in chunk))
+            for index, has in zip(chunk, found):
+                (self._uploaded_known.add if has else unfinished.add)(index)
+        self.counts = replace(counts, dead_unfinished=frozenset(unfinished))
+        return self.counts
+
+    async def _has_uploaded_marker(self, index: int) -> bool:
+        return await has_uploaded_marker(self.js, self.job, self.plan, index)
+
+    async def refresh_queues(self) -> QueueState:
+        job = self.job
+
+        async def count(stream: str, subject: str) -> int:
+            # Stream info, not `count_stored`: a work-queue stream refuses a second consumer whose
+            # filter overlaps its durable's. These filters match a few subjects each. Unlike
+            # hsx.wire.jobs.count_messages, a missing stream is an error here, not 0 queued.
+            info = await self.js.stream_info(stream, subjects_filter=subject)
+            return sum((info.state.subjects or {}).values())
+
+        async def redelivered(stream: str, durable: str) -> int:
+            try:
+                return (await self.js.consumer_info(stream, durable)).num_redelivered or 0
+            except nats.js.errors.NotFoundError:
+                return 0
+
+        # One upload durable per node, each filtered to hsx.files.<job>.<node>.
+        file_redeliveries = sum(
+            info.num_redelivered or 0
+            for info in await self.js.consumers_info(topology.FILES_STREAM)
+            if (info.config.filter_subject or "").split(".")[2:3] == [job]
+        )
+        self.queues = QueueState(
+            batches_queued=await count(topology.BATCHES_STREAM, topology.batch_subject(job)),
+            files_queued=await count(topology.FILES_STREAM, topology.files_subject_all(job)),
+            dead_letters=await count(topology.DEAD_STREAM, topology.dead_subject_all(job)),
+            batch_redeliveries=await redelivered(topology.BATCHES_STREAM, topology.gpu_durable(job)),
+            file_redeliveries=file_redeliveries,
+        )
+        return self.queues
