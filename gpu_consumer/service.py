@@ -1,33 +1,11 @@
-"""The GPU consumer's pull loop and per-batch ack discipline.
+"""The GPU consumer's batch worker (`BatchWorker`): one batch from its descriptor to its ack.
 
-Per batch: decode (poison -> dead letter) -> forward on a worker thread while the loop sends
-`in_progress()` -> write each sample file atomically (fsynced, renamed; a pool of writer threads,
-each writing a share of the batch), then fsync each folder once -> publish one file-ready event
-per file, their acks awaited together (`publish_all`) -> publish the batch's progress event ->
-`ack_sync()`.
-A crash anywhere before the ack leaves the batch in the work queue; the redelivery rewrites the
-same files (same content, same names) and announces them again, and the uploader acks an
-already-uploaded file without re-uploading. Nothing is skipped because a file exists.
-
-Two stages overlap: while batch N is written, announced and acked, batch N+1's forward runs.
-Batch N+2's forward starts only once batch N is finished. Files are written straight from the
-host buffers the forward copied into, leased to that batch until its files are written
-(gpu_consumer/staging.py), so at most two batches' states are leased at once. The next
-descriptor is fetched while the current one computes, unless the spool is near its high-water
-mark or the current batch is a redelivery (it runs alone: it may be what killed its last
-consumer): a consumer paused there, or stuck in a stalled forward, write or announcement
-(gpu_consumer/stall.py), holds no batch it has not started. Every message taken from the queue
-is kept in progress from its fetch until it is settled (`Taken`), wherever it waits.
-
-The consumer serves the one job spec it started with: a descriptor of another plan is never
-extracted, and once its job is lost (deleted, or its name given another spec: hsx.wire.worker
-JobWatch) it writes and announces nothing more.
-
-Stopping: the stop event ends fetching; batches in hand are finished (not abandoned) first, and a
-descriptor fetched ahead but not started is handed back (`give_back`: a nak, or on its last
-delivery a fresh copy, so a stop never strands it). A batch that fails on its last delivery is
-dead-lettered, never nak'ed; one whose deliveries are used up by crashes is dead-lettered by the
-exhausted-batch reaper (hsx/wire/exhausted.py) that runs beside this loop.
+`compute`: decode (poison -> dead letter), set aside another plan's batch, run the forward on a
+worker thread into host buffers leased to the batch (gpu_consumer/staging.py). `finish`: write
+each sample file atomically into the spool on the writer threads, fsync the folders once, announce
+the files (`publish_all`), store the batch's `written` marker, and only then `ack_sync()`. Each
+stage is watched for a stall (gpu_consumer/stall.py). What is fetched and which batch runs when
+is the scheduler's (gpu_consumer/scheduler.py).
 """
 
 import asyncio

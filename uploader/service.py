@@ -1,32 +1,12 @@
-"""Moving one announced file from the spool to the destination, with explicit ack discipline.
+"""Moving one announced file from the spool to the destination (`FileMover.handle`), and the
+uploader's policy in the workers' shared pull loop (`FilePuller`).
 
-Per event: decode (poison -> dead letter) -> an event of another plan than the uploader's is not
-handled (a stray of an earlier job of the name is dropped; an uploader whose job moved on hands
-it back and stops) -> if the destination already holds exactly this object (size and digest),
-delete the local copy and ack without re-uploading -> else check the local file
-(hsx.storage.samplefile: its data against the checksum in its header, its digest against the
-event's), upload, verify the stored object, delete the local file, publish the `uploaded` event,
-ack. Where the local file lies is derived from the sample, under this uploader's own spool and
-plan (hsx/storage/spool.py), as the destination key is: nothing in an event names a file to
-open or delete. A sound spool file whose digest is not the event's is another event's (a batch
-redone after the event was sent): the event is outdated, and is acked without touching the file.
-A file:// destination on the spool's file system takes the checked file by a rename instead of a
-copy (`Destination.move_verified`: verified to be the checked inode, its folder fsynced). A
-spool file that is lost (in neither place) or corrupted is sent back for extraction, unless the
-sample already has its `uploaded` marker (the event is outdated): the uploader publishes the
-sample as a one-sample batch and acks the event. The event names its
-sample; its tokens come from the job's stored samples, loaded once when the first loss needs
-them (uploader/samples.py), or from the event itself where an older GPU consumer put them; a
-sample that cannot be found again dead-letters its event. A failing upload is retried here with
-jittered backoff while the event is kept alive with `in_progress()`, so an S3 outage costs no
-deliveries and loses nothing.
-
-A destination that refuses (`Destination.refusal`: a missing bucket, bad or expired credentials,
-a denied permission) is not retried like an outage: the uploader says so at once in its
-heartbeat (state `refused`, the reason as detail), which `hsx status` and the monitor report as
-the job's failure; it stops fetching, keeps the events in hand alive and their files spooled,
-and lets one of them try again every `probe_every_s` with a fresh client. The first upload that
-gets through ends the refusal and the others follow.
+Per event: decode (poison -> dead letter); another plan's event is not handled; if the destination
+already holds exactly this object, delete the local copy and ack; else check the local file (its
+data against its header's checksum, its digest against the event's), upload, verify, delete the
+local file, store the sample's `uploaded` marker, and only then ack. A lost or corrupted spool
+file is sent back for extraction; a failing upload is retried while the event is kept alive; a
+refusing destination is probed, not retried (docs/ARCHITECTURE.md, "Module notes").
 """
 
 import asyncio

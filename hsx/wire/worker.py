@@ -1,17 +1,8 @@
-"""What every worker (consumer, uploader, monitor) does around its own work, written once.
-
-Start-up: SIGTERM/SIGINT set the stop event, the job and instance are bound to every log line,
-the connection is opened, the topology ensured, and the job spec waited for (None when a stop
-came first: the worker exits 0). Heartbeats: from the moment the worker exists, every
-`heartbeat_s` (a consumer loading its model for minutes is not silent); at the end the regular
-beats are stopped first, then the goodbye (`stopping`) is sent, so no regular beat can land after
-it and make a stopped worker look alive. A worker that failed before it was ready sends no
-goodbye: it did not stop, it never started, and the monitor reports it silent. Shutdown: the
-connection is drained whatever happened.
-
-A spooling worker serves the one job spec it started with (`JobWatch`): when its job is deleted,
-or its name now carries another plan, it stops within JobWatch.every_s (plus its fetch timeout),
-does nothing more for the old spec, and exits with one line (`JobLost`).
+"""What every worker (consumer, uploader, monitor) does around its own work, written once:
+start-up (`job_session`: signals, log context, connection, topology, the job spec), heartbeats
+from the moment it exists to its goodbye (`heartbeats`), the watch on the job spec it serves
+(`JobWatch`, `watching`), and the spooling workers' shared settings (`WorkerConfig`). The pull
+loop itself is hsx/wire/pull.py.
 """
 
 import asyncio
