@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hsx.storage.destinations import open_destination  # noqa: E402
 from hsx.storage.index import BUNDLE_SPEC_KEY, make_index, write_index  # noqa: E402
 from hsx.storage.layout import sample_key  # noqa: E402
+from hsx.storage.location import Location  # noqa: E402
 from hsx.storage.reader import HiddenStateDataset  # noqa: E402
 from hsx.wire import schemas  # noqa: E402
 
@@ -107,7 +108,7 @@ def listed_job(bucket: str, samples: int) -> str:
 
 
 def put_job(url: str, spec, index) -> int:
-    folder = open_destination(url)
+    folder = open_destination(Location.parse(url))
     folder.put_bytes_verified(schemas.encode(spec), BUNDLE_SPEC_KEY)
     return write_index(folder, index)
 

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.upload import JOB, _start_moto, _write_pristine, isolate_aws  # noqa: E402
 from hsx.storage.destinations import open_destination  # noqa: E402
 from hsx.storage.index import make_index, write_index  # noqa: E402
+from hsx.storage.location import Location  # noqa: E402
 from hsx.storage.reader import HiddenStateDataset, PrefetchedBatches, TokenBudgetSampler, pack_collate  # noqa: E402
 from hsx.wire import schemas  # noqa: E402
 
@@ -77,7 +78,7 @@ def _upload(root: Path, files: list[schemas.FileReady], bucket: str, concurrency
         tokens=[f.num_tokens for f in files],
         digest=[f.digest for f in files],
     )
-    write_index(open_destination(f"s3://{bucket}/{PREFIX}/{JOB}"), index)
+    write_index(open_destination(Location.parse(f"s3://{bucket}/{PREFIX}/{JOB}")), index)
     return total
 
 

@@ -77,9 +77,8 @@ def _run_index_build(cfg: IndexBuildConfig) -> int:
 
 def _run_index_rebuild(cfg: IndexRebuildConfig) -> int:
     from hsx.storage.index import format_summary, rebuild_job_index
-    from hsx.storage.location import Location
 
-    built = rebuild_job_index(Location.parse_job_folder(cfg.job_url, what="JOB_URL"), workers=cfg.workers)
+    built = rebuild_job_index(cfg.job_url, workers=cfg.workers)
     print(format_summary(built, as_json=cfg.as_json))
     return 0 if built.complete else 1
 

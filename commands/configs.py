@@ -15,7 +15,7 @@ from hsx.config.fields import option
 from hsx.config.settings import build_config
 from hsx.config.values import count, duration, positive_int
 from hsx.errors import HsxError
-from hsx.storage.location import Location
+from hsx.storage.location import Location, job_folder_argument
 from hsx.storage.trainers import DTYPES as EXPORT_DTYPES
 from hsx.storage.trainers import FORMATS as EXPORT_FORMATS
 from hsx.wire.natsconn import NatsSettings
@@ -103,7 +103,11 @@ class IndexBuildConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class IndexRebuildConfig:
-    job_url: str = option("JOB_URL", help="the job's folder: s3://bucket/prefix/JOB, file:///out/JOB or a path")
+    job_url: Location = option(
+        "JOB_URL",
+        parse=job_folder_argument("JOB_URL"),
+        help="the job's folder: s3://bucket/prefix/JOB, file:///out/JOB or a path",
+    )
     workers: int = option(
         "--workers", default=32, parse=positive_int("--workers"), help="headers read at once (default 32)"
     )
@@ -112,7 +116,11 @@ class IndexRebuildConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ExportConfig:
-    source: str = option("SOURCE", help="the job's folder: s3://bucket/prefix/JOB, file:///out/JOB or a path")
+    source: Location = option(
+        "SOURCE",
+        parse=job_folder_argument("SOURCE"),
+        help="the job's folder: s3://bucket/prefix/JOB, file:///out/JOB or a path",
+    )
     to: str = option("--to", choices=EXPORT_FORMATS, example="specforge-dflash", help="the trainer's format")
     out: Path = option("OUT", parse=Path, help="the folder to write (a rerun resumes it)")
     workers: int = option("--workers", default=16, parse=positive_int("--workers"), help="samples at once (default 16)")

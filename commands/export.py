@@ -33,7 +33,6 @@ from hsx.storage.expected import (
 )
 from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, relative_sample_key, sample_key
-from hsx.storage.location import Location
 from hsx.storage.reader import dequantize, load_sample, ordered_map
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.tensors import STORAGE_DTYPES
@@ -174,7 +173,7 @@ class _Progress:
 
 def run_export(cfg: ExportConfig) -> ExportReport:
     started = time.monotonic()
-    url = Location.parse_job_folder(cfg.source, what="SOURCE")
+    url = cfg.source
     job = url.name
     folder = open_destination(url, max_connections=cfg.workers)
     spec = bundle_spec(folder)

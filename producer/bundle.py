@@ -24,6 +24,7 @@ from hsx.packing import PlannedBatch
 from hsx.storage.destinations import VerificationError, open_destination
 from hsx.storage.index import INDEX_FILE
 from hsx.storage.layout import TOKENS_FILE, bundle_key
+from hsx.storage.location import Location, spec_location
 from hsx.storage.tokens import download
 from hsx.wire import schemas
 
@@ -88,9 +89,9 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _put_missing(dest_url: str, job: str, files: dict[str, Path]) -> tuple[list[str], int]:
+def _put_missing(location: Location, job: str, files: dict[str, Path]) -> tuple[list[str], int]:
     """Put each file whose key does not already hold its bytes; (the names written, their bytes)."""
-    dest = open_destination(dest_url, max_connections=4)
+    dest = open_destination(location, max_connections=4)
     written, size = [], 0
     for name, path in files.items():
         key = bundle_key(job, name)
@@ -109,7 +110,7 @@ async def write_bundle(
     with tempfile.TemporaryDirectory(prefix="hsx-bundle-") as folder:
         files = await _bundle_files(js, spec, batches, max_batch_size, Path(folder))
         try:
-            written, size = await asyncio.to_thread(_put_missing, spec.dest, spec.job, files)
+            written, size = await asyncio.to_thread(_put_missing, spec_location(spec.dest), spec.job, files)
         except _WRITE_ERRORS as exc:
             raise HsxError(
                 f"job {spec.job} is published, but writing its bundle to {spec.dest}/{bundle_key(spec.job, '')} "
@@ -131,7 +132,7 @@ def claim_folder(spec: schemas.JobSpec) -> None:
     data = schemas.encode(spec)
     key = bundle_key(spec.job, SPEC_FILE)
     try:
-        dest = open_destination(spec.dest, max_connections=1)
+        dest = open_destination(spec_location(spec.dest), max_connections=1)
         if not dest.has_sha256(key, size=len(data), sha256=hashlib.sha256(data).hexdigest()):
             dest.put_bytes_verified(data, key)
     except _WRITE_ERRORS as exc:
@@ -141,17 +142,17 @@ def claim_folder(spec: schemas.JobSpec) -> None:
         ) from exc
 
 
-def remove_replaced(dest_url: str, job: str) -> list[str]:
+def remove_replaced(location: Location, job: str) -> list[str]:
     """Delete the bundle files of the plan whose folder a new job takes over (REPLACED_FILES);
     their keys. Deleting a key that is not there is no error."""
     keys = [bundle_key(job, name) for name in REPLACED_FILES]
     try:
-        dest = open_destination(dest_url, max_connections=1)
+        dest = open_destination(location, max_connections=1)
         for key in keys:
             dest.delete(key)
     except _WRITE_ERRORS as exc:
         raise HsxError(
-            f"job {job}: removing the replaced plan's bundle from {dest_url}/{bundle_key(job, '')} failed "
+            f"job {job}: removing the replaced plan's bundle from {location}/{bundle_key(job, '')} failed "
             f"({type(exc).__name__}: {exc}); nothing was published; run hsx produce again to retry"
         ) from exc
     return keys

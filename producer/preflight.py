@@ -17,6 +17,7 @@ from hsx.storage.destinations import Destination, open_destination, open_job_fol
 from hsx.storage.expected import read_metadata
 from hsx.storage.index import BUNDLE_SPEC_KEY, HEADER_PROBE_BYTES, bundle_spec
 from hsx.storage.layout import bundle_key, sample_index_of
+from hsx.storage.location import Location
 from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.wire import schemas
 
@@ -72,24 +73,23 @@ def _round_up_mib(size: int) -> str:
     return f"{math.ceil(size / (1 << 20))}MB"
 
 
-def check_destination(dest_url: str, job: str) -> None:
+def check_destination(dest: Location, job: str) -> None:
     """Write, read back and delete a small object under `<dest>/<job>/_hsx/`; refuse the job with
     one line naming the place and the reason (a missing bucket, credentials, a permission, a
     file where a directory must be) when any of it fails."""
     key = bundle_key(job, f"probe-{uuid.uuid4().hex[:12]}")
-    where = f"{dest_url.rstrip('/')}/{bundle_key(job, '')}"
-    dest = None
+    where = f"{dest}/{bundle_key(job, '')}"
+    opened = None
     try:
-        dest = open_destination(dest_url, max_connections=1)
-        probe(dest, key)
+        opened = open_destination(dest, max_connections=1)
+        probe(opened, key)
     except Exception as exc:  # any failure means the job's files cannot go there
-        reason = dest.refusal(exc) if dest is not None else None
-        if reason and reason.startswith(f"{dest.url}: "):
-            reason = reason[len(dest.url) + 2 :]
+        reason = opened.refusal(exc) if opened is not None else None
+        if reason and reason.startswith(f"{opened.url}: "):
+            reason = reason[len(opened.url) + 2 :]
         reason = reason or " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         raise HsxError(
-            f"--dest {dest_url}: cannot write there (tried a small object under {where}): {reason}; "
-            "nothing was published"
+            f"--dest {dest}: cannot write there (tried a small object under {where}): {reason}; nothing was published"
         ) from None
 
 
@@ -129,7 +129,7 @@ def folder_owner(folder: Destination, job: str) -> FolderOwner | None:
 
 
 def check_folder(
-    dest_url: str,
+    dest: Location,
     job: str,
     *,
     plan: str,
@@ -142,10 +142,10 @@ def check_folder(
     re-runs or, unpublished, replaces (producer/main.py decides whether it may). Returns the
     owner this run takes the folder from (its stale bundle is the caller's to remove), None when
     the folder is empty or already this plan's."""
-    where = f"{dest_url.rstrip('/')}/{job}"
+    where = str(dest.child(job))
     folder = None
     try:
-        folder = open_job_folder(dest_url, job, max_connections=2)
+        folder = open_job_folder(dest, job, max_connections=2)
         owner = folder_owner(folder, job)
     except HsxError:
         raise
@@ -159,7 +159,7 @@ def check_folder(
         return None
     if replace:
         return owner
-    if known is not None and known.dest == dest_url:
+    if known is not None and known.dest == str(dest):
         # The files of the job's spec in KV: this run re-runs it, or replaces it unpublished.
         theirs = owner.plan == known.plan_tag if owner.plan else owner.before_plans
         if theirs:

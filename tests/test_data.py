@@ -399,8 +399,9 @@ def test_the_jobs_tokenized_samples_stream_from_s3(s3_job):
     stream from the bucket (not held whole in memory), equal to the dataset's rows."""
     from hsx.commands.export import _bundle_tokens
     from hsx.storage.destinations import open_destination
+    from hsx.storage.location import Location
 
-    table = _bundle_tokens(open_destination(s3_job.url), s3_job.url)
+    table = _bundle_tokens(open_destination(Location.parse(s3_job.url)), s3_job.url)
     try:
         assert len(table) == COUNT
         for i, row in enumerate(s3_job.rows):
@@ -415,9 +416,10 @@ def test_export_reads_the_job_straight_from_s3(s3_job, tmp_path):
     dequantized as HiddenStateDataset gives it and rounded to bfloat16 (`--dtype auto`), the
     layers in order, the report complete."""
     from hsx.commands.export import ExportConfig, run_export
+    from hsx.storage.location import Location
 
     out = tmp_path / "dflash"
-    report = run_export(ExportConfig(source=s3_job.url, to="specforge-dflash", out=out, workers=4))
+    report = run_export(ExportConfig(source=Location.parse(s3_job.url), to="specforge-dflash", out=out, workers=4))
     assert report.ok and report.trainer_layer_ids == {"target_layer_ids": LAYERS} and report.dtype == "bfloat16"
     dataset = HiddenStateDataset(s3_job.url, concat_layers=True)
     left = {entry.sample_index for entry in report.left_out}

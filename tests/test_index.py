@@ -29,6 +29,7 @@ from hsx.commands.verify import fetch_job, verify
 from hsx.storage.destinations import S3Destination, open_destination
 from hsx.storage.index import INDEX_KEY, StoredIndex, read_index
 from hsx.storage.layout import sample_key
+from hsx.storage.location import Location
 from hsx.storage.reader import HiddenStateDataset
 from hsx.storage.samplefile import checked_file_digest
 from hsx.wire.natsconn import NatsSettings
@@ -74,7 +75,7 @@ def s3_job(nats_server, s3_server, tiny_model, tmp_path_factory):
             ]
             spooled = wait_for_spool(spool, job, workers[0])
             local = spooled[0]
-            open_destination(f"s3://{bucket}/prefix").put_verified(
+            open_destination(Location.parse(f"s3://{bucket}/prefix")).put_verified(
                 local, sample_key(job, 0), size=local.stat().st_size, digest=checked_file_digest(local)
             )
             workers.append(services.service("upload", "--job", job, "--spool", str(spool), env=env, name="upload"))
@@ -126,7 +127,7 @@ def stored_index(s3_job) -> StoredIndex:
 
 def why_listed(s3_job) -> str:
     """The reason the readers give (log line `dataset_listing`) for listing instead of the index."""
-    index, reason = read_index(open_destination(s3_job.url), s3_job.job)
+    index, reason = read_index(open_destination(Location.parse(s3_job.url)), s3_job.job)
     assert index is None
     return reason
 

@@ -31,8 +31,9 @@ from test_producer_checks import _produce_args, assert_nothing_written, log_even
 
 from hsx.errors import HsxError
 from hsx.storage import samplefile
-from hsx.storage.destinations import FileDestination, parse_dest
+from hsx.storage.destinations import FileDestination
 from hsx.storage.layout import bundle_key, sample_key
+from hsx.storage.location import Location
 from hsx.wire import schemas
 
 
@@ -190,14 +191,14 @@ def test_whose_folder_is_it(tmp_path):
     unpublished job replaced); another plan's only with --replace-output."""
     from hsx.producer.preflight import check_folder
 
-    dest, job, out = parse_dest(str(tmp_path / "out")), "j", tmp_path / "out"
+    dest, job, out = Location.parse(tmp_path / "out"), "j", tmp_path / "out"
     spec = schemas.JobSpec(
         job=job,
         model="m",
         model_revision="",
         layers=[1, 3],
         dtype="float32",
-        dest=dest,
+        dest=str(dest),
         token_budget=128,
         max_seq_len=40,
         dataset="d",
@@ -208,7 +209,7 @@ def test_whose_folder_is_it(tmp_path):
         created_at=0.0,
     )
     other = msgspec.structs.replace(spec, plan_fingerprint="b" * 64)
-    elsewhere = msgspec.structs.replace(spec, dest=parse_dest(str(tmp_path / "elsewhere")))
+    elsewhere = msgspec.structs.replace(spec, dest=str(Location.parse(tmp_path / "elsewhere")))
 
     def check(plan: str, *, known=None, replace=False):
         return check_folder(dest, job, plan=plan, total_samples=10, known=known, replace=replace)

@@ -25,6 +25,7 @@ from hsx import cli
 from hsx.commands.sync import SyncConfig, Syncer
 from hsx.storage import destinations
 from hsx.storage.destinations import VerificationError, open_destination
+from hsx.storage.location import Location
 from hsx.wire.lifecycle import stop_flag_on_signals
 
 
@@ -167,7 +168,7 @@ def test_multipart_upload_is_verified_by_sha256(tmp_path, s3_env, monkeypatch):
     source = tmp_path / "ckpt"
     big = os.urandom(11 << 20)  # three parts
     _write(source, {"big.bin": big})
-    cfg = SyncConfig(source=source, dest=f"s3://{bucket}/mp", every_s=None)
+    cfg = SyncConfig(source=source, dest=Location.parse(f"s3://{bucket}/mp"), every_s=None)
     syncer = Syncer(cfg, open_destination(cfg.dest), threading.Event())
     assert syncer.run_pass().uploaded == ["big.bin"]
     head = boto3.client("s3").head_object(Bucket=bucket, Key="mp/big.bin")
@@ -181,7 +182,7 @@ class _Flaky:
     """A file:// destination whose first `failures` puts raise, as an unreachable S3 would."""
 
     def __init__(self, root: Path, failures: int) -> None:
-        self.inner, self.failures, self.puts = open_destination(str(root)), failures, 0
+        self.inner, self.failures, self.puts = open_destination(Location.parse(root)), failures, 0
         self.url = self.inner.url
 
     def put_file_verified(self, local, key, *, size, sha256):
@@ -197,7 +198,7 @@ class _Flaky:
 def test_failing_uploads_are_retried_with_backoff_then_left_to_the_next_pass(tmp_path):
     source, out = tmp_path / "ckpt", tmp_path / "out"
     _write(source, {"a.bin": b"a" * 100})
-    cfg = SyncConfig(source=source, dest=out.as_uri(), every_s=None, retries=3, backoff_s=0.01)
+    cfg = SyncConfig(source=source, dest=Location.parse(out), every_s=None, retries=3, backoff_s=0.01)
     flaky = _Flaky(out, failures=2)
     result = Syncer(cfg, flaky, threading.Event()).run_pass()
     assert result.uploaded == ["a.bin"] and flaky.puts == 3 and _tree(out) == _tree(source)
@@ -213,7 +214,7 @@ def test_failing_uploads_are_retried_with_backoff_then_left_to_the_next_pass(tmp
 def test_sigterm_lets_the_file_in_hand_finish(tmp_path):
     source, out = tmp_path / "ckpt", tmp_path / "out"
     _write(source, {f"f{i}.bin": bytes([i]) * 1000 for i in range(5)})
-    inner = open_destination(str(out))
+    inner = open_destination(Location.parse(out))
 
     class SignalledMidUpload:
         url = inner.url
@@ -228,7 +229,7 @@ def test_sigterm_lets_the_file_in_hand_finish(tmp_path):
     try:
         stopping = stop_flag_on_signals()
         result = Syncer(
-            SyncConfig(source=source, dest=inner.url, every_s=None), SignalledMidUpload(), stopping
+            SyncConfig(source=source, dest=Location.parse(out), every_s=None), SignalledMidUpload(), stopping
         ).run_pass()
     finally:
         for sig, handler in previous.items():

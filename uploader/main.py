@@ -7,6 +7,7 @@ import structlog
 
 from hsx.storage.destinations import open_destination
 from hsx.storage.fsutil import make_private_dirs
+from hsx.storage.location import spec_location
 from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans
 from hsx.uploader.config import UploaderConfig
 from hsx.uploader.service import SERVICE, FileMover, pull_loop
@@ -25,7 +26,7 @@ async def run(cfg: UploaderConfig) -> int:
         if session is None:
             return 0
         js, spec, stopping = session.js, session.spec, session.stopping
-        dest = open_destination(spec.dest, max_connections=cfg.max_inflight)
+        dest = open_destination(spec_location(spec.dest), max_connections=cfg.max_inflight)
         events = EventPublisher(session.nc, js, cfg.job)
         watch = JobWatch(session.kv, spec, stopping)
         await asyncio.to_thread(remove_stale_plans, cfg.spool, spec)

@@ -14,15 +14,14 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol
-from urllib.parse import unquote, urlsplit
 
-from hsx.errors import HsxError
 from hsx.storage.fsutil import (
     atomic_copy,
     atomic_write_bytes,
     fsync_dir,
     make_private_dirs,
 )
+from hsx.storage.location import Location
 from hsx.storage.samplefile import DigestCheck, SampleFileCorrupt, checked_file_digest
 
 MULTIPART_THRESHOLD = 64 << 20
@@ -485,29 +484,10 @@ class S3Destination:
                 yield obj["Key"][len(prefix) :]
 
 
-def parse_dest(url: str) -> str:
-    """Normalise a --dest value; raise a one-line error for anything else."""
-    if url.startswith("s3://"):
-        split = urlsplit(url)
-        if not split.netloc:
-            raise HsxError(f"--dest {url!r}: an S3 destination needs a bucket, e.g. s3://bucket/prefix")
-        return url.rstrip("/")
-    if url.startswith("file://"):
-        split = urlsplit(url)
-        if split.netloc not in ("", "localhost"):
-            raise HsxError(f"--dest {url!r}: file:// URLs must be local (file:///absolute/dir)")
-        return Path(unquote(split.path)).as_uri()
-    if "://" in url:
-        raise HsxError(f"--dest {url!r}: unsupported scheme; use s3://bucket/prefix, file:///dir or a path")
-    return Path(url).expanduser().resolve().as_uri()
-
-
-def open_destination(url: str, *, max_connections: int = 100) -> Destination:
-    url = parse_dest(url)
-    split = urlsplit(url)
-    if split.scheme == "s3":
-        return S3Destination(split.netloc, split.path, max_connections=max_connections)
-    return FileDestination(Path(unquote(split.path)))
+def open_destination(location: Location, *, max_connections: int = 100) -> Destination:
+    if location.is_s3:
+        return S3Destination(location.bucket, location.path, max_connections=max_connections)
+    return FileDestination(Path(location.path))
 
 
 PROBE_BYTES = b"hsx destination probe: written, read back and deleted before a job is published\n"
@@ -523,18 +503,8 @@ def probe(dest: Destination, key: str) -> None:
     dest.delete(key)
 
 
-def split_job_url(url: str) -> tuple[str, str]:
-    """A job folder URL (or path) -> (normalised folder URL, job name = its last path component)."""
-    folder = parse_dest(url)
-    path = unquote(urlsplit(folder).path).rstrip("/")
-    job = path.rsplit("/", 1)[-1] if path else ""
-    if not job:
-        raise HsxError(f"{url!r}: not a job folder (expected e.g. s3://bucket/prefix/JOB or file:///out/JOB)")
-    return folder, job
-
-
-def open_job_folder(dest: str, job: str, *, max_connections: int = 16) -> Destination:
+def open_job_folder(dest: Location, job: str, *, max_connections: int = 16) -> Destination:
     """The destination rooted at `<dest>/<job>`: listing it lists only this job's objects (an S3
     prefix shared by many jobs is not walked whole). Its keys are `sample_key(job, i)` without the
     leading `<job>/` (see `relative_sample_key`)."""
-    return open_destination(f"{parse_dest(dest)}/{job}", max_connections=max_connections)
+    return open_destination(dest.child(job), max_connections=max_connections)

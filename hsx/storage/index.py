@@ -29,7 +29,6 @@ from hsx.storage.destinations import (
     Destination,
     open_destination,
     open_job_folder,
-    split_job_url,
 )
 from hsx.storage.expected import (
     BUNDLE_SPEC_KEY,
@@ -41,6 +40,7 @@ from hsx.storage.expected import (
     read_metadata,
 )
 from hsx.storage.layout import BUNDLE_DIR, sample_index_of, sample_key
+from hsx.storage.location import Location, spec_location
 from hsx.wire import schemas
 
 log = structlog.get_logger("hsx.index")
@@ -364,7 +364,7 @@ async def build_job_index(js, spec: schemas.JobSpec) -> StoredIndex:
     index = await index_from_events(js, spec)
     with _destination_errors(f"writing the index to {spec.dest}/{spec.job}/{INDEX_KEY}"):
         written = await asyncio.to_thread(
-            lambda: write_index(open_job_folder(spec.dest, spec.job, max_connections=4), index)
+            lambda: write_index(open_job_folder(spec_location(spec.dest), spec.job, max_connections=4), index)
         )
     log.info(
         "index_written",
@@ -377,11 +377,11 @@ async def build_job_index(js, spec: schemas.JobSpec) -> StoredIndex:
     return index
 
 
-def rebuild_job_index(url: str, *, workers: int = 32) -> StoredIndex:
+def rebuild_job_index(folder_url: Location, *, workers: int = 32) -> StoredIndex:
     """`hsx index rebuild JOB_URL`: the index from the destination alone (the bundle's spec, a
     LIST, each file's header), written over whatever index was there."""
     started = time.monotonic()
-    folder_url, job = split_job_url(url)
+    job = folder_url.name
     folder = open_destination(folder_url, max_connections=workers)
     with _destination_errors(f"rebuilding the index of {folder_url}"):
         spec = bundle_spec(folder)
@@ -391,14 +391,14 @@ def rebuild_job_index(url: str, *, workers: int = 32) -> StoredIndex:
             raise HsxError(f"{folder_url}: its bundle is job {spec.job}'s, not {job}'s")
         # The bundle's claims are checked (total_samples against its tokens file) before the
         # listing is bounded by them; each header is then checked against its sample.
-        expected = load_expected(folder, folder_url, spec)
+        expected = load_expected(folder, str(folder_url), spec)
         index, left_out = index_from_destination(folder, spec, expected=expected, workers=workers)
         written = write_index(folder, index)
     log.info(
         "index_written",
         **index.summary(),
         key=f"{job}/{INDEX_KEY}",
-        dest=folder_url,
+        dest=str(folder_url),
         index_bytes=written,
         left_out=len(left_out),
         seconds=round(time.monotonic() - started, 2),

@@ -26,7 +26,7 @@ from safetensors.torch import load as _load_safetensors
 
 from hsx.errors import HsxError
 from hsx.packing import plan_batches
-from hsx.storage.destinations import Destination, open_destination, split_job_url
+from hsx.storage.destinations import Destination, open_destination
 from hsx.storage.expected import (
     BUNDLE_SPEC_KEY,
     ExpectedSamples,
@@ -38,6 +38,7 @@ from hsx.storage.expected import (
 )
 from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import relative_sample_key
+from hsx.storage.location import Location
 from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.storage.tensors import SCALE_TENSOR, dequantize_float8
 
@@ -108,7 +109,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
     def __init__(
         self,
-        url: str,
+        url: str | Location,
         *,
         concat_layers: bool = False,
         dequantize: bool = True,
@@ -118,13 +119,14 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     ) -> None:
         if on_bad_file not in ON_BAD_FILE:
             raise HsxError(f"on_bad_file is {on_bad_file!r}, expected one of {', '.join(ON_BAD_FILE)}")
-        self.url, self.job = split_job_url(url)
+        self.location = Location.parse_job_folder(url, what="job folder")
+        self.url, self.job = str(self.location), self.location.name
         self.concat_layers = concat_layers
         self.dequantize = dequantize
         self.max_connections = max_connections  # per process: what `prefetched` reads at once
         self.on_bad_file = on_bad_file
         # The opening client is dropped here: each process that reads opens its own.
-        folder = open_destination(self.url, max_connections=4)
+        folder = open_destination(self.location, max_connections=4)
         spec = bundle_spec(folder)
         if spec is not None and spec.job != self.job:
             raise HsxError(f"{self.url}/{BUNDLE_SPEC_KEY} is job {spec.job}'s, not {self.job}'s")
@@ -154,7 +156,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
 
     def _destination(self) -> Destination:
         if self._dest is None or self._pid != os.getpid():
-            self._dest = open_destination(self.url, max_connections=self.max_connections)
+            self._dest = open_destination(self.location, max_connections=self.max_connections)
             self._pool = None  # a forked child has the parent's pool object but none of its threads
             self._pid = os.getpid()
         return self._dest
