@@ -23,7 +23,7 @@ from hsx.model.devices import visible_text
 from hsx.model.layers import FINAL
 from hsx.storage.layout import FLOAT8
 from hsx.storage.tensors import STORAGE_DTYPES
-from hsx.wire.schemas import LayerSelector
+from hsx.wire.schemas import Layer
 
 log = structlog.get_logger("hsx.gpu_consumer.model")
 
@@ -51,7 +51,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 class LayerTap:
     """Runs the decoder only as far as the selection needs and returns the selected states."""
 
-    def __init__(self, model: nn.Module, layers: list[LayerSelector]) -> None:
+    def __init__(self, model: nn.Module, layers: list[Layer]) -> None:
         self.model = model
         self.base = decoder_stack(model)
         self.layers = list(layers)
@@ -59,19 +59,19 @@ class LayerTap:
         indices = sorted({layer for layer in self.layers if layer != FINAL})
         if indices and indices[-1] >= len(modules):
             raise HsxError(f"layer {indices[-1]} does not exist: the model has {len(modules)} decoder layers")
-        self._captured: dict[LayerSelector, torch.Tensor] = {}
+        self._captured: dict[Layer, torch.Tensor] = {}
         if FINAL in self.layers:
             norm = getattr(self.base, "norm", None)
             if not isinstance(norm, nn.Module):
                 raise HsxError(f"model class {type(model).__name__}: no final norm (.norm) to capture 'final' from")
-            self.stop_at: LayerSelector = FINAL
+            self.stop_at: Layer = FINAL
             self._handles = [norm.register_forward_hook(self._hook(FINAL))]
         else:
             self.stop_at = indices[-1]
             self._handles = []
         self._handles += [modules[i].register_forward_hook(self._hook(i)) for i in indices]
 
-    def _hook(self, selector: LayerSelector):
+    def _hook(self, selector: Layer):
         def capture(_module, _args, output):
             self._captured[selector] = output[0] if isinstance(output, tuple) else output
             if selector == self.stop_at:
@@ -124,7 +124,7 @@ def choose_attention(
 def load_model(
     path: str,
     *,
-    layers: list[LayerSelector],
+    layers: list[Layer],
     dtype: str,
     device: str,
     trust_remote_code: bool = False,

@@ -27,7 +27,7 @@ CORE = {
     "hsx.config": {"hsx.base"},  # below the others: a config class anywhere declares its flags with it
     "hsx.wire": {"hsx.base", "hsx.config"},
     "hsx.storage": {"hsx.base", "hsx.config", "hsx.wire"},
-    "hsx.model": {"hsx.base", "hsx.config", "hsx.wire"},  # the job spec's types (LayerSelector)
+    "hsx.model": {"hsx.base", "hsx.config", "hsx.wire"},  # the job spec's types (Layer)
 }
 BY_FOLDER_NAME = "a folder name (not installed)"
 

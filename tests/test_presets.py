@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from hsx.errors import HsxError
-from hsx.model.layers import FINAL, parse_layers, preset_layers, resolve_layers
+from hsx.model.layers import FINAL, Preset, parse_layers, preset_layers, resolve_layers
 
 DEPTHS = (8, 12, 28, 36, 64)
 
@@ -27,7 +27,7 @@ with warnings.catch_warnings():  # their import warns about flash_attn and torch
 
 
 def _resolved(text: str, depth: int) -> list:
-    return resolve_layers(list(parse_layers(text)), depth, model="m")
+    return resolve_layers(parse_layers(text), depth, model="m")
 
 
 @pytest.mark.parametrize("depth", DEPTHS)
@@ -80,8 +80,8 @@ def test_a_model_too_shallow_for_a_preset_is_refused_as_its_trainer_refuses_it(d
 
 
 def test_presets_are_names_until_the_depth_is_known():
-    assert parse_layers(" DFlash:5 ") == ("dflash:5",)
-    assert parse_layers("eagle3") == ("eagle3",) and parse_layers("speculators") == ("speculators",)
+    assert parse_layers(" DFlash:5 ") == Preset("dflash:5")
+    assert parse_layers("eagle3") == Preset("eagle3") and parse_layers("speculators") == Preset("speculators")
     assert preset_layers("eagle3", 64) == [1, 31, 60, FINAL]
     for text, needle in (
         ("dflash", "dflash:N"),

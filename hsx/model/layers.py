@@ -8,26 +8,43 @@ docs/ARCHITECTURE.md, "Module notes".
 
 import re
 
+import msgspec
+
 from hsx.errors import HsxError
-from hsx.wire.schemas import FINAL, LayerSelector
+from hsx.wire.schemas import FINAL, Layer
 
 PRESETS = ("dflash:N", "eagle3", "speculators")
 _DFLASH = re.compile(r"dflash:(\d+)")
 
 
-def parse_layers(text: str) -> tuple[LayerSelector, ...]:
+class Preset(msgspec.Struct, frozen=True):
+    """A trainer's preset as the user named it (`dflash:5`, `eagle3`, `speculators`): its layers
+    are known once the model's depth is (`resolve_layers`)."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# What --layers asks for: a preset, or layer indices as given (negative ones count from the end).
+# `resolve_layers` turns either into the job's layers (`list[Layer]`, non-negative or FINAL).
+LayerRequest = Preset | tuple[Layer, ...]
+
+
+def parse_layers(text: str) -> LayerRequest:
     """Layer indices and `final`, or one preset (kept as its name until the model's depth is known)."""
     preset = text.strip().lower()
     if preset in ("eagle3", "speculators") or _DFLASH.fullmatch(preset):
         if preset.startswith("dflash:") and int(preset.removeprefix("dflash:")) == 0:
             raise HsxError("--layers dflash:0: give the draft's layer count, e.g. dflash:5")
-        return (preset,)
+        return Preset(preset)
     if preset.startswith("dflash"):
         raise HsxError(f"--layers {text.strip()!r}: the DFlash preset is dflash:N, N the draft's layer count")
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise HsxError("--layers is empty: give 0-based decoder layer indices, e.g. --layers 1,3,5 (or 'final')")
-    layers: list[LayerSelector] = []
+    layers: list[Layer] = []
     for item in items:
         if item.lower() == FINAL:
             layers.append(FINAL)
@@ -42,14 +59,12 @@ def parse_layers(text: str) -> tuple[LayerSelector, ...]:
     return tuple(layers)
 
 
-def preset_of(layers) -> str | None:
-    """The preset `layers` names, if it is one (parse_layers keeps it as a one-item tuple)."""
-    if len(layers) == 1 and isinstance(layers[0], str) and layers[0] != FINAL:
-        return layers[0]
-    return None
+def preset_of(request: LayerRequest) -> str | None:
+    """The name of the preset `request` is, if it is one."""
+    return request.name if isinstance(request, Preset) else None
 
 
-def preset_layers(preset: str, num_layers: int) -> list[LayerSelector]:
+def preset_layers(preset: str, num_layers: int) -> list[Layer]:
     """The layers (hsx ids) preset `preset` names on a model with `num_layers` decoder layers."""
     if match := _DFLASH.fullmatch(preset):
         draft_layers = int(match.group(1))
@@ -64,17 +79,20 @@ def preset_layers(preset: str, num_layers: int) -> list[LayerSelector]:
     raise AssertionError(preset)
 
 
-def resolve_layers(layers: list[LayerSelector], num_layers: int, *, model: str) -> list[LayerSelector]:
-    preset = preset_of(layers)
-    if preset is not None:
-        expanded = preset_layers(preset, num_layers)
+def resolve_layers(request: LayerRequest, num_layers: int, *, model: str) -> list[Layer]:
+    """The job's layers: a preset expanded, negative indices counted from the end, each checked
+    against the model's depth and for duplicates; a one-line error naming the model otherwise."""
+    if isinstance(request, Preset):
+        expanded = preset_layers(request.name, num_layers)
         if len(set(expanded)) != len(expanded) or any(isinstance(i, int) and i < 0 for i in expanded):
             raise HsxError(
-                f"--layers {preset}: model {model} has {num_layers} decoder layers, too few for this preset "
+                f"--layers {request}: model {model} has {num_layers} decoder layers, too few for this preset "
                 f"(it gives layers {', '.join(map(str, expanded))}); give --layers explicitly"
             )
         layers = expanded
-    resolved: list[LayerSelector] = []
+    else:
+        layers = list(request)
+    resolved: list[Layer] = []
     for layer in layers:
         if layer == FINAL:
             resolved.append(FINAL)
@@ -86,7 +104,7 @@ def resolve_layers(layers: list[LayerSelector], num_layers: int, *, model: str) 
                 f"(valid indices 0..{num_layers - 1}, or -{num_layers}..-1, or 'final')"
             )
         resolved.append(index)
-    seen: set[LayerSelector] = set()
+    seen: set[Layer] = set()
     for original, selector in zip(layers, resolved):
         if selector in seen:
             what = "the final state" if selector == FINAL else f"layer {original}"

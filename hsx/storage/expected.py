@@ -77,7 +77,7 @@ class ExpectedSamples:
     plan: str | None = None
     model: str | None = None
     model_revision: str | None = None
-    layers: list[schemas.LayerSelector] | None = None
+    layers: list[schemas.Layer] | None = None
     dtype: str | None = None
     hidden_size: int = 0  # 0: not known (a job from before the spec recorded it)
     total: int | None = None

@@ -15,7 +15,7 @@ import json
 import re
 
 from hsx.errors import HsxError
-from hsx.wire.schemas import LayerSelector
+from hsx.wire.schemas import Layer
 
 FORMAT_VERSION = "2"  # 2: `checksum` is the sha256 of the data section (hsx.storage.samplefile)
 SHARD_SIZE = 1000
@@ -75,7 +75,7 @@ def sample_metadata(
     source_id: str,
     model: str,
     model_revision: str,
-    layers: list[LayerSelector],
+    layers: list[Layer],
     dtype: str,
     num_tokens: int,
     plan: str,

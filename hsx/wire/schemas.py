@@ -8,12 +8,15 @@ A payload that does not decode is poison: the receiver terminates it and dead-le
 does not crash.
 """
 
+from typing import Literal
+
 import msgspec
 
 # A selected layer, as the job names it: a decoder layer index, or "final" (the post-norm final
 # state). hsx/model/layers.py parses and resolves it; every layers field in hsx has this type.
-LayerSelector = int | str
-FINAL = "final"  # the selector of the post-norm final state
+FINAL = "final"  # the post-norm final state
+# A resolved layer: a 0-based decoder layer index (its raw output), or FINAL.
+Layer = int | Literal["final"]
 
 
 def plan_tag_of(fingerprint: str) -> str:
@@ -108,7 +111,7 @@ class JobSpec(_Wire, tag="job.v1"):
     job: str
     model: str
     model_revision: str
-    layers: list[LayerSelector]  # resolved decoder layer indices, or "final" (hsx/model/layers.py)
+    layers: list[Layer]  # resolved decoder layer indices, or "final" (hsx/model/layers.py)
     dtype: str  # storage dtype: bfloat16 | float16 | float32 | float8_e4m3
     dest: str
     token_budget: int

@@ -1,0 +1,92 @@
+"""A destination named once (hsx/storage/location.py): what each form a user writes becomes, the
+one-line errors, and that a Location survives the trips it makes (the canonical URL in a job
+spec, JSON through `hsx up`'s pipe to a child) unchanged."""
+
+import msgspec
+import pytest
+
+from hsx.errors import HsxError
+from hsx.model.layers import Preset, parse_layers
+from hsx.storage.destinations import FileDestination, S3Destination, open_destination, open_job_folder
+from hsx.storage.location import Location, spec_location
+
+
+@pytest.mark.parametrize(
+    ("text", "bucket", "path", "url"),
+    [
+        ("s3://bucket/some/prefix/", "bucket", "some/prefix", "s3://bucket/some/prefix"),
+        ("s3://bucket", "bucket", "", "s3://bucket"),
+        ("file:///out/dir/", "", "/out/dir", "file:///out/dir"),
+        ("file://localhost/a%20b", "", "/a b", "file:///a%20b"),
+    ],
+)
+def test_each_form_is_parsed_once_into_its_parts(text, bucket, path, url):
+    location = Location.parse(text)
+    assert (location.bucket, location.path, str(location)) == (bucket, path, url)
+    assert Location.parse(str(location)) == location  # the canonical URL parses to itself
+
+
+def test_a_plain_path_is_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert Location.parse("out/run1") == Location(path=str(tmp_path / "out" / "run1"))
+    assert str(Location.parse("out")) == (tmp_path / "out").as_uri()
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("s3://", "--dest 's3://': an S3 destination needs a bucket"),
+        ("file://host/x", "--dest 'file://host/x': file:// URLs must be local"),
+        ("ftp://x/y", "--dest 'ftp://x/y': unsupported scheme"),
+        ("", "--dest is empty"),
+    ],
+)
+def test_bad_forms_are_one_line_errors_naming_the_flag(text, error):
+    with pytest.raises(HsxError, match="^" + error.replace("(", r"\(")) as raised:
+        Location.parse(text)
+    assert "\n" not in str(raised.value)
+
+
+def test_a_job_folder_names_its_job_and_a_root_is_not_one(tmp_path):
+    folder = Location.parse_job_folder("s3://bucket/prefix/job-7/", what="SOURCE")
+    assert folder.name == "job-7" and folder == Location.parse("s3://bucket/prefix").child("job-7")
+    with pytest.raises(HsxError, match=r"^SOURCE 's3://bucket': not a job folder"):
+        Location.parse_job_folder("s3://bucket", what="SOURCE")
+
+
+def test_opening_a_location_parses_nothing_again(tmp_path):
+    s3 = open_destination(Location.parse("s3://bucket/p/"), max_connections=1)
+    assert isinstance(s3, S3Destination) and (s3.bucket, s3.prefix, s3.url) == ("bucket", "p", "s3://bucket/p")
+    local = open_job_folder(Location.parse(tmp_path), "job")
+    assert isinstance(local, FileDestination) and local.url == (tmp_path / "job").as_uri()
+    with pytest.raises(AttributeError):
+        open_destination(str(tmp_path))  # text is parsed at the edge, never here
+
+
+def test_a_job_specs_dest_is_a_location_again():
+    location = Location.parse("s3://bucket/hidden-states")
+    assert spec_location(str(location)) == location
+    with pytest.raises(HsxError, match="^the job spec's dest 'gs://b': unsupported scheme"):
+        spec_location("gs://b")
+
+
+def test_a_location_and_a_layer_request_cross_the_pipe_to_a_child_unchanged(tmp_path):
+    """`hsx up` sends each child its config as JSON (commands/child.py): a Location, a preset and
+    layer indices come back as the same typed values."""
+    from hsx.commands.child import order, read_order
+    from hsx.producer.config import ProducerConfig
+    from hsx.wire.natsconn import NatsSettings
+
+    for layers in (parse_layers("dflash:5"), parse_layers("1,-1,final")):
+        cfg = ProducerConfig(
+            job="j",
+            model="m",
+            dataset=tmp_path / "d.jsonl",
+            layers=layers,
+            dest=Location.parse("s3://bucket/x"),
+            nats=NatsSettings(url="nats://127.0.0.1:4222"),
+        )
+        received, _ = read_order(order(cfg, log_level="info"))
+        assert received == cfg
+    assert parse_layers("dflash:5") == Preset("dflash:5") and str(Preset("dflash:5")) == "dflash:5"
+    assert msgspec.json.encode(parse_layers("1,-1,final")) == b'[1,-1,"final"]'
