@@ -79,13 +79,13 @@ def test_a_folder_of_another_plan_is_refused_and_the_same_plan_is_taken_again(
 def test_the_folder_is_claimed_before_the_first_descriptor_is_published(
     tmp_path, hsx, nats_server, tiny_model, job_name, monkeypatch
 ):
-    import hsx.producer.bundle
+    from hsx.producer import bundle as producer_bundle
 
     async def stopped(*_args, **_kwargs):
         raise HsxError("test fault: the producer stopped before writing its bundle")
 
     # The producer stops after publishing and before its bundle, as a killed one would.
-    monkeypatch.setattr(hsx.producer.bundle, "write_bundle", stopped)
+    monkeypatch.setattr(producer_bundle, "write_bundle", stopped)
     url, job, model, out = nats_server.url, job_name, tiny_model("qwen3"), tmp_path / "out"
     write_dataset(tmp_path / "first.jsonl", 16, min_len=4, max_len=40, seed=23)
     write_dataset(tmp_path / "other.jsonl", 11, min_len=4, max_len=40, seed=24)
