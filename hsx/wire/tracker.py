@@ -94,19 +94,12 @@ class ProgressTracker:
             _Replay(
                 self.js,
                 events,
-                topology.markers_all(self.job, "written", plan),
+                topology.markers_all(self.job, kind, plan),
                 self._apply_marker,
                 DeliverPolicy.ALL,
-                after_seq=self.fold.written_seq,
-            ),
-            _Replay(
-                self.js,
-                events,
-                topology.markers_all(self.job, "uploaded", plan),
-                self._apply_marker,
-                DeliverPolicy.ALL,
-                after_seq=self.fold.uploaded_seq,
-            ),
+                after_seq=after_seq,
+            )
+            for kind, after_seq in (("written", self.fold.written_seq), ("uploaded", self.fold.uploaded_seq))
         ]
         self._others = [
             _Replay(
