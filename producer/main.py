@@ -1,27 +1,8 @@
-"""`hsx produce`: dataset -> samples (stored) -> plan -> job spec in KV -> one descriptor per batch.
-
-The dataset is read and its chat rows tokenized once (`producer/inputs.py`); the resulting samples
-are stored with the job in the object store (`producer/stored.py`) before the job spec names them.
-A re-run for an existing job plans from that stored copy, never from the dataset again, so a
-tokenizer or template changed since cannot change the plan (the dataset's bytes are only hashed,
-to refuse a different dataset under the same job name).
-
-Batch ids derive from the plan's fingerprint (model, layers, dtype, budget and every sample's
-tokens), so the same samples and settings always give the same ids; they go out as
-`Nats-Msg-Id`, and the job spec records when everything was published, so running the producer
-again publishes nothing twice. A re-run of a job that is not published yet (a producer that
-stopped mid-publish) publishes only the batches neither queued nor finished (producer/resume.py),
-so it publishes nothing twice even after the stream's 24 h duplicate window. A job name already
-used for a different plan is refused once the job is published (`hsx jobs delete` frees it);
-before that, the re-run replaces the spec, provided no worker has started on the old one.
-
-Nothing is written for a job until everything that can refuse it has been checked
-(producer/preflight.py): every descriptor fits the server's max_payload, the destination takes a
-write, and the job's folder there holds no other plan's files (unless --replace-output). The
-spec goes to the folder's bundle as job.json before the first descriptor is published; once the
-job is published, the whole bundle (spec, samples, plan, report) goes under `<job>/_hsx/`
-(producer/bundle.py), on every run, so the job can be resumed elsewhere.
-"""
+"""`hsx produce`: dataset -> samples (stored) -> plan -> job spec in KV -> one descriptor per
+batch. `run` checks everything that can refuse the job before anything is written
+(producer/preflight.py), then stores the samples, claims the destination folder, publishes the
+batches under ids derived from the plan's fingerprint, and writes the bundle (producer/bundle.py).
+Re-runs, replacement and resume: docs/ARCHITECTURE.md, "Module notes"."""
 
 import asyncio
 import hashlib
