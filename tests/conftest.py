@@ -19,6 +19,7 @@ import sys
 import threading
 import traceback
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,36 @@ def hsx_service(nats_server, tmp_path):
         if process.poll() is None:
             process.send_signal(signal.SIGKILL)
             process.wait()
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """`hsx ARGS` in this process with exactly the environment given; returns Run."""
+    for name in list(os.environ):
+        if name.startswith(("HSX_", "AWS_")):
+            monkeypatch.delenv(name)
+
+    from hsx.commands.cli import main as cli_main
+
+    def run(*argv: str, env: dict | None = None) -> Run:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        try:
+            code = cli_main(list(argv))
+        except SystemExit as exc:  # argparse errors exit from inside parse_args
+            code = exc.code
+        finally:
+            for name in env or {}:
+                monkeypatch.delenv(name)
+        out, err = capsys.readouterr()
+        return Run(code, out, err)
+
+    return run

@@ -7,7 +7,6 @@ connecting.
 
 import dataclasses
 import json
-import os
 
 import pytest
 from test_cli_errors import assert_one_line_error
@@ -21,30 +20,10 @@ from hsx.config.values import positive_int
 from hsx.wire.natsconn import NatsSettings
 
 
-@dataclasses.dataclass
-class Run:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 @pytest.fixture
-def hsx(monkeypatch, capsys):
-    """`hsx ARGS` in this process, with no HSX_* or AWS_* variable set."""
-    for name in list(os.environ):
-        if name.startswith(("HSX_", "AWS_")):
-            monkeypatch.delenv(name)
-
-    def run(*argv: str) -> Run:
-        capsys.readouterr()
-        try:
-            code = cli.main(list(argv))
-        except SystemExit as exc:  # argparse: --help, and errors while parsing
-            code = exc.code
-        out, err = capsys.readouterr()
-        return Run(code, out, err)
-
-    return run
+def hsx(cli):
+    """`hsx ARGS` in this process, with no HSX_* or AWS_* variable set (conftest's `cli`)."""
+    return cli
 
 
 def _declared(cls: type, only=lambda flag: True) -> tuple[set, set]:

@@ -23,7 +23,7 @@ import pytest
 from test_cli_errors import assert_one_line_error
 
 from hsx.commands.child import order, read_order
-from hsx.commands.cli import build_parser, main
+from hsx.commands.cli import build_parser
 from hsx.commands.up import UpConfig
 from hsx.config.configfile import Place
 from hsx.config.settings import file_layout, resolve
@@ -35,37 +35,6 @@ SECRETS = {  # each one a distinct string, so a leak names its source
     "env_token": "tok-from-env-Z8wq1",
     "aws_secret": "aws-secret-M3vp6",
 }
-
-
-@dataclass
-class Run:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    """`hsx ARGS` in this process with exactly the environment given; returns Run."""
-    for name in list(os.environ):
-        if name.startswith(("HSX_", "AWS_")):
-            monkeypatch.delenv(name)
-
-    def run(*argv: str, env: dict | None = None) -> Run:
-        for name, value in (env or {}).items():
-            monkeypatch.setenv(name, value)
-        capsys.readouterr()
-        try:
-            code = main(list(argv))
-        except SystemExit as exc:  # argparse errors exit from inside parse_args
-            code = exc.code
-        finally:
-            for name in env or {}:
-                monkeypatch.delenv(name)
-        out, err = capsys.readouterr()
-        return Run(code, out, err)
-
-    return run
 
 
 def _show(cli, *argv: str, env: dict | None = None) -> dict:
