@@ -33,6 +33,17 @@ class _Row(msgspec.Struct):
     messages: list[dict[str, Any]] | None = None
 
 
+class BadRow(HsxError):
+    """A row that cannot be a sample of the job: where it is (file:line, or the row index of a
+    Parquet file or a datasets folder), the row's id if it has one, and why. Raised wherever a
+    row is found bad (reading, checking, rendering its conversation); --on-bad-row decides whether
+    it stops the job or is set aside and reported."""
+
+    def __init__(self, where: str, reason: str, *, source_id: str | None = None) -> None:
+        super().__init__(f"{where}: {reason}")
+        self.where, self.reason, self.source_id = where, " ".join(reason.split()), source_id
+
+
 # A tokenized row: what one sample of the job is made of (one at a time; a job's are a SampleTable).
 DatasetRow = TokenRow
 
