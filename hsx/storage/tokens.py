@@ -150,7 +150,9 @@ class _Spill:
 
 class SampleTableBuilder:
     """Appends chunks (and single rows) in sample order; `reserve` keeps a place for a row whose
-    tokens come later (a chat row tokenized after the whole dataset was read)."""
+    tokens come later (a chat row tokenized after the whole dataset was read), `drop` gives a
+    place up (a row that turned out bad): the table has no sample for it, and the samples after
+    it move up one index."""
 
     def __init__(self) -> None:
         self._tokens = _Spill(np.int32)
@@ -164,6 +166,7 @@ class SampleTableBuilder:
         self._rows = 0
         self._pending: list[TokenRow] = []
         self._filled: list[tuple[int, int, int, bool, int]] = []  # (index, start, length, has_mask, max)
+        self._dropped: list[int] = []
 
     @property
     def rows(self) -> int:
@@ -210,6 +213,12 @@ class SampleTableBuilder:
             (index, start, len(values), loss_mask is not None, int(values.max()) if len(values) else -1)
         )
 
+    def drop(self, index: int) -> None:
+        """Give up the place `reserve` kept at `index`: the table will have no sample for it."""
+        if not 0 <= index < self.rows:
+            raise IndexError(index)
+        self._dropped.append(index)
+
     def _flush_pending(self) -> None:
         if self._pending:
             pending, self._pending = self._pending, []
@@ -227,6 +236,12 @@ class SampleTableBuilder:
         has_mask, row_max = cat(self._has_mask, bool), cat(self._row_max, np.int64)
         for index, start, length, masked, top in self._filled:
             starts[index], lengths[index], has_mask[index], row_max[index] = start, length, masked, top
+        source_ids, wheres = _one_array(self._source_ids), _one_array(self._wheres)
+        if self._dropped:
+            keep = np.ones(len(starts), dtype=bool)
+            keep[self._dropped] = False
+            starts, lengths, has_mask, row_max = starts[keep], lengths[keep], has_mask[keep], row_max[keep]
+            source_ids, wheres = source_ids.filter(pa.array(keep)), wheres.filter(pa.array(keep))
         return SampleTable(
             tokens=self._tokens,
             masks=self._masks,
@@ -235,8 +250,8 @@ class SampleTableBuilder:
             has_mask=has_mask,
             # One array each: a chunked array finds element i by walking its chunks.
             row_max=row_max,
-            source_ids=_one_array(self._source_ids),
-            wheres=_one_array(self._wheres),
+            source_ids=source_ids,
+            wheres=wheres,
         )
 
 

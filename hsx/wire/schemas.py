@@ -132,6 +132,7 @@ class JobSpec(_Wire, tag="job.v1"):
     on_long: str = "error"  # --on-long: error | truncate | skip
     samples_truncated: int = 0
     samples_skipped: int = 0
+    rows_bad: int = 0  # rows set aside by --on-bad-row skip; listed in the report
     num_layers: int = 0  # the model's decoder layers (0: a job from before it was recorded)
     layer_preset: str = ""  # --layers as a preset (dflash:5, eagle3, speculators), which `layers` resolves
     hidden_size: int = 0  # the model's hidden size H of every file's [T, k, H] (0: a job from before it was recorded)
