@@ -6,9 +6,10 @@ order, every problem naming the file and row. No tokenizing, batches or NATS her
 Row forms: docs/REFERENCE.md, "Input"; memory and row names: docs/ARCHITECTURE.md, "Module notes".
 """
 
+import functools
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,14 +24,41 @@ from hsx.storage.tokens import SampleTable, SampleTableBuilder, TokenChunk, Toke
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
-_COLUMNS = ("input_ids", "loss_mask", "id", "messages")
+_COLUMNS = ("input_ids", "loss_mask", "id")
+_CHAT_FIELDS = ("messages", "conversations")  # looked for in this order unless --chat-field names one
 
 
 class _Row(msgspec.Struct):
     input_ids: list[int] | None = None
     loss_mask: list[int] | None = None
     id: str | int | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[Any] | None = None
+    conversations: list[Any] | None = None
+
+
+@functools.cache
+def _row_type(chat_field: str | None) -> type:
+    """The row struct: `_Row`, or with --chat-field NAME one whose conversation is column NAME
+    (`.chat`; neither `messages` nor `conversations` is read then)."""
+    if chat_field is None:
+        return _Row
+    fields = [
+        ("input_ids", list[int] | None, None),
+        ("loss_mask", list[int] | None, None),
+        ("id", str | int | None, None),
+        ("chat", list[Any] | None, None),
+    ]
+    return msgspec.defstruct("_FieldRow", fields, rename={"chat": chat_field}, namespace={"chat_field": chat_field})
+
+
+@functools.cache
+def _decoder(chat_field: str | None) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(_row_type(chat_field))
+
+
+def chat_columns(chat_field: str | None) -> tuple[str, ...]:
+    """The columns a conversation may be in."""
+    return _CHAT_FIELDS if chat_field is None else (chat_field,)
 
 
 class BadRow(HsxError):
@@ -63,40 +91,92 @@ _ROWS_PER_CHUNK = 8192
 _TOKENS_PER_CHUNK = 1 << 20
 _ROWS_PER_READ = 1024  # Arrow rows checked at once
 
-_row_decoder = msgspec.json.Decoder(_Row)
+# ShareGPT's `from` values (and role names given there) as chat template roles.
+_FROM_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_FROM_ROLES |= {"tool": "tool"}
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _check_messages(messages: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
-    if not messages:
-        raise HsxError(f"{where}: messages is empty")
-    checked = []
-    for k, message in enumerate(messages):
-        # Arrow gives every message every key of the column's struct; a null one was never there.
-        message = {key: value for key, value in message.items() if value is not None}
-        role = message.get("role")
+def _text_of(content: Any, what: str, where: str) -> str:
+    """A message's content as text: a string, or a list of text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise HsxError(f"{where}: {what} must be text or a list of text parts, got {type(content).__name__}")
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict):
+            part = {key: value for key, value in part.items() if value is not None}
+            kind = part.get("type", "text")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise HsxError(f"{where}: {what}[{j}] is a {kind!r} part, not text")
+            part = part["text"]
+        if not isinstance(part, str):
+            raise HsxError(f"{where}: {what}[{j}] must be a text part, got {type(part).__name__}")
+        texts.append(part)
+    return "".join(texts)
+
+
+def _check_message(message: Any, what: str, where: str) -> dict[str, Any]:
+    """One message as the chat template takes it: role and text content (role/content, or
+    ShareGPT's from/value), with its other keys (tool_calls, name...) as they are."""
+    if not isinstance(message, dict):
+        raise HsxError(f"{where}: {what} must be an object with role and content, got {type(message).__name__}")
+    # Arrow gives every message every key of the column's struct; a null one was never there.
+    message = {key: value for key, value in message.items() if value is not None}
+    if "role" not in message and "from" in message:
+        name = message.pop("from")
+        role = _FROM_ROLES.get(name) if isinstance(name, str) else None
         if role is None:
-            raise HsxError(f"{where}: messages[{k}] has no role")
-        if not isinstance(role, str) or not role:
-            raise HsxError(f"{where}: messages[{k}].role must be a non-empty string, got {role!r}")
-        content = message.get("content")
-        if content is None:
-            raise HsxError(f"{where}: messages[{k}] (role {role}) has no content")
-        if not isinstance(content, str):
-            raise HsxError(f"{where}: messages[{k}].content must be a string, got {type(content).__name__}")
-        checked.append(message)
-    return checked
+            raise HsxError(f"{where}: {what}.from is {name!r}; expected one of {', '.join(_FROM_ROLES)}")
+        message["role"] = role
+        if "value" in message:
+            message["content"] = message.pop("value")
+    role = message.get("role")
+    if role is None:
+        raise HsxError(f"{where}: {what} has no role (or from)")
+    if role not in _ROLES:
+        raise HsxError(f"{where}: {what}.role is {role!r}; expected one of {', '.join(_ROLES)}")
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None and not isinstance(tool_calls, list):
+        raise HsxError(f"{where}: {what}.tool_calls must be a list, got {type(tool_calls).__name__}")
+    content = message.get("content")
+    if content is None:
+        if not (role == "assistant" and tool_calls):
+            raise HsxError(f"{where}: {what} (role {role}) has no content")
+        content = ""
+    message["content"] = _text_of(content, f"{what}.content", where)
+    return message
 
 
-def _check_row(row: _Row, where: str, default_id: str) -> SourceRow:
-    source_id = default_id if row.id is None else str(row.id)
+def _check_messages(messages: list[Any], where: str, field: str = "messages") -> list[dict[str, Any]]:
+    if not messages:
+        raise HsxError(f"{where}: {field} is empty")
+    return [_check_message(message, f"{field}[{k}]", where) for k, message in enumerate(messages)]
+
+
+def _chat_of(row: Any) -> tuple[list[Any] | None, str]:
+    """The row's conversation and the field it is in."""
+    field = getattr(row, "chat_field", None)
+    if field is not None:
+        return row.chat, field
     if row.messages is not None:
+        return row.messages, "messages"
+    return row.conversations, "conversations"
+
+
+def _check_row(row: Any, where: str, default_id: str) -> SourceRow:
+    source_id = default_id if row.id is None else str(row.id)
+    chat, field = _chat_of(row)
+    if chat is not None:
         if row.input_ids is not None:
-            raise HsxError(f"{where}: row has both input_ids and messages; give one of them")
+            raise HsxError(f"{where}: row has both input_ids and {field}; give one of them")
         if row.loss_mask is not None:
             raise HsxError(f"{where}: loss_mask goes with input_ids; a chat row's mask comes from its assistant turns")
-        return ChatRow(where=where, source_id=source_id, messages=_check_messages(row.messages, where))
+        return ChatRow(where=where, source_id=source_id, messages=_check_messages(chat, where, field))
     if row.input_ids is None:
-        raise HsxError(f"{where}: row has neither input_ids (token ids) nor messages (a chat)")
+        names = " or ".join(chat_columns(getattr(row, "chat_field", None)))
+        raise HsxError(f"{where}: row has neither input_ids (token ids) nor {names} (a chat)")
     if not row.input_ids:
         raise HsxError(f"{where}: input_ids is empty")
     if row.loss_mask is not None:
@@ -132,35 +212,84 @@ def _chunked(rows: Iterator[SourceRow]) -> Iterator[SourceItem]:
         yield TokenChunk.from_rows(pending)
 
 
-def _read_jsonl(path: Path) -> Iterator[SourceRow]:
+# What a reading loop does with a bad row: None raises it (the first bad row stops the reading);
+# otherwise called with it (--on-bad-row: it raises to stop, or records the row and reading goes on).
+OnBadRow = Callable[[BadRow], None] | None
+
+
+def _set_aside(bad: BadRow, on_bad_row: OnBadRow) -> None:
+    if on_bad_row is None:
+        raise bad
+    on_bad_row(bad)
+
+
+def _checked(row: _Row, where: str, default_id: str) -> SourceRow:
+    """`_check_row`, any error it raises a `BadRow`."""
+    try:
+        return _check_row(row, where, default_id=default_id)
+    except BadRow:
+        raise
+    except HsxError as exc:
+        source_id = None if row.id is None else str(row.id)
+        raise BadRow(where, str(exc).removeprefix(f"{where}: "), source_id=source_id) from None
+
+
+def _id_of(data: object) -> str | None:
+    """A bad row's own id, if it has one that can be read."""
+    value = data.get("id") if isinstance(data, dict) else None
+    return None if value is None or isinstance(value, dict | list) else str(value)
+
+
+def _read_jsonl(path: Path, on_bad_row: OnBadRow = None, chat_field: str | None = None) -> Iterator[SourceRow]:
+    decoder = _decoder(chat_field)
     with open(path, "rb") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{line_number}"
             try:
-                row = _row_decoder.decode(line)
-            except msgspec.ValidationError as exc:
-                raise HsxError(f"{where}: {exc}") from None
-            except msgspec.DecodeError as exc:
-                raise HsxError(f"{where}: not a JSON object ({exc})") from None
-            yield _check_row(row, where, default_id=str(line_number - 1))
+                try:
+                    row = decoder.decode(line)
+                except msgspec.ValidationError as exc:
+                    raise BadRow(where, str(exc), source_id=_id_of(_loose_json(line))) from None
+                except msgspec.DecodeError as exc:
+                    raise BadRow(where, f"not a JSON object ({exc})") from None
+                checked = _checked(row, where, default_id=str(line_number - 1))
+            except BadRow as bad:
+                _set_aside(bad, on_bad_row)
+                continue
+            yield checked
 
 
-def _convert_records(records: Iterator[dict], name: str, start: int = 0) -> Iterator[SourceRow]:
+def _loose_json(line: bytes) -> object:
+    try:
+        return msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return None
+
+
+def _convert_records(
+    records: Iterator[dict], name: str, start: int = 0, on_bad_row: OnBadRow = None, chat_field: str | None = None
+) -> Iterator[SourceRow]:
     for row_index, record in enumerate(records, start=start):
         where = f"{name}: row {row_index}"
         try:
-            row = msgspec.convert(record, _Row)
-        except msgspec.ValidationError as exc:
-            raise HsxError(f"{where}: {exc}") from None
-        yield _check_row(row, where, default_id=str(row_index))
+            try:
+                row = msgspec.convert(record, _row_type(chat_field))
+            except msgspec.ValidationError as exc:
+                raise BadRow(where, str(exc), source_id=_id_of(record)) from None
+            checked = _checked(row, where, default_id=str(row_index))
+        except BadRow as bad:
+            _set_aside(bad, on_bad_row)
+            continue
+        yield checked
 
 
-def _require_columns(names: list[str], what: str) -> list[str]:
-    columns = [c for c in _COLUMNS if c in names]
-    if "input_ids" not in columns and "messages" not in columns:
-        raise HsxError(f"{what}: no input_ids or messages column (found: {', '.join(names) or 'none'})")
+def _require_columns(names: list[str], what: str, chat_field: str | None = None) -> list[str]:
+    columns = [c for c in _COLUMNS + chat_columns(chat_field) if c in names]
+    if columns == [c for c in columns if c in ("loss_mask", "id")]:
+        wanted = " or ".join(("input_ids",) + chat_columns(chat_field))
+        raise HsxError(f"{what}: no {wanted} column (found: {', '.join(names) or 'none'})")
     return columns
 
 
@@ -185,7 +314,7 @@ def _fast_chunk(batch: pa.RecordBatch, name: str, start: int) -> TokenChunk | No
     row, an unexpected type): that path then raises the error naming the row, or takes it."""
     n = batch.num_rows
     names = batch.schema.names
-    if "messages" in names and batch.column("messages").null_count != n:
+    if any(batch.column(c).null_count != n for c in names if c not in _COLUMNS):  # a chat column
         return None
     if "input_ids" not in names or batch.column("input_ids").null_count:
         return None
@@ -228,7 +357,16 @@ def _fast_chunk(batch: pa.RecordBatch, name: str, start: int) -> TokenChunk | No
     )
 
 
-def _record_batch_items(batches: Iterator[pa.RecordBatch], name: str, start: int = 0) -> Iterator[SourceItem]:
+def _record_batch_items(
+    batches: Iterator[pa.RecordBatch],
+    name: str,
+    start: int = 0,
+    on_bad_row: OnBadRow = None,
+    chat_field: str | None = None,
+) -> Iterator[SourceItem]:
+    """The batches' rows, checked: a slice of well-formed token rows at once (`_fast_chunk`), any
+    other slice row by row, so that a bad row is named by its index and the good rows around it
+    are kept."""
     for whole in batches:
         # Slices (zero-copy) of a few rows: the checks' temporaries grow with the tokens at hand.
         for offset in range(0, whole.num_rows, _ROWS_PER_READ):
@@ -237,11 +375,14 @@ def _record_batch_items(batches: Iterator[pa.RecordBatch], name: str, start: int
             if chunk is not None:
                 yield chunk
             else:
-                yield from _chunked(_convert_records(iter(batch.to_pylist()), name, start=start))
+                records = iter(batch.to_pylist())
+                yield from _chunked(
+                    _convert_records(records, name, start=start, on_bad_row=on_bad_row, chat_field=chat_field)
+                )
             start += batch.num_rows
 
 
-def _read_parquet(path: Path) -> Iterator[SourceItem]:
+def _read_parquet(path: Path, on_bad_row: OnBadRow = None, chat_field: str | None = None) -> Iterator[SourceItem]:
     import pyarrow.parquet as pq
 
     try:
@@ -249,8 +390,9 @@ def _read_parquet(path: Path) -> Iterator[SourceItem]:
         parquet = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
     except Exception as exc:  # pyarrow raises several types for a file that is not Parquet
         raise HsxError(f"{path}: not a readable Parquet file ({exc})") from None
-    columns = _require_columns(parquet.schema_arrow.names, str(path))
-    yield from _record_batch_items(parquet.iter_batches(columns=columns, batch_size=_ROWS_PER_READ), str(path))
+    columns = _require_columns(parquet.schema_arrow.names, str(path), chat_field)
+    batches = parquet.iter_batches(columns=columns, batch_size=_ROWS_PER_READ)
+    yield from _record_batch_items(batches, str(path), on_bad_row=on_bad_row, chat_field=chat_field)
 
 
 def saved_dataset_files(folder: Path) -> list[Path]:
@@ -283,7 +425,9 @@ def saved_dataset_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_saved_folder(folder: Path) -> Iterator[SourceItem]:
+def _read_saved_folder(
+    folder: Path, on_bad_row: OnBadRow = None, chat_field: str | None = None
+) -> Iterator[SourceItem]:
     files = saved_dataset_files(folder)
     start = 0
     for file in files:
@@ -292,7 +436,7 @@ def _read_saved_folder(folder: Path) -> Iterator[SourceItem]:
             reader = pa.ipc.open_stream(pa.OSFile(str(file)))
         except (pa.ArrowInvalid, OSError) as exc:
             raise HsxError(f"dataset {folder}: {file.name} is not a readable Arrow stream ({exc})") from None
-        columns = _require_columns(reader.schema.names, f"dataset {folder}: {file.name}")
+        columns = _require_columns(reader.schema.names, f"dataset {folder}: {file.name}", chat_field)
         count = 0
 
         def batches() -> Iterator[pa.RecordBatch]:
@@ -301,7 +445,9 @@ def _read_saved_folder(folder: Path) -> Iterator[SourceItem]:
                 count += record_batch.num_rows
                 yield record_batch.select(columns)
 
-        yield from _record_batch_items(batches(), str(folder), start=start)
+        yield from _record_batch_items(
+            batches(), str(folder), start=start, on_bad_row=on_bad_row, chat_field=chat_field
+        )
         start += count
 
 
@@ -314,21 +460,30 @@ def _check_path(path: Path) -> None:
         )
 
 
-def read_source(path: Path) -> Iterator[SourceItem]:
+def read_source(path: Path, *, on_bad_row: OnBadRow = None, chat_field: str | None = None) -> Iterator[SourceItem]:
     """Every row of the dataset, checked, in dataset order: runs of token rows as `TokenChunk`s,
-    chat rows one by one. An error for a dataset without rows."""
+    chat rows one by one. A bad row raises its `BadRow`, or, with `on_bad_row`, is handed to it
+    and reading goes on. An error for a dataset without rows (bad rows set aside are rows).
+    `chat_field`: the column of the conversations (default: `messages`, else `conversations`)."""
     _check_path(path)
+    bad = 0
+
+    def set_aside(row: BadRow) -> None:
+        nonlocal bad
+        _set_aside(row, on_bad_row)
+        bad += 1
+
     if path.is_dir():
-        items = _read_saved_folder(path)
+        items = _read_saved_folder(path, set_aside, chat_field)
     elif path.suffix.lower() in JSONL_SUFFIXES:
-        items = _chunked(_read_jsonl(path))
+        items = _chunked(_read_jsonl(path, set_aside, chat_field))
     else:
-        items = _read_parquet(path)
+        items = _read_parquet(path, set_aside, chat_field)
     empty = True
     for item in items:
         empty = False
         yield item
-    if empty:
+    if empty and not bad:
         raise HsxError(f"dataset {path} has no rows")
 
 
