@@ -94,6 +94,10 @@ def format_status(view: StatusView, *, as_json: bool) -> str:
             f"  inputs   {view.samples_truncated} truncated, {view.samples_skipped} skipped "
             f"(longer than max_seq_len; report: object store {view.input_report})"
         )
+    if view.rows_bad:
+        lines.append(
+            f"  bad rows {view.rows_bad} set aside (--on-bad-row skip; report: object store {view.input_report})"
+        )
     if view.samples_outside_plan or view.events_other_plan:
         lines.append(
             f"  ignored  {view.samples_outside_plan} samples outside the plan, "

@@ -31,6 +31,7 @@ class StatusView(msgspec.Struct, frozen=True, kw_only=True):
     # --on-long: rows truncated to --max-seq-len or skipped; listed in the job's input report.
     samples_truncated: int
     samples_skipped: int
+    rows_bad: int  # --on-bad-row skip: rows set aside; listed in the job's input report
     input_report: str | None
     samples_written: int
     samples_uploaded: int
@@ -131,6 +132,7 @@ def status_view(
         total_tokens=spec.total_tokens if spec else 0,
         samples_truncated=spec.samples_truncated if spec else 0,
         samples_skipped=spec.samples_skipped if spec else 0,
+        rows_bad=spec.rows_bad if spec else 0,
         input_report=f"{topology.DATASETS_BUCKET}/{spec.report_object}" if spec and spec.report_object else None,
         samples_written=fold.samples_written,
         samples_uploaded=uploaded,
