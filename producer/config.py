@@ -9,6 +9,7 @@ from hsx.config.fields import option
 from hsx.config.values import positive_int
 from hsx.errors import HsxError
 from hsx.model.layers import LayerRequest, parse_layers
+from hsx.producer.conventions import HSX, ChatConvention, parse_chat_as
 from hsx.storage.layout import DTYPE_CHOICES, stored_dtype
 from hsx.storage.location import Location
 from hsx.wire.natsconn import NatsSettings
@@ -96,6 +97,16 @@ class ProducerConfig:
         default=False,
         job=True,
         help="allow a model that ships its own Python code (it runs on every consumer)",
+    )
+    chat_as: ChatConvention = option(
+        "--chat-as",
+        default=HSX,
+        parse=parse_chat_as,
+        job=True,
+        example="specforge:qwen",
+        help="whose loss mask chat rows get: hsx (default: the assistant's replies as the model's template renders "
+        "them), specforge:TEMPLATE (SpecForge 0.2.0's preprocess_conversations with its template TEMPLATE, e.g. "
+        "qwen, qwen3-instruct, llama3) or speculators (speculators 0.9.0's, its row for the last assistant turn)",
     )
     # Command line only: a job file that said so would replace another plan's files on every run,
     # long after the user meant it for one.

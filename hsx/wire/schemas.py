@@ -136,6 +136,8 @@ class JobSpec(_Wire, tag="job.v1"):
     num_layers: int = 0  # the model's decoder layers (0: a job from before it was recorded)
     layer_preset: str = ""  # --layers as a preset (dflash:5, eagle3, speculators), which `layers` resolves
     hidden_size: int = 0  # the model's hidden size H of every file's [T, k, H] (0: a job from before it was recorded)
+    # --chat-as: whose loss mask chat rows got: hsx | specforge:TEMPLATE | speculators (producer/conventions.py)
+    chat_convention: str = "hsx"
 
     @property
     def plan_tag(self) -> str:
