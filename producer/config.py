@@ -19,6 +19,14 @@ from hsx.wire.topology import job_name
 ON_LONG = ("error", "truncate", "skip")
 
 
+def parse_chat_field(text: str) -> str:
+    """--chat-field: a column name other than a token row's own."""
+    name = text.strip()
+    if not name or name in ("input_ids", "loss_mask", "id"):
+        raise HsxError(f"--chat-field must name the column of the conversations, got {text!r}")
+    return name
+
+
 @dataclass(frozen=True, kw_only=True)
 class ProducerConfig:
     nats: NatsSettings
@@ -97,6 +105,15 @@ class ProducerConfig:
         default=False,
         job=True,
         help="allow a model that ships its own Python code (it runs on every consumer)",
+    )
+    chat_field: str | None = option(
+        "--chat-field",
+        default=None,
+        parse=parse_chat_field,
+        job=True,
+        example="dialogue",
+        help="the column of the chat rows' conversations, role/content or ShareGPT from/value messages "
+        "(default: messages, else conversations)",
     )
     chat_as: ChatConvention = option(
         "--chat-as",
