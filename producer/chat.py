@@ -1,13 +1,25 @@
 """Chat rows to tokens: the model's chat template, applied once by the producer (`ChatTokenizer`).
 `tokenize` renders a `ChatRow`'s messages with the model's own tokenizer and template; its
-`loss_mask` is 1 exactly on the assistant's tokens, from the template's `{% generation %}` markers
-where it has them, otherwise by rendering the conversation turn by turn. `tokenize_many` gives the
-same result for many rows, row for row, with one batched `apply_chat_template` call per kind of
-rendering and one tokenizer call for the chunk. This module knows nothing about files,
---max-seq-len, processes or NATS.
+`loss_mask` is 1 exactly on the assistant's replies. Where the template has `{% generation %}`
+markers the mask is transformers' own assistant mask; otherwise it is found in ONE rendering of
+the whole conversation (the rule below). `tokenize_many` gives the same result for many rows,
+row for row, with one batched `apply_chat_template` call and one tokenizer call for the chunk.
+This module knows nothing about files, --max-seq-len, processes or NATS.
 
-How the mask is found turn by turn, and the batched path's shortcut: docs/ARCHITECTURE.md,
-"Module notes".
+The mask from one rendering (`_mask_in_rendering`), for each assistant message in order:
+- its turn starts after the template's assistant header (what `add_generation_prompt` adds,
+  found once per tokenizer), searched from the end of the previous reply; its turn ends with the
+  first special token after that (the end-of-turn token, e.g. `<|im_end|>`);
+- the reply is the message's content found (last occurrence) inside the turn, else its content
+  stripped of surrounding whitespace (templates that trim); where the template changed it
+  otherwise (e.g. Qwen3 drops an earlier turn's <think> block), the whole rendered turn;
+- the mask is 1 on every token that overlaps the reply through the end-of-turn token (so text the
+  template renders between them, such as tool calls, is in it), and 0 on what follows (ChatML's
+  newline after `<|im_end|>`): the convention `{% generation %}` templates mark;
+- a template without a header (no generation prompt): the content is searched forward from the
+  previous message's, and the end-of-turn token is in the mask only when nothing but whitespace
+  separates it from the reply.
+Character spans become tokens through the fast tokenizer's offsets.
 """
 
 import bisect
@@ -17,11 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx.errors import HsxError
-from hsx.producer.dataset import ChatRow, DatasetRow
+from hsx.producer import conventions
+from hsx.producer.conventions import HSX, ChatConvention
+from hsx.producer.dataset import BadRow, ChatRow, DatasetRow
 
 # transformers' own test for generation markers (apply_chat_template, return_assistant_tokens_mask).
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+_PROBE = [{"role": "user", "content": "hsx probe"}]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -29,29 +44,22 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _added_tokens(tokenizer) -> tuple[dict[str, int], "re.Pattern[str] | None"]:
-    """The tokenizer's added tokens (text -> id) and a pattern that finds them in raw text as the
-    tokenizer does (leftmost, longest first); no pattern where `tokenize_many` must tokenize prefix
-    renderings whole: an added token that strips whitespace, matches single words only, or is
-    matched on normalized text by a tokenizer with a normalizer."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    has_normalizer = backend is None or backend.normalizer is not None
-    by_text: dict[str, int] = {}
-    for token_id, token in tokenizer.added_tokens_decoder.items():
-        content = getattr(token, "content", "")
-        if (
-            not content
-            or content in by_text
-            or token.lstrip
-            or token.rstrip
-            or token.single_word
-            or (token.normalized and has_normalizer)
-        ):
-            return {}, None
-        by_text[content] = int(token_id)
-    if not by_text:
-        return {}, None
-    return by_text, re.compile("|".join(re.escape(text) for text in sorted(by_text, key=len, reverse=True)))
+def _assistant_header(tokenizer) -> str | None:
+    """What the template adds for `add_generation_prompt` after a user message (ChatML:
+    `<|im_start|>assistant\\n`); None when it adds nothing or the probe does not render."""
+    try:
+        without = tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=False)
+        with_prompt = tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template that needs a system message, tools...: no header, search forward
+        return None
+    if not with_prompt.startswith(without) or len(with_prompt) == len(without):
+        return None
+    return with_prompt[len(without) :]
+
+
+def _tool_support(template: str) -> tuple[bool, bool]:
+    """(renders assistant tool_calls, knows the tool role): what the template's source mentions."""
+    return "tool_calls" in template, bool(re.search(r"[\"']tool[\"']", template))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,15 +67,18 @@ class ChatTemplateInfo:
     """What the report says about how chat rows were tokenized."""
 
     model: str
-    mask_method: str  # "generation_markers" | "turn_by_turn"
+    mask_method: str  # "generation_markers" | "one_rendering"
     template_sha256: str
 
 
 class ChatTokenizer:
     """Renders and tokenizes chat rows with one tokenizer; see the module docstring."""
 
-    def __init__(self, tokenizer, *, model: str, trust_remote_code: bool = False) -> None:
+    def __init__(
+        self, tokenizer, *, model: str, trust_remote_code: bool = False, convention: ChatConvention = HSX
+    ) -> None:
         self.tokenizer = tokenizer
+        self.convention = convention  # --chat-as: a trainer's own masking instead of hsx's (producer/conventions.py)
         self.model = model
         self.trust_remote_code = trust_remote_code  # how a worker process loads it again (producer/chat_pool.py)
         self.template = tokenizer.get_chat_template()
@@ -75,12 +86,13 @@ class ChatTokenizer:
         special = set(tokenizer.all_special_ids)
         special.update(i for i, token in tokenizer.added_tokens_decoder.items() if getattr(token, "special", False))
         self._special_ids = frozenset(special)
-        self._decoded: dict[tuple[int, ...], str] = {}
-        self._added_ids, self._added_pattern = _added_tokens(tokenizer)
-        self._added_ids_set = frozenset(self._added_ids.values())
+        self._header = _assistant_header(tokenizer)
+        self._tool_calls, self._tool_role = _tool_support(self.template)
 
     @classmethod
-    def load(cls, model: str, *, first_chat_row: str, trust_remote_code: bool = False) -> "ChatTokenizer":
+    def load(
+        cls, model: str, *, first_chat_row: str, trust_remote_code: bool = False, convention: ChatConvention = HSX
+    ) -> "ChatTokenizer":
         """The model's tokenizer; a missing tokenizer or chat template is an error naming the row
         that needed it."""
         from transformers import AutoTokenizer
@@ -105,7 +117,7 @@ class ChatTokenizer:
             ) from None
         if not getattr(tokenizer, "is_fast", False):
             raise HsxError(f"{need} its tokenizer is not a fast (tokenizers) tokenizer, which assistant masks need")
-        return cls(tokenizer, model=model, trust_remote_code=trust_remote_code)
+        return cls(tokenizer, model=model, trust_remote_code=trust_remote_code, convention=convention)
 
     @property
     def info(self) -> ChatTemplateInfo:
@@ -113,46 +125,148 @@ class ChatTokenizer:
 
         return ChatTemplateInfo(
             model=self.model,
-            mask_method="generation_markers" if self.has_generation_markers else "turn_by_turn",
+            mask_method="generation_markers" if self.has_generation_markers else "one_rendering",
             template_sha256=hashlib.sha256(self.template.encode()).hexdigest(),
         )
 
     def tokenize(self, row: ChatRow) -> DatasetRow:
+        """The row's tokens and mask; a `BadRow` naming it when the template cannot render it."""
+        result = self.tokenize_many([row], keep_bad=True)[0]
+        if isinstance(result, BadRow):
+            raise result
+        return result
+
+    def tokenize_many(self, rows: Sequence[ChatRow], *, keep_bad: bool = False) -> list:
+        """`[self.tokenize(row) for row in rows]` with one rendering call and one tokenizer call
+        for them all. A row the template cannot render is a `BadRow`: raised (the first one), or
+        with `keep_bad` returned in that row's place."""
+        rows = list(rows)
+        out: list = [self._unsupported(row) for row in rows]
+        good = [i for i, bad in enumerate(out) if bad is None]
         try:
-            if self.has_generation_markers:
-                input_ids, loss_mask = self._with_markers(row)
-            else:
-                input_ids, loss_mask = self._turn_by_turn(row)
-        except HsxError:
-            raise
-        except Exception as exc:  # jinja2 TemplateError (e.g. "roles must alternate"), TypeError...
-            raise HsxError(
-                f"{row.where}: the chat template of model {self.model} failed on this conversation ({_first_line(exc)})"
-            ) from None
+            tokens = self._tokens([rows[i] for i in good])
+        except Exception:  # a row the batched call cannot render (a template error): each alone says which
+            tokens = [self._tokens_or_bad(rows[i]) for i in good]
+        for i, result in zip(good, tokens, strict=True):
+            out[i] = result if isinstance(result, BadRow) else self._row(rows[i], *result)
+        if not keep_bad:
+            bad = next((result for result in out if isinstance(result, BadRow)), None)
+            if bad is not None:
+                raise bad
+        return out
+
+    def _unsupported(self, row: ChatRow) -> BadRow | None:
+        tool_calls = any(m.get("tool_calls") for m in row.messages)
+        tool_role = any(m["role"] == "tool" for m in row.messages)
+        if (tool_calls and not self._tool_calls) or (tool_role and not self._tool_role):
+            what = "tool calls" if tool_calls and not self._tool_calls else "tool messages"
+            return BadRow(
+                row.where,
+                f"has {what}, which model {self.model}'s chat template does not render",
+                source_id=row.source_id,
+            )
+        return None
+
+    def _row(self, row: ChatRow, input_ids: list[int], loss_mask: list[int]) -> DatasetRow | BadRow:
         if not input_ids:
-            raise HsxError(f"{row.where}: the chat template renders this conversation as no tokens")
+            return BadRow(
+                row.where, "the chat template renders this conversation as no tokens", source_id=row.source_id
+            )
         return DatasetRow(where=row.where, source_id=row.source_id, input_ids=input_ids, loss_mask=loss_mask)
 
-    def tokenize_many(self, rows: Sequence[ChatRow]) -> list[DatasetRow]:
-        """`[self.tokenize(row) for row in rows]`, with fewer calls; see the module docstring."""
-        rows = list(rows)
+    def _tokens_or_bad(self, row: ChatRow):
+        try:
+            return self._tokens([row])[0]
+        except BadRow as exc:
+            return exc
+        except Exception as exc:  # jinja2 TemplateError (e.g. "roles must alternate"), TypeError...
+            return BadRow(
+                row.where,
+                f"the chat template of model {self.model} failed on this conversation ({_first_line(exc)})",
+                source_id=row.source_id,
+            )
+
+    def _by_convention(self, row: ChatRow):
+        try:
+            return conventions.tokenize(self.tokenizer, self.convention, row.messages)
+        except HsxError as exc:
+            return BadRow(row.where, f"--chat-as {self.convention}: {exc}", source_id=row.source_id)
+
+    def _tokens(self, rows: list[ChatRow]) -> list:
+        """(input_ids, loss_mask) or a BadRow for each row; raises when the batched call fails."""
         if not rows:
             return []
-        try:
-            many = self._many_with_markers if self.has_generation_markers else self._many_turn_by_turn
-            tokens = many([row.messages for row in rows])
-        except Exception:  # a row the batched calls cannot do (e.g. a template error): tokenize's own error
-            tokens = None
-        if tokens is None:
-            return [self.tokenize(row) for row in rows]
-        return [
-            DatasetRow(where=row.where, source_id=row.source_id, input_ids=ids, loss_mask=mask)
-            for row, (ids, mask) in zip(rows, tokens)
-        ]
-
-    def _encode(self, texts: list[str]) -> list[list[int]]:
+        if self.convention != HSX:
+            return [self._by_convention(row) for row in rows]
+        if self.has_generation_markers:
+            return self._many_with_markers([row.messages for row in rows])
+        texts = self._render_many([row.messages for row in rows], generation_prompt=False)
         # apply_chat_template(tokenize=True) tokenizes its rendering exactly so: no special tokens added.
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        out = []
+        for row, text, ids, offsets in zip(rows, texts, encoded["input_ids"], encoded["offset_mapping"], strict=True):
+            try:
+                out.append(([int(i) for i in ids], self._mask_in_rendering(row, text, ids, offsets)))
+            except BadRow as exc:
+                out.append(exc)
+        return out
+
+    def _mask_in_rendering(self, row: ChatRow, text: str, ids: list[int], offsets: list) -> list[int]:
+        """The loss mask of one row from its whole rendering; the rule is in the module docstring."""
+        starts = [a for a, _ in offsets]
+        ends = [b for _, b in offsets]
+        mask = [0] * len(ids)
+        cursor = 0
+        for k, message in enumerate(row.messages):
+            content = message.get("content") or ""
+            if message["role"] != "assistant":
+                if self._header is None and content:
+                    at = text.find(content, cursor)
+                    cursor = cursor if at < 0 else at + len(content)
+                continue
+            span = self._reply_span(text, ids, starts, ends, content, cursor)
+            if span is None:
+                raise BadRow(
+                    row.where,
+                    f"cannot find assistant message {k} in the chat template's rendering of the conversation",
+                    source_id=row.source_id,
+                )
+            begin, end = span
+            first, last = bisect.bisect_right(ends, begin), bisect.bisect_left(starts, end)
+            mask[first:last] = [1] * (last - first)
+            cursor = end
+        return mask
+
+    def _end_of_turn(self, ids: list[int], ends: list[int], at: int) -> int | None:
+        """The first special token that ends after character `at`."""
+        return next((t for t in range(bisect.bisect_right(ends, at), len(ids)) if ids[t] in self._special_ids), None)
+
+    def _reply_span(self, text: str, ids, starts, ends, content: str, cursor: int) -> tuple[int, int] | None:
+        """Characters [begin, end) of one reply and its end-of-turn token in the rendering."""
+        if self._header is not None:
+            at = text.find(self._header, cursor)
+            if at < 0:
+                return None
+            turn = at + len(self._header)
+            eot = self._end_of_turn(ids, ends, turn)
+            limit = len(text) if eot is None else starts[eot]
+            begin = text.rfind(content, turn, limit)
+            if begin < 0 and content.strip():
+                begin = text.rfind(content.strip(), turn, limit)
+            if begin < 0:
+                begin = turn  # the template changed the reply: the whole rendered turn
+            if eot is not None:
+                return begin, ends[eot]
+            return (begin, begin + len(content)) if text.startswith(content, begin) else None
+        for candidate in (content, content.strip()):
+            begin = text.find(candidate, cursor)
+            if begin >= 0:
+                end = begin + len(candidate)
+                eot = self._end_of_turn(ids, ends, end)
+                if eot is not None and not text[end : starts[eot]].strip():
+                    end = ends[eot]
+                return begin, end
+        return None
 
     def _render_many(self, conversations: list[list[dict]], *, generation_prompt: bool) -> list[str]:
         if not conversations:
@@ -161,145 +275,14 @@ class ChatTokenizer:
             conversations, tokenize=False, add_generation_prompt=generation_prompt
         )
 
-    def _many_with_markers(self, conversations: list[list[dict]]) -> list[tuple[list[int], list[int]]] | None:
+    def _many_with_markers(self, conversations: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
         out = self.tokenizer.apply_chat_template(
             conversations,
             tokenize=True,
             return_dict=True,
             return_assistant_tokens_mask=True,
         )
-        tokens = []
-        for ids, mask in zip(out["input_ids"], out["assistant_masks"], strict=True):
-            if not ids:
-                return None
-            tokens.append(([int(i) for i in ids], [1 if m else 0 for m in mask]))
-        return tokens
-
-    def _many_turn_by_turn(self, conversations: list[list[dict]]) -> list[tuple[list[int], list[int]]] | None:
-        """None when a row has to be refused (tokenize says why)."""
-        turns = [
-            [i for i, message in enumerate(messages) if message["role"] == "assistant"] for messages in conversations
+        return [
+            ([int(i) for i in ids], [1 if m else 0 for m in mask])
+            for ids, mask in zip(out["input_ids"], out["assistant_masks"], strict=True)
         ]
-        if any(assistant and assistant[0] == 0 for assistant in turns):
-            return None  # an empty conversation before it: apply_chat_template refuses that one alone
-        fulls = self._render_many(conversations, generation_prompt=False)
-        befores = self._render_many(
-            [messages[:i] for messages, assistant in zip(conversations, turns) for i in assistant],
-            generation_prompt=True,
-        )
-        afters = self._render_many(
-            [messages[: i + 1] for messages, assistant in zip(conversations, turns) for i in assistant],
-            generation_prompt=False,
-        )
-        full_ids = self._encode(fulls)
-        # Each prefix rendering is tokenized either from its last added token on ("tail": that
-        # token's index in the whole conversation's tokens, and the tail text) or whole.
-        plans: list[tuple[int, int]] = []  # (index in the whole's tokens where the encoded text starts, text index)
-        texts: list[str] = []
-        k = 0
-        for full, ids, assistant in zip(fulls, full_ids, turns):
-            if not ids:
-                return None
-            added = self._added_in(full, ids)
-            for _ in assistant:
-                for prefix in (befores[k], afters[k]):
-                    tail = self._tail(full, prefix, added)
-                    plans.append((0, len(texts)) if tail is None else (tail[0], len(texts)))
-                    texts.append(prefix if tail is None else tail[1])
-                k += 1
-        encoded = self._encode(texts)
-        tokens = []
-        plan = iter(plans)
-        for ids, assistant in zip(full_ids, turns):
-            ids = [int(i) for i in ids]
-            loss_mask = [0] * len(ids)
-            for _ in assistant:
-                lengths = []
-                for at, text_index in (next(plan), next(plan)):
-                    piece = encoded[text_index]
-                    if ids[at : at + len(piece)] != piece:
-                        return None
-                    lengths.append(at + len(piece))
-                start, end = lengths
-                end = self._drop_after_end_of_turn(ids, start, end)
-                if end > start:
-                    loss_mask[start:end] = [1] * (end - start)
-            tokens.append((ids, loss_mask))
-        return tokens
-
-    def _added_in(self, text: str, ids: list[int]) -> tuple[list[int], list[int], list[int]] | None:
-        """Where the added tokens are in a rendering (starts, ends) and in its tokens (indices); None
-        when the tokens do not have exactly the added tokens found in the text, in that order."""
-        if self._added_pattern is None:
-            return None
-        found = list(self._added_pattern.finditer(text))
-        positions = [p for p, token in enumerate(ids) if token in self._added_ids_set]
-        if len(found) != len(positions) or any(self._added_ids[m.group()] != ids[p] for m, p in zip(found, positions)):
-            return None
-        return [m.start() for m in found], [m.end() for m in found], positions
-
-    def _tail(self, full: str, prefix: str, added) -> tuple[int, str] | None:
-        """(the whole's token index of the prefix's last added token, the prefix from there), or None
-        when the prefix has to be tokenized whole."""
-        if added is None or not full.startswith(prefix):
-            return None
-        starts, ends, positions = added
-        n = len(prefix)
-        q = bisect.bisect_right(ends, n) - 1
-        if q < 0 or (q + 1 < len(starts) and starts[q + 1] < n):  # none before it, or one cut by its end
-            return None
-        return positions[q], full[starts[q] : n]
-
-    def _with_markers(self, row: ChatRow) -> tuple[list[int], list[int]]:
-        out = self.tokenizer.apply_chat_template(
-            row.messages,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-        )
-        input_ids = [int(i) for i in out["input_ids"]]
-        loss_mask = [1 if m else 0 for m in out["assistant_masks"]]
-        return input_ids, loss_mask
-
-    def _render(self, messages: list[dict], *, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-    def _turn_by_turn(self, row: ChatRow) -> tuple[list[int], list[int]]:
-        messages = row.messages
-        assistant = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
-        texts = [self._render(messages, generation_prompt=False)]
-        for i in assistant:
-            texts.append(self._render(messages[:i], generation_prompt=True))
-            texts.append(self._render(messages[: i + 1], generation_prompt=False))
-        # apply_chat_template(tokenize=True) tokenizes its rendering exactly so: no special tokens added.
-        encoded = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        input_ids = [int(i) for i in encoded[0]]
-        loss_mask = [0] * len(input_ids)
-        for k, i in enumerate(assistant):
-            before, after = encoded[1 + 2 * k], encoded[2 + 2 * k]
-            for what, prefix in (("without", before), ("with", after)):
-                if list(prefix) != input_ids[: len(prefix)]:
-                    raise HsxError(
-                        f"{row.where}: cannot find the tokens of assistant message {i}: the chat template renders "
-                        f"the conversation up to it ({what} that message) as something that is not a prefix of the "
-                        "whole conversation; use a template with {% generation %} markers or pre-tokenized rows"
-                    )
-            start, end = len(before), len(after)
-            end = self._drop_after_end_of_turn(input_ids, start, end)
-            for position in range(start, end):
-                loss_mask[position] = 1
-        return input_ids, loss_mask
-
-    def _drop_after_end_of_turn(self, ids: list[int], start: int, end: int) -> int:
-        last_special = next((p for p in range(end - 1, start - 1, -1) if ids[p] in self._special_ids), None)
-        if last_special is None or last_special == end - 1:
-            return end
-        tail = tuple(ids[last_special + 1 : end])
-        text = self._decoded.get(tail)
-        if text is None:
-            text = self.tokenizer.decode(list(tail))
-            if len(tail) <= 4:  # the few end-of-turn tails a template has (ChatML: one newline)
-                self._decoded[tail] = text
-        if text.strip():
-            return end
-        return last_special + 1

@@ -3,16 +3,16 @@
 - A `datasets` save_to_disk folder (written by the real `datasets` library, two shards) gives the
   same samples and plan fingerprint as the same rows in JSONL, for token rows and chat rows.
 - Chat rows are tokenized with the model's chat template; the loss mask is 1 exactly on each
-  assistant reply and its end-of-turn token, both from `{% generation %}` markers and turn by
-  turn, and both ways agree token for token.
+  assistant reply and its end-of-turn token, both from `{% generation %}` markers and from one
+  rendering of the conversation, and both ways agree token for token.
 - A producer re-run after the model folder's chat template changed plans from the stored tokens:
   same fingerprint, nothing new published (and a fresh job on the changed folder really does
   tokenize differently, so the check can fail).
 - `--on-long truncate|skip`: counts in `hsx status --json` and its human form, one report entry
   per row, dense sample indices in the published descriptors, truncated rows keep their first
   max_seq_len tokens and mask entries.
-- Bad chat rows, models without a tokenizer or chat template, templates without prefix
-  renderings, DatasetDict folders: one-line errors naming the row or folder.
+- Bad chat rows, models without a tokenizer or chat template, a template that refuses
+  a conversation, DatasetDict folders: one-line errors naming the row or folder.
 
 The tokenizer is a byte-level BPE trained here on the test conversations (vocabulary inside the
 tiny model's 512), saved with a ChatML template next to a copy of the tiny qwen3 model.
@@ -74,8 +74,11 @@ CHATML_MARKERS = (
 )
 # A different rendering of the same conversations: a default system prompt up front.
 CHATML_CHANGED = "{{ '<|im_start|>system\\nDefault prompt.<|im_end|>\\n' }}" + CHATML
-# Ends every rendering with a marker, so a conversation's beginning is not a prefix of the whole.
-CHATML_NOT_PREFIX = CHATML + "{{ '<|endoftext|>' }}"
+# Refuses every conversation with more than one assistant turn (as templates that check roles do).
+CHATML_REFUSING = (
+    "{% if messages | selectattr('role', 'equalto', 'assistant') | list | length > 1 %}"
+    "{{ raise_exception('one reply per conversation') }}{% endif %}" + CHATML
+)
 
 
 def _corpus() -> list[str]:
@@ -123,7 +126,7 @@ def make_chat_model(base: Path, tokenizer_files: Path, dest: Path, template: str
 def chat_models(tiny_model, chat_tokenizer_files, tmp_path_factory):
     root = tmp_path_factory.mktemp("chat-models")
     base = tiny_model("qwen3")
-    templates = {"plain": CHATML, "markers": CHATML_MARKERS, "not_prefix": CHATML_NOT_PREFIX, "no_template": None}
+    templates = {"plain": CHATML, "markers": CHATML_MARKERS, "refusing": CHATML_REFUSING, "no_template": None}
     return {name: make_chat_model(base, chat_tokenizer_files, root / name, t) for name, t in templates.items()}
 
 
@@ -149,7 +152,7 @@ def expected_spans(conversation: list[dict]) -> list[str]:
 @pytest.mark.parametrize("variant", ["markers", "plain"])
 def test_chat_mask_is_exactly_the_assistant_replies(variant, chat_models):
     chat = ChatTokenizer.load(str(chat_models[variant]), first_chat_row="row")
-    assert chat.info.mask_method == {"markers": "generation_markers", "plain": "turn_by_turn"}[variant]
+    assert chat.info.mask_method == {"markers": "generation_markers", "plain": "one_rendering"}[variant]
     for n, conversation in enumerate(CONVERSATIONS):
         row = chat.tokenize(ChatRow(where=f"data.jsonl:{n + 1}", source_id=str(n), messages=conversation))
         # The tokens are exactly transformers' own rendering and tokenization of the conversation.
@@ -452,9 +455,9 @@ def test_bad_chat_inputs_give_one_line_errors(hsx, chat_models, tiny_model, job_
             {"--dataset": files["chat"], "--model": chat_models["no_template"]},
             (f"{files['chat']}:1", "chat template"),
         ),
-        "template-without-prefixes": (
-            {"--dataset": files["chat"], "--model": chat_models["not_prefix"]},
-            (f"{files['chat']}:1", "assistant message 2", "prefix"),
+        "template-refuses-a-row": (
+            {"--dataset": files["chat"], "--model": chat_models["refusing"]},
+            (f"{files['chat']}:1", "chat template", "one reply per conversation"),
         ),
         "chat-longer-than-max": (
             {"--dataset": files["long-chat"], "--max-seq-len": "30"},
