@@ -17,6 +17,37 @@ from hsx.wire.topology import job_name
 
 # What to do with a sample longer than max_seq_len (producer/lengths.py).
 ON_LONG = ("error", "truncate", "skip")
+# What to do with a row that cannot be a sample (producer/inputs.py, `BadRows`).
+ON_BAD_ROW = ("error", "skip")
+
+
+@dataclass(frozen=True, slots=True)
+class BadRowCap:
+    """--max-bad-rows: at most `limit` bad rows, or `limit` percent of the rows read when `percent`."""
+
+    limit: float
+    percent: bool = False
+
+    def allows(self, bad: int, rows: int) -> bool:
+        """Whether `bad` bad rows out of `rows` rows read (bad ones included) are within the cap."""
+        return bad * 100 <= self.limit * rows if self.percent else bad <= self.limit
+
+    def __str__(self) -> str:
+        return f"{self.limit:g}%" if self.percent else str(int(self.limit))
+
+
+def parse_max_bad_rows(text: str) -> BadRowCap:
+    """`N` (a count, 0 or more) or `P%` (a percentage of the rows read, 0 to 100)."""
+    text = text.strip()
+    percent = text.endswith("%")
+    number = text.removesuffix("%").strip()
+    try:
+        limit = float(number) if percent else int(number)
+    except ValueError:
+        raise HsxError(f"--max-bad-rows must be a count N or a percentage P%, got {text!r}") from None
+    if not (0 <= limit <= 100 if percent else limit >= 0):
+        raise HsxError(f"--max-bad-rows must be 0 or more (a percentage at most 100%), got {text!r}")
+    return BadRowCap(limit=limit, percent=percent)
 
 
 def parse_chat_field(text: str) -> str:
@@ -99,6 +130,24 @@ class ProducerConfig:
         job=True,
         help="a sample longer than --max-seq-len: error (default), truncate to its first --max-seq-len "
         "tokens, or skip it; truncated and skipped rows are counted in hsx status and listed in the job's report",
+    )
+    on_bad_row: str = option(
+        "--on-bad-row",
+        default="error",
+        choices=ON_BAD_ROW,
+        job=True,
+        help="a row that cannot be a sample (bad JSON, no ids or conversation, a conversation the chat template "
+        "cannot render, ids outside the vocabulary): error (default) names it and stops, skip sets it aside; "
+        "skipped rows are counted in hsx status and listed in the job's report",
+    )
+    max_bad_rows: BadRowCap | None = option(
+        "--max-bad-rows",
+        default=None,
+        parse=parse_max_bad_rows,
+        job=True,
+        example="1%",
+        help="with --on-bad-row skip, refuse the dataset when more rows than this are bad: a count N or a "
+        "percentage P%% of the rows read (default: no limit; with --on-bad-row error the first bad row stops the job)",
     )
     trust_remote_code: bool = option(
         "--trust-remote-code",
