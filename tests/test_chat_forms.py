@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 
 import pytest
+from test_cli_errors import _produce_args
+from test_inputs import _ok, make_chat_model, stored_rows
 
 from hsx.errors import HsxError
 from hsx.producer.chat import ChatTokenizer
@@ -114,7 +116,7 @@ def base_tokenizer():
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=700,
+        vocab_size=500,  # inside the tiny model's vocabulary of 512
         special_tokens=["<|endoftext|>", *CHATML_TOKENS, *LLAMA3_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -381,3 +383,20 @@ def test_bad_conversations_are_bad_rows_naming_file_and_line(row, reason, tmp_pa
     bad = caught.value
     assert bad.where == f"{path}:2" and bad.source_id == "r2"
     assert reason in bad.reason and "\n" not in str(bad)
+
+
+def test_produce_takes_sharegpt_rows_from_chat_field(hsx, nats_server, base_tokenizer, tiny_model, job_name, tmp_path):
+    """Through `hsx produce`: ShareGPT rows in another column, a whitespace-led reply among them,
+    stored with the same ids and mask as the same conversations given as `messages`."""
+    rows = [{"dialogue": _sharegpt(c), "id": f"c{n}"} for n, c in enumerate(CONVERSATIONS[:3])]
+    dataset = _write_jsonl(tmp_path / "sharegpt.jsonl", rows)
+    files = tmp_path / "tokenizer"
+    base_tokenizer.save_pretrained(files)
+    model = make_chat_model(tiny_model("qwen3"), files, tmp_path / "model", CHATML)
+    _ok(hsx(*_produce_args(model, dataset, tmp_path / "out", job_name, **{"--chat-field": "dialogue"})))
+    stored = stored_rows(nats_server.url, job_name)
+    chat = ChatTokenizer.load(str(model), first_chat_row="row")
+    expected = chat.tokenize_many([_row(c) for c in CONVERSATIONS[:3]])
+    assert [(r.source_id, r.input_ids, r.loss_mask) for r in stored] == [
+        (f"c{n}", e.input_ids, e.loss_mask) for n, e in enumerate(expected)
+    ]
