@@ -24,6 +24,7 @@ from itertools import islice
 
 from hsx.errors import HsxError
 from hsx.producer.chat import ChatTokenizer
+from hsx.producer.conventions import ChatConvention
 from hsx.producer.dataset import ChatRow, DatasetRow
 
 CHUNK_ROWS = 512
@@ -50,7 +51,7 @@ def _chunks(rows: Iterable[ChatRow], size: int) -> Iterator[list[ChatRow]]:
         yield chunk
 
 
-def _init_worker(tokenizer: bytes | None, model: str, trust_remote_code: bool) -> None:
+def _init_worker(tokenizer: bytes | None, model: str, trust_remote_code: bool, convention: ChatConvention) -> None:
     global _worker_chat
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker; before the tokenizer is built
     if tokenizer is not None:
@@ -59,7 +60,7 @@ def _init_worker(tokenizer: bytes | None, model: str, trust_remote_code: bool) -
         from transformers import AutoTokenizer
 
         loaded = AutoTokenizer.from_pretrained(model, local_files_only=True, trust_remote_code=trust_remote_code)
-    _worker_chat = ChatTokenizer(loaded, model=model, trust_remote_code=trust_remote_code)
+    _worker_chat = ChatTokenizer(loaded, model=model, trust_remote_code=trust_remote_code, convention=convention)
 
 
 def _work(chunk: list[ChatRow]) -> tuple[str, object]:
@@ -99,7 +100,7 @@ def _pooled(chat: ChatTokenizer, rows: Iterable[ChatRow], *, workers: int, chunk
         max_workers=workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_init_worker,
-        initargs=(tokenizer, chat.model, chat.trust_remote_code),
+        initargs=(tokenizer, chat.model, chat.trust_remote_code, chat.convention),
     )
     try:
         chunks = _chunks(rows, chunk_rows)

@@ -20,6 +20,7 @@ import structlog
 from hsx.errors import HsxError
 from hsx.producer.chat import ChatTemplateInfo, ChatTokenizer
 from hsx.producer.chat_pool import tokenize_chats
+from hsx.producer.conventions import HSX, ChatConvention
 from hsx.producer.dataset import ChatRow, DatasetRow, read_source
 from hsx.producer.lengths import LongSample, apply_on_long_table
 from hsx.storage.tokens import SampleTable, SampleTableBuilder
@@ -55,11 +56,15 @@ def check_vocab(samples: SampleTable, *, model: str, vocab_size: int) -> None:
         )
 
 
-def _tokenize(rows: list, *, model: str, trust_remote_code: bool) -> tuple[list[DatasetRow], ChatTemplateInfo | None]:
+def _tokenize(
+    rows: list, *, model: str, trust_remote_code: bool, chat_as: ChatConvention = HSX
+) -> tuple[list[DatasetRow], ChatTemplateInfo | None]:
     first_chat = next((row for row in rows if isinstance(row, ChatRow)), None)
     if first_chat is None:
         return rows, None
-    chat = ChatTokenizer.load(model, first_chat_row=first_chat.where, trust_remote_code=trust_remote_code)
+    chat = ChatTokenizer.load(
+        model, first_chat_row=first_chat.where, trust_remote_code=trust_remote_code, convention=chat_as
+    )
     total = sum(1 for row in rows if isinstance(row, ChatRow))
     log.info("tokenizing_chats", rows=total, model=model, mask_method=chat.info.mask_method)
     started = last_log = time.monotonic()
@@ -83,7 +88,14 @@ def _tokenize(rows: list, *, model: str, trust_remote_code: bool) -> tuple[list[
 
 
 def tokenized_rows(
-    path: Path, *, model: str, vocab_size: int, max_seq_len: int, on_long: str, trust_remote_code: bool = False
+    path: Path,
+    *,
+    model: str,
+    vocab_size: int,
+    max_seq_len: int,
+    on_long: str,
+    trust_remote_code: bool = False,
+    chat_as: ChatConvention = HSX,
 ) -> Inputs:
     builder = SampleTableBuilder()
     chats: list[ChatRow] = []
@@ -97,7 +109,7 @@ def tokenized_rows(
     rows_read = builder.rows
     chat = None
     if chats:
-        tokenized, chat = _tokenize(chats, model=model, trust_remote_code=trust_remote_code)
+        tokenized, chat = _tokenize(chats, model=model, trust_remote_code=trust_remote_code, chat_as=chat_as)
         for place, row in zip(places, tokenized, strict=True):
             builder.fill(place, row.input_ids, row.loss_mask)
         del chats, tokenized
@@ -111,7 +123,9 @@ def tokenized_rows(
     return Inputs(samples=samples, long=long, rows_read=rows_read, chat_rows=len(places), chat=chat)
 
 
-def report_document(*, job: str, dataset: Path, max_seq_len: int, on_long: str, inputs: Inputs) -> dict:
+def report_document(
+    *, job: str, dataset: Path, max_seq_len: int, on_long: str, inputs: Inputs, chat_as: str = "hsx"
+) -> dict:
     """The job's input report (stored as `<job>.report.json`)."""
     return {
         "format": "hsx.input_report.v1",
@@ -119,6 +133,7 @@ def report_document(*, job: str, dataset: Path, max_seq_len: int, on_long: str, 
         "dataset": str(dataset),
         "max_seq_len": max_seq_len,
         "on_long": on_long,
+        "chat_convention": chat_as,  # --chat-as
         "rows_read": inputs.rows_read,
         "chat_rows": inputs.chat_rows,
         "samples": len(inputs.samples),

@@ -5,6 +5,7 @@ batches under ids derived from the plan's fingerprint, and writes the bundle (pr
 Re-runs, replacement and resume: docs/ARCHITECTURE.md, "Module notes"."""
 
 import asyncio
+import dataclasses
 import hashlib
 import time
 
@@ -137,6 +138,11 @@ def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
             f"(this run: --max-seq-len {cfg.max_seq_len} --on-long {cfg.on_long}); its samples were made with "
             "those; run with the same settings or use another --job name"
         )
+    if existing.chat_convention != str(cfg.chat_as):
+        raise HsxError(
+            f"job {cfg.job} already exists with --chat-as {existing.chat_convention} (this run: --chat-as "
+            f"{cfg.chat_as}); its samples were made with that; run with the same setting or use another --job name"
+        )
     if existing.dataset_digest and dataset_digest(cfg.dataset) != existing.dataset_digest:
         raise HsxError(
             f"job {cfg.job} already exists with a different dataset: {cfg.dataset} is not the data the job was made "
@@ -173,6 +179,7 @@ async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | N
         max_seq_len=cfg.max_seq_len,
         on_long=cfg.on_long,
         trust_remote_code=cfg.trust_remote_code,
+        chat_as=dataclasses.replace(cfg.chat_as, max_length=cfg.max_seq_len),  # speculators' turn choice
     )
     return inputs.samples, inputs
 
@@ -188,6 +195,7 @@ async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs, *, max_payload:
             max_seq_len=cfg.max_seq_len,
             on_long=cfg.on_long,
             inputs=inputs,
+            chat_as=str(cfg.chat_as),
         ),
         max_payload=max_payload,
     )
@@ -303,6 +311,7 @@ async def _plan_and_publish(
         on_long=cfg.on_long,
         samples_truncated=truncated,
         samples_skipped=skipped,
+        chat_convention=str(cfg.chat_as),
     )
     # The folder says whose files it holds before any worker can write one (producer/bundle.py).
     await asyncio.to_thread(bundle.claim_folder, spec)
