@@ -98,6 +98,8 @@ class ExportReport(msgspec.Struct, frozen=True, kw_only=True):
     left_out: list[LeftOut]  # the trainer cannot take them
     failed: list[LeftOut]  # missing, damaged or not this plan's sample: the run exits 1
     seconds: float
+    chat_convention: str = "hsx"  # the job's --chat-as
+    convention_note: str = ""  # one line when that is not the trainer's own (also printed to stderr)
 
     @property
     def ok(self) -> bool:
@@ -184,6 +186,9 @@ def run_export(cfg: ExportConfig) -> ExportReport:
     if spec.job != job:
         raise HsxError(f"{url}/{BUNDLE_SPEC_KEY} is job {spec.job}'s, not {job}'s")
     trainer_ids = trainers.trainer_layer_ids(cfg.to, spec)
+    note = trainers.convention_note(cfg.to, spec.chat_convention)
+    if note:
+        print(f"hsx export: note: {note}", file=sys.stderr)
     dtype_name = trainers.export_dtype(cfg.dtype, spec.dtype)
     dtype = STORAGE_DTYPES[dtype_name]
     cfg.out.mkdir(parents=True, exist_ok=True)
@@ -256,6 +261,8 @@ def run_export(cfg: ExportConfig) -> ExportReport:
         left_out=left_out,
         failed=failed,
         seconds=round(time.monotonic() - started, 3),
+        chat_convention=spec.chat_convention,
+        convention_note=note,
     )
     trainers.write_atomically(cfg.out / REPORT, msgspec.json.format(msgspec.json.encode(report)) + b"\n")
     log.info(

@@ -95,6 +95,24 @@ def speculators_path(out: Path, row: int) -> Path:
     return out / "hidden_states" / f"hs_{row}.safetensors"
 
 
+def convention_note(fmt: str, chat_convention: str) -> str:
+    """One line when the job's chat rows were masked by another convention (--chat-as) than the
+    trainer's own preprocessing; "" when they agree. Not a refusal: the masks are a choice, the
+    hidden states are right either way, and extracting again costs GPU hours."""
+    if fmt.startswith("specforge-"):
+        if chat_convention.startswith("specforge:"):
+            return ""
+        theirs = "SpecForge's preprocess_conversations makes (--chat-as specforge:TEMPLATE)"
+    else:
+        if chat_convention == "speculators":
+            return ""
+        theirs = "speculators' preprocessing makes (--chat-as speculators)"
+    return (
+        f"the job's chat rows were masked by --chat-as {chat_convention}, not as {theirs}: "
+        "their loss masks differ from the trainer's own (docs/TRAINING.md, Chat conventions)"
+    )
+
+
 def refusal(fmt: str, sample: Sample) -> str | None:
     """Why the trainer cannot take `sample` (it is left out and listed), or None."""
     if fmt == "specforge-dflash" and not has_adjacent_supervised(sample.loss_mask):
