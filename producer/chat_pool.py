@@ -6,9 +6,10 @@ the first chat row). Workers are spawned, not forked (the producer calls this fr
 its NATS connection runs), and get the parent's tokenizer pickled once in their initializer (no
 torch import, about a second each); a tokenizer that does not pickle is loaded again from the
 model folder. Each worker tokenizes one chunk at a time with the fast tokenizer's own threads off
-(the processes are the parallelism). A chunk with a bad row comes back as that row's one-line
-error, raised here: chunks are taken in order, so it is the first bad row of the input, as row by
-row. Few rows, or one usable core: the same chunks in this process, no pool.
+(the processes are the parallelism). A bad row comes back in its place as its `BadRow` (sent by
+a worker as its reason and id: an exception does not pickle whole); the caller decides whether it
+stops the job (--on-bad-row). Few rows, or one
+usable core: the same chunks in this process, no pool.
 
 This module knows nothing about files, --max-seq-len or NATS.
 """
@@ -25,7 +26,7 @@ from itertools import islice
 from hsx.errors import HsxError
 from hsx.producer.chat import ChatTokenizer
 from hsx.producer.conventions import ChatConvention
-from hsx.producer.dataset import ChatRow, DatasetRow
+from hsx.producer.dataset import BadRow, ChatRow, DatasetRow
 
 CHUNK_ROWS = 512
 # Below this many rows a pool's start-up (about a second per worker, in parallel) costs more than it saves.
@@ -63,14 +64,13 @@ def _init_worker(tokenizer: bytes | None, model: str, trust_remote_code: bool, c
     _worker_chat = ChatTokenizer(loaded, model=model, trust_remote_code=trust_remote_code, convention=convention)
 
 
-def _work(chunk: list[ChatRow]) -> tuple[str, object]:
-    """("ok", [(input_ids, loss_mask)...]) or ("error", the first bad row's one-line message)."""
+def _work(chunk: list[ChatRow]) -> list[tuple]:
+    """Per row (input_ids, loss_mask), or (None, (reason, source_id)) for a bad row."""
     assert _worker_chat is not None
-    try:
-        out = _worker_chat.tokenize_many(chunk)
-    except HsxError as exc:
-        return "error", str(exc)
-    return "ok", [(row.input_ids, row.loss_mask) for row in out]
+    return [
+        (None, (row.reason, row.source_id)) if isinstance(row, BadRow) else (row.input_ids, row.loss_mask)
+        for row in _worker_chat.tokenize_many(chunk, keep_bad=True)
+    ]
 
 
 def tokenize_chats(
@@ -80,18 +80,20 @@ def tokenize_chats(
     workers: int | None = None,
     chunk_rows: int = CHUNK_ROWS,
     total: int | None = None,
-) -> Iterator[DatasetRow]:
-    """`chat.tokenize(row)` for every row, in order; `workers` processes (default: every usable
-    core, or none below POOL_MIN_ROWS of `total`)."""
+) -> Iterator[DatasetRow | BadRow]:
+    """`chat.tokenize(row)` for every row, in order, a bad row's `BadRow` in its place; `workers`
+    processes (default: every usable core, or none below POOL_MIN_ROWS of `total`)."""
     workers = default_workers(total) if workers is None else workers
     if workers <= 1:
         for chunk in _chunks(rows, chunk_rows):
-            yield from chat.tokenize_many(chunk)
+            yield from chat.tokenize_many(chunk, keep_bad=True)
         return
     yield from _pooled(chat, rows, workers=workers, chunk_rows=chunk_rows)
 
 
-def _pooled(chat: ChatTokenizer, rows: Iterable[ChatRow], *, workers: int, chunk_rows: int) -> Iterator[DatasetRow]:
+def _pooled(
+    chat: ChatTokenizer, rows: Iterable[ChatRow], *, workers: int, chunk_rows: int
+) -> Iterator[DatasetRow | BadRow]:
     try:
         tokenizer = pickle.dumps(chat.tokenizer)
     except Exception:  # e.g. a remote-code tokenizer class: each worker loads it from the model folder
@@ -110,16 +112,18 @@ def _pooled(chat: ChatTokenizer, rows: Iterable[ChatRow], *, workers: int, chunk
         while pending:
             chunk, future = pending.popleft()
             try:
-                status, out = future.result()
+                out = future.result()
             except BrokenProcessPool as exc:
                 raise HsxError(
                     f"a chat tokenization worker process died while tokenizing the rows from "
                     f"{chunk[0].where} on ({exc}); is the machine out of memory?"
                 ) from None
-            if status == "error":
-                raise HsxError(out)
             for row, (input_ids, loss_mask) in zip(chunk, out, strict=True):
-                yield DatasetRow(where=row.where, source_id=row.source_id, input_ids=input_ids, loss_mask=loss_mask)
+                if input_ids is None:
+                    reason, source_id = loss_mask
+                    yield BadRow(row.where, reason, source_id=source_id)
+                else:
+                    yield DatasetRow(where=row.where, source_id=row.source_id, input_ids=input_ids, loss_mask=loss_mask)
             following = next(chunks, None)
             if following is not None:
                 pending.append((following, pool.submit(_work, following)))

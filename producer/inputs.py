@@ -8,6 +8,11 @@ Token rows stream from the reader into a columnar `SampleTable` (hsx/storage/tok
 a temp file, a few numbers per sample in memory). Chat rows keep a place in the table while the
 dataset is read; `_tokenize` then turns them into tokens, in order, and each result is written
 into its place as it comes, so only the conversations' text is held meanwhile.
+
+A bad row (`BadRow`: found reading, rendering its conversation, or holding ids outside the
+vocabulary) goes to `BadRows`, the --on-bad-row policy: `error` stops the job at the first one,
+`skip` records it (where, id, a reason cut to 300 characters) and its place gets no sample;
+--max-bad-rows refuses the dataset when too many are bad. All of it before anything is stored.
 """
 
 import time
@@ -20,23 +25,68 @@ import structlog
 from hsx.errors import HsxError
 from hsx.producer.chat import ChatTemplateInfo, ChatTokenizer
 from hsx.producer.chat_pool import tokenize_chats
+from hsx.producer.config import BadRowCap
 from hsx.producer.conventions import HSX, ChatConvention
-from hsx.producer.dataset import ChatRow, DatasetRow, read_source
+from hsx.producer.dataset import BadRow, ChatRow, DatasetRow, read_source
 from hsx.producer.lengths import LongSample, apply_on_long_table
 from hsx.storage.tokens import SampleTable, SampleTableBuilder
 
 log = structlog.get_logger("hsx.producer")
 
 _PROGRESS_EVERY_S = 10.0
+_REASON_CHARS = 300  # of a bad row's reason, kept for the report
+
+
+@dataclass(frozen=True, slots=True)
+class BadRowEntry:
+    """A row set aside by --on-bad-row skip, as the report lists it."""
+
+    where: str  # "file:LINE" (JSONL) or "file: row N" (Parquet, datasets folder)
+    source_id: str | None
+    reason: str
+
+
+class BadRows:
+    """--on-bad-row and --max-bad-rows: called with each bad row, in the order they are found.
+    `error` raises the row's one-line error; `skip` records it, and raises the refusal as soon as
+    a count cap is passed (a percentage is checked by `check_cap` once the rows are counted)."""
+
+    def __init__(self, *, on_bad_row: str = "error", cap: BadRowCap | None = None) -> None:
+        self.on_bad_row, self.cap = on_bad_row, cap
+        self.entries: list[BadRowEntry] = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __call__(self, bad: BadRow) -> None:
+        if self.on_bad_row != "skip":
+            raise BadRow(bad.where, f"{bad.reason} (--on-bad-row skip sets bad rows aside)", source_id=bad.source_id)
+        reason = bad.reason if len(bad.reason) <= _REASON_CHARS else bad.reason[: _REASON_CHARS - 3] + "..."
+        self.entries.append(BadRowEntry(where=bad.where, source_id=bad.source_id, reason=reason))
+        if self.cap is not None and not self.cap.percent and not self.cap.allows(len(self), 0):
+            raise self._refusal(None)
+
+    def check_cap(self, rows: int) -> None:
+        """Refuse the dataset when more of its `rows` (bad ones included) are bad than the cap allows."""
+        if self.cap is not None and not self.cap.allows(len(self), rows):
+            raise self._refusal(rows)
+
+    def _refusal(self, rows: int | None) -> HsxError:
+        first = self.entries[0]
+        counted = f"more than {self.cap} rows are bad" if rows is None else f"{len(self)} of {rows} rows are bad"
+        return HsxError(
+            f"{counted}, more than --max-bad-rows {self.cap} allows; the first: {first.where}: {first.reason}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
 class Inputs:
     samples: SampleTable  # the job's samples; sample i at index i
     long: list[LongSample]  # rows truncated or skipped by --on-long
-    rows_read: int
+    rows_read: int  # every row of the dataset, bad ones included
     chat_rows: int
     chat: ChatTemplateInfo | None  # how chat rows were tokenized; None without chat rows
+    bad_rows: tuple[BadRowEntry, ...] = ()  # rows set aside by --on-bad-row skip, in the order found
 
     @property
     def truncated(self) -> int:
@@ -56,9 +106,18 @@ def check_vocab(samples: SampleTable, *, model: str, vocab_size: int) -> None:
         )
 
 
+def _outside_vocab(samples: SampleTable, bad: BadRows, *, model: str, vocab_size: int) -> SampleTable:
+    """The samples without the rows holding a token id outside the vocabulary, each handed to `bad`."""
+    outside = np.flatnonzero(samples.row_max >= vocab_size)
+    for i in outside.tolist():
+        reason = f"token id {samples.row_max[i]} is outside model {model}'s vocabulary of {vocab_size}"
+        bad(BadRow(samples.where(i), reason, source_id=samples.source_id(i)))
+    return samples.select(np.flatnonzero(samples.row_max < vocab_size)) if len(outside) else samples
+
+
 def _tokenize(
-    rows: list, *, model: str, trust_remote_code: bool, chat_as: ChatConvention = HSX
-) -> tuple[list[DatasetRow], ChatTemplateInfo | None]:
+    rows: list, *, model: str, trust_remote_code: bool, bad: BadRows, chat_as: ChatConvention = HSX
+) -> tuple[list[DatasetRow | BadRow], ChatTemplateInfo | None]:
     first_chat = next((row for row in rows if isinstance(row, ChatRow)), None)
     if first_chat is None:
         return rows, None
@@ -68,7 +127,7 @@ def _tokenize(
     total = sum(1 for row in rows if isinstance(row, ChatRow))
     log.info("tokenizing_chats", rows=total, model=model, mask_method=chat.info.mask_method)
     started = last_log = time.monotonic()
-    out: list[DatasetRow] = []
+    out: list[DatasetRow | BadRow] = []
     done = 0
     # In chunks (one batched call each), on every usable core for a large dataset
     # (producer/chat_pool.py); row for row the same result, and error, as `chat.tokenize`.
@@ -76,6 +135,8 @@ def _tokenize(
     for row in rows:
         if isinstance(row, ChatRow):
             row = next(tokenized)
+            if isinstance(row, BadRow):
+                bad(row)  # --on-bad-row error: stops here, at the first bad conversation
             done += 1
             if time.monotonic() - last_log > _PROGRESS_EVERY_S:
                 last_log = time.monotonic()
@@ -96,35 +157,57 @@ def tokenized_rows(
     on_long: str,
     trust_remote_code: bool = False,
     chat_as: ChatConvention = HSX,
+    on_bad_row: str = "error",
+    max_bad_rows: BadRowCap | None = None,
+    chat_field: str | None = None,
 ) -> Inputs:
     builder = SampleTableBuilder()
+    bad = BadRows(on_bad_row=on_bad_row, cap=max_bad_rows)
     chats: list[ChatRow] = []
     places: list[int] = []
-    for item in read_source(path):
+    for item in read_source(path, on_bad_row=bad, chat_field=chat_field):
         if isinstance(item, ChatRow):
             places.append(builder.reserve(where=item.where, source_id=item.source_id))
             chats.append(item)
         else:
             builder.add(item)
-    rows_read = builder.rows
+    rows_read = builder.rows + len(bad)
     chat = None
     if chats:
-        tokenized, chat = _tokenize(chats, model=model, trust_remote_code=trust_remote_code, chat_as=chat_as)
+        tokenized, chat = _tokenize(chats, model=model, trust_remote_code=trust_remote_code, bad=bad, chat_as=chat_as)
         for place, row in zip(places, tokenized, strict=True):
-            builder.fill(place, row.input_ids, row.loss_mask)
+            if isinstance(row, BadRow):
+                builder.drop(place)
+            else:
+                builder.fill(place, row.input_ids, row.loss_mask)
         del chats, tokenized
-    samples, long = apply_on_long_table(builder.finish(), max_seq_len=max_seq_len, on_long=on_long)
+    table = _outside_vocab(builder.finish(), bad, model=model, vocab_size=vocab_size)
+    bad.check_cap(rows_read)
+    if bad.entries and not len(table):
+        raise HsxError(
+            f"dataset {path}: all {rows_read} rows are bad; the first: {bad.entries[0].where}: {bad.entries[0].reason}"
+        )
+    samples, long = apply_on_long_table(table, max_seq_len=max_seq_len, on_long=on_long)
     if not len(samples):
         raise HsxError(
             f"dataset {path}: all {rows_read} rows are longer than --max-seq-len {max_seq_len} "
             "and --on-long skip leaves no samples"
         )
-    check_vocab(samples, model=model, vocab_size=vocab_size)
-    return Inputs(samples=samples, long=long, rows_read=rows_read, chat_rows=len(places), chat=chat)
+    return Inputs(
+        samples=samples, long=long, rows_read=rows_read, chat_rows=len(places), chat=chat, bad_rows=tuple(bad.entries)
+    )
 
 
 def report_document(
-    *, job: str, dataset: Path, max_seq_len: int, on_long: str, inputs: Inputs, chat_as: str = "hsx"
+    *,
+    job: str,
+    dataset: Path,
+    max_seq_len: int,
+    on_long: str,
+    inputs: Inputs,
+    chat_as: str = "hsx",
+    on_bad_row: str = "error",
+    max_bad_rows: BadRowCap | None = None,
 ) -> dict:
     """The job's input report (stored as `<job>.report.json`)."""
     return {
@@ -139,6 +222,9 @@ def report_document(
         "samples": len(inputs.samples),
         "samples_truncated": inputs.truncated,
         "samples_skipped": inputs.skipped,
+        "on_bad_row": on_bad_row,
+        "max_bad_rows": None if max_bad_rows is None else str(max_bad_rows),
+        "rows_bad": len(inputs.bad_rows),
         "chat_template": None
         if inputs.chat is None
         else {
@@ -157,4 +243,5 @@ def report_document(
             }
             for e in inputs.long
         ],
+        "bad_rows": [{"where": e.where, "id": e.source_id, "reason": e.reason} for e in inputs.bad_rows],
     }

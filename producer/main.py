@@ -180,6 +180,9 @@ async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | N
         on_long=cfg.on_long,
         trust_remote_code=cfg.trust_remote_code,
         chat_as=dataclasses.replace(cfg.chat_as, max_length=cfg.max_seq_len),  # speculators' turn choice
+        on_bad_row=cfg.on_bad_row,
+        max_bad_rows=cfg.max_bad_rows,
+        chat_field=cfg.chat_field,
     )
     return inputs.samples, inputs
 
@@ -196,17 +199,21 @@ async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs, *, max_payload:
             on_long=cfg.on_long,
             inputs=inputs,
             chat_as=str(cfg.chat_as),
+            on_bad_row=cfg.on_bad_row,
+            max_bad_rows=cfg.max_bad_rows,
         ),
         max_payload=max_payload,
     )
     log.info("samples_stored", job=cfg.job, bucket=topology.DATASETS_BUCKET, object=tokens, samples=len(inputs.samples))
-    (log.warning if inputs.long else log.info)(
+    (log.warning if inputs.long or inputs.bad_rows else log.info)(
         "input_report",
         job=cfg.job,
         bucket=topology.DATASETS_BUCKET,
         object=report,
         samples_truncated=inputs.truncated,
         samples_skipped=inputs.skipped,
+        rows_bad=len(inputs.bad_rows),
+        first_bad_row=inputs.bad_rows[0].where if inputs.bad_rows else None,
         max_seq_len=cfg.max_seq_len,
     )
     return tokens, report
@@ -282,10 +289,11 @@ async def _plan_and_publish(
     if inputs is not None:
         tokens_object, report_object = await _store_inputs(cfg, js, inputs, max_payload=nc.max_payload)
         digest = await asyncio.to_thread(dataset_digest, cfg.dataset)
-        truncated, skipped = inputs.truncated, inputs.skipped
+        truncated, skipped, bad = inputs.truncated, inputs.skipped, len(inputs.bad_rows)
     else:
         tokens_object, report_object = existing.tokenized_object, existing.report_object
         digest, truncated, skipped = existing.dataset_digest, existing.samples_truncated, existing.samples_skipped
+        bad = existing.rows_bad
     spec = schemas.JobSpec(
         job=cfg.job,
         model=cfg.model,
@@ -311,6 +319,7 @@ async def _plan_and_publish(
         on_long=cfg.on_long,
         samples_truncated=truncated,
         samples_skipped=skipped,
+        rows_bad=bad,
         chat_convention=str(cfg.chat_as),
     )
     # The folder says whose files it holds before any worker can write one (producer/bundle.py).
