@@ -143,6 +143,17 @@ def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
             f"job {cfg.job} already exists with --chat-as {existing.chat_convention} (this run: --chat-as "
             f"{cfg.chat_as}); its samples were made with that; run with the same setting or use another --job name"
         )
+    if existing.rows_bad:
+        # Rows read: every sample, every row --on-long skipped, every bad row.
+        rows = existing.total_samples + existing.samples_skipped + existing.rows_bad
+        cap = cfg.max_bad_rows
+        if cfg.on_bad_row != "skip" or (cap is not None and not cap.allows(existing.rows_bad, rows)):
+            asked = f"--on-bad-row {cfg.on_bad_row}" + (f" --max-bad-rows {cap}" if cap is not None else "")
+            raise HsxError(
+                f"job {cfg.job} already exists with {existing.rows_bad} of {rows} rows set aside as bad "
+                f"(--on-bad-row skip; this run: {asked}); its samples were made without them; run with "
+                "--on-bad-row skip and a cap they fit, or use another --job name"
+            )
     if existing.dataset_digest and dataset_digest(cfg.dataset) != existing.dataset_digest:
         raise HsxError(
             f"job {cfg.job} already exists with a different dataset: {cfg.dataset} is not the data the job was made "

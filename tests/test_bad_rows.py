@@ -5,7 +5,8 @@
   outside the vocabulary): by default `hsx produce` is refused in one line naming the first bad
   row's file:line, and nothing is published (no job spec, no batch); with `--on-bad-row skip`
   every good row is published, each bad row is in the job's report (`<job>/_hsx/report.json`)
-  with its reason, and the spec's `rows_bad` and `hsx status` count them.
+  with its reason, and the spec's `rows_bad` and `hsx status` count them; a re-run that would
+  not have set them aside is refused.
 - `--max-bad-rows 2` with more bad rows refuses the dataset in one line; a percentage the rows
   stay within lets it through.
 - A Parquet file's bad row is named by its row index, and the good rows of its batch are kept.
@@ -104,6 +105,13 @@ def test_bad_rows_refused_by_default_and_set_aside_with_skip(hsx, nats_server, s
     assert status["rows_bad"] == len(bad) and status["total_samples"] == len(good_ids)
     human = hsx("status", "--job", job_name).stdout
     assert f"bad rows {len(bad)} set aside" in human, human
+
+    # A re-run takes the stored samples: refused when it would not have set those rows aside.
+    assert_one_line_error(hsx(*args), job_name, "6 of 11 rows set aside", "--on-bad-row error")
+    assert_one_line_error(hsx(*args, "--on-bad-row", "skip", "--max-bad-rows", "5"), "--max-bad-rows 5")
+    again = hsx(*args, "--on-bad-row", "skip")
+    assert again.returncode == 0 and "samples_from_store" in again.stderr, again.stderr[-3000:]
+    assert _state(nats_server, job_name)[0] == spec
 
 
 def test_parquet_bad_row_is_named_by_its_index(hsx, nats_server, tiny_model, job_name, tmp_path):
