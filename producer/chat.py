@@ -57,6 +57,25 @@ def _assistant_header(tokenizer) -> str | None:
     return with_prompt[len(without) :]
 
 
+def _start(offset: tuple[int, int]) -> int:
+    return offset[0]
+
+
+def _end(offset: tuple[int, int]) -> int:
+    return offset[1]
+
+
+def _ending_after(offsets: list[tuple[int, int]], at: int) -> int:
+    """The index of the first token that ends after character `at`."""
+    return bisect.bisect_right(offsets, at, key=_end)
+
+
+def _end_of_turn(offsets: list[tuple[int, int]], specials: list[int], at: int) -> int | None:
+    """The first special token (`specials`: their indices) that ends after character `at`."""
+    k = bisect.bisect_left(specials, _ending_after(offsets, at))
+    return specials[k] if k < len(specials) else None
+
+
 def _tool_support(template: str) -> tuple[bool, bool]:
     """(renders assistant tool_calls, knows the tool role): what the template's source mentions."""
     return "tool_calls" in template, bool(re.search(r"[\"']tool[\"']", template))
@@ -201,20 +220,31 @@ class ChatTokenizer:
         if self.has_generation_markers:
             return self._many_with_markers([row.messages for row in rows])
         texts = self._render_many([row.messages for row in rows], generation_prompt=False)
-        # apply_chat_template(tokenize=True) tokenizes its rendering exactly so: no special tokens added.
-        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         out = []
-        for row, text, ids, offsets in zip(rows, texts, encoded["input_ids"], encoded["offset_mapping"], strict=True):
+        for row, text, (ids, offsets) in zip(rows, texts, self._encode(texts), strict=True):
             try:
-                out.append(([int(i) for i in ids], self._mask_in_rendering(row, text, ids, offsets)))
+                out.append((ids, self._mask_in_rendering(row, text, ids, offsets)))
             except BadRow as exc:
                 out.append(exc)
         return out
 
+    def _encode(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Each text's token ids and their character offsets, as apply_chat_template(tokenize=True)
+        tokenizes its rendering: no special tokens added, no truncation or padding. The Rust
+        tokenizer's own batch call where it has neither set (transformers' call makes the same
+        call, then copies every list)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and backend.truncation is None and backend.padding is None:
+            return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
+        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return [
+            ([int(i) for i in ids], [tuple(o) for o in offsets])
+            for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
+        ]
+
     def _mask_in_rendering(self, row: ChatRow, text: str, ids: list[int], offsets: list) -> list[int]:
         """The loss mask of one row from its whole rendering; the rule is in the module docstring."""
-        starts = [a for a, _ in offsets]
-        ends = [b for _, b in offsets]
+        specials = [t for t, token in enumerate(ids) if token in self._special_ids]
         mask = [0] * len(ids)
         cursor = 0
         for k, message in enumerate(row.messages):
@@ -224,7 +254,7 @@ class ChatTokenizer:
                     at = text.find(content, cursor)
                     cursor = cursor if at < 0 else at + len(content)
                 continue
-            span = self._reply_span(text, ids, starts, ends, content, cursor)
+            span = self._reply_span(text, offsets, specials, content, cursor)
             if span is None:
                 raise BadRow(
                     row.where,
@@ -232,39 +262,36 @@ class ChatTokenizer:
                     source_id=row.source_id,
                 )
             begin, end = span
-            first, last = bisect.bisect_right(ends, begin), bisect.bisect_left(starts, end)
+            # Every token that overlaps [begin, end): those ending after begin and starting before end.
+            first, last = _ending_after(offsets, begin), bisect.bisect_left(offsets, end, key=_start)
             mask[first:last] = [1] * (last - first)
             cursor = end
         return mask
 
-    def _end_of_turn(self, ids: list[int], ends: list[int], at: int) -> int | None:
-        """The first special token that ends after character `at`."""
-        return next((t for t in range(bisect.bisect_right(ends, at), len(ids)) if ids[t] in self._special_ids), None)
-
-    def _reply_span(self, text: str, ids, starts, ends, content: str, cursor: int) -> tuple[int, int] | None:
+    def _reply_span(self, text: str, offsets, specials: list[int], content: str, cursor: int) -> tuple[int, int] | None:
         """Characters [begin, end) of one reply and its end-of-turn token in the rendering."""
         if self._header is not None:
             at = text.find(self._header, cursor)
             if at < 0:
                 return None
             turn = at + len(self._header)
-            eot = self._end_of_turn(ids, ends, turn)
-            limit = len(text) if eot is None else starts[eot]
+            eot = _end_of_turn(offsets, specials, turn)
+            limit = len(text) if eot is None else offsets[eot][0]
             begin = text.rfind(content, turn, limit)
             if begin < 0 and content.strip():
                 begin = text.rfind(content.strip(), turn, limit)
             if begin < 0:
                 begin = turn  # the template changed the reply: the whole rendered turn
             if eot is not None:
-                return begin, ends[eot]
+                return begin, offsets[eot][1]
             return (begin, begin + len(content)) if text.startswith(content, begin) else None
         for candidate in (content, content.strip()):
             begin = text.find(candidate, cursor)
             if begin >= 0:
                 end = begin + len(candidate)
-                eot = self._end_of_turn(ids, ends, end)
-                if eot is not None and not text[end : starts[eot]].strip():
-                    end = ends[eot]
+                eot = _end_of_turn(offsets, specials, end)
+                if eot is not None and not text[end : offsets[eot][0]].strip():
+                    end = offsets[eot][1]
                 return begin, end
         return None
 
