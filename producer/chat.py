@@ -16,9 +16,10 @@ The mask from one rendering (`_mask_in_rendering`), for each assistant message i
 - the mask is 1 on every token that overlaps the reply through the end-of-turn token (so text the
   template renders between them, such as tool calls, is in it), and 0 on what follows (ChatML's
   newline after `<|im_end|>`): the convention `{% generation %}` templates mark;
-- a template without a header (no generation prompt): the content is searched forward from the
-  previous message's, and the end-of-turn token is in the mask only when nothing but whitespace
-  separates it from the reply.
+- a template without a header (no generation prompt), or whose history turns do not repeat it
+  (DeepSeek-R1's prompt adds `<think>`): the content (else trimmed) is searched forward from the
+  previous message's (found the same way), and the end-of-turn token is in the mask only when
+  nothing but whitespace separates it from the reply.
 Character spans become tokens through the fast tokenizer's offsets.
 """
 
@@ -246,15 +247,17 @@ class ChatTokenizer:
         """The loss mask of one row from its whole rendering; the rule is in the module docstring."""
         specials = [t for t, token in enumerate(ids) if token in self._special_ids]
         mask = [0] * len(ids)
-        cursor = 0
+        reply_end = seen = 0  # the end of the last reply found; of the last message found
         for k, message in enumerate(row.messages):
             content = message.get("content") or ""
             if message["role"] != "assistant":
-                if self._header is None and content:
-                    at = text.find(content, cursor)
-                    cursor = cursor if at < 0 else at + len(content)
+                for candidate in (content, content.strip()) if content.strip() else ():
+                    at = text.find(candidate, seen)
+                    if at >= 0:
+                        seen = at + len(candidate)
+                        break
                 continue
-            span = self._reply_span(text, offsets, specials, content, cursor)
+            span = self._reply_span(text, offsets, specials, content, reply_end, max(seen, reply_end))
             if span is None:
                 raise BadRow(
                     row.where,
@@ -265,15 +268,16 @@ class ChatTokenizer:
             # Every token that overlaps [begin, end): those ending after begin and starting before end.
             first, last = _ending_after(offsets, begin), bisect.bisect_left(offsets, end, key=_start)
             mask[first:last] = [1] * (last - first)
-            cursor = end
+            reply_end = seen = end
         return mask
 
-    def _reply_span(self, text: str, offsets, specials: list[int], content: str, cursor: int) -> tuple[int, int] | None:
-        """Characters [begin, end) of one reply and its end-of-turn token in the rendering."""
-        if self._header is not None:
-            at = text.find(self._header, cursor)
-            if at < 0:
-                return None
+    def _reply_span(
+        self, text: str, offsets, specials: list[int], content: str, reply_end: int, seen: int
+    ) -> tuple[int, int] | None:
+        """Characters [begin, end) of one reply and its end-of-turn token in the rendering: in the
+        turn after the first header from `reply_end` on, else searched forward from `seen`."""
+        at = -1 if self._header is None else text.find(self._header, reply_end)
+        if at >= 0:
             turn = at + len(self._header)
             eot = _end_of_turn(offsets, specials, turn)
             limit = len(text) if eot is None else offsets[eot][0]
@@ -286,7 +290,7 @@ class ChatTokenizer:
                 return begin, offsets[eot][1]
             return (begin, begin + len(content)) if text.startswith(content, begin) else None
         for candidate in (content, content.strip()):
-            begin = text.find(candidate, cursor)
+            begin = text.find(candidate, seen)
             if begin >= 0:
                 end = begin + len(candidate)
                 eot = _end_of_turn(offsets, specials, end)

@@ -68,6 +68,10 @@ TOOLS = (
     "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# DeepSeek-R1's habit: the generation prompt opens a think block that history turns do not have.
+PROMPT_THINKS = CHATML.replace(
+    "'<|im_start|>assistant\\n' }}{% endif %}", "'<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
+)
 TEMPLATES = {
     "chatml": CHATML,
     "chatml_markers": CHATML_MARKERS,
@@ -75,6 +79,7 @@ TEMPLATES = {
     "llama3_markers": LLAMA3_MARKERS,
     "think": THINK,
     "tools": TOOLS,
+    "prompt_thinks": PROMPT_THINKS,
 }
 
 CONVERSATIONS = [
@@ -175,10 +180,10 @@ def _sharegpt(messages: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------- the mask from one rendering
 
 
-@pytest.mark.parametrize("template", ["chatml", "llama3"])
+@pytest.mark.parametrize("template", ["chatml", "llama3", "prompt_thinks"])
 def test_mask_is_each_reply_and_its_end_of_turn(template, chats):
     chat = chats[template]
-    end = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}[template]
+    end = {"llama3": "<|eot_id|>"}.get(template, "<|im_end|>")
     rows = [_row(c, where=f"chats.jsonl:{n + 1}") for n, c in enumerate(CONVERSATIONS)]
     for row, tokenized in zip(rows, chat.tokenize_many(rows), strict=True):
         assert tokenized.input_ids == _reference_ids(chat, row.messages)
