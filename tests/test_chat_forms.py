@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from test_cli_errors import _produce_args
-from test_inputs import _ok, make_chat_model, stored_rows
+from test_inputs import _ok, assistant_spans, make_chat_model, stored_rows
 
 from hsx.errors import HsxError
 from hsx.producer.chat import ChatTokenizer
@@ -145,18 +145,6 @@ def _row(messages: list[dict], where: str = "chats.jsonl:1") -> ChatRow:
     return ChatRow(where=where, source_id="0", messages=messages)
 
 
-def masked_spans(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
-    """The decoded text of every maximal run of mask == 1."""
-    spans, current = [], []
-    for token, bit in zip(ids + [None], mask + [0]):
-        if bit:
-            current.append(token)
-        elif current:
-            spans.append(tokenizer.decode(current))
-            current = []
-    return spans
-
-
 def _reference_ids(chat: ChatTokenizer, messages: list[dict]) -> list[int]:
     return list(chat.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"])
 
@@ -187,7 +175,7 @@ def test_mask_is_each_reply_and_its_end_of_turn(template, chats):
     rows = [_row(c, where=f"chats.jsonl:{n + 1}") for n, c in enumerate(CONVERSATIONS)]
     for row, tokenized in zip(rows, chat.tokenize_many(rows), strict=True):
         assert tokenized.input_ids == _reference_ids(chat, row.messages)
-        spans = masked_spans(chat.tokenizer, tokenized.input_ids, tokenized.loss_mask)
+        spans = assistant_spans(chat.tokenizer, tokenized.input_ids, tokenized.loss_mask)
         replies = [m["content"] for m in row.messages if m["role"] == "assistant"]
         if template == "llama3":  # the template trims each reply
             replies = [r.strip() for r in replies]
@@ -229,7 +217,7 @@ def test_template_that_rewrites_earlier_turns(chats):
     ]
     row = chat.tokenize(_row(messages))
     assert row.input_ids == _reference_ids(chat, messages)
-    assert masked_spans(chat.tokenizer, row.input_ids, row.loss_mask) == [
+    assert assistant_spans(chat.tokenizer, row.input_ids, row.loss_mask) == [
         "4<|im_end|>",
         "<think>\nadd\n</think>\n\n6<|im_end|>",
     ]
@@ -286,7 +274,7 @@ def test_tool_calls_on_a_template_that_renders_them(chats, tmp_path):
     assert tokenized.input_ids == _reference_ids(chat, TOOL_CONVERSATION)
     call = json.dumps(TOOL_CALL["function"])
     # The tool call the assistant wrote is in its turn's mask; the tool's answer is not.
-    assert masked_spans(chat.tokenizer, tokenized.input_ids, tokenized.loss_mask) == [
+    assert assistant_spans(chat.tokenizer, tokenized.input_ids, tokenized.loss_mask) == [
         f"Let me check.\n<tool_call>\n{call}\n</tool_call><|im_end|>",
         "Grey skies in Lima.<|im_end|>",
     ]
