@@ -178,3 +178,10 @@ def test_chat_pool_hands_bad_rows_back_in_place(strict_model):
         chat_pool._worker_chat = None
     assert sent[1] == (None, (here[1].reason, "1"))
     assert [ids for ids, _ in sent if ids is not None] == [r.input_ids for r in here if isinstance(r, DatasetRow)]
+    # And through real worker processes (spawned, as a large dataset's tokenization runs).
+    pooled = list(tokenize_chats(chat, rows, workers=2, chunk_rows=2))
+    assert [type(row) for row in pooled] == [DatasetRow, BadRow, DatasetRow, DatasetRow]
+    assert (pooled[1].where, pooled[1].source_id, pooled[1].reason) == (here[1].where, "1", here[1].reason)
+    assert [(r.input_ids, r.loss_mask) for r in pooled if isinstance(r, DatasetRow)] == [
+        (r.input_ids, r.loss_mask) for r in here if isinstance(r, DatasetRow)
+    ]
