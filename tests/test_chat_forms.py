@@ -20,23 +20,13 @@ from pathlib import Path
 
 import pytest
 from test_cli_errors import _produce_args
-from test_inputs import _ok, assistant_spans, make_chat_model, stored_rows
+from test_inputs import CHATML, CHATML_MARKERS, _ok, assistant_spans, make_chat_model, stored_rows
 
 from hsx.errors import HsxError
 from hsx.producer.chat import ChatTokenizer
 from hsx.producer.config import parse_chat_field
 from hsx.producer.dataset import BadRow, ChatRow, read_source
 
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-CHATML_MARKERS = (
-    "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
-    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 # Llama 3's layout: a header per message, every content trimmed.
 LLAMA3 = (
     "{{ '<|begin_of_text|>' }}{% for message in messages %}"
