@@ -5,9 +5,10 @@ is what gets stored (`producer/stored.py`), planned and published. `report_docum
 job's input report. No NATS here.
 
 Token rows stream from the reader into a columnar `SampleTable` (hsx/storage/tokens.py: tokens spilled to
-a temp file, a few numbers per sample in memory). Chat rows keep a place in the table while the
-dataset is read; `_tokenize` then turns them into tokens, in order, and each result is written
-into its place as it comes, so only the conversations' text is held meanwhile.
+a temp file, a few numbers per sample in memory). Chat rows keep a place in the table as the
+dataset is read, and go on to the tokenizer (`_ChatStream`); each result is written into its place
+as it comes back, in order, so only the rows in flight are held, at any dataset size. A row that
+makes several samples (`--chat-as speculators`) has them placed one after another.
 
 A bad row (`BadRow`: found reading, rendering its conversation, or holding ids outside the
 vocabulary) goes to `BadRows`, the --on-bad-row policy: `error` stops the job at the first one,
@@ -16,7 +17,10 @@ vocabulary) goes to `BadRows`, the --on-bad-row policy: `error` stops the job at
 """
 
 import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +28,10 @@ import structlog
 
 from hsx.errors import HsxError
 from hsx.producer.chat import ChatTemplateInfo, ChatTokenizer
-from hsx.producer.chat_pool import tokenize_chats
+from hsx.producer.chat_pool import POOL_MIN_ROWS, tokenize_chats
 from hsx.producer.config import BadRowCap
 from hsx.producer.conventions import HSX, ChatConvention
-from hsx.producer.dataset import BadRow, ChatRow, DatasetRow, read_source
+from hsx.producer.dataset import BadRow, ChatRow, read_source
 from hsx.producer.lengths import LongSample, apply_on_long_table
 from hsx.storage.tokens import SampleTable, SampleTableBuilder
 
@@ -115,37 +119,54 @@ def _outside_vocab(samples: SampleTable, bad: BadRows, *, model: str, vocab_size
     return samples.select(np.flatnonzero(samples.row_max < vocab_size)) if len(outside) else samples
 
 
-def _tokenize(
-    rows: list, *, model: str, trust_remote_code: bool, bad: BadRows, chat_as: ChatConvention = HSX
-) -> tuple[list[DatasetRow | BadRow], ChatTemplateInfo | None]:
-    first_chat = next((row for row in rows if isinstance(row, ChatRow)), None)
-    if first_chat is None:
-        return rows, None
-    chat = ChatTokenizer.load(
-        model, first_chat_row=first_chat.where, trust_remote_code=trust_remote_code, convention=chat_as
-    )
-    total = sum(1 for row in rows if isinstance(row, ChatRow))
-    log.info("tokenizing_chats", rows=total, model=model, mask_method=chat.info.mask_method)
-    started = last_log = time.monotonic()
-    out: list[DatasetRow | BadRow] = []
-    done = 0
-    # In chunks (one batched call each), on every usable core for a large dataset
-    # (producer/chat_pool.py); row for row the same result, and error, as `chat.tokenize`.
-    tokenized = tokenize_chats(chat, (row for row in rows if isinstance(row, ChatRow)), total=total)
-    for row in rows:
-        if isinstance(row, ChatRow):
-            row = next(tokenized)
+class _ChatStream:
+    """The chat rows of a dataset as it is read: each gets its place in the table (token rows are
+    added as they come), and `tokenize` fills the places, in order, as the tokenizer gives them
+    back; so only the rows in flight are held, never the dataset."""
+
+    def __init__(self, builder: SampleTableBuilder, items) -> None:
+        self.builder, self.items = builder, items
+        self.places: deque[int] = deque()
+        self.rows = 0
+
+    def __iter__(self) -> Iterator[ChatRow]:
+        for item in self.items:
+            if isinstance(item, ChatRow):
+                self.places.append(self.builder.reserve(where=item.where, source_id=item.source_id))
+                self.rows += 1
+                yield item
+            else:
+                self.builder.add(item)
+
+    def tokenize(
+        self, *, model: str, trust_remote_code: bool, bad: BadRows, chat_as: ChatConvention = HSX
+    ) -> ChatTemplateInfo | None:
+        rows = iter(self)
+        head = list(islice(rows, POOL_MIN_ROWS))  # reads on to the first chat row (or the end)
+        if not head:
+            return None
+        chat = ChatTokenizer.load(
+            model, first_chat_row=head[0].where, trust_remote_code=trust_remote_code, convention=chat_as
+        )
+        total = len(head) if len(head) < POOL_MIN_ROWS else None  # None: many, on every core
+        log.info("tokenizing_chats", rows=total, model=model, mask_method=chat.info.mask_method)
+        started = last_log = time.monotonic()
+        done = 0
+        # In chunks (one batched call each), on every usable core for a large dataset
+        # (producer/chat_pool.py); row for row the same result, and error, as `chat.tokenize`.
+        for row in tokenize_chats(chat, chain(head, rows), total=total):
+            place = self.places.popleft()
             if isinstance(row, BadRow):
                 bad(row)  # --on-bad-row error: stops here, at the first bad conversation
+                self.builder.drop(place)
+            else:
+                self.builder.fill_row(place, row)
             done += 1
             if time.monotonic() - last_log > _PROGRESS_EVERY_S:
                 last_log = time.monotonic()
-                log.info(
-                    "tokenizing_chats_progress", done=done, rows=total, rows_per_s=round(done / (last_log - started), 1)
-                )
-        out.append(row)
-    log.info("chats_tokenized", rows=total, seconds=round(time.monotonic() - started, 2))
-    return out, chat.info
+                log.info("tokenizing_chats_progress", done=done, rows_per_s=round(done / (last_log - started), 1))
+        log.info("chats_tokenized", rows=done, seconds=round(time.monotonic() - started, 2))
+        return chat.info
 
 
 def tokenized_rows(
@@ -163,24 +184,9 @@ def tokenized_rows(
 ) -> Inputs:
     builder = SampleTableBuilder()
     bad = BadRows(on_bad_row=on_bad_row, cap=max_bad_rows)
-    chats: list[ChatRow] = []
-    places: list[int] = []
-    for item in read_source(path, on_bad_row=bad, chat_field=chat_field):
-        if isinstance(item, ChatRow):
-            places.append(builder.reserve(where=item.where, source_id=item.source_id))
-            chats.append(item)
-        else:
-            builder.add(item)
-    rows_read = builder.rows + len(bad)
-    chat = None
-    if chats:
-        tokenized, chat = _tokenize(chats, model=model, trust_remote_code=trust_remote_code, bad=bad, chat_as=chat_as)
-        for place, row in zip(places, tokenized, strict=True):
-            if isinstance(row, BadRow):
-                builder.drop(place)
-            else:
-                builder.fill(place, row.input_ids, row.loss_mask)
-        del chats, tokenized
+    chats = _ChatStream(builder, read_source(path, on_bad_row=bad, chat_field=chat_field))
+    chat = chats.tokenize(model=model, trust_remote_code=trust_remote_code, bad=bad, chat_as=chat_as)
+    rows_read = builder.rows + len(bad) - builder.dropped
     table = _outside_vocab(builder.finish(), bad, model=model, vocab_size=vocab_size)
     bad.check_cap(rows_read)
     if bad.entries and not len(table):
@@ -194,7 +200,7 @@ def tokenized_rows(
             "and --on-long skip leaves no samples"
         )
     return Inputs(
-        samples=samples, long=long, rows_read=rows_read, chat_rows=len(places), chat=chat, bad_rows=tuple(bad.entries)
+        samples=samples, long=long, rows_read=rows_read, chat_rows=chats.rows, chat=chat, bad_rows=tuple(bad.entries)
     )
 
 

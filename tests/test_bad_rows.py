@@ -163,6 +163,59 @@ def test_dropped_place_gets_no_sample():
     table.close()
 
 
+def test_a_row_making_several_samples_gets_them_in_its_place():
+    """`fill_row` with `more` (--chat-as speculators): the samples follow one another in the row's
+    place, renamed as the row says, beside dropped places and rows filled out of order."""
+    builder = SampleTableBuilder()
+    places = [builder.reserve(where=f"f:{n}", source_id=f"c{n}") for n in (1, 2, 3)]
+    builder.add_row(TokenRow(where="f:4", source_id="z", input_ids=[9], loss_mask=[1]))
+    last = builder.reserve(where="f:5", source_id="c5")
+
+    def row(source_id, ids, *more):
+        return TokenRow(where="ignored", source_id=source_id, input_ids=ids, loss_mask=[1] * len(ids), more=more)
+
+    builder.fill_row(last, row("c5#1", [20], row("c5#3", [21, 22])))
+    builder.fill_row(places[0], row("c1#1", [10], row("c1#3", [11, 12]), row("c1#5", [13, 14, 15])))
+    builder.drop(places[1])
+    builder.fill_row(places[2], row("c3", [30]))
+    table = builder.finish()
+    assert [(r.where, r.source_id, r.input_ids) for r in table] == [
+        ("f:1", "c1#1", [10]),
+        ("f:1", "c1#3", [11, 12]),
+        ("f:1", "c1#5", [13, 14, 15]),
+        ("f:3", "c3", [30]),
+        ("f:4", "z", [9]),
+        ("f:5", "c5#1", [20]),
+        ("f:5", "c5#3", [21, 22]),
+    ]
+    assert table.row_max.tolist() == [10, 12, 15, 30, 9, 20, 22] and table.lengths.tolist() == [1, 2, 3, 1, 1, 1, 2]
+    assert all(r.loss_mask == [1] * len(r.input_ids) for r in table)
+    table.close()
+
+
+def test_chat_rows_are_tokenized_as_they_are_read(strict_model, monkeypatch, tmp_path):
+    """The producer holds only the chat rows in flight, not the dataset: when each result is
+    written into its place, few rows beyond it have been read (a 1M-row dataset stays in bounded
+    memory)."""
+    from hsx.producer import inputs
+
+    rows, lead = 3 * inputs.POOL_MIN_ROWS, []
+    dataset = _write_jsonl(tmp_path / "many.jsonl", [{"messages": CONVERSATIONS[n % 3]} for n in range(rows)])
+    fill_row = SampleTableBuilder.fill_row
+
+    def watched(builder, index, row):
+        lead.append(builder.rows - index)  # rows read (places taken) beyond the one being filled
+        fill_row(builder, index, row)
+
+    monkeypatch.setattr(SampleTableBuilder, "fill_row", watched)
+    monkeypatch.setattr(inputs, "tokenize_chats", lambda chat, rows, **_: tokenize_chats(chat, rows, workers=1))
+    got = inputs.tokenized_rows(dataset, model=str(strict_model), vocab_size=VOCAB, max_seq_len=256, on_long="error")
+    assert len(got.samples) == rows and len(lead) == rows
+    # The first chunk of POOL_MIN_ROWS (read to decide on a pool), then one chunk ahead at most.
+    assert max(lead) <= inputs.POOL_MIN_ROWS and max(lead[inputs.POOL_MIN_ROWS :]) <= chat_pool.CHUNK_ROWS
+    got.samples.close()
+
+
 def test_chat_pool_hands_bad_rows_back_in_place(strict_model):
     chat = ChatTokenizer.load(str(strict_model), first_chat_row="rows.jsonl:1")
     conversations = [CONVERSATIONS[0], [{"role": "wizard", "content": "hi"}], CONVERSATIONS[1], CONVERSATIONS[2]]
@@ -176,8 +229,8 @@ def test_chat_pool_hands_bad_rows_back_in_place(strict_model):
         sent = pickle.loads(pickle.dumps(chat_pool._work(rows[:2]) + chat_pool._work(rows[2:])))
     finally:
         chat_pool._worker_chat = None
-    assert sent[1] == (None, (here[1].reason, "1"))
-    assert [ids for ids, _ in sent if ids is not None] == [r.input_ids for r in here if isinstance(r, DatasetRow)]
+    assert sent[1] == (here[1].reason, "1")
+    assert [sent[k] for k in (0, 2, 3)] == [here[k] for k in (0, 2, 3)]
     # And through real worker processes (spawned, as a large dataset's tokenization runs).
     pooled = list(tokenize_chats(chat, rows, workers=2, chunk_rows=2))
     assert [type(row) for row in pooled] == [DatasetRow, BadRow, DatasetRow, DatasetRow]

@@ -59,6 +59,9 @@ class TokenRow:
     source_id: str
     input_ids: list[int]
     loss_mask: list[int] | None
+    # The samples after this one that the same dataset row makes (`--chat-as speculators`: one per
+    # assistant turn); they follow it in the job's sample order.
+    more: tuple[TokenRow, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,7 +155,8 @@ class SampleTableBuilder:
     """Appends chunks (and single rows) in sample order; `reserve` keeps a place for a row whose
     tokens come later (a chat row tokenized after the whole dataset was read), `drop` gives a
     place up (a row that turned out bad): the table has no sample for it, and the samples after
-    it move up one index."""
+    it move up one index. `fill` with a row whose `more` holds further samples (one dataset row
+    making several) places them right after it."""
 
     def __init__(self) -> None:
         self._tokens = _Spill(np.int32)
@@ -167,10 +171,17 @@ class SampleTableBuilder:
         self._pending: list[TokenRow] = []
         self._filled: list[tuple[int, int, int, bool, int]] = []  # (index, start, length, has_mask, max)
         self._dropped: list[int] = []
+        self._renamed: dict[int, str] = {}  # index -> source id, where fill named the sample anew
+        self._after: list[tuple[int, int, int, bool, int, str]] = []  # (index, start, length, has_mask, max, source id)
 
     @property
     def rows(self) -> int:
+        """Places taken: rows added and reserved, dropped ones included, `more` samples not."""
         return self._rows + len(self._pending)
+
+    @property
+    def dropped(self) -> int:
+        return len(self._dropped)
 
     def add(self, chunk: TokenChunk) -> None:
         self._flush_pending()
@@ -205,13 +216,31 @@ class SampleTableBuilder:
         return index
 
     def fill(self, index: int, input_ids: Sequence[int], loss_mask: Sequence[int] | None) -> None:
+        self._filled.append((index, *self._store(input_ids, loss_mask)))
+
+    def fill_row(self, index: int, row: TokenRow) -> None:
+        """`fill` with a row's tokens and its source id, and its `more` samples placed after it."""
+        self.fill(index, row.input_ids, row.loss_mask)
+        if row.source_id != self._source_id_at(index):
+            self._renamed[index] = row.source_id
+        for extra in row.more:
+            self._after.append((index, *self._store(extra.input_ids, extra.loss_mask), extra.source_id))
+
+    def _source_id_at(self, index: int) -> str:
+        if index >= self._rows:
+            return self._pending[index - self._rows].source_id
+        for part in self._source_ids:  # rare (a renamed sample); parts are record-batch sized
+            if index < len(part):
+                return part[index].as_py()
+            index -= len(part)
+        raise IndexError(index)
+
+    def _store(self, input_ids: Sequence[int], loss_mask: Sequence[int] | None) -> tuple[int, int, bool, int]:
         values = np.asarray(input_ids, dtype=np.int64)
         start = self._tokens.append(values)
         if loss_mask is not None:
             self._masks.write_at(start, np.asarray(loss_mask, dtype=np.uint8))
-        self._filled.append(
-            (index, start, len(values), loss_mask is not None, int(values.max()) if len(values) else -1)
-        )
+        return start, len(values), loss_mask is not None, int(values.max()) if len(values) else -1
 
     def drop(self, index: int) -> None:
         """Give up the place `reserve` kept at `index`: the table will have no sample for it."""
@@ -237,9 +266,27 @@ class SampleTableBuilder:
         for index, start, length, masked, top in self._filled:
             starts[index], lengths[index], has_mask[index], row_max[index] = start, length, masked, top
         source_ids, wheres = _one_array(self._source_ids), _one_array(self._wheres)
-        if self._dropped:
-            keep = np.ones(len(starts), dtype=bool)
-            keep[self._dropped] = False
+        if self._renamed:
+            names = source_ids.to_pylist()
+            for index, name in self._renamed.items():
+                names[index] = name
+            source_ids = pa.array(names, type=source_ids.type)
+        keep = np.ones(len(starts), dtype=bool)
+        keep[self._dropped] = False
+        if self._after:
+            # Each place's further samples right after it, in the order given.
+            at = np.array([entry[0] for entry in self._after], dtype=np.int64)
+            places = np.concatenate([np.arange(len(starts)), at])
+            order = np.lexsort((np.arange(len(places)), places))
+            starts = np.concatenate([starts, [entry[1] for entry in self._after]])[order]
+            lengths = np.concatenate([lengths, [entry[2] for entry in self._after]])[order]
+            has_mask = np.concatenate([has_mask, [entry[3] for entry in self._after]])[order]
+            row_max = np.concatenate([row_max, [entry[4] for entry in self._after]])[order]
+            keep = np.concatenate([keep, np.ones(len(at), dtype=bool)])[order]
+            extra_ids = pa.array([entry[5] for entry in self._after], type=source_ids.type)
+            source_ids = pa.concat_arrays([source_ids, extra_ids]).take(pa.array(order))
+            wheres = pa.concat_arrays([wheres, wheres.take(pa.array(at))]).take(pa.array(order))
+        if not keep.all():
             starts, lengths, has_mask, row_max = starts[keep], lengths[keep], has_mask[keep], row_max[keep]
             source_ids, wheres = source_ids.filter(pa.array(keep)), wheres.filter(pa.array(keep))
         return SampleTable(
