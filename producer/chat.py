@@ -24,6 +24,7 @@ Character spans become tokens through the fast tokenizer's offsets.
 """
 
 import bisect
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from hsx.errors import HsxError
 from hsx.producer import conventions
-from hsx.producer.conventions import HSX, ChatConvention
+from hsx.producer.conventions import HSX, ChatConvention, ConventionSample
 from hsx.producer.dataset import BadRow, ChatRow, DatasetRow
 
 # transformers' own test for generation markers (apply_chat_template, return_assistant_tokens_mask).
@@ -168,7 +169,7 @@ class ChatTokenizer:
         except Exception:  # a row the batched call cannot render (a template error): each alone says which
             tokens = [self._tokens_or_bad(rows[i]) for i in good]
         for i, result in zip(good, tokens, strict=True):
-            out[i] = result if isinstance(result, BadRow) else self._row(rows[i], *result)
+            out[i] = result if isinstance(result, BadRow) else self._row(rows[i], result)
         if not keep_bad:
             bad = next((result for result in out if isinstance(result, BadRow)), None)
             if bad is not None:
@@ -187,12 +188,23 @@ class ChatTokenizer:
             )
         return None
 
-    def _row(self, row: ChatRow, input_ids: list[int], loss_mask: list[int]) -> DatasetRow | BadRow:
-        if not input_ids:
+    def _row(self, row: ChatRow, samples: list[ConventionSample]) -> DatasetRow | BadRow:
+        """The row's sample; where it makes one per assistant turn, the first, the others in its
+        `more`, each named `<id>#<index of its last message>`."""
+        if not samples[0].input_ids:
             return BadRow(
                 row.where, "the chat template renders this conversation as no tokens", source_id=row.source_id
             )
-        return DatasetRow(where=row.where, source_id=row.source_id, input_ids=input_ids, loss_mask=loss_mask)
+        made = [
+            DatasetRow(
+                where=row.where,
+                source_id=row.source_id if sample.through is None else f"{row.source_id}#{sample.through}",
+                input_ids=sample.input_ids,
+                loss_mask=sample.loss_mask,
+            )
+            for sample in samples
+        ]
+        return dataclasses.replace(made[0], more=tuple(made[1:])) if len(made) > 1 else made[0]
 
     def _tokens_or_bad(self, row: ChatRow):
         try:
@@ -213,18 +225,18 @@ class ChatTokenizer:
             return BadRow(row.where, f"--chat-as {self.convention}: {exc}", source_id=row.source_id)
 
     def _tokens(self, rows: list[ChatRow]) -> list:
-        """(input_ids, loss_mask) or a BadRow for each row; raises when the batched call fails."""
+        """The samples (`ConventionSample`s) or a BadRow of each row; raises when the batched call fails."""
         if not rows:
             return []
         if self.convention != HSX:
             return [self._by_convention(row) for row in rows]
         if self.has_generation_markers:
-            return self._many_with_markers([row.messages for row in rows])
+            return [[ConventionSample(*pair)] for pair in self._many_with_markers([row.messages for row in rows])]
         texts = self._render_many([row.messages for row in rows], generation_prompt=False)
         out = []
         for row, text, (ids, offsets) in zip(rows, texts, self._encode(texts), strict=True):
             try:
-                out.append((ids, self._mask_in_rendering(row, text, ids, offsets)))
+                out.append([ConventionSample(ids, self._mask_in_rendering(row, text, ids, offsets))])
             except BadRow as exc:
                 out.append(exc)
         return out

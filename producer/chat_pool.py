@@ -64,11 +64,11 @@ def _init_worker(tokenizer: bytes | None, model: str, trust_remote_code: bool, c
     _worker_chat = ChatTokenizer(loaded, model=model, trust_remote_code=trust_remote_code, convention=convention)
 
 
-def _work(chunk: list[ChatRow]) -> list[tuple]:
-    """Per row (input_ids, loss_mask), or (None, (reason, source_id)) for a bad row."""
+def _work(chunk: list[ChatRow]) -> list:
+    """Per row its `DatasetRow`, or (reason, source_id) for a bad row."""
     assert _worker_chat is not None
     return [
-        (None, (row.reason, row.source_id)) if isinstance(row, BadRow) else (row.input_ids, row.loss_mask)
+        (row.reason, row.source_id) if isinstance(row, BadRow) else row
         for row in _worker_chat.tokenize_many(chunk, keep_bad=True)
     ]
 
@@ -118,12 +118,12 @@ def _pooled(
                     f"a chat tokenization worker process died while tokenizing the rows from "
                     f"{chunk[0].where} on ({exc}); is the machine out of memory?"
                 ) from None
-            for row, (input_ids, loss_mask) in zip(chunk, out, strict=True):
-                if input_ids is None:
-                    reason, source_id = loss_mask
+            for row, result in zip(chunk, out, strict=True):
+                if isinstance(result, tuple):
+                    reason, source_id = result
                     yield BadRow(row.where, reason, source_id=source_id)
                 else:
-                    yield DatasetRow(where=row.where, source_id=row.source_id, input_ids=input_ids, loss_mask=loss_mask)
+                    yield result
             following = next(chunks, None)
             if following is not None:
                 pending.append((following, pool.submit(_work, following)))

@@ -13,7 +13,7 @@ ids and mask as the trainers' max_length does. This module knows nothing about f
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from hsx.errors import HsxError
 
@@ -227,10 +227,17 @@ def parse_chat_as(text: str) -> ChatConvention:
     raise HsxError(f"--chat-as {text!r}: use hsx, speculators or specforge:TEMPLATE (e.g. specforge:qwen)")
 
 
-def tokenize(tokenizer, convention: ChatConvention, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of one conversation by a trainer's convention, untruncated."""
+class ConventionSample(NamedTuple):
+    input_ids: list[int]
+    loss_mask: list[int]
+    through: int | None = None  # the last message in it, where a conversation makes one per assistant turn
+
+
+def tokenize(tokenizer, convention: ChatConvention, messages: list[dict[str, Any]]) -> list[ConventionSample]:
+    """The samples one conversation makes by a trainer's convention, untruncated: one for
+    SpecForge, one per assistant turn for speculators."""
     if convention.trainer == "specforge":
-        return specforge(tokenizer, SPECFORGE_TEMPLATES[convention.template], messages)
+        return [ConventionSample(*specforge(tokenizer, SPECFORGE_TEMPLATES[convention.template], messages))]
     if convention.trainer == "speculators":
         return speculators(tokenizer, messages, convention.max_length)
     raise ValueError(f"not a trainer's convention: {convention}")
@@ -385,16 +392,17 @@ def _render_ids(tokenizer, messages: list[dict], *, generation_prompt: bool) -> 
     return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
-def speculators(tokenizer, messages: list[dict], max_length: int | None = None) -> tuple[list[int], list[int]]:
-    """The last row speculators keeps of a conversation (it makes one per assistant turn, each the
-    conversation through that turn): the rendering through the turn, masked from where the
-    rendering of what precedes it, with the generation prompt, ends (their common prefix where they
-    differ, as long as the history renders alike). With `max_length` (--max-seq-len), as
-    speculators: a turn whose prompt alone fills it, or with nothing to train on within it, makes
-    no row, and an earlier turn's row is the sample."""
+def speculators(tokenizer, messages: list[dict], max_length: int | None = None) -> list[ConventionSample]:
+    """The rows speculators makes of a conversation, one per assistant turn after another message:
+    the rendering of the conversation through that turn, masked from where the rendering of what
+    precedes it, with the generation prompt, ends (their common prefix where they differ, as long
+    as the history renders alike). With `max_length` (--max-seq-len), as speculators: a turn whose
+    prompt alone fills it, or with nothing to train on within it, makes no row."""
     conversation = speculators_messages(messages)
-    turns = [j for j, m in enumerate(conversation) if m["role"] == "assistant" and j > 0]
-    for j in reversed(turns):
+    rows = []
+    for j, message in enumerate(conversation):
+        if message["role"] != "assistant" or j == 0:
+            continue
         prompt = _render_ids(tokenizer, conversation[:j], generation_prompt=True)
         if max_length is not None and len(prompt) >= max_length:
             continue
@@ -410,8 +418,10 @@ def speculators(tokenizer, messages: list[dict], max_length: int | None = None) 
                     "where speculators cannot place its loss mask"
                 )
         if boundary < min(len(full), max_length or len(full)):
-            return full, [0] * boundary + [1] * (len(full) - boundary)
-    raise HsxError(
-        "speculators makes no row of this conversation: no assistant turn after another message "
-        "with tokens to train on within --max-seq-len"
-    )
+            rows.append(ConventionSample(full, [0] * boundary + [1] * (len(full) - boundary), through=j))
+    if not rows:
+        raise HsxError(
+            "speculators makes no row of this conversation: no assistant turn after another message "
+            "with tokens to train on within --max-seq-len"
+        )
+    return rows

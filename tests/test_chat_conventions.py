@@ -14,6 +14,7 @@ import contextlib
 import copy
 import sys
 import types
+from dataclasses import replace
 
 import pytest
 
@@ -147,8 +148,12 @@ def _truncated(ids: list[int], mask: list[int], max_length: int) -> tuple[list[i
 
 def _hsx(tokenizer, convention: str, messages: list[dict], max_length: int | None = None):
     """(input_ids, loss_mask) by hsx --chat-as `convention` (--max-seq-len `max_length`), untruncated."""
-    from dataclasses import replace
+    (ids, mask), *_ = _hsx_samples(tokenizer, convention, messages, max_length)
+    return ids, mask
 
+
+def _hsx_samples(tokenizer, convention: str, messages: list[dict], max_length: int | None = None):
+    """Every sample hsx --chat-as `convention` makes of one conversation, as (input_ids, loss_mask)."""
     from hsx.producer.chat import ChatTokenizer
     from hsx.producer.dataset import ChatRow
 
@@ -158,11 +163,11 @@ def _hsx(tokenizer, convention: str, messages: list[dict], max_length: int | Non
     messages = [
         {"role": roles.get(m["from"], m["from"]), "content": m["value"]} if "from" in m else m for m in messages
     ]
-    row = ChatRow(where="row", source_id="", messages=messages)
+    row = ChatRow(where="row", source_id="r", messages=messages)
     one = chat.tokenize(row)
     (many,) = chat.tokenize_many([row])
-    assert (many.input_ids, many.loss_mask) == (one.input_ids, one.loss_mask)
-    return list(one.input_ids), list(one.loss_mask)
+    assert many == one
+    return [(list(sample.input_ids), list(sample.loss_mask)) for sample in (one, *one.more)]
 
 
 def _specforge(tokenizer, template: str, messages: list[dict], max_length: int):
@@ -244,18 +249,19 @@ def _speculators(tokenizer, messages: list[dict], max_length: int):
 
 
 @pytest.mark.parametrize("family", ["chatml", "llama3"])
-def test_speculators_gives_its_last_turn_row(request, family):
+def test_speculators_gives_its_row_per_assistant_turn(request, family):
     tokenizer = request.getfixturevalue(family)
-    compared = 0
+    compared = fanned = 0
     for name, messages in CONVERSATIONS.items():
         for max_length in MAX_LENGTHS:
             rows = _speculators(tokenizer, messages, max_length)
             if not rows:
                 continue
-            ids, mask = _hsx(tokenizer, "speculators", messages, max_length)
-            assert _truncated(ids, mask, max_length) == rows[-1], (name, max_length)
+            samples = _hsx_samples(tokenizer, "speculators", messages, max_length)
+            assert [_truncated(ids, mask, max_length) for ids, mask in samples] == rows, (name, max_length)
             compared += 1
-    assert compared >= len(CONVERSATIONS) * 2
+            fanned += len(rows) > 1
+    assert compared >= len(CONVERSATIONS) * 2 and fanned >= 2
 
 
 def test_chat_as_values():
@@ -307,6 +313,55 @@ def test_a_producer_reading_sharegpt_rows_gives_specforge_samples_and_records_it
         job="j", dataset=dataset, max_seq_len=64, on_long="truncate", inputs=inputs, chat_as=str(convention)
     )
     assert report["chat_convention"] == "specforge:qwen"
+
+
+def test_a_producer_gives_speculators_rows_one_sample_per_assistant_turn(chatml, tmp_path):
+    """--chat-as speculators through the producer's input stage: each conversation's rows, as
+    speculators makes them, one after another in dataset order, named `<id>#<last message>`;
+    a token row and a row set aside keep their places."""
+    import json
+
+    from hsx.producer.inputs import tokenized_rows
+
+    model = tmp_path / "model"
+    chatml.save_pretrained(model)
+    multi, single = CONVERSATIONS["multi_turn"], CONVERSATIONS["whitespace_led"]
+    lines = [
+        {"id": "a", "messages": multi},
+        {"id": "t", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+        {"id": "bad", "messages": []},
+        {"id": "b", "messages": single},
+    ]
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    inputs = tokenized_rows(
+        dataset,
+        model=str(model),
+        vocab_size=len(chatml),
+        max_seq_len=256,
+        on_long="truncate",
+        chat_as=replace(parse_chat_as("speculators"), max_length=256),
+        on_bad_row="skip",
+    )
+    expected = [(f"a#{j}", row) for j, row in _turn_rows(chatml, multi, 256)]
+    expected.append(("t", ([5, 6, 7], [0, 1, 1])))
+    expected += [(f"b#{j}", row) for j, row in _turn_rows(chatml, single, 256)]
+    assert len(expected) >= 4  # a multi-turn conversation made several
+    samples = inputs.samples
+    got = [
+        (samples.source_id(i), (samples.input_ids(i).tolist(), samples.loss_mask(i).tolist()))
+        for i in range(len(samples))
+    ]
+    assert got == expected
+    assert (inputs.rows_read, inputs.chat_rows, [e.where for e in inputs.bad_rows]) == (4, 2, [f"{dataset}:3"])
+
+
+def _turn_rows(tokenizer, messages, max_length):
+    """speculators' rows of one conversation, each with the index of its last message."""
+    rows = _speculators(tokenizer, messages, max_length)
+    assistant = [j for j, m in enumerate(messages) if m["role"] == "assistant" and j > 0]
+    assert len(rows) == len(assistant)  # within max_length every turn makes a row here
+    return list(zip(assistant, rows, strict=True))
 
 
 def test_the_job_spec_records_the_convention(cli):
