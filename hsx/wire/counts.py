@@ -6,10 +6,14 @@ own (`topology.written_subject`, `topology.uploaded_subject`), stored at most on
 them all pending, so `read_counts` is exact whatever the job's size, one consumer-info request
 per counter. Markers of another plan, and of sample indices outside the plan (`<plan>.extra.`),
 are counted apart: neither stands in for a missing sample. Also here: one marker looked up
-(`find_marker`), and the newest sequence under a filter (`last_sequence`).
+(`find_marker`), the newest sequence under a filter (`last_sequence`), and for a one-off reading
+(`hsx status`) when the job's markers began and ended (`marker_times`) and how many samples were
+uploaded over a recent window (`recent_upload_rate`).
 """
 
 import asyncio
+import datetime
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,17 +46,21 @@ class ProgressCounts:
     dead_unfinished: frozenset[int] = frozenset()
 
 
-async def count_stored(js: JetStreamContext, stream: str, subject_filter: str) -> int:
-    """Messages in `stream` under `subject_filter`, counted by the server: an ephemeral consumer is
-    created, read for its pending count and deleted; no message is delivered. For one-off counts
-    (a producer re-run, tests); a reading counts through the durables (`read_counts`), since a
-    cluster pays every consumer created as a meta-layer proposal."""
+async def count_stored(
+    js: JetStreamContext, stream: str, subject_filter: str, *, since: datetime.datetime | None = None
+) -> int:
+    """Messages in `stream` under `subject_filter` (stored at or after `since`, when given), counted
+    by the server: an ephemeral consumer is created, read for its pending count and deleted; no
+    message is delivered. For one-off counts (a producer re-run, `hsx status`'s rate, tests); a
+    monitor's reading counts through the durables (`read_counts`), since a cluster pays every
+    consumer created as a meta-layer proposal."""
     config = ConsumerConfig(
         filter_subject=subject_filter,
         ack_policy=AckPolicy.NONE,
         mem_storage=True,
         inactive_threshold=30.0,
-        deliver_policy=DeliverPolicy.ALL,
+        deliver_policy=DeliverPolicy.ALL if since is None else DeliverPolicy.BY_START_TIME,
+        opt_start_time=since,
     )
     info = await js.add_consumer(stream, config)
     try:
@@ -93,6 +101,47 @@ async def last_sequence(js: JetStreamContext, stream: str, subject_filter: str) 
         return (await js.get_last_msg(stream, subject_filter)).seq
     except nats.js.errors.NotFoundError:
         return 0
+
+
+def _epoch(stamp: datetime.datetime | None) -> float | None:
+    return None if stamp is None else stamp.timestamp()
+
+
+async def marker_times(js: JetStreamContext, job: str, plan: str) -> tuple[float | None, float | None]:
+    """(when the job's first planned `written` marker was stored, when its newest planned
+    `uploaded` marker was), as the server's clock says; None where there is none. Two direct reads."""
+    plan = plan or "none"
+    try:
+        first = await js.get_msg(
+            topology.EVENTS_STREAM, seq=1, subject=topology.progress_counter_filter(job, plan, "written"), next=True
+        )
+        started = _epoch(first.time)
+    except nats.js.errors.NotFoundError:
+        started = None
+    try:
+        last = await js.get_last_msg(topology.EVENTS_STREAM, topology.progress_counter_filter(job, plan, "uploaded"))
+        finished = _epoch(last.time)
+    except nats.js.errors.NotFoundError:
+        finished = None
+    return started, finished
+
+
+async def recent_upload_rate(
+    js: JetStreamContext, job: str, plan: str, *, window_s: float, started_at: float | None
+) -> float | None:
+    """Samples uploaded per second over the last `window_s` (or since `started_at`, the job's first
+    marker, when that is more recent); None before anything was written."""
+    if started_at is None:
+        return None
+    now = time.time()
+    span = min(window_s, now - started_at)
+    if span <= 1.0:
+        return None
+    since = datetime.datetime.fromtimestamp(now - span, tz=datetime.UTC)
+    uploaded = await count_stored(
+        js, topology.EVENTS_STREAM, topology.progress_counter_filter(job, plan or "none", "uploaded"), since=since
+    )
+    return uploaded / span
 
 
 async def find_marker(js: JetStreamContext, subject: Callable[..., str], job: str, plan: str, name: int | str):

@@ -1,6 +1,9 @@
 """One reading of a job, as `hsx status` prints it and the monitor reports from (`StatusView`),
 made from what was counted (hsx/wire/counts.py) and folded (hsx/wire/fold.py): `done`, `failed`
-and its reason, and the uploaders' word that the destination refuses their writes.
+and its reason, the job's `state` (waiting for workers, running, stalled, failed, done), the
+workers alive by service, and the uploaders' word that the destination refuses or fails their
+writes, all from the workers' last heartbeats. A worker that said goodbye (`stopping`) is gone,
+not alive and not silent.
 """
 
 import time
@@ -10,6 +13,15 @@ import msgspec
 from hsx.wire import schemas, topology
 from hsx.wire.counts import ProgressCounts, QueueState
 from hsx.wire.fold import ProgressFold
+
+# The job's states (`StatusView.state`).
+WAITING = "waiting for workers"  # published, nothing done yet, no worker alive
+RUNNING = "running"
+STALLED = "stalled"  # work left, something done, no worker alive (for `no_worker_alive_s`)
+FAILED = "failed"
+DONE = "done"
+GONE = "stopping"  # the last heartbeat of a worker that stopped cleanly
+WORKER_SERVICES = ("gpu_consumer", "uploader")  # always in `workers_alive`, 0 when none
 
 
 class DestinationRefusal(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,6 +75,18 @@ class StatusView(msgspec.Struct, frozen=True, kw_only=True):
     destination_error: str | None
     destination_refusals: list[DestinationRefusal]  # of live uploaders refused, newest first
     as_of: float
+    # Added fields (defaults keep older readers of the JSON and constructors working):
+    state: str = RUNNING  # WAITING, RUNNING, STALLED, FAILED or DONE
+    no_worker_alive_s: float | None = None  # with STALLED: seconds since the last live heartbeat
+    workers_alive: dict[str, int] = {}  # service -> workers whose heartbeat is live (not stopping)
+    samples_per_s: float | None = None  # samples uploaded per second, over a recent window
+    eta_s: float | None = None  # seconds to done at samples_per_s; None while no rate is known
+    model: str = ""
+    layers: list[schemas.Layer] = []
+    started_at: float | None = None  # the job's first `written` marker (server time)
+    finished_at: float | None = None  # once done: its last `uploaded` marker
+    elapsed_s: float | None = None  # from started_at to finished_at (done) or to now
+    average_samples_per_s: float | None = None  # samples uploaded / elapsed_s
 
 
 def destination_refusals(
@@ -83,6 +107,56 @@ def destination_refusals(
     return [DestinationRefusal(uploader=beat.instance, node=beat.node, reason=beat.detail) for beat in refused]
 
 
+def live_heartbeats(heartbeats: dict[str, schemas.Heartbeat], *, now: float, live_s: float) -> list[schemas.Heartbeat]:
+    """The heartbeats of workers alive at `now`: younger than `live_s` and not a goodbye."""
+    return [beat for beat in heartbeats.values() if beat.state != GONE and now - beat.sent_at <= live_s]
+
+
+def workers_alive(heartbeats: dict[str, schemas.Heartbeat], *, now: float, live_s: float) -> dict[str, int]:
+    alive = dict.fromkeys(WORKER_SERVICES, 0)
+    for beat in live_heartbeats(heartbeats, now=now, live_s=live_s):
+        alive[beat.service] = alive.get(beat.service, 0) + 1
+    return alive
+
+
+def destination_trouble(heartbeats: dict[str, schemas.Heartbeat], *, now: float, live_s: float) -> str | None:
+    """What a live uploader last said about the destination while retrying its uploads (an
+    endpoint it cannot reach, a timeout): not a refusal, and not a failure, but the reason nothing
+    is uploaded. The newest such word."""
+    retrying = sorted(
+        (
+            beat
+            for beat in live_heartbeats(heartbeats, now=now, live_s=live_s)
+            if beat.service == "uploader" and beat.state == "retrying" and beat.detail
+        ),
+        key=lambda beat: beat.sent_at,
+        reverse=True,
+    )
+    return retrying[0].detail if retrying else None
+
+
+def job_state(
+    *,
+    done: bool,
+    failed: bool,
+    alive: dict[str, int],
+    anything_done: bool,
+    heartbeats: dict[str, schemas.Heartbeat],
+    now: float,
+) -> tuple[str, float | None]:
+    """(the job's state, with STALLED the seconds since the newest heartbeat of any worker)."""
+    if done:
+        return DONE, None
+    if failed:
+        return FAILED, None
+    if any(alive.values()):
+        return RUNNING, None
+    if not anything_done:
+        return WAITING, None
+    newest = max((beat.sent_at for beat in heartbeats.values() if beat.service in WORKER_SERVICES), default=None)
+    return STALLED, None if newest is None else round(max(0.0, now - newest), 1)
+
+
 def status_view(
     spec: schemas.JobSpec | None,
     fold: ProgressFold,
@@ -93,9 +167,16 @@ def status_view(
     now: float | None = None,
     live_s: float = 30.0,
     sums_complete: bool = True,
+    samples_per_s: float | None = None,
+    started_at: float | None = None,
+    last_uploaded_at: float | None = None,
 ) -> StatusView:
     """The reading of the job from what was counted and folded. Heartbeats older than `live_s` at `now` (default: the time now) are not taken as the word of a
-    live worker. `sums_complete`: the fold has read every marker there was when it started."""
+    live worker. `sums_complete`: the fold has read every marker there was when it started.
+    `samples_per_s`: the upload rate the caller measured over a recent window (the ETA's);
+    `started_at`, `last_uploaded_at`: the times of the job's first `written` and last `uploaded`
+    markers, when known (the elapsed time and the average rate)."""
+    now = time.time() if now is None else now
     total = spec.total_samples if spec else 0
     uploaded = counts.samples_uploaded
     # Done: every planned sample of this plan has its `uploaded` marker, and nothing is left in
@@ -119,12 +200,29 @@ def status_view(
     )
     # A refusing destination (a missing bucket, bad credentials, a denied permission) is a failure
     # for as long as it lasts: nothing is uploaded until someone fixes it, then it clears by itself.
-    refusals = (
-        [] if done else destination_refusals(fold.heartbeats, now=time.time() if now is None else now, live_s=live_s)
-    )
+    refusals = [] if done else destination_refusals(fold.heartbeats, now=now, live_s=live_s)
     if refusals:
         failed = True
         failure_reason = f"the destination refuses uploads: {refusals[0].reason}"
+    destination_error = refusals[0].reason if refusals else None
+    if destination_error is None and not done:
+        destination_error = destination_trouble(fold.heartbeats, now=now, live_s=live_s)
+    alive = workers_alive(fold.heartbeats, now=now, live_s=live_s)
+    anything_done = uploaded > 0 or counts.batches_done > 0 or fold.samples_written > 0
+    state, no_worker_alive_s = job_state(
+        done=done, failed=failed, alive=alive, anything_done=anything_done, heartbeats=fold.heartbeats, now=now
+    )
+    if done:
+        eta_s: float | None = 0.0
+    elif failed or not samples_per_s:
+        eta_s = None
+    else:
+        eta_s = round(max(0, total - uploaded) / samples_per_s, 1)
+    finished_at = last_uploaded_at if done else None
+    elapsed_s = None
+    if started_at is not None:
+        elapsed_s = round(max(0.0, (finished_at if finished_at is not None else now) - started_at), 1)
+    average = round(uploaded / elapsed_s, 3) if elapsed_s else None
     return StatusView(
         job=job,
         exists=spec is not None,
@@ -156,7 +254,18 @@ def status_view(
         done=done,
         failed=failed,
         failure_reason=failure_reason,
-        destination_error=refusals[0].reason if refusals else None,
+        destination_error=destination_error,
         destination_refusals=refusals,
         as_of=time.time(),
+        state=state,
+        no_worker_alive_s=no_worker_alive_s,
+        workers_alive=alive,
+        samples_per_s=None if samples_per_s is None else round(samples_per_s, 3),
+        eta_s=eta_s,
+        model=spec.model if spec else "",
+        layers=list(spec.layers) if spec else [],
+        started_at=started_at,
+        finished_at=finished_at,
+        elapsed_s=elapsed_s,
+        average_samples_per_s=average,
     )
