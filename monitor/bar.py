@@ -63,7 +63,8 @@ def render_bar(reading: Reading, *, job: str, width: int = 200) -> str:
     if view.done:
         return _fit(
             [
-                f"{job} done: {view.samples_uploaded}/{view.total_samples} samples",
+                f"{job} done: {view.samples_uploaded}/{view.total_samples} samples"
+                + (f" in {_duration(view.elapsed_s)}" if view.elapsed_s is not None else ""),
                 f"{_count(view.tokens_uploaded)} tokens",
                 _size(view.bytes_uploaded),
                 f"{view.batches_done} batches",
@@ -88,8 +89,12 @@ def render_bar(reading: Reading, *, job: str, width: int = 200) -> str:
         f"{_count(reading.tokens_per_s)} tok/s",
     ]
     if view.failed:
-        refused = view.destination_error
+        refused = view.destination_refusals
         parts.append("FAILED: destination refuses uploads" if refused else "FAILED: only dead samples left")
+    elif not live_workers_by_service(reading):
+        # As the reading's workers say (the view's `state` is the same rule at the view's time).
+        anything_done = view.samples_uploaded or view.batches_done or view.samples_written
+        parts.append("STALLED: no worker alive" if anything_done else "waiting for workers")
     if view.dead_letters:
         parts.append(f"dead letters {view.dead_letters}")
     parts.append(f"workers {workers}" + (f" ({silent} silent)" if silent else ""))
@@ -103,7 +108,10 @@ class TerminalBar:
     """Draws one line in place on `stream`; text written to `above` appears above it.
 
     structlog writes through `above` while the bar is on screen, so warnings and the summary
-    scroll up and the bar stays the last line.
+    scroll up and the bar stays the last line. Other processes on the same terminal (workers
+    started with `&` in the same shell) write wherever the cursor is: the bar leaves it at the
+    start of its line, so their lines are written over the bar from its first column, never
+    appended to it, and the next drawing goes below them.
     """
 
     def __init__(self, stream: TextIO) -> None:
@@ -115,19 +123,19 @@ class TerminalBar:
     def draw(self, line: str) -> None:
         with self._lock:
             self.line = line
-            self.stream.write(_CLEAR_LINE + line)
+            self.stream.write(_CLEAR_LINE + line + "\r")
             self.stream.flush()
 
     def print_above(self, text: str) -> None:
         with self._lock:
-            self.stream.write(_CLEAR_LINE + text.rstrip("\n") + "\n" + self.line)
+            self.stream.write(_CLEAR_LINE + text.rstrip("\n") + "\n" + self.line + ("\r" if self.line else ""))
             self.stream.flush()
 
     def finish(self) -> None:
         """Leave the last drawing on screen and move below it."""
         with self._lock:
             if self.line:
-                self.stream.write("\n")
+                self.stream.write(_CLEAR_LINE + self.line + "\n")
                 self.stream.flush()
             self.line = ""
 

@@ -34,6 +34,7 @@ from hsx.monitor.report import (
 )
 from hsx.storage.index import build_job_index
 from hsx.wire import schemas
+from hsx.wire.counts import marker_times
 from hsx.wire.statusview import status_view
 from hsx.wire.tracker import ProgressTracker
 from hsx.wire.worker import JobWatch, job_session
@@ -147,9 +148,11 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                     bar.draw(render_bar(reading, job=cfg.job, width=shutil.get_terminal_size().columns))
                 else:
                     log.info("progress", **progress_line(reading))
-                for degraded in degraded_workers(heartbeats, now=now, silent_after_s=cfg.silent_after_s):
+                for degraded in degraded_workers(
+                    heartbeats, now=now, silent_after_s=cfg.silent_after_s, done=view.done
+                ):
                     log.warning("worker_degraded", **degraded)
-                silent = silent_workers(heartbeats, now=now, silent_after_s=cfg.silent_after_s)
+                silent = silent_workers(heartbeats, now=now, silent_after_s=cfg.silent_after_s, done=view.done)
                 for worker in silent:
                     if worker["instance"] not in reported_silent:
                         log.warning("consumer_silent", **worker)
@@ -162,19 +165,32 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                         log.warning("consumer_stalled", **worker)
                         reported_stalled.add((worker["instance"], worker["batch"]))
                 reported_stalled &= {(worker["instance"], worker["batch"]) for worker in stalled}
-                if view.destination_error != refusal:
-                    if view.destination_error:
+                # A refusal, not an uploader retrying (`destination_error` says that too): that
+                # is a `worker_degraded` warning, and not the job's failure.
+                refused = view.destination_refusals[0].reason if view.destination_refusals else None
+                if refused != refusal:
+                    if refused:
                         log.error(
                             "destination_failed",
                             dest=view.dest,
-                            reason=view.destination_error,
+                            reason=refused,
                             uploaders=len(view.destination_refusals),
                         )
                     else:
                         log.info("destination_recovered", dest=view.dest)
-                    refusal = view.destination_error
+                    refusal = refused
                 if view.done and not summarised:
-                    log.info("job_summary", **summary_line(reading, monitored_s=time.monotonic() - started))
+                    elapsed_s = None
+                    try:
+                        first, last = await marker_times(js, cfg.job, spec.plan_tag)
+                        if first is not None and last is not None:
+                            elapsed_s = max(0.0, last - first)
+                    except Exception as exc:  # the summary says the monitored time instead
+                        log.warning("job_times_unavailable", error=str(exc) or type(exc).__name__)
+                    log.info(
+                        "job_summary",
+                        **summary_line(reading, monitored_s=time.monotonic() - started, elapsed_s=elapsed_s),
+                    )
                     summarised = True
                     await _write_index(js, spec)
                     if cfg.until_done:

@@ -51,6 +51,9 @@ SUMMARY_FIELDS = (
     "samples_requeued",
     "dead_letters",
     "monitored_s",
+    "elapsed_s",
+    "samples_per_s",
+    "tokens_per_s",
 )
 
 SILENT = "silent"  # the state reported for a worker whose heartbeat stopped
@@ -76,11 +79,13 @@ def _is_silent(beat: schemas.Heartbeat, now: float, silent_after_s: float) -> bo
 
 
 def worker_states(
-    heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float
+    heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float, done: bool = False
 ) -> dict[tuple[str, str, str], int]:
+    """(service, node, state) -> how many workers; a worker that said goodbye is not counted, nor,
+    once the job is done, one that fell silent (it had nothing more to do: no problem)."""
     counts: dict[tuple[str, str, str], int] = {}
     for beat in heartbeats.values():
-        if beat.state == _GONE:
+        if beat.state == _GONE or (done and _is_silent(beat, now, silent_after_s)):
             continue
         state = SILENT if _is_silent(beat, now, silent_after_s) else beat.state
         key = (beat.service, beat.node, state)
@@ -101,9 +106,14 @@ def spool_by_node(heartbeats: dict[str, schemas.Heartbeat]) -> dict[str, tuple[i
     return {node: (beat.spool_files, beat.spool_bytes) for node, beat in sorted(newest.items())}
 
 
-def silent_workers(heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float) -> list[dict]:
+def silent_workers(
+    heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float, done: bool = False
+) -> list[dict]:
     """Workers whose heartbeat stopped without saying goodbye: killed, hung, or cut off from NATS.
-    `last_batch` is the batch a GPU consumer last started (empty for an uploader)."""
+    `last_batch` is the batch a GPU consumer last started (empty for an uploader). None once the
+    job is `done`: a worker of a finished job that went away is no problem."""
+    if done:
+        return []
     return [
         {
             "instance": beat.instance,
@@ -118,9 +128,14 @@ def silent_workers(heartbeats: dict[str, schemas.Heartbeat], *, now: float, sile
     ]
 
 
-def degraded_workers(heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float) -> list[dict]:
+def degraded_workers(
+    heartbeats: dict[str, schemas.Heartbeat], *, now: float, silent_after_s: float, done: bool = False
+) -> list[dict]:
     """Live workers that say they cannot make progress: a consumer paused at the spool's high-water
-    mark, waiting for disk space or stuck in a stalled forward, an uploader retrying a failing destination or refused by it."""
+    mark, waiting for disk space or stuck in a stalled forward, an uploader retrying a failing
+    destination or refused by it. None once the job is `done`: nothing is left to make progress on."""
+    if done:
+        return []
     return [
         {
             "instance": beat.instance,
@@ -179,7 +194,7 @@ def take_reading(
         tokens_per_s=tokens_per_s,
         samples_per_s=samples_per_s,
         eta_s=eta_to_done(view, tokens_per_s=tokens_per_s, samples_per_s=samples_per_s),
-        workers=worker_states(heartbeats, now=now, silent_after_s=silent_after_s),
+        workers=worker_states(heartbeats, now=now, silent_after_s=silent_after_s, done=view.done),
         spool=spool_by_node(heartbeats),
     )
 
@@ -234,9 +249,12 @@ def progress_line(reading: Reading) -> dict:
     }
 
 
-def summary_line(reading: Reading, *, monitored_s: float) -> dict:
-    """The fields of the `job_summary` line, in SUMMARY_FIELDS order."""
+def summary_line(reading: Reading, *, monitored_s: float, elapsed_s: float | None = None) -> dict:
+    """The fields of the `job_summary` line, in SUMMARY_FIELDS order. `elapsed_s`: from the job's
+    first `written` marker to its last `uploaded` one (the monitored time when unknown); the rates
+    are the averages over it."""
     view = reading.view
+    elapsed = monitored_s if elapsed_s is None else elapsed_s
     return {
         "samples": view.samples_uploaded,
         "tokens": view.tokens_uploaded,
@@ -247,4 +265,7 @@ def summary_line(reading: Reading, *, monitored_s: float) -> dict:
         "samples_requeued": view.samples_requeued,
         "dead_letters": view.dead_letters,
         "monitored_s": round(monitored_s, 1),
+        "elapsed_s": round(elapsed, 1),
+        "samples_per_s": round(view.samples_uploaded / elapsed, 2) if elapsed > 0 else None,
+        "tokens_per_s": round(view.tokens_uploaded / elapsed, 1) if elapsed > 0 else None,
     }

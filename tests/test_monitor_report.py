@@ -193,7 +193,9 @@ def test_terminal_bar_prints_log_lines_above_itself_and_ends_below():
     bar.draw("second")
     print("a warning", file=bar.above, flush=True)  # what structlog's PrintLogger does
     bar.finish()
-    assert out.getvalue() == "\r\x1b[2Kfirst\r\x1b[2Ksecond\r\x1b[2Ka warning\nsecond\n"
+    # Each drawing leaves the cursor at the start of its line ("\r"): another process's line
+    # written meanwhile goes over the bar, not after it (tests/test_status_truth.py).
+    assert out.getvalue() == "\r\x1b[2Kfirst\r\r\x1b[2Ksecond\r\r\x1b[2Ka warning\nsecond\r\r\x1b[2Ksecond\n"
 
 
 def _scrape(collector: JobCollector) -> dict[tuple[str, tuple], float]:
