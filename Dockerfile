@@ -20,7 +20,7 @@ RUN groupadd --system --gid 1000 hsx \
 WORKDIR /app
 
 
-# What a node that only moves files or reads NATS needs: `pip install hsx`, no extra.
+# What a node that only moves files or reads NATS needs: the hsx-extract distribution, no extra.
 FROM base AS slim
 COPY . /app
 RUN pip install --no-cache-dir . \

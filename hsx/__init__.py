@@ -10,6 +10,6 @@ The core, in rooms (docs/ARCHITECTURE.md, "Layout"): `hsx.wire` (messages, topol
 from importlib.metadata import PackageNotFoundError, version
 
 try:
-    __version__ = version("hsx")  # pyproject.toml is the one place the version is written
+    __version__ = version("hsx-extract")  # the distribution (pyproject.toml), where the version is written
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
