@@ -57,11 +57,15 @@ UP_MADE = {"model": None, "dataset": None, "dest": None}
 
 @dataclass(frozen=True, kw_only=True)
 class UpConfig:
-    # A server to use instead of starting one (`nats` is then it, with the credentials' flags).
-    # Not HSX_NATS_URL: an exported URL would silently replace the embedded server; a job file's
-    # [nats] url does, a file is named on purpose.
+    # A server to use instead of starting one (`nats` is then it, with the credentials' flags):
+    # --nats, HSX_NATS_URL or a job file's [nats] url, as for every other command; none of them
+    # set, up starts its own.
     url: str | None = option(
-        "--nats", default=None, secret=redact_url, help="use this NATS server instead of starting one"
+        "--nats",
+        default=None,
+        env="HSX_NATS_URL",
+        secret=redact_url,
+        help="use this NATS server instead of starting one (env HSX_NATS_URL; default: start one)",
     )
     workdir: Path = option(
         "--workdir", default=Path("hsx-demo"), parse=Path, help="state, store, spool, logs (default ./hsx-demo)"
