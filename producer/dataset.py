@@ -23,6 +23,7 @@ from hsx.errors import HsxError
 from hsx.storage.tokens import SampleTable, SampleTableBuilder, TokenChunk, TokenRow
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+_UTF8_BOM = b"\xef\xbb\xbf"
 PARQUET_SUFFIXES = (".parquet", ".pq")
 _COLUMNS = ("input_ids", "loss_mask", "id")
 _CHAT_FIELDS = ("messages", "conversations")  # looked for in this order unless --chat-field names one
@@ -244,6 +245,8 @@ def _read_jsonl(path: Path, on_bad_row: OnBadRow = None, chat_field: str | None 
     decoder = _decoder(chat_field)
     with open(path, "rb") as f:
         for line_number, line in enumerate(f, start=1):
+            if line_number == 1:
+                line = line.removeprefix(_UTF8_BOM)  # editors on Windows start a UTF-8 file with one
             if not line.strip():
                 continue
             where = f"{path}:{line_number}"
