@@ -21,6 +21,9 @@ import structlog
 # The handler configure_logging installed on the root logger, replaced when it is called again.
 _handler: logging.Handler | None = None
 _CHATTY_LIBRARIES = ("botocore", "boto3", "s3transfer", "urllib3", "asyncio", "filelock", "fsspec", "httpx", "httpcore")
+# Loggers whose info says nothing a user needs, on every run: warnings only, whatever --log-level
+# ("Found credentials in environment variables." on every S3 command).
+_WARNINGS_ONLY = ("botocore.credentials",)
 
 
 def configure_logging(*, json: bool | None = None, level: str = "info", file: TextIO | None = None) -> None:
@@ -67,6 +70,8 @@ def configure_logging(*, json: bool | None = None, level: str = "info", file: Te
     # Libraries that narrate every request at debug level stay at info even with --log-level debug.
     for chatty in _CHATTY_LIBRARIES:
         logging.getLogger(chatty).setLevel(max(numeric_level, logging.INFO))
+    for quiet in _WARNINGS_ONLY:
+        logging.getLogger(quiet).setLevel(max(numeric_level, logging.WARNING))
     logging.captureWarnings(True)
 
 
