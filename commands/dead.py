@@ -107,7 +107,14 @@ async def _resolution(js, job: str, plan: str, letter: schemas.DeadLetter) -> st
 async def _letters_and_resolutions(js, kv, job: str) -> list[tuple[int, schemas.DeadLetter, str]]:
     spec = await read_job_spec(kv, job)
     plan = spec.plan_tag if spec else ""
-    return [(seq, letter, await _resolution(js, job, plan, letter)) for seq, letter in await _read_letters(js, job)]
+    letters = await _read_letters(js, job)
+    if spec is None and not letters:
+        # A typo must not read as a clean job; letters whose job was since deleted are still shown.
+        raise HsxError(
+            f"job {job} not found: no job spec in KV bucket {topology.JOBS_BUCKET} and no dead letters "
+            "(hsx jobs list shows the jobs)"
+        )
+    return [(seq, letter, await _resolution(js, job, plan, letter)) for seq, letter in letters]
 
 
 async def list_dead(settings: NatsSettings, job: str) -> list[dict]:

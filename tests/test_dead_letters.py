@@ -1,10 +1,12 @@
 """A descriptor that does not decode is poison: it is dead-lettered with its error, removed from
-the work queue, counted by status, and the rest of the job completes."""
+the work queue, counted by status, and the rest of the job completes. `hsx dead` on a job that
+does not exist is a one-line error, not an empty list."""
 
 import asyncio
 import json
 
 import nats
+from test_cli_errors import assert_one_line_error
 
 from hsx.wire import schemas, topology
 
@@ -73,3 +75,10 @@ def test_undecodable_descriptor_is_dead_lettered_and_the_job_completes(
     assert queued == 0, "the poison descriptor is still in the work queue"
     assert letters[0].what == "batch" and "does not decode" in letters[0].error
     assert letters[0].original == b'{"type": "batch.v1", "job": 42}'
+
+
+def test_dead_list_of_a_job_that_does_not_exist_is_a_one_line_error(hsx, job_name):
+    for command in (["list"], ["list", "--json"], ["retry", "--all"]):
+        result = hsx("dead", *command, "--job", job_name)
+        assert_one_line_error(result, f"job {job_name} not found", "hsx jobs list")
+        assert result.stdout == "", result.stdout
