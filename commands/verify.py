@@ -108,13 +108,17 @@ class MismatchingSample(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Recomputed(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """One sample computed again on the CPU; `max_abs_error` is None when the shapes differ."""
+    """One sample computed again on the CPU; `max_abs_error` is None when the shapes differ.
+    The errors come with the scale they are measured against: the recomputed reference's largest
+    magnitude (`reference_max_abs`) and norm (`reference_norm`, the relative error's denominator)."""
 
     sample_index: int
     ok: bool
     max_abs_error: float | None
     relative_error: float | None
     tolerance: dict[str, float] | None = None  # {"max_abs_error": ...} or {"relative_error": ...}
+    reference_max_abs: float | None = None  # max |reference| over the sample's hidden states
+    reference_norm: float | None = None  # ||reference||
     detail: str | None = None
 
 
@@ -238,6 +242,7 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
             continue
         diff = stored - reference
         max_abs = diff.abs().max().item() if diff.numel() else 0.0
+        ref_max_abs = reference.abs().max().item() if reference.numel() else 0.0
         ref_norm = reference.norm().item()
         relative = diff.norm().item() / ref_norm if ref_norm > 0 else (0.0 if max_abs == 0 else float("inf"))
         if spec.dtype == "float32":
@@ -247,10 +252,24 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
             ok, tolerance = relative <= limit, {"relative_error": limit}
         results.append(
             Recomputed(
-                sample_index=index, ok=bool(ok), max_abs_error=max_abs, relative_error=relative, tolerance=tolerance
+                sample_index=index,
+                ok=bool(ok),
+                max_abs_error=max_abs,
+                relative_error=relative,
+                tolerance=tolerance,
+                reference_max_abs=ref_max_abs,
+                reference_norm=ref_norm,
             )
         )
-        log.info("verify_recomputed", sample_index=index, max_abs_error=max_abs, relative_error=relative, ok=ok)
+        log.info(
+            "verify_recomputed",
+            sample_index=index,
+            max_abs_error=max_abs,
+            relative_error=relative,
+            tolerance=tolerance,
+            reference_max_abs=ref_max_abs,
+            ok=ok,
+        )
     return results
 
 
@@ -431,8 +450,20 @@ def format_report(report: VerifyReport, *, as_json: bool) -> str:
             if r.max_abs_error is None:
                 lines.append(f"    sample {r.sample_index}: FAIL ({r.detail})")
             else:
-                lines.append(
-                    f"    sample {r.sample_index}: {'ok' if r.ok else 'FAIL'} max abs error {r.max_abs_error:.3g}, "
-                    f"relative error {r.relative_error:.3g} (limit {r.tolerance})"
-                )
+                lines.append(f"    sample {r.sample_index}: {'ok' if r.ok else 'FAIL'} {_errors_and_scale(r)}")
     return "\n".join(lines)
+
+
+def _errors_and_scale(r: Recomputed) -> str:
+    """The errors, the limit the check holds one of them to, and the scale of the reference."""
+    limit = ", ".join(f"{name.replace('_', ' ')} <= {value:.3g}" for name, value in (r.tolerance or {}).items())
+    scale = []
+    if r.reference_max_abs is not None:
+        scale.append(f"max |reference| {r.reference_max_abs:.3g}")
+    if r.reference_norm is not None:
+        scale.append(f"||reference|| {r.reference_norm:.3g}")
+    return (
+        f"max abs error {r.max_abs_error:.3g}, relative error {r.relative_error:.3g}"
+        + (f" (limit: {limit})" if limit else "")
+        + (f"; scale: {', '.join(scale)}" if scale else "")
+    )

@@ -1,5 +1,6 @@
 """`hsx verify` on a real finished job: a 12-sample job runs through the real pipeline (produce ->
-consume on CPU -> upload to a file:// destination), then verify passes with a recompute, and each
+consume on CPU -> upload to a file:// destination), then verify passes with a recompute (each error
+shown beside its limit and the reference's scale), and each
 damage done to the destination (a flipped data byte, a flipped header byte, a deleted file,
 another sample's file under a key, a stray sample file) is named. Each damage is undone after
 its check, so the tests stay independent while sharing the one job.
@@ -145,6 +146,14 @@ def test_verify_passes_and_recomputes(file_job, services):
     assert [r["sample_index"] for r in recompute["results"]] == recompute["indices"], recompute
     for r in recompute["results"]:
         assert r["ok"] and r["max_abs_error"] <= 1e-4 and r["relative_error"] < 1e-4, r
+        # Each error beside the limit and the scale it is measured against.
+        assert r["tolerance"] == {"max_abs_error": 1e-4} and r["reference_max_abs"] > 0 < r["reference_norm"], r
+    text = format_report(msgspec.convert(report, VerifyReport), as_json=False)
+    first = recompute["results"][0]
+    line = next(line for line in text.splitlines() if f"sample {first['sample_index']}: ok" in line)
+    assert "limit: max abs error <= 0.0001" in line and f"max |reference| {first['reference_max_abs']:.3g}" in line, (
+        text
+    )
     # Progress goes to the log stream, the report alone to stdout.
     assert '"event": "verify_done"' in result.stderr, result.stderr[-2000:]
 
