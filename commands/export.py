@@ -79,6 +79,11 @@ class LeftOut(msgspec.Struct, frozen=True, omit_defaults=True):
     sample_index: int
     reason: str
     count: int = 1  # consecutive samples from sample_index that this entry stands for
+    source_id: str | None = None  # the dataset row's id, where the sample's file was read
+
+    def named(self) -> str:
+        """The sample as the report's text names it: its index, and its row's id when known."""
+        return f"{self.sample_index}" if self.source_id is None else f"{self.sample_index} (id {self.source_id})"
 
 
 class _Failed(Exception):
@@ -139,7 +144,7 @@ def _read(
         raise _Failed(f"unreadable: {key}: {type(exc).__name__}: {exc}") from None
     try:
         checked_digest([data])  # the checksum inside the file: SampleFileCorrupt if a byte changed
-        tensors, _ = load_sample(data)
+        tensors, metadata = load_sample(data)
         failed = mismatches(data, expected, sample_index)
     except SampleFileCorrupt as exc:
         raise _Failed(f"damaged: {key}: {exc}") from None
@@ -152,6 +157,7 @@ def _read(
         input_ids=ids,
         loss_mask=torch.ones_like(ids) if mask is None else mask.to(torch.int64),
         hidden_states=dequantize(tensors).to(dtype),
+        source_id=metadata.get("source_id"),
     )
 
 
@@ -225,7 +231,8 @@ def run_export(cfg: ExportConfig) -> ExportReport:
         sample = _read(folder, job, sample_index, dtype, expected)
         why = trainers.refusal(cfg.to, sample)
         if why is not None:
-            left_out.append(LeftOut(sample_index, why))
+            left_out.append(LeftOut(sample_index, why, source_id=sample.source_id))
+            log.info("export_sample_left_out", sample_index=sample_index, source_id=sample.source_id, reason=why)
             return
         trainers.write_atomically(target(sample_index), trainers.encode(cfg.to, trainers.features(cfg.to, sample)))
         exported.append(sample_index)
@@ -300,7 +307,7 @@ def format_report(report: ExportReport, *, as_json: bool) -> str:
         f"  trainer layer ids: {json.dumps(report.trainer_layer_ids)} (hsx layers {report.layers})",
     ]
     if report.left_out:
-        shown = ", ".join(f"{entry.sample_index}" for entry in report.left_out[:20])
+        shown = ", ".join(entry.named() for entry in report.left_out[:20])
         lines.append(
             f"  left out {len(report.left_out)} the trainer cannot take: {shown} ({report.left_out[0].reason})"
         )

@@ -162,6 +162,7 @@ def test_specforge_dflash_reads_the_export(jobs, tmp_path):
     left = {entry["sample_index"] for entry in report["left_out"]}
     assert left == {3, 4} and report["samples_exported"] == 4 and not report["failed"]
     assert "no two consecutive supervised tokens" in report["left_out"][0]["reason"]
+    assert [entry["source_id"] for entry in report["left_out"]] == ["3", "4"], report["left_out"]  # rows without id
     assert sorted(p.name for p in out.rglob("*.ckpt")) == [f"data_{i}.ckpt" for i in (0, 1, 2, 5)]
     assert all(p.parent.name == "rows_0-2000" for p in out.rglob("*.ckpt"))
 

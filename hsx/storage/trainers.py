@@ -46,6 +46,7 @@ class Sample:
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] int64 (all ones when the dataset had none)
     hidden_states: torch.Tensor  # [T, k, H], dequantized
+    source_id: str | None = None  # the dataset row's id (its file's metadata), to name a sample left out
 
 
 def trainer_layer_ids(fmt: str, spec: schemas.JobSpec) -> dict:
