@@ -19,6 +19,8 @@ from hsx.wire.topology import job_name
 ON_LONG = ("error", "truncate", "skip")
 # What to do with a row that cannot be a sample (producer/inputs.py, `BadRows`).
 ON_BAD_ROW = ("error", "skip")
+# What to do with a sample whose loss mask is all 0, nothing to train on (producer/inputs.py, `EmptyMasks`).
+ON_EMPTY_MASK = ("keep", "skip", "error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +141,16 @@ class ProducerConfig:
         help="a row that cannot be a sample (bad JSON, no ids or conversation, a conversation the chat template "
         "cannot render, ids outside the vocabulary): error (default) names it and stops, skip sets it aside; "
         "skipped rows are counted in hsx status and listed in the job's report",
+    )
+    on_empty_mask: str = option(
+        "--on-empty-mask",
+        default="keep",
+        choices=ON_EMPTY_MASK,
+        job=True,
+        help="a sample whose loss mask is all 0, nothing to train on (a chat row with no assistant reply the "
+        "template marks, a mask --on-long truncate cut away, a token row's all-zero loss_mask): keep (default) "
+        "extracts it as the trainers' own preprocessing keeps it, skip sets it aside, error names the first and "
+        "stops; they are counted in the log and listed in the job's report",
     )
     max_bad_rows: BadRowCap | None = option(
         "--max-bad-rows",

@@ -14,11 +14,18 @@ A bad row (`BadRow`: found reading, rendering its conversation, or holding ids o
 vocabulary) goes to `BadRows`, the --on-bad-row policy: `error` stops the job at the first one,
 `skip` records it (where, id, a reason cut to 300 characters) and its place gets no sample;
 --max-bad-rows refuses the dataset when too many are bad. All of it before anything is stored.
+
+After --on-long (a cut can leave a mask all 0), `apply_on_empty_mask` finds the samples that have
+a loss mask with no 1 in it, nothing to train on (a row without a mask trains on every token and
+is not one of them): --on-empty-mask `keep` extracts them anyway, `skip` leaves them out (the kept
+samples stay numbered 0..N-1), `error` names the first; kept or skipped, each is listed
+(`EmptyMask`) for the report.
 """
 
+import dataclasses
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
@@ -29,7 +36,7 @@ import structlog
 from hsx.errors import HsxError
 from hsx.producer.chat import ChatTemplateInfo, ChatTokenizer
 from hsx.producer.chat_pool import POOL_MIN_ROWS, tokenize_chats
-from hsx.producer.config import BadRowCap
+from hsx.producer.config import ON_EMPTY_MASK, BadRowCap
 from hsx.producer.conventions import HSX, ChatConvention
 from hsx.producer.dataset import BadRow, ChatRow, read_source
 from hsx.producer.lengths import LongSample, apply_on_long_table
@@ -83,6 +90,83 @@ class BadRows:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class EmptyMask:
+    """A sample whose loss mask is all 0, as the report lists it."""
+
+    where: str  # the row's "file:LINE" or "file: row N"
+    source_id: str
+    sample_index: int | None  # in the job; None when --on-empty-mask skip left it out
+    reason: str
+
+
+def empty_mask_indices(samples: SampleTable) -> np.ndarray:
+    """The indices of the samples that have a loss mask and no 1 in it (one pass over the masks)."""
+    if not samples.has_mask.any():
+        return np.zeros(0, dtype=np.int64)
+    supervised = np.zeros(len(samples), dtype=np.int64)
+    for first, offsets, _tokens, masks in samples.runs():
+        if masks is None:
+            continue
+        ones = np.zeros(len(masks) + 1, dtype=np.int64)
+        np.cumsum(masks != 0, out=ones[1:])
+        supervised[first : first + len(offsets) - 1] = ones[offsets[1:]] - ones[offsets[:-1]]
+    return np.flatnonzero(samples.has_mask & (supervised == 0))
+
+
+def apply_on_empty_mask(
+    samples: SampleTable, *, on_empty_mask: str, long: Sequence[LongSample] = ()
+) -> tuple[SampleTable, list[EmptyMask], list[LongSample]]:
+    """(the job's samples, those whose loss mask is all 0, `long` renumbered): `keep` keeps them,
+    `skip` leaves them out, `error` raises naming the first. `long` (the rows --on-long truncated or
+    skipped) says which were cut; a truncated one that is left out here keeps no sample index."""
+    if on_empty_mask not in ON_EMPTY_MASK:
+        raise HsxError(f"--on-empty-mask {on_empty_mask!r}: use one of {', '.join(ON_EMPTY_MASK)}")
+    empty = empty_mask_indices(samples)
+    if not len(empty):
+        return samples, [], list(long)
+    cut = {entry.sample_index: entry for entry in long if entry.action == "truncated"}
+
+    def reason(i: int) -> str:
+        if i in cut:
+            return (
+                f"its loss mask is all 0 in its first {cut[i].kept_length} tokens "
+                f"(--on-long truncate cut {cut[i].original_length})"
+            )
+        return "its loss mask is all 0 (no reply the chat template marks, or a token row's all-zero loss_mask)"
+
+    if on_empty_mask == "error":
+        i = int(empty[0])
+        raise HsxError(
+            f"{samples.where(i)}: sample {samples.source_id(i)!r} has nothing to train on: {reason(i)}; "
+            f"{len(empty)} such samples in all (--on-empty-mask keep extracts them anyway, skip leaves them out)"
+        )
+    skip = on_empty_mask == "skip"
+    entries = [
+        EmptyMask(
+            where=samples.where(i),
+            source_id=samples.source_id(i),
+            sample_index=None if skip else i,
+            reason=reason(i),
+        )
+        for i in empty.tolist()
+    ]
+    if skip:
+        keep = np.ones(len(samples), dtype=bool)
+        keep[empty] = False
+        renumbered = np.cumsum(keep) - 1
+        long = [
+            entry
+            if entry.sample_index is None
+            else dataclasses.replace(
+                entry, sample_index=int(renumbered[entry.sample_index]) if keep[entry.sample_index] else None
+            )
+            for entry in long
+        ]
+        samples = samples.select(np.flatnonzero(keep))
+    return samples, entries, list(long)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Inputs:
     samples: SampleTable  # the job's samples; sample i at index i
@@ -91,6 +175,7 @@ class Inputs:
     chat_rows: int
     chat: ChatTemplateInfo | None  # how chat rows were tokenized; None without chat rows
     bad_rows: tuple[BadRowEntry, ...] = ()  # rows set aside by --on-bad-row skip, in the order found
+    empty_masks: tuple[EmptyMask, ...] = ()  # samples with an all-zero loss mask, kept or skipped
 
     @property
     def truncated(self) -> int:
@@ -181,6 +266,7 @@ def tokenized_rows(
     on_bad_row: str = "error",
     max_bad_rows: BadRowCap | None = None,
     chat_field: str | None = None,
+    on_empty_mask: str = "keep",
 ) -> Inputs:
     builder = SampleTableBuilder()
     bad = BadRows(on_bad_row=on_bad_row, cap=max_bad_rows)
@@ -199,8 +285,31 @@ def tokenized_rows(
             f"dataset {path}: all {rows_read} rows are longer than --max-seq-len {max_seq_len} "
             "and --on-long skip leaves no samples"
         )
+    kept, empty, long = apply_on_empty_mask(samples, on_empty_mask=on_empty_mask, long=long)
+    if empty:
+        log.warning(
+            "samples_without_supervised_tokens",
+            samples=len(empty),
+            action="skipped" if on_empty_mask == "skip" else "kept",
+            first=empty[0].where,
+            first_id=empty[0].source_id,
+            hint="listed in the job's report (empty_masks); --on-empty-mask skip leaves them out"
+            if on_empty_mask == "keep"
+            else "listed in the job's report (empty_masks)",
+        )
+    if not len(kept):
+        raise HsxError(
+            f"dataset {path}: all {len(samples)} samples have an all-zero loss mask and --on-empty-mask skip "
+            f"leaves no samples; the first: {empty[0].where}"
+        )
     return Inputs(
-        samples=samples, long=long, rows_read=rows_read, chat_rows=chats.rows, chat=chat, bad_rows=tuple(bad.entries)
+        samples=kept,
+        long=long,
+        rows_read=rows_read,
+        chat_rows=chats.rows,
+        chat=chat,
+        bad_rows=tuple(bad.entries),
+        empty_masks=tuple(empty),
     )
 
 
@@ -214,6 +323,7 @@ def report_document(
     chat_as: str = "hsx",
     on_bad_row: str = "error",
     max_bad_rows: BadRowCap | None = None,
+    on_empty_mask: str = "keep",
 ) -> dict:
     """The job's input report (stored as `<job>.report.json`)."""
     return {
@@ -231,6 +341,8 @@ def report_document(
         "on_bad_row": on_bad_row,
         "max_bad_rows": None if max_bad_rows is None else str(max_bad_rows),
         "rows_bad": len(inputs.bad_rows),
+        "on_empty_mask": on_empty_mask,
+        "samples_empty_mask": len(inputs.empty_masks),
         "chat_template": None
         if inputs.chat is None
         else {
@@ -250,4 +362,8 @@ def report_document(
             for e in inputs.long
         ],
         "bad_rows": [{"where": e.where, "id": e.source_id, "reason": e.reason} for e in inputs.bad_rows],
+        "empty_masks": [
+            {"where": e.where, "id": e.source_id, "sample_index": e.sample_index, "reason": e.reason}
+            for e in inputs.empty_masks
+        ],
     }

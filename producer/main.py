@@ -120,12 +120,13 @@ async def _publish_batches(
 
 
 async def run(cfg: ProducerConfig) -> int:
+    started = time.monotonic()
     info = load_model_info(cfg.model, trust_remote_code=cfg.trust_remote_code)
     layers = resolve_layers(cfg.layers, info.num_layers, model=cfg.model)
     # Reach NATS first: an unreachable server is reported at once, not after reading a big dataset.
     nc = await connect(cfg.nats, name=f"hsx-producer-{cfg.job}")
     try:
-        return await _produce(cfg, nc, info, layers)
+        return await _produce(cfg, nc, info, layers, started=started)
     finally:
         await nc.drain()
 
@@ -146,6 +147,8 @@ def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
     if existing.rows_bad:
         # Rows read: every sample, every row --on-long skipped, every bad row.
         rows = existing.total_samples + existing.samples_skipped + existing.rows_bad
+        if existing.on_empty_mask == "skip":
+            rows += existing.samples_empty_mask
         cap = cfg.max_bad_rows
         if cfg.on_bad_row != "skip" or (cap is not None and not cap.allows(existing.rows_bad, rows)):
             asked = f"--on-bad-row {cfg.on_bad_row}" + (f" --max-bad-rows {cap}" if cap is not None else "")
@@ -154,6 +157,12 @@ def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
                 f"(--on-bad-row skip; this run: {asked}); its samples were made without them; run with "
                 "--on-bad-row skip and a cap they fit, or use another --job name"
             )
+    if existing.samples_empty_mask and existing.on_empty_mask != cfg.on_empty_mask:
+        raise HsxError(
+            f"job {cfg.job} already exists with {existing.samples_empty_mask} samples of an all-zero loss mask "
+            f"(--on-empty-mask {existing.on_empty_mask}; this run: --on-empty-mask {cfg.on_empty_mask}); its "
+            "samples were made with that; run with the same setting or use another --job name"
+        )
     if existing.dataset_digest and dataset_digest(cfg.dataset) != existing.dataset_digest:
         raise HsxError(
             f"job {cfg.job} already exists with a different dataset: {cfg.dataset} is not the data the job was made "
@@ -194,6 +203,7 @@ async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | N
         on_bad_row=cfg.on_bad_row,
         max_bad_rows=cfg.max_bad_rows,
         chat_field=cfg.chat_field,
+        on_empty_mask=cfg.on_empty_mask,
     )
     return inputs.samples, inputs
 
@@ -212,11 +222,12 @@ async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs, *, max_payload:
             chat_as=str(cfg.chat_as),
             on_bad_row=cfg.on_bad_row,
             max_bad_rows=cfg.max_bad_rows,
+            on_empty_mask=cfg.on_empty_mask,
         ),
         max_payload=max_payload,
     )
     log.info("samples_stored", job=cfg.job, bucket=topology.DATASETS_BUCKET, object=tokens, samples=len(inputs.samples))
-    (log.warning if inputs.long or inputs.bad_rows else log.info)(
+    (log.warning if inputs.long or inputs.bad_rows or inputs.empty_masks else log.info)(
         "input_report",
         job=cfg.job,
         bucket=topology.DATASETS_BUCKET,
@@ -225,18 +236,21 @@ async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs, *, max_payload:
         samples_skipped=inputs.skipped,
         rows_bad=len(inputs.bad_rows),
         first_bad_row=inputs.bad_rows[0].where if inputs.bad_rows else None,
+        samples_empty_mask=len(inputs.empty_masks),
+        on_empty_mask=cfg.on_empty_mask,
+        first_empty_mask=inputs.empty_masks[0].where if inputs.empty_masks else None,
         max_seq_len=cfg.max_seq_len,
     )
     return tokens, report
 
 
-async def _produce(cfg: ProducerConfig, nc, info, layers: list[Layer]) -> int:
+async def _produce(cfg: ProducerConfig, nc, info, layers: list[Layer], *, started: float) -> int:
     js = nc.jetstream()
     kv = await topology.ensure_topology(js, replicas=cfg.replicas)
     existing = await read_job_spec(kv, cfg.job)
     rows, inputs = await _job_rows(cfg, js, info, existing)
     try:
-        return await _plan_and_publish(cfg, nc, js, kv, info, layers, existing, rows, inputs)
+        return await _plan_and_publish(cfg, nc, js, kv, info, layers, existing, rows, inputs, started=started)
     finally:
         rows.close()  # the spilled tokens' temp files
 
@@ -251,7 +265,10 @@ async def _plan_and_publish(
     existing,
     rows: SampleTable,
     inputs: Inputs | None,
+    *,
+    started: float,
 ) -> int:
+    """Plan, check, store and publish; `started` is when produce began (its summary's seconds)."""
     batches = plan_batches(rows.lengths, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
     fingerprint = await asyncio.to_thread(plan_fingerprint, cfg, layers, rows)
     total_tokens = rows.total_tokens
@@ -276,7 +293,12 @@ async def _plan_and_publish(
                 f"{existing.total_samples} samples); use another --job name, or delete the job first "
                 f"(hsx jobs delete {cfg.job})"
             )
-        log.info("job_already_published", job=cfg.job, batches=existing.total_batches)
+        log.info(
+            "job_already_published",
+            job=cfg.job,
+            batches=existing.total_batches,
+            seconds=round(time.monotonic() - started, 2),
+        )
         owner = await _check_folder(cfg, plan, len(rows), existing)
         if owner is not None:
             await _remove_replaced(cfg, owner, plan)
@@ -301,10 +323,11 @@ async def _plan_and_publish(
         tokens_object, report_object = await _store_inputs(cfg, js, inputs, max_payload=nc.max_payload)
         digest = await asyncio.to_thread(dataset_digest, cfg.dataset)
         truncated, skipped, bad = inputs.truncated, inputs.skipped, len(inputs.bad_rows)
+        empty, empty_policy = len(inputs.empty_masks), cfg.on_empty_mask
     else:
         tokens_object, report_object = existing.tokenized_object, existing.report_object
         digest, truncated, skipped = existing.dataset_digest, existing.samples_truncated, existing.samples_skipped
-        bad = existing.rows_bad
+        bad, empty, empty_policy = existing.rows_bad, existing.samples_empty_mask, existing.on_empty_mask
     spec = schemas.JobSpec(
         job=cfg.job,
         model=cfg.model,
@@ -331,6 +354,8 @@ async def _plan_and_publish(
         samples_truncated=truncated,
         samples_skipped=skipped,
         rows_bad=bad,
+        on_empty_mask=empty_policy,
+        samples_empty_mask=empty,
         chat_convention=str(cfg.chat_as),
     )
     # The folder says whose files it holds before any worker can write one (producer/bundle.py).
@@ -353,6 +378,9 @@ async def _plan_and_publish(
         new=published + republished,
         duplicates=len(duplicates) - republished,
         already_queued_or_done=already,
+        samples=len(rows),
+        samples_empty_mask=empty,
+        seconds=round(time.monotonic() - started, 2),
     )
     await bundle.write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
     return 0

@@ -133,6 +133,10 @@ class JobSpec(_Wire, tag="job.v1"):
     samples_truncated: int = 0
     samples_skipped: int = 0
     rows_bad: int = 0  # rows set aside by --on-bad-row skip; listed in the report
+    # --on-empty-mask: keep | skip | error; samples whose loss mask is all 0, kept or skipped as it
+    # says (listed in the report); "keep" and 0 for jobs from before it was recorded.
+    on_empty_mask: str = "keep"
+    samples_empty_mask: int = 0
     num_layers: int = 0  # the model's decoder layers (0: a job from before it was recorded)
     layer_preset: str = ""  # --layers as a preset (dflash:5, eagle3, speculators), which `layers` resolves
     hidden_size: int = 0  # the model's hidden size H of every file's [T, k, H] (0: a job from before it was recorded)
