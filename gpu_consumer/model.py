@@ -121,6 +121,37 @@ def choose_attention(
     return None
 
 
+def usable_device(device: str) -> torch.device:
+    """`--device` as a torch device this process can compute on, or a one-line HsxError naming the
+    flag: not a device, no CUDA, no such GPU, or a backend torch has no use of here (`mps` off a
+    Mac, `xpu` without its build): a tensor is made there to find out."""
+    try:
+        target = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise HsxError(
+            f"--device {device!r} is not a torch device (use cpu, cuda:N, or another torch device)"
+        ) from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise HsxError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    if target.type == "cuda" and target.index is not None and target.index >= torch.cuda.device_count():
+        raise HsxError(
+            f"--device {device}: there is no GPU {target.index}: "
+            f"{visible_text(torch.cuda.device_count(), os.environ.get('CUDA_VISIBLE_DEVICES'))}"
+        )
+    if target.type == "meta":
+        raise HsxError(f"--device {device}: the meta device holds no data to extract; use cpu or cuda:N")
+    backend = getattr(torch.backends, target.type, None) or getattr(torch, target.type, None)
+    available = getattr(backend, "is_available", None)
+    if callable(available) and not available():
+        raise HsxError(f"--device {device}: {target.type} is not available on this machine; use cpu or cuda:N")
+    try:
+        torch.empty(1, device=target)
+    except Exception as exc:  # NotImplementedError, AssertionError, ModuleNotFoundError, RuntimeError
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0][:160]
+        raise HsxError(f"--device {device}: torch cannot use this device here ({reason}); use cpu or cuda:N") from None
+    return target
+
+
 def load_model(
     path: str,
     *,
@@ -137,17 +168,7 @@ def load_model(
 
     route_transformers_logging()
     compute_dtype = COMPUTE_DTYPES[dtype]
-    try:
-        target = torch.device(device)
-    except RuntimeError:
-        raise HsxError(f"--device {device!r} is not a torch device (use cpu, cuda or cuda:N)") from None
-    if target.type == "cuda" and not torch.cuda.is_available():
-        raise HsxError(f"--device {device}: CUDA is not available on this machine")
-    if target.type == "cuda" and target.index is not None and target.index >= torch.cuda.device_count():
-        raise HsxError(
-            f"--device {device}: there is no GPU {target.index}: "
-            f"{visible_text(torch.cuda.device_count(), os.environ.get('CUDA_VISIBLE_DEVICES'))}"
-        )
+    target = usable_device(device)
     attention = choose_attention(target, compute_dtype)
     attention_kwargs = {"attn_implementation": attention} if attention else {}
     try:
