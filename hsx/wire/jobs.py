@@ -59,6 +59,68 @@ async def wait_for_job_spec(
     return None
 
 
+# How often a worker waiting for its job says so again, with the jobs that exist.
+WAIT_REPORT_S = 30.0
+
+
+async def job_names(kv: KeyValue) -> list[str]:
+    """The jobs the KV bucket hsx_jobs holds, sorted."""
+    try:
+        return sorted(await kv.keys())
+    except nats.js.errors.NoKeysError:
+        return []
+
+
+def _named(names: list[str]) -> str:
+    return ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "") if names else "none"
+
+
+async def wait_for_job(
+    kv: KeyValue,
+    job: str,
+    stopping: asyncio.Event,
+    *,
+    wait_s: float | None = None,
+    poll_s: float = 2.0,
+    report_every_s: float = WAIT_REPORT_S,
+) -> schemas.JobSpec | None:
+    """The job's spec once the producer has recorded it; None if asked to stop first. While it
+    waits it says so at once and every `report_every_s` (`waiting_for_job_spec`, with the jobs
+    that exist: a typo in --job shows); past `wait_s` (None: no bound) it gives up with one line
+    naming the job and the jobs that exist (HsxError)."""
+    started = time.monotonic()
+    reported = None
+    while not stopping.is_set():
+        spec = await read_job_spec(kv, job)
+        if spec is not None:
+            if reported is not None:
+                log.info("job_spec_found", job=job, waited_s=round(time.monotonic() - started, 1))
+            return spec
+        waited = time.monotonic() - started
+        if wait_s is not None and waited >= wait_s:
+            raise HsxError(
+                f"job {job} not found in KV bucket hsx_jobs after waiting {wait_s:g} s (--wait-for-job); "
+                f"jobs there: {_named(await job_names(kv))} (run hsx produce --job {job} first, or check --job)"
+            )
+        if reported is None or time.monotonic() - reported >= report_every_s:
+            log.info(
+                "waiting_for_job_spec",
+                job=job,
+                bucket="hsx_jobs",
+                waited_s=round(waited),
+                jobs=(await job_names(kv))[:20],
+                wait_for_job_s=wait_s,
+                hint=f"hsx produce --job {job} records it; a job named otherwise is not this one",
+            )
+            reported = time.monotonic()
+        timeout = poll_s if wait_s is None else max(0.0, min(poll_s, wait_s - waited))
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=timeout)
+        except TimeoutError:
+            pass
+    return None
+
+
 # The monitor's default --silent-after: a heartbeat older than this is a worker gone.
 LIVE_HEARTBEAT_S = 30.0
 
