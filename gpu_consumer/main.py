@@ -1,5 +1,9 @@
-"""`hsx consume`: connect, read the job spec, load the model once, warm up, then pull batches
-until stopped."""
+"""`hsx consume`: check the device, connect, read the job spec, load the model once, warm up,
+then pull batches until stopped (with --until-done: until the job is over, hsx.wire.worker.JobEnd).
+
+A device torch cannot use here is refused before anything is connected: a consumer that never
+started leaves no heartbeat. From the model's load on it beats (`starting`), and whatever ends it
+sends its goodbye (hsx.wire.worker.heartbeats)."""
 
 import asyncio
 import time
@@ -8,7 +12,7 @@ import structlog
 import torch
 
 from hsx.gpu_consumer.config import ConsumerConfig
-from hsx.gpu_consumer.model import load_model
+from hsx.gpu_consumer.model import load_model, usable_device
 from hsx.gpu_consumer.scheduler import pull_loop
 from hsx.gpu_consumer.service import SERVICE, BatchWorker
 from hsx.gpu_consumer.writer import remove_orphaned_temp_files
@@ -17,7 +21,7 @@ from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plan
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.exhausted import reap_exhausted
-from hsx.wire.worker import JobWatch, heartbeats, job_session, watching
+from hsx.wire.worker import JobEnd, JobWatch, heartbeats, job_session, until_done, watching
 
 log = structlog.get_logger("hsx.gpu_consumer")
 
@@ -45,9 +49,14 @@ async def _stop_reaper(reaper: asyncio.Task, stopping: asyncio.Event) -> None:
 
 async def run(cfg: ConsumerConfig) -> int:
     started_at = time.time()
+    usable_device(cfg.device)  # refused here, before a connection or a heartbeat
     make_private_dirs(cfg.spool)
     async with job_session(
-        cfg.nats, cfg.job, name=f"hsx-consume-{cfg.job}-{cfg.instance}", consumer=cfg.instance
+        cfg.nats,
+        cfg.job,
+        name=f"hsx-consume-{cfg.job}-{cfg.instance}",
+        wait_s=cfg.wait_for_job_s,
+        consumer=cfg.instance,
     ) as session:
         if session is None:
             return 0
@@ -59,11 +68,17 @@ async def run(cfg: ConsumerConfig) -> int:
         def state() -> WorkerState:
             return WorkerState(state="starting") if worker is None else worker.heartbeat_state()
 
-        # Beating while the model loads (minutes for a large one): a consumer that said nothing
-        # meanwhile would be reported silent by the monitor.
+        def in_hand() -> dict:
+            if worker is None:
+                return {"finishing": "model load", "model": spec.model}
+            return {"finishing": worker.batches_in_hand() or "nothing"}
+
+        stopping.in_hand = in_hand
+        # Beating while the model loads (minutes for a large one), so that the consumer is seen
+        # starting; a load that fails ends with the goodbye, so it leaves no silent worker.
         async with (
             watching(watch),
-            heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state, ready=lambda: worker is not None),
+            heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state),
         ):
             loaded = await asyncio.to_thread(
                 load_model,
@@ -94,18 +109,21 @@ async def run(cfg: ConsumerConfig) -> int:
                 torch_threads=torch.get_num_threads(),
                 node=cfg.node,
                 spool=str(cfg.spool),
+                until_done=cfg.until_done,
             )
             durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
             sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
             worker = BatchWorker(cfg, js, events, spec, loaded, stopping, watch=watch)
+            end = JobEnd(js, watch, stopping, settled=worker.settled) if cfg.until_done else None
             reaper = asyncio.create_task(reap_exhausted(js, events, stopping))
             try:
-                await pull_loop(worker, sub, cfg, stopping)
+                async with until_done(end):
+                    await pull_loop(worker, sub, cfg, stopping)
             finally:
                 await _stop_reaper(reaper, stopping)
                 await sub.unsubscribe()
                 worker.close()
                 if watch.lost:
                     await asyncio.to_thread(remove_plan_folder, folder, reason="the job was lost")
-        log.info("consumer_stopped")
-        return 0
+        log.info("consumer_stopped", **({"verdict": end.verdict} if end is not None and end.verdict else {}))
+        return end.exit_code if end is not None else 0

@@ -97,6 +97,8 @@ class BatchWorker:
         self.pace = ForwardPace(stall_after_s=cfg.stall_after_s, stall_factor=cfg.stall_factor)
         self.stall: Stall | None = None  # the stage past its bound, while it runs
         self.batch_bytes = _full_batch_bytes(spec, loaded)
+        # The batches taken up and not yet settled, by their Taken: what a stop is finishing.
+        self._in_hand: dict[int, str] = {}
         self._writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="hsx-writer")
 
     @property
@@ -278,11 +280,13 @@ class BatchWorker:
             # (the consumer is going down).
             raise
         except BaseException:
+            self._in_hand.pop(id(taken), None)
             if lease is not None:
                 lease.release()
             taken.release()
             raise
         if computed is None:
+            self._in_hand.pop(id(taken), None)
             if lease is not None:
                 lease.release()
             taken.release()
@@ -323,6 +327,7 @@ class BatchWorker:
         if on_batch is not None:
             on_batch(batch)
         self.state, self.last_batch = "working", batch.batch_id
+        self._in_hand[id(taken)] = batch.batch_id
         log_ = log.bind(batch=batch.batch_id, attempt=attempt)
         started = time.perf_counter()
 
@@ -405,6 +410,7 @@ class BatchWorker:
             except ReleasedBatch:
                 return
         finally:
+            self._in_hand.pop(id(computed.taken), None)
             computed.taken.release()
             if computed.lease is not None:
                 # Every write has ended (_write_until_written waits for all of them), written or
@@ -513,6 +519,14 @@ class BatchWorker:
         return WorkerState(
             state=self.state, detail=self.detail, last_batch=self.last_batch, spool_files=files, spool_bytes=used
         )
+
+    def batches_in_hand(self) -> list[str]:
+        """The batches taken up and not yet settled (computing, or being written and announced)."""
+        return list(self._in_hand.values())
+
+    def settled(self) -> bool:
+        """Nothing in hand: no batch taken up, none of its stages still running after a stall."""
+        return not self._in_hand and self.stall is None
 
     def spool_full(self) -> tuple[bool, int]:
         _, used = spool_usage(self.cfg.spool, self.spec.job, self.spec.plan_tag)

@@ -1,5 +1,5 @@
 """`hsx upload`: connect, read the job spec (for the destination), bind to this node's durable,
-and move files until stopped."""
+and move files until stopped (with --until-done: until the job is over, hsx.wire.worker.JobEnd)."""
 
 import asyncio
 
@@ -8,12 +8,12 @@ import structlog
 from hsx.storage.destinations import open_destination
 from hsx.storage.fsutil import make_private_dirs
 from hsx.storage.location import spec_location
-from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans
+from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans, spool_usage
 from hsx.uploader.config import UploaderConfig
 from hsx.uploader.service import SERVICE, FileMover, pull_loop
 from hsx.wire import topology
 from hsx.wire.events import EventPublisher
-from hsx.wire.worker import JobWatch, heartbeats, job_session, watching
+from hsx.wire.worker import JobEnd, JobWatch, heartbeats, job_session, until_done, watching
 
 log = structlog.get_logger("hsx.uploader")
 
@@ -21,7 +21,7 @@ log = structlog.get_logger("hsx.uploader")
 async def run(cfg: UploaderConfig) -> int:
     make_private_dirs(cfg.spool)
     async with job_session(
-        cfg.nats, cfg.job, name=f"hsx-upload-{cfg.job}-{cfg.instance}", uploader=cfg.instance
+        cfg.nats, cfg.job, name=f"hsx-upload-{cfg.job}-{cfg.instance}", wait_s=cfg.wait_for_job_s, uploader=cfg.instance
     ) as session:
         if session is None:
             return 0
@@ -33,10 +33,22 @@ async def run(cfg: UploaderConfig) -> int:
         durable = await topology.ensure_upload_consumer(js, cfg.job, cfg.node, ack_wait_s=cfg.ack_wait_s)
         sub = await js.pull_subscribe_bind(durable=durable, stream=topology.FILES_STREAM)
         mover = FileMover(cfg, dest, events, spec, watch=watch)
-        log.info("uploader_ready", dest=dest.url, node=cfg.node, durable=durable, max_inflight=cfg.max_inflight)
+        stopping.in_hand = lambda: {"uploads_in_hand": mover.inflight}
+        end = JobEnd(js, watch, stopping, settled=lambda: mover.inflight == 0) if cfg.until_done else None
+        log.info(
+            "uploader_ready",
+            dest=dest.url,
+            node=cfg.node,
+            durable=durable,
+            max_inflight=cfg.max_inflight,
+            until_done=cfg.until_done,
+        )
         async with watching(watch):
             try:
-                async with heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=mover.heartbeat_state):
+                async with (
+                    heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=mover.heartbeat_state),
+                    until_done(end),
+                ):
                     await pull_loop(mover, sub, cfg, stopping)
             finally:
                 mover.close()
@@ -44,5 +56,11 @@ async def run(cfg: UploaderConfig) -> int:
                 if watch.lost:
                     folder = plan_folder(cfg.spool, spec.job, spec.plan_tag)
                     await asyncio.to_thread(remove_plan_folder, folder, reason="the job was lost")
-        log.info("uploader_stopped")
-        return 0
+        if end is not None and end.verdict == "done":
+            # Every sample is in the destination: a file of the job still in the spool is a stray
+            # copy (a later write's, whose event was settled), never a sample left to upload.
+            files, used = await asyncio.to_thread(spool_usage, cfg.spool, spec.job, spec.plan_tag)
+            if files:
+                log.warning("spool_files_left", files=files, bytes=used, spool=str(cfg.spool), reason="job done")
+        log.info("uploader_stopped", **({"verdict": end.verdict} if end is not None and end.verdict else {}))
+        return end.exit_code if end is not None else 0

@@ -1,8 +1,10 @@
 """What every worker (consumer, uploader, monitor) does around its own work, written once:
-start-up (`job_session`: signals, log context, connection, topology, the job spec), heartbeats
-from the moment it exists to its goodbye (`heartbeats`), the watch on the job spec it serves
-(`JobWatch`, `watching`), and the spooling workers' shared settings (`WorkerConfig`). The pull
-loop itself is hsx/wire/pull.py.
+start-up (`job_session`: signals, log context, connection, topology, the job spec, waited for and
+asked after), heartbeats from the moment it exists to its goodbye (`heartbeats`), the watch on the
+job spec it serves (`JobWatch`, `watching`), the end of a worker run with --until-done (`JobEnd`,
+`until_done`: the job done or failed as `hsx monitor --until-done` reads it, the worker's own work
+settled), and the spooling workers' shared settings (`WorkerConfig`). The pull loop itself is
+hsx/wire/pull.py.
 """
 
 import asyncio
@@ -26,10 +28,12 @@ from hsx.wire.events import (
     goodbye_heartbeat,
     heartbeat_loop,
 )
-from hsx.wire.jobs import read_job_spec, wait_for_job_spec
-from hsx.wire.lifecycle import stop_event_on_signals
+from hsx.wire.jobs import read_job_spec, wait_for_job
+from hsx.wire.lifecycle import StopEvent, stop_event_on_signals
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
+from hsx.wire.statusview import status_view
 from hsx.wire.topology import job_name
+from hsx.wire.tracker import ProgressTracker
 
 log = structlog.get_logger("hsx.worker")
 
@@ -68,6 +72,21 @@ class WorkerConfig:
         default=60.0,
         parse=positive_float("--ack-wait"),
         help="seconds without a sign of life before JetStream redelivers a message (default 60)",
+    )
+    until_done: bool = option(
+        "--until-done",
+        default=False,
+        help="exit 0 once the job is done and this worker's own work is settled, 1 once the job "
+        "cannot finish (everything left is dead-lettered), as hsx monitor --until-done decides",
+    )
+    # None: wait for the job's spec for as long as it takes (workers may start before the producer).
+    wait_for_job_s: float | None = option(
+        "--wait-for-job",
+        default=None,
+        parse=positive_float("--wait-for-job"),
+        example=600.0,
+        help="give up (exit 2, naming the jobs there are) when the job has not been produced within "
+        "this many seconds (default: wait as long as it takes, saying so every 30 s)",
     )
     heartbeat_s: float = 5.0
     idle_fetch_timeout_s: float = 1.0
@@ -153,20 +172,24 @@ class Session:
     js: JetStreamContext
     kv: KeyValue
     spec: schemas.JobSpec
-    stopping: asyncio.Event
+    stopping: StopEvent
 
 
 @contextlib.asynccontextmanager
-async def job_session(nats: NatsSettings, job: str, *, name: str, **log_context: str) -> AsyncIterator[Session | None]:
+async def job_session(
+    nats: NatsSettings, job: str, *, name: str, wait_s: float | None = None, **log_context: str
+) -> AsyncIterator[Session | None]:
     """Connected, with the topology ensured and the job's spec read; None if a stop came before the
-    spec did. `name` is the connection's name (`nats server report connections` shows it)."""
+    spec did. `name` is the connection's name (`nats server report connections` shows it). The
+    spec is waited for, said every 30 s, for at most `wait_s` (None: as long as it takes;
+    hsx.wire.jobs.wait_for_job)."""
     stopping = stop_event_on_signals()
     structlog.contextvars.bind_contextvars(job=job, **log_context)
     nc = await connect(nats, name=name)
     try:
         js = nc.jetstream()
         kv = await topology.ensure_topology(js)
-        spec = await wait_for_job_spec(kv, job, stopping)
+        spec = await wait_for_job(kv, job, stopping, wait_s=wait_s)
         yield None if spec is None else Session(nc=nc, js=js, kv=kv, spec=spec, stopping=stopping)
     finally:
         await close_connection(nc)
@@ -180,10 +203,18 @@ async def heartbeats(
     service: str,
     stopping: asyncio.Event,
     state: Callable[[], WorkerState],
-    ready: Callable[[], bool] = lambda: True,
 ) -> AsyncIterator[None]:
-    """Beats `state()` while the block runs; on leaving it the beats stop, then, if the worker is
-    `ready()` by then (it got to serve), the goodbye is sent."""
+    """Beats `state()` while the block runs; on leaving it, however (a start that failed too), the
+    beats stop and the goodbye (`stopping`) is sent, so the worker's last word is that it is gone.
+    A second signal (hsx.wire.lifecycle) sends the goodbye before it ends the process. A worker
+    refused before it exists (a device it cannot use) opens no block: it sends no heartbeat."""
+
+    async def goodbye() -> None:
+        await goodbye_heartbeat(
+            events, service=service, instance=cfg.instance, node=cfg.node, state=state, spool=str(cfg.spool)
+        )
+        await events.nc.flush(timeout=1)
+
     beats = asyncio.create_task(
         heartbeat_loop(
             events,
@@ -196,12 +227,111 @@ async def heartbeats(
             spool=str(cfg.spool),
         )
     )
+    if isinstance(stopping, StopEvent):
+        stopping.last_words = goodbye
     try:
         yield
     finally:
         beats.cancel()
         await asyncio.gather(beats, return_exceptions=True)
-        if ready():
-            await goodbye_heartbeat(
-                events, service=service, instance=cfg.instance, node=cfg.node, state=state, spool=str(cfg.spool)
+        if isinstance(stopping, StopEvent):
+            stopping.last_words = None
+        await goodbye_heartbeat(
+            events, service=service, instance=cfg.instance, node=cfg.node, state=state, spool=str(cfg.spool)
+        )
+
+
+# How often a worker run with --until-done reads whether its job is over.
+DONE_CHECK_S = 2.0
+# How long the first reading of the dead letters may take before the verdict waits for the next.
+_DEAD_LETTERS_READ_S = 30.0
+
+
+class JobEnd:
+    """--until-done: whether the job is over, read as `hsx monitor --until-done` reads it
+    (hsx.wire.statusview: `done`, every planned sample uploaded and nothing queued; `failed`,
+    nothing queued and every missing sample dead-lettered), and whether this worker's own work is
+    `settled()` (nothing in hand). A destination that refuses uploads is not a verdict here: the
+    uploader keeps probing it, and it clears once fixed. `check()` is the reading; `watch()` checks
+    every `every_s` and, once the job is over and the worker settled, logs the verdict and sets the
+    stop event: the worker then stops as on a signal, and exits `exit_code`.
+
+    The queues are read first (a few requests); the dead letters and counts only once they are
+    empty, when the job may be over: a worker replays the job's letters then, not while it works."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        watch: JobWatch,
+        stopping: asyncio.Event,
+        *,
+        settled: Callable[[], bool],
+        every_s: float = DONE_CHECK_S,
+    ) -> None:
+        self.js, self.watch, self.stopping, self.settled, self.every_s = js, watch, stopping, settled, every_s
+        job, plan = watch.spec.job, watch.spec.plan_tag
+        self.tracker = ProgressTracker(js, job, plan=plan)
+        self._started = False
+        self.verdict = ""  # "done" or "failed", once over
+        self.exit_code = 0
+
+    async def check(self) -> str:
+        """The verdict once the job is over and this worker settled, else ""."""
+        spec, tracker = self.watch.current, self.tracker
+        queues = await tracker.refresh_queues()
+        if queues.batches_queued or queues.files_queued or not spec.published or not self.settled():
+            return ""
+        if not self._started:
+            await tracker.start()
+            self._started = True
+        try:
+            await tracker.wait_caught_up(_DEAD_LETTERS_READ_S, sums=False)
+        except TimeoutError:
+            return ""  # the letters are still being read: no verdict without them
+        await tracker.refresh_counts()
+        view = status_view(spec, tracker.fold, tracker.queues, tracker.counts, job=spec.job)
+        if view.done:
+            log.info("job_done", samples_uploaded=view.samples_uploaded, samples_total=view.total_samples)
+            self.verdict, self.exit_code = "done", 0
+        elif view.failed:
+            log.error(
+                "job_failed",
+                reason=view.failure_reason,
+                dead_samples=view.dead_samples[:20],
+                dead_letters=view.dead_letters,
+                samples_uploaded=view.samples_uploaded,
+                samples_total=view.total_samples,
             )
+            self.verdict, self.exit_code = "failed", 1
+        return self.verdict
+
+    async def watch_until_over(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                try:
+                    await asyncio.wait_for(self.stopping.wait(), timeout=self.every_s)
+                    return
+                except TimeoutError:
+                    pass
+                try:
+                    if await self.check():
+                        self.stopping.set()
+                        return
+                except Exception as exc:  # NATS reconnecting: read again at the next tick
+                    log.warning("job_state_unavailable", error=str(exc) or type(exc).__name__)
+        finally:
+            await self.tracker.stop()
+
+
+@contextlib.asynccontextmanager
+async def until_done(end: JobEnd | None) -> AsyncIterator[None]:
+    """`end.watch_until_over()` beside the block (nothing without --until-done)."""
+    if end is None:
+        yield
+        return
+    task = asyncio.create_task(end.watch_until_over())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
