@@ -145,10 +145,11 @@ def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
             f"{cfg.chat_as}); its samples were made with that; run with the same setting or use another --job name"
         )
     if existing.rows_bad:
-        # Rows read: every sample, every row --on-long skipped, every bad row.
-        rows = existing.total_samples + existing.samples_skipped + existing.rows_bad
-        if existing.on_empty_mask == "skip":
-            rows += existing.samples_empty_mask
+        rows = existing.rows_read
+        if not rows:  # a spec from before rows_read: one row a sample, as every convention then made
+            rows = existing.total_samples + existing.samples_skipped + existing.rows_bad
+            if existing.on_empty_mask == "skip":
+                rows += existing.samples_empty_mask
         cap = cfg.max_bad_rows
         if cfg.on_bad_row != "skip" or (cap is not None and not cap.allows(existing.rows_bad, rows)):
             asked = f"--on-bad-row {cfg.on_bad_row}" + (f" --max-bad-rows {cap}" if cap is not None else "")
@@ -323,11 +324,12 @@ async def _plan_and_publish(
         tokens_object, report_object = await _store_inputs(cfg, js, inputs, max_payload=nc.max_payload)
         digest = await asyncio.to_thread(dataset_digest, cfg.dataset)
         truncated, skipped, bad = inputs.truncated, inputs.skipped, len(inputs.bad_rows)
-        empty, empty_policy = len(inputs.empty_masks), cfg.on_empty_mask
+        empty, empty_policy, rows_read = len(inputs.empty_masks), cfg.on_empty_mask, inputs.rows_read
     else:
         tokens_object, report_object = existing.tokenized_object, existing.report_object
         digest, truncated, skipped = existing.dataset_digest, existing.samples_truncated, existing.samples_skipped
         bad, empty, empty_policy = existing.rows_bad, existing.samples_empty_mask, existing.on_empty_mask
+        rows_read = existing.rows_read
     spec = schemas.JobSpec(
         job=cfg.job,
         model=cfg.model,
@@ -354,6 +356,7 @@ async def _plan_and_publish(
         samples_truncated=truncated,
         samples_skipped=skipped,
         rows_bad=bad,
+        rows_read=rows_read,
         on_empty_mask=empty_policy,
         samples_empty_mask=empty,
         chat_convention=str(cfg.chat_as),

@@ -10,6 +10,8 @@
 - `--max-bad-rows 2` with more bad rows refuses the dataset in one line; a percentage the rows
   stay within lets it through.
 - A Parquet file's bad row is named by its row index, and the good rows of its batch are kept.
+- A re-run's `--max-bad-rows` is checked against the rows the job read, which under
+  `--chat-as speculators` are fewer than its samples.
 - `SampleTableBuilder.drop` gives up a reserved place; the chat pool hands a bad row back in its
   place, and a worker's answer for it survives pickling.
 """
@@ -17,15 +19,18 @@
 import json
 import pickle
 
+import msgspec
 import numpy as np
 import pytest
 import test_inputs
 from test_cli_errors import _produce_args, _state, _write_jsonl, assert_one_line_error
 from test_inputs import CHATML, CONVERSATIONS, make_chat_model, published_samples, stored_report
 
+from hsx.errors import HsxError
 from hsx.producer import chat_pool
 from hsx.producer.chat import ChatTokenizer
 from hsx.producer.chat_pool import tokenize_chats
+from hsx.producer.conventions import parse_chat_as
 from hsx.producer.dataset import BadRow, ChatRow, DatasetRow
 from hsx.storage.tokens import SampleTableBuilder, TokenChunk, TokenRow
 
@@ -87,7 +92,7 @@ def test_bad_rows_refused_by_default_and_set_aside_with_skip(hsx, nats_server, s
     assert done.returncode == 0, done.stderr[-3000:]
     assert '"rows_bad": 6' in done.stderr, done.stderr[-3000:]  # produce's summary
     spec, _ = _state(nats_server, job_name)
-    assert (spec["rows_bad"], spec["total_samples"]) == (len(bad), len(good_ids))
+    assert (spec["rows_bad"], spec["rows_read"], spec["total_samples"]) == (len(bad), 11, len(good_ids))
     published = published_samples(nats_server.url, job_name)
     assert [published[i].source_id for i in sorted(published)] == good_ids
 
@@ -238,3 +243,56 @@ def test_chat_pool_hands_bad_rows_back_in_place(strict_model):
     assert [(r.input_ids, r.loss_mask) for r in pooled if isinstance(r, DatasetRow)] == [
         (r.input_ids, r.loss_mask) for r in here if isinstance(r, DatasetRow)
     ]
+
+
+def test_a_rerun_counts_bad_rows_against_rows_read_not_samples(tmp_path):
+    """Under `--chat-as speculators` a row makes several samples: the re-run's cap is checked
+    against the rows the job read (1 bad of 4 is 25%), not samples plus bad rows (1 of 10)."""
+    from hsx.producer.config import ProducerConfig, parse_max_bad_rows
+    from hsx.producer.main import _check_same_inputs
+    from hsx.wire import schemas
+    from hsx.wire.natsconn import NatsSettings
+
+    existing = schemas.JobSpec(
+        job="j",
+        model="m",
+        model_revision="",
+        layers=[1],
+        dtype="bfloat16",
+        dest="file:///unused",
+        token_budget=4096,
+        max_seq_len=4096,
+        dataset=str(tmp_path / "rows.jsonl"),
+        plan_fingerprint="f" * 64,
+        total_samples=9,  # three good rows of three assistant turns each
+        total_tokens=900,
+        total_batches=1,
+        created_at=0.0,
+        rows_bad=1,
+        rows_read=4,
+        chat_convention="speculators",
+    )
+
+    def cfg(cap: str) -> ProducerConfig:
+        return ProducerConfig(
+            nats=NatsSettings(url="nats://unused"),
+            job="j",
+            model="m",
+            dataset=tmp_path / "rows.jsonl",
+            layers=(1,),
+            dest="file:///unused",
+            dtype="bfloat16",
+            token_budget=4096,
+            max_seq_len=4096,
+            chat_as=parse_chat_as("speculators"),
+            on_bad_row="skip",
+            max_bad_rows=parse_max_bad_rows(cap),
+        )
+
+    _check_same_inputs(cfg("25%"), existing)
+    with pytest.raises(HsxError, match="1 of 4 rows set aside"):
+        _check_same_inputs(cfg("20%"), existing)
+    # A spec from before rows_read was recorded: the rows it can count.
+    older = msgspec.structs.replace(existing, rows_read=0, total_samples=3)
+    with pytest.raises(HsxError, match="1 of 4 rows set aside"):
+        _check_same_inputs(cfg("20%"), older)

@@ -133,6 +133,9 @@ class JobSpec(_Wire, tag="job.v1"):
     samples_truncated: int = 0
     samples_skipped: int = 0
     rows_bad: int = 0  # rows set aside by --on-bad-row skip; listed in the report
+    # Rows of the dataset read, bad ones included (0: a job from before it was recorded); more
+    # than the samples where a row makes none, fewer where it makes several (--chat-as speculators).
+    rows_read: int = 0
     # --on-empty-mask: keep | skip | error; samples whose loss mask is all 0, kept or skipped as it
     # says (listed in the report); "keep" and 0 for jobs from before it was recorded.
     on_empty_mask: str = "keep"
