@@ -184,7 +184,7 @@ class ProducerConfig:
         example="specforge:qwen",
         help="whose loss mask chat rows get: hsx (default: the assistant's replies as the model's template renders "
         "them), specforge:TEMPLATE (SpecForge 0.2.0's preprocess_conversations with its template TEMPLATE, e.g. "
-        "qwen, qwen3-instruct, llama3) or speculators (speculators 0.9.0's, its row for the last assistant turn)",
+        "qwen, qwen3-instruct, llama3) or speculators (speculators 0.9.0's: one sample per assistant turn)",
     )
     # Command line only: a job file that said so would replace another plan's files on every run,
     # long after the user meant it for one.
