@@ -5,7 +5,7 @@ never imports another service; nothing in the product imports devkit/; and every
 imported by its installed name (`hsx.producer`, not the folder name `producer`).
 
 Also: the uploader's service module, `hsx upload --help` and `hsx monitor --help` do not import
-torch (an uploader or monitor node installs no torch; `pip install hsx` without the `gpu` extra).
+torch (an uploader or monitor node installs no torch; `pip install -e .` without the `gpu` extra).
 """
 
 import ast

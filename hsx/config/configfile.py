@@ -38,7 +38,7 @@ EXAMPLE_HEADER = (
     "# should be 0600. They are never printed: config show shows ***.",
 )
 TABLE_NOTES = {
-    "nats": ("For `hsx up`: url is a server to use instead of starting one (up ignores HSX_NATS_URL, not this).",),
+    "nats": ("For `hsx up`: url is a server to use instead of starting one (as --nats and HSX_NATS_URL are).",),
     "job": ("Read by every command that takes --job (produce, consume, upload, monitor, status, verify, dead, up).",),
     "up": (
         "hsx up resolves [produce], [consume], [upload] and [monitor] for the processes it starts too,",

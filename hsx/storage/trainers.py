@@ -175,7 +175,9 @@ def write_speculators_table(out: Path, table: SampleTable) -> None:
     try:
         import datasets
     except ImportError:
-        raise HsxError("--to speculators writes a datasets folder: pip install 'hsx[export]' (or datasets)") from None
+        raise HsxError(
+            "--to speculators writes a datasets folder: pip install datasets (or the checkout's '.[export]' extra)"
+        ) from None
     import shutil
 
     import numpy as np
