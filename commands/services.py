@@ -70,6 +70,10 @@ def producer_config(args: argparse.Namespace, nats: NatsSettings, *, prepare: bo
 
 
 def consumer_config(args: argparse.Namespace, nats: NatsSettings, *, prepare: bool = True) -> ConsumerConfig:
+    if prepare:  # a device this process cannot use is refused before anything is made (the spool)
+        from hsx.gpu_consumer.model import usable_device
+
+        usable_device(args.device)
     worker = _worker_fields(args, prepare=prepare)
     high_water = args.spool_high_water_bytes
     if high_water == "auto":  # left so unprepared: the spool's disk is measured once it exists

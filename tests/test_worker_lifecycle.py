@@ -203,6 +203,7 @@ def test_a_refused_consumer_leaves_no_heartbeat(tmp_path, hsx, nats_server, tiny
         assert len(errors) == 1 and errors[0].startswith(f"hsx: error: --device {device}"), refused.stderr
         assert named in errors[0] and "Traceback" not in refused.stderr, refused.stderr
         assert _heartbeats(nats_server.url, job_name) == [], f"--device {device} left a heartbeat"
+        assert not Path(spool).exists(), f"--device {device} made the spool"
 
 
 def test_a_consumer_whose_model_does_not_load_leaves_only_its_goodbye(tmp_path, hsx, nats_server, tiny_model, job_name):
