@@ -173,6 +173,11 @@ def test_an_unreachable_endpoint_is_shown_in_status(tmp_path, hsx, hsx_service, 
     assert "127.0.0.1" in view["destination_error"] or "connect" in view["destination_error"].lower(), view
     assert view["state"] == "running" and view["workers_alive"]["uploader"] == 1, view
     assert view["samples_uploaded"] == 0 and not view["done"], view
+    # Said in every heartbeat until an upload succeeds, while trying again as well as between tries.
+    for _ in range(2):
+        time.sleep(5.5)  # a heartbeat every 5 s (WorkerConfig.heartbeat_s)
+        again = status(hsx, job, env)
+        assert again["destination_error"] and not again["failed"], again
 
 
 def test_status_after_hsx_up_says_its_embedded_nats_is_gone(tmp_path, cli, monkeypatch):

@@ -81,7 +81,9 @@ class FileMover:
         self.plan = spec.plan_tag
         self.total_samples = spec.total_samples
         self.inflight = 0
-        self.retrying = 0  # uploads waiting out a destination failure
+        # Uploads in hand whose last attempt failed (waiting to retry or trying again): the
+        # heartbeat says `retrying` with the error until each succeeds, not only between attempts.
+        self.retrying = 0
         self.last_error = ""
         self.refused = ""  # why the destination refuses writes, while it does
         self._refused_since = 0.0
@@ -185,6 +187,7 @@ class FileMover:
     async def _handle(self, msg: Msg, stopping: asyncio.Event) -> None:
         self.inflight += 1
         taken = Taken.of(msg, interval_s=self.cfg.in_progress_s)
+        failing = False
         try:
             try:
                 ready = schemas.file_decoder.decode(msg.data)
@@ -234,11 +237,10 @@ class FileMover:
                     delay = retry_delay(attempt, base_s=self.cfg.retry_base_s, cap_s=self.cfg.retry_max_s)
                     attempt += 1
                     log.warning("upload_retry", key=ready.key, error=self.last_error, retry_in_s=round(delay, 2))
-                    self.retrying += 1
-                    try:
-                        await asyncio.sleep(delay)
-                    finally:
-                        self.retrying -= 1
+                    if not failing:
+                        failing = True
+                        self.retrying += 1
+                    await asyncio.sleep(delay)
             if self.refused:
                 await self._destination_accepts()
             if self.job_lost:
@@ -265,6 +267,8 @@ class FileMover:
             await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
             log.debug("file_uploaded", key=ready.key, bytes=ready.size, already_present=already)
         finally:
+            if failing:
+                self.retrying -= 1
             taken.release()
             self.inflight -= 1
 
