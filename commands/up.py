@@ -333,7 +333,7 @@ def run_up(cfg: UpConfig) -> int:
         view = asyncio.run(read_status(nats, cfg.producer.job))
         print(format_status(view, as_json=False), flush=True)
         if monitor.poll() != 0 or not view.done:
-            if view.destination_error:
+            if view.destination_refusals:
                 # Stopping the uploaders leaves their files in the spool: a run after the fix resumes.
                 raise JobFailed(
                     f"job {cfg.producer.job} stopped with {view.total_samples - view.samples_uploaded} samples not "
