@@ -151,8 +151,15 @@ def job_name(request) -> str:
     return f"t{uuid.uuid4().hex[:8]}"
 
 
+def clean_environ() -> dict[str, str]:
+    """This process's environment less the developer's own HSX_* settings (a server in
+    HSX_NATS_URL, say), which would steer the commands under test away from the test's servers;
+    each test gives what it means. HSX_TEST_* faults set for a test stay."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("HSX_") or k.startswith("HSX_TEST_")}
+
+
 def _env(nats_url: str | None, extra: dict | None) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HSX_NODE": "testnode"}
+    env = {**clean_environ(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HSX_NODE": "testnode"}
     if nats_url:
         env["HSX_NATS_URL"] = nats_url
     env.update(extra or {})

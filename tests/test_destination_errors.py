@@ -15,7 +15,6 @@ calls raise, the retry jitter on the delays it draws.
 from __future__ import annotations
 
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -29,7 +28,7 @@ import boto3
 import botocore.config
 import pytest
 import requests
-from conftest import REPO, _free_port
+from conftest import REPO, _free_port, clean_environ
 from test_chaos import check_uploaded_once, log_events, wait_for
 from test_e2e_s3 import (
     check_final_status,
@@ -535,7 +534,7 @@ def test_hsx_up_exits_1_naming_a_refusing_destination_and_leaves_no_stale_failur
         "--max-seq-len",
         "128",
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HSX_PROBE_EVERY": "1"}
+    env = {**clean_environ(), "PYTHONUNBUFFERED": "1", "HSX_PROBE_EVERY": "1"}
 
     run = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert run.returncode == 1, run.stderr[-3000:]

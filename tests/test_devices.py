@@ -7,13 +7,13 @@ run the real CLI as processes with CUDA_VISIBLE_DEVICES="" (no GPU visible, also
 machine). tests/test_gpu.py runs the enumeration and `hsx up --device cuda` on a real GPU.
 """
 
-import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import clean_environ
 from test_cli_errors import assert_one_line_error
 
 import hsx.model.devices
@@ -157,7 +157,7 @@ def test_the_cli_refuses_with_one_line(tmp_path, subtests):
             ("--devices 1,1", "GPU 1 is given twice"),
         ),
     }
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HSX_NATS_URL": "nats://127.0.0.1:1", "PYTHONUNBUFFERED": "1"}
+    env = {**clean_environ(), "CUDA_VISIBLE_DEVICES": "", "HSX_NATS_URL": "nats://127.0.0.1:1", "PYTHONUNBUFFERED": "1"}
 
     def run(argv):
         return subprocess.run(

@@ -5,13 +5,13 @@ buffers while the next batch splits hold their own states, `hsx up` runs end to 
 device count)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import clean_environ
 
 from devkit.faults import oom_above
 from hsx.gpu_consumer.extract import extract_samples
@@ -109,7 +109,7 @@ def test_hsx_up_on_cuda(tmp_path):
         text=True,
         timeout=300,
         cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**clean_environ(), "PYTHONUNBUFFERED": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "uploaded 64/64" in result.stdout
@@ -144,7 +144,7 @@ def test_device_enumeration_sees_the_real_gpus(tiny_model):
             text=True,
             timeout=120,
             cwd=REPO,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": hidden},
+            env={**clean_environ(), "CUDA_VISIBLE_DEVICES": hidden},
         )
         if expected:
             assert result.returncode == 0 and result.stdout.strip() == expected, result.stderr[-2000:]
@@ -177,7 +177,7 @@ def test_hsx_up_runs_consumers_on_every_gpu(tmp_path):
         text=True,
         timeout=300,
         cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**clean_environ(), "PYTHONUNBUFFERED": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "uploaded 64/64" in result.stdout

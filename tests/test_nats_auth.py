@@ -3,12 +3,12 @@ shows the secret; the right one (from the environment) runs a job to completion;
 appears in nothing the run prints or writes."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import clean_environ
 from test_e2e_s3 import check_outputs, read_dir_objects, write_dataset
 
 from hsx.commands.embedded import start_nats_server
@@ -27,7 +27,7 @@ def password_server(tmp_path):
 def _cli(*args, env, timeout=120, log=None):
     return subprocess.run(
         [sys.executable, "-m", "hsx.cli", *args],
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        env={**clean_environ(), "PYTHONUNBUFFERED": "1", **env},
         capture_output=True,
         text=True,
         timeout=timeout,

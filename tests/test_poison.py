@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import nats
+from conftest import clean_environ
 from test_e2e_s3 import produce, read_dir_objects, write_dataset
 
 from devkit.faults import faults_env
@@ -86,14 +87,13 @@ def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(
 
 
 def test_hsx_up_exits_non_zero_naming_the_dead_samples(tmp_path, tiny_model):
-    import os
     import subprocess
     import sys
 
     rows = [{"input_ids": list(range(1, 6 + i))} for i in range(6)] + [{"input_ids": list(range(1, 40))}]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     # The test-only OOM switch makes the 39-token sample fail alone on every delivery.
-    env = faults_env({**os.environ, "HSX_RETRY_DELAY": "0.1"}, HSX_TEST_OOM_ABOVE_TOKENS="30")
+    env = faults_env({**clean_environ(), "HSX_RETRY_DELAY": "0.1"}, HSX_TEST_OOM_ABOVE_TOKENS="30")
     result = subprocess.run(
         [
             sys.executable,

@@ -26,7 +26,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, _free_port, aws_test_env
+from conftest import REPO, TINY, _free_port, aws_test_env, clean_environ
 from test_inputs import CHATML, chat_tokenizer_files, make_chat_model  # noqa: F401 (a fixture)
 
 from hsx.commands.cli import build_parser
@@ -277,7 +277,7 @@ def test_readme_is_short_and_its_links_are_true():
 
 def test_up_uses_the_server_hsx_nats_url_names(nats_server, hsx, tmp_path, job_name):
     workdir = tmp_path / "up"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HSX_NATS_URL": nats_server.url}
+    env = {**clean_environ(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HSX_NATS_URL": nats_server.url}
     small = ["--samples", "6", "--layers", "1,3", "--token-budget", "512", "--max-seq-len", "64"]
     result = subprocess.run(
         [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(workdir), "--job", job_name, *small],

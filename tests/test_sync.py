@@ -19,7 +19,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from conftest import REPO
+from conftest import REPO, clean_environ
 
 from hsx import cli
 from hsx.commands.sync import SyncConfig, Syncer
@@ -62,7 +62,7 @@ def _sync(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         text=True,
         timeout=60,
         cwd=REPO,
-        env={**os.environ, **(env or {})},
+        env={**clean_environ(), **(env or {})},
     )
 
 
@@ -127,7 +127,7 @@ def test_every_to_s3_reuploads_only_the_changed_file_and_stops_on_sigterm(tmp_pa
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
-            env={**os.environ, **env},
+            env={**clean_environ(), **env},
         )
     try:
 

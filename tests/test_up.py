@@ -3,13 +3,13 @@ synthetic dataset, a local destination. Also: a second run on the same workdir r
 redoes nothing; Ctrl-C stops every process and a later run finishes the job."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from conftest import clean_environ
 from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,7 +23,7 @@ def _up(workdir: Path, *extra: str, timeout: float = 240) -> subprocess.Complete
         text=True,
         timeout=timeout,
         cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**clean_environ(), "PYTHONUNBUFFERED": "1"},
     )
 
 
