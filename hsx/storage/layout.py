@@ -30,6 +30,27 @@ SCALE_TENSOR = "hidden_states_scale"  # float8 files' per-token, per-layer scale
 DTYPE_CHOICES = ("bfloat16", "float16", "float32", "float8")
 
 
+# The stored dtype -> the torch dtype name of `hidden_states` in the file (hsx/storage/tensors.py
+# has the torch dtypes themselves; this side needs no torch).
+_HIDDEN_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", FLOAT8: "float8_e4m3fn"}
+
+
+def sample_tensor_shapes(
+    *, dtype: str, num_tokens: int, num_layers: int, hidden_size: int, has_mask: bool
+) -> dict[str, tuple[str, list[int]]]:
+    """The tensors of a sample file as name -> (torch dtype name, shape): what the consumer's
+    writer (gpu_consumer/writer.py) makes, for sizing files without making them."""
+    shapes = {
+        "hidden_states": (_HIDDEN_DTYPE_NAMES[dtype], [num_tokens, num_layers, hidden_size]),
+        "input_ids": ("int64", [num_tokens]),
+    }
+    if dtype == FLOAT8:
+        shapes[SCALE_TENSOR] = ("float32", [num_tokens, num_layers])
+    if has_mask:
+        shapes["loss_mask"] = ("uint8", [num_tokens])
+    return shapes
+
+
 def stored_dtype(name: str) -> str:
     """The --dtype choice as the job spec and the files name it."""
     if name not in DTYPE_CHOICES:

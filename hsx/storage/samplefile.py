@@ -8,6 +8,7 @@ Why it is written this way: docs/ARCHITECTURE.md, "Module notes".
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -39,6 +40,20 @@ _SAFETENSORS_DTYPES = {
     "float8_e4m3fn": "F8_E4M3",
     "float8_e5m2": "F8_E5M2",
 }
+_ELEMENT_SIZES = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
 
 
 class SampleFileCorrupt(ValueError):
@@ -51,6 +66,32 @@ def _header(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
     encoded = text.encode()
     encoded += b" " * (-len(encoded) % 8)  # safetensors pads the header so the data starts 8-aligned
     return len(encoded).to_bytes(8, "little") + encoded
+
+
+def _layout(tensors: dict[str, tuple[str, list[int]]]) -> tuple[dict[str, dict], list[str], int]:
+    """The header entries of tensors given as name -> (torch dtype name, shape), the names in data
+    order, and the data section's size. Widest element first, then by name, so every tensor starts
+    aligned to its element size, as safetensors' own writer does."""
+    order = sorted(tensors, key=lambda n: (-_ELEMENT_SIZES[tensors[n][0]], n))
+    entries: dict[str, dict] = {}
+    offset = 0
+    for name in order:
+        dtype, shape = tensors[name]
+        nbytes = math.prod(shape) * _ELEMENT_SIZES[dtype]
+        entries[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    return entries, order, offset
+
+
+def file_size(tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str]) -> int:
+    """The size of the file `write` makes of tensors of these dtypes (torch names) and shapes with
+    this metadata, without the tensors: the same header and layout, the checksum's fixed length."""
+    entries, _, data = _layout(tensors)
+    return len(_header(entries, {**metadata, CHECKSUM_KEY: _PLACEHOLDER})) + data
 
 
 def _flat_bytes(tensor: "torch.Tensor") -> memoryview:
@@ -66,24 +107,18 @@ def write(
     """Write `tensors` and `metadata` (plus the checksum) atomically to `final` (`sync_dir`: as
     hsx.storage.fsutil.atomic_write).
 
-    Returns (file size, digest). Tensors are laid out widest element first, then by name, so every
-    tensor starts aligned to its element size, as safetensors' own writer does."""
-    entries: dict[str, dict] = {}
-    buffers: list[memoryview] = []
-    offset = 0
-    for name in sorted(tensors, key=lambda n: (-tensors[n].element_size(), n)):
-        tensor = tensors[name]
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in _SAFETENSORS_DTYPES:
+    Returns (file size, digest). Tensors are laid out as `_layout` says."""
+    for name, tensor in tensors.items():
+        if str(tensor.dtype).removeprefix("torch.") not in _SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} has no safetensors name")
-        data = _flat_bytes(tensor)
-        entries[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + data.nbytes],
-        }
+    entries, order, offset = _layout(
+        {name: (str(tensor.dtype).removeprefix("torch."), list(tensor.shape)) for name, tensor in tensors.items()}
+    )
+    buffers: list[memoryview] = []
+    for name in order:
+        data = _flat_bytes(tensors[name])
+        assert data.nbytes == entries[name]["data_offsets"][1] - entries[name]["data_offsets"][0]
         buffers.append(data)
-        offset += data.nbytes
     if CHECKSUM_KEY in metadata:
         raise ValueError(f"metadata key {CHECKSUM_KEY!r} is the writer's own")
     data_start = len(_header(entries, {**metadata, CHECKSUM_KEY: _PLACEHOLDER}))
