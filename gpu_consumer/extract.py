@@ -8,6 +8,11 @@ Given a staging lease (gpu_consumer/staging.py), every forward copies its states
 buffer of that lease, and the states returned are views into those buffers: valid until the
 lease is released, which the caller does once it has written them. Without one, each forward's
 states are copied into ordinary host memory the caller owns.
+
+With `float8`, the batch is quantized where it was computed, before the copy
+(`hsx.storage.tensors.quantize_float8`: the same bytes as quantizing on the host): one byte per
+value and a scale per token and layer cross to the host instead of bfloat16's two bytes, and the
+writer threads have no arithmetic left to do. Each sample's states are then `Float8States`.
 """
 
 from collections.abc import Callable
@@ -17,6 +22,7 @@ import torch
 
 from hsx.gpu_consumer.model import LoadedModel
 from hsx.gpu_consumer.staging import StagingLease
+from hsx.storage.tensors import Float8States, quantize_float8
 from hsx.wire.schemas import Sample
 
 log = structlog.get_logger("hsx.gpu_consumer.extract")
@@ -37,7 +43,18 @@ def pad_batch(samples: list[Sample], pad_token_id: int) -> tuple[torch.Tensor, t
     return ids, mask
 
 
-def _forward(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | None) -> list[torch.Tensor]:
+States = torch.Tensor | Float8States  # one sample's [T, k, H], as computed or quantized
+
+
+def _to_host(tensor: torch.Tensor, lease: StagingLease | None, cuda: bool) -> torch.Tensor:
+    if lease is None:
+        return tensor.to("cpu")
+    host = lease.take(tensor.shape, tensor.dtype)
+    host.copy_(tensor, non_blocking=cuda)
+    return host
+
+
+def _forward(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | None, float8: bool) -> list[States]:
     if before_forward is not None:
         before_forward(samples, len(samples) * max(len(s.input_ids) for s in samples))
     ids, mask = pad_batch(samples, loaded.pad_token_id)
@@ -47,42 +64,48 @@ def _forward(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | N
         )
         # [B, P, k, H], one device-to-host copy for the whole batch.
         stacked = torch.stack(captured, dim=2).to(loaded.dtype)
-        if lease is not None:
-            cuda = loaded.device.type == "cuda"
-            host = lease.take(stacked.shape, stacked.dtype)
-            host.copy_(stacked, non_blocking=cuda)
-            if cuda:
-                torch.cuda.current_stream(loaded.device).synchronize()
+        cuda = loaded.device.type == "cuda"
+        if float8:
+            values, scale = quantize_float8(stacked)  # [B, P, k, H] e4m3, [B, P, k] float32
+            host_values, host_scale = _to_host(values, lease, cuda), _to_host(scale, lease, cuda)
         else:
-            host = stacked.to("cpu")
+            host = _to_host(stacked, lease, cuda)
+        if cuda and lease is not None:
+            torch.cuda.current_stream(loaded.device).synchronize()
+    if float8:
+        return [
+            Float8States(host_values[row, : len(sample.input_ids)], host_scale[row, : len(sample.input_ids)])
+            for row, sample in enumerate(samples)
+        ]
     return [host[row, : len(sample.input_ids)] for row, sample in enumerate(samples)]
 
 
 def extract_isolating(
-    loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None
-) -> tuple[list[tuple[Sample, torch.Tensor]], list[tuple[Sample, str]]]:
+    loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None, float8: bool = False
+) -> tuple[list[tuple[Sample, States]], list[tuple[Sample, str]]]:
     """For a batch that keeps failing: bisect it so that only the samples that fail on their own
     are given up. Returns (sample, states) for those that work and (sample, error) for the rest."""
     try:
-        return list(zip(samples, extract_samples(loaded, samples, lease=lease))), []
+        return list(zip(samples, extract_samples(loaded, samples, lease=lease, float8=float8))), []
     except Exception as exc:
         if len(samples) == 1:
             return [], [(samples[0], f"{type(exc).__name__}: {exc}")]
     half = len(samples) // 2
     # The first half's states stay in their leased buffers while the second half runs.
-    good_a, bad_a = extract_isolating(loaded, samples[:half], lease=lease)
-    good_b, bad_b = extract_isolating(loaded, samples[half:], lease=lease)
+    good_a, bad_a = extract_isolating(loaded, samples[:half], lease=lease, float8=float8)
+    good_b, bad_b = extract_isolating(loaded, samples[half:], lease=lease, float8=float8)
     return good_a + good_b, bad_a + bad_b
 
 
 def extract_samples(
-    loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None
-) -> list[torch.Tensor]:
-    """Hidden states [T, k, H] per sample, in the order given; splits the batch on OOM."""
+    loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None, float8: bool = False
+) -> list[States]:
+    """Hidden states [T, k, H] per sample (`Float8States` with `float8`), in the order given;
+    splits the batch on OOM."""
     mark = lease.mark() if lease is not None else 0
     try:
         try:
-            return _forward(loaded, samples, lease)
+            return _forward(loaded, samples, lease, float8)
         except torch.OutOfMemoryError:
             if len(samples) == 1:
                 raise
@@ -91,8 +114,8 @@ def extract_samples(
             half = len(samples) // 2
             log.warning("batch_split_on_oom", samples=len(samples), halves=[half, len(samples) - half])
             # The first half's states stay in their leased buffers while the second half runs.
-            first = extract_samples(loaded, samples[:half], lease=lease)
-            return first + extract_samples(loaded, samples[half:], lease=lease)
+            first = extract_samples(loaded, samples[:half], lease=lease, float8=float8)
+            return first + extract_samples(loaded, samples[half:], lease=lease, float8=float8)
     except BaseException:
         # Nothing will read what this call copied: its buffers go back to the pool now, so a
         # lease holds only the states that will be written.

@@ -32,6 +32,7 @@ from hsx.gpu_consumer.staging import StagingLease
 from hsx.gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
 from hsx.gpu_consumer.writer import write_sample_file
 from hsx.storage.fsutil import fsync_dir
+from hsx.storage.layout import FLOAT8
 from hsx.storage.spool import spool_usage
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
@@ -330,6 +331,7 @@ class BatchWorker:
         self._in_hand[id(taken)] = batch.batch_id
         log_ = log.bind(batch=batch.batch_id, attempt=attempt)
         started = time.perf_counter()
+        float8 = self.spec.dtype == FLOAT8  # quantized on the device, before the copy to the host
 
         def forward(run: Callable) -> Awaitable:
             return self._watched(
@@ -342,7 +344,7 @@ class BatchWorker:
             )
 
         try:
-            outputs = await forward(partial(extract_samples, lease=lease))
+            outputs = await forward(partial(extract_samples, lease=lease, float8=float8))
             return Computed(taken, batch, attempt, started, list(zip(batch.samples, outputs)))
         except ReleasedBatch:
             return None
@@ -354,7 +356,7 @@ class BatchWorker:
                 return None
         # Last delivery: give up only the samples that fail on their own.
         try:
-            extracted, failed = await forward(partial(extract_isolating, lease=lease))
+            extracted, failed = await forward(partial(extract_isolating, lease=lease, float8=float8))
         except ReleasedBatch:
             return None
         if not extracted:

@@ -8,7 +8,7 @@ import torch
 from hsx.storage import samplefile
 from hsx.storage.layout import FLOAT8, sample_key, sample_metadata
 from hsx.storage.spool import spool_file
-from hsx.storage.tensors import quantize_float8
+from hsx.storage.tensors import Float8States, quantize_float8
 from hsx.wire.schemas import FileReady, JobSpec, Sample
 
 # hsx.storage.fsutil.atomic_write writes `.<name>.<hex>.tmp` next to the file, then renames it.
@@ -40,13 +40,18 @@ def write_sample_file(
     node: str,
     batch_id: str,
     sample: Sample,
-    hidden_states: torch.Tensor,
+    hidden_states: torch.Tensor | Float8States,
     sync_dir: bool = True,
 ) -> FileReady:
     """Write the sample's file into the spool (fsynced, renamed into place) and describe it.
     `sync_dir=False`: the caller fsyncs the file's folder (`hsx.storage.fsutil.fsync_dir`) once for all
-    the files it writes there, before it announces any of them."""
-    if spec.dtype == FLOAT8:
+    the files it writes there, before it announces any of them. A float8 job's states come
+    quantized from the forward (`Float8States`, gpu_consumer/extract.py) or are quantized here."""
+    if isinstance(hidden_states, Float8States):
+        if spec.dtype != FLOAT8:
+            raise ValueError(f"float8 states given for a job stored as {spec.dtype}")
+        tensors = {"hidden_states": hidden_states.values, "hidden_states_scale": hidden_states.scale}
+    elif spec.dtype == FLOAT8:
         quantized, scale = quantize_float8(hidden_states)
         tensors = {"hidden_states": quantized, "hidden_states_scale": scale}
     else:
