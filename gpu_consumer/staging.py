@@ -11,11 +11,17 @@ import threading
 
 import torch
 
-_HEADROOM = 1.25  # a slightly larger batch next time still fits
+
+def block_bytes(nbytes: int) -> int:
+    """What the host allocator really holds for a request of `nbytes`: torch's pinned (caching
+    host) allocator rounds every request up to the next power of two, so the pool asks for that
+    size itself and counts it; a buffer's numel is then what it holds. Rounding is the headroom:
+    a slightly larger batch next time usually fits the same block."""
+    return 1 << max(0, nbytes - 1).bit_length()
 
 
 class HostStaging:
-    """The pool. Thread-safe: forwards take on a worker thread, the event loop releases."""
+    """The pool. Thread-safe: forwards take on the device thread, the event loop releases."""
 
     def __init__(self, *, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else pin
@@ -45,7 +51,7 @@ class HostStaging:
                 self._leased_bytes += buffer.numel()
                 return buffer
         # Outside the lock: a pinned allocation can take a while, and releases need not wait for it.
-        buffer = torch.empty(int(nbytes * _HEADROOM) + 1, dtype=torch.uint8, pin_memory=self.pin)
+        buffer = torch.empty(block_bytes(nbytes), dtype=torch.uint8, pin_memory=self.pin)
         with self._lock:
             self._leased_bytes += buffer.numel()
             self._largest = max(self._largest, buffer.numel())

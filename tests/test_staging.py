@@ -27,7 +27,7 @@ from devkit.faults import oom_above
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.service import BatchWorker
-from hsx.gpu_consumer.staging import HostStaging
+from hsx.gpu_consumer.staging import HostStaging, block_bytes
 from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
@@ -208,8 +208,7 @@ def test_a_leased_buffer_is_never_handed_out_again_before_its_lease_is_released(
     with pytest.raises(RuntimeError):
         held.take(shape, torch.float32)
     # What the pool keeps is bounded: leased + free <= twice its largest buffer.
-    largest = int(torch.Size([4, 8, 3, 16]).numel() * 4 * 1.25) + 1
-    assert pool.held_bytes <= 2 * largest
+    assert pool.held_bytes <= 2 * block_bytes(torch.Size([4, 8, 3, 16]).numel() * 4)
 
 
 def test_a_failed_forward_gives_its_buffers_back_and_the_lease_keeps_only_written_states(tiny_model, monkeypatch):
@@ -225,10 +224,34 @@ def test_a_failed_forward_gives_its_buffers_back_and_the_lease_keeps_only_writte
     assert lease.nbytes == 0 and loaded.staging.leased_bytes == 0 and loaded.staging.held_bytes > 0
     good, bad = extract.extract_isolating(loaded, samples, lease=lease)
     assert [s.index for s, _ in bad] == [12]
-    # Forwards that worked: [12, 30] and [16]; each buffer 1.25x its [B, P, k, H] float32 states.
-    assert lease.nbytes == sum(int(b * p * len(LAYERS) * 64 * 4 * 1.25) + 1 for b, p in ((2, 30), (1, 16)))
+    # Forwards that worked: [12, 30] and [16]; each buffer its [B, P, k, H] float32 states'
+    # bytes rounded up to a power of two (block_bytes).
+    assert lease.nbytes == sum(block_bytes(b * p * len(LAYERS) * 64 * 4) for b, p in ((2, 30), (1, 16)))
     alone = {s.index: extract.extract_samples(loaded, [s])[0] for s, _ in good}  # no lease: owned copies
     for sample, states in good:
         assert torch.allclose(states, alone[sample.index], atol=1e-5, rtol=0), sample.index
     lease.release()
     assert loaded.staging.leased_bytes == 0
+
+
+def test_the_pool_counts_the_blocks_the_host_allocator_really_holds():
+    """torch's pinned allocator rounds each request up to a power of two: the pool asks for that
+    size and counts it, so leased_bytes and held_bytes are what is held (a request of 1.25x its
+    states' bytes was rounded again, up to 2.5x, while the pool counted 1.25x). tests/test_gpu.py
+    checks the same figures against torch's own pinned-memory statistics."""
+    assert [block_bytes(n) for n in (0, 1, 2, 3, 1000, 1024, 1025, 3 << 20)] == [1, 1, 2, 4, 1024, 1024, 2048, 4 << 20]
+    pool = HostStaging(pin=False)
+    lease = pool.lease()
+    requests = [(torch.Size([3, 100, 5, 64]), torch.bfloat16), (torch.Size([3, 100, 5]), torch.float32)]
+    for shape, dtype in requests:
+        states = lease.take(shape, dtype)
+        assert states.shape == shape and states.dtype == dtype
+    expected = sum(block_bytes(shape.numel() * dtype.itemsize) for shape, dtype in requests)
+    assert lease.nbytes == pool.leased_bytes == pool.held_bytes == expected == 262144 + 8192
+    lease.release()
+    assert pool.leased_bytes == 0 and pool.held_bytes == expected
+    # A request that fits a free block (rounding is the headroom) takes it: nothing more is held.
+    again = pool.lease()
+    again.take(torch.Size([3, 110, 5, 64]), torch.bfloat16)
+    assert pool.held_bytes == expected and again.nbytes == 262144
+    again.release()
