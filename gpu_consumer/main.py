@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from hsx.gpu_consumer.config import ConsumerConfig
+from hsx.gpu_consumer.device_thread import DeviceThread
 from hsx.gpu_consumer.model import load_model, usable_device
 from hsx.gpu_consumer.scheduler import pull_loop
 from hsx.gpu_consumer.service import SERVICE, BatchWorker
@@ -49,7 +50,7 @@ async def _stop_reaper(reaper: asyncio.Task, stopping: asyncio.Event) -> None:
 
 async def run(cfg: ConsumerConfig) -> int:
     started_at = time.time()
-    usable_device(cfg.device)  # refused here, before a connection or a heartbeat
+    device = usable_device(cfg.device)  # refused here, before a connection or a heartbeat
     make_private_dirs(cfg.spool)
     async with job_session(
         cfg.nats,
@@ -80,7 +81,9 @@ async def run(cfg: ConsumerConfig) -> int:
             watching(watch),
             heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state),
         ):
-            loaded = await asyncio.to_thread(
+            # Loaded, warmed up and run on one thread bound to the device.
+            forwards = DeviceThread(device)
+            loaded = await forwards.run(
                 load_model,
                 spec.model,
                 layers=spec.layers,
@@ -90,7 +93,7 @@ async def run(cfg: ConsumerConfig) -> int:
                 revision=None if spec.model_revision == "local" else spec.model_revision,
                 compile_layers=cfg.compile_layers,
             )
-            await asyncio.to_thread(_warm_up, loaded)
+            await forwards.run(_warm_up, loaded)
             folder = plan_folder(cfg.spool, spec.job, spec.plan_tag)
             orphans = await asyncio.to_thread(remove_orphaned_temp_files, folder, older_than=started_at)
             if orphans:
@@ -113,7 +116,7 @@ async def run(cfg: ConsumerConfig) -> int:
             )
             durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
             sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
-            worker = BatchWorker(cfg, js, events, spec, loaded, stopping, watch=watch)
+            worker = BatchWorker(cfg, js, events, spec, loaded, stopping, watch=watch, forwards=forwards)
             end = JobEnd(js, watch, stopping, settled=worker.settled) if cfg.until_done else None
             reaper = asyncio.create_task(reap_exhausted(js, events, stopping))
             try:
@@ -123,6 +126,7 @@ async def run(cfg: ConsumerConfig) -> int:
                 await _stop_reaper(reaper, stopping)
                 await sub.unsubscribe()
                 worker.close()
+                forwards.close()
                 if watch.lost:
                     await asyncio.to_thread(remove_plan_folder, folder, reason="the job was lost")
         log.info("consumer_stopped", **({"verdict": end.verdict} if end is not None and end.verdict else {}))

@@ -1,11 +1,12 @@
 """The GPU consumer's batch worker (`BatchWorker`): one batch from its descriptor to its ack.
 
-`compute`: decode (poison -> dead letter), set aside another plan's batch, run the forward on a
-worker thread into host buffers leased to the batch (gpu_consumer/staging.py). `finish`: write
-each sample file atomically into the spool on the writer threads, fsync the folders once, announce
-the files (`publish_all`), store the batch's `written` marker, and only then `ack_sync()`. Each
-stage is watched for a stall (gpu_consumer/stall.py). What is fetched and which batch runs when
-is the scheduler's (gpu_consumer/scheduler.py).
+`compute`: decode (poison -> dead letter), set aside another plan's batch, run the forward on the
+device thread (gpu_consumer/device_thread.py) into host buffers leased to the batch
+(gpu_consumer/staging.py). `finish`: write each sample file atomically into the spool on the
+writer threads, fsync the folders once, announce the files (`publish_all`), store the batch's
+`written` marker, and only then `ack_sync()`. Each stage is watched for a stall
+(gpu_consumer/stall.py). What is fetched and which batch runs when is the scheduler's
+(gpu_consumer/scheduler.py).
 """
 
 import asyncio
@@ -26,6 +27,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from hsx.gpu_consumer.config import ConsumerConfig
+from hsx.gpu_consumer.device_thread import DeviceThread
 from hsx.gpu_consumer.extract import extract_isolating, extract_samples
 from hsx.gpu_consumer.model import LoadedModel
 from hsx.gpu_consumer.staging import StagingLease
@@ -83,6 +85,7 @@ class BatchWorker:
         stopping: asyncio.Event,
         *,
         watch: JobWatch | None = None,
+        forwards: DeviceThread | None = None,
     ) -> None:
         self.cfg = cfg
         self.js = js
@@ -101,6 +104,10 @@ class BatchWorker:
         # The batches taken up and not yet settled, by their Taken: what a stop is finishing.
         self._in_hand: dict[int, str] = {}
         self._writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="hsx-writer")
+        # Where the forwards run: the consumer's device thread, which loaded and warmed up the
+        # model (gpu_consumer/main.py); one of this worker's own when not given (benches, tests).
+        self._owns_forwards = forwards is None
+        self.forwards = forwards if forwards is not None else DeviceThread(loaded.device)
 
     @property
     def job_lost(self) -> bool:
@@ -335,7 +342,7 @@ class BatchWorker:
 
         def forward(run: Callable) -> Awaitable:
             return self._watched(
-                asyncio.to_thread(run, self.loaded, batch.samples),
+                self.forwards.run(run, self.loaded, batch.samples),
                 stage="forward",
                 batch=batch,
                 taken=taken,
@@ -540,6 +547,8 @@ class BatchWorker:
 
     def close(self) -> None:
         self._writers.shutdown(wait=True)
+        if self._owns_forwards:
+            self.forwards.close()
 
 
 def _full_batch_bytes(spec: schemas.JobSpec, loaded: LoadedModel) -> int:
