@@ -48,9 +48,19 @@ async def _stop_reaper(reaper: asyncio.Task, stopping: asyncio.Event) -> None:
         log.error("exhausted_reaper_failed", error=f"{type(outcome).__name__}: {outcome}")
 
 
+def limit_host_threads(device) -> None:
+    """On a GPU, one intra-op thread for the host's torch work: all of the arithmetic is on the
+    device (float8 included), and the writer threads are the parallelism. torch's default, a
+    thread per core, gives each writer thread its own OpenMP team, 8 writers x every core of a
+    node that runs a consumer per GPU. On the CPU the forward needs them: left alone."""
+    if device.type == "cuda":
+        torch.set_num_threads(1)
+
+
 async def run(cfg: ConsumerConfig) -> int:
     started_at = time.time()
     device = usable_device(cfg.device)  # refused here, before a connection or a heartbeat
+    limit_host_threads(device)
     make_private_dirs(cfg.spool)
     async with job_session(
         cfg.nats,
