@@ -96,6 +96,11 @@ class UpConfig:
     compile_layers: bool = option(
         "--compile", default=False, help="consumers torch.compile the decoder layers (hsx consume --compile)"
     )
+    require_fast_kernels: bool = option(
+        "--require-fast-kernels",
+        default=False,
+        help="consumers on a GPU refuse a hybrid model on the torch fallback (hsx consume --require-fast-kernels)",
+    )
     timeout_s: float = option(
         "--timeout", default=3600.0, parse=positive_float("--timeout"), help="give up after this many seconds"
     )
@@ -143,7 +148,14 @@ class UpConfig:
             nats=nats,
             log_level=args.log_level,
             producer=child("produce", **job),
-            consumer=child("consume", job=args.job, device=devices[0], spool=spool, compile_layers=args.compile_layers),
+            consumer=child(
+                "consume",
+                job=args.job,
+                device=devices[0],
+                spool=spool,
+                compile_layers=args.compile_layers,
+                require_fast_kernels=args.require_fast_kernels,
+            ),
             uploader=child("upload", job=args.job, spool=spool),
             monitor=child("monitor", job=args.job, until_done=True, interval_s=2.0),
             make_model=args.model is None,

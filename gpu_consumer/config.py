@@ -49,6 +49,17 @@ class ConsumerConfig(WorkerConfig):
         env="HSX_COMPILE",
         help="torch.compile the decoder layers: a faster forward after ~20 s of compiling (env HSX_COMPILE=1)",
     )
+    # On a GPU, a hybrid model whose linear-attention layers run transformers' torch fallback (no
+    # fla-core / causal-conv1d) is refused instead of warned about (gpu_consumer/kernels.py). On a
+    # CPU the torch path is the only one: nothing to refuse.
+    require_fast_kernels: bool = option(
+        "--require-fast-kernels",
+        default=False,
+        env="HSX_REQUIRE_FAST_KERNELS",
+        help="on a GPU, refuse to start when a hybrid model's linear attention or causal conv1d would run "
+        "transformers' slow torch fallback (fla-core / causal-conv1d missing; pip install -e '.[kernels]'); "
+        "no effect on cpu (env HSX_REQUIRE_FAST_KERNELS=1)",
+    )
     # A forward running longer than stall_factor x what its batch should take at this consumer's
     # measured pace, and never less than stall_after_s, is stalled: its batch is released to
     # another consumer and the heartbeat says `stalled` (gpu_consumer/stall.py). The floor covers

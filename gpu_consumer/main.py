@@ -6,6 +6,7 @@ started leaves no heartbeat. From the model's load on it beats (`starting`), and
 sends its goodbye (hsx.wire.worker.heartbeats)."""
 
 import asyncio
+import dataclasses
 import time
 
 import structlog
@@ -13,6 +14,7 @@ import torch
 
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.device_thread import DeviceThread
+from hsx.gpu_consumer.kernels import check_kernels, kernel_report, report_fields
 from hsx.gpu_consumer.model import load_model, usable_device
 from hsx.gpu_consumer.scheduler import pull_loop
 from hsx.gpu_consumer.service import SERVICE, BatchWorker
@@ -74,10 +76,12 @@ async def run(cfg: ConsumerConfig) -> int:
         js, spec, stopping = session.js, session.spec, session.stopping
         events = EventPublisher(session.nc, js, cfg.job)
         worker: BatchWorker | None = None
+        kernels: schemas.Kernels | None = None  # known once the model is loaded
         watch = JobWatch(session.kv, spec, stopping)
 
         def state() -> WorkerState:
-            return WorkerState(state="starting") if worker is None else worker.heartbeat_state()
+            now = WorkerState(state="starting") if worker is None else worker.heartbeat_state()
+            return dataclasses.replace(now, kernels=kernels)
 
         def in_hand() -> dict:
             if worker is None:
@@ -103,6 +107,9 @@ async def run(cfg: ConsumerConfig) -> int:
                 revision=None if spec.model_revision == "local" else spec.model_revision,
                 compile_layers=cfg.compile_layers,
             )
+            kernels = kernel_report(loaded.model, compiled=cfg.compile_layers)
+            # Refused here, before any batch is taken: the goodbye leaves no live worker.
+            check_kernels(kernels, loaded.device.type, require_fast=cfg.require_fast_kernels)
             await forwards.run(_warm_up, loaded)
             folder = plan_folder(cfg.spool, spec.job, spec.plan_tag)
             orphans = await asyncio.to_thread(remove_orphaned_temp_files, folder, older_than=started_at)
@@ -119,6 +126,7 @@ async def run(cfg: ConsumerConfig) -> int:
                 device=str(loaded.device),
                 attention=loaded.attention,
                 compile_layers=cfg.compile_layers,
+                kernels=report_fields(kernels),
                 torch_threads=torch.get_num_threads(),
                 node=cfg.node,
                 spool=str(cfg.spool),

@@ -188,3 +188,49 @@ def test_hsx_up_runs_consumers_on_every_gpu(tmp_path):
     assert sorted(record["device"] for record in ready) == sorted(f"cuda:{i}" for i in range(count) for _ in range(2))
     assert len({record["consumer"] for record in ready}) == 2 * count
     assert not (tmp_path / "w" / "logs" / f"consumer-{2 * count}.log").exists()
+
+
+def test_a_hybrid_models_kernels_on_cuda(tmp_path, hsx, nats_server, job_name):
+    """A tiny Qwen3.5 on a GPU reports what transformers bound: fla and causal_conv1d where they
+    import, else its torch fallback; and that fallback is what `hsx consume --require-fast-kernels`
+    refuses: one line, exit 2, no live heartbeat (gpu_consumer/kernels.py)."""
+    import importlib.util
+
+    from test_e2e_s3 import produce, write_dataset
+    from test_families import FAMILIES
+    from test_worker_lifecycle import _heartbeats
+
+    from hsx.commands.embedded import build_tiny_model
+    from hsx.gpu_consumer.kernels import kernel_report
+
+    path = build_tiny_model(tmp_path / "qwen3_5", seed=7, **FAMILIES["qwen3_5_text"].config)
+    loaded = load_model(str(path), layers=[0, 2], dtype="bfloat16", device="cuda:0")
+    report = kernel_report(loaded.model, compiled=False)
+    has_fla = importlib.util.find_spec("fla") is not None
+    has_conv = importlib.util.find_spec("causal_conv1d") is not None
+    assert report.attention == loaded.model.config._attn_implementation, report
+    assert report.linear_attention == ("fla" if has_fla else "torch"), report
+    assert report.conv1d == ("causal_conv1d" if has_conv else "torch"), report
+    assert [o.shape for o in extract_samples(loaded, _samples([5, 70]))] == [(5, 2, 64), (70, 2, 64)]
+    if has_fla and has_conv:
+        return  # nothing to refuse on this machine
+    write_dataset(tmp_path / "data.jsonl", 4, min_len=8, max_len=20, seed=3)
+    produce(
+        hsx,
+        job=job_name,
+        model=path,
+        dataset=tmp_path / "data.jsonl",
+        dest=str(tmp_path / "out"),
+        token_budget=96,
+        max_seq_len=64,
+        env=None,
+        layers="0,2",
+    )
+    refused = hsx(
+        "consume", "--job", job_name, "--device", "cuda:0", "--spool", str(tmp_path / "spool"),
+        "--require-fast-kernels", timeout=180,
+    )  # fmt: skip
+    last = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 2 and last.startswith("hsx: error: --require-fast-kernels: "), refused.stderr[-3000:]
+    assert "pip install -e '.[kernels]'" in last, last
+    assert [beat.state for beat in _heartbeats(nats_server.url, job_name)] in ([], ["stopping"])

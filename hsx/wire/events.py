@@ -79,6 +79,7 @@ class EventPublisher:
         spool_bytes: int = -1,
         stalled_s: float = 0.0,
         spool: str = "",
+        kernels: schemas.Kernels | None = None,
     ) -> None:
         beat = schemas.Heartbeat(
             job=self.job,
@@ -93,6 +94,7 @@ class EventPublisher:
             sent_at=time.time(),
             stalled_s=stalled_s,
             spool=spool,
+            kernels=kernels,
         )
         if self.nc.is_connected:
             # Rollup: the stream keeps only this instance's last beat (HSX_EVENTS has no age limit,
@@ -181,6 +183,7 @@ class WorkerState:
     spool_files: int = -1
     spool_bytes: int = -1
     stalled_s: float = 0.0  # state "stalled": how long the forward of last_batch has run
+    kernels: schemas.Kernels | None = None  # a GPU consumer's, once its model is loaded
 
 
 async def heartbeat_loop(
@@ -210,6 +213,7 @@ async def heartbeat_loop(
                 spool_bytes=report.spool_bytes,
                 stalled_s=report.stalled_s,
                 spool=spool,
+                kernels=report.kernels,
             )
         except Exception as exc:
             log.warning("heartbeat_failed", error=str(exc))
@@ -241,6 +245,7 @@ async def goodbye_heartbeat(
             spool_files=last.spool_files,
             spool_bytes=last.spool_bytes,
             spool=spool,
+            kernels=last.kernels,
         )
     except Exception as exc:  # stopping must go on; the monitor then calls the worker silent
         log.warning("heartbeat_failed", error=str(exc))

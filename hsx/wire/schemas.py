@@ -216,6 +216,19 @@ class SampleRequeued(_Wire, tag="requeued.v1"):
     reason: str
 
 
+class Kernels(_Wire, tag="kernels.v1"):
+    """The forward's implementations as transformers resolved them on a consumer's loaded model
+    (gpu_consumer/kernels.py): `attention` (sdpa, eager, flash_attention_2, ...), and for the
+    linear-attention layers of a hybrid model (Qwen3.5, Qwen3-Next) its delta rule
+    (`linear_attention`: fla, or the torch fallback) and causal convolution (`conv1d`:
+    causal_conv1d, or torch); None for a model without such layers. `compiled`: --compile."""
+
+    attention: str
+    linear_attention: str | None = None
+    conv1d: str | None = None
+    compiled: bool = False
+
+
 class Heartbeat(_Wire, tag="heartbeat.v1"):
     job: str
     service: str  # "gpu_consumer" | "uploader" | "producer"
@@ -236,6 +249,8 @@ class Heartbeat(_Wire, tag="heartbeat.v1"):
     # The worker's spool directory on its node (absolute); "" for workers without one. `hsx jobs
     # delete --force` says from it where a deleted job's waiting files lie.
     spool: str = ""
+    # A GPU consumer's kernels, once its model is loaded; None while it loads and for other services.
+    kernels: Kernels | None = None
 
 
 class DeadLetter(_Wire, tag="dead.v1"):

@@ -1,0 +1,134 @@
+"""Which implementations the loaded model's forward runs (`kernel_report`), and what a consumer
+does about a slow one (`check_kernels`).
+
+transformers picks a hybrid model's linear-attention kernels when its modeling module is imported
+(`use_kernel_func_from_hub_with_fallback`): the fast package's function when `fla` (pip
+`fla-core`) or `causal_conv1d` imports, else its own pure-torch one, with no error and only a
+transformers warning. So the report reads what the loaded model's linear-attention layers will
+call, not which packages are installed. It knows the model only as a loaded module tree; nothing
+of NATS or the job.
+"""
+
+import inspect
+import sys
+from collections.abc import Callable
+
+import structlog
+from torch import nn
+
+from hsx.errors import HsxError
+from hsx.gpu_consumer.model import decoder_layers
+from hsx.wire.schemas import Kernels
+
+log = structlog.get_logger("hsx.gpu_consumer.kernels")
+
+TORCH = "torch"  # transformers' reference implementation: correct, many times slower on a GPU
+UNKNOWN = "unknown"  # a linear-attention layer whose kernels this module cannot name (remote code)
+# Device types with fast kernels to miss: fla and causal-conv1d are CUDA (and ROCm, which torch
+# also calls "cuda") kernels. On a CPU the torch path is the only one there is, not a fallback.
+FAST_KERNEL_DEVICES = ("cuda",)
+INSTALL_HINT = "pip install -e '.[kernels]' in an hsx checkout, or pip install 'hsx-extract[kernels]'"
+
+
+def _implementation(function: Callable | None) -> str:
+    """Who implements `function`: its top-level package, `torch` for transformers' own code. A
+    transformers fallback wrapper is looked through to the implementation it closed over."""
+    if function is None:  # transformers < 5 kept None where the fast package was missing
+        return TORCH
+    try:
+        chosen = inspect.getclosurevars(function).nonlocals.get("implementation", function)
+    except TypeError:  # a builtin or a callable object: no closure to look into
+        chosen = function
+    package = (getattr(chosen, "__module__", None) or "").split(".")[0]
+    return TORCH if package in ("", "transformers", "transformers_modules", "torch") else package
+
+
+def _called(mixer: nn.Module) -> dict[str, Callable | None]:
+    """The kernel functions a linear-attention layer's forward calls, by name: what it holds
+    itself (transformers < 5: `self.chunk_gated_delta_rule`, `self.causal_conv1d_fn`), else the
+    module-level functions its forward names, in the namespace of its modeling file."""
+    found: dict[str, Callable | None] = {}
+    for name, value in vars(mixer).items():
+        if ("delta_rule" in name or "conv1d_fn" in name) and (value is None or callable(value)):
+            found[name] = value
+    if found:
+        return found
+    namespace = vars(sys.modules.get(type(mixer).__module__, object))
+    forward = inspect.unwrap(type(mixer).forward)
+    for name in getattr(getattr(forward, "__code__", None), "co_names", ()):
+        value = namespace.get(name)
+        if callable(value) and ("delta_rule" in name or "conv1d_fn" in name):
+            found[name] = value
+    return found
+
+
+def _pick(functions: dict[str, Callable | None], *, conv: bool) -> str:
+    """The implementation of the prefill path (a whole sequence, no cache: what extraction runs):
+    the chunked rule rather than the one-token recurrent one, the convolution over a sequence
+    rather than its one-step update."""
+    candidates = {name: fn for name, fn in functions.items() if ("conv1d" in name) == conv}
+    preferred = [name for name in candidates if ("conv1d_fn" in name if conv else "chunk" in name)]
+    names = preferred or list(candidates)
+    return _implementation(candidates[names[0]]) if names else UNKNOWN
+
+
+def linear_attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The sequence mixers of the decoder layers the config calls `linear_attention`."""
+    config = model.config.get_text_config()
+    kinds = getattr(config, "layer_types", None) or []
+    mixers = []
+    for index, layer in enumerate(decoder_layers(model)):
+        if index < len(kinds) and kinds[index] == "linear_attention":
+            mixers.append(getattr(layer, "linear_attn", layer))
+    return mixers
+
+
+def kernel_report(model: nn.Module, *, compiled: bool) -> Kernels:
+    """What the loaded model's forward runs. A model without linear-attention layers reports
+    None for the linear attention and the convolution."""
+    attention = str(getattr(model.config, "_attn_implementation", None) or UNKNOWN)
+    mixers = linear_attention_layers(model)
+    if not mixers:
+        return Kernels(attention=attention, compiled=compiled)
+    # One modeling file per model: every linear-attention layer calls the same functions.
+    functions = _called(mixers[0])
+    return Kernels(
+        attention=attention,
+        linear_attention=_pick(functions, conv=False),
+        conv1d=_pick(functions, conv=True),
+        compiled=compiled,
+    )
+
+
+def report_fields(report: Kernels | None) -> dict | None:
+    """The report as plain fields, for a log line."""
+    return None if report is None else {name: getattr(report, name) for name in report.__struct_fields__}
+
+
+def fallbacks(report: Kernels, device_type: str) -> list[str]:
+    """The parts of the forward running transformers' torch fallback where a fast kernel exists
+    for the device: `linear_attention` (fla), `conv1d` (causal_conv1d). Empty on a CPU."""
+    if device_type not in FAST_KERNEL_DEVICES:
+        return []
+    parts = {"linear_attention": report.linear_attention, "conv1d": report.conv1d}
+    return [part for part, used in parts.items() if used == TORCH]
+
+
+def check_kernels(report: Kernels, device_type: str, *, require_fast: bool) -> None:
+    """On a device with fast kernels, a hybrid model on the torch fallback is logged once as a
+    warning, or refused (one-line HsxError) with --require-fast-kernels."""
+    slow = fallbacks(report, device_type)
+    if not slow:
+        return
+    if require_fast:
+        parts = " and ".join(_PARTS[part][0] for part in slow)
+        packages = ", ".join(_PARTS[part][1] for part in slow)
+        raise HsxError(
+            f"--require-fast-kernels: the model's {parts} would run transformers' torch fallback on "
+            f"{device_type} ({packages} not importable here); install the kernels: {INSTALL_HINT}"
+        )
+    log.warning("slow_kernels", fallbacks=slow, install=INSTALL_HINT)
+
+
+# Each part of the forward that has a fast kernel: its name in a sentence, the package that has it.
+_PARTS = {"linear_attention": ("linear attention", "fla-core"), "conv1d": ("causal conv1d", "causal-conv1d")}

@@ -1,0 +1,152 @@
+"""The consumer's kernel report says what transformers resolved on the loaded model, and a hybrid
+model on transformers' torch fallback is warned about, or refused with --require-fast-kernels,
+only where fast kernels exist (CUDA).
+
+The tiny hybrid models (Qwen3.5, Qwen3-Next) are test_families.py's. Without fla-core and
+causal-conv1d (this machine: they are CUDA packages) transformers binds its torch functions. With
+them, it binds theirs when the modeling module is imported: that is re-done here with transformers'
+own decorator and two stand-in packages of those names, so that the report is seen to follow the
+binding rather than what is installed. A CUDA consumer's real report is tests/test_gpu.py's.
+"""
+
+import importlib
+import sys
+
+import msgspec
+import pytest
+import structlog
+from test_families import FAMILIES
+from transformers.integrations import hub_kernels
+
+from hsx.commands.cli import build_parser
+from hsx.commands.embedded import build_tiny_model
+from hsx.commands.up import UpConfig
+from hsx.config.settings import resolve
+from hsx.errors import HsxError
+from hsx.gpu_consumer.kernels import check_kernels, fallbacks, kernel_report, linear_attention_layers
+from hsx.gpu_consumer.model import load_model
+from hsx.wire import schemas
+
+HYBRIDS = ["qwen3_5_text", "qwen3_next"]
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kernel-models")
+    models = {}
+
+    def get(name: str):
+        if name not in models:
+            path = build_tiny_model(root / name, seed=7, **FAMILIES[name].config)
+            models[name] = load_model(str(path), layers=[0], dtype="float32", device="cpu")
+        return models[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_hybrid_without_the_packages_reports_the_torch_fallback(name, loaded):
+    assert importlib.util.find_spec("fla") is None and importlib.util.find_spec("causal_conv1d") is None
+    model = loaded(name).model
+    mixers = linear_attention_layers(model)
+    assert len(mixers) == 2 and all("GatedDeltaNet" in type(m).__name__ for m in mixers), mixers
+    report = kernel_report(model, compiled=True)
+    assert report == schemas.Kernels(
+        attention=model.config._attn_implementation, linear_attention="torch", conv1d="torch", compiled=True
+    )
+    assert report.attention == "sdpa"
+    assert fallbacks(report, "cuda") == ["linear_attention", "conv1d"]
+    assert fallbacks(report, "cpu") == []
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma2"])
+def test_a_model_without_linear_attention_reports_none(name, loaded):
+    model = loaded(name).model
+    report = kernel_report(model, compiled=False)
+    # gemma2 is the family transformers runs with eager attention: the report follows the model.
+    assert report == schemas.Kernels(attention="eager" if name == "gemma2" else "sdpa", compiled=False)
+    assert fallbacks(report, "cuda") == []
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_the_report_follows_the_functions_transformers_bound(name, loaded, tmp_path, monkeypatch):
+    # Where transformers imports them from: fla.ops.gated_delta_rule, causal_conv1d.
+    (tmp_path / "fla" / "ops").mkdir(parents=True)
+    (tmp_path / "causal_conv1d").mkdir()
+    for module, function in [
+        ("fla/__init__.py", None),
+        ("fla/ops/__init__.py", None),
+        ("fla/ops/gated_delta_rule.py", "chunk_gated_delta_rule"),
+        ("causal_conv1d/__init__.py", "causal_conv1d_fn"),
+    ]:
+        stand_in = f"def {function}(*args, **kwargs):\n    raise NotImplementedError('never called')\n"
+        (tmp_path / module).write_text(stand_in if function else "")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = loaded(name).model
+    modeling = sys.modules[type(linear_attention_layers(model)[0]).__module__]
+    try:
+        for attribute, (function, package) in {
+            "torch_chunk_gated_delta_rule": ("chunk_gated_delta_rule", "fla"),
+            "causal_conv1d_fn": ("causal_conv1d_fn", "causal_conv1d"),
+        }.items():
+            torch_function = getattr(modeling, attribute).__wrapped__
+            bound = hub_kernels.use_kernel_func_from_hub_with_fallback(function, package)(torch_function)
+            monkeypatch.setattr(modeling, attribute, bound)
+        report = kernel_report(model, compiled=False)
+    finally:
+        for package in ("fla", "causal_conv1d"):
+            for loaded_name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+                del sys.modules[loaded_name]
+    assert (report.linear_attention, report.conv1d) == ("fla", "causal_conv1d"), report
+    assert fallbacks(report, "cuda") == []
+
+
+SLOW = schemas.Kernels(attention="sdpa", linear_attention="torch", conv1d="torch")
+HALF = schemas.Kernels(attention="sdpa", linear_attention="fla", conv1d="torch")
+FAST = schemas.Kernels(attention="flash_attention_2", linear_attention="fla", conv1d="causal_conv1d")
+DENSE = schemas.Kernels(attention="sdpa")
+
+
+def test_on_cuda_a_fallback_is_one_warning_or_a_refusal():
+    with structlog.testing.capture_logs() as logs:
+        check_kernels(SLOW, "cuda", require_fast=False)
+    assert [entry["event"] for entry in logs] == ["slow_kernels"], logs
+    assert logs[0]["log_level"] == "warning" and logs[0]["fallbacks"] == ["linear_attention", "conv1d"]
+    assert "pip install -e '.[kernels]'" in logs[0]["install"], logs
+
+    with pytest.raises(HsxError) as refused:
+        check_kernels(HALF, "cuda", require_fast=True)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("--require-fast-kernels: ")
+    assert "the model's causal conv1d would run transformers' torch fallback on cuda" in message, message
+    assert "(causal-conv1d not importable here)" in message and "linear" not in message, message
+    assert "pip install -e '.[kernels]'" in message, message
+
+
+@pytest.mark.parametrize(
+    "report, device",
+    [(FAST, "cuda"), (DENSE, "cuda"), (SLOW, "cpu")],
+    ids=["fast-on-cuda", "dense-on-cuda", "torch-on-cpu"],
+)
+def test_nothing_to_warn_about_or_refuse(report, device):
+    """On a CPU the torch path is the only one there is: --require-fast-kernels does not refuse it."""
+    with structlog.testing.capture_logs() as logs:
+        for require_fast in (False, True):
+            check_kernels(report, device, require_fast=require_fast)
+    assert logs == []
+
+
+def test_a_heartbeat_without_kernels_still_decodes():
+    beat = schemas.Heartbeat(job="j", service="gpu_consumer", instance="n-1", node="n", state="idle", kernels=FAST)
+    sent = msgspec.json.decode(schemas.encode(beat))
+    assert schemas.event_decoder.decode(schemas.encode(beat)).kernels == FAST
+    del sent["kernels"]  # a consumer from before the field
+    assert schemas.event_decoder.decode(msgspec.json.encode(sent)).kernels is None
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_hsx_up_passes_require_fast_kernels_to_its_consumers(given, tmp_path):
+    parser = build_parser()
+    args = parser.parse_args(["up", "--workdir", str(tmp_path), *(["--require-fast-kernels"] if given else [])])
+    resolve(parser, args, {})
+    assert UpConfig.from_args(parser, args, nats=None, environ={}, prepare=False).consumer.require_fast_kernels is given
