@@ -2,7 +2,8 @@
 
 Right padding with an attention mask keeps every real token's computation identical to running
 the sample alone (causal attention and recurrent layers read only earlier positions). On an
-out-of-memory error the batch is split in halves and each half retried, down to single samples.
+out-of-memory error the batch is split in halves and each half retried, down to single samples;
+the halves run only once nothing of the failed forward is left (its frames, its captures).
 
 Given a staging lease (gpu_consumer/staging.py), every forward copies its states into a host
 buffer of that lease, and the states returned are views into those buffers: valid until the
@@ -15,6 +16,7 @@ value and a scale per token and layer cross to the host instead of bfloat16's tw
 writer threads have no arithmetic left to do. Each sample's states are then `Float8States`.
 """
 
+import traceback
 from collections.abc import Callable
 
 import structlog
@@ -30,6 +32,20 @@ log = structlog.get_logger("hsx.gpu_consumer.extract")
 # A seam for tests (devkit/faults.py installs a fault here: an out-of-memory error, a hung
 # device): called with the samples and their padded token count before each forward.
 before_forward: Callable[[list[Sample], int], None] | None = None
+
+
+def _forget(exc: BaseException) -> None:
+    """Clear the locals of every finished frame in `exc`'s tracebacks (and its chained ones'):
+    those frames hold the failed forward's tensors (embeddings, masks, q/k/v, on the device) for
+    as long as the exception lives, and a frame holding the exception keeps it in a cycle."""
+    pending, seen = [exc], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)  # a frame still running is left alone
+        pending += [current.__cause__, current.__context__]
 
 
 def pad_batch(samples: list[Sample], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,17 +122,26 @@ def extract_samples(
     try:
         try:
             return _forward(loaded, samples, lease, float8)
-        except torch.OutOfMemoryError:
+        except torch.OutOfMemoryError as exc:
             if len(samples) == 1:
                 raise
-            if loaded.device.type == "cuda":
-                torch.cuda.empty_cache()
-            half = len(samples) // 2
-            log.warning("batch_split_on_oom", samples=len(samples), halves=[half, len(samples) - half])
-            # The first half's states stay in their leased buffers while the second half runs.
-            first = extract_samples(loaded, samples[:half], lease=lease, float8=float8)
-            return first + extract_samples(loaded, samples[half:], lease=lease, float8=float8)
-    except BaseException:
+            # The halves run below, once this clause is left: inside it, the exception (and
+            # with it every frame of the failed forward and its device tensors) is alive, and
+            # empty_cache() could free nothing.
+            _forget(exc)
+        if lease is not None:
+            lease.release_since(mark)  # nothing will read what the failed forward copied
+        if loaded.device.type == "cuda":
+            torch.cuda.empty_cache()
+        half = len(samples) // 2
+        log.warning("batch_split_on_oom", samples=len(samples), halves=[half, len(samples) - half])
+        # The first half's states stay in their leased buffers while the second half runs.
+        first = extract_samples(loaded, samples[:half], lease=lease, float8=float8)
+        return first + extract_samples(loaded, samples[half:], lease=lease, float8=float8)
+    except BaseException as exc:
+        # Whoever catches this (a retry, a bisection) must not find the failed forward's
+        # tensors still held by its frames.
+        _forget(exc)
         # Nothing will read what this call copied: its buffers go back to the pool now, so a
         # lease holds only the states that will be written.
         if lease is not None:

@@ -83,14 +83,16 @@ class LayerTap:
         """[B, P] ids and mask -> one [B, P, H] tensor per selected layer, in the order given."""
         self._captured.clear()
         try:
-            self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        except _StopForward:
-            pass
-        else:
-            raise RuntimeError("the forward finished without reaching the last selected state; its hook never ran")
-        captured = [self._captured[layer] for layer in self.layers]
-        self._captured.clear()
-        return captured
+            try:
+                self.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            except _StopForward:
+                pass
+            else:
+                raise RuntimeError("the forward finished without reaching the last selected state; its hook never ran")
+            return [self._captured[layer] for layer in self.layers]
+        finally:
+            # Also when the forward failed (out of memory): what was captured must not outlive it.
+            self._captured.clear()
 
     def remove(self) -> None:
         for handle in self._handles:

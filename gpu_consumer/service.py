@@ -216,9 +216,14 @@ class BatchWorker:
         consumer is working on."""
         began = time.monotonic()
         running = asyncio.ensure_future(work)
-        done, _ = await asyncio.wait({running}, timeout=bound_s)
-        if done:
-            result = running.result()
+        if await _ends_within(running, bound_s):
+            try:
+                result = running.result()
+            finally:
+                # A failed stage's exception holds this frame, which held the task, which holds
+                # the exception: a cycle that kept every frame of a failed forward (and its
+                # tensors on the device) alive until the cycle collector ran.
+                running = None
             if stage == "forward":
                 # Only forwards within their bound: a stalled one would raise every later bound
                 # by the time the device spent hung.
@@ -251,6 +256,7 @@ class BatchWorker:
                 raise ReleasedBatch(batch.batch_id) from exc
         finally:
             self.stall = None
+            running = None  # the same cycle as above
         log.warning(finished_event, batch=batch.batch_id, seconds=round(time.monotonic() - began, 1))
         if not await self._still_queued(taken.msg):
             log.warning("released_batch_settled_elsewhere", batch=batch.batch_id, stage=stage)
@@ -549,6 +555,12 @@ class BatchWorker:
         self._writers.shutdown(wait=True)
         if self._owns_forwards:
             self.forwards.close()
+
+
+async def _ends_within(running: asyncio.Future, seconds: float) -> bool:
+    """Whether `running` ends within `seconds` (the sets asyncio.wait returns would hold it)."""
+    done, _ = await asyncio.wait({running}, timeout=seconds)
+    return bool(done)
 
 
 def _full_batch_bytes(spec: schemas.JobSpec, loaded: LoadedModel) -> int:

@@ -75,6 +75,40 @@ def test_pinned_staging_survives_oom_splits_and_isolation(tiny_model, monkeypatc
     assert loaded.staging.leased_bytes == 0
 
 
+def test_each_oom_retry_starts_at_the_device_memory_held_before_the_failed_forward(tiny_model, monkeypatch):
+    """tests/test_forward_faults.py's check on the device itself: layer 2 runs out of memory on
+    more than 2 samples (after allocating 64 MiB that only its frame holds); when each retry of a
+    half begins, torch.cuda.memory_allocated() is back at what it was before the batch."""
+    import hsx.gpu_consumer.extract as extract
+    from hsx.gpu_consumer.model import decoder_layers
+
+    loaded = load_model(str(tiny_model("qwen3")), layers=[1, 3], dtype="float32", device="cuda:0")
+    samples = _samples([40] * 8)
+    extract_samples(loaded, samples[:2])  # cuBLAS workspace and the like, allocated once
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    at_start: list[int] = []
+
+    def out_of_memory(_module, _args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if hidden.shape[0] > 2:
+            scratch = torch.empty(64 << 20, dtype=torch.uint8, device=hidden.device)  # noqa: F841 - held by this frame
+            raise torch.OutOfMemoryError("test: out of memory in layer 2")
+
+    def before_forward(samples, padded_tokens):
+        torch.cuda.synchronize()
+        at_start.append(torch.cuda.memory_allocated())
+
+    handle = decoder_layers(loaded.model)[2].register_forward_hook(out_of_memory)
+    monkeypatch.setattr(extract, "before_forward", before_forward)
+    try:
+        states = extract_samples(loaded, samples)
+    finally:
+        handle.remove()
+    assert len(states) == 8
+    assert at_start == [baseline] * 7, [n - baseline for n in at_start]
+
+
 @pytest.mark.parametrize("name", ["oom_split", "oom_poison_last_delivery"])
 def test_batch_files_written_from_pinned_buffers_during_the_next_batchs_split_hold_their_own_states(
     nats_server, tiny_model, job_name, tmp_path, monkeypatch, name
