@@ -7,6 +7,8 @@ is imported (an import hook, so an uploader never imports the consumer's torch m
 
 - HSX_TEST_OOM_ABOVE_TOKENS=N: a forward of more than N padded tokens raises torch's
   out-of-memory error, so the split path runs on a CPU machine.
+- HSX_TEST_DEVICE_ERROR_SAMPLE=I: a forward holding sample I raises torch's AcceleratorError, as
+  a device-side assert or an illegal address would (the CUDA context is dead after one).
 - HSX_TEST_HANG_SAMPLE=I with HSX_TEST_HANG_MARKER=PATH: the first forward holding sample I (the
   one that creates PATH) hangs, as a wedged device would, until PATH.release exists; forwards
   that find PATH there already run normally.
@@ -37,6 +39,7 @@ INJECT_DIR = Path(__file__).resolve().parent / "inject"
 REPO = Path(__file__).resolve().parent.parent
 SWITCHES = (
     "HSX_TEST_OOM_ABOVE_TOKENS",
+    "HSX_TEST_DEVICE_ERROR_SAMPLE",
     "HSX_TEST_HANG_SAMPLE",
     "HSX_TEST_HANG_MARKER",
     "HSX_TEST_HANG_WRITE_SAMPLE",
@@ -84,16 +87,33 @@ def oom_above(tokens: int) -> Callable:
     return before_forward
 
 
+def device_error_on(index: int) -> Callable:
+    """A `gpu_consumer.extract.before_forward` that raises torch's AcceleratorError (what a CUDA
+    device-side assert or illegal memory access raises) for any forward holding sample `index`."""
+
+    def before_forward(samples, padded_tokens: int) -> None:
+        import torch
+
+        if any(sample.index == index for sample in samples):
+            raise torch.AcceleratorError(f"CUDA error: device-side assert triggered (test fault: sample {index})")
+
+    return before_forward
+
+
 def _consumer_extract(module, environ: Mapping[str, str]) -> None:
     oom_limit = int(environ.get("HSX_TEST_OOM_ABOVE_TOKENS") or 0)
+    device_error = environ.get("HSX_TEST_DEVICE_ERROR_SAMPLE")
     hang_sample, hang_marker = environ.get("HSX_TEST_HANG_SAMPLE"), environ.get("HSX_TEST_HANG_MARKER", "")
-    if not (oom_limit or hang_sample):
+    if not (oom_limit or device_error or hang_sample):
         return
     oom = oom_above(oom_limit) if oom_limit else None
+    failing = device_error_on(int(device_error)) if device_error else None
 
     def before_forward(samples, padded_tokens: int) -> None:
         if oom is not None:
             oom(samples, padded_tokens)
+        if failing is not None:
+            failing(samples, padded_tokens)
         if hang_sample and any(str(s.index) == hang_sample for s in samples) and _first_to_create(hang_marker):
             module.log.warning("test_forward_hanging", sample=int(hang_sample), until=f"{hang_marker}.release")
             _wait_for_release(hang_marker)

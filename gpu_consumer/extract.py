@@ -5,6 +5,9 @@ the sample alone (causal attention and recurrent layers read only earlier positi
 out-of-memory error the batch is split in halves and each half retried, down to single samples;
 the halves run only once nothing of the failed forward is left (its frames, its captures).
 
+A failure of the device itself (`device_failed`: a device-side assert, an illegal address) is
+not the batch's: the CUDA context is dead for the process, and nothing here retries it.
+
 Given a staging lease (gpu_consumer/staging.py), every forward copies its states into a host
 buffer of that lease, and the states returned are views into those buffers: valid until the
 lease is released, which the caller does once it has written them. Without one, each forward's
@@ -22,6 +25,7 @@ from collections.abc import Callable
 import structlog
 import torch
 
+from hsx.errors import HsxError
 from hsx.gpu_consumer.model import LoadedModel
 from hsx.gpu_consumer.staging import StagingLease
 from hsx.storage.tensors import Float8States, quantize_float8
@@ -32,6 +36,34 @@ log = structlog.get_logger("hsx.gpu_consumer.extract")
 # A seam for tests (devkit/faults.py installs a fault here: an out-of-memory error, a hung
 # device): called with the samples and their padded token count before each forward.
 before_forward: Callable[[list[Sample], int], None] | None = None
+
+# torch.AcceleratorError (a RuntimeError) is what torch 2.13 raises for a CUDA runtime error; an
+# older torch, without the class, raises a plain RuntimeError, as some extensions still do.
+_ACCELERATOR_ERROR = getattr(torch, "AcceleratorError", None)
+_DEVICE_ERROR_TEXTS = ("CUDA error", "Triton Error [CUDA]")
+
+
+def device_failed(exc: BaseException) -> bool:
+    """Whether `exc` is the device's failure rather than the batch's: torch.AcceleratorError, or a
+    RuntimeError saying "CUDA error" (older torch, extensions). After a device-side assert or an
+    illegal memory access the CUDA context is dead: every later batch of this process would fail
+    too, and retrying here would dead-letter them all. Out of memory is not one (torch raises
+    OutOfMemoryError, and the context lives on). Every AcceleratorError is taken for one, the
+    few that leave the context usable (an invalid launch configuration) too: a restart costs a
+    model load, and a batch that does it on every device is dead-lettered after its deliveries."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    if _ACCELERATOR_ERROR is not None and isinstance(exc, _ACCELERATOR_ERROR):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "out of memory" not in text and any(t in text for t in _DEVICE_ERROR_TEXTS)
+
+
+class DeviceFailed(HsxError):
+    """The consumer's device failed (`device_failed`): the process exits with code 3 and its
+    supervisor (`hsx up`, Slurm, Kubernetes) restarts it; the batch is left unacked."""
+
+    exit_code = 3
 
 
 def _forget(exc: BaseException) -> None:
@@ -100,10 +132,13 @@ def extract_isolating(
     loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None, float8: bool = False
 ) -> tuple[list[tuple[Sample, States]], list[tuple[Sample, str]]]:
     """For a batch that keeps failing: bisect it so that only the samples that fail on their own
-    are given up. Returns (sample, states) for those that work and (sample, error) for the rest."""
+    are given up. Returns (sample, states) for those that work and (sample, error) for the rest.
+    A device failure is raised (no sample is to blame)."""
     try:
         return list(zip(samples, extract_samples(loaded, samples, lease=lease, float8=float8))), []
     except Exception as exc:
+        if device_failed(exc):
+            raise
         if len(samples) == 1:
             return [], [(samples[0], f"{type(exc).__name__}: {exc}")]
     half = len(samples) // 2

@@ -15,6 +15,7 @@ import structlog
 from nats.js import JetStreamContext
 
 from hsx.gpu_consumer.config import ConsumerConfig
+from hsx.gpu_consumer.extract import DeviceFailed
 from hsx.gpu_consumer.service import BatchWorker, Computed
 from hsx.wire.jetstream import give_back
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS
@@ -176,6 +177,8 @@ class BatchScheduler(PullLoop[Taken]):
             self.prefetch = asyncio.create_task(self._take())
         try:
             computed = await worker.compute(taken, on_stall=self.release_ahead)
+        except DeviceFailed:
+            raise  # the consumer ends (its wind-down hands back what was fetched ahead)
         except Exception as exc:
             log.warning("batch_interrupted", error=f"{type(exc).__name__}: {exc}", exc_info=True)
             return

@@ -28,7 +28,12 @@ from nats.js import JetStreamContext
 
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.device_thread import DeviceThread
-from hsx.gpu_consumer.extract import extract_isolating, extract_samples
+from hsx.gpu_consumer.extract import (
+    DeviceFailed,
+    device_failed,
+    extract_isolating,
+    extract_samples,
+)
 from hsx.gpu_consumer.model import LoadedModel
 from hsx.gpu_consumer.staging import StagingLease
 from hsx.gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
@@ -246,6 +251,8 @@ class BatchWorker:
             try:
                 result = await running
             except Exception as exc:
+                if device_failed(exc):
+                    raise  # not the batch's failure: the consumer must end (_compute_batch)
                 log.warning(
                     "stalled_stage_failed",
                     stage=stage,
@@ -362,6 +369,8 @@ class BatchWorker:
         except ReleasedBatch:
             return None
         except Exception as exc:
+            if device_failed(exc):
+                raise self._device_failed(exc, batch, attempt) from None
             if attempt < topology.BATCH_MAX_DELIVER:
                 delay = self.cfg.retry_delay_s * attempt
                 log_.warning("batch_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay, exc_info=True)
@@ -372,6 +381,10 @@ class BatchWorker:
             extracted, failed = await forward(partial(extract_isolating, lease=lease, float8=float8))
         except ReleasedBatch:
             return None
+        except Exception as exc:
+            if device_failed(exc):
+                raise self._device_failed(exc, batch, attempt) from None
+            raise
         if not extracted:
             await self.events.dead_letter(
                 msg,
@@ -382,6 +395,27 @@ class BatchWorker:
             )
             return None
         return Computed(taken, batch, attempt, started, extracted, failed)
+
+    def _device_failed(self, exc: Exception, batch: schemas.BatchDescriptor, attempt: int) -> DeviceFailed:
+        """The device failed under `batch` (extract.device_failed): the batch is left unacked, for
+        another consumer after the ack wait (no nak: should the batch itself kill every device it
+        runs on, the ack wait paces it to its last delivery and the exhausted-batch reaper's dead
+        letter), and this consumer must end, to be restarted on a live context."""
+        error = f"{type(exc).__name__}: {exc}"
+        log.error(
+            "device_failed",
+            device=str(self.loaded.device),
+            batch=batch.batch_id,
+            attempt=attempt,
+            samples=[s.index for s in batch.samples[:20]],
+            error=error,
+            redelivered_after_s=self.cfg.ack_wait_s,
+            exc_info=exc,
+        )
+        return DeviceFailed(
+            f"device {self.loaded.device} failed on batch {batch.batch_id} ({error}); the batch is left for "
+            f"another consumer; restart this one"
+        )
 
     async def finish(self, computed: Computed, *, on_stall: Callable[[], Awaitable[None]] | None = None) -> None:
         """Stage 2: write the files, announce them, report progress, and only then ack. A worker

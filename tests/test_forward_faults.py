@@ -3,6 +3,9 @@
 - Out of memory: every retry of a half starts with nothing of the failed forward alive (its
   frames, captures and tensors dropped before the halves run), without the cycle collector's
   help; a failed stage's exception does not keep its frames in a cycle with its task.
+- A dead device (torch.AcceleratorError: a device-side assert, an illegal address): the consumer
+  exits non-zero at once, leaving the batch unacked for another consumer; nothing is
+  dead-lettered.
 
 The memory checks run the extraction in this process with the tiny model and gc disabled, so
 that only reference counting frees anything; tests/test_gpu.py checks the device memory itself.
@@ -10,18 +13,23 @@ that only reference counting frees anything; tests/test_gpu.py checks the device
 
 import asyncio
 import gc
+import json
+import subprocess
+import time
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
+from test_e2e_s3 import logs_of, produce, start_monitor, wait_until_done, write_dataset
 from test_fidelity import _spec
 
 import hsx.gpu_consumer.extract as extract
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.model import decoder_layers, load_model
 from hsx.gpu_consumer.service import BatchWorker
-from hsx.wire import schemas
-from hsx.wire.natsconn import NatsSettings
+from hsx.wire import schemas, topology
+from hsx.wire.natsconn import NatsSettings, connect
 
 LAYERS = [1, 3]
 VOCAB = 512  # tests/conftest.py TINY
@@ -135,3 +143,52 @@ def test_a_failed_stage_is_not_kept_alive_by_its_task(tiny_model):
         asyncio.run(run())
         alive = refs[0]() is not None
     assert refs and not alive
+
+
+def test_a_device_error_ends_the_consumer_and_leaves_the_batch_unacked(
+    hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
+):
+    """torch.AcceleratorError (injected on the CPU by HSX_TEST_DEVICE_ERROR_SAMPLE) leaves the
+    CUDA context dead: every later batch would fail too. The consumer exits non-zero at once,
+    without a nak, a retry or a dead letter; a healthy consumer does the batch after the ack wait."""
+    write_dataset(tmp_path / "data.jsonl", 4, min_len=4, max_len=12, seed=5)
+    out = tmp_path / "out"
+    produce(
+        hsx,
+        job=job_name,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(out),
+        token_budget=256,
+        max_seq_len=32,
+        env=None,
+    )
+    spool = str(tmp_path / "spool")
+    args = ("consume", "--job", job_name, "--device", "cpu", "--spool", spool, "--ack-wait", "3")
+    failing = hsx_service(*args, "--retry-delay", "0.1", env={"HSX_TEST_DEVICE_ERROR_SAMPLE": "2"}, name="failing")
+    try:
+        code = failing.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the consumer went on after a device error\n{logs_of(failing)}")
+    log = Path(failing.log_path).read_text()
+    assert code == 3, log[-3000:]
+    failed = [json.loads(line) for line in log.splitlines() if '"device_failed"' in line]
+    assert len(failed) == 1 and "AcceleratorError" in failed[0]["error"] and failed[0]["batch"], log[-3000:]
+    assert '"batch_failed"' not in log and '"batch_done"' not in log
+    assert "hsx: error: device cpu failed" in log
+    assert json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout) == []
+
+    async def pending() -> tuple[int, int]:
+        nc = await connect(NatsSettings(url=nats_server.url), name="test-device-error")
+        info = await nc.jetstream().consumer_info(topology.BATCHES_STREAM, topology.gpu_durable(job_name))
+        await nc.drain()
+        return info.num_ack_pending, info.num_redelivered
+
+    assert asyncio.run(pending()) == (1, 0)  # in the dead consumer's hands, not nak'ed, not acked
+    started = time.monotonic()
+    healthy = hsx_service(*args, name="healthy")
+    uploader = hsx_service("upload", "--job", job_name, "--spool", spool, name="uploader")
+    wait_until_done(start_monitor(hsx_service, job_name, None), [healthy, uploader], timeout=90)
+    print(f"DEVICE_ERROR healthy consumer done in {time.monotonic() - started:.1f} s")
+    view = json.loads(hsx("status", "--job", job_name, "--json").stdout)
+    assert view["done"] and view["samples_uploaded"] == 4 and view["dead_letters"] == 0, view

@@ -109,6 +109,67 @@ def test_each_oom_retry_starts_at_the_device_memory_held_before_the_failed_forwa
     assert at_start == [baseline] * 7, [n - baseline for n in at_start]
 
 
+def test_a_device_side_assert_ends_the_consumer_leaving_its_batch_unacked(
+    hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
+):
+    """A token id past the vocabulary trips the embedding's device-side assert: the CUDA context
+    is dead. The consumer logs `device_failed` and exits 3 (for its supervisor to restart it),
+    its batch neither nak'ed nor dead-lettered; the batch is redelivered after the ack wait. The
+    descriptor is published by hand (the producer refuses such ids)."""
+    import asyncio
+
+    import nats
+    from test_e2e_s3 import produce, write_dataset
+
+    from hsx.wire import schemas, topology
+
+    write_dataset(tmp_path / "data.jsonl", 2, min_len=4, max_len=8, seed=3)
+    produce(
+        hsx,
+        job=job_name,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(tmp_path / "out"),
+        token_budget=128,
+        max_seq_len=32,
+        env=None,
+    )
+    bad = schemas.BatchDescriptor(
+        job=job_name,
+        batch_id=f"{job_name}-bad",
+        padded_len=4,
+        samples=[schemas.Sample(index=5, source_id="bad", input_ids=[1, 2, 512 + 1000, 3])],
+    )
+
+    async def publish_and_later_pending() -> None:
+        nc = await nats.connect(nats_server.url)
+        await nc.jetstream().publish(
+            topology.batch_subject(job_name), schemas.encode(bad), headers={"Nats-Msg-Id": bad.batch_id}
+        )
+        await nc.drain()
+
+    async def pending() -> int:
+        nc = await nats.connect(nats_server.url)
+        info = await nc.jetstream().consumer_info(topology.BATCHES_STREAM, topology.gpu_durable(job_name))
+        await nc.drain()
+        return info.num_ack_pending
+
+    asyncio.run(publish_and_later_pending())
+    spool = str(tmp_path / "spool")
+    consumer = hsx_service(
+        "consume", "--job", job_name, "--device", "cuda:0", "--spool", spool, "--ack-wait", "30", name="consumer"
+    )
+    code = consumer.wait(timeout=180)
+    log = Path(consumer.log_path).read_text()
+    assert code == 3, log[-3000:]
+    failed = [json.loads(line) for line in log.splitlines() if '"device_failed"' in line]
+    assert len(failed) == 1 and failed[0]["batch"] == bad.batch_id and "AcceleratorError" in failed[0]["error"], log[
+        -3000:
+    ]
+    assert json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout) == []
+    assert asyncio.run(pending()) == 1
+
+
 @pytest.mark.parametrize("name", ["oom_split", "oom_poison_last_delivery"])
 def test_batch_files_written_from_pinned_buffers_during_the_next_batchs_split_hold_their_own_states(
     nats_server, tiny_model, job_name, tmp_path, monkeypatch, name
