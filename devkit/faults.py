@@ -100,6 +100,26 @@ def device_error_on(index: int) -> Callable:
     return before_forward
 
 
+class NonFiniteFault:
+    """Writes `value` ("nan", "inf", "-inf") into the states of sample `index` at one token, as a
+    model whose activations overflow would. `hook` goes on a decoder layer
+    (`register_forward_hook`): the value then reaches every later layer's states of that sample,
+    and of no other. `before_forward` is gpu_consumer.extract's seam: it tells the hook which row
+    of the batch holds the sample."""
+
+    def __init__(self, index: int, value: str, *, token: int = 1) -> None:
+        self.index, self.value, self.token = index, float(value), token
+        self.row: int | None = None
+
+    def before_forward(self, samples, padded_tokens: int) -> None:
+        self.row = next((row for row, sample in enumerate(samples) if sample.index == self.index), None)
+
+    def hook(self, _module, _args, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        if self.row is not None:
+            hidden[self.row, self.token] = self.value
+
+
 def _consumer_extract(module, environ: Mapping[str, str]) -> None:
     oom_limit = int(environ.get("HSX_TEST_OOM_ABOVE_TOKENS") or 0)
     device_error = environ.get("HSX_TEST_DEVICE_ERROR_SAMPLE")

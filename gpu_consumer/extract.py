@@ -5,6 +5,11 @@ the sample alone (causal attention and recurrent layers read only earlier positi
 out-of-memory error the batch is split in halves and each half retried, down to single samples;
 the halves run only once nothing of the failed forward is left (its frames, its captures).
 
+Every forward checks that each sample's states are finite (a NaN or Inf, e.g. a float16
+overflow, would be stored as it is, or make a float8 scale meaningless): reduced on the device
+and copied with the states, so it costs no sync of its own. Samples that fail it are named by
+`NonFiniteStates`, which is final for them (the same sample gives the same states again).
+
 A failure of the device itself (`device_failed`: a device-side assert, an illegal address) is
 not the batch's: the CUDA context is dead for the process, and nothing here retries it.
 
@@ -66,6 +71,40 @@ class DeviceFailed(HsxError):
     exit_code = 3
 
 
+class NonFiniteStates(Exception):
+    """Some samples' states hold NaN or Inf: (sample, reason) for each."""
+
+    def __init__(self, failed: list[tuple[Sample, str]]) -> None:
+        super().__init__("; ".join(f"sample {sample.index}: {reason}" for sample, reason in failed))
+        self.failed = failed
+
+
+def _non_finite(stacked: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, P, k, H] states and [B, P] mask -> [B, k, 2]: whether a real token of the sample holds
+    a NaN, an Inf, per selected layer. Reduced per token first (min and max carry both), so the
+    device holds nothing the size of the states."""
+    low, high = torch.aminmax(stacked, dim=-1)  # [B, P, k]; NaN where a value is NaN
+    real = mask.bool().unsqueeze(-1)
+    nan = (torch.isnan(high) & real).any(dim=1)
+    inf = ((torch.isinf(high) | torch.isinf(low)) & real).any(dim=1)
+    return torch.stack([nan, inf], dim=-1)
+
+
+def _check_finite(loaded: LoadedModel, samples: list[Sample], flags: torch.Tensor) -> None:
+    if not flags.any():
+        return
+    failed = []
+    for sample, per_layer in zip(samples, flags.tolist()):
+        found = [
+            f"{kind} at layers {[layer for layer, hit in zip(loaded.tap.layers, per_layer) if hit[j]]}"
+            for j, kind in enumerate(("NaN", "Inf"))
+            if any(hit[j] for hit in per_layer)
+        ]
+        if found:
+            failed.append((sample, f"non-finite hidden states ({'; '.join(found)}) computed in {loaded.dtype}"))
+    raise NonFiniteStates(failed)
+
+
 def _forget(exc: BaseException) -> None:
     """Clear the locals of every finished frame in `exc`'s tracebacks (and its chained ones'):
     those frames hold the failed forward's tensors (embeddings, masks, q/k/v, on the device) for
@@ -107,12 +146,14 @@ def _forward(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | N
         before_forward(samples, len(samples) * max(len(s.input_ids) for s in samples))
     ids, mask = pad_batch(samples, loaded.pad_token_id)
     with torch.inference_mode():
-        captured = loaded.tap.forward(
-            ids.to(loaded.device, non_blocking=True), mask.to(loaded.device, non_blocking=True)
-        )
+        mask = mask.to(loaded.device, non_blocking=True)
+        captured = loaded.tap.forward(ids.to(loaded.device, non_blocking=True), mask)
         # [B, P, k, H], one device-to-host copy for the whole batch.
         stacked = torch.stack(captured, dim=2).to(loaded.dtype)
         cuda = loaded.device.type == "cuda"
+        # Issued before the states' copy: the sync that copy needs (below, or the blocking copy
+        # without a lease) covers this one too (pinned by torch, as non_blocking to the host is).
+        flags = _non_finite(stacked, mask).to("cpu", non_blocking=True)
         if float8:
             values, scale = quantize_float8(stacked)  # [B, P, k, H] e4m3, [B, P, k] float32
             host_values, host_scale = _to_host(values, lease, cuda), _to_host(scale, lease, cuda)
@@ -120,6 +161,7 @@ def _forward(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | N
             host = _to_host(stacked, lease, cuda)
         if cuda and lease is not None:
             torch.cuda.current_stream(loaded.device).synchronize()
+    _check_finite(loaded, samples, flags)
     if float8:
         return [
             Float8States(host_values[row, : len(sample.input_ids)], host_scale[row, : len(sample.input_ids)])
@@ -133,14 +175,23 @@ def extract_isolating(
 ) -> tuple[list[tuple[Sample, States]], list[tuple[Sample, str]]]:
     """For a batch that keeps failing: bisect it so that only the samples that fail on their own
     are given up. Returns (sample, states) for those that work and (sample, error) for the rest.
-    A device failure is raised (no sample is to blame)."""
+    Samples whose states are not finite are given up as soon as they are found, and the rest run
+    without them; a device failure is raised (no sample is to blame)."""
     try:
         return list(zip(samples, extract_samples(loaded, samples, lease=lease, float8=float8))), []
+    except NonFiniteStates as exc:
+        given_up = exc.failed
     except Exception as exc:
         if device_failed(exc):
             raise
         if len(samples) == 1:
             return [], [(samples[0], f"{type(exc).__name__}: {exc}")]
+        given_up = None
+    if given_up is not None:
+        named = {sample.index for sample, _ in given_up}
+        rest = [sample for sample in samples if sample.index not in named]
+        good, bad = extract_isolating(loaded, rest, lease=lease, float8=float8) if rest else ([], [])
+        return good, given_up + bad
     half = len(samples) // 2
     # The first half's states stay in their leased buffers while the second half runs.
     good_a, bad_a = extract_isolating(loaded, samples[:half], lease=lease, float8=float8)

@@ -30,6 +30,7 @@ from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.device_thread import DeviceThread
 from hsx.gpu_consumer.extract import (
     DeviceFailed,
+    NonFiniteStates,
     device_failed,
     extract_isolating,
     extract_samples,
@@ -368,6 +369,10 @@ class BatchWorker:
             return Computed(taken, batch, attempt, started, list(zip(batch.samples, outputs)))
         except ReleasedBatch:
             return None
+        except NonFiniteStates as exc:
+            # Those samples' own states (this model, this dtype): a retry computes them again, so
+            # they are given up now and the rest run without them, on this delivery.
+            log_.warning("non_finite_states", samples=[s.index for s, _ in exc.failed], error=str(exc))
         except Exception as exc:
             if device_failed(exc):
                 raise self._device_failed(exc, batch, attempt) from None
@@ -376,7 +381,7 @@ class BatchWorker:
                 log_.warning("batch_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=delay, exc_info=True)
                 await msg.nak(delay=delay)
                 return None
-        # Last delivery: give up only the samples that fail on their own.
+        # Last delivery (or samples found non-finite): give up only the samples that fail on their own.
         try:
             extracted, failed = await forward(partial(extract_isolating, lease=lease, float8=float8))
         except ReleasedBatch:
@@ -389,7 +394,7 @@ class BatchWorker:
             await self.events.dead_letter(
                 msg,
                 what="batch",
-                error=failed[0][1],
+                error="; ".join(f"sample {s.index}: {e}" for s, e in failed),
                 batch_id=batch.batch_id,
                 sample_indices=[s.index for s, _ in failed],
             )

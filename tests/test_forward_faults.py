@@ -6,6 +6,8 @@
 - A dead device (torch.AcceleratorError: a device-side assert, an illegal address): the consumer
   exits non-zero at once, leaving the batch unacked for another consumer; nothing is
   dead-lettered.
+- Non-finite states (NaN, Inf): the sample holding them is dead-lettered at once, naming it; the
+  batch's other samples are written.
 
 The memory checks run the extraction in this process with the tiny model and gc disabled, so
 that only reference counting frees anything; tests/test_gpu.py checks the device memory itself.
@@ -21,15 +23,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_e2e_s3 import logs_of, produce, start_monitor, wait_until_done, write_dataset
 from test_fidelity import _spec
 
 import hsx.gpu_consumer.extract as extract
+from devkit.faults import NonFiniteFault
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.model import decoder_layers, load_model
 from hsx.gpu_consumer.service import BatchWorker
+from hsx.storage.layout import FLOAT8
+from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
+from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings, connect
+from hsx.wire.pull import Taken
 
 LAYERS = [1, 3]
 VOCAB = 512  # tests/conftest.py TINY
@@ -192,3 +200,59 @@ def test_a_device_error_ends_the_consumer_and_leaves_the_batch_unacked(
     print(f"DEVICE_ERROR healthy consumer done in {time.monotonic() - started:.1f} s")
     view = json.loads(hsx("status", "--job", job_name, "--json").stdout)
     assert view["done"] and view["samples_uploaded"] == 4 and view["dead_letters"] == 0, view
+
+
+async def _compute_and_finish(url: str, model: Path, job: str, spool: Path, dtype: str, bad: NonFiniteFault):
+    loaded = load_model(str(model), layers=LAYERS, dtype=dtype, device="cpu")
+    handle = decoder_layers(loaded.model)[0].register_forward_hook(bad.hook)
+    samples = _samples(4, first=0, seed=3)
+    spec = _spec(job, model, LAYERS, dtype, samples)
+    nc = await connect(NatsSettings(url=url), name="test-non-finite")
+    js = nc.jetstream()
+    await topology.ensure_topology(js)
+    descriptor = schemas.BatchDescriptor(
+        job=job, batch_id=f"{job}-0", padded_len=max(len(s.input_ids) for s in samples), samples=samples
+    )
+    await js.publish(topology.batch_subject(job), schemas.encode(descriptor), headers={"Nats-Msg-Id": f"{job}-0"})
+    durable = await topology.ensure_gpu_consumer(js, job)
+    sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
+    [msg] = await sub.fetch(1, timeout=5)
+    cfg = ConsumerConfig(
+        nats=NatsSettings(url=url), job=job, device="cpu", spool=spool, node="node-a", instance="nonfinite-1"
+    )
+    worker = BatchWorker(cfg, js, EventPublisher(nc, js, job), spec, loaded, asyncio.Event())
+    try:
+        computed = await worker.compute(Taken.of(msg, interval_s=cfg.in_progress_s))
+        assert computed is not None, "the batch was not computed on its first delivery"
+        await worker.finish(computed)
+        info = await js.consumer_info(topology.BATCHES_STREAM, durable)
+    finally:
+        handle.remove()
+        worker.close()
+        await sub.unsubscribe()
+        await nc.drain()
+    return samples, spec, info
+
+
+@pytest.mark.parametrize("dtype, value", [("bfloat16", "nan"), ("bfloat16", "inf"), (FLOAT8, "nan"), (FLOAT8, "-inf")])
+def test_a_sample_with_non_finite_states_is_dead_lettered_naming_it(
+    hsx, monkeypatch, nats_server, tiny_model, job_name, tmp_path, dtype, value
+):
+    """A NaN would make a float8 file's scale meaningless, an Inf turns its row into NaN, and a
+    bfloat16/float16 file would store them as they are: sample 2's states are never written; it
+    is dead-lettered on the batch's first delivery, naming it; samples 0, 1 and 3 are written."""
+    bad = NonFiniteFault(2, value)
+    monkeypatch.setattr(extract, "before_forward", bad.before_forward)
+    model, spool = tiny_model("qwen3"), tmp_path / "spool"
+    samples, spec, info = asyncio.run(_compute_and_finish(nats_server.url, model, job_name, spool, dtype, bad))
+    assert info.num_ack_pending == 0 and info.num_pending == 0 and info.num_redelivered == 0, info
+    letters = json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
+    assert len(letters) == 1 and letters[0]["samples"] == [2] and letters[0]["deliveries"] == 1, letters
+    assert "sample 2" in letters[0]["error"] and "non-finite" in letters[0]["error"], letters[0]["error"]
+    for sample in samples:
+        path = spool_file(spool, job_name, spec.plan_tag, sample.index)
+        if sample.index == 2:
+            assert not path.exists()
+            continue
+        tensors = load_file(path)
+        assert all(torch.isfinite(t.float()).all() for t in tensors.values()), sample.index
