@@ -8,6 +8,7 @@ job, and the job looks like one `hsx up` ran here with its embedded NATS (which 
 import asyncio
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -159,6 +160,7 @@ def format_status(view: StatusView, *, as_json: bool) -> str:
         f"job {view.job}: {state}",
         f"  model    {view.model}, layers {','.join(map(str, view.layers))}",
         f"  workers  alive: {workers or 'none'}",
+        *_kernel_lines(view),
         f"  samples  uploaded {view.samples_uploaded}/{view.total_samples}, written {view.samples_written}",
         f"  tokens   written {view.tokens_written}/{view.total_tokens}"
         + ("" if view.sums_complete else " (so far read; run hsx status again, or keep hsx monitor running)"),
@@ -195,6 +197,22 @@ def format_status(view: StatusView, *, as_json: bool) -> str:
     if view.dead_samples:
         lines.append(f"  dead samples {view.dead_samples[:20]}{' ...' if len(view.dead_samples) > 20 else ''}")
     return "\n".join(lines)
+
+
+def _kernel_lines(view: StatusView) -> list[str]:
+    """One line per distinct set of kernels the live consumers run (most consumers first)."""
+    counts = Counter(consumer.kernels for consumer in view.consumers if consumer.kernels is not None)
+    lines = []
+    for kernels, count in counts.most_common():
+        parts = [f"attention {kernels.attention}"]
+        if kernels.linear_attention is not None:
+            parts.append(f"linear attention {kernels.linear_attention}")
+        if kernels.conv1d is not None:
+            parts.append(f"conv1d {kernels.conv1d}")
+        if kernels.compiled:
+            parts.append("compiled")
+        lines.append(f"  kernels  {', '.join(parts)} ({count} consumer{'s' if count > 1 else ''})")
+    return lines
 
 
 _SERVICE_WORDS = {"gpu_consumer": "consumers", "uploader": "uploaders", "producer": "producers"}

@@ -105,11 +105,26 @@ def test_waiting_then_running_then_stalled_then_done_and_no_ghosts(
         procs=[consumer],
         period=0.5,
     )
+    # Its kernels, per live consumer, as its heartbeat says: a dense model has no linear attention.
+    kernels = {"type": "kernels.v1", "attention": "sdpa", "linear_attention": None, "conv1d": None, "compiled": False}
+    # (the first heartbeat after the model's load carries them: within the 5 s between beats).
+    wait_for(
+        lambda: [c["kernels"] for c in status(hsx, job, None)["consumers"]] == [kernels],
+        timeout=30,
+        what="the consumer's kernels in status",
+        procs=[consumer],
+        period=0.5,
+    )
+    text = check_ok(hsx("status", "--job", job), "hsx status").stdout
+    assert "  kernels  attention sdpa (1 consumer)" in text, text
     # A clean stop: its goodbye says `stopping`, so it is not alive, and work is left: stalled.
     consumer.send_signal(signal.SIGTERM)
     assert consumer.wait(timeout=60) == 0, logs_of(consumer)
+    ready = log_events(consumer, "consumer_ready")
+    assert [event["kernels"] for event in ready] == [{k: v for k, v in kernels.items() if k != "type"}], ready
     view = status(hsx, job, None)
     assert view["state"] == "stalled" and view["workers_alive"] == {"gpu_consumer": 0, "uploader": 0}, view
+    assert view["consumers"] == [], view
     assert view["no_worker_alive_s"] is not None and view["no_worker_alive_s"] < 60, view
 
     # The last word of any worker was ten minutes ago (a killed one's last beat): stalled that long.

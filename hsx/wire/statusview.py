@@ -32,6 +32,16 @@ class DestinationRefusal(msgspec.Struct, frozen=True, kw_only=True):
     reason: str | None
 
 
+class ConsumerView(msgspec.Struct, frozen=True, kw_only=True):
+    """A live GPU consumer, as its last heartbeat tells it."""
+
+    instance: str
+    node: str
+    state: str
+    # What its forward runs (gpu_consumer/kernels.py); None while it loads its model.
+    kernels: schemas.Kernels | None
+
+
 class StatusView(msgspec.Struct, frozen=True, kw_only=True):
     """One reading of a job: what `hsx status --json` prints (docs/OPERATIONS.md, "hsx status"),
     field for field, and what the monitor reports from."""
@@ -87,6 +97,7 @@ class StatusView(msgspec.Struct, frozen=True, kw_only=True):
     finished_at: float | None = None  # once done: its last `uploaded` marker
     elapsed_s: float | None = None  # from started_at to finished_at (done) or to now
     average_samples_per_s: float | None = None  # samples uploaded / elapsed_s
+    consumers: list[ConsumerView] = []  # the live GPU consumers, by instance
 
 
 def destination_refusals(
@@ -117,6 +128,14 @@ def workers_alive(heartbeats: dict[str, schemas.Heartbeat], *, now: float, live_
     for beat in live_heartbeats(heartbeats, now=now, live_s=live_s):
         alive[beat.service] = alive.get(beat.service, 0) + 1
     return alive
+
+
+def live_consumers(heartbeats: dict[str, schemas.Heartbeat], *, now: float, live_s: float) -> list[ConsumerView]:
+    return [
+        ConsumerView(instance=beat.instance, node=beat.node, state=beat.state, kernels=beat.kernels)
+        for beat in sorted(live_heartbeats(heartbeats, now=now, live_s=live_s), key=lambda beat: beat.instance)
+        if beat.service == "gpu_consumer"
+    ]
 
 
 def destination_trouble(heartbeats: dict[str, schemas.Heartbeat], *, now: float, live_s: float) -> str | None:
@@ -268,4 +287,5 @@ def status_view(
         finished_at=finished_at,
         elapsed_s=elapsed_s,
         average_samples_per_s=average,
+        consumers=live_consumers(fold.heartbeats, now=now, live_s=live_s),
     )
