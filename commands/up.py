@@ -3,7 +3,7 @@
 Starts whatever is not given: a nats-server with its JetStream store in the workdir, a small
 random-initialised model, a synthetic dataset, a local destination. Then it runs the producer,
 `--consumers` GPU consumers per device (`--device cuda`: every visible GPU, or those of
-`--devices`; hsx/model/devices.py), each its own process on its own device, `--uploaders` uploaders
+`--devices`; hsx/model/devices.py), each its own process shown only its own GPU, `--uploaders` uploaders
 sharing the consumers' spool, and the monitor; it restarts a worker that crashes, and returns 0
 when every sample is in the destination. Everything lives in the workdir, so running it again
 resumes: the producer publishes nothing twice and only unfinished work runs. Ctrl-C (or SIGTERM)
@@ -35,7 +35,7 @@ from hsx.config.settings import build_config, resolve
 from hsx.config.values import positive_float, positive_int
 from hsx.errors import HsxError, JobFailed
 from hsx.gpu_consumer.config import ConsumerConfig
-from hsx.model.devices import node_devices
+from hsx.model.devices import child_visible_devices, node_devices, node_gpus
 from hsx.monitor.config import MonitorConfig
 from hsx.producer.config import ProducerConfig
 from hsx.storage.location import Location
@@ -115,6 +115,9 @@ class UpConfig:
     make_model: bool  # no --model: a small random model in the workdir
     make_dataset: bool  # no --dataset: --samples synthetic rows
     devices: tuple[str, ...]  # the device of each consumer group, from --device and --devices (hsx/model/devices.py)
+    # The CUDA_VISIBLE_DEVICES entry of each GPU `cuda:i` of `devices` names (hsx/model/devices.py
+    # visible_gpus); empty off CUDA.
+    visible_gpus: tuple[str, ...] = ()
 
     @classmethod
     def from_args(
@@ -133,7 +136,8 @@ class UpConfig:
         job["dest"] = job["dest"] or Location.parse(workdir / "out")
         spool = workdir / "spool"
         # Which GPUs the consumers get is this machine's to say: not asked unprepared (config show).
-        devices = tuple(node_devices(args.device, args.gpus)) if prepare else (args.device,)
+        visible = tuple(node_gpus(args.device)) if prepare else ()
+        devices = tuple(node_devices(args.device, args.gpus, gpus=list(visible))) if prepare else (args.device,)
         stand_in = nats or NatsSettings(url="nats://embedded.invalid")  # replaced once the server runs
 
         def child(command: str, **given):
@@ -161,15 +165,26 @@ class UpConfig:
             make_model=args.model is None,
             make_dataset=args.dataset is None,
             devices=devices,
+            visible_gpus=visible,
         )
 
 
-def consumer_configs(cfg: UpConfig) -> list[tuple[str, ConsumerConfig]]:
-    """(name, config) of each consumer: `--consumers` per device, each process on its own device,
-    all on one spool (the node's uploaders read it). Each process names its own instance
-    (`<node>-<pid>`), so their heartbeats are told apart."""
-    per_device = [device for device in cfg.devices for _ in range(cfg.consumers)]
-    return [(f"consumer-{i}", replace(cfg.consumer, device=device)) for i, device in enumerate(per_device)]
+def consumer_configs(cfg: UpConfig) -> list[tuple[str, ConsumerConfig, dict[str, str]]]:
+    """(name, config, environment) of each consumer: `--consumers` per device, each process on its
+    own device, all on one spool (the node's uploaders read it). Each process names its own
+    instance (`<node>-<pid>`), so their heartbeats are told apart.
+
+    A GPU consumer is shown its GPU alone (CUDA_VISIBLE_DEVICES) and runs on `cuda:0`: the device
+    every thread of it starts on is then the model's (kernels that launch on the current device,
+    as Triton's do, land there), and each MIG slice gets a consumer of its own."""
+    consumers = []
+    for device in [device for device in cfg.devices for _ in range(cfg.consumers)]:
+        visible = child_visible_devices(device, list(cfg.visible_gpus))
+        if visible is None:
+            consumers.append((replace(cfg.consumer, device=device), {}))
+        else:
+            consumers.append((replace(cfg.consumer, device="cuda:0"), {"CUDA_VISIBLE_DEVICES": visible}))
+    return [(f"consumer-{i}", consumer, env) for i, (consumer, env) in enumerate(consumers)]
 
 
 class Child:
@@ -286,8 +301,14 @@ def run_up(cfg: UpConfig) -> int:
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.consumers)))
 
-        def service(name: str, service_cfg, log_path: Path | None) -> Child:
-            return Child.of(name, replace(service_cfg, nats=nats), log_level=cfg.log_level, env=env, log_path=log_path)
+        def service(name: str, service_cfg, log_path: Path | None, own_env: dict[str, str] | None = None) -> Child:
+            return Child.of(
+                name,
+                replace(service_cfg, nats=nats),
+                log_level=cfg.log_level,
+                env={**env, **(own_env or {})},
+                log_path=log_path,
+            )
 
         producer = service("producer", producer_cfg, logs / "producer.log")
         producer.start()
@@ -305,9 +326,10 @@ def run_up(cfg: UpConfig) -> int:
             "consumers_planned",
             devices=list(cfg.devices),
             per_device=cfg.consumers,
-            consumers={name: consumer.device for name, consumer in consumers},
+            consumers={name: consumer.device for name, consumer, _ in consumers},
+            visible_gpus={name: own["CUDA_VISIBLE_DEVICES"] for name, _, own in consumers if own},
         )
-        workers = [service(name, consumer, logs / f"{name}.log") for name, consumer in consumers] + [
+        workers = [service(name, consumer, logs / f"{name}.log", own) for name, consumer, own in consumers] + [
             service(f"uploader-{i}", cfg.uploader, logs / f"uploader-{i}.log") for i in range(cfg.uploaders)
         ]
         monitor = service("monitor", cfg.monitor, None)

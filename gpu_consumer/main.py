@@ -7,6 +7,7 @@ sends its goodbye (hsx.wire.worker.heartbeats)."""
 
 import asyncio
 import dataclasses
+import os
 import time
 
 import structlog
@@ -124,6 +125,8 @@ async def run(cfg: ConsumerConfig) -> int:
                 layers=spec.layers,
                 dtype=spec.dtype,
                 device=str(loaded.device),
+                # Which GPU cuda:0 is: hsx up shows each consumer its own alone.
+                cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                 attention=loaded.attention,
                 compile_layers=cfg.compile_layers,
                 kernels=report_fields(kernels),

@@ -2,7 +2,8 @@
 
 `plan_devices` is given the number of visible GPUs, so 0, 1 and 4 are checked on the CPU; `hsx
 up` is built from its real flags with torch's count replaced (in this process), down to the
-`hsx consume` command line of each consumer it would start, without starting any. The refusals
+config and environment of each consumer it would start (its GPU alone in CUDA_VISIBLE_DEVICES,
+MIG slices included), without starting any. The refusals
 run the real CLI as processes with CUDA_VISIBLE_DEVICES="" (no GPU visible, also on a GPU
 machine). tests/test_gpu.py runs the enumeration and `hsx up --device cuda` on a real GPU.
 """
@@ -13,16 +14,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import clean_environ
 from test_cli_errors import assert_one_line_error
 
+import hsx.gpu_consumer.model
 import hsx.model.devices
 from hsx.commands.cli import build_parser
 from hsx.commands.up import UpConfig, consumer_configs
 from hsx.config.settings import resolve
 from hsx.errors import HsxError
 from hsx.gpu_consumer.config import ConsumerConfig
-from hsx.model.devices import check_consumer_device, plan_devices, visible_text
+from hsx.model.devices import check_consumer_device, child_visible_devices, plan_devices, visible_gpus, visible_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,39 +93,100 @@ def test_consume_takes_one_device():
         check_consumer_device("cuda")
 
 
-def _up_config(argv: list[str], monkeypatch, visible: int, workdir: Path) -> UpConfig:
-    """UpConfig from `hsx up ARGV` as the CLI builds it, with `visible` GPUs as torch's count."""
+def _up_config(
+    argv: list[str], monkeypatch, visible: int, workdir: Path, *, cuda_visible_devices: str | None = None
+) -> UpConfig:
+    """UpConfig from `hsx up ARGV` as the CLI builds it, with `visible` GPUs as torch's count, this
+    CUDA_VISIBLE_DEVICES, and no `nvidia-smi -L` to read."""
     monkeypatch.setattr(hsx.model.devices, "cuda_device_count", lambda: visible)
+    monkeypatch.setattr(hsx.model.devices, "_smi_listing", lambda: None)
+    # The consumer's config refuses a device torch cannot use here (commands/services.py): these
+    # GPUs are stood in for, so only their names are checked.
+    monkeypatch.setattr(hsx.gpu_consumer.model, "usable_device", torch.device)
+    if cuda_visible_devices is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", cuda_visible_devices)
     parser = build_parser()
     args = parser.parse_args(["up", "--workdir", str(workdir), *argv])
     resolve(parser, args, {})
     return UpConfig.from_args(parser, args, nats=None, environ={})
 
 
-def _devices_of(consumers: list[tuple[str, ConsumerConfig]]) -> list[str]:
-    return [consumer.device for _, consumer in consumers]
+def _devices_of(consumers: list[tuple[str, ConsumerConfig, dict]]) -> list[str]:
+    """Each consumer's GPU as its process is shown it (CUDA_VISIBLE_DEVICES), or its device."""
+    return [env.get("CUDA_VISIBLE_DEVICES", consumer.device) for _, consumer, env in consumers]
 
 
 def test_up_starts_one_consumer_per_visible_gpu(monkeypatch, tmp_path):
     cfg = _up_config(["--device", "cuda", "--compile"], monkeypatch, visible=4, workdir=tmp_path)
     assert cfg.devices == ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
     consumers = consumer_configs(cfg)
-    assert [name for name, _ in consumers] == ["consumer-0", "consumer-1", "consumer-2", "consumer-3"]
-    assert _devices_of(consumers) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
-    for _, consumer in consumers:  # one spool for the node, the job's settings on each
+    assert [name for name, _, _ in consumers] == ["consumer-0", "consumer-1", "consumer-2", "consumer-3"]
+    assert _devices_of(consumers) == ["0", "1", "2", "3"]
+    for _, consumer, env in consumers:  # one spool for the node, the job's settings on each
         assert consumer.job == "demo" and consumer.compile_layers
+        assert consumer.device == "cuda:0" and list(env) == ["CUDA_VISIBLE_DEVICES"]  # its GPU alone
         assert consumer.spool == tmp_path.resolve() / "spool"
 
 
 def test_up_consumers_is_per_device_and_devices_chooses(monkeypatch, tmp_path):
     cfg = _up_config(["--device", "cuda", "--devices", "2,0", "--consumers", "2"], monkeypatch, 4, tmp_path)
     consumers = consumer_configs(cfg)
-    assert _devices_of(consumers) == ["cuda:2", "cuda:2", "cuda:0", "cuda:0"]
-    assert len({name for name, _ in consumers}) == 4  # each its own process, log file and instance
+    assert _devices_of(consumers) == ["2", "2", "0", "0"]
+    assert len({name for name, _, _ in consumers}) == 4  # each its own process, log file and instance
     cpu = consumer_configs(_up_config(["--consumers", "3"], monkeypatch, visible=4, workdir=tmp_path))
-    assert _devices_of(cpu) == ["cpu", "cpu", "cpu"]
+    assert _devices_of(cpu) == ["cpu", "cpu", "cpu"] and all(not env for _, _, env in cpu)
     one = consumer_configs(_up_config(["--device", "cuda:1"], monkeypatch, visible=4, workdir=tmp_path))
-    assert _devices_of(one) == ["cuda:1"]
+    assert _devices_of(one) == ["1"] and one[0][1].device == "cuda:0"
+
+
+def test_each_consumer_is_shown_its_own_gpu_of_those_listed(monkeypatch, tmp_path):
+    """CUDA_VISIBLE_DEVICES=4,6 (torch sees 2): cuda:1 is physical GPU 6, and its consumer is
+    shown 6 alone; UUIDs pass through as they are."""
+    cfg = _up_config(["--device", "cuda"], monkeypatch, visible=2, workdir=tmp_path, cuda_visible_devices="4,6")
+    assert cfg.devices == ("cuda:0", "cuda:1") and cfg.visible_gpus == ("4", "6")
+    assert _devices_of(consumer_configs(cfg)) == ["4", "6"]
+    uuids = "GPU-aa11,GPU-bb22"
+    cfg = _up_config(["--device", "cuda:1"], monkeypatch, visible=2, workdir=tmp_path, cuda_visible_devices=uuids)
+    assert _devices_of(consumer_configs(cfg)) == ["GPU-bb22"]
+
+
+def test_every_mig_slice_gets_a_consumer(monkeypatch, tmp_path):
+    """Three MIG slices listed: CUDA shows a process one of them, so torch counts 1; each slice
+    is still a consumer of its own, shown that slice alone."""
+    slices = "MIG-11111111-aaaa,MIG-22222222-bbbb,MIG-33333333-cccc"
+    cfg = _up_config(["--device", "cuda"], monkeypatch, visible=1, workdir=tmp_path, cuda_visible_devices=slices)
+    assert cfg.devices == ("cuda:0", "cuda:1", "cuda:2")
+    consumers = consumer_configs(cfg)
+    assert _devices_of(consumers) == slices.split(",")
+    assert {consumer.device for _, consumer, _ in consumers} == {"cuda:0"}
+    chosen = _up_config(["--device", "cuda", "--devices", "2"], monkeypatch, 1, tmp_path, cuda_visible_devices=slices)
+    assert _devices_of(consumer_configs(chosen)) == ["MIG-33333333-cccc"]
+    with pytest.raises(HsxError, match="no GPU 3: 3 GPUs visible"):
+        _up_config(["--device", "cuda:3"], monkeypatch, 1, tmp_path, cuda_visible_devices=slices)
+
+
+SMI_MIG = """GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0a0a0a0a-1111)
+  MIG 3g.40gb     Device  0: (UUID: MIG-aaaa0000-0001)
+  MIG 3g.40gb     Device  1: (UUID: MIG-aaaa0000-0002)
+GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1b1b1b1b-2222)
+"""
+SMI_PLAIN = """GPU 0: NVIDIA H200 (UUID: GPU-0a0a0a0a-1111)
+GPU 1: NVIDIA H200 (UUID: GPU-1b1b1b1b-2222)
+"""
+
+
+def test_visible_gpus_from_the_variable_torchs_count_and_the_listing():
+    assert visible_gpus(4, None) == ["0", "1", "2", "3"]
+    assert visible_gpus(0, None) == [] and visible_gpus(0, "MIG-a") == []
+    assert visible_gpus(2, "3, 1,7") == ["3", "1"]  # CUDA stops at the first it cannot use
+    assert visible_gpus(1, "MIG-a,MIG-b") == ["MIG-a", "MIG-b"]
+    # Nothing listed: nvidia-smi -L says whether there are slices; without any, torch's order.
+    assert visible_gpus(2, None, smi_listing=SMI_PLAIN) == ["0", "1"]
+    assert visible_gpus(1, None, smi_listing=SMI_MIG) == ["MIG-aaaa0000-0001", "MIG-aaaa0000-0002", "GPU-1b1b1b1b-2222"]
+    assert child_visible_devices("cuda:2", ["0", "1", "MIG-c"]) == "MIG-c"
+    assert child_visible_devices("cpu", ["0"]) is None
 
 
 def test_up_asks_torch_only_for_a_gpu(monkeypatch, tmp_path):

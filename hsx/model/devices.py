@@ -8,16 +8,60 @@ HsxError naming the flag and what is visible. `node_devices` asks torch, and onl
 asked for. `check_consumer_device` refuses `hsx consume --device cuda`: one consumer is one
 process on one device.
 
+Each consumer process is shown only its own GPU: `visible_gpus` says which CUDA_VISIBLE_DEVICES
+entry is each visible GPU, and `hsx up` starts the consumer of `cuda:i` with
+CUDA_VISIBLE_DEVICES=<entry i> and `--device cuda:0` (`child_visible_devices`). Its current device
+is then the model's on every thread, and a MIG slice is a GPU of its own: CUDA shows a process one
+MIG instance whatever CUDA_VISIBLE_DEVICES lists, so torch counts 1 for a list of slices, which
+this module counts from the list itself (or from `nvidia-smi -L` when nothing is listed).
+
 This module knows nothing of processes (commands/up.py starts one consumer per device) or of models
 (gpu_consumer/model.py loads the model on the device it is given).
 """
 
 import os
 import re
+import shutil
+import subprocess
 
 from hsx.errors import HsxError
 
 _CUDA_N = re.compile(r"cuda:(\d+)")
+_SMI_UUID = re.compile(r"^\s*(GPU|MIG)\b.*\(UUID: ((?:GPU|MIG)-[^)\s]+)\)", re.MULTILINE)
+
+
+def visible_gpus(count: int, cuda_visible_devices: str | None, *, smi_listing: str | None = None) -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entry that shows a process exactly visible GPU i, for each i.
+
+    `count` is torch's; `cuda_visible_devices` this process's variable (None: unset); `smi_listing`
+    the output of `nvidia-smi -L`, read only when nothing is listed. Listed entries: the first
+    `count` (CUDA stops at the first it cannot use), except MIG slices (`MIG-...`), which are
+    each a GPU although torch counts one. Unset: GPU i is `i` (the same order, CUDA_DEVICE_ORDER
+    being inherited), unless the listing has MIG slices: then each slice, and each GPU without
+    slices, by UUID."""
+    if count <= 0:
+        return []
+    if cuda_visible_devices is not None:
+        entries = [entry.strip() for entry in cuda_visible_devices.split(",") if entry.strip()]
+        if any(entry.startswith("MIG-") for entry in entries):
+            return entries
+        return entries[:count]
+    if smi_listing:
+        gpus: list[tuple[str, list[str]]] = []
+        for kind, uuid in _SMI_UUID.findall(smi_listing):
+            if kind == "GPU":
+                gpus.append((uuid, []))
+            elif gpus:
+                gpus[-1][1].append(uuid)
+        if any(slices for _, slices in gpus):
+            return [entry for uuid, slices in gpus for entry in (slices or [uuid])]
+    return [str(i) for i in range(count)]
+
+
+def child_visible_devices(device: str, gpus: list[str]) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the consumer of `device` (`cuda:i` of `gpus`), None off CUDA."""
+    match = _CUDA_N.fullmatch(device)
+    return gpus[int(match.group(1))] if match else None
 
 
 def visible_text(visible: int, cuda_visible_devices: str | None = None) -> str:
@@ -88,9 +132,30 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def node_devices(device: str, devices: str | None) -> list[str]:
-    """`plan_devices` with the GPUs torch sees; torch is imported only when a GPU is asked for."""
-    visible = cuda_device_count() if device.strip().startswith("cuda") else 0
+def _smi_listing() -> str | None:
+    """`nvidia-smi -L`, or None where it is not there or fails."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        return subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def node_gpus(device: str) -> list[str]:
+    """`visible_gpus` of this node; [] (nothing asked) unless `device` is a GPU."""
+    if not device.strip().startswith("cuda"):
+        return []
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = cuda_device_count()
+    return visible_gpus(count, listed, smi_listing=_smi_listing() if listed is None and count > 0 else None)
+
+
+def node_devices(device: str, devices: str | None, *, gpus: list[str] | None = None) -> list[str]:
+    """`plan_devices` with this node's GPUs (`node_gpus`, or those given); torch is imported only
+    when a GPU is asked for."""
+    visible = len(node_gpus(device) if gpus is None else gpus)
     return plan_devices(device, devices, visible=visible, cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
