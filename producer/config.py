@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx.config.fields import option
-from hsx.config.values import positive_int
+from hsx.config.values import parse_size, positive_float, positive_int
 from hsx.errors import HsxError
 from hsx.model.layers import LayerRequest, parse_layers
 from hsx.producer.conventions import HSX, ChatConvention, parse_chat_as
@@ -50,6 +50,10 @@ def parse_max_bad_rows(text: str) -> BadRowCap:
     if not (0 <= limit <= 100 if percent else limit >= 0):
         raise HsxError(f"--max-bad-rows must be 0 or more (a percentage at most 100%), got {text!r}")
     return BadRowCap(limit=limit, percent=percent)
+
+
+def _max_payload(text: str) -> int:
+    return parse_size(text, "--max-payload")
 
 
 def parse_chat_field(text: str) -> str:
@@ -195,6 +199,51 @@ class ProducerConfig:
         help="let this job take over its folder <dest>/<job> when it holds another plan's files (a deleted job "
         "of this name): that plan's bundle and index are removed, its sample files overwritten as this job writes",
     )
+    # Command line only, as --replace-output: a job file that said so would run every job past a full disk.
+    ignore_free_space: bool = option(
+        "--ignore-free-space",
+        default=False,
+        command_line_only=True,
+        help="run even when a local --dest (file:///dir or a path) has less free space than the job's sample "
+        "files and bundle need (by default such a job is refused before anything is published)",
+    )
+    # The dry run (producer/estimate.py) and its own flags: command line only, a question asked once.
+    dry_run: bool = option(
+        "--dry-run",
+        default=False,
+        command_line_only=True,
+        help="read, tokenize and plan the job as a run would, then print its samples, tokens, batches, largest "
+        "batch and bytes (sample files at --dtype; the job bundle apart) and publish, store and write nothing; "
+        "needs no NATS server",
+    )
+    as_json: bool = option(
+        "--json", default=False, command_line_only=True, help="with --dry-run: print one JSON object"
+    )
+    max_payload: int | None = option(
+        "--max-payload",
+        default=None,
+        parse=_max_payload,
+        command_line_only=True,
+        example="8M",
+        help="with --dry-run: the NATS server max_payload the batches are checked against (default 1M, "
+        "nats-server's default; a real run uses its server's)",
+    )
+    rate: float | None = option(
+        "--rate",
+        default=None,
+        parse=positive_float("--rate", "tokens per second"),
+        command_line_only=True,
+        metavar="TOKENS_PER_S",
+        example=27000,
+        help="with --dry-run: tokens per second per GPU (the monitor's tok/s of one consumer), for the hours",
+    )
+    gpus: int = option(
+        "--gpus",
+        default=1,
+        parse=positive_int("--gpus"),
+        command_line_only=True,
+        help="with --dry-run --rate: GPUs the job runs on (default %(default)s)",
+    )
     # Servers of a JetStream cluster holding each hsx stream and bucket; None keeps what exists
     # (R1 when creating). docs/OPERATIONS.md, Multi-node.
     replicas: int | None = option(
@@ -208,6 +257,19 @@ class ProducerConfig:
     )
 
     def __post_init__(self) -> None:
+        if not self.dry_run:
+            given = [
+                flag
+                for flag, value in (
+                    ("--json", self.as_json),
+                    ("--max-payload", self.max_payload is not None),
+                    ("--rate", self.rate is not None),
+                    ("--gpus", self.gpus != 1),
+                )
+                if value
+            ]
+            if given:
+                raise HsxError(f"{', '.join(given)}: only with --dry-run")
         if self.token_budget < self.max_seq_len:
             raise HsxError(
                 f"--token-budget {self.token_budget} is smaller than --max-seq-len {self.max_seq_len}: "

@@ -2,6 +2,8 @@
 batch. `run` checks everything that can refuse the job before anything is written
 (producer/preflight.py), then stores the samples, claims the destination folder, publishes the
 batches under ids derived from the plan's fingerprint, and writes the bundle (producer/bundle.py).
+With --dry-run it stops after planning: the job is sized (producer/estimate.py) and printed,
+with no NATS server and nothing published, stored or written.
 Re-runs, replacement and resume: docs/ARCHITECTURE.md, "Module notes"."""
 
 import asyncio
@@ -20,8 +22,9 @@ from hsx.packing import PlannedBatch, plan_batches
 from hsx.producer import bundle, preflight, resume, stored
 from hsx.producer.config import ProducerConfig
 from hsx.producer.dataset import dataset_digest
+from hsx.producer.estimate import JobEstimate, check_free_space, estimate_job, format_estimate
 from hsx.producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
-from hsx.storage.tokens import SampleTable
+from hsx.storage.tokens import SampleTable, report_object_name, tokens_object_name
 from hsx.wire import schemas, topology
 from hsx.wire.counts import count_stored
 from hsx.wire.headers import message_headers
@@ -33,6 +36,9 @@ from hsx.wire.schemas import Layer, plan_batch_id
 log = structlog.get_logger("hsx.producer")
 
 _PUBLISH_WINDOW = 256
+# nats-server's max_payload unless its configuration says otherwise: what --dry-run checks
+# descriptors against without a server to ask.
+DEFAULT_MAX_PAYLOAD = 1 << 20
 
 
 def plan_fingerprint(cfg: ProducerConfig, layers: list[Layer], samples: SampleTable) -> str:
@@ -123,12 +129,90 @@ async def run(cfg: ProducerConfig) -> int:
     started = time.monotonic()
     info = load_model_info(cfg.model, trust_remote_code=cfg.trust_remote_code)
     layers = resolve_layers(cfg.layers, info.num_layers, model=cfg.model)
+    if cfg.dry_run:
+        return await _dry_run(cfg, info, layers)
     # Reach NATS first: an unreachable server is reported at once, not after reading a big dataset.
     nc = await connect(cfg.nats, name=f"hsx-producer-{cfg.job}")
     try:
         return await _produce(cfg, nc, info, layers, started=started)
     finally:
         await nc.drain()
+
+
+def _estimate(
+    cfg: ProducerConfig,
+    info,
+    layers: list[Layer],
+    fingerprint: str,
+    rows: SampleTable,
+    batches: list[PlannedBatch],
+    inputs: Inputs | None,
+    existing: schemas.JobSpec | None,
+    *,
+    max_payload: int,
+) -> JobEstimate:
+    """The job sized (producer/estimate.py) from its spec as it will be, but for the stored
+    objects' names and the dataset's digest, which only the bundle's job.json holds (their length,
+    not their value, counts; reading the dataset again for its digest would not)."""
+    spec = _job_spec(
+        cfg,
+        info,
+        layers,
+        fingerprint,
+        rows,
+        batches,
+        created_at=time.time(),
+        tokenized_object=tokens_object_name(cfg.job),
+        report_object=report_object_name(cfg.job),
+        dataset_digest="0" * 64,
+        **_input_counts(cfg, inputs, existing),
+    )
+    return estimate_job(
+        spec,
+        rows,
+        batches,
+        max_batch_size=cfg.max_batch_size,
+        report=None if inputs is None else _report(cfg, inputs),
+        max_payload=max_payload,
+        rate=cfg.rate,
+        gpus=cfg.gpus,
+        dest=cfg.dest,
+    )
+
+
+def _check_free_space(cfg: ProducerConfig, *args, max_payload: int) -> None:
+    """Refuse a local destination without room for the job's files (an S3 bucket has no free
+    space to ask); `args` as `_estimate`'s."""
+    if cfg.dest.is_s3:
+        return
+    room = _estimate(cfg, *args, max_payload=max_payload).free_space
+    log.info("free_space_checked", job=cfg.job, dest=str(cfg.dest), needed=room.needed, free=room.free, fits=room.fits)
+    check_free_space(room)
+
+
+async def _dry_run(cfg: ProducerConfig, info, layers: list[Layer]) -> int:
+    """`--dry-run`: the inputs read and planned as a run would, the plan's descriptors checked
+    against --max-payload, the job sized and printed. No NATS: nothing is published, stored,
+    claimed or written."""
+    inputs = await _read_inputs(cfg, info)
+    rows = inputs.samples
+    try:
+        batches, fingerprint = await _plan(cfg, layers, rows, from_store=False)
+        max_payload = cfg.max_payload or DEFAULT_MAX_PAYLOAD
+        await asyncio.to_thread(
+            preflight.check_payloads,
+            _descriptors(cfg.job, fingerprint, batches, rows),
+            max_payload=max_payload,
+            token_budget=cfg.token_budget,
+            max_seq_len=cfg.max_seq_len,
+        )
+        estimate = await asyncio.to_thread(
+            _estimate, cfg, info, layers, fingerprint, rows, batches, inputs, None, max_payload=max_payload
+        )
+    finally:
+        rows.close()
+    print(format_estimate(estimate, as_json=cfg.as_json), flush=True)
+    return 0
 
 
 def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
@@ -192,7 +276,13 @@ async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | N
             object=existing.tokenized_object,
         )
         return rows, None
-    inputs = await asyncio.to_thread(
+    inputs = await _read_inputs(cfg, info)
+    return inputs.samples, inputs
+
+
+async def _read_inputs(cfg: ProducerConfig, info) -> Inputs:
+    """The dataset read and tokenized under the job's settings."""
+    return await asyncio.to_thread(
         tokenized_rows,
         cfg.dataset,
         model=cfg.model,
@@ -206,27 +296,25 @@ async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | N
         chat_field=cfg.chat_field,
         on_empty_mask=cfg.on_empty_mask,
     )
-    return inputs.samples, inputs
+
+
+def _report(cfg: ProducerConfig, inputs: Inputs) -> dict:
+    return report_document(
+        job=cfg.job,
+        dataset=cfg.dataset,
+        max_seq_len=cfg.max_seq_len,
+        on_long=cfg.on_long,
+        inputs=inputs,
+        chat_as=str(cfg.chat_as),
+        on_bad_row=cfg.on_bad_row,
+        max_bad_rows=cfg.max_bad_rows,
+        on_empty_mask=cfg.on_empty_mask,
+    )
 
 
 async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs, *, max_payload: int) -> tuple[str, str]:
     tokens = await stored.store_tokenized(js, cfg.job, inputs.samples, max_payload=max_payload)
-    report = await stored.store_report(
-        js,
-        cfg.job,
-        report_document(
-            job=cfg.job,
-            dataset=cfg.dataset,
-            max_seq_len=cfg.max_seq_len,
-            on_long=cfg.on_long,
-            inputs=inputs,
-            chat_as=str(cfg.chat_as),
-            on_bad_row=cfg.on_bad_row,
-            max_bad_rows=cfg.max_bad_rows,
-            on_empty_mask=cfg.on_empty_mask,
-        ),
-        max_payload=max_payload,
-    )
+    report = await stored.store_report(js, cfg.job, _report(cfg, inputs), max_payload=max_payload)
     log.info("samples_stored", job=cfg.job, bucket=topology.DATASETS_BUCKET, object=tokens, samples=len(inputs.samples))
     (log.warning if inputs.long or inputs.bad_rows or inputs.empty_masks else log.info)(
         "input_report",
@@ -256,6 +344,25 @@ async def _produce(cfg: ProducerConfig, nc, info, layers: list[Layer], *, starte
         rows.close()  # the spilled tokens' temp files
 
 
+async def _plan(
+    cfg: ProducerConfig, layers: list[Layer], rows: SampleTable, *, from_store: bool
+) -> tuple[list[PlannedBatch], str]:
+    batches = plan_batches(rows.lengths, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
+    fingerprint = await asyncio.to_thread(plan_fingerprint, cfg, layers, rows)
+    padded = sum(b.padded_tokens for b in batches)
+    log.info(
+        "plan_ready",
+        job=cfg.job,
+        samples=len(rows),
+        batches=len(batches),
+        tokens=rows.total_tokens,
+        packing_efficiency=round(rows.total_tokens / padded, 4),
+        fingerprint=fingerprint[:12],
+        from_store=from_store,
+    )
+    return batches, fingerprint
+
+
 async def _plan_and_publish(
     cfg: ProducerConfig,
     nc,
@@ -270,20 +377,7 @@ async def _plan_and_publish(
     started: float,
 ) -> int:
     """Plan, check, store and publish; `started` is when produce began (its summary's seconds)."""
-    batches = plan_batches(rows.lengths, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
-    fingerprint = await asyncio.to_thread(plan_fingerprint, cfg, layers, rows)
-    total_tokens = rows.total_tokens
-    padded = sum(b.padded_tokens for b in batches)
-    log.info(
-        "plan_ready",
-        job=cfg.job,
-        samples=len(rows),
-        batches=len(batches),
-        tokens=total_tokens,
-        packing_efficiency=round(total_tokens / padded, 4),
-        fingerprint=fingerprint[:12],
-        from_store=inputs is None,
-    )
+    batches, fingerprint = await _plan(cfg, layers, rows, from_store=inputs is None)
     replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != str(cfg.dest))
     plan = schemas.plan_tag_of(fingerprint)
     if existing is not None and existing.published:
@@ -313,6 +407,19 @@ async def _plan_and_publish(
         token_budget=cfg.token_budget,
         max_seq_len=cfg.max_seq_len,
     )
+    if not cfg.ignore_free_space:
+        await asyncio.to_thread(
+            _check_free_space,
+            cfg,
+            info,
+            layers,
+            fingerprint,
+            rows,
+            batches,
+            inputs,
+            existing,
+            max_payload=nc.max_payload,
+        )
     await asyncio.to_thread(preflight.check_destination, cfg.dest, cfg.job)
     owner = await _check_folder(cfg, plan, len(rows), existing)
     log.info("preflight_passed", job=cfg.job, batches=checked, max_payload=nc.max_payload, dest=str(cfg.dest))
@@ -323,43 +430,24 @@ async def _plan_and_publish(
     if inputs is not None:
         tokens_object, report_object = await _store_inputs(cfg, js, inputs, max_payload=nc.max_payload)
         digest = await asyncio.to_thread(dataset_digest, cfg.dataset)
-        truncated, skipped, bad = inputs.truncated, inputs.skipped, len(inputs.bad_rows)
-        empty, empty_policy, rows_read = len(inputs.empty_masks), cfg.on_empty_mask, inputs.rows_read
     else:
-        tokens_object, report_object = existing.tokenized_object, existing.report_object
-        digest, truncated, skipped = existing.dataset_digest, existing.samples_truncated, existing.samples_skipped
-        bad, empty, empty_policy = existing.rows_bad, existing.samples_empty_mask, existing.on_empty_mask
-        rows_read = existing.rows_read
-    spec = schemas.JobSpec(
-        job=cfg.job,
-        model=cfg.model,
-        model_revision=info.revision,
-        layers=layers,
-        layer_preset=preset_of(cfg.layers) or "",
-        num_layers=info.num_layers,
-        hidden_size=info.hidden_size,
-        dtype=cfg.dtype,
-        dest=str(cfg.dest),
-        token_budget=cfg.token_budget,
-        max_seq_len=cfg.max_seq_len,
-        dataset=str(cfg.dataset),
-        plan_fingerprint=fingerprint,
-        total_samples=len(rows),
-        total_tokens=total_tokens,
-        total_batches=len(batches),
+        tokens_object, report_object, digest = (
+            existing.tokenized_object,
+            existing.report_object,
+            existing.dataset_digest,
+        )
+    spec = _job_spec(
+        cfg,
+        info,
+        layers,
+        fingerprint,
+        rows,
+        batches,
         created_at=existing.created_at if existing and not replaces else time.time(),
-        trust_remote_code=cfg.trust_remote_code,
         tokenized_object=tokens_object,
         report_object=report_object,
         dataset_digest=digest,
-        on_long=cfg.on_long,
-        samples_truncated=truncated,
-        samples_skipped=skipped,
-        rows_bad=bad,
-        rows_read=rows_read,
-        on_empty_mask=empty_policy,
-        samples_empty_mask=empty,
-        chat_convention=str(cfg.chat_as),
+        **_input_counts(cfg, inputs, existing),
     )
     # The folder says whose files it holds before any worker can write one (producer/bundle.py).
     await asyncio.to_thread(bundle.claim_folder, spec)
@@ -382,11 +470,75 @@ async def _plan_and_publish(
         duplicates=len(duplicates) - republished,
         already_queued_or_done=already,
         samples=len(rows),
-        samples_empty_mask=empty,
+        samples_empty_mask=spec.samples_empty_mask,
         seconds=round(time.monotonic() - started, 2),
     )
     await bundle.write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
     return 0
+
+
+def _input_counts(cfg: ProducerConfig, inputs: Inputs | None, existing: schemas.JobSpec | None) -> dict:
+    """The job spec's fields that count what reading the dataset set aside: this run's, or the
+    stored job's when its samples come from the store (`inputs` None)."""
+    if inputs is not None:
+        return {
+            "samples_truncated": inputs.truncated,
+            "samples_skipped": inputs.skipped,
+            "rows_bad": len(inputs.bad_rows),
+            "rows_read": inputs.rows_read,
+            "on_empty_mask": cfg.on_empty_mask,
+            "samples_empty_mask": len(inputs.empty_masks),
+        }
+    return {
+        "samples_truncated": existing.samples_truncated,
+        "samples_skipped": existing.samples_skipped,
+        "rows_bad": existing.rows_bad,
+        "rows_read": existing.rows_read,
+        "on_empty_mask": existing.on_empty_mask,
+        "samples_empty_mask": existing.samples_empty_mask,
+    }
+
+
+def _job_spec(
+    cfg: ProducerConfig,
+    info,
+    layers: list[Layer],
+    fingerprint: str,
+    rows: SampleTable,
+    batches: list[PlannedBatch],
+    *,
+    created_at: float,
+    tokenized_object: str,
+    report_object: str,
+    dataset_digest: str,
+    **input_counts,
+) -> schemas.JobSpec:
+    return schemas.JobSpec(
+        job=cfg.job,
+        model=cfg.model,
+        model_revision=info.revision,
+        layers=layers,
+        layer_preset=preset_of(cfg.layers) or "",
+        num_layers=info.num_layers,
+        hidden_size=info.hidden_size,
+        dtype=cfg.dtype,
+        dest=str(cfg.dest),
+        token_budget=cfg.token_budget,
+        max_seq_len=cfg.max_seq_len,
+        dataset=str(cfg.dataset),
+        plan_fingerprint=fingerprint,
+        total_samples=len(rows),
+        total_tokens=rows.total_tokens,
+        total_batches=len(batches),
+        created_at=created_at,
+        trust_remote_code=cfg.trust_remote_code,
+        tokenized_object=tokenized_object,
+        report_object=report_object,
+        dataset_digest=dataset_digest,
+        on_long=cfg.on_long,
+        chat_convention=str(cfg.chat_as),
+        **input_counts,
+    )
 
 
 async def _republish_forgotten(
