@@ -1,0 +1,222 @@
+"""`hsx produce --dry-run` and the destination's free space (producer/estimate.py).
+
+- Each sample file's size as estimated equals the file the consumer's writer makes, byte for
+  byte, at every dtype (float8's scales, a sample without a mask, non-ASCII and escaped source ids,
+  indices of one and two digits).
+- A float8 dry run's `bytes` matches the files a real run (`hsx up`, file destination) then
+  writes, and its bundle estimate the bundle; the dry run needs no NATS server.
+- A dry run publishes, stores and writes nothing, and prints the hours at --rate on --gpus.
+- A real run whose local destination lacks room is refused in one line before anything is
+  published; --ignore-free-space runs it anyway. The small disk is a real 256 KiB tmpfs where this
+  process may mount one, else the free-space probe reports 256 KiB (the producer runs in this
+  process).
+"""
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import clean_environ
+from test_cli_errors import _state, assert_one_line_error
+from test_e2e_s3 import check_ok, write_dataset
+
+from hsx.gpu_consumer.writer import write_sample_file
+from hsx.producer import estimate
+from hsx.storage.layout import BUNDLE_DIR
+from hsx.storage.location import Location
+from hsx.storage.tensors import STORAGE_DTYPES
+from hsx.storage.tokens import SampleTableBuilder, TokenRow
+from hsx.wire import schemas
+
+REPO = Path(__file__).resolve().parent.parent
+HIDDEN = 64  # tests/conftest.py TINY
+
+
+def _dead_nats() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"nats://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _table(count: int):
+    builder = SampleTableBuilder()
+    for i in range(count):
+        length = 1 + (i * 37) % 200
+        source = ["row-7", 'quote "é" \\ tab\t', "émoji 🙂", ""][i % 4] + str(i)
+        mask = None if i % 3 == 0 else [(i + t) % 2 for t in range(length)]
+        builder.add_row(
+            TokenRow(where=f"d:{i}", source_id=source, input_ids=[t % 500 for t in range(length)], loss_mask=mask)
+        )
+    return builder.finish()
+
+
+def _spec(dtype: str, rows) -> schemas.JobSpec:
+    return schemas.JobSpec(
+        job="sizes",
+        model="/models/tiny",
+        model_revision="0123abcd",
+        layers=[1, 3, "final"],
+        layer_preset="",
+        dtype=dtype,
+        dest="file:///out",
+        token_budget=4096,
+        max_seq_len=256,
+        dataset="d.jsonl",
+        plan_fingerprint="ab" * 32,
+        total_samples=len(rows),
+        total_tokens=rows.total_tokens,
+        total_batches=1,
+        created_at=0.0,
+        hidden_size=HIDDEN,
+    )
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3", "float16", "float32"])
+def test_each_estimated_file_size_is_the_written_size(dtype, tmp_path):
+    rows = _table(12)
+    spec = _spec(dtype, rows)
+    sizes = estimate.sample_file_sizes(rows, spec)
+    for i in range(len(rows)):
+        states = torch.randn(int(rows.lengths[i]), len(spec.layers), HIDDEN)
+        if dtype != "float8_e4m3":
+            states = states.to(STORAGE_DTYPES[dtype])
+        ready = write_sample_file(
+            spool=tmp_path, spec=spec, node="n", batch_id="b", sample=rows.sample(i), hidden_states=states
+        )
+        assert (ready.size, (tmp_path / ready.spool_path).stat().st_size) == (sizes[i], sizes[i]), i
+    rows.close()
+
+
+def test_free_space_is_the_nearest_existing_folders(tmp_path):
+    dest = Location.parse(tmp_path / "not" / "yet")
+    room = estimate.free_space(dest, "job", job_bytes=10)
+    assert room.measured == str(tmp_path)
+    # Another process may write meanwhile: the real probe, within a margin.
+    assert abs(room.free - shutil.disk_usage(tmp_path).free) < 64 << 20
+    assert room.needed == 10 and room.fits
+    assert estimate.free_space(Location.parse("s3://bucket/prefix"), "job", job_bytes=10) is None
+
+
+def _produce(model: Path, dataset: Path, dest: Path, job: str, *extra: str) -> list[str]:
+    return [
+        "produce",
+        "--job",
+        job,
+        "--model",
+        str(model),
+        "--dataset",
+        str(dataset),
+        "--layers",
+        "1,3",
+        "--dest",
+        str(dest),
+        "--token-budget",
+        "512",
+        "--max-seq-len",
+        "128",
+        *extra,
+    ]
+
+
+def test_dry_run_bytes_are_the_bytes_a_float8_run_writes(hsx, tiny_model, job_name, tmp_path):
+    model = tiny_model("qwen3")
+    dataset = tmp_path / "data.jsonl"
+    write_dataset(dataset, 12, min_len=3, max_len=120, seed=11)
+    dest = tmp_path / "out"
+    dry = hsx(
+        *_produce(model, dataset, dest, job_name, "--dtype", "float8", "--dry-run", "--json"), nats_url=_dead_nats()
+    )
+    planned = json.loads(check_ok(dry, "hsx produce --dry-run").stdout)
+    assert (planned["samples"], planned["files"], planned["dtype"]) == (12, 12, "float8_e4m3")
+    assert not dest.exists()
+
+    up = subprocess.run(
+        [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(tmp_path / "work"), "--job", job_name]
+        + _produce(model, dataset, dest, job_name, "--dtype", "float8")[3:],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env={**clean_environ(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+    )
+    check_ok(up, "hsx up")
+    files = sorted((dest / job_name).rglob("*.safetensors"))
+    written = sum(path.stat().st_size for path in files)
+    print(f"float8 dry run: {planned['bytes']} bytes; written: {written} bytes in {len(files)} files")
+    assert len(files) == planned["files"]
+    assert abs(planned["bytes"] - written) <= written / 100
+    bundle = {path.name: path.stat().st_size for path in (dest / job_name / BUNDLE_DIR).iterdir()}
+    print(f"bundle estimate {planned['bundle']}; written {bundle}")
+    assert set(bundle) == set(planned["bundle"])
+    assert abs(planned["bundle_bytes"] - sum(bundle.values())) <= sum(bundle.values()) / 10
+    assert planned["largest_batch"]["bytes"] <= planned["bytes"]
+
+
+def test_dry_run_publishes_nothing_and_gives_the_hours(hsx, nats_server, tiny_model, job_name, tmp_path):
+    model = tiny_model("qwen3")
+    dataset = tmp_path / "data.jsonl"
+    write_dataset(dataset, 20, min_len=3, max_len=120, seed=3)
+    dest = tmp_path / "out"
+    args = _produce(model, dataset, dest, job_name, "--dry-run", "--rate", "0.01", "--gpus", "4")
+    as_json = json.loads(check_ok(hsx(*args, "--json"), "dry run --json").stdout)
+    tokens = as_json["tokens"]
+    assert as_json["samples"] == 20 and as_json["batches"] >= 2
+    assert as_json["hours"] == pytest.approx(tokens / (0.01 * 4) / 3600)
+    assert as_json["largest_batch"]["samples"] >= 1 and as_json["largest_batch"]["tokens"] <= 512
+    assert as_json["free_space"]["free"] > 0 and as_json["free_space_ok"] is True
+    human = check_ok(hsx(*args), "dry run").stdout
+    assert "dry run: nothing published" in human and f"{tokens} tokens" in human
+    assert "hours at 0.01 tokens/s per GPU on 4 GPUs" in human
+    # Nothing of the job anywhere: no spec, no batch, no stored samples, no folder.
+    assert _state(nats_server, job_name) == (None, 0)
+    assert not dest.exists()
+
+    wrong = hsx(*_produce(model, dataset, dest, job_name, "--rate", "100"))
+    assert_one_line_error(wrong, "--rate", "--dry-run")
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """A 256 KiB file system at tmp_path/small: a tmpfs where this process may mount one, else a
+    folder whose free space the probe reports as 256 KiB."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        monkeypatch.setattr(estimate, "free_bytes", lambda path: 256 << 10)
+    try:
+        yield folder
+    finally:
+        if mounted.returncode == 0:
+            subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_job_without_room_is_refused_before_anything_is_published(
+    hsx, nats_server, tiny_model, job_name, tmp_path, small_disk
+):
+    model = tiny_model("qwen3")
+    dataset = tmp_path / "data.jsonl"
+    write_dataset(dataset, 12, min_len=40, max_len=120, seed=5)  # float32 files of ~0.5 KiB a token
+    dest = small_disk / "out"
+    refused = hsx(*_produce(model, dataset, dest, job_name, "--dtype", "float32"))
+    line = assert_one_line_error(refused, f"--dest {dest.as_uri()}", "needs", "free", "--ignore-free-space")
+    planned = json.loads(
+        check_ok(
+            hsx(*_produce(model, dataset, dest, job_name, "--dtype", "float32", "--dry-run", "--json")), "dry run"
+        ).stdout
+    )
+    room = planned["free_space"]
+    assert f"({room['needed']} bytes" in line and f"({room['free']} bytes) free" in line
+    assert room["free"] <= 256 << 10 < room["needed"] and planned["free_space_ok"] is False
+    assert _state(nats_server, job_name) == (None, 0)
+    assert not dest.exists()  # no folder claim, no probe
+
+    accepted = hsx(*_produce(model, dataset, dest, job_name, "--dtype", "float32", "--ignore-free-space"))
+    check_ok(accepted, "--ignore-free-space")
+    spec, queued = _state(nats_server, job_name)
+    assert spec["published"] and queued == spec["total_batches"]
