@@ -2,7 +2,9 @@
 extraction on a GPU matches transformers' own per-sample result, files written from pinned
 buffers while the next batch splits hold their own states, `hsx up` runs end to end with
 `--device cuda:0`, and with `--device cuda` on every visible GPU (hsx/model/devices.py with torch's own
-device count)."""
+device count), each consumer shown its GPU alone; float8 quantized on the GPU stores the host's
+bytes; the pinned pool counts what torch's host allocator holds; forwards run on a thread bound to
+the model's GPU."""
 
 import json
 import subprocess
@@ -280,7 +282,12 @@ def test_hsx_up_runs_consumers_on_every_gpu(tmp_path):
     for i in range(2 * count):
         log = (tmp_path / "w" / "logs" / f"consumer-{i}.log").read_text().splitlines()
         ready += [json.loads(line) for line in log if '"consumer_ready"' in line][:1]
-    assert sorted(record["device"] for record in ready) == sorted(f"cuda:{i}" for i in range(count) for _ in range(2))
+    # Each process is shown its GPU alone (CUDA_VISIBLE_DEVICES) and runs on its cuda:0.
+    from hsx.model.devices import node_gpus
+
+    assert {record["device"] for record in ready} == {"cuda:0"}
+    expected = sorted(gpu for gpu in node_gpus("cuda") for _ in range(2))
+    assert sorted(record["cuda_visible_devices"] for record in ready) == expected
     assert len({record["consumer"] for record in ready}) == 2 * count
     assert not (tmp_path / "w" / "logs" / f"consumer-{2 * count}.log").exists()
 
@@ -329,3 +336,93 @@ def test_a_hybrid_models_kernels_on_cuda(tmp_path, hsx, nats_server, job_name):
     assert refused.returncode == 2 and last.startswith("hsx: error: --require-fast-kernels: "), refused.stderr[-3000:]
     assert "pip install -e '.[kernels]'" in last, last
     assert [beat.state for beat in _heartbeats(nats_server.url, job_name)] in ([], ["stopping"])
+
+
+def test_float8_quantized_on_the_gpu_stores_the_bytes_the_host_made(tiny_model, tmp_path, monkeypatch):
+    """The batch quantized on the device before the copy (pinned, leased) against the same
+    forward's bfloat16 states copied out and quantized on the CPU, as the writer did before: the
+    same bytes, and the same files (tests/test_device_path.py checks the CPU side)."""
+    from test_fidelity import _spec
+
+    import hsx.gpu_consumer.extract as extract
+    from hsx.gpu_consumer.writer import write_sample_file
+    from hsx.storage.layout import FLOAT8
+    from hsx.storage.tensors import Float8States, quantize_float8
+
+    stacked: list[torch.Tensor] = []
+
+    def recording(batch: torch.Tensor):
+        assert batch.is_cuda
+        stacked.append(batch.cpu())
+        return quantize_float8(batch)
+
+    monkeypatch.setattr(extract, "quantize_float8", recording)
+    path = tiny_model("qwen3")
+    layers = [1, 3, 4]
+    loaded = load_model(str(path), layers=layers, dtype=FLOAT8, device="cuda:0")
+    samples = _samples([7, 33, 64, 130, 3])
+    spec = _spec("f8", path, layers, FLOAT8, samples)
+    lease = loaded.staging.lease()
+    on_device = extract_samples(loaded, samples, lease=lease, float8=True)
+    [batch] = stacked
+    for row, (sample, quantized) in enumerate(zip(samples, on_device)):
+        bf16 = batch[row, : len(sample.input_ids)]
+        assert isinstance(quantized, Float8States) and quantized.values.is_pinned()
+        values, scale = quantize_float8(bf16)
+        assert torch.equal(quantized.values.view(torch.uint8), values.view(torch.uint8)), sample.index
+        assert torch.equal(quantized.scale.view(torch.int32), scale.view(torch.int32)), sample.index
+        ours = write_sample_file(
+            spool=tmp_path / "d", spec=spec, node="n", batch_id="b", sample=sample, hidden_states=quantized
+        )
+        theirs = write_sample_file(
+            spool=tmp_path / "h", spec=spec, node="n", batch_id="b", sample=sample, hidden_states=bf16
+        )
+        assert (ours.digest, ours.size) == (theirs.digest, theirs.size), sample.index
+    lease.release()
+
+
+def _active_pinned_bytes() -> int:
+    stats = torch.cuda.host_memory_stats()
+    return stats["active_bytes.current"] if "active_bytes.current" in stats else stats["active_bytes"]["current"]
+
+
+def test_the_pinned_pool_counts_what_the_host_allocator_holds():
+    """Odd request sizes: what torch's pinned allocator hands out (its own rounding) grows by
+    exactly what the pool counts, leased and then held for reuse."""
+    import gc
+
+    from hsx.gpu_consumer.staging import HostStaging
+
+    # Earlier tests' pinned blocks settled first: collected, their copies done, and the allocator's
+    # pending frees processed (it does so when it allocates), so only this pool moves the figure.
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.empty(1, pin_memory=True)
+    pool = HostStaging(pin=True)
+    before = _active_pinned_bytes()
+    lease = pool.lease()
+    for shape, dtype in (([3, 1000, 5, 4096], torch.bfloat16), ([3, 1000, 5], torch.float32), ([7, 333], torch.uint8)):
+        assert lease.take(torch.Size(shape), dtype).is_pinned()
+    assert pool.leased_bytes == _active_pinned_bytes() - before
+    lease.release()
+    assert pool.held_bytes == _active_pinned_bytes() - before and pool.leased_bytes == 0
+
+
+def test_forwards_run_on_a_thread_bound_to_the_models_gpu():
+    """A thread of asyncio's default pool starts on GPU 0; the device thread is bound to the
+    model's GPU (here the last visible one) before it runs anything."""
+    import asyncio
+
+    from hsx.gpu_consumer.device_thread import DeviceThread
+
+    last = torch.cuda.device_count() - 1
+    forwards = DeviceThread(f"cuda:{last}")
+
+    async def current_devices() -> tuple[int, int]:
+        return await forwards.run(torch.cuda.current_device), await asyncio.to_thread(torch.cuda.current_device)
+
+    try:
+        on_device_thread, on_pool_thread = asyncio.run(current_devices())
+    finally:
+        forwards.close()
+    assert on_device_thread == last and on_pool_thread == 0
