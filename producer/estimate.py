@@ -300,9 +300,7 @@ def format_estimate(estimate: JobEstimate, *, as_json: bool) -> str:
         f"{human_bytes(largest.bytes)} of files (a consumer's spool needs its --spool-high-water plus one or two of these)",
     ]
     if estimate.hours is not None:
-        lines.append(
-            f"  time: {estimate.hours:.3g} hours at {estimate.rate:g} tokens/s per GPU on {estimate.gpus} GPUs"
-        )
+        lines.append(f"  time: {_hours(estimate.hours)} at {estimate.rate:g} tokens/s per GPU on {estimate.gpus} GPUs")
     room = estimate.free_space
     if room is not None:
         verdict = "fits" if room.fits else f"does NOT fit: a real run is refused unless {IGNORE_FREE_SPACE_FLAG}"
@@ -311,6 +309,10 @@ def format_estimate(estimate: JobEstimate, *, as_json: bool) -> str:
             + verdict
         )
     return "\n".join(lines)
+
+
+def _hours(hours: float) -> str:
+    return f"{hours:,.2f} hours" if hours >= 0.01 else f"{hours * 3600:.1f} seconds"
 
 
 def _fits(estimate: JobEstimate) -> bool | None:
