@@ -55,7 +55,9 @@ def limit_host_threads(device) -> None:
     """On a GPU, one intra-op thread for the host's torch work: all of the arithmetic is on the
     device (float8 included), and the writer threads are the parallelism. torch's default, a
     thread per core, gives each writer thread its own OpenMP team, 8 writers x every core of a
-    node that runs a consumer per GPU. On the CPU the forward needs them: left alone."""
+    node that runs a consumer per GPU. On the CPU the forward needs them: left alone. Threads
+    started later (the writers) take the new count; the device thread keeps its own, and does
+    no CPU arithmetic on a GPU."""
     if device.type == "cuda":
         torch.set_num_threads(1)
 
@@ -63,7 +65,6 @@ def limit_host_threads(device) -> None:
 async def run(cfg: ConsumerConfig) -> int:
     started_at = time.time()
     device = usable_device(cfg.device)  # refused here, before a connection or a heartbeat
-    limit_host_threads(device)
     make_private_dirs(cfg.spool)
     async with job_session(
         cfg.nats,
@@ -112,6 +113,8 @@ async def run(cfg: ConsumerConfig) -> int:
             # Refused here, before any batch is taken: the goodbye leaves no live worker.
             check_kernels(kernels, loaded.device.type, require_fast=cfg.require_fast_kernels)
             await forwards.run(_warm_up, loaded)
+            # After the load, which may convert a checkpoint's dtype on the CPU with every core.
+            limit_host_threads(device)
             folder = plan_folder(cfg.spool, spec.job, spec.plan_tag)
             orphans = await asyncio.to_thread(remove_orphaned_temp_files, folder, older_than=started_at)
             if orphans:
