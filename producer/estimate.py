@@ -12,6 +12,7 @@ job: the dry run".
 
 import io
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,16 +51,15 @@ def sample_file_sizes(rows: SampleTable, spec: schemas.JobSpec) -> np.ndarray:
     for power in range(1, 19):
         digits += index >= 10**power
     columns = [rows.lengths, rows.has_mask.astype(np.int64), digits, _json_lengths(rows.source_ids)]
-    key = np.zeros(count, dtype=np.int64)
-    radix = 1
-    for column in columns:  # one int64 per combination: np.unique of rows (axis=0) is ~100x slower
-        top = int(column.max()) + 1
-        radix *= top
-        if radix >= 1 << 62:
-            raise HsxError("sample file sizes: too many distinct header shapes to count")  # unreachable in practice
-        key = key * top + column
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    distinct = np.stack([column[first] for column in columns], axis=1)
+    tops = [int(column.max()) + 1 for column in columns]
+    if math.prod(tops) < 1 << 62:  # one int64 per combination: np.unique of rows (axis=0) is far slower
+        key = np.zeros(count, dtype=np.int64)
+        for column, top in zip(columns, tops):
+            key = key * top + column
+        _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+        distinct = np.stack([column[first] for column in columns], axis=1)
+    else:
+        distinct, inverse = np.unique(np.stack(columns, axis=1), axis=0, return_inverse=True)
     sizes = np.empty(len(distinct), dtype=np.int64)
     for k, (tokens, has_mask, digit_count, source_length) in enumerate(distinct.tolist()):
         metadata = sample_metadata(
