@@ -81,7 +81,7 @@ async def wait_for_job(
     stopping: asyncio.Event,
     *,
     wait_s: float | None = None,
-    poll_s: float = 2.0,
+    poll_s: float = 0.5,  # a KV read: cheap, and a worker started beside its producer starts sooner
     report_every_s: float = WAIT_REPORT_S,
 ) -> schemas.JobSpec | None:
     """The job's spec once the producer has recorded it; None if asked to stop first. While it
