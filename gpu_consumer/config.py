@@ -7,7 +7,23 @@ from dataclasses import dataclass
 from hsx.config.fields import option
 from hsx.config.values import positive_float, size_or_auto
 from hsx.model.devices import check_consumer_device
+from hsx.model.layers import LayerRequest
 from hsx.wire.worker import WorkerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpectedModel:
+    """The model a job will name, known before its spec exists by whoever also runs its producer
+    (`hsx up`): the consumer loads it while the producer reads and plans, and keeps it only if the
+    spec then names the same model, revision, layers, dtype and remote-code setting."""
+
+    model: str
+    layers: LayerRequest  # as given to the producer: resolved against the model's depth as it does
+    dtype: str
+    trust_remote_code: bool = False
+    # > 0: the folder is being made (hsx up's demo model, written whole by a rename): wait up to
+    # this many seconds for it to appear before loading.
+    made_within_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,3 +89,5 @@ class ConsumerConfig(WorkerConfig):
         "consumer and the heartbeat says so (default 300)",
     )
     stall_factor: float = 10.0
+    # Set by `hsx up` only (no flag): the model to load before the spec is read (ExpectedModel).
+    expected_model: ExpectedModel | None = None

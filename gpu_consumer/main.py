@@ -1,5 +1,7 @@
 """`hsx consume`: check the device, connect, read the job spec, load the model once, warm up,
 then pull batches until stopped (with --until-done: until the job is over, hsx.wire.worker.JobEnd).
+Started by `hsx up`, which knows the model before the producer records the spec, it loads the
+model while the producer plans (ExpectedModel), and keeps it if the spec names that one.
 
 A device torch cannot use here is refused before anything is connected: a consumer that never
 started leaves no heartbeat. From the model's load on it beats (`starting`), and whatever ends it
@@ -7,19 +9,24 @@ sends its goodbye (hsx.wire.worker.heartbeats)."""
 
 import asyncio
 import dataclasses
+import gc
 import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 import torch
 
-from hsx.gpu_consumer.config import ConsumerConfig
+from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
 from hsx.gpu_consumer.device_thread import DeviceThread
 from hsx.gpu_consumer.kernels import check_kernels, kernel_report, report_fields
-from hsx.gpu_consumer.model import load_model, usable_device
+from hsx.gpu_consumer.model import LoadedModel, load_model, usable_device
 from hsx.gpu_consumer.scheduler import pull_loop
 from hsx.gpu_consumer.service import SERVICE, BatchWorker
 from hsx.gpu_consumer.writer import remove_orphaned_temp_files
+from hsx.model.layers import resolve_layers
+from hsx.model.modelinfo import load_model_info
 from hsx.storage.fsutil import make_private_dirs
 from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans
 from hsx.wire import schemas, topology
@@ -34,6 +41,71 @@ def _warm_up(loaded) -> None:
     from hsx.gpu_consumer.extract import extract_samples
 
     extract_samples(loaded, [schemas.Sample(index=-1, source_id="warmup", input_ids=[loaded.pad_token_id] * 16)])
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """What a loaded model serves: a job whose spec names the same."""
+
+    model: str
+    revision: str  # as the spec records it: "local" for a folder
+    layers: tuple[schemas.Layer, ...]
+    dtype: str
+    trust_remote_code: bool
+
+    @classmethod
+    def of(cls, spec: schemas.JobSpec) -> "ModelKey":
+        return cls(spec.model, spec.model_revision, tuple(spec.layers), spec.dtype, spec.trust_remote_code)
+
+
+def _load_ready(key: ModelKey, *, device: str, compile_layers: bool) -> LoadedModel:
+    """The model loaded and warmed up (on the device thread)."""
+    loaded = load_model(
+        key.model,
+        layers=list(key.layers),
+        dtype=key.dtype,
+        device=device,
+        trust_remote_code=key.trust_remote_code,
+        revision=None if key.revision == "local" else key.revision,
+        compile_layers=compile_layers,
+    )
+    _warm_up(loaded)
+    return loaded
+
+
+def load_expected(expected: ExpectedModel, *, device: str, compile_layers: bool) -> tuple[ModelKey, LoadedModel]:
+    """The model `hsx up` expects the job to name, its layers resolved as the producer resolves them."""
+    deadline = time.monotonic() + expected.made_within_s
+    while not Path(expected.model).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    info = load_model_info(expected.model, trust_remote_code=expected.trust_remote_code)
+    layers = resolve_layers(expected.layers, info.num_layers, model=expected.model)
+    key = ModelKey(expected.model, info.revision, tuple(layers), expected.dtype, expected.trust_remote_code)
+    return key, _load_ready(key, device=device, compile_layers=compile_layers)
+
+
+async def model_for(
+    spec: schemas.JobSpec, early: asyncio.Future | None, forwards: DeviceThread, *, device: str, compile_layers: bool
+) -> LoadedModel:
+    """The spec's model: the one loaded before the spec was read if it is that one, else loaded now."""
+    wanted = ModelKey.of(spec)
+    if early is not None:
+        spec_read = time.monotonic()
+        try:
+            key, loaded = await early
+        except Exception as exc:  # loaded again below, where the spec's model fails as it should
+            log.warning("early_model_load_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+        else:
+            if key == wanted:
+                # waited_s: how long the spec waited for the load (0 when the producer was slower).
+                log.info("early_model_kept", model=spec.model, waited_s=round(time.monotonic() - spec_read, 2))
+                return loaded
+            log.info("early_model_dropped", loaded=str(key), spec=str(wanted))
+            del loaded
+            gc.collect()
+            if forwards.device.type == "cuda":
+                torch.cuda.empty_cache()
+    return await forwards.run(_load_ready, wanted, device=device, compile_layers=compile_layers)
 
 
 # The reaper's steps are each idempotent, so one cut short at shutdown is redone by whoever reads
@@ -66,6 +138,15 @@ async def run(cfg: ConsumerConfig) -> int:
     started_at = time.time()
     device = usable_device(cfg.device)  # refused here, before a connection or a heartbeat
     make_private_dirs(cfg.spool)
+    # Loaded, warmed up and run on one thread bound to the device; started before the spec is
+    # read when the model is known (hsx up: while its producer plans).
+    forwards = DeviceThread(device)
+    early = None
+    if cfg.expected_model is not None:
+        early = asyncio.ensure_future(
+            forwards.run(load_expected, cfg.expected_model, device=cfg.device, compile_layers=cfg.compile_layers)
+        )
+        early.add_done_callback(lambda done: done.cancelled() or done.exception())  # read, if never awaited
     async with job_session(
         cfg.nats,
         cfg.job,
@@ -97,22 +178,10 @@ async def run(cfg: ConsumerConfig) -> int:
             watching(watch),
             heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state),
         ):
-            # Loaded, warmed up and run on one thread bound to the device.
-            forwards = DeviceThread(device)
-            loaded = await forwards.run(
-                load_model,
-                spec.model,
-                layers=spec.layers,
-                dtype=spec.dtype,
-                device=cfg.device,
-                trust_remote_code=spec.trust_remote_code,
-                revision=None if spec.model_revision == "local" else spec.model_revision,
-                compile_layers=cfg.compile_layers,
-            )
+            loaded = await model_for(spec, early, forwards, device=cfg.device, compile_layers=cfg.compile_layers)
             kernels = kernel_report(loaded.model, compiled=cfg.compile_layers)
             # Refused here, before any batch is taken: the goodbye leaves no live worker.
             check_kernels(kernels, loaded.device.type, require_fast=cfg.require_fast_kernels)
-            await forwards.run(_warm_up, loaded)
             # After the load, which may convert a checkpoint's dtype on the CPU with every core.
             limit_host_threads(device)
             folder = plan_folder(cfg.spool, spec.job, spec.plan_tag)
