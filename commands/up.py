@@ -1,10 +1,11 @@
 """`hsx up`: one whole job on this machine, each service a separate process.
 
 Starts whatever is not given: a nats-server with its JetStream store in the workdir, a small
-random-initialised model, a synthetic dataset, a local destination. Then it runs the producer,
-`--consumers` GPU consumers per device (`--device cuda`: every visible GPU, or those of
-`--devices`; hsx/model/devices.py), each its own process shown only its own GPU, `--uploaders` uploaders
-sharing the consumers' spool, and the monitor; it restarts a worker that crashes, and returns 0
+random-initialised model, a synthetic dataset, a local destination. It starts `--consumers` GPU
+consumers per device (`--device cuda`: every visible GPU, or those of `--devices`;
+hsx/model/devices.py), each its own process shown only its own GPU and loading the model while
+the producer plans, `--uploaders` uploaders sharing the consumers' spool, and the monitor, then
+makes what the demo needs and runs the producer; it restarts a worker that crashes, and returns 0
 when every sample is in the destination. Everything lives in the workdir, so running it again
 resumes: the producer publishes nothing twice and only unfinished work runs. Ctrl-C (or SIGTERM)
 stops every process cleanly: workers finish their batch, then exit.
@@ -34,7 +35,7 @@ from hsx.config.fields import flag_fields, option
 from hsx.config.settings import build_config, resolve
 from hsx.config.values import positive_float, positive_int
 from hsx.errors import HsxError, JobFailed
-from hsx.gpu_consumer.config import ConsumerConfig
+from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
 from hsx.model.devices import child_visible_devices, node_devices, node_gpus
 from hsx.monitor.config import MonitorConfig
 from hsx.producer.config import ProducerConfig
@@ -45,6 +46,9 @@ from hsx.wire.natsconn import NatsSettings, redact_url
 log = structlog.get_logger("hsx.up")
 
 _MAX_RESTARTS = 5
+# How long a consumer waits for the demo model up makes while the consumers start: a random
+# model of a few MB takes seconds; past it the consumer loads the model once the spec is read.
+MODEL_MADE_WITHIN_S = 120.0
 _STOP_DEADLINE_S = 90.0
 
 
@@ -176,14 +180,25 @@ def consumer_configs(cfg: UpConfig) -> list[tuple[str, ConsumerConfig, dict[str,
 
     A GPU consumer is shown its GPU alone (CUDA_VISIBLE_DEVICES) and runs on `cuda:0`: the device
     every thread of it starts on is then the model's (kernels that launch on the current device,
-    as Triton's do, land there), and each MIG slice gets a consumer of its own."""
+    as Triton's do, land there), and each MIG slice gets a consumer of its own.
+
+    Each loads the producer's model while the producer plans (ExpectedModel)."""
+    producer = cfg.producer
+    expected = ExpectedModel(
+        model=producer.model,
+        layers=producer.layers,
+        dtype=producer.dtype,
+        trust_remote_code=producer.trust_remote_code,
+        made_within_s=MODEL_MADE_WITHIN_S if cfg.make_model else 0.0,
+    )
     consumers = []
     for device in [device for device in cfg.devices for _ in range(cfg.consumers)]:
         visible = child_visible_devices(device, list(cfg.visible_gpus))
+        consumer = replace(cfg.consumer, expected_model=expected)
         if visible is None:
-            consumers.append((replace(cfg.consumer, device=device), {}))
+            consumers.append((replace(consumer, device=device), {}))
         else:
-            consumers.append((replace(cfg.consumer, device="cuda:0"), {"CUDA_VISIBLE_DEVICES": visible}))
+            consumers.append((replace(consumer, device="cuda:0"), {"CUDA_VISIBLE_DEVICES": visible}))
     return [(f"consumer-{i}", consumer, env) for i, (consumer, env) in enumerate(consumers)]
 
 
@@ -265,6 +280,20 @@ def stop_all(children: list[Child]) -> None:
         child.wait(deadline)
 
 
+def restart_crashed(workers: list[Child]) -> None:
+    """Start again a worker that exited; one refused (exit 2: its settings, its device) or
+    restarted too often ends the run with its last error."""
+    for child in workers:
+        code = child.poll()
+        if code is None:
+            continue
+        if code == 2 or child.restarts >= _MAX_RESTARTS:
+            raise HsxError(f"{child.name} exited with code {code}: {child.last_error()} (log: {child.log_path})")
+        child.restarts += 1
+        log.warning("worker_restarted", worker=child.name, exit_code=code, restarts=child.restarts)
+        child.start()
+
+
 def run_up(cfg: UpConfig) -> int:
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     logs = cfg.workdir / "logs"
@@ -285,18 +314,6 @@ def run_up(cfg: UpConfig) -> int:
             nats = NatsSettings(url=server.url)
         log.info("nats_ready", url=redact_url(nats.url), embedded=server is not None)
         producer_cfg = replace(cfg.producer, nats=nats)
-        if cfg.make_model:
-            build_tiny_model(Path(producer_cfg.model))
-        if cfg.make_dataset:
-            from hsx.model.modelinfo import load_model_info
-
-            info = load_model_info(producer_cfg.model, trust_remote_code=producer_cfg.trust_remote_code)
-            write_synthetic_dataset(
-                producer_cfg.dataset,
-                count=cfg.samples,
-                vocab_size=info.vocab_size,
-                max_len=min(512, producer_cfg.max_seq_len),
-            )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if cfg.device == "cpu":
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.consumers)))
@@ -310,17 +327,9 @@ def run_up(cfg: UpConfig) -> int:
                 log_path=log_path,
             )
 
-        producer = service("producer", producer_cfg, logs / "producer.log")
-        producer.start()
-        while producer.poll() is None:
-            if interrupted:
-                stop_all([producer])
-                return 130
-            time.sleep(0.1)
-        if producer.poll() != 0:
-            raise HsxError(f"producer failed: {producer.last_error()} (log: {producer.log_path})")
-        log.info("job_published", job=producer_cfg.job, dest=producer_cfg.dest)
-
+        # The workers start first and wait for the job's spec, the consumers loading the model
+        # meanwhile (once up has made it, for the demo), so that the first batch waits for the
+        # slower of the producer and a consumer's start, not their sum.
         consumers = consumer_configs(cfg)
         log.info(
             "consumers_planned",
@@ -333,9 +342,32 @@ def run_up(cfg: UpConfig) -> int:
             service(f"uploader-{i}", cfg.uploader, logs / f"uploader-{i}.log") for i in range(cfg.uploaders)
         ]
         monitor = service("monitor", cfg.monitor, None)
-        children = workers + [monitor]
+        children = [*workers, monitor]
         for process in children:
             process.start()
+        if cfg.make_model:
+            build_tiny_model(Path(producer_cfg.model))
+        if cfg.make_dataset:
+            from hsx.model.modelinfo import load_model_info
+
+            info = load_model_info(producer_cfg.model, trust_remote_code=producer_cfg.trust_remote_code)
+            write_synthetic_dataset(
+                producer_cfg.dataset,
+                count=cfg.samples,
+                vocab_size=info.vocab_size,
+                max_len=min(512, producer_cfg.max_seq_len),
+            )
+        producer = service("producer", producer_cfg, logs / "producer.log")
+        children.insert(0, producer)
+        producer.start()
+        while producer.poll() is None:
+            if interrupted:
+                return 130
+            restart_crashed(workers)
+            time.sleep(0.1)
+        if producer.poll() != 0:
+            raise HsxError(f"producer failed: {producer.last_error()} (log: {producer.log_path})")
+        log.info("job_published", job=producer_cfg.job, dest=producer_cfg.dest)
 
         started = time.monotonic()
         while True:
@@ -349,17 +381,7 @@ def run_up(cfg: UpConfig) -> int:
                 raise HsxError(
                     f"job {cfg.producer.job} not done after --timeout {cfg.timeout_s:.0f} s; run hsx up again to resume"
                 )
-            for child in workers:
-                code = child.poll()
-                if code is None:
-                    continue
-                if code == 2 or child.restarts >= _MAX_RESTARTS:
-                    raise HsxError(
-                        f"{child.name} exited with code {code}: {child.last_error()} (log: {child.log_path})"
-                    )
-                child.restarts += 1
-                log.warning("worker_restarted", worker=child.name, exit_code=code, restarts=child.restarts)
-                child.start()
+            restart_crashed(workers)
             time.sleep(0.2)
 
         from hsx.commands.status import format_status, read_status

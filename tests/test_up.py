@@ -74,6 +74,8 @@ def test_up_runs_the_embedded_demo_then_resumes_without_redoing(tmp_path):
     assert not list((workdir / "spool").rglob("*.safetensors"))
     batches_first = len(_log_events(workdir / "logs" / "consumer-0.log", "batch_done"))
     assert batches_first > 0
+    # Started beside the producer, the consumer loaded the model meanwhile and kept it.
+    assert _log_events(workdir / "logs" / "consumer-0.log", "early_model_kept")
 
     second = _up(workdir)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -118,3 +120,39 @@ def test_ctrl_c_stops_everything_and_a_rerun_completes(tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     files = _outputs(workdir)
     assert sorted(int(p.stem) for p in files) == list(range(160))
+
+
+def test_a_model_loaded_early_is_kept_only_for_the_spec_it_serves(tiny_model):
+    """The consumer's early load (hsx up: before the spec is read) is used when the spec names
+    the same model, revision, layers and dtype; a spec that names other layers gets its own."""
+    import asyncio
+
+    from hsx.gpu_consumer.config import ExpectedModel
+    from hsx.gpu_consumer.device_thread import DeviceThread
+    from hsx.gpu_consumer.main import load_expected, model_for
+    from hsx.model.layers import parse_layers
+    from hsx.wire import schemas
+
+    model = str(tiny_model())
+    expected = ExpectedModel(model=model, layers=parse_layers("1,-1"), dtype="float32")
+
+    def spec(layers: list[int]) -> schemas.JobSpec:
+        return schemas.JobSpec(
+            **dict(job="j", model=model, model_revision="local", layers=layers, dtype="float32", dest="file:///x"),
+            **dict(token_budget=64, max_seq_len=64, dataset="d", plan_fingerprint="f" * 64),
+            **dict(total_samples=1, total_tokens=1, total_batches=1, created_at=0.0),
+        )
+
+    async def serve(layers: list[int]):
+        forwards = DeviceThread("cpu")
+        early = asyncio.ensure_future(forwards.run(load_expected, expected, device="cpu", compile_layers=False))
+        _, early_model = await asyncio.shield(early)
+        loaded = await model_for(spec(layers), early, forwards, device="cpu", compile_layers=False)
+        forwards.close()
+        return loaded, early_model
+
+    last = json.loads((tiny_model() / "config.json").read_text())["num_hidden_layers"] - 1
+    kept, early_model = asyncio.run(serve([1, last]))
+    assert kept is early_model and kept.tap.layers == [1, last]
+    other, early_model = asyncio.run(serve([1]))
+    assert other is not early_model and other.tap.layers == [1]
