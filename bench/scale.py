@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -119,6 +120,9 @@ def write_chat_dataset(path: Path, *, count: int, seed: int) -> None:
     os.replace(tmp, path)
 
 
+SEEDS_ROWS = 914_000  # the seeds' job
+
+
 def chat_model(cache: Path) -> Path:
     """SmolLM2's tokenizer and chat template beside a small Llama config of its vocabulary."""
     from chat import tokenizer_folders  # bench/chat.py
@@ -167,7 +171,7 @@ def run_once(
             ]
             env = {**os.environ, "PYTHONPATH": str(REPO)}
             log = Path(tmp) / "produce.log"
-            started = time.monotonic()
+            started, started_at = time.monotonic(), time.time()
             with open(log, "wb") as out:  # a file, not a pipe: a full pipe would block the child
                 child = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
                 _, status, usage = os.wait4(child.pid, 0)
@@ -181,7 +185,20 @@ def run_once(
     assert spec["published"] and spec["total_samples"] == samples, spec
     assert tokens is None or spec["total_tokens"] == tokens, spec
     tokens = spec["total_tokens"]
+    events = _events(stderr)
+    # The first batch is published right after the samples are stored and the spec recorded.
+    timeline = {
+        name: round(datetime.fromisoformat(events[name]["timestamp"]).timestamp() - started_at, 2)
+        for name in ("chats_tokenized", "plan_ready", "preflight_passed", "samples_stored", "job_published")
+        if name in events
+    }
     return {
+        "seconds_to": timeline,
+        **(
+            {key: events["chats_tokenized"][key] for key in ("seconds", "main_cpu_s", "pool_cpu_s")}
+            if "chats_tokenized" in events
+            else {}
+        ),
         "tokens": tokens,
         "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
         "wall_s": round(wall, 2),
@@ -192,6 +209,33 @@ def run_once(
         "tokens_object_mb": round(spec["_tokens_object_bytes"] / 1e6, 1),
         "bytes_per_token_rss": round(usage.ru_maxrss * 1024 / tokens, 2),
     }
+
+
+def _events(log: str) -> dict[str, dict]:
+    """The last of each event in the producer's JSON log lines."""
+    found = {}
+    for line in log.splitlines():
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            found[record.get("event")] = record
+    return found
+
+
+def first_batch_at(run: dict, *, rows: int, cores: int, measured_rows: int) -> float | None:
+    """Seconds from `hsx produce` to its first batch published for `rows` chat rows on `cores`
+    cores, from one measured run: the tokenizing stage scaled to the rows and divided among the
+    cores, but never below the producer's own share of it (`main_cpu_s`, which no core count
+    divides); what follows it (planning, storing the samples) scaled to the rows."""
+    if "main_cpu_s" not in run or "samples_stored" not in run["seconds_to"]:
+        return None
+    scale = rows / measured_rows
+    tokenizing = max(run["main_cpu_s"], run["pool_cpu_s"] / cores) * scale
+    before = run["seconds_to"]["chats_tokenized"] - run["seconds"]  # start-up, reading the config
+    after = (run["seconds_to"]["samples_stored"] - run["seconds_to"]["chats_tokenized"]) * scale
+    return round(before + tokenizing + after, 1)
 
 
 def measure(
@@ -240,6 +284,13 @@ def measure_chat(cache: Path, *, rows: int, max_len: int, budget: int, seed: int
     }
     for key in ("peak_rss_mb", "wall_s", "chat_rows_per_s", "tokens"):
         result[key] = statistics.median(run[key] for run in runs)
+    # Time to the first batch for the seeds' 914,000 rows, as measured here and projected to
+    # producer machines of more cores (issue 25 item 5: GPUs should not wait more than 2 minutes).
+    result["first_batch_s_measured"] = statistics.median(run["seconds_to"].get("samples_stored", 0) for run in runs)
+    result["first_batch_s_914k_projected"] = {
+        str(cores): first_batch_at(runs[0], rows=SEEDS_ROWS, cores=cores, measured_rows=rows)
+        for cores in (result["cores"], 8, 16, 32, 64)
+    }
     print(json.dumps(result), file=sys.stderr, flush=True)
     return result
 

@@ -23,6 +23,7 @@ samples stay numbered 0..N-1), `error` names the first; kept or skipped, each is
 """
 
 import dataclasses
+import resource
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -236,6 +237,7 @@ class _ChatStream:
         total = len(head) if len(head) < POOL_MIN_ROWS else None  # None: many, on every core
         log.info("tokenizing_chats", rows=total, model=model, mask_method=chat.info.mask_method)
         started = last_log = time.monotonic()
+        before = _cpu_seconds()
         done = 0
         # In chunks (one batched call each), on every usable core for a large dataset
         # (producer/chat_pool.py); row for row the same result, and error, as `chat.tokenize`.
@@ -250,8 +252,23 @@ class _ChatStream:
             if time.monotonic() - last_log > _PROGRESS_EVERY_S:
                 last_log = time.monotonic()
                 log.info("tokenizing_chats_progress", done=done, rows_per_s=round(done / (last_log - started), 1))
-        log.info("chats_tokenized", rows=done, seconds=round(time.monotonic() - started, 2))
+        main_cpu_s, pool_cpu_s = (now - then for now, then in zip(_cpu_seconds(), before))
+        # main_cpu_s is the part no core count divides (reading, handing out, placing results):
+        # with enough cores this stage takes about that long (bench/scale.py).
+        log.info(
+            "chats_tokenized",
+            rows=done,
+            seconds=round(time.monotonic() - started, 2),
+            main_cpu_s=round(main_cpu_s, 2),
+            pool_cpu_s=round(pool_cpu_s, 2),
+        )
         return chat.info
+
+
+def _cpu_seconds() -> tuple[float, float]:
+    """(this process's CPU seconds, its finished children's: the chat pool's workers once it closed)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
 def tokenized_rows(
