@@ -57,6 +57,8 @@ async def _hand_back(js: JetStreamContext, taken: Taken, *, why: str) -> None:
         await give_back(js, taken.msg)
     except Exception as exc:  # NATS gone: the ack wait hands it back instead
         log.warning("batch_not_returned", why=why, error=str(exc) or type(exc).__name__)
+    else:
+        log.info("batch_handed_back", why=why, seq=taken.msg.metadata.sequence.stream)
 
 
 async def _return_unstarted(prefetch: asyncio.Task | None, js: JetStreamContext) -> None:
