@@ -75,13 +75,22 @@ def _load_ready(key: ModelKey, *, device: str, compile_layers: bool) -> LoadedMo
 
 def load_expected(expected: ExpectedModel, *, device: str, compile_layers: bool) -> tuple[ModelKey, LoadedModel]:
     """The model `hsx up` expects the job to name, its layers resolved as the producer resolves them."""
-    deadline = time.monotonic() + expected.made_within_s
-    while not Path(expected.model).exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
     info = load_model_info(expected.model, trust_remote_code=expected.trust_remote_code)
     layers = resolve_layers(expected.layers, info.num_layers, model=expected.model)
     key = ModelKey(expected.model, info.revision, tuple(layers), expected.dtype, expected.trust_remote_code)
     return key, _load_ready(key, device=device, compile_layers=compile_layers)
+
+
+async def load_early(
+    expected: ExpectedModel, forwards: DeviceThread, *, device: str, compile_layers: bool
+) -> tuple[ModelKey, LoadedModel]:
+    """`load_expected` on the device thread, once the model's folder is there (hsx up makes the
+    demo's while its consumers start). The wait is the event loop's, so a consumer stopped
+    meanwhile does not wait it out."""
+    deadline = time.monotonic() + expected.made_within_s
+    while not Path(expected.model).exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return await forwards.run(load_expected, expected, device=device, compile_layers=compile_layers)
 
 
 async def model_for(
@@ -144,7 +153,7 @@ async def run(cfg: ConsumerConfig) -> int:
     early = None
     if cfg.expected_model is not None:
         early = asyncio.ensure_future(
-            forwards.run(load_expected, cfg.expected_model, device=cfg.device, compile_layers=cfg.compile_layers)
+            load_early(cfg.expected_model, forwards, device=cfg.device, compile_layers=cfg.compile_layers)
         )
         early.add_done_callback(lambda done: done.cancelled() or done.exception())  # read, if never awaited
     async with job_session(
