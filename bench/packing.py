@@ -10,9 +10,13 @@ Prints one JSON object with:
 - planning time (median of --repeats) at 125k, 250k, 500k and 1M samples, with seconds per
   sample at each size; `per_sample_growth_1m_vs_125k` near 1.0 means planning grows linearly
   (the sort makes it n log n: `n_log_n_growth_1m_vs_125k` is what that alone predicts);
-- the time `synthetic_lengths` itself takes for the largest size (not counted in planning).
+- the time `synthetic_lengths` itself takes for the largest size (not counted in planning);
+- with --rounds R1,R2,...: the packing efficiency of planning each consecutive R rows on their own
+  (a plan published in rounds, so that the first batches go out before the whole dataset is
+  read), at each budget, and its ratio to one plan of all --samples (issue 25 item 5).
 
 Run: python bench/packing.py [--samples 100000] [--repeats 3] [--planning-budget 16384]
+     [--rounds 200000,50000,20000]  (e.g. --samples 914000: the seeds' job)
 """
 
 import argparse
@@ -56,6 +60,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--planning-budget", type=int, default=BUDGETS["hsx_produce_default"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", default="", help="rows per planning round, comma-separated")
+    parser.add_argument("--rounds-budgets", default="16384,65536", help="token budgets for --rounds")
     args = parser.parse_args()
 
     # The producer hands the planner a list of ints (producer/main.py), so the benchmark does too.
@@ -74,6 +80,22 @@ def main() -> int:
             "ratio_vs_fixed32_in_order": round(efficiency / fixed_in_order, 3),
             "ratio_vs_fixed32_sorted": round(efficiency / fixed_sorted, 3),
         }
+
+    rounds = {}
+    for budget in [int(b) for b in args.rounds_budgets.split(",")] if args.rounds else []:
+        whole = real_tokens / sum(b.padded_tokens for b in plan_batches(lengths, token_budget=budget))
+        per_round = {"all": round(whole, 4)}
+        for size in [int(r) for r in args.rounds.split(",")]:
+            padded = sum(
+                b.padded_tokens
+                for start in range(0, len(lengths), size)
+                for b in plan_batches(lengths[start : start + size], token_budget=budget)
+            )
+            per_round[str(size)] = {
+                "efficiency": round(real_tokens / padded, 4),
+                "vs_all": round(real_tokens / padded / whole, 4),
+            }
+        rounds[str(budget)] = per_round
 
     planning = {}
     for size in PLANNING_SIZES:
@@ -107,6 +129,7 @@ def main() -> int:
         "n_log_n_growth_1m_vs_125k": round(math.log(PLANNING_SIZES[-1]) / math.log(PLANNING_SIZES[0]), 3),
         "synthetic_lengths_1m_s": round(lengths_s, 3),
         "repeats": args.repeats,
+        **({"rounds": rounds} if rounds else {}),
     }
     print(json.dumps(out, indent=1))
     return 0

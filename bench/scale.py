@@ -167,6 +167,8 @@ def run_once(
                 str(budget),
                 "--max-seq-len",
                 str(max_len),
+                # No consumer runs: the destination gets only the bundle, whatever the job's size.
+                "--ignore-free-space",
                 *extra,
             ]
             env = {**os.environ, "PYTHONPATH": str(REPO)}
