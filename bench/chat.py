@@ -149,6 +149,16 @@ def _pool(chat, rows: list[ChatRow], workers: int) -> list:
 PATHS = {"per_row": _per_row, "chunked": _chunked, "old_per_row": _per_row, "old_chunked": _chunked, "pool": _pool}
 
 
+def _plain(rows: list) -> list:
+    """Rows with their tokens as lists (the pool's workers send arrays), to compare paths."""
+    return [
+        (row.source_id, list(map(int, row.input_ids)), None if row.loss_mask is None else list(map(int, row.loss_mask)))
+        if hasattr(row, "input_ids")
+        else row
+        for row in rows
+    ]
+
+
 def _available(path: str) -> bool:
     if path == "chunked":
         return hasattr(ChatTokenizer, "tokenize_many")
@@ -226,7 +236,7 @@ def main() -> None:
                 "runs_s": [round(t, 3) for t in times[path]],
             }
             if args.check and path != "per_row" and "per_row" in outputs:
-                entry[path]["same_as_per_row"] = outputs[path] == outputs["per_row"]
+                entry[path]["same_as_per_row"] = _plain(outputs[path]) == _plain(outputs["per_row"])
             if args.profile and path in ("per_row", "chunked", "old_per_row", "old_chunked"):
                 print(f"== {template} {path}", file=sys.stderr)
                 print(_profile(PATHS[path], loaded[path], rows, args.workers), file=sys.stderr)

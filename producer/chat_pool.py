@@ -14,6 +14,7 @@ usable core: the same chunks in this process, no pool.
 This module knows nothing about files, --max-seq-len or NATS.
 """
 
+import dataclasses
 import multiprocessing
 import os
 import pickle
@@ -22,6 +23,8 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from itertools import islice
+
+import numpy as np
 
 from hsx.errors import HsxError
 from hsx.producer.chat import ChatTokenizer
@@ -65,12 +68,24 @@ def _init_worker(tokenizer: bytes | None, model: str, trust_remote_code: bool, c
 
 
 def _work(chunk: list[ChatRow]) -> list:
-    """Per row its `DatasetRow`, or (reason, source_id) for a bad row."""
+    """Per row its `DatasetRow` (tokens as arrays), or (reason, source_id) for a bad row."""
     assert _worker_chat is not None
     return [
-        (row.reason, row.source_id) if isinstance(row, BadRow) else row
+        (row.reason, row.source_id) if isinstance(row, BadRow) else _as_arrays(row)
         for row in _worker_chat.tokenize_many(chunk, keep_bad=True)
     ]
+
+
+def _as_arrays(row: DatasetRow) -> DatasetRow:
+    """The row's tokens and mask as NumPy arrays: made here, in the worker, they cross to the
+    parent as one buffer each (a list pickles int by int) and the parent, the one process no
+    core count divides, stores them without converting (SampleTableBuilder.fill_row)."""
+    return dataclasses.replace(
+        row,
+        input_ids=np.asarray(row.input_ids, dtype=np.int32),  # token ids < 2**31
+        loss_mask=None if row.loss_mask is None else np.asarray(row.loss_mask, dtype=np.uint8),
+        more=tuple(_as_arrays(extra) for extra in row.more),
+    )
 
 
 def tokenize_chats(

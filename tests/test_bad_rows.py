@@ -235,14 +235,22 @@ def test_chat_pool_hands_bad_rows_back_in_place(strict_model):
     finally:
         chat_pool._worker_chat = None
     assert sent[1] == (here[1].reason, "1")
-    assert [sent[k] for k in (0, 2, 3)] == [here[k] for k in (0, 2, 3)]
+    # A worker sends tokens as arrays (one buffer each across the pipe), the same values.
+    assert all(isinstance(sent[k].input_ids, np.ndarray) for k in (0, 2, 3))
+    assert [_plain(sent[k]) for k in (0, 2, 3)] == [_plain(here[k]) for k in (0, 2, 3)]
     # And through real worker processes (spawned, as a large dataset's tokenization runs).
     pooled = list(tokenize_chats(chat, rows, workers=2, chunk_rows=2))
     assert [type(row) for row in pooled] == [DatasetRow, BadRow, DatasetRow, DatasetRow]
     assert (pooled[1].where, pooled[1].source_id, pooled[1].reason) == (here[1].where, "1", here[1].reason)
-    assert [(r.input_ids, r.loss_mask) for r in pooled if isinstance(r, DatasetRow)] == [
-        (r.input_ids, r.loss_mask) for r in here if isinstance(r, DatasetRow)
+    assert [_plain(r) for r in pooled if isinstance(r, DatasetRow)] == [
+        _plain(r) for r in here if isinstance(r, DatasetRow)
     ]
+
+
+def _plain(row: DatasetRow) -> tuple:
+    """A row's source id, tokens and mask as Python lists, whether they came as lists or arrays."""
+    mask = None if row.loss_mask is None else [int(v) for v in row.loss_mask]
+    return row.source_id, [int(v) for v in row.input_ids], mask, [_plain(extra) for extra in row.more]
 
 
 def test_a_rerun_counts_bad_rows_against_rows_read_not_samples(tmp_path):
