@@ -254,38 +254,51 @@ class SampleTableBuilder:
             self.add(TokenChunk.from_rows(pending))
 
     def finish(self) -> SampleTable:
+        """The table of every place taken; the builder is done."""
+        return self.window(0, self.rows)
+
+    def window(self, since: int, upto: int) -> SampleTable:
+        """The samples of places `since`..`upto`-1 (a round of the dataset), numbered from 0; every
+        place before `upto` must be filled or dropped. The spill files are shared with the builder,
+        which goes on taking places after `upto` (what this table covers is not written again)."""
         self._flush_pending()
         self._tokens.finish(self._tokens.size)
         self._masks.finish(self._tokens.size)
 
         def cat(parts: list[np.ndarray], dtype) -> np.ndarray:
-            return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+            return np.concatenate(parts).astype(dtype, copy=False)[:upto] if parts else np.zeros(0, dtype)
 
-        starts, lengths = cat(self._starts, np.int64), cat(self._lengths, np.int64)
-        has_mask, row_max = cat(self._has_mask, bool), cat(self._row_max, np.int64)
+        starts, lengths = cat(self._starts, np.int64).copy(), cat(self._lengths, np.int64).copy()
+        has_mask, row_max = cat(self._has_mask, bool).copy(), cat(self._row_max, np.int64).copy()
         for index, start, length, masked, top in self._filled:
-            starts[index], lengths[index], has_mask[index], row_max[index] = start, length, masked, top
-        source_ids, wheres = _one_array(self._source_ids), _one_array(self._wheres)
-        if self._renamed:
+            if index < upto:
+                starts[index], lengths[index], has_mask[index], row_max[index] = start, length, masked, top
+        source_ids, wheres = _one_array(self._source_ids)[:upto], _one_array(self._wheres)[:upto]
+        renamed = {index: name for index, name in self._renamed.items() if index < upto}
+        if renamed:
             names = source_ids.to_pylist()
-            for index, name in self._renamed.items():
+            for index, name in renamed.items():
                 names[index] = name
             source_ids = pa.array(names, type=source_ids.type)
         keep = np.ones(len(starts), dtype=bool)
-        keep[self._dropped] = False
-        if self._after:
+        keep[[index for index in self._dropped if index < upto]] = False
+        places = np.arange(len(starts))
+        after = [entry for entry in self._after if entry[0] < upto]
+        if after:
             # Each place's further samples right after it, in the order given.
-            at = np.array([entry[0] for entry in self._after], dtype=np.int64)
-            places = np.concatenate([np.arange(len(starts)), at])
+            at = np.array([entry[0] for entry in after], dtype=np.int64)
+            places = np.concatenate([places, at])
             order = np.lexsort((np.arange(len(places)), places))
-            starts = np.concatenate([starts, [entry[1] for entry in self._after]])[order]
-            lengths = np.concatenate([lengths, [entry[2] for entry in self._after]])[order]
-            has_mask = np.concatenate([has_mask, [entry[3] for entry in self._after]])[order]
-            row_max = np.concatenate([row_max, [entry[4] for entry in self._after]])[order]
+            places = places[order]
+            starts = np.concatenate([starts, [entry[1] for entry in after]])[order]
+            lengths = np.concatenate([lengths, [entry[2] for entry in after]])[order]
+            has_mask = np.concatenate([has_mask, [entry[3] for entry in after]])[order]
+            row_max = np.concatenate([row_max, [entry[4] for entry in after]])[order]
             keep = np.concatenate([keep, np.ones(len(at), dtype=bool)])[order]
-            extra_ids = pa.array([entry[5] for entry in self._after], type=source_ids.type)
+            extra_ids = pa.array([entry[5] for entry in after], type=source_ids.type)
             source_ids = pa.concat_arrays([source_ids, extra_ids]).take(pa.array(order))
             wheres = pa.concat_arrays([wheres, wheres.take(pa.array(at))]).take(pa.array(order))
+        keep &= places >= since
         if not keep.all():
             starts, lengths, has_mask, row_max = starts[keep], lengths[keep], has_mask[keep], row_max[keep]
             source_ids, wheres = source_ids.filter(pa.array(keep)), wheres.filter(pa.array(keep))
@@ -398,6 +411,28 @@ class SampleTable:
             row_max=row_max,
             source_ids=self.source_ids.take(take),
             wheres=self.wheres.take(take),
+        )
+
+    @staticmethod
+    def concat(tables: Sequence[SampleTable]) -> SampleTable:
+        """The tables' samples one after another, renumbered from 0; every table must share its
+        spill files (windows and selections of one builder's tables); nothing is copied."""
+        first = tables[0]
+        if any(t._tokens is not first._tokens or t._masks is not first._masks for t in tables):
+            raise ValueError("SampleTable.concat: the tables do not share their spill files")
+
+        def cat(name: str) -> np.ndarray:
+            return np.concatenate([getattr(t, name) for t in tables])
+
+        return SampleTable(
+            tokens=first._tokens,
+            masks=first._masks,
+            starts=cat("starts"),
+            lengths=cat("lengths"),
+            has_mask=cat("has_mask"),
+            row_max=cat("row_max"),
+            source_ids=pa.concat_arrays([t.source_ids for t in tables]),
+            wheres=pa.concat_arrays([t.wheres for t in tables]),
         )
 
     def runs(
