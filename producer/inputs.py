@@ -210,10 +210,15 @@ class _ChatStream:
     added as they come), and `tokenize` fills the places, in order, as the tokenizer gives them
     back; so only the rows in flight are held, never the dataset."""
 
-    def __init__(self, builder: SampleTableBuilder, items) -> None:
-        self.builder, self.items = builder, items
+    def __init__(self, builder: SampleTableBuilder, items, rounds: "_Rounds | None" = None) -> None:
+        self.builder, self.items, self.rounds = builder, items, rounds
         self.places: deque[int] = deque()
         self.rows = 0
+
+    def _complete(self) -> None:
+        """Tell the rounds how far every place is filled: up to the first chat row still in flight."""
+        if self.rounds is not None:
+            self.rounds.ready(self.places[0] if self.places else self.builder.rows)
 
     def __iter__(self) -> Iterator[ChatRow]:
         for item in self.items:
@@ -223,6 +228,7 @@ class _ChatStream:
                 yield item
             else:
                 self.builder.add(item)
+                self._complete()
 
     def tokenize(
         self, *, model: str, trust_remote_code: bool, bad: BadRows, chat_as: ChatConvention = HSX
@@ -248,6 +254,7 @@ class _ChatStream:
                 self.builder.drop(place)
             else:
                 self.builder.fill_row(place, row)
+            self._complete()
             done += 1
             if time.monotonic() - last_log > _PROGRESS_EVERY_S:
                 last_log = time.monotonic()
@@ -271,6 +278,133 @@ def _cpu_seconds() -> tuple[float, float]:
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
+@dataclass(frozen=True, kw_only=True)
+class Round:
+    """A round of the dataset (`--round-rows` rows of it, the last one what is left), read,
+    tokenized and set right as the whole dataset is (bad rows, --on-long, --on-empty-mask): the
+    producer plans and publishes it while the rounds after it are read."""
+
+    number: int  # 0, 1, ...
+    samples: SampleTable  # the round's samples, numbered from 0 (they share the job's spill files)
+    first_sample: int  # the job's index of the round's first sample
+    first_row: int  # the dataset's row (bad rows included) the round starts at
+    last: bool  # the dataset ends with this round
+    long: tuple[LongSample, ...] = ()  # its rows --on-long truncated or skipped (sample indices the job's)
+    empty_masks: tuple[EmptyMask, ...] = ()  # its samples with an all-zero loss mask
+    rows_bad: int = 0  # bad rows found so far (this round's and any read ahead of it)
+
+
+class RoundsCancelled(Exception):
+    """The reading was stopped from outside (the producer gave up on the job)."""
+
+
+class _Rounds:
+    """Cuts the dataset, as its places fill in order, into rounds of `round_rows` rows (0: one
+    round, the whole dataset), and sets each right on its own (every rule is per sample, so the
+    rounds together are what the whole would be). Each round goes to `on_round` as it is cut."""
+
+    def __init__(
+        self,
+        builder: SampleTableBuilder,
+        bad: BadRows,
+        *,
+        round_rows: int,
+        on_round,
+        cancelled,
+        path: Path,
+        model: str,
+        vocab_size: int,
+        max_seq_len: int,
+        on_long: str,
+        on_empty_mask: str,
+    ) -> None:
+        self.builder, self.bad, self.round_rows, self.on_round, self.cancelled = (
+            builder,
+            bad,
+            round_rows,
+            on_round,
+            cancelled,
+        )
+        self.path, self.model, self.vocab_size = path, model, vocab_size
+        self.max_seq_len, self.on_long, self.on_empty_mask = max_seq_len, on_long, on_empty_mask
+        self.since = 0  # the place the next round starts at
+        self.tables: list[SampleTable] = []
+        self.long: list[LongSample] = []
+        self.empty: list[EmptyMask] = []
+        self.samples = 0
+        self.vocab_bad = 0  # bad rows the rounds cut so far found outside the vocabulary
+
+    def ready(self, complete: int) -> None:
+        """Every place before `complete` is filled or dropped: cut the rounds that lie before it."""
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise RoundsCancelled
+        while self.round_rows and complete - self.since >= self.round_rows:
+            self._cut(self.since + self.round_rows, last=False)
+
+    def finish(self, rows_read: int) -> SampleTable:
+        """The last round; the whole dataset's samples."""
+        self._cut(self.builder.rows, last=True, rows_read=rows_read)
+        if not self.samples:
+            raise HsxError(
+                f"dataset {self.path}: no samples are left of its {rows_read} rows "
+                f"(--on-long {self.on_long}, --on-empty-mask {self.on_empty_mask})"
+            )
+        return SampleTable.concat(self.tables)
+
+    def _cut(self, upto: int, *, last: bool, rows_read: int = 0) -> None:
+        before = len(self.bad)
+        table = _outside_vocab(
+            self.builder.window(self.since, upto), self.bad, model=self.model, vocab_size=self.vocab_size
+        )
+        if not last:
+            self.vocab_bad += len(self.bad) - before
+        if last:
+            self.bad.check_cap(rows_read)
+            if self.bad.entries and not self.samples and not len(table):
+                raise HsxError(
+                    f"dataset {self.path}: all {rows_read} rows are bad; the first: "
+                    f"{self.bad.entries[0].where}: {self.bad.entries[0].reason}"
+                )
+        samples, long = apply_on_long_table(table, max_seq_len=self.max_seq_len, on_long=self.on_long)
+        if last and not self.samples and not len(samples) and long:
+            raise HsxError(
+                f"dataset {self.path}: all {rows_read} rows are longer than --max-seq-len {self.max_seq_len} "
+                "and --on-long skip leaves no samples"
+            )
+        kept, empty, long = apply_on_empty_mask(samples, on_empty_mask=self.on_empty_mask, long=long)
+        if last and not self.samples and not len(kept) and empty:
+            raise HsxError(
+                f"dataset {self.path}: all {len(samples)} samples have an all-zero loss mask and --on-empty-mask "
+                f"skip leaves no samples; the first: {empty[0].where}"
+            )
+        offset = self.samples
+        long = [_shifted(entry, offset) for entry in long]
+        empty = [_shifted(entry, offset) for entry in empty]
+        self.long += long
+        self.empty += empty
+        self.tables.append(kept)
+        cut = Round(
+            number=len(self.tables) - 1,
+            samples=kept,
+            first_sample=offset,
+            first_row=self.since,
+            last=last,
+            long=tuple(long),
+            empty_masks=tuple(empty),
+            rows_bad=len(self.bad),
+        )
+        self.since, self.samples = upto, self.samples + len(kept)
+        if self.on_round is not None:
+            self.on_round(cut)
+
+
+def _shifted(entry, offset: int):
+    """A report entry of a round, its sample index made the job's."""
+    if entry.sample_index is None or not offset:
+        return entry
+    return dataclasses.replace(entry, sample_index=entry.sample_index + offset)
+
+
 def tokenized_rows(
     path: Path,
     *,
@@ -284,25 +418,34 @@ def tokenized_rows(
     max_bad_rows: BadRowCap | None = None,
     chat_field: str | None = None,
     on_empty_mask: str = "keep",
+    round_rows: int = 0,
+    on_round=None,
+    cancelled=None,
 ) -> Inputs:
+    """The dataset's samples and what was set aside. With `round_rows`, each round of that many
+    rows goes to `on_round` (a `Round`) as soon as it is read, from this thread; `cancelled` (a
+    threading.Event), once set, stops the reading at the next row (RoundsCancelled)."""
     builder = SampleTableBuilder()
     bad = BadRows(on_bad_row=on_bad_row, cap=max_bad_rows)
-    chats = _ChatStream(builder, read_source(path, on_bad_row=bad, chat_field=chat_field))
+    rounds = _Rounds(
+        builder,
+        bad,
+        round_rows=round_rows,
+        on_round=on_round,
+        cancelled=cancelled,
+        path=path,
+        model=model,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        on_long=on_long,
+        on_empty_mask=on_empty_mask,
+    )
+    chats = _ChatStream(builder, read_source(path, on_bad_row=bad, chat_field=chat_field), rounds)
     chat = chats.tokenize(model=model, trust_remote_code=trust_remote_code, bad=bad, chat_as=chat_as)
-    rows_read = builder.rows + len(bad) - builder.dropped
-    table = _outside_vocab(builder.finish(), bad, model=model, vocab_size=vocab_size)
-    bad.check_cap(rows_read)
-    if bad.entries and not len(table):
-        raise HsxError(
-            f"dataset {path}: all {rows_read} rows are bad; the first: {bad.entries[0].where}: {bad.entries[0].reason}"
-        )
-    samples, long = apply_on_long_table(table, max_seq_len=max_seq_len, on_long=on_long)
-    if not len(samples):
-        raise HsxError(
-            f"dataset {path}: all {rows_read} rows are longer than --max-seq-len {max_seq_len} "
-            "and --on-long skip leaves no samples"
-        )
-    kept, empty, long = apply_on_empty_mask(samples, on_empty_mask=on_empty_mask, long=long)
+    # Rows out of the vocabulary are placed rows and bad ones: counted once.
+    rows_read = builder.rows + len(bad) - builder.dropped - rounds.vocab_bad
+    kept = rounds.finish(rows_read)
+    empty = rounds.empty
     if empty:
         log.warning(
             "samples_without_supervised_tokens",
@@ -314,14 +457,9 @@ def tokenized_rows(
             if on_empty_mask == "keep"
             else "listed in the job's report (empty_masks)",
         )
-    if not len(kept):
-        raise HsxError(
-            f"dataset {path}: all {len(samples)} samples have an all-zero loss mask and --on-empty-mask skip "
-            f"leaves no samples; the first: {empty[0].where}"
-        )
     return Inputs(
         samples=kept,
-        long=long,
+        long=rounds.long,
         rows_read=rows_read,
         chat_rows=chats.rows,
         chat=chat,
