@@ -47,3 +47,20 @@ def plan_batches(lengths, *, token_budget: int, max_batch_size: int | None = Non
         batches.append(PlannedBatch(sample_indices=tuple(members), padded_len=padded_len))
         start += len(members)
     return batches
+
+
+def plan_in_rounds(
+    lengths, round_starts, *, token_budget: int, max_batch_size: int | None = None
+) -> list[PlannedBatch]:
+    """`plan_batches` over each round on its own (round k: samples round_starts[k] up to the next
+    start, or the end), the rounds' batches one after another, sample indices the job's. A round
+    is planned as soon as it is read, so the first batches need not wait for the whole dataset."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    bounds = [*round_starts, len(lengths)]
+    batches: list[PlannedBatch] = []
+    for start, end in zip(bounds, bounds[1:]):
+        for batch in plan_batches(lengths[start:end], token_budget=token_budget, max_batch_size=max_batch_size):
+            batches.append(
+                PlannedBatch(sample_indices=tuple(start + i for i in batch.sample_indices), padded_len=batch.padded_len)
+            )
+    return batches
