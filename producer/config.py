@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsx.config.fields import option
-from hsx.config.values import parse_size, positive_float, positive_int
+from hsx.config.values import count, parse_size, positive_float, positive_int
 from hsx.errors import HsxError
 from hsx.model.layers import LayerRequest, parse_layers
 from hsx.producer.conventions import HSX, ChatConvention, parse_chat_as
@@ -128,6 +128,17 @@ class ProducerConfig:
         job=True,
         example=64,
         help="samples per batch at most (default: no limit besides --token-budget)",
+    )
+    # Rounds: the GPUs start after one round is tokenized, not the whole dataset; the price is a
+    # little packing (each round is sorted by length on its own; bench/packing.py --rounds).
+    round_rows: int = option(
+        "--round-rows",
+        default=100_000,
+        parse=count("--round-rows"),
+        job=True,
+        help="publish the plan in rounds of this many dataset rows, each sorted by length on its own, so the "
+        "first batches go out once the first round is tokenized (default %(default)s; 0: one plan over the "
+        "whole dataset, published once it is all read; a dataset of at most this many rows is one plan either way)",
     )
     on_long: str = option(
         "--on-long",

@@ -18,12 +18,13 @@ import structlog
 from hsx.errors import HsxError
 from hsx.model.layers import preset_of, resolve_layers
 from hsx.model.modelinfo import load_model_info
-from hsx.packing import PlannedBatch, plan_batches
+from hsx.packing import PlannedBatch, plan_batches, plan_in_rounds
 from hsx.producer import bundle, preflight, resume, stored
 from hsx.producer.config import ProducerConfig
 from hsx.producer.dataset import dataset_digest
 from hsx.producer.estimate import JobEstimate, check_free_space, estimate_job, format_estimate
 from hsx.producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
+from hsx.producer.rounds import RoundReader, round_fingerprint
 from hsx.storage.tokens import SampleTable, report_object_name, tokens_object_name
 from hsx.wire import schemas, topology
 from hsx.wire.counts import count_stored
@@ -91,11 +92,13 @@ async def _publish_batches(
     *,
     skip: set[str],
     msg_id_suffix: str = "",
+    seqs: range | None = None,
 ) -> tuple[int, list[int]]:
-    """Publish every batch whose id is not in `skip`; (how many the stream took as new, the
-    sequence numbers of those it called duplicates)."""
+    """Publish every batch of `seqs` (default all) whose id is not in `skip`; (how many the stream
+    took as new, the sequence numbers of those it called duplicates)."""
     subject = topology.batch_subject(cfg.job)
-    todo = [seq for seq in range(len(batches)) if plan_batch_id(cfg.job, fingerprint, seq) not in skip]
+    seqs = range(len(batches)) if seqs is None else seqs
+    todo = [seq for seq in seqs if plan_batch_id(cfg.job, fingerprint, seq) not in skip]
     published, duplicates = 0, []
 
     def build(window: list[int]) -> list[tuple[str, bytes]]:
@@ -194,10 +197,11 @@ async def _dry_run(cfg: ProducerConfig, info, layers: list[Layer]) -> int:
     """`--dry-run`: the inputs read and planned as a run would, the plan's descriptors checked
     against --max-payload, the job sized and printed. No NATS: nothing is published, stored,
     claimed or written."""
-    inputs = await _read_inputs(cfg, info)
+    starts: list[int] = []
+    inputs = await _read_inputs(cfg, info, on_round=lambda cut: starts.append(cut.first_sample))
     rows = inputs.samples
     try:
-        batches, fingerprint = await _plan(cfg, layers, rows, from_store=False)
+        batches, fingerprint = await _plan(cfg, layers, rows, from_store=False, round_starts=starts)
         max_payload = cfg.max_payload or DEFAULT_MAX_PAYLOAD
         await asyncio.to_thread(
             preflight.check_payloads,
@@ -255,8 +259,8 @@ def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
         )
 
 
-async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | None):
-    """(samples table, freshly read inputs or None when the samples come from the job's stored copy)."""
+async def _stored_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | None) -> SampleTable | None:
+    """The job's samples from its stored copy (a re-run), or None when the dataset is to be read."""
     if existing is not None and existing.tokenized_object:
         try:
             await asyncio.to_thread(_check_same_inputs, cfg, existing)
@@ -264,8 +268,7 @@ async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | N
             if existing.published:
                 raise
             # Not published yet: the re-run may replace the job with other inputs (see _produce).
-            existing = None
-    if existing is not None and existing.tokenized_object:
+            return None
         rows = await stored.load_tokenized(js, cfg.job, spec=existing)
         await asyncio.to_thread(check_vocab, rows, model=cfg.model, vocab_size=info.vocab_size)
         log.info(
@@ -275,13 +278,12 @@ async def _job_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | N
             bucket=topology.DATASETS_BUCKET,
             object=existing.tokenized_object,
         )
-        return rows, None
-    inputs = await _read_inputs(cfg, info)
-    return inputs.samples, inputs
+        return rows
+    return None
 
 
-async def _read_inputs(cfg: ProducerConfig, info) -> Inputs:
-    """The dataset read and tokenized under the job's settings."""
+async def _read_inputs(cfg: ProducerConfig, info, *, on_round=None) -> Inputs:
+    """The dataset read and tokenized under the job's settings (`on_round`: each round's `Round`)."""
     return await asyncio.to_thread(
         tokenized_rows,
         cfg.dataset,
@@ -295,6 +297,8 @@ async def _read_inputs(cfg: ProducerConfig, info) -> Inputs:
         max_bad_rows=cfg.max_bad_rows,
         chat_field=cfg.chat_field,
         on_empty_mask=cfg.on_empty_mask,
+        round_rows=cfg.round_rows,
+        on_round=on_round,
     )
 
 
@@ -337,18 +341,72 @@ async def _produce(cfg: ProducerConfig, nc, info, layers: list[Layer], *, starte
     js = nc.jetstream()
     kv = await topology.ensure_topology(js, replicas=cfg.replicas)
     existing = await read_job_spec(kv, cfg.job)
-    rows, inputs = await _job_rows(cfg, js, info, existing)
+    stored_rows = await _stored_rows(cfg, js, info, existing)
+    if stored_rows is None and cfg.round_rows:
+        return await _produce_in_rounds(cfg, nc, js, kv, info, layers, existing, started=started)
+    if stored_rows is not None:
+        rows, inputs = stored_rows, None
+    else:
+        inputs = await _read_inputs(cfg, info)
+        rows = inputs.samples
     try:
         return await _plan_and_publish(cfg, nc, js, kv, info, layers, existing, rows, inputs, started=started)
     finally:
         rows.close()  # the spilled tokens' temp files
 
 
+async def _produce_in_rounds(
+    cfg: ProducerConfig, nc, js, kv, info, layers: list[Layer], existing, *, started: float
+) -> int:
+    """The dataset read in rounds of --round-rows rows: one round, the whole dataset, goes the one
+    plan's way (`_plan_and_publish`, as without rounds); more are planned and published a round
+    at a time (`_publish_rounds`) while the next is read."""
+    reader = RoundReader(cfg, info)
+    try:
+        first = await reader.next()
+        if first.last:
+            inputs = await reader.inputs()
+            return await _plan_and_publish(
+                cfg, nc, js, kv, info, layers, existing, inputs.samples, inputs, started=started
+            )
+        return await _publish_rounds(cfg, nc, js, kv, info, layers, existing, reader, first, started=started)
+    finally:
+        await reader.close()  # the samples' spill files too
+
+
 async def _plan(
-    cfg: ProducerConfig, layers: list[Layer], rows: SampleTable, *, from_store: bool
+    cfg: ProducerConfig,
+    layers: list[Layer],
+    rows: SampleTable,
+    *,
+    from_store: bool,
+    round_starts: list[int] | None = None,
+    rounds_of: schemas.JobSpec | None = None,
 ) -> tuple[list[PlannedBatch], str]:
-    batches = plan_batches(rows.lengths, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
-    fingerprint = await asyncio.to_thread(plan_fingerprint, cfg, layers, rows)
+    """The plan and its fingerprint: one plan over `rows`, or, with more than one of
+    `round_starts` (a dry run's rounds) or for `rounds_of`, a stored job published in rounds,
+    the rounds' plans one after another (producer/rounds.py)."""
+    if rounds_of is not None and len(rounds_of.round_starts) > 1:
+        round_starts = rounds_of.round_starts
+    if round_starts is not None and len(round_starts) > 1:
+        batches = plan_in_rounds(
+            rows.lengths, round_starts, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size
+        )
+        if rounds_of is not None:
+            fingerprint = round_fingerprint(
+                cfg,
+                layers,
+                model_revision=rounds_of.model_revision,
+                dataset_digest=rounds_of.dataset_digest,
+                round_rows=rounds_of.round_rows,
+            )
+        else:  # a dry run: no dataset digest is read; only the fingerprint's length counts there
+            fingerprint = round_fingerprint(
+                cfg, layers, model_revision="", dataset_digest="", round_rows=cfg.round_rows
+            )
+    else:
+        batches = plan_batches(rows.lengths, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
+        fingerprint = await asyncio.to_thread(plan_fingerprint, cfg, layers, rows)
     padded = sum(b.padded_tokens for b in batches)
     log.info(
         "plan_ready",
@@ -377,17 +435,14 @@ async def _plan_and_publish(
     started: float,
 ) -> int:
     """Plan, check, store and publish; `started` is when produce began (its summary's seconds)."""
-    batches, fingerprint = await _plan(cfg, layers, rows, from_store=inputs is None)
+    batches, fingerprint = await _plan(
+        cfg, layers, rows, from_store=inputs is None, rounds_of=existing if inputs is None else None
+    )
     replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != str(cfg.dest))
     plan = schemas.plan_tag_of(fingerprint)
     if existing is not None and existing.published:
         if replaces:
-            raise HsxError(
-                f"job {cfg.job} already exists with a different dataset or settings "
-                f"(model {existing.model}, layers {existing.layers}, dest {existing.dest}, "
-                f"{existing.total_samples} samples); use another --job name, or delete the job first "
-                f"(hsx jobs delete {cfg.job})"
-            )
+            _refuse_published(cfg, existing)
         log.info(
             "job_already_published",
             job=cfg.job,
@@ -475,6 +530,193 @@ async def _plan_and_publish(
     )
     await bundle.write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
     return 0
+
+
+def _refuse_published(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
+    raise HsxError(
+        f"job {cfg.job} already exists with a different dataset or settings "
+        f"(model {existing.model}, layers {existing.layers}, dest {existing.dest}, "
+        f"{existing.total_samples} samples); use another --job name, or delete the job first "
+        f"(hsx jobs delete {cfg.job})"
+    )
+
+
+def _round_descriptors(cfg: ProducerConfig, fingerprint: str, batches: list[PlannedBatch], seqs: range, rows):
+    for seq in seqs:
+        yield _descriptor(cfg.job, fingerprint, plan_batch_id(cfg.job, fingerprint, seq), batches[seq], rows)
+
+
+async def _publish_rounds(
+    cfg: ProducerConfig,
+    nc,
+    js,
+    kv,
+    info,
+    layers: list[Layer],
+    existing: schemas.JobSpec | None,
+    reader: RoundReader,
+    first,
+    *,
+    started: float,
+) -> int:
+    """A plan of several rounds: each round planned on its own, checked (payloads, room), recorded
+    in the spec (totals grown, `round_starts` one longer) and then published, while the reader
+    reads the next; after the last, the samples and report are stored and the spec says
+    `published`. Round 0 is checked as a whole plan is (nothing is written before it passes); a
+    refusal found in a later round (a bad or long row, a cap, no room) leaves what was published
+    to run, records why in the spec (`stopped`: the job then ends failed, naming it) and exits
+    with that reason. Run again, the same job resumes: its fingerprint does not depend on the
+    samples, and batches already queued or done are not published twice."""
+    digest = await asyncio.to_thread(dataset_digest, cfg.dataset)
+    fingerprint = round_fingerprint(
+        cfg, layers, model_revision=info.revision, dataset_digest=digest, round_rows=cfg.round_rows
+    )
+    plan = schemas.plan_tag_of(fingerprint)
+    replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != str(cfg.dest))
+    if existing is not None and existing.published and replaces:
+        _refuse_published(cfg, existing)
+    cut, tables, starts = first, [first.samples], [0]
+    long, empty = list(first.long), list(first.empty_masks)
+    rows = first.samples
+    batches = plan_in_rounds(rows.lengths, starts, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
+
+    async def check(seqs: range) -> int:
+        checked = await asyncio.to_thread(
+            preflight.check_payloads,
+            _round_descriptors(cfg, fingerprint, batches, seqs, rows),
+            max_payload=nc.max_payload,
+            token_budget=cfg.token_budget,
+            max_seq_len=cfg.max_seq_len,
+        )
+        if not cfg.ignore_free_space:
+            so_far = Inputs(samples=rows, long=long, rows_read=0, chat_rows=0, chat=None, empty_masks=tuple(empty))
+            await asyncio.to_thread(
+                _check_free_space,
+                cfg,
+                info,
+                layers,
+                fingerprint,
+                rows,
+                batches,
+                so_far,
+                existing,
+                max_payload=nc.max_payload,
+            )
+        return checked
+
+    def round_spec(**final) -> schemas.JobSpec:
+        counts = final.pop("counts", None) or {
+            "samples_truncated": sum(1 for e in long if e.action == "truncated"),
+            "samples_skipped": sum(1 for e in long if e.action == "skipped"),
+            "rows_bad": cut.rows_bad,
+            "rows_read": 0,  # known once the dataset is read
+            "on_empty_mask": cfg.on_empty_mask,
+            "samples_empty_mask": len(empty),
+        }
+        spec = _job_spec(
+            cfg,
+            info,
+            layers,
+            fingerprint,
+            rows,
+            batches,
+            created_at=existing.created_at if existing and not replaces else time.time(),
+            tokenized_object=final.pop("tokenized_object", ""),
+            report_object=final.pop("report_object", ""),
+            dataset_digest=digest,
+            **counts,
+        )
+        return msgspec.structs.replace(spec, round_rows=cfg.round_rows, round_starts=list(starts), **final)
+
+    # Round 0: everything that can refuse the job, before anything of it is written.
+    checked = await check(range(len(batches)))
+    await asyncio.to_thread(preflight.check_destination, cfg.dest, cfg.job)
+    owner = await _check_folder(cfg, plan, len(rows), existing)
+    log.info("preflight_passed", job=cfg.job, batches=checked, max_payload=nc.max_payload, dest=str(cfg.dest), round=0)
+    if replaces:
+        await _replace_unpublished(js, cfg, existing, fingerprint)
+    if owner is not None:
+        await _remove_replaced(cfg, owner, plan)
+    spec = round_spec()
+    await asyncio.to_thread(bundle.claim_folder, spec)
+    await kv.put(cfg.job, schemas.encode(spec))
+    for counter in topology.PROGRESS_COUNTERS:
+        await topology.ensure_progress_counter(js, cfg.job, spec.plan_tag, counter)
+    accounted = await resume.accounted_batch_ids(js, cfg.job)
+    totals = {"new": 0, "duplicates": 0, "already": 0}
+
+    async def publish(seqs: range) -> None:
+        totals["already"] += sum(plan_batch_id(cfg.job, fingerprint, seq) in accounted for seq in seqs)
+        new, duplicates = await _publish_batches(js, cfg, fingerprint, batches, rows, skip=accounted, seqs=seqs)
+        republished = await _republish_forgotten(js, cfg, spec, batches, rows, duplicates)
+        totals["new"] += new + republished
+        totals["duplicates"] += len(duplicates) - republished
+        log.info(
+            "round_published",
+            job=cfg.job,
+            round=len(starts) - 1,
+            samples=len(rows) - starts[-1],
+            batches=len(seqs),
+            samples_so_far=len(rows),
+            seconds=round(time.monotonic() - started, 2),
+        )
+
+    await publish(range(len(batches)))
+    while not cut.last:
+        try:
+            cut = await reader.next()
+            tables.append(cut.samples)
+            starts.append(len(rows))
+            long += cut.long
+            empty += cut.empty_masks
+            rows = SampleTable.concat(tables)
+            before = len(batches)
+            batches = plan_in_rounds(
+                rows.lengths, starts, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size
+            )
+            await check(range(before, len(batches)))
+        except HsxError as exc:
+            await _stop(kv, spec, str(exc))
+            raise HsxError(
+                f"{exc}; job {cfg.job} stopped after {len(spec.round_starts)} rounds of --round-rows {cfg.round_rows} "
+                f"({spec.total_samples} samples published, which run; the job then ends failed): run hsx produce "
+                f"again once this is fixed and it resumes, or, for another dataset or settings, hsx jobs delete "
+                f"{cfg.job} first"
+            ) from None
+        # The spec grows before the round's batches go out: a worker that gets one finds it planned.
+        spec = round_spec()
+        await kv.put(cfg.job, schemas.encode(spec))
+        await publish(range(before, len(batches)))
+    inputs = await reader.inputs()
+    tokens_object, report_object = await _store_inputs(cfg, js, inputs, max_payload=nc.max_payload)
+    rows = inputs.samples
+    spec = round_spec(
+        tokenized_object=tokens_object,
+        report_object=report_object,
+        counts=_input_counts(cfg, inputs, existing),
+        published=True,
+    )
+    await kv.put(cfg.job, schemas.encode(spec))
+    log.info(
+        "job_published",
+        job=cfg.job,
+        batches=len(batches),
+        rounds=len(starts),
+        new=totals["new"],
+        duplicates=totals["duplicates"],
+        already_queued_or_done=totals["already"],
+        samples=len(rows),
+        samples_empty_mask=spec.samples_empty_mask,
+        seconds=round(time.monotonic() - started, 2),
+    )
+    await bundle.write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
+    return 0
+
+
+async def _stop(kv, spec: schemas.JobSpec, reason: str) -> None:
+    """Record in the job's spec why its producer stopped before publishing the whole plan."""
+    log.error("job_stopped", job=spec.job, rounds=len(spec.round_starts), samples=spec.total_samples, reason=reason)
+    await kv.put(spec.job, schemas.encode(msgspec.structs.replace(spec, stopped=reason)))
 
 
 def _input_counts(cfg: ProducerConfig, inputs: Inputs | None, existing: schemas.JobSpec | None) -> dict:

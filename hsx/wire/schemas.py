@@ -145,6 +145,15 @@ class JobSpec(_Wire, tag="job.v1"):
     hidden_size: int = 0  # the model's hidden size H of every file's [T, k, H] (0: a job from before it was recorded)
     # --chat-as: whose loss mask chat rows got: hsx | specforge:TEMPLATE | speculators (producer/conventions.py)
     chat_convention: str = "hsx"
+    # A plan published in rounds (--round-rows): the round size, and the first sample of each round
+    # published so far. The totals above grow with each round and `published` is set after the
+    # last; the plan's fingerprint is fixed from the first (producer/rounds.py). 0 and []: one plan.
+    round_rows: int = 0
+    round_starts: list[int] = msgspec.field(default_factory=list)
+    # Why the producer stopped before publishing the whole plan (a refusal found in a later round:
+    # a bad row, a long one, no room); "" while it has not. The job is failed once what was
+    # published has run; `hsx produce` again (fixed) resumes it.
+    stopped: str = ""
 
     @property
     def plan_tag(self) -> str:

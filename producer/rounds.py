@@ -1,0 +1,107 @@
+"""A dataset read in rounds (`--round-rows`): while the producer plans and publishes one round,
+the next is read and tokenized, so the first batches go out after one round of the dataset, not
+after all of it (914,000 chat rows take minutes on a small machine: docs/PERFORMANCE.md).
+
+`RoundReader` runs the reading (producer/inputs.py, `tokenized_rows` with `on_round`) on a thread
+and hands the rounds to the event loop in order; `round_fingerprint` names a plan published in
+rounds. A plan of several rounds is fixed before its samples are all known, so its fingerprint
+cannot hash them as `plan_fingerprint` does: it hashes the settings, the dataset's bytes (its
+sha256) and the round size instead, which make the same samples and the same batches again.
+The publishing itself, and what a refusal found in a later round does, is producer/main.py's.
+"""
+
+import asyncio
+import dataclasses
+import hashlib
+import threading
+
+import msgspec
+
+from hsx.producer.config import ProducerConfig
+from hsx.producer.inputs import Inputs, Round, RoundsCancelled, tokenized_rows
+from hsx.wire.schemas import Layer
+
+
+def round_fingerprint(
+    cfg: ProducerConfig, layers: list[Layer], *, model_revision: str, dataset_digest: str, round_rows: int
+) -> str:
+    """sha256 over everything that decides a round plan's samples and batches: the model and its
+    revision (its tokenizer), the layers and dtype, the batch settings, every setting that decides
+    which rows become which samples, the dataset's digest and the round size."""
+    settings = [
+        "rounds.v1",
+        cfg.model,
+        model_revision,
+        layers,
+        cfg.dtype,
+        cfg.token_budget,
+        cfg.max_batch_size,
+        cfg.max_seq_len,
+        cfg.on_long,
+        str(cfg.chat_as),
+        cfg.chat_field,
+        cfg.on_bad_row,
+        None if cfg.max_bad_rows is None else str(cfg.max_bad_rows),
+        cfg.on_empty_mask,
+        dataset_digest,
+        round_rows,
+    ]
+    return hashlib.sha256(msgspec.json.encode(settings)).hexdigest()
+
+
+class RoundReader:
+    """The dataset read and tokenized on a thread, a round at a time (`next()`, in order; the last
+    has `last` set), then the whole (`inputs()`: what `tokenized_rows` returns). An error of the
+    reading (a bad row, a long one, a cap passed) is raised by the `next()` that would have got
+    the round it is in. `close()`, once the caller is done with every round and with `inputs()`,
+    stops the reading at its next row, or closes the samples' spill files (which every round shares)."""
+
+    def __init__(self, cfg: ProducerConfig, info) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._rounds: asyncio.Queue[Round] = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self._task = asyncio.create_task(
+            asyncio.to_thread(
+                tokenized_rows,
+                cfg.dataset,
+                model=cfg.model,
+                vocab_size=info.vocab_size,
+                max_seq_len=cfg.max_seq_len,
+                on_long=cfg.on_long,
+                trust_remote_code=cfg.trust_remote_code,
+                chat_as=dataclasses.replace(cfg.chat_as, max_length=cfg.max_seq_len),  # speculators' turn choice
+                on_bad_row=cfg.on_bad_row,
+                max_bad_rows=cfg.max_bad_rows,
+                chat_field=cfg.chat_field,
+                on_empty_mask=cfg.on_empty_mask,
+                round_rows=cfg.round_rows,
+                on_round=self._hand_over,
+                cancelled=self._cancelled,
+            )
+        )
+
+    def _hand_over(self, cut: Round) -> None:  # on the reading thread
+        self._loop.call_soon_threadsafe(self._rounds.put_nowait, cut)
+
+    async def next(self) -> Round:
+        getting = asyncio.ensure_future(self._rounds.get())
+        await asyncio.wait({getting, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        if getting.done():
+            return getting.result()
+        getting.cancel()
+        if not self._rounds.empty():  # the reading ended right after handing over its last round
+            return self._rounds.get_nowait()
+        self._task.result()  # the reading's error
+        raise RuntimeError("the dataset's reading ended without its last round")
+
+    async def inputs(self) -> Inputs:
+        return await self._task
+
+    async def close(self) -> None:
+        self._cancelled.set()
+        await asyncio.gather(self._task, return_exceptions=True)
+        if not self._task.cancelled() and self._task.exception() is None:
+            self._task.result().samples.close()
+
+
+__all__ = ["RoundReader", "RoundsCancelled", "round_fingerprint"]
