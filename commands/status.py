@@ -143,6 +143,14 @@ async def _read_status(
         await close_connection(nc)
 
 
+def _still_publishing(view: StatusView) -> str:
+    if view.plan_complete or not view.exists:
+        return ""
+    if view.rounds_published:
+        return f" (of the {view.rounds_published} rounds the producer has published so far)"
+    return " (the producer is still publishing the plan)"
+
+
 def format_status(view: StatusView, *, as_json: bool) -> str:
     if as_json:
         return json.dumps(msgspec.to_builtins(view), sort_keys=True)
@@ -161,7 +169,8 @@ def format_status(view: StatusView, *, as_json: bool) -> str:
         f"  model    {view.model}, layers {','.join(map(str, view.layers))}",
         f"  workers  alive: {workers or 'none'}",
         *_kernel_lines(view),
-        f"  samples  uploaded {view.samples_uploaded}/{view.total_samples}, written {view.samples_written}",
+        f"  samples  uploaded {view.samples_uploaded}/{view.total_samples}, written {view.samples_written}"
+        + _still_publishing(view),
         f"  tokens   written {view.tokens_written}/{view.total_tokens}"
         + ("" if view.sums_complete else " (so far read; run hsx status again, or keep hsx monitor running)"),
         f"  batches  done {view.batches_done}/{view.batches_total}, queued {view.batches_queued}",

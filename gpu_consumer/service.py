@@ -532,14 +532,17 @@ class BatchWorker:
             redo=bool(batch.redo_reason),
             plan=self.spec.plan_tag,
         )
+
         # Only the plan's own batches count toward it; a re-queued sample's batch, a poisoned
         # batch's retry, a dead letter's half, or one with samples outside the plan (a descriptor
         # published by hand) is set aside, so batches_done never passes batches_total.
-        planned = (
-            not batch.redo_reason
-            and self.spec.is_plan_batch(batch.batch_id)
-            and all(0 <= f.sample_index < self.spec.total_samples for f in files)
-        )
+        def in_plan(spec: schemas.JobSpec) -> bool:
+            return spec.is_plan_batch(batch.batch_id) and all(0 <= f.sample_index < spec.total_samples for f in files)
+
+        # The spec as it is now: a plan published in rounds grows (its next round is recorded
+        # before its batches go out).
+        spec = self.spec if self.watch is None else await self.watch.current_for(in_plan)
+        planned = not batch.redo_reason and in_plan(spec)
         marker = topology.written_subject(self.spec.job, self.spec.plan_tag, batch.batch_id, planned=planned)
         await through_outage(
             lambda: self.events.mark(written_event, subject=marker), what="report_written", stopping=self.stopping

@@ -116,7 +116,7 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                         saved = time.monotonic()
                 except Exception as exc:  # NATS reconnecting: report on the next tick
                     log.warning("queue_state_unavailable", error=str(exc) or type(exc).__name__)
-                if tracker.counts.samples_uploaded == spec.total_samples and not summarised:
+                if spec.published and tracker.counts.samples_uploaded == spec.total_samples and not summarised:
                     # The counts are read at once, the sums as their markers arrive: the summary
                     # waits until the sums hold every marker there is.
                     await tracker.wait_sums_current(timeout=SUMS_AT_END_WAIT_S)

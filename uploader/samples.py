@@ -26,7 +26,13 @@ log = structlog.get_logger("hsx.uploader")
 
 class SampleNotFound(Exception):
     """The event's sample cannot be found again (the job has no stored samples, or they are of
-    another plan): it cannot be re-extracted, and its event is dead-lettered."""
+    another plan): it cannot be re-extracted, and its event is dead-lettered. `later`: not yet,
+    the job's plan is still being published in rounds and its samples are stored after the last
+    (producer/main.py): the event is to be tried again."""
+
+    def __init__(self, message: str, *, later: bool = False) -> None:
+        super().__init__(message)
+        self.later = later
 
 
 class StoredSamples:
@@ -66,6 +72,11 @@ class StoredSamples:
                     # The spec as it is now, not as the uploader started: the plan check needs the
                     # plan the stored object belongs to.
                     spec = await spec_of(js, self.job, None)
+                    if not spec.tokenized_object and not spec.published:
+                        raise SampleNotFound(
+                            f"sample {index}: job {self.job}'s samples are stored once its plan is published",
+                            later=True,
+                        )
                     if spec.tokenized_object:
                         log.info(
                             "stored_samples_loading",

@@ -37,6 +37,9 @@ from hsx.wire.worker import JobWatch
 log = structlog.get_logger("hsx.uploader")
 
 SERVICE = "uploader"
+# How long a lost file's event waits before it asks again for the job's stored samples, while its
+# plan is still being published in rounds.
+_STORED_SAMPLES_WAIT_S = 10.0
 
 
 class _PermanentFailure(Exception):
@@ -302,7 +305,7 @@ class FileMover:
         await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
 
     async def _report_uploaded(self, uploaded: schemas.FileUploaded, ready: schemas.FileReady) -> None:
-        if await self.events.mark(uploaded, subject=self._marker(ready), batch_id=ready.batch_id):
+        if await self.events.mark(uploaded, subject=await self._marker(ready), batch_id=ready.batch_id):
             return
         if not uploaded.already_present:
             # The sample was reported before, and this upload stored its object again (a batch
@@ -314,12 +317,17 @@ class FileMover:
                 subject=topology.replaced_subject(ready.job, ready.plan or self.plan, ready.sample_index),
             )
 
-    def _marker(self, ready: schemas.FileReady) -> str:
+    async def _marker(self, ready: schemas.FileReady) -> str:
         """Where the sample's `uploaded` marker goes: under the plan that wrote the file (an event
         without a plan, from a consumer before events carried one, is taken as this job's), and
-        set aside when its index is outside that plan."""
+        set aside when its index is outside that plan (as its spec is now: a plan published in
+        rounds grows)."""
         plan = ready.plan or self.plan
-        planned = plan != self.plan or 0 <= ready.sample_index < self.total_samples
+        index = ready.sample_index
+        total = self.total_samples
+        if plan == self.plan and self.watch is not None:
+            total = (await self.watch.current_for(lambda spec: 0 <= index < spec.total_samples)).total_samples
+        planned = plan != self.plan or 0 <= index < total
         return topology.uploaded_subject(ready.job, plan, ready.sample_index, planned=planned)
 
     async def _try_move(self, ready: schemas.FileReady, *, probe: bool) -> bool:
@@ -413,6 +421,10 @@ class FileMover:
         except SampleNotFound as exc:
             if self.watch is not None and await self.watch.check():
                 await msg.nak()  # the job is gone: its letter would count against the next one of its name
+                return
+            if exc.later:  # the plan is still being published in rounds: its samples are stored after
+                log.info("requeue_waits_for_stored_samples", sample=ready.sample_index, reason=str(exc))
+                await msg.nak(delay=_STORED_SAMPLES_WAIT_S)
                 return
             await self.events.dead_letter(
                 msg,

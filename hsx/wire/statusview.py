@@ -98,6 +98,11 @@ class StatusView(msgspec.Struct, frozen=True, kw_only=True):
     elapsed_s: float | None = None  # from started_at to finished_at (done) or to now
     average_samples_per_s: float | None = None  # samples uploaded / elapsed_s
     consumers: list[ConsumerView] = []  # the live GPU consumers, by instance
+    # The whole plan is in the queue. False while the producer still publishes it (in rounds:
+    # the totals above are those of the rounds published so far, `rounds_published`) or if it
+    # stopped before the end (`failure_reason` says why once what it published has run).
+    plan_complete: bool = True
+    rounds_published: int = 0
 
 
 def destination_refusals(
@@ -217,6 +222,11 @@ def status_view(
         if failed
         else None
     )
+    if spec is not None and spec.stopped and not spec.published and drained:
+        # The producer stopped before publishing the whole plan (producer/main.py, rounds) and
+        # what it published has run: the job cannot finish by itself.
+        failed = True
+        failure_reason = f"the producer stopped before publishing the whole plan: {spec.stopped}"
     # A refusing destination (a missing bucket, bad credentials, a denied permission) is a failure
     # for as long as it lasts: nothing is uploaded until someone fixes it, then it clears by itself.
     refusals = [] if done else destination_refusals(fold.heartbeats, now=now, live_s=live_s)
@@ -288,4 +298,6 @@ def status_view(
         elapsed_s=elapsed_s,
         average_samples_per_s=average,
         consumers=live_consumers(fold.heartbeats, now=now, live_s=live_s),
+        plan_complete=spec.published if spec else False,
+        rounds_published=len(spec.round_starts) if spec else 0,
     )

@@ -142,6 +142,15 @@ class JobWatch:
             self.stopping.set()
         return self.lost
 
+    async def current_for(self, covers: Callable[[schemas.JobSpec], bool]) -> schemas.JobSpec:
+        """The spec as last read, or, when it does not `covers` a message and the plan is still
+        being published (in rounds: it grows, each round recorded before its batches go out),
+        as read again now."""
+        if covers(self.current) or self.current.published:
+            return self.current
+        await self.check()
+        return self.current
+
     async def watch(self) -> None:
         while not self.stopping.is_set():
             try:
@@ -279,7 +288,8 @@ class JobEnd:
         """The verdict once the job is over and this worker settled, else ""."""
         spec, tracker = self.watch.current, self.tracker
         queues = await tracker.refresh_queues()
-        if queues.batches_queued or queues.files_queued or not spec.published or not self.settled():
+        over = spec.published or bool(spec.stopped)  # a plan still being published is not over
+        if queues.batches_queued or queues.files_queued or not over or not self.settled():
             return ""
         if not self._started:
             await tracker.start()
