@@ -1,0 +1,313 @@
+"""A plan published in rounds (--round-rows; producer/rounds.py, producer/main.py `_publish_rounds`).
+
+- Read in rounds, a dataset gives exactly the samples, report entries and counts it gives read
+  whole (chat rows among token rows, bad rows, cut rows, empty masks set aside), and each round
+  starts at a multiple of --round-rows rows.
+- Planned in rounds, every sample is in exactly one batch of its own round.
+- End to end: workers started before the producer (they read the spec of the first round) finish
+  a job of 6 rounds: every sample stored and checked, batches_done == batches_total, the spec
+  `published` with its rounds, and the dry run plans the same batches.
+- A refusal found in a later round (a row longer than --max-seq-len) stops the producer in one
+  line naming the row; what it published runs; the job ends failed with that reason, and workers
+  with --until-done exit 1.
+- A producer that dies between rounds leaves the job unpublished; run again, it resumes: no batch
+  goes out twice, and the job finishes.
+"""
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nats
+import numpy as np
+import pytest
+from conftest import REPO
+from test_e2e_s3 import (
+    LAYERS,
+    check_ok,
+    check_outputs,
+    logs_of,
+    read_dir_objects,
+    start_monitor,
+    status,
+    wait_until_done,
+    write_dataset,
+)
+from test_inputs import CONVERSATIONS, chat_models, chat_tokenizer_files  # noqa: F401 (fixtures)
+from test_producer_checks import log_events_of
+
+from hsx.packing import plan_in_rounds
+from hsx.producer.config import BadRowCap
+from hsx.producer.inputs import tokenized_rows
+from hsx.wire import schemas, topology
+
+ROUND_ROWS = 7
+
+
+def _mixed_dataset(path: Path) -> None:
+    """Token rows and chat rows, a malformed line, rows longer than 24 tokens, all-zero masks."""
+    lines = []
+    for i in range(40):
+        if i % 3 == 1:
+            lines.append(json.dumps({"id": f"chat-{i}", "messages": CONVERSATIONS[i % len(CONVERSATIONS)]}))
+        elif i in (11, 26):
+            lines.append('{"input_ids": [1, 2, ')
+        else:
+            length = 30 if i % 5 == 0 else 5 + i % 9
+            mask = [0] * length if i % 7 == 0 else [i % 2] * length
+            lines.append(
+                json.dumps(
+                    {"id": f"tok-{i}", "input_ids": [(i * 7 + k) % 300 for k in range(length)], "loss_mask": mask}
+                )
+            )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _read(path: Path, model: Path, round_rows: int, on_round=None):
+    return tokenized_rows(
+        path,
+        model=str(model),
+        vocab_size=512,
+        max_seq_len=24,
+        on_long="truncate",
+        on_bad_row="skip",
+        max_bad_rows=BadRowCap(10, percent=True),
+        on_empty_mask="skip",
+        round_rows=round_rows,
+        on_round=on_round,
+    )
+
+
+def _samples(table) -> list[tuple]:
+    return [
+        (row.source_id, row.where, list(row.input_ids), None if row.loss_mask is None else list(row.loss_mask))
+        for row in table
+    ]
+
+
+def test_a_dataset_read_in_rounds_gives_what_it_gives_read_whole(tmp_path, chat_models):  # noqa: F811
+    data = tmp_path / "mixed.jsonl"
+    _mixed_dataset(data)
+    model = chat_models["plain"]
+    whole = _read(data, model, 0)
+    rounds = []
+    parts = _read(data, model, ROUND_ROWS, on_round=rounds.append)
+    try:
+        assert len(rounds) == 6, [r.first_row for r in rounds]  # 40 rows: 5 of 7, then 5
+        assert [r.first_row for r in rounds] == [0, 7, 14, 21, 28, 35]
+        assert [r.last for r in rounds] == [False] * 5 + [True]
+        assert [r.first_sample for r in rounds] == list(np.cumsum([0] + [len(r.samples) for r in rounds[:-1]]))
+        expected = _samples(whole.samples)
+        assert _samples(parts.samples) == expected
+        assert [s for r in rounds for s in _samples(r.samples)] == expected
+        assert parts.long == whole.long and parts.long and any(e.sample_index for e in parts.long)
+        assert parts.empty_masks == whole.empty_masks and parts.empty_masks
+        assert [e.where for e in parts.bad_rows] == [e.where for e in whole.bad_rows] == [f"{data}:12", f"{data}:27"]
+        assert (parts.rows_read, parts.chat_rows) == (whole.rows_read, whole.chat_rows) == (40, 13)
+        assert [e for r in rounds for e in r.long] == parts.long
+    finally:
+        whole.samples.close()
+        parts.samples.close()
+
+
+def test_planned_in_rounds_every_sample_is_in_one_batch_of_its_round():
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 200, size=1000)
+    starts = [0, 250, 400, 900]
+    batches = plan_in_rounds(lengths, starts, token_budget=512)
+    seen = sorted(i for b in batches for i in b.sample_indices)
+    assert seen == list(range(1000))
+    bounds = [*starts, 1000]
+    for batch in batches:
+        rounds = {int(np.searchsorted(bounds, i, side="right")) - 1 for i in batch.sample_indices}
+        assert len(rounds) == 1, batch
+        assert batch.padded_len == max(lengths[i] for i in batch.sample_indices)
+        assert batch.padded_len * len(batch.sample_indices) <= 512
+    # Rounds in order: the first batches are all of round 0.
+    firsts = [min(b.sample_indices) for b in batches]
+    assert all(i < 250 for i in firsts[: sum(1 for b in batches if max(b.sample_indices) < 250)])
+
+
+def _produce_args(job: str, model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "produce",
+        "--job",
+        job,
+        "--model",
+        str(model),
+        "--dataset",
+        str(data),
+        "--layers",
+        ",".join(map(str, LAYERS)),
+        "--dest",
+        str(out),
+        "--dtype",
+        "float32",
+        "--token-budget",
+        "512",
+        "--max-seq-len",
+        "256",
+        "--round-rows",
+        str(ROUND_ROWS),
+        *extra,
+    ]
+
+
+def _spec(nats_url: str, job: str) -> schemas.JobSpec:
+    async def read():
+        nc = await nats.connect(nats_url)
+        try:
+            kv = await nc.jetstream().key_value(topology.JOBS_BUCKET)
+            return schemas.job_decoder.decode((await kv.get(job)).value)
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+def _planned_batches_in_stream(nats_url: str, job: str) -> int:
+    async def count():
+        nc = await nats.connect(nats_url)
+        try:
+            info = await nc.jetstream().stream_info(
+                topology.BATCHES_STREAM, subjects_filter=topology.batch_subject(job)
+            )
+            return sum((info.state.subjects or {}).values())
+        finally:
+            await nc.close()
+
+    return asyncio.run(count())
+
+
+def _workers(hsx_service, job: str, spool: Path, *extra: str) -> list[subprocess.Popen]:
+    consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), *extra, name="consume")
+    uploader = hsx_service("upload", "--job", job, "--spool", str(spool), *extra, name="upload")
+    return [consumer, uploader]
+
+
+def test_workers_started_first_finish_a_job_published_in_rounds(
+    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
+):
+    model = tiny_model("qwen3")
+    rows = write_dataset(tmp_path / "data.jsonl", 40, min_len=4, max_len=200, seed=11)
+    out, spool = tmp_path / "out", tmp_path / "spool"
+    args = _produce_args(job_name, model, tmp_path / "data.jsonl", out)
+    dry = json.loads(check_ok(hsx(*args, "--dry-run", "--json"), "dry run").stdout)
+    # Started before the job exists: they read the first round's spec, and the rounds after it grow it.
+    workers = _workers(hsx_service, job_name, spool)
+    monitor = start_monitor(hsx_service, job_name, None)
+    produced = check_ok(hsx(*args), "hsx produce")
+    wait_until_done(monitor, workers)
+    spec = _spec(nats_server.url, job_name)
+    assert spec.published and spec.round_rows == ROUND_ROWS and not spec.stopped
+    assert len(spec.round_starts) == 6 and spec.total_samples == 40, spec
+    assert dry["batches"] == spec.total_batches, (dry, spec.total_batches)
+    assert [r["round"] for r in log_events_of(produced.stderr, "round_published")] == list(range(6))
+    check_outputs(read_dir_objects(out), job=job_name, rows=rows)
+    view = status(hsx, job_name, None)
+    assert view["done"] and view["plan_complete"] and view["rounds_published"] == 6
+    assert view["batches_done"] == view["batches_total"] == spec.total_batches
+    assert view["samples_outside_plan"] == 0
+    # Every batch of the plan went out once.
+    published = log_events_of(produced.stderr, "job_published")
+    assert published and published[0]["new"] == spec.total_batches and published[0]["rounds"] == 6, produced.stderr
+    for worker in workers:
+        worker.terminate()
+
+
+def test_a_refusal_in_a_later_round_stops_the_job_named_and_failed(
+    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
+):
+    model = tiny_model("qwen3")
+    data = tmp_path / "data.jsonl"
+    rows = write_dataset(data, 30, min_len=4, max_len=100, seed=5)
+    rows[17]["input_ids"] = list(range(300))  # row 18 (line 18): longer than --max-seq-len 256
+    rows[17]["loss_mask"] = [1] * 300
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out, spool = tmp_path / "out", tmp_path / "spool"
+    result = hsx(*_produce_args(job_name, model, data, out))
+    assert result.returncode == 2, result
+    error = result.stderr.strip().splitlines()[-1]
+    assert f"{data}:18: 300 tokens is longer than --max-seq-len 256" in error, error
+    assert f"job {job_name} stopped after 2 rounds" in error, error
+    spec = _spec(nats_server.url, job_name)
+    assert not spec.published and len(spec.round_starts) == 2 and spec.total_samples == 14
+    assert "longer than --max-seq-len" in spec.stopped
+    # What was published runs; then the workers' verdict is failed, naming why.
+    workers = _workers(hsx_service, job_name, spool, "--until-done")
+    for worker in workers:
+        assert worker.wait(timeout=180) == 1, logs_of(*workers)
+    view = status(hsx, job_name, None)
+    assert view["state"] == "failed" and not view["plan_complete"]
+    assert "the producer stopped before publishing the whole plan" in view["failure_reason"]
+    assert "longer than --max-seq-len" in view["failure_reason"]
+    assert view["samples_uploaded"] == 14
+    text = check_ok(hsx("status", "--job", job_name), "status").stdout
+    assert "FAILED" in text and "of the 2 rounds the producer has published so far" in text, text
+
+
+_CRASH_AFTER_ROUNDS = """
+import asyncio, sys
+from hsx.producer import rounds
+real = rounds.RoundReader.next
+seen = []
+async def next_then_die(self):
+    if len(seen) == {rounds}:
+        raise SystemExit(9)  # the producer dies between rounds
+    seen.append(await real(self))
+    return seen[-1]
+rounds.RoundReader.next = next_then_die
+from hsx.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_producer_dead_between_rounds_resumes_without_publishing_twice(
+    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
+):
+    model = tiny_model("qwen3")
+    rows = write_dataset(tmp_path / "data.jsonl", 40, min_len=4, max_len=200, seed=13)
+    out, spool = tmp_path / "out", tmp_path / "spool"
+    args = _produce_args(job_name, model, tmp_path / "data.jsonl", out)
+    crashed = subprocess.run(
+        [sys.executable, "-c", _CRASH_AFTER_ROUNDS.format(rounds=3), *args],
+        env={**_env_of(nats_server.url)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert crashed.returncode == 9, crashed.stderr[-3000:]
+    spec = _spec(nats_server.url, job_name)
+    assert not spec.published and len(spec.round_starts) == 3 and not spec.stopped
+    before = _planned_batches_in_stream(nats_server.url, job_name)
+    assert before == spec.total_batches > 0
+    check_ok(hsx(*args), "hsx produce, again")
+    spec = _spec(nats_server.url, job_name)
+    assert spec.published and len(spec.round_starts) == 6 and spec.total_samples == 40
+    assert _planned_batches_in_stream(nats_server.url, job_name) == spec.total_batches
+    workers = _workers(hsx_service, job_name, spool, "--until-done")
+    for worker in workers:
+        assert worker.wait(timeout=180) == 0, logs_of(*workers)
+    check_outputs(read_dir_objects(out), job=job_name, rows=rows)
+
+
+def _env_of(nats_url: str) -> dict:
+    from conftest import _env
+
+    return _env(nats_url, None)
+
+
+@pytest.mark.parametrize("round_rows", [0, 100_000])
+def test_a_small_dataset_is_one_plan_whatever_the_round_size(
+    tmp_path, hsx, tiny_model, job_name, round_rows, nats_server
+):
+    model = tiny_model("qwen3")
+    write_dataset(tmp_path / "data.jsonl", 12, min_len=4, max_len=60, seed=2)
+    args = _produce_args(job_name, model, tmp_path / "data.jsonl", tmp_path / "out")
+    args[args.index("--round-rows") + 1] = str(round_rows)
+    check_ok(hsx(*args), "hsx produce")
+    spec = _spec(nats_server.url, job_name)
+    assert spec.published and spec.round_starts == [] and spec.tokenized_object
