@@ -12,6 +12,7 @@ import hashlib
 import time
 
 import msgspec
+import nats.js.errors
 import numpy as np
 import structlog
 
@@ -639,7 +640,21 @@ async def _publish_rounds(
         await _remove_replaced(cfg, owner, plan)
     spec = round_spec()
     await asyncio.to_thread(bundle.claim_folder, spec)
-    await kv.put(cfg.job, schemas.encode(spec))
+    revision, recorded = await kv.put(cfg.job, schemas.encode(spec)), spec
+
+    async def record(grown: schemas.JobSpec) -> None:
+        """The spec written over the one this run wrote last, and only over it: a job deleted (or
+        produced again) meanwhile is not brought back by the next round."""
+        nonlocal revision, recorded
+        try:
+            revision = await kv.update(cfg.job, schemas.encode(grown), last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise HsxError(
+                f"job {cfg.job} was deleted or produced again while its plan was published in rounds (after "
+                f"{len(recorded.round_starts)} rounds, {recorded.total_samples} samples); this producer stopped"
+            ) from None
+        recorded = grown
+
     for counter in topology.PROGRESS_COUNTERS:
         await topology.ensure_progress_counter(js, cfg.job, spec.plan_tag, counter)
     accounted = await resume.accounted_batch_ids(js, cfg.job)
@@ -676,7 +691,7 @@ async def _publish_rounds(
             )
             await check(range(before, len(batches)))
         except HsxError as exc:
-            await _stop(kv, spec, str(exc))
+            await _stop(record, spec, str(exc))
             raise HsxError(
                 f"{exc}; job {cfg.job} stopped after {len(spec.round_starts)} rounds of --round-rows {cfg.round_rows} "
                 f"({spec.total_samples} samples published, which run; the job then ends failed): run hsx produce "
@@ -685,7 +700,7 @@ async def _publish_rounds(
             ) from None
         # The spec grows before the round's batches go out: a worker that gets one finds it planned.
         spec = round_spec()
-        await kv.put(cfg.job, schemas.encode(spec))
+        await record(spec)
         await publish(range(before, len(batches)))
     inputs = await reader.inputs()
     tokens_object, report_object = await _store_inputs(cfg, js, inputs, max_payload=nc.max_payload)
@@ -696,7 +711,7 @@ async def _publish_rounds(
         counts=_input_counts(cfg, inputs, existing),
         published=True,
     )
-    await kv.put(cfg.job, schemas.encode(spec))
+    await record(spec)
     log.info(
         "job_published",
         job=cfg.job,
@@ -713,10 +728,14 @@ async def _publish_rounds(
     return 0
 
 
-async def _stop(kv, spec: schemas.JobSpec, reason: str) -> None:
-    """Record in the job's spec why its producer stopped before publishing the whole plan."""
+async def _stop(record, spec: schemas.JobSpec, reason: str) -> None:
+    """Record in the job's spec (with `record`) why its producer stopped before publishing the
+    whole plan; a job deleted meanwhile is left deleted."""
     log.error("job_stopped", job=spec.job, rounds=len(spec.round_starts), samples=spec.total_samples, reason=reason)
-    await kv.put(spec.job, schemas.encode(msgspec.structs.replace(spec, stopped=reason)))
+    try:
+        await record(msgspec.structs.replace(spec, stopped=reason))
+    except HsxError as exc:
+        log.warning("job_stop_not_recorded", job=spec.job, reason=str(exc))
 
 
 def _input_counts(cfg: ProducerConfig, inputs: Inputs | None, existing: schemas.JobSpec | None) -> dict:

@@ -21,9 +21,10 @@ import sys
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, _env
 from test_e2e_s3 import (
     LAYERS,
     check_ok,
@@ -248,20 +249,40 @@ def test_a_refusal_in_a_later_round_stops_the_job_named_and_failed(
     assert "FAILED" in text and "of the 2 rounds the producer has published so far" in text, text
 
 
-_CRASH_AFTER_ROUNDS = """
-import asyncio, sys
+_AFTER_ROUNDS = """
+import asyncio, os, sys
+import nats
 from hsx.producer import rounds
 real = rounds.RoundReader.next
 seen = []
-async def next_then_die(self):
+async def next_then(self):
     if len(seen) == {rounds}:
-        raise SystemExit(9)  # the producer dies between rounds
+        {then}
     seen.append(await real(self))
     return seen[-1]
-rounds.RoundReader.next = next_then_die
+async def delete_the_job():
+    nc = await nats.connect(os.environ["HSX_NATS_URL"])
+    await (await nc.jetstream().key_value("hsx_jobs")).delete({job!r})
+    await nc.close()
+rounds.RoundReader.next = next_then
 from hsx.cli import main
 sys.exit(main(sys.argv[1:]))
 """
+# The producer dies between rounds.
+_DIE = "raise SystemExit(9)"
+# The job is deleted between rounds (as `hsx jobs delete` does first).
+_DELETE = "await delete_the_job()"
+
+
+def _produce_after_rounds(nats_url: str, args: list[str], *, rounds: int, then: str, job: str):
+    return subprocess.run(
+        [sys.executable, "-c", _AFTER_ROUNDS.format(rounds=rounds, then=then, job=job), *args],
+        env=_env(nats_url, None),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
 
 
 def test_a_producer_dead_between_rounds_resumes_without_publishing_twice(
@@ -271,14 +292,7 @@ def test_a_producer_dead_between_rounds_resumes_without_publishing_twice(
     rows = write_dataset(tmp_path / "data.jsonl", 40, min_len=4, max_len=200, seed=13)
     out, spool = tmp_path / "out", tmp_path / "spool"
     args = _produce_args(job_name, model, tmp_path / "data.jsonl", out)
-    crashed = subprocess.run(
-        [sys.executable, "-c", _CRASH_AFTER_ROUNDS.format(rounds=3), *args],
-        env={**_env_of(nats_server.url)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    crashed = _produce_after_rounds(nats_server.url, args, rounds=3, then=_DIE, job=job_name)
     assert crashed.returncode == 9, crashed.stderr[-3000:]
     spec = _spec(nats_server.url, job_name)
     assert not spec.published and len(spec.round_starts) == 3 and not spec.stopped
@@ -294,10 +308,30 @@ def test_a_producer_dead_between_rounds_resumes_without_publishing_twice(
     check_outputs(read_dir_objects(out), job=job_name, rows=rows)
 
 
-def _env_of(nats_url: str) -> dict:
-    from conftest import _env
+def test_a_job_deleted_between_rounds_stays_deleted(tmp_path, tiny_model, job_name, nats_server):
+    model = tiny_model("qwen3")
+    write_dataset(tmp_path / "data.jsonl", 40, min_len=4, max_len=200, seed=17)
+    args = _produce_args(job_name, model, tmp_path / "data.jsonl", tmp_path / "out")
+    result = _produce_after_rounds(nats_server.url, args, rounds=2, then=_DELETE, job=job_name)
+    assert result.returncode == 2, result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert (
+        f"job {job_name} was deleted or produced again while its plan was published in rounds (after 2 rounds" in error
+    ), error
 
-    return _env(nats_url, None)
+    async def spec_gone() -> bool:
+        nc = await nats.connect(nats_server.url)
+        try:
+            kv = await nc.jetstream().key_value(topology.JOBS_BUCKET)
+            try:
+                await kv.get(job_name)
+            except nats.js.errors.KeyNotFoundError:
+                return True
+            return False
+        finally:
+            await nc.close()
+
+    assert asyncio.run(spec_gone())
 
 
 @pytest.mark.parametrize("round_rows", [0, 100_000])
