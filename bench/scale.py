@@ -21,8 +21,15 @@ config, never weights). Peak RSS is the producer's and its tokenizer workers' la
 counts the largest of a process and its waited-for children), and `chat_rows_per_s` the rows
 through the whole producer per second of wall time.
 
+`--round-rows 0,100000` (issue 25 item 5) runs each dataset once per value of `hsx produce
+--round-rows`, side by side in one run: 0 is one plan over the whole dataset (the baseline), a
+value below the rows read publishes the plan in rounds. Each run reports `first_batch_s` (its
+first batch published: the first `round_published`, or `samples_stored` for one plan),
+`all_published_s` and the plan's `packing_efficiency` (real tokens / padded tokens); the result
+gives `first_batch_ratio`, each value's first batch over the baseline's.
+
 Run: python bench/scale.py [--sizes 100000,300000] [--median 500] [--flat 100000]
-     [--token-budget 32768] [--repeats 1] [--chat 1000000]
+     [--token-budget 32768] [--repeats 1] [--chat 1000000] [--round-rows 0,100000]
 """
 
 import argparse
@@ -188,14 +195,26 @@ def run_once(
     assert tokens is None or spec["total_tokens"] == tokens, spec
     tokens = spec["total_tokens"]
     events = _events(stderr)
-    # The first batch is published right after the samples are stored and the spec recorded.
+
+    def at(record: dict) -> float:
+        return round(datetime.fromisoformat(record["timestamp"]).timestamp() - started_at, 2)
+
     timeline = {
-        name: round(datetime.fromisoformat(events[name]["timestamp"]).timestamp() - started_at, 2)
+        name: at(events[name])
         for name in ("chats_tokenized", "plan_ready", "preflight_passed", "samples_stored", "job_published")
         if name in events
     }
+    # One plan: the first batch goes out right after the samples are stored and the spec recorded;
+    # in rounds, with the first round (its `round_published` is logged once its batches are out).
+    first_round = _first_event(stderr, "round_published")
+    timeline["first_batch"] = at(first_round) if first_round else timeline["samples_stored"]
+    efficiency = (events.get("plan_ready") or events["job_published"]).get("packing_efficiency")
     return {
         "seconds_to": timeline,
+        "first_batch_s": timeline["first_batch"],
+        "all_published_s": timeline["job_published"],
+        "rounds": events["job_published"].get("rounds", 1),
+        "packing_efficiency": efficiency,
         **(
             {key: events["chats_tokenized"][key] for key in ("seconds", "main_cpu_s", "pool_cpu_s")}
             if "chats_tokenized" in events
@@ -226,6 +245,31 @@ def _events(log: str) -> dict[str, dict]:
     return found
 
 
+def _first_event(log: str, name: str) -> dict | None:
+    for line in log.splitlines():
+        if line.startswith("{") and f'"{name}"' in line:
+            record = json.loads(line)
+            if record.get("event") == name:
+                return record
+    return None
+
+
+def _by_round_rows(runs: list[dict]) -> dict:
+    """The runs' medians per --round-rows value, and each value's first batch over one plan's."""
+    out = {}
+    for value in dict.fromkeys(run["round_rows"] for run in runs):
+        mine = [run for run in runs if run["round_rows"] == value]
+        out[str(value)] = {
+            key: statistics.median(run[key] for run in mine)
+            for key in ("first_batch_s", "all_published_s", "packing_efficiency", "rounds", "peak_rss_mb")
+        }
+    if "0" in out:
+        for value in out.values():
+            value["first_batch_ratio"] = round(value["first_batch_s"] / out["0"]["first_batch_s"], 3)
+            value["packing_vs_one_plan"] = round(value["packing_efficiency"] / out["0"]["packing_efficiency"], 5)
+    return out
+
+
 def first_batch_at(run: dict, *, rows: int, cores: int, measured_rows: int) -> float | None:
     """Seconds from `hsx produce` to its first batch published for `rows` chat rows on `cores`
     cores, from one measured run: the tokenizing stage scaled to the rows and divided among the
@@ -240,16 +284,38 @@ def first_batch_at(run: dict, *, rows: int, cores: int, measured_rows: int) -> f
     return round(before + tokenizing + after, 1)
 
 
+def _runs(round_rows: list[int], repeats: int, run) -> list[dict]:
+    """`run(extra)` `repeats` times per --round-rows value, the values interleaved (noise shared)."""
+    runs = []
+    for _ in range(repeats):
+        for value in round_rows:
+            runs.append({**run(("--round-rows", str(value))), "round_rows": value})
+    return runs
+
+
 def measure(
-    cache: Path, model: Path, *, samples: int, median: int, max_len: int, budget: int, seed: int, repeats: int
+    cache: Path,
+    model: Path,
+    *,
+    samples: int,
+    median: int,
+    max_len: int,
+    budget: int,
+    seed: int,
+    repeats: int,
+    round_rows: list[int],
 ) -> dict:
     dataset = cache / f"scale-{samples}-m{median}-x{max_len}-s{seed}.parquet"
     started = time.monotonic()
     tokens = write_dataset(dataset, count=samples, median=median, max_len=max_len, seed=seed)
     made = time.monotonic() - started
-    runs = [
-        run_once(dataset, model, samples=samples, tokens=tokens, budget=budget, max_len=max_len) for _ in range(repeats)
-    ]
+    runs = _runs(
+        round_rows,
+        repeats,
+        lambda extra: run_once(
+            dataset, model, samples=samples, tokens=tokens, budget=budget, max_len=max_len, extra=extra
+        ),
+    )
     result = {
         "samples": samples,
         "median_tokens": median,
@@ -257,6 +323,7 @@ def measure(
         "dataset_mb": round(dataset.stat().st_size / 1e6, 1),
         "dataset_write_s": round(made, 1),
         "runs": runs,
+        "by_round_rows": _by_round_rows(runs),
     }
     for key in ("peak_rss_mb", "wall_s", "us_per_sample", "s_per_million_tokens"):
         result[key] = statistics.median(run[key] for run in runs)
@@ -264,33 +331,45 @@ def measure(
     return result
 
 
-def measure_chat(cache: Path, *, rows: int, max_len: int, budget: int, seed: int, repeats: int) -> dict:
+def measure_chat(
+    cache: Path, *, rows: int, max_len: int, budget: int, seed: int, repeats: int, round_rows: list[int]
+) -> dict:
     dataset = cache / f"chat-{rows}-s{seed}.jsonl"
     started = time.monotonic()
     write_chat_dataset(dataset, count=rows, seed=seed)
     made = time.monotonic() - started
     model = chat_model(cache)
-    runs = []
-    for _ in range(repeats):
-        run = run_once(
-            dataset, model, samples=rows, tokens=None, budget=budget, max_len=max_len, extra=("--on-long", "truncate")
+
+    def run(extra: tuple) -> dict:
+        result = run_once(
+            dataset,
+            model,
+            samples=rows,
+            tokens=None,
+            budget=budget,
+            max_len=max_len,
+            extra=("--on-long", "truncate", *extra),
         )
-        run["chat_rows_per_s"] = round(rows / run["wall_s"], 1)
-        runs.append(run)
+        result["chat_rows_per_s"] = round(rows / result["wall_s"], 1)
+        return result
+
+    runs = _runs(round_rows, repeats, run)
     result = {
         "chat_rows": rows,
         "cores": len(os.sched_getaffinity(0)),
         "dataset_mb": round(dataset.stat().st_size / 1e6, 1),
         "dataset_write_s": round(made, 1),
         "runs": runs,
+        "by_round_rows": _by_round_rows(runs),
     }
     for key in ("peak_rss_mb", "wall_s", "chat_rows_per_s", "tokens"):
         result[key] = statistics.median(run[key] for run in runs)
     # Time to the first batch for the seeds' 914,000 rows, as measured here and projected to
     # producer machines of more cores (issue 25 item 5: GPUs should not wait more than 2 minutes).
-    result["first_batch_s_measured"] = statistics.median(run["seconds_to"].get("samples_stored", 0) for run in runs)
+    one_plan = [run for run in runs if run["round_rows"] == 0] or runs
+    result["first_batch_s_measured"] = statistics.median(run["first_batch_s"] for run in one_plan)
     result["first_batch_s_914k_projected"] = {
-        str(cores): first_batch_at(runs[0], rows=SEEDS_ROWS, cores=cores, measured_rows=rows)
+        str(cores): first_batch_at(one_plan[0], rows=SEEDS_ROWS, cores=cores, measured_rows=rows)
         for cores in (result["cores"], 8, 16, 32, 64)
     }
     print(json.dumps(result), file=sys.stderr, flush=True)
@@ -308,10 +387,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "hsx-scale-data")
+    parser.add_argument(
+        "--round-rows", default="0", help="hsx produce --round-rows values, comma-separated (0: one plan, the baseline)"
+    )
     args = parser.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(args.cache / "model")
-    common = dict(max_len=args.max_len, budget=args.token_budget, seed=args.seed, repeats=args.repeats)
+    common = dict(
+        max_len=args.max_len,
+        budget=args.token_budget,
+        seed=args.seed,
+        repeats=args.repeats,
+        round_rows=[int(value) for value in args.round_rows.split(",")],
+    )
     results = {
         "sizes": [
             measure(args.cache, model, samples=int(n), median=args.median, **common) for n in args.sizes.split(",") if n

@@ -717,6 +717,7 @@ async def _publish_rounds(
         job=cfg.job,
         batches=len(batches),
         rounds=len(starts),
+        packing_efficiency=round(rows.total_tokens / max(1, sum(b.padded_tokens for b in batches)), 4),
         new=totals["new"],
         duplicates=totals["duplicates"],
         already_queued_or_done=totals["already"],
