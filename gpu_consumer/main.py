@@ -28,7 +28,7 @@ from hsx.gpu_consumer.writer import remove_orphaned_temp_files
 from hsx.model.layers import resolve_layers
 from hsx.model.modelinfo import load_model_info
 from hsx.storage.fsutil import make_private_dirs
-from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans
+from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans, warn_spool_room
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.exhausted import reap_exhausted
@@ -166,6 +166,7 @@ async def run(cfg: ConsumerConfig) -> int:
         if session is None:
             return 0
         js, spec, stopping = session.js, session.spec, session.stopping
+        warn_spool_room(cfg.spool, spec, high_water=cfg.spool_high_water_bytes)
         events = EventPublisher(session.nc, js, cfg.job)
         worker: BatchWorker | None = None
         kernels: schemas.Kernels | None = None  # known once the model is loaded

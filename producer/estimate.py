@@ -25,7 +25,7 @@ from hsx.errors import HsxError
 from hsx.packing import PlannedBatch
 from hsx.producer.bundle import PLAN_FILE, REPORT_FILE, SPEC_FILE, plan_document
 from hsx.storage import samplefile
-from hsx.storage.fsutil import free_bytes
+from hsx.storage.fsutil import free_bytes, human_bytes
 from hsx.storage.index import INDEX_FILE, make_index
 from hsx.storage.layout import TOKENS_FILE, sample_metadata, sample_tensor_shapes
 from hsx.storage.location import Location
@@ -278,14 +278,6 @@ def estimate_job(
         hours=rows.total_tokens / (rate * gpus) / 3600 if rate else None,
         free_space=free_space(dest, spec.job, job_bytes=total + bundle_total),
     )
-
-
-def human_bytes(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def format_estimate(estimate: JobEstimate, *, as_json: bool) -> str:

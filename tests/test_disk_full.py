@@ -1,6 +1,8 @@
 """The spool disk full: writes fail with ENOSPC; the consumer keeps the batch, backs off, says
-so, does not crash-loop, and finishes once space is freed. Uses a real small tmpfs (needs root
-and mount; skipped where the machine does not allow it)."""
+so, does not crash-loop, and finishes once space is freed; at start it warns that the disk cannot
+hold one batch (`spool_short_of_room`). Uses a real small tmpfs (needs root and mount; skipped
+where the machine does not allow it). `batch_bytes`, the one batch it measures against, bounds
+the files a full batch really makes (their sizes from the writer's own layout)."""
 
 import subprocess
 import time
@@ -18,6 +20,11 @@ from test_e2e_s3 import (
     wait_until_done,
     write_dataset,
 )
+
+from hsx.storage.layout import FLOAT8, sample_metadata, sample_tensor_shapes
+from hsx.storage.samplefile import file_size
+from hsx.storage.spool import batch_bytes
+from hsx.wire import schemas
 
 
 @pytest.fixture
@@ -69,6 +76,7 @@ def test_consumer_waits_out_a_full_spool_disk_and_recovers(
         assert consumer.poll() is None, log.read_text()[-3000:]
         time.sleep(0.2)
     assert log.read_text().count('"spool_disk_full"') >= 2, "the consumer never reported a full spool disk"
+    assert '"spool_short_of_room"' in log.read_text(), "the consumer did not warn that one batch cannot fit"
     assert consumer.poll() is None, "the consumer exited instead of waiting for space"
     assert '"batch_failed"' not in log.read_text() and '"dead_lettered"' not in log.read_text()
 
@@ -77,3 +85,42 @@ def test_consumer_waits_out_a_full_spool_disk_and_recovers(
     check_outputs(read_dir_objects(out), job=job_name, rows=rows)
     view = status(hsx, job_name, None)
     check_final_status(view, total=10)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", FLOAT8])
+def test_one_batch_of_spool_bytes_bounds_what_a_full_batch_writes(dtype):
+    spec = schemas.JobSpec(
+        job="j",
+        model="m",
+        model_revision="r",
+        layers=[1, 3, 5, 7, 9],
+        dtype=dtype,
+        dest="file:///x",
+        token_budget=4096,
+        max_seq_len=4096,
+        dataset="d",
+        plan_fingerprint="f" * 64,
+        total_samples=1,
+        total_tokens=1,
+        total_batches=1,
+        created_at=0.0,
+        hidden_size=640,
+    )
+
+    def files(count: int, tokens: int) -> int:
+        shapes = sample_tensor_shapes(dtype=dtype, num_tokens=tokens, num_layers=5, hidden_size=640, has_mask=True)
+        metadata = sample_metadata(
+            job="j",
+            sample_index=123456,
+            source_id="row-123456",
+            model="m",
+            model_revision="r",
+            layers=spec.layers,
+            dtype=dtype,
+            num_tokens=tokens,
+            plan="f" * 12,
+        )
+        return count * file_size(shapes, metadata)
+
+    largest = max(files(1, 4096), files(256, 16))  # one long sample; the shortest samples, 256 files
+    assert largest <= batch_bytes(spec) <= 1.1 * largest, (largest, batch_bytes(spec))

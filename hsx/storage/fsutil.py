@@ -95,3 +95,11 @@ def atomic_copy(source: Path, final: Path, *, observe: Callable[[memoryview], No
 
 def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
+
+
+def human_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

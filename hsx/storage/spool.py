@@ -15,13 +15,57 @@ from pathlib import Path
 
 import structlog
 
-from hsx.storage.layout import relative_sample_key
+from hsx.storage.fsutil import free_bytes, human_bytes
+from hsx.storage.layout import FLOAT8, relative_sample_key
 from hsx.wire.schemas import JobSpec
 
 log = structlog.get_logger("hsx.spool")
 
 # A plan's folder is named by its tag: 12 hex characters, never a shard's 5 digits.
 _PLAN_FOLDER = re.compile(r"^[0-9a-f]{12}$")
+
+
+_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, FLOAT8: 1}
+# A file's header (600-800 bytes) spread over the tokens of a batch of the shortest samples.
+_HEADER_BYTES_PER_TOKEN = 64
+
+
+def batch_bytes(spec: JobSpec) -> int:
+    """The most one batch of the job adds to a spool: its token budget of sample files at the
+    job's dtype (states, float8 scales, token ids, mask, headers); 0 for a job from before its
+    spec recorded the hidden size."""
+    layers = len(spec.layers)
+    per_token = layers * spec.hidden_size * _ELEMENT_BYTES.get(spec.dtype, 4) + 9
+    per_token += 4 * layers if spec.dtype == FLOAT8 else 0
+    return spec.token_budget * (per_token + _HEADER_BYTES_PER_TOKEN) if spec.hidden_size else 0
+
+
+def warn_spool_room(spool: Path, spec: JobSpec, *, high_water: int) -> None:
+    """Warn, before the consumer takes a batch, when its spool's disk cannot hold one batch of the
+    job, counting this job's files there as room (its uploaders free it), or when the high-water
+    mark is above that room: either way the disk fills before the consumer pauses, and each write
+    then waits, retried, until something frees space (not refused: a spool full of other files at
+    start is a state the consumer recovers from, tests/test_disk_full.py)."""
+    need = batch_bytes(spec)
+    _, held = spool_usage(spool, spec.job, spec.plan_tag)
+    room = free_bytes(spool) + held
+    if need and room < need:
+        log.warning(
+            "spool_short_of_room",
+            spool=str(spool),
+            room=human_bytes(room),
+            one_batch=human_bytes(need),
+            hint=f"--token-budget {spec.token_budget} tokens x {len(spec.layers)} layers x hidden "
+            f"{spec.hidden_size} at {spec.dtype}; each write waits for space until something frees it",
+        )
+    elif high_water > room:
+        log.warning(
+            "spool_high_water_above_free_space",
+            spool=str(spool),
+            high_water=high_water,
+            room=room,
+            hint="the disk fills before the consumer pauses; it then retries each write until uploads free room",
+        )
 
 
 def plan_folder(spool: Path, job: str, plan: str) -> Path:
