@@ -152,7 +152,8 @@ class JobSpec(_Wire, tag="job.v1"):
     round_starts: list[int] = msgspec.field(default_factory=list)
     # Why the producer stopped before publishing the whole plan (a refusal found in a later round:
     # a bad row, a long one, no room); "" while it has not. The job is failed once what was
-    # published has run; `hsx produce` again (fixed) resumes it.
+    # published has run; `hsx produce` again resumes it once the cause is gone (a changed dataset
+    # or setting is another plan: the job is deleted first).
     stopped: str = ""
 
     @property
