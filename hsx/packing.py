@@ -53,8 +53,9 @@ def plan_in_rounds(
     lengths, round_starts, *, token_budget: int, max_batch_size: int | None = None
 ) -> list[PlannedBatch]:
     """`plan_batches` over each round on its own (round k: samples round_starts[k] up to the next
-    start, or the end), the rounds' batches one after another, sample indices the job's. A round
-    is planned as soon as it is read, so the first batches need not wait for the whole dataset."""
+    start, or the end; samples before round_starts[0] are left out), the rounds' batches one after
+    another, sample indices the job's. A round is planned as soon as it is read, so the first
+    batches need not wait for the whole dataset."""
     lengths = np.asarray(lengths, dtype=np.int64)
     bounds = [*round_starts, len(lengths)]
     batches: list[PlannedBatch] = []

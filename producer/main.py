@@ -686,8 +686,11 @@ async def _publish_rounds(
             empty += cut.empty_masks
             rows = SampleTable.concat(tables)
             before = len(batches)
-            batches = plan_in_rounds(
-                rows.lengths, starts, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size
+            batches = (
+                batches
+                + plan_in_rounds(  # the new round's alone; the others are planned
+                    rows.lengths, starts[-1:], token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size
+                )
             )
             await check(range(before, len(batches)))
         except HsxError as exc:

@@ -126,6 +126,9 @@ def test_planned_in_rounds_every_sample_is_in_one_batch_of_its_round():
         assert len(rounds) == 1, batch
         assert batch.padded_len == max(lengths[i] for i in batch.sample_indices)
         assert batch.padded_len * len(batch.sample_indices) <= 512
+    # A round planned alone (as the producer plans each new one) is that round's part of the whole.
+    last = plan_in_rounds(lengths, starts[-1:], token_budget=512)
+    assert last == batches[len(batches) - len(last) :] and min(min(b.sample_indices) for b in last) == 900
     # Rounds in order: the first batches are all of round 0.
     firsts = [min(b.sample_indices) for b in batches]
     assert all(i < 250 for i in firsts[: sum(1 for b in batches if max(b.sample_indices) < 250)])
