@@ -35,8 +35,9 @@ from hsx.wire import schemas
 IGNORE_FREE_SPACE_FLAG = "--ignore-free-space"
 
 
-def sample_file_sizes(rows: SampleTable, spec: schemas.JobSpec) -> np.ndarray:
-    """Each sample's file size (int64, by sample index), as the consumer's writer will make it.
+def sample_file_sizes(rows: SampleTable, spec: schemas.JobSpec, *, first_index: int = 0) -> np.ndarray:
+    """Each sample's file size (int64, by sample index), as the consumer's writer will make it;
+    `rows` are the job's samples from `first_index` on (a round of them).
 
     A header's length depends on the sample only through its token count, whether it has a loss
     mask, the number of digits of its index and the JSON-encoded length of its source id (every
@@ -46,7 +47,7 @@ def sample_file_sizes(rows: SampleTable, spec: schemas.JobSpec) -> np.ndarray:
     count = len(rows)
     if count == 0:
         return np.zeros(0, dtype=np.int64)
-    index = np.arange(count, dtype=np.int64)
+    index = np.arange(first_index, first_index + count, dtype=np.int64)
     digits = np.ones(count, dtype=np.int64)
     for power in range(1, 19):
         digits += index >= 10**power

@@ -23,7 +23,14 @@ from hsx.packing import PlannedBatch, plan_batches, plan_in_rounds
 from hsx.producer import bundle, preflight, resume, stored
 from hsx.producer.config import ProducerConfig
 from hsx.producer.dataset import dataset_digest
-from hsx.producer.estimate import JobEstimate, check_free_space, estimate_job, format_estimate
+from hsx.producer.estimate import (
+    JobEstimate,
+    check_free_space,
+    estimate_job,
+    format_estimate,
+    free_space,
+    sample_file_sizes,
+)
 from hsx.producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
 from hsx.producer.rounds import RoundReader, round_fingerprint
 from hsx.storage.tokens import SampleTable, report_object_name, tokens_object_name
@@ -581,7 +588,38 @@ async def _publish_rounds(
     rows = first.samples
     batches = plan_in_rounds(rows.lengths, starts, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
 
-    async def check(seqs: range) -> int:
+    room = {"files": 0, "bundle_per_token": 0.0}  # what the rounds so far need at the destination
+
+    def check_room(new: SampleTable, first_index: int) -> None:
+        """The destination's free space against every round so far: round 0 sized exactly, as a
+        whole plan is (`_estimate`); each later round's sample files added (sized exactly) and
+        the bundle scaled from round 0's per token (sizing it again would encode every token so
+        far once a round)."""
+        if first_index == 0:
+            so_far = Inputs(samples=rows, long=long, rows_read=0, chat_rows=0, chat=None, empty_masks=tuple(empty))
+            estimate = _estimate(
+                cfg, info, layers, fingerprint, rows, batches, so_far, existing, max_payload=nc.max_payload
+            )
+            room["files"] = estimate.bytes
+            room["bundle_per_token"] = estimate.bundle_bytes / max(1, rows.total_tokens)
+            free = estimate.free_space
+        else:
+            room["files"] += int(sample_file_sizes(new, round_spec(), first_index=first_index).sum())
+            bundle = int(room["bundle_per_token"] * rows.total_tokens)
+            free = free_space(cfg.dest, cfg.job, job_bytes=room["files"] + bundle)
+        if free is not None:
+            log.info(
+                "free_space_checked",
+                job=cfg.job,
+                dest=str(cfg.dest),
+                needed=free.needed,
+                free=free.free,
+                fits=free.fits,
+                round=len(starts) - 1,
+            )
+        check_free_space(free)
+
+    async def check(seqs: range, new: SampleTable, first_index: int) -> int:
         checked = await asyncio.to_thread(
             preflight.check_payloads,
             _round_descriptors(cfg, fingerprint, batches, seqs, rows),
@@ -589,20 +627,8 @@ async def _publish_rounds(
             token_budget=cfg.token_budget,
             max_seq_len=cfg.max_seq_len,
         )
-        if not cfg.ignore_free_space:
-            so_far = Inputs(samples=rows, long=long, rows_read=0, chat_rows=0, chat=None, empty_masks=tuple(empty))
-            await asyncio.to_thread(
-                _check_free_space,
-                cfg,
-                info,
-                layers,
-                fingerprint,
-                rows,
-                batches,
-                so_far,
-                existing,
-                max_payload=nc.max_payload,
-            )
+        if not cfg.ignore_free_space and not cfg.dest.is_s3:
+            await asyncio.to_thread(check_room, new, first_index)
         return checked
 
     def round_spec(**final) -> schemas.JobSpec:
@@ -630,7 +656,7 @@ async def _publish_rounds(
         return msgspec.structs.replace(spec, round_rows=cfg.round_rows, round_starts=list(starts), **final)
 
     # Round 0: everything that can refuse the job, before anything of it is written.
-    checked = await check(range(len(batches)))
+    checked = await check(range(len(batches)), rows, 0)
     await asyncio.to_thread(preflight.check_destination, cfg.dest, cfg.job)
     owner = await _check_folder(cfg, plan, len(rows), existing)
     log.info("preflight_passed", job=cfg.job, batches=checked, max_payload=nc.max_payload, dest=str(cfg.dest), round=0)
@@ -692,7 +718,7 @@ async def _publish_rounds(
                     rows.lengths, starts[-1:], token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size
                 )
             )
-            await check(range(before, len(batches)))
+            await check(range(before, len(batches)), cut.samples, starts[-1])
         except HsxError as exc:
             await _stop(record, spec, str(exc))
             raise HsxError(
