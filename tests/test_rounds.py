@@ -11,13 +11,16 @@
   line naming the row; what it published runs; the job ends failed with that reason, and workers
   with --until-done exit 1.
 - A producer that dies between rounds leaves the job unpublished; run again, it resumes: no batch
-  goes out twice, and the job finishes.
+  goes out twice, and the job finishes. A spool file lost meanwhile waits for the samples the
+  plan stores after its last round, then is extracted again; a job deleted between rounds stays
+  deleted.
 """
 
 import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nats
@@ -31,15 +34,18 @@ from test_e2e_s3 import (
     check_outputs,
     logs_of,
     read_dir_objects,
+    spooled,
     start_monitor,
     status,
     wait_until_done,
+    wait_until_spooled,
     write_dataset,
 )
 from test_inputs import CONVERSATIONS, chat_models, chat_tokenizer_files  # noqa: F401 (fixtures)
 from test_producer_checks import log_events_of
 
 from hsx.packing import plan_in_rounds
+from hsx.producer import estimate
 from hsx.producer.config import BadRowCap
 from hsx.producer.inputs import tokenized_rows
 from hsx.wire import schemas, topology
@@ -348,3 +354,82 @@ def test_a_small_dataset_is_one_plan_whatever_the_round_size(
     check_ok(hsx(*args), "hsx produce")
     spec = _spec(nats_server.url, job_name)
     assert spec.published and spec.round_starts == [] and spec.tokenized_object
+
+
+def test_a_spool_file_lost_before_the_plan_is_published_waits_for_the_stored_samples(
+    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
+):
+    """The uploader sends a lost file's sample back with its tokens from the job's stored
+    samples, which a plan in rounds stores after its last round: until then the event waits
+    (`requeue_waits_for_stored_samples`, nothing dead-lettered), and once the plan is published
+    the sample is extracted again."""
+    model = tiny_model("qwen3")
+    rows = write_dataset(tmp_path / "data.jsonl", 40, min_len=4, max_len=120, seed=19)
+    out, spool = tmp_path / "out", tmp_path / "spool"
+    args = _produce_args(job_name, model, tmp_path / "data.jsonl", out)
+    crashed = _produce_after_rounds(nats_server.url, args, rounds=3, then=_DIE, job=job_name)
+    assert crashed.returncode == 9, crashed.stderr[-3000:]
+    consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), name="consume")
+    wait_until_spooled(hsx, consumer, job_name, 21)
+    lost = [spooled(spool, job_name, index) for index in (0, 15)]
+    for path in lost:
+        path.unlink()
+    uploader = hsx_service("upload", "--job", job_name, "--spool", str(spool), name="upload")
+    log = Path(uploader.log_path)
+    deadline = time.monotonic() + 60
+    while log.read_text().count('"requeue_waits_for_stored_samples"') < 2:
+        assert time.monotonic() < deadline and uploader.poll() is None, logs_of(consumer, uploader)
+        time.sleep(0.3)
+    assert status(hsx, job_name, None)["dead_letters"] == 0
+    check_ok(hsx(*args), "hsx produce, again")
+    wait_until_done(start_monitor(hsx_service, job_name, None), [consumer, uploader])
+    check_outputs(read_dir_objects(out), job=job_name, rows=rows)
+    view = status(hsx, job_name, None)
+    assert view["samples_requeued"] == 2 and view["dead_letters"] == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """A 256 KiB file system at tmp_path/small (a tmpfs where this process may mount one, else a
+    folder whose free space the probe reports as 256 KiB), and a way to give it room."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    try:
+        command = ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(folder)]
+        mounted = subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        mounted = False
+    if not mounted:
+        monkeypatch.setattr(estimate, "free_bytes", lambda path: 256 << 10)
+
+    def grow() -> None:
+        if mounted:
+            subprocess.run(["mount", "-o", "remount,size=8m", str(folder)], check=True)
+        else:
+            monkeypatch.setattr(estimate, "free_bytes", lambda path: 8 << 20)
+
+    try:
+        yield folder, grow
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_no_room_for_a_later_round_stops_the_job_and_a_rerun_with_room_resumes(
+    tmp_path, hsx, tiny_model, job_name, nats_server, small_disk
+):
+    folder, grow = small_disk
+    model = tiny_model("qwen3")
+    write_dataset(tmp_path / "data.jsonl", 40, min_len=4, max_len=30, seed=23)
+    args = _produce_args(job_name, model, tmp_path / "data.jsonl", folder / "out")
+    refused = hsx(*args)
+    assert refused.returncode == 2, refused
+    error = refused.stderr.strip().splitlines()[-1]
+    assert "free" in error and f"job {job_name} stopped after" in error, error
+    spec = _spec(nats_server.url, job_name)
+    assert not spec.published and 1 <= len(spec.round_starts) < 6 and "free" in spec.stopped, spec
+    assert f"stopped after {len(spec.round_starts)} rounds" in error
+    grow()
+    check_ok(hsx(*args), "hsx produce with room")
+    spec = _spec(nats_server.url, job_name)
+    assert spec.published and len(spec.round_starts) == 6 and spec.total_samples == 40 and not spec.stopped
