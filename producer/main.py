@@ -7,7 +7,6 @@ with no NATS server and nothing published, stored or written.
 Re-runs, replacement and resume: docs/ARCHITECTURE.md, "Module notes"."""
 
 import asyncio
-import dataclasses
 import hashlib
 import time
 
@@ -31,8 +30,8 @@ from hsx.producer.estimate import (
     free_space,
     sample_file_sizes,
 )
-from hsx.producer.inputs import Inputs, check_vocab, report_document, tokenized_rows
-from hsx.producer.rounds import RoundReader, round_fingerprint
+from hsx.producer.inputs import Inputs, check_vocab, report_document
+from hsx.producer.rounds import RoundReader, read_dataset, round_fingerprint
 from hsx.storage.tokens import SampleTable, report_object_name, tokens_object_name
 from hsx.wire import schemas, topology
 from hsx.wire.counts import count_stored
@@ -292,22 +291,7 @@ async def _stored_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec 
 
 async def _read_inputs(cfg: ProducerConfig, info, *, on_round=None) -> Inputs:
     """The dataset read and tokenized under the job's settings (`on_round`: each round's `Round`)."""
-    return await asyncio.to_thread(
-        tokenized_rows,
-        cfg.dataset,
-        model=cfg.model,
-        vocab_size=info.vocab_size,
-        max_seq_len=cfg.max_seq_len,
-        on_long=cfg.on_long,
-        trust_remote_code=cfg.trust_remote_code,
-        chat_as=dataclasses.replace(cfg.chat_as, max_length=cfg.max_seq_len),  # speculators' turn choice
-        on_bad_row=cfg.on_bad_row,
-        max_bad_rows=cfg.max_bad_rows,
-        chat_field=cfg.chat_field,
-        on_empty_mask=cfg.on_empty_mask,
-        round_rows=cfg.round_rows,
-        on_round=on_round,
-    )
+    return await asyncio.to_thread(read_dataset, cfg, info, on_round=on_round)
 
 
 def _report(cfg: ProducerConfig, inputs: Inputs) -> dict:

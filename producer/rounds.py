@@ -49,6 +49,27 @@ def round_fingerprint(
     return hashlib.sha256(msgspec.json.encode(settings)).hexdigest()
 
 
+def read_dataset(cfg: ProducerConfig, info, *, on_round=None, cancelled=None) -> Inputs:
+    """The dataset read and tokenized under the job's settings, in rounds of --round-rows rows
+    (each handed to `on_round` as it is read; producer/inputs.py `tokenized_rows`)."""
+    return tokenized_rows(
+        cfg.dataset,
+        model=cfg.model,
+        vocab_size=info.vocab_size,
+        max_seq_len=cfg.max_seq_len,
+        on_long=cfg.on_long,
+        trust_remote_code=cfg.trust_remote_code,
+        chat_as=dataclasses.replace(cfg.chat_as, max_length=cfg.max_seq_len),  # speculators' turn choice
+        on_bad_row=cfg.on_bad_row,
+        max_bad_rows=cfg.max_bad_rows,
+        chat_field=cfg.chat_field,
+        on_empty_mask=cfg.on_empty_mask,
+        round_rows=cfg.round_rows,
+        on_round=on_round,
+        cancelled=cancelled,
+    )
+
+
 class RoundReader:
     """The dataset read and tokenized on a thread, a round at a time (`next()`, in order; the last
     has `last` set), then the whole (`inputs()`: what `tokenized_rows` returns). An error of the
@@ -61,23 +82,7 @@ class RoundReader:
         self._rounds: asyncio.Queue[Round] = asyncio.Queue()
         self._cancelled = threading.Event()
         self._task = asyncio.create_task(
-            asyncio.to_thread(
-                tokenized_rows,
-                cfg.dataset,
-                model=cfg.model,
-                vocab_size=info.vocab_size,
-                max_seq_len=cfg.max_seq_len,
-                on_long=cfg.on_long,
-                trust_remote_code=cfg.trust_remote_code,
-                chat_as=dataclasses.replace(cfg.chat_as, max_length=cfg.max_seq_len),  # speculators' turn choice
-                on_bad_row=cfg.on_bad_row,
-                max_bad_rows=cfg.max_bad_rows,
-                chat_field=cfg.chat_field,
-                on_empty_mask=cfg.on_empty_mask,
-                round_rows=cfg.round_rows,
-                on_round=self._hand_over,
-                cancelled=self._cancelled,
-            )
+            asyncio.to_thread(read_dataset, cfg, info, on_round=self._hand_over, cancelled=self._cancelled)
         )
 
     def _hand_over(self, cut: Round) -> None:  # on the reading thread
@@ -104,4 +109,4 @@ class RoundReader:
             self._task.result().samples.close()
 
 
-__all__ = ["RoundReader", "RoundsCancelled", "round_fingerprint"]
+__all__ = ["RoundReader", "RoundsCancelled", "read_dataset", "round_fingerprint"]
