@@ -287,7 +287,7 @@ class Round:
     number: int  # 0, 1, ...
     samples: SampleTable  # the round's samples, numbered from 0 (they share the job's spill files)
     first_sample: int  # the job's index of the round's first sample
-    first_row: int  # the dataset's row (bad rows included) the round starts at
+    first_row: int  # the place it starts at: rows counted as read, a line that does not parse not counted
     last: bool  # the dataset ends with this round
     long: tuple[LongSample, ...] = ()  # its rows --on-long truncated or skipped (sample indices the job's)
     empty_masks: tuple[EmptyMask, ...] = ()  # its samples with an all-zero loss mask
