@@ -16,7 +16,8 @@ from pathlib import Path
 import structlog
 
 from hsx.storage.fsutil import free_bytes, human_bytes
-from hsx.storage.layout import FLOAT8, relative_sample_key
+from hsx.storage.layout import relative_sample_key, sample_tensor_shapes
+from hsx.storage.samplefile import file_size
 from hsx.wire.schemas import JobSpec
 
 log = structlog.get_logger("hsx.spool")
@@ -25,19 +26,24 @@ log = structlog.get_logger("hsx.spool")
 _PLAN_FOLDER = re.compile(r"^[0-9a-f]{12}$")
 
 
-_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, FLOAT8: 1}
 # A file's header (600-800 bytes) spread over the tokens of a batch of the shortest samples.
 _HEADER_BYTES_PER_TOKEN = 64
 
 
 def batch_bytes(spec: JobSpec) -> int:
     """The most one batch of the job adds to a spool: its token budget of sample files at the
-    job's dtype (states, float8 scales, token ids, mask, headers); 0 for a job from before its
-    spec recorded the hidden size."""
-    layers = len(spec.layers)
-    per_token = layers * spec.hidden_size * _ELEMENT_BYTES.get(spec.dtype, 4) + 9
-    per_token += 4 * layers if spec.dtype == FLOAT8 else 0
-    return spec.token_budget * (per_token + _HEADER_BYTES_PER_TOKEN) if spec.hidden_size else 0
+    job's dtype (the tensors laid out as the writer lays them out, and a header per short file);
+    0 for a job from before its spec recorded the hidden size."""
+    if not spec.hidden_size:
+        return 0
+    shapes = sample_tensor_shapes(
+        dtype=spec.dtype,
+        num_tokens=spec.token_budget,
+        num_layers=len(spec.layers),
+        hidden_size=spec.hidden_size,
+        has_mask=True,
+    )
+    return file_size(shapes, {}) + spec.token_budget * _HEADER_BYTES_PER_TOKEN
 
 
 def warn_spool_room(spool: Path, spec: JobSpec, *, high_water: int) -> None:
