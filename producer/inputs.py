@@ -284,7 +284,6 @@ class Round:
     tokenized and set right as the whole dataset is (bad rows, --on-long, --on-empty-mask): the
     producer plans and publishes it while the rounds after it are read."""
 
-    number: int  # 0, 1, ...
     samples: SampleTable  # the round's samples, numbered from 0 (they share the job's spill files)
     first_sample: int  # the job's index of the round's first sample
     first_row: int  # the place it starts at: rows counted as read, a line that does not parse not counted
@@ -384,7 +383,6 @@ class _Rounds:
         self.empty += empty
         self.tables.append(kept)
         cut = Round(
-            number=len(self.tables) - 1,
             samples=kept,
             first_sample=offset,
             first_row=self.since,

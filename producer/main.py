@@ -567,7 +567,7 @@ async def _publish_rounds(
     replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != str(cfg.dest))
     if existing is not None and existing.published and replaces:
         _refuse_published(cfg, existing)
-    cut, tables, starts = first, [first.samples], [0]
+    cut, starts = first, [0]
     long, empty = list(first.long), list(first.empty_masks)
     rows = first.samples
     batches = plan_in_rounds(rows.lengths, starts, token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size)
@@ -690,11 +690,10 @@ async def _publish_rounds(
     while not cut.last:
         try:
             cut = await reader.next()
-            tables.append(cut.samples)
             starts.append(len(rows))
             long += cut.long
             empty += cut.empty_masks
-            rows = SampleTable.concat(tables)
+            rows = SampleTable.concat([rows, cut.samples])
             before = len(batches)
             batches = (
                 batches
