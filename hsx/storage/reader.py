@@ -11,8 +11,11 @@ notes in docs/ARCHITECTURE.md, "Module notes".
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +43,10 @@ from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import relative_sample_key
 from hsx.storage.location import Location
 from hsx.storage.samplefile import SampleFileCorrupt
+from hsx.storage.streambatches import Landed, LandingBatcher, deal, shuffled_batches
 from hsx.storage.tensors import SCALE_TENSOR, dequantize_float8
+from hsx.wire import schemas
+from hsx.wire.landed import EpochEnd, LandingFeed
 
 log = structlog.get_logger("hsx.data")
 
@@ -194,26 +200,52 @@ class HiddenStateDataset(torch.utils.data.Dataset):
                 return self._bad(sample_index, "missing: no object at this key")
             raise
         try:
-            tensors, metadata = load_sample(data)
-            failed = mismatches(data, self.expected, sample_index)
-        except SampleFileCorrupt as exc:
-            return self._bad(sample_index, f"damaged: {exc}")
-        if failed:
-            return self._bad(sample_index, f"not this job's sample {sample_index}: {describe(failed)}")
-        hidden = dequantize(tensors) if self.dequantize else tensors["hidden_states"]
-        if self.concat_layers:
-            hidden = hidden.reshape(hidden.shape[0], -1)
-        item: dict[str, Any] = {
-            "hidden_states": hidden,
-            "input_ids": tensors["input_ids"],
-            "sample_index": self.sample_indices[i],
-            "metadata": metadata,
-        }
-        if "loss_mask" in tensors:
-            item["loss_mask"] = tensors["loss_mask"]
-        if not self.dequantize and SCALE_TENSOR in tensors:
-            item[SCALE_TENSOR] = tensors[SCALE_TENSOR]
-        return item
+            return _checked_item(
+                data, self.expected, sample_index, concat_layers=self.concat_layers, dequantized=self.dequantize
+            )
+        except _NotTheSample as exc:
+            return self._bad(sample_index, str(exc))
+
+
+class _NotTheSample(Exception):
+    """Why a file read at a sample's key is not that sample (damaged, or another's)."""
+
+
+def _checked_item(
+    data: bytes,
+    expected: ExpectedSamples,
+    sample_index: int,
+    *,
+    concat_layers: bool,
+    dequantized: bool,
+    tokens: int | None = None,
+) -> dict[str, Any]:
+    """The dataset's item of the file `data` read at `sample_index`'s key, checked against
+    `expected` (and against `tokens`, the sample's token count when known from elsewhere);
+    _NotTheSample says why not."""
+    try:
+        tensors, metadata = load_sample(data)
+        failed = mismatches(data, expected, sample_index)
+    except SampleFileCorrupt as exc:
+        raise _NotTheSample(f"damaged: {exc}") from None
+    if tokens is not None and "input_ids" not in failed and len(tensors["input_ids"]) != tokens:
+        failed["input_ids"] = f"{len(tensors['input_ids'])} input ids, its uploaded marker says {tokens} tokens"
+    if failed:
+        raise _NotTheSample(f"not this job's sample {sample_index}: {describe(failed)}")
+    hidden = dequantize(tensors) if dequantized else tensors["hidden_states"]
+    if concat_layers:
+        hidden = hidden.reshape(hidden.shape[0], -1)
+    item: dict[str, Any] = {
+        "hidden_states": hidden,
+        "input_ids": tensors["input_ids"],
+        "sample_index": sample_index,
+        "metadata": metadata,
+    }
+    if "loss_mask" in tensors:
+        item["loss_mask"] = tensors["loss_mask"]
+    if not dequantized and SCALE_TENSOR in tensors:
+        item[SCALE_TENSOR] = tensors[SCALE_TENSOR]
+    return item
 
 
 class TokenBudgetSampler(torch.utils.data.Sampler):
@@ -428,3 +460,318 @@ def ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], *, in_flight: in
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+
+
+STREAM_STATE_VERSION = 1
+# What a saved state must agree on with the stream it is loaded into: any of them changed would
+# cut or deal other batches from the same samples, and "the batches not yet taken" would mean
+# other samples.
+_STATE_SETTINGS = ("job", "name", "seed", "shuffle_buffer", "token_budget", "max_batch_size", "num_replicas")
+
+
+class JobStream(torch.utils.data.IterableDataset):
+    """The samples of a job as they land, while it runs: a torch IterableDataset that yields what
+    `HiddenStateDataset` yields, each sample of the job's plan once per epoch, as soon as it is
+    stored, so training starts minutes after extraction does, not when it ends.
+
+    `url` is the job's folder, as for HiddenStateDataset; `nats` the job's NATS server (a URL or
+    `NatsSettings`; None: the HSX_NATS_* variables, as the CLI reads them). The stream learns of
+    each sample from the job's `uploaded` events (hsx/wire/landed.py), never by listing, and reads
+    its file with up to `max_connections` in flight, across batches. It may start before the job
+    exists: it waits for the producer to record it.
+
+    With `token_budget` it yields batches, `collate_fn` (default `pack_collate`) of their items,
+    cut as `TokenBudgetSampler` cuts them (batch size x longest sample within the budget, at most
+    `max_batch_size` samples); without, items one by one. Samples land in the plan's order:
+    the producer's batches, longest first within each round of the plan. `shuffle_buffer` (in
+    samples) mixes that order: samples wait in a pool of that many, cut into batches of like
+    lengths, and leave in random batches (hsx/storage/streambatches.py); the first batch waits for
+    the pool to fill once. 0 keeps the landing order.
+
+    The first epoch ends when the job is over: done, or failed, when its missing samples are
+    logged (`stream_epoch_incomplete`) and kept in `missing` (the dead-lettered samples never
+    stored; `missing_count`, every planned sample that never landed). Later epochs (`set_epoch`)
+    take the samples of the first, drawn at random from (`seed`, epoch) as TokenBudgetSampler
+    draws them.
+
+    `num_replicas` / `rank` (data parallel, batches only): every rank reads the same events and
+    cuts the same batches, and takes every `num_replicas`-th from `rank`; each sample goes to
+    one rank, and every rank takes the same number of batches in an epoch (the last ones are
+    split; a rank left without a sample gets `collate_fn([])`, None with the default).
+
+    `state_dict()` is where the stream stands: its epoch and the batches (items) it has yielded in
+    it. A trainer that saves it with its checkpoint and restarts from it, in another process or on
+    another machine, `load_state_dict` and iterate: it gets exactly the batches of the epoch it
+    had not taken, the same ones it would have had, with no file read for those skipped. Every
+    rank takes the same number, so rank 0's saved state serves every rank. Iterate it in the
+    training process (a DataLoader with `num_workers=0`): the state is the iterating object's.
+
+    `name` names this trainer (its NATS connection `hsx-stream-<name>`, its state): trainers of
+    other names follow the same job, each on its own, and none of them acks or holds anything of
+    the job's. `on_bad_file`: as HiddenStateDataset's (a skipped item is left out of its batch)."""
+
+    def __init__(
+        self,
+        url: str | Location,
+        *,
+        nats: str | Any = None,
+        name: str = "trainer",
+        concat_layers: bool = False,
+        dequantize: bool = True,
+        shuffle_buffer: int = 1024,
+        seed: int = 0,
+        token_budget: int | None = None,
+        max_batch_size: int | None = None,
+        collate_fn: Callable[[list[dict[str, Any]]], Any] = pack_collate,
+        num_replicas: int = 1,
+        rank: int = 0,
+        max_connections: int = 16,
+        on_bad_file: str = "raise",
+    ) -> None:
+        from hsx.wire.natsconn import NatsSettings
+        from hsx.wire.topology import check_name
+
+        if on_bad_file not in ON_BAD_FILE:
+            raise HsxError(f"on_bad_file is {on_bad_file!r}, expected one of {', '.join(ON_BAD_FILE)}")
+        if not 0 <= rank < num_replicas:
+            raise HsxError(f"rank {rank} is not one of num_replicas {num_replicas} (0 to {num_replicas - 1})")
+        if num_replicas > 1 and token_budget is None:
+            raise HsxError(
+                f"num_replicas {num_replicas} needs a token_budget: ranks take equal numbers of batches, "
+                "and single samples cannot be split to make them equal"
+            )
+        LandingBatcher(token_budget=token_budget, max_batch_size=max_batch_size, shuffle_pool=shuffle_buffer)
+        self.name = check_name(name, "stream name")
+        self.location = Location.parse_job_folder(url, what="job folder")
+        self.url, self.job = str(self.location), self.location.name
+        if isinstance(nats, NatsSettings):
+            self.nats = nats
+        else:
+            self.nats = NatsSettings.from_env(url=nats)
+        self.concat_layers, self.dequantize = concat_layers, dequantize
+        self.shuffle_buffer, self.seed = shuffle_buffer, seed
+        self.token_budget, self.max_batch_size, self.collate_fn = token_budget, max_batch_size, collate_fn
+        self.num_replicas, self.rank = num_replicas, rank
+        self.max_connections, self.on_bad_file = max_connections, on_bad_file
+        self.epoch = 0
+        self.taken = 0  # batches (items) of this epoch yielded, or skipped on a resume
+        self._resume = 0
+        self.plan: str | None = None
+        self.first_epoch: EpochEnd | None = None
+        self.missing: list[int] = []
+        self.missing_count = 0
+        self._spec: schemas.JobSpec | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.taken, self._resume = epoch, 0, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        end = self.first_epoch
+        return {
+            "version": STREAM_STATE_VERSION,
+            "job": self.job,
+            "name": self.name,
+            "plan": self.plan,
+            "epoch": self.epoch,
+            "taken": self.taken,
+            "first_epoch": None if end is None else dataclasses.asdict(end),
+            **{key: getattr(self, key) for key in _STATE_SETTINGS if key not in ("job", "name")},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STREAM_STATE_VERSION:
+            raise HsxError(f"JobStream state version {state.get('version')!r}, this hsx reads {STREAM_STATE_VERSION}")
+        for key in _STATE_SETTINGS:
+            if state.get(key) != getattr(self, key):
+                raise HsxError(
+                    f"JobStream state has {key}={state.get(key)!r}, this stream {key}={getattr(self, key)!r}: "
+                    "a state resumes only the stream that saved it (the same job, name and batching settings)"
+                )
+        end = state.get("first_epoch")
+        self.plan = state.get("plan")
+        self.first_epoch = None if end is None else EpochEnd(**{**end, "missing": tuple(end["missing"])})
+        self.epoch, self.taken, self._resume = int(state["epoch"]), int(state["taken"]), int(state["taken"])
+
+    def _batches(self, feed: LandingFeed) -> Iterator[list[Landed]]:
+        """Every rank's batches of this epoch, in order (each rank keeps its own by `deal`)."""
+        if self.epoch == 0 or self.first_epoch is None:
+            cutter = LandingBatcher(
+                token_budget=self.token_budget,
+                max_batch_size=self.max_batch_size,
+                shuffle_pool=self.shuffle_buffer,
+                seed=self.seed,
+            )
+            samples: list[Landed] = []
+            for landed in feed:
+                if isinstance(landed, EpochEnd):
+                    self._first_epoch_ended(landed)
+                    if self.epoch == 0:
+                        yield from cutter.finish()
+                    break
+                if self.epoch == 0:
+                    yield from cutter.push(landed)
+                else:
+                    samples.append(landed)
+            if self.epoch == 0:
+                return
+        else:
+            samples = [landed for landed in feed if not isinstance(landed, EpochEnd)]
+        yield from shuffled_batches(
+            samples,
+            token_budget=self.token_budget,
+            max_batch_size=self.max_batch_size,
+            seed=self.seed,
+            epoch=self.epoch,
+        )
+
+    def _first_epoch_ended(self, end: EpochEnd) -> None:
+        self.first_epoch = end
+        self.missing, self.missing_count = list(end.missing), end.missing_count
+        if end.done:
+            log.info("stream_epoch_end", job=self.job, stream=self.name, samples=end.total_samples)
+            return
+        log.warning(
+            "stream_epoch_incomplete",
+            job=self.job,
+            stream=self.name,
+            reason=end.reason,
+            samples_missing=end.missing_count,
+            dead_samples=list(end.missing[:20]),
+            total_samples=end.total_samples,
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        if torch.utils.data.get_worker_info() is not None:
+            raise HsxError(
+                "JobStream reads ahead on threads and its state is the iterating object's: give it to a "
+                "DataLoader with num_workers=0"
+            )
+        # The batches taken before a restart are skipped unread; they stay taken.
+        skip = self.taken = self._resume
+        self._resume = 0
+        feed = LandingFeed(self.nats, self.job, name=self.name, plan=self.plan, end=self.first_epoch).start()
+        reads = None
+        try:
+            self._spec = feed.wait_for_spec()
+            self.plan = self._spec.plan_tag
+            expected = dataclasses.replace(ExpectedSamples.of_spec(self._spec, where=f"job {self.job}"), total=None)
+            destination = open_destination(self.location, max_connections=self.max_connections)
+            mine = deal(self._batches(feed), num_replicas=self.num_replicas, rank=self.rank)
+
+            def read(landed: Landed | None) -> Any:
+                if landed is None:
+                    return _BATCH_END
+                return self._read(destination, expected, landed)
+
+            def entries() -> Iterator[Landed | None]:
+                for batch in islice(mine, skip, None):
+                    yield from batch
+                    yield None  # the batch ends here
+
+            reads = live_ordered_map(read, entries(), in_flight=self.max_connections)
+            batch: list[dict[str, Any]] = []
+            for entry in reads:
+                if entry is not _BATCH_END:
+                    if entry is not None:
+                        batch.append(entry)
+                    continue
+                self.taken += 1
+                if self.token_budget is None:
+                    if batch:
+                        yield batch[0]
+                else:
+                    yield self.collate_fn(batch)
+                batch = []
+        finally:
+            feed.close()  # first: the reads' source may be waiting on the feed
+            if reads is not None:
+                reads.close()
+
+    def _read(self, destination: Destination, expected: ExpectedSamples, landed: Landed) -> dict[str, Any] | None:
+        key = relative_sample_key(self.job, landed.index)
+        try:
+            data = destination.read_bytes(key)
+        except Exception as exc:
+            if is_missing(exc):  # its marker says it was stored: deleted since
+                return self._bad(landed.index, "missing: no object at this key, although its upload was recorded")
+            raise
+        try:
+            return _checked_item(
+                data,
+                expected,
+                landed.index,
+                concat_layers=self.concat_layers,
+                dequantized=self.dequantize,
+                tokens=landed.tokens,
+            )
+        except _NotTheSample as exc:
+            return self._bad(landed.index, str(exc))
+
+    def _bad(self, sample_index: int, reason: str) -> None:
+        key = f"{self.url}/{relative_sample_key(self.job, sample_index)}"
+        if self.on_bad_file == "skip":
+            log.warning("sample_file_skipped", key=key, sample_index=sample_index, reason=reason)
+            return None
+        raise BadSampleFile(f"{key}: {reason}")
+
+
+class _BatchEnd:
+    """Where a batch ends among the items read ahead."""
+
+
+_BATCH_END = _BatchEnd()
+
+
+def live_ordered_map(fn: Callable[[Any], Any], items: Iterable[Any], *, in_flight: int) -> Iterator[Any]:
+    """`ordered_map` for a source that waits (samples still landing): the source is iterated, and
+    its items submitted, on a thread of its own, so each result is handed on as soon as it and
+    those before it are done, not once the source gives `2 * in_flight` more. At most that many
+    are submitted ahead. An error of the source is raised here, after the results before it."""
+    submitted: queue.Queue = queue.Queue(maxsize=2 * in_flight)
+    stop = threading.Event()
+
+    def hand_over(entry: object) -> bool:
+        while not stop.is_set():
+            try:
+                submitted.put(entry, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="hsx-read") as pool:
+
+        def submit_all() -> None:
+            try:
+                for item in items:
+                    if not hand_over(pool.submit(fn, item)):
+                        return
+            except BaseException as exc:  # raised on the consumer's side, in order
+                hand_over(_SourceFailed(exc))
+                return
+            hand_over(_SOURCE_DONE)
+
+        thread = threading.Thread(target=submit_all, name="hsx-read-source", daemon=True)
+        thread.start()
+        try:
+            while True:
+                entry = submitted.get()
+                if entry is _SOURCE_DONE:
+                    return
+                if isinstance(entry, _SourceFailed):
+                    raise entry.error
+                yield entry.result()
+        finally:
+            # The source may be waiting for its next item (the caller stops what it waits on); it
+            # leaves as soon as it has one.
+            stop.set()
+            thread.join(timeout=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _SourceFailed:
+    error: BaseException
+
+
+_SOURCE_DONE = object()

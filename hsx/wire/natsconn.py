@@ -8,6 +8,7 @@ with a CA and optionally a client certificate.
 """
 
 import asyncio
+import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -84,6 +85,14 @@ class NatsSettings:
 
     def __repr__(self) -> str:  # the URL may carry a password
         return f"NatsSettings(url={redact_url(self.url)!r}, user={self.user!r}, creds_file={self.creds_file!r})"
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **given: str) -> "NatsSettings":
+        """The settings from the HSX_NATS_* variables the CLI reads (`given` fields first): for
+        code outside the CLI, such as a trainer's `JobStream`."""
+        environ = os.environ if environ is None else environ
+        values = {field.name: environ[flag.env] for field, flag in flag_fields(cls) if flag.env in environ}
+        return cls(**{**values, **{name: value for name, value in given.items() if value is not None}})
 
     def as_env(self) -> dict[str, str]:
         """The settings as the HSX_NATS_* variables the CLI reads, for child processes."""

@@ -31,7 +31,7 @@ from hsx.wire.events import (
 from hsx.wire.jobs import read_job_spec, wait_for_job
 from hsx.wire.lifecycle import StopEvent, stop_event_on_signals
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
-from hsx.wire.statusview import status_view
+from hsx.wire.statusview import StatusView, status_view
 from hsx.wire.topology import job_name
 from hsx.wire.tracker import ProgressTracker
 
@@ -256,17 +256,48 @@ DONE_CHECK_S = 2.0
 _DEAD_LETTERS_READ_S = 30.0
 
 
-class JobEnd:
-    """--until-done: whether the job is over, read as `hsx monitor --until-done` reads it
-    (hsx.wire.statusview: `done`, every planned sample uploaded and nothing queued; `failed`,
-    nothing queued and every missing sample dead-lettered), and whether this worker's own work is
-    `settled()` (nothing in hand). A destination that refuses uploads is not a verdict here: the
-    uploader keeps probing it, and it clears once fixed. `check()` is the reading; `watch()` checks
-    every `every_s` and, once the job is over and the worker settled, logs the verdict and sets the
-    stop event: the worker then stops as on a signal, and exits `exit_code`.
+class JobVerdict:
+    """Whether a job is over, read as `hsx monitor --until-done` reads it (hsx.wire.statusview):
+    `done`, every planned sample uploaded and nothing queued; `failed`, nothing queued and every
+    missing sample dead-lettered, or the producer stopped before the whole plan and what it
+    published has run. A destination that refuses uploads is not a verdict: its files stay
+    queued, and it clears once fixed. Used by `JobEnd` and by a trainer's `JobStream`.
 
     The queues are read first (a few requests); the dead letters and counts only once they are
-    empty, when the job may be over: a worker replays the job's letters then, not while it works."""
+    empty, when the job may be over: a reader replays the job's letters then, not while it works."""
+
+    def __init__(self, js: JetStreamContext, watch: JobWatch) -> None:
+        self.js, self.watch = js, watch
+        self.tracker = ProgressTracker(js, watch.spec.job, plan=watch.spec.plan_tag)
+        self._started = False
+
+    async def read(self) -> StatusView | None:
+        """The job's reading once it is done or failed; None while it is not over."""
+        spec, tracker = self.watch.current, self.tracker
+        queues = await tracker.refresh_queues()
+        over = spec.published or bool(spec.stopped)  # a plan still being published is not over
+        if queues.batches_queued or queues.files_queued or not over:
+            return None
+        if not self._started:
+            await tracker.start()
+            self._started = True
+        try:
+            await tracker.wait_caught_up(_DEAD_LETTERS_READ_S, sums=False)
+        except TimeoutError:
+            return None  # the letters are still being read: no verdict without them
+        await tracker.refresh_counts()
+        view = status_view(spec, tracker.fold, tracker.queues, tracker.counts, job=spec.job)
+        return view if view.done or view.failed else None
+
+    async def stop(self) -> None:
+        await self.tracker.stop()
+
+
+class JobEnd:
+    """--until-done: whether the job is over (`JobVerdict`), and whether this worker's own work is
+    `settled()` (nothing in hand). `check()` is the reading; `watch()` checks every `every_s` and,
+    once the job is over and the worker settled, logs the verdict and sets the stop event: the
+    worker then stops as on a signal, and exits `exit_code`."""
 
     def __init__(
         self,
@@ -277,33 +308,22 @@ class JobEnd:
         settled: Callable[[], bool],
         every_s: float = DONE_CHECK_S,
     ) -> None:
-        self.js, self.watch, self.stopping, self.settled, self.every_s = js, watch, stopping, settled, every_s
-        job, plan = watch.spec.job, watch.spec.plan_tag
-        self.tracker = ProgressTracker(js, job, plan=plan)
-        self._started = False
+        self.watch, self.stopping, self.settled, self.every_s = watch, stopping, settled, every_s
+        self.verdict_of_job = JobVerdict(js, watch)
         self.verdict = ""  # "done" or "failed", once over
         self.exit_code = 0
 
     async def check(self) -> str:
         """The verdict once the job is over and this worker settled, else ""."""
-        spec, tracker = self.watch.current, self.tracker
-        queues = await tracker.refresh_queues()
-        over = spec.published or bool(spec.stopped)  # a plan still being published is not over
-        if queues.batches_queued or queues.files_queued or not over or not self.settled():
+        if not self.settled():
             return ""
-        if not self._started:
-            await tracker.start()
-            self._started = True
-        try:
-            await tracker.wait_caught_up(_DEAD_LETTERS_READ_S, sums=False)
-        except TimeoutError:
-            return ""  # the letters are still being read: no verdict without them
-        await tracker.refresh_counts()
-        view = status_view(spec, tracker.fold, tracker.queues, tracker.counts, job=spec.job)
+        view = await self.verdict_of_job.read()
+        if view is None:
+            return ""
         if view.done:
             log.info("job_done", samples_uploaded=view.samples_uploaded, samples_total=view.total_samples)
             self.verdict, self.exit_code = "done", 0
-        elif view.failed:
+        else:
             log.error(
                 "job_failed",
                 reason=view.failure_reason,
@@ -330,7 +350,7 @@ class JobEnd:
                 except Exception as exc:  # NATS reconnecting: read again at the next tick
                     log.warning("job_state_unavailable", error=str(exc) or type(exc).__name__)
         finally:
-            await self.tracker.stop()
+            await self.verdict_of_job.stop()
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,294 @@
+"""Following a job's samples as they land in its destination, for a trainer (`LandingFeed`, read
+by hsx/storage/reader.py's `JobStream`): each planned sample's `uploaded` marker, in the order
+the events stream holds them, then the end of the job's first epoch (`EpochEnd`).
+
+The markers are read by an ordered consumer from the stream's first message: ephemeral, nothing
+acked, no durable left behind, so any number of trainers follow a job without touching its
+queues or each other. Each marker is stored once (topology.ONCE_HEADERS), so the order is the
+same on every reading: a rank, or a trainer restarted on another machine, sees the samples in the
+same order, which is what lets it skip what it already took without reading a file.
+
+The epoch ends when the job is over as `hsx monitor --until-done` reads it (hsx/wire/worker.py
+`JobVerdict`): done, every planned sample landed; or failed, its missing samples named. Its end
+is the stream sequence of the last marker there was then (`EpochEnd.end_seq`), so a replay stops
+where the first reading stopped, even when a retried sample lands later.
+
+The NATS client runs on its own thread with its own event loop; the trainer's thread takes from
+a bounded queue, so a slow trainer holds the stream back (JetStream's flow control), not memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import msgspec
+import nats.js.errors
+import structlog
+from nats.js.api import DeliverPolicy
+
+from hsx.errors import HsxError
+from hsx.storage.streambatches import Landed
+from hsx.wire import schemas, topology
+from hsx.wire.counts import last_sequence
+from hsx.wire.jobs import read_job_spec, wait_for_job_spec
+from hsx.wire.natsconn import NatsSettings, close_connection, connect, redact_url
+from hsx.wire.worker import JobVerdict, JobWatch
+
+log = structlog.get_logger("hsx.stream")
+
+# How often the feed reads whether the job is over (and still the job it follows).
+CHECK_S = 2.0
+# Markers handed over but not yet taken by the trainer: a bound on memory, not on speed.
+QUEUE_MARKERS = 65536
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """The end of the job's first epoch: the stream sequence of its last marker, and whether the
+    job was done (every planned sample landed) or failed (`reason`, the dead-lettered samples
+    that never landed in `missing`, and how many planned samples did not land in all)."""
+
+    end_seq: int
+    done: bool
+    total_samples: int
+    reason: str | None = None
+    missing: tuple[int, ...] = ()
+    missing_count: int = 0
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+_CLOSED = object()
+
+
+class LandingFeed:
+    """The landed samples of `job`, then its `EpochEnd`; iterate it on the trainer's thread.
+
+    `plan`: the plan a saved state was of; then the job must exist and be that plan (one-line
+    HsxError otherwise), where without it the feed waits for the producer to record the job.
+    `end`: the epoch's end when already known (a replay): the feed stops there and does not
+    ask whether the job is over. `spec` is the job's spec once read."""
+
+    def __init__(
+        self,
+        settings: NatsSettings,
+        job: str,
+        *,
+        name: str,
+        plan: str | None = None,
+        end: EpochEnd | None = None,
+        check_s: float = CHECK_S,
+        queue_markers: int = QUEUE_MARKERS,
+    ) -> None:
+        self.settings, self.job, self.name, self.plan, self.end = settings, job, name, plan, end
+        self.check_s = check_s
+        self.spec: schemas.JobSpec | None = None
+        self.spec_ready = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_markers)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Event | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"hsx-stream-{name}", daemon=True)
+
+    def start(self) -> LandingFeed:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop following (the trainer left the epoch early, or it ended)."""
+        self._closed.set()
+        loop, stopping = self._loop, self._stopping
+        if loop is not None and stopping is not None:
+            try:
+                loop.call_soon_threadsafe(stopping.set)
+            except RuntimeError:  # the loop already ended
+                pass
+        self._thread.join(timeout=30)
+
+    def wait_for_spec(self) -> schemas.JobSpec:
+        """The job's spec, once the feed has read it (it waits for the producer to record it)."""
+        while not self.spec_ready.wait(timeout=0.5):
+            if not self._thread.is_alive():
+                next(iter(self), None)  # raises the thread's error
+                raise HsxError(f"job {self.job}: the stream stopped before the job's spec was read")
+        assert self.spec is not None
+        return self.spec
+
+    def __iter__(self) -> Iterator[Landed | EpochEnd]:
+        while True:
+            try:
+                item = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    return
+                continue
+            if item is _CLOSED:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            if isinstance(item, list):
+                yield from item
+                continue
+            yield item
+            if isinstance(item, EpochEnd):
+                return
+
+    # The feed's own thread.
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as exc:  # handed to the trainer's thread, which raises it
+            self._put_blocking(_Failed(exc))
+        else:
+            self._put_blocking(_CLOSED)
+
+    def _put_blocking(self, item: object) -> None:
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    async def _put(self, item: object) -> None:
+        while True:
+            try:
+                self._queue.put_nowait(item)
+                return
+            except queue.Full:
+                if self._stopping is not None and self._stopping.is_set():
+                    return
+                await asyncio.sleep(0.01)
+
+    async def _main(self) -> None:
+        self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
+        if self._closed.is_set():
+            return
+        nc = await connect(self.settings, name=f"hsx-stream-{self.name}")
+        try:
+            await self._follow(nc.jetstream())
+        finally:
+            await close_connection(nc)
+
+    async def _jobs_bucket(self, js):
+        announced = False
+        while not self._stopping.is_set():
+            try:
+                return await js.key_value(topology.JOBS_BUCKET)
+            except nats.js.errors.BucketNotFoundError:
+                if not announced:
+                    log.info("waiting_for_job_spec", job=self.job, bucket=topology.JOBS_BUCKET)
+                    announced = True
+                await self._sleep(self.check_s)
+        return None
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+        except TimeoutError:
+            pass
+
+    async def _follow(self, js) -> None:
+        kv = await self._jobs_bucket(js)
+        if kv is None:
+            return
+        if self.plan is not None:
+            spec = await read_job_spec(kv, self.job)
+            if spec is None:
+                raise HsxError(
+                    f"job {self.job} is not in KV bucket {topology.JOBS_BUCKET} at "
+                    f"{redact_url(self.settings.url)}: it was deleted since this stream's state was saved "
+                    f"(plan {self.plan})"
+                )
+        else:
+            spec = await wait_for_job_spec(kv, self.job, self._stopping, poll_s=self.check_s)
+            if spec is None:
+                return
+        if self.plan is not None and spec.plan_tag != self.plan:
+            raise HsxError(
+                f"job {self.job} is now plan {spec.plan_tag}, and this stream's state is of plan {self.plan}: "
+                "the job was deleted and produced again; start the stream without the old state"
+            )
+        self.spec = spec
+        self.spec_ready.set()
+        plan = spec.plan_tag or "none"
+        subject = topology.marker_filter(self.job, "uploaded", plan)
+        delivered = [0]  # the stream sequence of the last marker handed over
+        end = self.end
+        pending: list[Landed] = []
+
+        async def on_msg(msg) -> None:
+            seq = msg.metadata.sequence.stream
+            if end is not None and seq > end.end_seq:
+                return
+            try:
+                event = schemas.event_decoder.decode(msg.data)
+            except msgspec.DecodeError:
+                log.warning("undecodable_event", subject=msg.subject)
+                event = None
+            if isinstance(event, schemas.FileUploaded):
+                pending.append(Landed(index=event.sample_index, tokens=event.tokens))
+            # A list at a time: one queue operation per burst of markers, not per marker.
+            if len(pending) >= 256 or msg.metadata.num_pending == 0:
+                await self._put(pending[:])
+                pending.clear()
+            delivered[0] = seq
+
+        sub = await js.subscribe(
+            subject,
+            stream=topology.EVENTS_STREAM,
+            cb=on_msg,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
+        )
+        watch = JobWatch(kv, spec, asyncio.Event())
+        verdict = JobVerdict(js, watch) if end is None else None
+        try:
+            while not self._stopping.is_set():
+                if end is None:
+                    end = await self._over(js, watch, verdict, subject)
+                if end is not None and delivered[0] >= end.end_seq:
+                    if pending:
+                        await self._put(pending[:])
+                        pending.clear()
+                    await self._put(end)
+                    return
+                await self._sleep(self.check_s if end is None else 0.05)
+        finally:
+            await sub.unsubscribe()
+            if verdict is not None:
+                await verdict.stop()
+
+    async def _over(self, js, watch: JobWatch, verdict: JobVerdict, subject: str) -> EpochEnd | None:
+        """The epoch's end once the job is over; None while it runs. HsxError if the job was
+        deleted or produced again meanwhile."""
+        try:
+            lost = await watch.check()
+            if lost:
+                raise HsxError(f"stream {self.name}: {lost.removesuffix('; stopped')}")
+            view = await verdict.read()
+            if view is None:
+                return None
+            end_seq = await last_sequence(js, topology.EVENTS_STREAM, subject)
+        except HsxError:
+            raise
+        except Exception as exc:  # NATS reconnecting: read again at the next check
+            log.warning("job_state_unavailable", job=self.job, error=str(exc) or type(exc).__name__)
+            return None
+        missing = tuple(i for i in view.dead_samples if 0 <= i < view.total_samples)
+        return EpochEnd(
+            end_seq=end_seq,
+            done=view.done,
+            total_samples=view.total_samples,
+            reason=view.failure_reason,
+            missing=missing,
+            missing_count=max(0, view.total_samples - view.samples_uploaded),
+        )

@@ -1,0 +1,375 @@
+"""Training while a job extracts: `JobStream` (hsx/storage/reader.py) over a real job, its
+batching and dealing (hsx/storage/streambatches.py) on their own.
+
+- Streams started before the producer each get every sample of the plan once in the first
+  epoch, as the files it reads equal what HiddenStateDataset reads from the finished job; two
+  ranks get disjoint batches that cover the plan, the same number each; a later epoch has the
+  same samples in another order.
+- A trainer process killed mid-epoch and started again from the state it saved with its last
+  batch sees every sample exactly once, in the very batches a second, uninterrupted trainer of
+  another name sees; neither leaves a consumer on the server.
+- A job with a dead-lettered batch ends the first epoch with those samples reported missing; a
+  replay from a saved state stops where the first reading stopped, even after they are retried.
+- The batcher keeps every batch within its budget and every sample once, whatever the pool;
+  dealing gives every rank the same count, each batch to one rank, for any count of batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import nats
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, _env
+from test_e2e_s3 import LAYERS, logs_of, read_dir_objects, start_monitor, wait_until_done, write_dataset
+from test_exhausted import FAST, _batch_of, _block_sample_path
+
+from hsx.errors import HsxError
+from hsx.storage.reader import HiddenStateDataset, JobStream
+from hsx.storage.streambatches import Landed, LandingBatcher, deal, shuffled_batches, split_to_rounds
+from hsx.wire import topology
+
+BUDGET = 256
+STREAM_TIMEOUT_S = 240.0
+
+
+def _produce_args(job: str, model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "produce",
+        "--job",
+        job,
+        "--model",
+        str(model),
+        "--dataset",
+        str(data),
+        "--layers",
+        ",".join(map(str, LAYERS)),
+        "--dest",
+        str(out),
+        "--dtype",
+        "float32",
+        "--token-budget",
+        "256",
+        "--max-seq-len",
+        "128",
+        *extra,
+    ]
+
+
+def _workers(hsx_service, job: str, spool: Path, *extra: str) -> list[subprocess.Popen]:
+    consumer = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), *extra, name="consume")
+    uploader = hsx_service("upload", "--job", job, "--spool", str(spool), name="upload")
+    return [consumer, uploader]
+
+
+class _Reading:
+    """One stream's epoch, iterated on a thread of its own: the batches, or the error."""
+
+    def __init__(self, stream: JobStream) -> None:
+        self.stream, self.batches, self.error = stream, [], None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for batch in self.stream:
+                self.batches.append(batch)
+        except BaseException as exc:  # the test raises it
+            self.error = exc
+
+    def result(self, timeout: float = STREAM_TIMEOUT_S) -> list[dict]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"stream {self.stream.name} still reading after {timeout:.0f} s"
+        if self.error is not None:
+            raise self.error
+        return self.batches
+
+
+def _samples_of(batches: list[dict]) -> list[int]:
+    return [i for batch in batches for i in batch["sample_index"].tolist()]
+
+
+def _padded_tokens(batch: dict) -> int:
+    lengths = np.diff(batch["cu_seqlens"].numpy())
+    return int(len(lengths) * lengths.max())
+
+
+def test_streams_started_before_the_producer_get_each_sample_once(
+    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
+):
+    model = tiny_model("qwen3")
+    rows = write_dataset(tmp_path / "data.jsonl", 48, min_len=4, max_len=120, seed=21)
+    out, spool = tmp_path / "out", tmp_path / "spool"
+    url = f"file://{out}/{job_name}"
+
+    def stream(**kwargs) -> JobStream:
+        return JobStream(url, nats=nats_server.url, token_budget=BUDGET, shuffle_buffer=8, concat_layers=True, **kwargs)
+
+    whole = stream(name="whole")
+    ranks = [stream(name="ddp", num_replicas=2, rank=r) for r in range(2)]
+    readings = [_Reading(s) for s in (whole, *ranks)]
+    time.sleep(1.0)  # they wait for a job that does not exist yet
+    assert all(r.thread.is_alive() and not r.batches for r in readings)
+    workers = _workers(hsx_service, job_name, spool)
+    monitor = start_monitor(hsx_service, job_name, None)
+    assert hsx(*_produce_args(job_name, model, tmp_path / "data.jsonl", out)).returncode == 0
+    wait_until_done(monitor, workers)
+    batches = readings[0].result()
+    seen = _samples_of(batches)
+    assert sorted(seen) == list(range(len(rows))), seen
+    assert whole.first_epoch is not None and whole.first_epoch.done and whole.missing == []
+    assert all(_padded_tokens(b) <= BUDGET for b in batches)
+    # The items are the files, as the reader of the finished job reads them.
+    finished = HiddenStateDataset(url, concat_layers=True)
+    by_index = {finished.sample_indices[i]: finished[i] for i in range(len(finished))}
+    for batch in batches:
+        starts = batch["cu_seqlens"].tolist()
+        for k, index in enumerate(batch["sample_index"].tolist()):
+            item = by_index[index]
+            assert torch.equal(batch["hidden_states"][starts[k] : starts[k + 1]], item["hidden_states"])
+            assert torch.equal(batch["input_ids"][starts[k] : starts[k + 1]], item["input_ids"])
+            assert torch.equal(batch["loss_mask"][starts[k] : starts[k + 1]], item["loss_mask"].to(torch.int64))
+            assert item["input_ids"].tolist() == rows[index]["input_ids"]
+    # Two ranks: disjoint, together the plan, the same number of batches each.
+    per_rank = [readings[1 + r].result() for r in range(2)]
+    rank_samples = [_samples_of(b) for b in per_rank]
+    assert len(per_rank[0]) == len(per_rank[1]) > 0
+    assert not set(rank_samples[0]) & set(rank_samples[1])
+    assert sorted(rank_samples[0] + rank_samples[1]) == list(range(len(rows)))
+    assert ranks[0].state_dict()["taken"] == len(per_rank[0])
+    # A later epoch: the same samples, drawn again, from the end the first epoch recorded.
+    whole.set_epoch(1)
+    again = _samples_of(list(whole))
+    assert sorted(again) == list(range(len(rows))) and again != seen
+    assert all(_padded_tokens(b) <= BUDGET for b in list(whole))
+
+
+def _trainer(tmp_path: Path, nats_url: str, url: str, journal: Path, name: str, *extra: str) -> subprocess.Popen:
+    log = open(tmp_path / f"{name}-{journal.stem}-{time.monotonic_ns()}.log", "wb")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "tests" / "stream_trainer.py"),
+            url,
+            str(journal),
+            "--nats",
+            nats_url,
+            "--name",
+            name,
+            *extra,
+        ],
+        env=_env(nats_url, None),
+        stdout=subprocess.PIPE,
+        stderr=log,
+        cwd=REPO,
+    )
+    process.log_path = Path(log.name)
+    return process
+
+
+def _journal(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _events_consumers(nats_url: str) -> list[tuple[str, bool]]:
+    """(name, durable) of each consumer on the events stream."""
+
+    async def read() -> list[tuple[str, bool]]:
+        nc = await nats.connect(nats_url)
+        try:
+            infos = await nc.jetstream().consumers_info(topology.EVENTS_STREAM)
+            return [(info.name, bool(info.config.durable_name)) for info in infos]
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+def _no_trainer_consumer_left(nats_url: str, timeout: float = 30.0) -> None:
+    """Trainers make no durable consumer, and their ordered ones go with them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        consumers = _events_consumers(nats_url)
+        assert not [name for name, durable in consumers if durable and "trainer" in name], consumers
+        if all(durable for _, durable in consumers):
+            return
+        assert time.monotonic() < deadline, f"ephemeral consumers left: {consumers}"
+        time.sleep(0.5)
+
+
+def test_a_trainer_killed_mid_epoch_resumes_from_its_state_exactly_once(
+    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
+):
+    model = tiny_model("qwen3")
+    rows = write_dataset(tmp_path / "data.jsonl", 60, min_len=4, max_len=120, seed=8)
+    out, spool = tmp_path / "out", tmp_path / "spool"
+    url = f"file://{out}/{job_name}"
+    killed_journal, other_journal = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    slow = ("--seconds-per-batch", "0.2")
+    killed = _trainer(tmp_path, nats_server.url, url, killed_journal, "trainer-a", "--pause-after", "4", *slow)
+    other = _trainer(tmp_path, nats_server.url, url, other_journal, "trainer-b", *slow)
+    workers = _workers(hsx_service, job_name, spool)
+    assert hsx(*_produce_args(job_name, model, tmp_path / "data.jsonl", out)).returncode == 0
+    assert killed.stdout.readline().strip() == b"paused", logs_of(killed)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    before = _journal(killed_journal)
+    assert len(before) == 4
+    restarted = _trainer(tmp_path, nats_server.url, url, killed_journal, "trainer-a", *slow)
+    for trainer in (restarted, other):
+        try:
+            code = trainer.wait(timeout=STREAM_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"trainer still running\n{logs_of(trainer, *workers)}")
+        assert code == 0, logs_of(trainer)
+        assert json.loads(trainer.stdout.read().decode().strip().splitlines()[-1]) == {
+            "missing": [],
+            "missing_count": 0,
+        }
+    resumed, uninterrupted = _journal(killed_journal), _journal(other_journal)
+    assert len(resumed) > len(before)
+    samples = [i for line in resumed for i in line["samples"]]
+    assert sorted(samples) == list(range(len(rows))), samples
+    # The very batches the trainer of another name saw, which the kill did not disturb.
+    assert [line["samples"] for line in resumed] == [line["samples"] for line in uninterrupted]
+    assert resumed[-1]["state"]["taken"] == len(resumed)
+    # Neither left a consumer on the server: nothing of theirs outlives them.
+    _no_trainer_consumer_left(nats_server.url)
+    for worker in workers:
+        worker.terminate()
+    assert len([k for k in read_dir_objects(out) if k.endswith(".safetensors")]) == len(rows)
+
+
+def test_a_dead_lettered_batch_ends_the_epoch_with_its_samples_reported(
+    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
+):
+    model = tiny_model("qwen3")
+    write_dataset(tmp_path / "data.jsonl", 24, min_len=8, max_len=40, seed=7)
+    out, spool = tmp_path / "out", tmp_path / "spool"
+    url = f"file://{out}/{job_name}"
+    args = _produce_args(job_name, model, tmp_path / "data.jsonl", out)
+    args[args.index("--token-budget") + 1] = "96"
+    args[args.index("--max-seq-len") + 1] = "64"
+    assert hsx(*args).returncode == 0
+    bad = _batch_of(nats_server.url, job_name, 5)
+    blocker = _block_sample_path(spool, out, job_name, 5)
+    workers = _workers(hsx_service, job_name, spool, *FAST)
+    stream = JobStream(url, nats=nats_server.url, name="dead", token_budget=BUDGET, shuffle_buffer=0)
+    seen = _samples_of(_Reading(stream).result())
+    assert sorted(seen) == sorted(set(range(24)) - set(bad)), (seen, bad)
+    end = stream.first_epoch
+    assert end is not None and not end.done and "dead-lettered" in end.reason
+    assert stream.missing == bad and stream.missing_count == len(bad)
+    state = stream.state_dict()
+    # Retried and uploaded after the epoch ended: a replay from the saved state stops where the
+    # first reading stopped; a stream without a state reads the whole plan.
+    blocker.joinpath("in-the-way").unlink()
+    blocker.rmdir()
+    assert hsx("dead", "retry", "--job", job_name, "--all").returncode == 0
+    fresh = JobStream(url, nats=nats_server.url, name="dead", token_budget=BUDGET, shuffle_buffer=0)
+    assert sorted(_samples_of(_Reading(fresh).result())) == list(range(24)), logs_of(*workers)
+    assert fresh.first_epoch.done and fresh.missing == []
+    replay = JobStream(url, nats=nats_server.url, name="dead", token_budget=BUDGET, shuffle_buffer=0)
+    state["taken"] = 0
+    replay.load_state_dict(state)
+    assert _samples_of(_Reading(replay).result()) == seen
+    for worker in workers:
+        worker.terminate()
+
+
+def test_a_state_resumes_only_its_own_stream(nats_server, tmp_path):
+    url = f"file://{tmp_path}/job-x"
+    stream = JobStream(url, nats=nats_server.url, name="a", token_budget=BUDGET)
+    state = stream.state_dict()
+    for other in (
+        JobStream(url, nats=nats_server.url, name="b", token_budget=BUDGET),
+        JobStream(url, nats=nats_server.url, name="a", token_budget=BUDGET * 2),
+        JobStream(url, nats=nats_server.url, name="a", token_budget=BUDGET, seed=1),
+    ):
+        with pytest.raises(HsxError, match="a state resumes only the stream that saved it"):
+            other.load_state_dict(state)
+    with pytest.raises(HsxError, match="num_replicas 2 needs a token_budget"):
+        JobStream(url, nats=nats_server.url, num_replicas=2, rank=1)
+    with pytest.raises(HsxError, match="rank 2 is not one of num_replicas 2"):
+        JobStream(url, nats=nats_server.url, num_replicas=2, rank=2, token_budget=BUDGET)
+    with pytest.raises(HsxError, match="invalid stream name"):
+        JobStream(url, nats=nats_server.url, name="a b")
+
+
+# ---------------------------------------------------------------- batching and dealing alone
+
+
+def _landed(lengths) -> list[Landed]:
+    return [Landed(index=i, tokens=int(n)) for i, n in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("pool", [0, 1, 7, 64, 1000])
+@pytest.mark.parametrize("max_batch_size", [None, 5])
+def test_the_batcher_keeps_the_budget_and_every_sample_once(pool, max_batch_size):
+    lengths = np.random.default_rng(pool).integers(1, 300, size=500)
+    cutter = LandingBatcher(token_budget=512, max_batch_size=max_batch_size, shuffle_pool=pool, seed=3)
+    batches = [b for s in _landed(lengths) for b in cutter.push(s)] + cutter.finish()
+    assert sorted(s.index for b in batches for s in b) == list(range(500))
+    for batch in batches:
+        assert batch and len(batch) * max(s.tokens for s in batch) <= 512
+        assert max_batch_size is None or len(batch) <= max_batch_size
+    # The same order and seed cut the same batches: what lets a rank or a restart agree.
+    again = LandingBatcher(token_budget=512, max_batch_size=max_batch_size, shuffle_pool=pool, seed=3)
+    assert [b for s in _landed(lengths) for b in again.push(s)] + again.finish() == batches
+    if pool >= 64:  # the pool mixes the landing order
+        firsts = [b[0].index for b in batches]
+        assert firsts != sorted(firsts)
+        padded = sum(len(b) * max(s.tokens for s in b) for b in batches)
+        assert lengths.sum() / padded > 0.85
+
+
+def test_items_without_a_budget_leave_one_by_one():
+    cutter = LandingBatcher(token_budget=None, shuffle_pool=4, seed=0)
+    batches = [b for s in _landed([3] * 10) for b in cutter.push(s)] + cutter.finish()
+    assert all(len(b) == 1 for b in batches) and sorted(b[0].index for b in batches) == list(range(10))
+    with pytest.raises(HsxError, match="more than the token budget"):
+        LandingBatcher(token_budget=10).push(Landed(index=4, tokens=11))
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 5, 8, 9, 17, 100])
+@pytest.mark.parametrize("num_replicas", [1, 2, 3, 4, 8])
+def test_dealing_gives_every_rank_the_same_count_and_each_sample_once(count, num_replicas):
+    rng = np.random.default_rng(count * 10 + num_replicas)
+    batches, index = [], 0
+    for _ in range(count):
+        size = int(rng.integers(1, 6))
+        batches.append([Landed(index=index + k, tokens=10) for k in range(size)])
+        index += size
+    per_rank = [list(deal(iter(batches), num_replicas=num_replicas, rank=r)) for r in range(num_replicas)]
+    assert len({len(mine) for mine in per_rank}) == 1, [len(m) for m in per_rank]
+    everything = [s.index for mine in per_rank for b in mine for s in b]
+    assert sorted(everything) == list(range(index))
+    if index >= 2 * num_replicas:  # enough samples: no rank is left an empty batch
+        assert all(b for mine in per_rank for b in mine)
+    # A rank's batches before the held tail are the batches as cut, in order.
+    whole = [b for b in deal(iter(batches), num_replicas=1, rank=0)]
+    assert whole == batches
+
+
+def test_splitting_to_rounds_keeps_each_part_of_a_batch():
+    batches = [[Landed(i, 5) for i in range(4)], [Landed(4, 5)]]
+    assert split_to_rounds(batches, 3) == [[Landed(0, 5), Landed(1, 5)], [Landed(2, 5), Landed(3, 5)], [Landed(4, 5)]]
+    assert split_to_rounds([[Landed(0, 5)]], 3) == [[Landed(0, 5)], [], []]
+
+
+def test_a_later_epoch_draws_every_sample_again_from_seed_and_epoch():
+    samples = _landed(np.random.default_rng(0).integers(1, 100, size=300))
+    one = shuffled_batches(samples, token_budget=256, max_batch_size=None, seed=1, epoch=1)
+    assert sorted(s.index for b in one for s in b) == list(range(300))
+    assert one == shuffled_batches(samples, token_budget=256, max_batch_size=None, seed=1, epoch=1)
+    assert one != shuffled_batches(samples, token_budget=256, max_batch_size=None, seed=1, epoch=2)
+    assert all(len(b) * max(s.tokens for s in b) <= 256 for b in one)
