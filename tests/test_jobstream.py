@@ -286,6 +286,30 @@ def test_a_dead_lettered_batch_ends_the_epoch_with_its_samples_reported(
         worker.terminate()
 
 
+def test_a_job_deleted_under_a_stream_stops_it_in_one_line(tmp_path, hsx, tiny_model, job_name, nats_server):
+    write_dataset(tmp_path / "data.jsonl", 8, min_len=4, max_len=20, seed=2)
+    out = tmp_path / "out"
+    assert hsx(*_produce_args(job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", out)).returncode == 0
+    url = f"file://{out}/{job_name}"
+    stream = JobStream(url, nats=nats_server.url, name="orphan", token_budget=BUDGET)
+    reading = _Reading(stream)  # no worker: nothing lands, the stream waits
+    time.sleep(1.0)
+    assert reading.thread.is_alive()
+    assert hsx("jobs", "delete", job_name, "--force").returncode == 0
+    with pytest.raises(HsxError, match=f"stream orphan: job {job_name} was deleted"):
+        reading.result(timeout=30)
+    # A state saved before the deletion does not resume the job of the name produced again, even
+    # with the same plan: its samples land anew, in another order.
+    state = stream.state_dict()
+    args = _produce_args(job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", out)
+    args[args.index("--max-seq-len") + 1] = "64"
+    assert hsx(*args).returncode == 0
+    again = JobStream(url, nats=nats_server.url, name="orphan", token_budget=BUDGET)
+    again.load_state_dict(state)
+    with pytest.raises(HsxError, match="the job was deleted and produced again"):
+        _Reading(again).result(timeout=30)
+
+
 def test_a_state_resumes_only_its_own_stream(nats_server, tmp_path):
     url = f"file://{tmp_path}/job-x"
     stream = JobStream(url, nats=nats_server.url, name="a", token_budget=BUDGET)
@@ -367,9 +391,16 @@ def test_splitting_to_rounds_keeps_each_part_of_a_batch():
 
 
 def test_a_later_epoch_draws_every_sample_again_from_seed_and_epoch():
-    samples = _landed(np.random.default_rng(0).integers(1, 100, size=300))
-    one = shuffled_batches(samples, token_budget=256, max_batch_size=None, seed=1, epoch=1)
-    assert sorted(s.index for b in one for s in b) == list(range(300))
-    assert one == shuffled_batches(samples, token_budget=256, max_batch_size=None, seed=1, epoch=1)
-    assert one != shuffled_batches(samples, token_budget=256, max_batch_size=None, seed=1, epoch=2)
+    lengths = np.random.default_rng(0).integers(1, 100, size=300)
+    indices = np.arange(1000, 1300)
+
+    def draw(epoch: int, budget: int | None = 256) -> list[list[Landed]]:
+        return list(shuffled_batches(indices, lengths, token_budget=budget, max_batch_size=None, seed=1, epoch=epoch))
+
+    one = draw(1)
+    assert sorted(s.index for b in one for s in b) == list(range(1000, 1300))
+    assert all(s.tokens == lengths[s.index - 1000] for b in one for s in b)
+    assert one == draw(1) and one != draw(2)
     assert all(len(b) * max(s.tokens for s in b) <= 256 for b in one)
+    items = draw(1, None)
+    assert all(len(b) == 1 for b in items) and sorted(b[0].index for b in items) == list(range(1000, 1300))

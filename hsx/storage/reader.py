@@ -11,6 +11,7 @@ notes in docs/ARCHITECTURE.md, "Module notes".
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import math
 import os
@@ -556,7 +557,8 @@ class JobStream(torch.utils.data.IterableDataset):
         self.epoch = 0
         self.taken = 0  # batches (items) of this epoch yielded, or skipped on a resume
         self._resume = 0
-        self.plan: str | None = None
+        self.plan: str | None = None  # the job's plan and when it was produced, once read
+        self.created_at: float | None = None
         self.first_epoch: EpochEnd | None = None
         self.missing: list[int] = []
         self.missing_count = 0
@@ -573,6 +575,7 @@ class JobStream(torch.utils.data.IterableDataset):
             "job": self.job,
             "name": self.name,
             "plan": self.plan,
+            "created_at": self.created_at,
             "epoch": self.epoch,
             "taken": self.taken,
             "first_epoch": None if end is None else dataclasses.asdict(end),
@@ -589,7 +592,7 @@ class JobStream(torch.utils.data.IterableDataset):
                     "a state resumes only the stream that saved it (the same job, name and batching settings)"
                 )
         end = state.get("first_epoch")
-        self.plan = state.get("plan")
+        self.plan, self.created_at = state.get("plan"), state.get("created_at")
         self.first_epoch = None if end is None else EpochEnd(**{**end, "missing": tuple(end["missing"])})
         self.epoch, self.taken, self._resume = int(state["epoch"]), int(state["taken"]), int(state["taken"])
 
@@ -602,7 +605,7 @@ class JobStream(torch.utils.data.IterableDataset):
                 shuffle_pool=self.shuffle_buffer,
                 seed=self.seed,
             )
-            samples: list[Landed] = []
+            landed_indices, landed_tokens = array.array("q"), array.array("q")
             for landed in feed:
                 if isinstance(landed, EpochEnd):
                     self._first_epoch_ended(landed)
@@ -612,13 +615,19 @@ class JobStream(torch.utils.data.IterableDataset):
                 if self.epoch == 0:
                     yield from cutter.push(landed)
                 else:
-                    samples.append(landed)
+                    landed_indices.append(landed.index)
+                    landed_tokens.append(landed.tokens)
             if self.epoch == 0:
                 return
         else:
-            samples = [landed for landed in feed if not isinstance(landed, EpochEnd)]
+            landed_indices, landed_tokens = array.array("q"), array.array("q")
+            for landed in feed:
+                if not isinstance(landed, EpochEnd):
+                    landed_indices.append(landed.index)
+                    landed_tokens.append(landed.tokens)
         yield from shuffled_batches(
-            samples,
+            np.frombuffer(landed_indices, dtype=np.int64),
+            np.frombuffer(landed_tokens, dtype=np.int64),
             token_budget=self.token_budget,
             max_batch_size=self.max_batch_size,
             seed=self.seed,
@@ -650,11 +659,16 @@ class JobStream(torch.utils.data.IterableDataset):
         # The batches taken before a restart are skipped unread; they stay taken.
         skip = self.taken = self._resume
         self._resume = 0
-        feed = LandingFeed(self.nats, self.job, name=self.name, plan=self.plan, end=self.first_epoch).start()
+        feed = LandingFeed(
+            self.nats, self.job, name=self.name, plan=self.plan, created_at=self.created_at, end=self.first_epoch
+        ).start()
         reads = None
         try:
             self._spec = feed.wait_for_spec()
-            self.plan = self._spec.plan_tag
+            self.plan, self.created_at = self._spec.plan_tag, self._spec.created_at
+            job_folder = Location.parse(self._spec.dest, what="the job's destination").child(self.job)
+            if str(job_folder) != self.url:  # the same storage may be reached by another path here
+                log.warning("stream_url_not_job_destination", url=self.url, job_destination=str(job_folder))
             expected = dataclasses.replace(ExpectedSamples.of_spec(self._spec, where=f"job {self.job}"), total=None)
             destination = open_destination(self.location, max_connections=self.max_connections)
             mine = deal(self._batches(feed), num_replicas=self.num_replicas, rank=self.rank)

@@ -155,14 +155,25 @@ def split_to_rounds(batches: list[Batch], num_replicas: int) -> list[Batch]:
 
 
 def shuffled_batches(
-    samples: list[Landed], *, token_budget: int | None, max_batch_size: int | None, seed: int, epoch: int
-) -> list[Batch]:
-    """An epoch after the first, when every sample is known: the samples drawn in a random order
-    and cut as `TokenBudgetSampler` cuts them, the batches in a random order, from (seed, epoch)."""
+    indices: np.ndarray,
+    tokens: np.ndarray,
+    *,
+    token_budget: int | None,
+    max_batch_size: int | None,
+    seed: int,
+    epoch: int,
+) -> Iterator[Batch]:
+    """An epoch after the first, when every sample is known (`indices` and their `tokens`, in
+    landing order): the samples drawn in a random order and cut as `TokenBudgetSampler` cuts
+    them, the batches in a random order, from (seed, epoch). Held: the two arrays and the plan's
+    positions, some 50 bytes a sample; each batch's samples are made as it is handed on."""
     rng = np.random.default_rng((seed, epoch))
-    order = rng.permutation(len(samples))
+    order = rng.permutation(len(indices))
     if token_budget is None:
-        return [[samples[i]] for i in order]
-    planned = plan_batches([samples[i].tokens for i in order], token_budget=token_budget, max_batch_size=max_batch_size)
-    batches = [[samples[order[i]] for i in batch.sample_indices] for batch in planned]
-    return [batches[i] for i in rng.permutation(len(batches))]
+        for position in order.tolist():
+            yield [Landed(index=int(indices[position]), tokens=int(tokens[position]))]
+        return
+    planned = plan_batches(tokens[order], token_budget=token_budget, max_batch_size=max_batch_size)
+    for number in rng.permutation(len(planned)).tolist():
+        positions = order[list(planned[number].sample_indices)]
+        yield [Landed(index=int(i), tokens=int(n)) for i, n in zip(indices[positions], tokens[positions])]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -42,8 +43,10 @@ log = structlog.get_logger("hsx.stream")
 
 # How often the feed reads whether the job is over (and still the job it follows).
 CHECK_S = 2.0
-# Markers handed over but not yet taken by the trainer: a bound on memory, not on speed.
+# Markers handed over but not yet taken by the trainer: a bound on memory, not on speed. They go
+# over in lists of up to _CHUNK (one queue operation per burst, not per marker).
 QUEUE_MARKERS = 65536
+_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,10 @@ _CLOSED = object()
 class LandingFeed:
     """The landed samples of `job`, then its `EpochEnd`; iterate it on the trainer's thread.
 
-    `plan`: the plan a saved state was of; then the job must exist and be that plan (one-line
-    HsxError otherwise), where without it the feed waits for the producer to record the job.
+    `plan` and `created_at`: the job a saved state was of (its plan, and when it was produced);
+    then the job must exist and be that one (one-line HsxError otherwise), where without them the
+    feed waits for the producer to record the job. A job deleted and produced again with the same
+    plan is another: its markers land anew, in another order.
     `end`: the epoch's end when already known (a replay): the feed stops there and does not
     ask whether the job is over. `spec` is the job's spec once read."""
 
@@ -83,15 +88,17 @@ class LandingFeed:
         *,
         name: str,
         plan: str | None = None,
+        created_at: float | None = None,
         end: EpochEnd | None = None,
         check_s: float = CHECK_S,
         queue_markers: int = QUEUE_MARKERS,
     ) -> None:
         self.settings, self.job, self.name, self.plan, self.end = settings, job, name, plan, end
+        self.created_at = created_at
         self.check_s = check_s
         self.spec: schemas.JobSpec | None = None
         self.spec_ready = threading.Event()
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_markers)
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_markers // _CHUNK))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._closed = threading.Event()
@@ -212,10 +219,11 @@ class LandingFeed:
             spec = await wait_for_job_spec(kv, self.job, self._stopping, poll_s=self.check_s)
             if spec is None:
                 return
-        if self.plan is not None and spec.plan_tag != self.plan:
+        if self.plan is not None and (spec.plan_tag, spec.created_at) != (self.plan, self.created_at):
+            now = f"plan {spec.plan_tag}" if spec.plan_tag != self.plan else "the same plan, produced anew"
             raise HsxError(
-                f"job {self.job} is now plan {spec.plan_tag}, and this stream's state is of plan {self.plan}: "
-                "the job was deleted and produced again; start the stream without the old state"
+                f"job {self.job} is now {now}, and this stream's state is of plan {self.plan}: the job was "
+                "deleted and produced again since the state was saved; start the stream without the old state"
             )
         self.spec = spec
         self.spec_ready.set()
@@ -236,8 +244,7 @@ class LandingFeed:
                 event = None
             if isinstance(event, schemas.FileUploaded):
                 pending.append(Landed(index=event.sample_index, tokens=event.tokens))
-            # A list at a time: one queue operation per burst of markers, not per marker.
-            if len(pending) >= 256 or msg.metadata.num_pending == 0:
+            if len(pending) >= _CHUNK or msg.metadata.num_pending == 0:
                 await self._put(pending[:])
                 pending.clear()
             delivered[0] = seq
@@ -252,9 +259,13 @@ class LandingFeed:
         watch = JobWatch(kv, spec, asyncio.Event())
         verdict = JobVerdict(js, watch) if end is None else None
         try:
+            checked = 0.0
             while not self._stopping.is_set():
-                if end is None:
-                    end = await self._over(js, watch, verdict, subject)
+                if time.monotonic() - checked >= self.check_s:
+                    checked = time.monotonic()
+                    await self._still_the_job(watch)
+                    if end is None:
+                        end = await self._over(js, verdict, subject)
                 if end is not None and delivered[0] >= end.end_seq:
                     if pending:
                         await self._put(pending[:])
@@ -267,19 +278,20 @@ class LandingFeed:
             if verdict is not None:
                 await verdict.stop()
 
-    async def _over(self, js, watch: JobWatch, verdict: JobVerdict, subject: str) -> EpochEnd | None:
-        """The epoch's end once the job is over; None while it runs. HsxError if the job was
-        deleted or produced again meanwhile."""
+    async def _still_the_job(self, watch: JobWatch) -> None:
+        """HsxError if the job was deleted, or deleted and produced again, while the feed follows
+        it (its markers are purged with it: a replay would wait for them forever)."""
+        lost = await watch.check()
+        if lost:
+            raise HsxError(f"stream {self.name}: {lost.removesuffix('; stopped')}")
+
+    async def _over(self, js, verdict: JobVerdict, subject: str) -> EpochEnd | None:
+        """The epoch's end once the job is over; None while it runs."""
         try:
-            lost = await watch.check()
-            if lost:
-                raise HsxError(f"stream {self.name}: {lost.removesuffix('; stopped')}")
             view = await verdict.read()
             if view is None:
                 return None
             end_seq = await last_sequence(js, topology.EVENTS_STREAM, subject)
-        except HsxError:
-            raise
         except Exception as exc:  # NATS reconnecting: read again at the next check
             log.warning("job_state_unavailable", job=self.job, error=str(exc) or type(exc).__name__)
             return None
