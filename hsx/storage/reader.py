@@ -47,7 +47,7 @@ from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.storage.streambatches import Landed, LandingBatcher, deal, shuffled_batches
 from hsx.storage.tensors import SCALE_TENSOR, dequantize_float8
 from hsx.wire import schemas
-from hsx.wire.landed import EpochEnd, LandingFeed
+from hsx.wire.landed import EpochEnd, LandingFeed, read_job_spec_waiting
 
 log = structlog.get_logger("hsx.data")
 
@@ -565,8 +565,14 @@ class JobStream(torch.utils.data.IterableDataset):
         self._spec: schemas.JobSpec | None = None
 
     def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration reads; the one a loaded state is of keeps its place."""
         if epoch != self.epoch:
             self.epoch, self.taken, self._resume = epoch, 0, 0
+
+    def job_spec(self) -> schemas.JobSpec:
+        """The job's spec (its layers, hidden size, dtype, ...), waiting for the producer to
+        record it: what a trainer sizes its model from before the first batch."""
+        return read_job_spec_waiting(self.nats, self.job, name=self.name)
 
     def state_dict(self) -> dict[str, Any]:
         end = self.first_epoch

@@ -304,3 +304,25 @@ class LandingFeed:
             missing=missing,
             missing_count=max(0, view.total_samples - view.samples_uploaded),
         )
+
+
+def read_job_spec_waiting(settings: NatsSettings, job: str, *, name: str, poll_s: float = CHECK_S) -> schemas.JobSpec:
+    """The job's spec, once the producer has recorded it (waiting for it as the feed does)."""
+
+    async def read() -> schemas.JobSpec:
+        nc = await connect(settings, name=f"hsx-stream-{name}")
+        try:
+            js = nc.jetstream()
+            while True:
+                try:
+                    kv = await js.key_value(topology.JOBS_BUCKET)
+                    break
+                except nats.js.errors.BucketNotFoundError:
+                    await asyncio.sleep(poll_s)
+            spec = await wait_for_job_spec(kv, job, asyncio.Event(), poll_s=poll_s)
+            assert spec is not None  # only a set stop event ends the wait without one
+            return spec
+        finally:
+            await close_connection(nc)
+
+    return asyncio.run(read())
