@@ -35,8 +35,9 @@ from test_exhausted import FAST, _batch_of, _block_sample_path
 
 from hsx.errors import HsxError
 from hsx.storage.reader import HiddenStateDataset, JobStream
-from hsx.storage.streambatches import Landed, LandingBatcher, deal, shuffled_batches, split_to_rounds
+from hsx.storage.streambatches import LandingBatcher, deal, shuffled_batches, split_to_rounds
 from hsx.wire import topology
+from hsx.wire.landed import Landed
 
 BUDGET = 256
 STREAM_TIMEOUT_S = 240.0

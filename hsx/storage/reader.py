@@ -44,10 +44,10 @@ from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import relative_sample_key
 from hsx.storage.location import Location
 from hsx.storage.samplefile import SampleFileCorrupt
-from hsx.storage.streambatches import Landed, LandingBatcher, deal, shuffled_batches
+from hsx.storage.streambatches import LandingBatcher, deal, shuffled_batches
 from hsx.storage.tensors import SCALE_TENSOR, dequantize_float8
 from hsx.wire import schemas
-from hsx.wire.landed import EpochEnd, LandingFeed, read_job_spec_waiting
+from hsx.wire.landed import EpochEnd, Landed, LandingFeed, read_job_spec_waiting
 
 log = structlog.get_logger("hsx.data")
 

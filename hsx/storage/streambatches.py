@@ -6,28 +6,19 @@ each rank the same number, each sample to one rank.
 Both are pure functions of the order the samples come in, the seed and the settings: every
 rank, and a trainer restarted from its saved state, computes the same batches from the same
 landing order, so a rank skips what it already took without reading a file, and no rank needs
-to hear from another. Nothing here reads a file or knows NATS.
+to hear from another. Nothing here reads a file or talks to NATS.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
 from hsx.errors import HsxError
 from hsx.packing import plan_batches
-
-
-@dataclass(frozen=True, slots=True)
-class Landed:
-    """A sample stored in the destination: its index in the job and its token count."""
-
-    index: int
-    tokens: int
-
+from hsx.wire.landed import Landed
 
 Batch = list[Landed]
 

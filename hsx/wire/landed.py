@@ -32,7 +32,6 @@ import structlog
 from nats.js.api import DeliverPolicy
 
 from hsx.errors import HsxError
-from hsx.storage.streambatches import Landed
 from hsx.wire import schemas, topology
 from hsx.wire.counts import last_sequence
 from hsx.wire.jobs import read_job_spec, wait_for_job_spec
@@ -47,6 +46,15 @@ CHECK_S = 2.0
 # over in lists of up to _CHUNK (one queue operation per burst, not per marker).
 QUEUE_MARKERS = 65536
 _CHUNK = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Landed:
+    """A sample stored in the destination, as its marker says: its index in the job and its
+    token count."""
+
+    index: int
+    tokens: int
 
 
 @dataclass(frozen=True)
