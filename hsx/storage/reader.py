@@ -3,7 +3,9 @@ metadata), `dequantize` (float8), `HiddenStateDataset` (a random-access torch Da
 folder: `file:///out/myjob`, `s3://bucket/prefix/myjob` or a plain path; every file checked
 against the job's bundle first, `on_bad_file` for one that fails), and for a training loop of
 one's own `TokenBudgetSampler`, `pad_collate`, `pack_collate`, `prefetched` and
-`PrefetchedBatches`. It knows nothing about NATS or how the files were made.
+`PrefetchedBatches`; and `JobStream`, the same items of a job while it still runs, learnt from
+its NATS events (hsx/wire/landed.py; batches cut and dealt by hsx/storage/streambatches.py). It
+knows nothing of how the files were made.
 
 How to use them: docs/REFERENCE.md, "Reading the output in your own loop", and docs/TRAINING.md;
 notes in docs/ARCHITECTURE.md, "Module notes".

@@ -1,8 +1,9 @@
 """What every worker (consumer, uploader, monitor) does around its own work, written once:
 start-up (`job_session`: signals, log context, connection, topology, the job spec, waited for and
 asked after), heartbeats from the moment it exists to its goodbye (`heartbeats`), the watch on the
-job spec it serves (`JobWatch`, `watching`), the end of a worker run with --until-done (`JobEnd`,
-`until_done`: the job done or failed as `hsx monitor --until-done` reads it, the worker's own work
+job spec it serves (`JobWatch`, `watching`), whether the job is over (`JobVerdict`: done or failed
+as `hsx monitor --until-done` reads it; a trainer's stream ends its first epoch on it too), the end
+of a worker run with --until-done (`JobEnd`, `until_done`: the job over, the worker's own work
 settled), and the spooling workers' shared settings (`WorkerConfig`). The pull loop itself is
 hsx/wire/pull.py.
 """
