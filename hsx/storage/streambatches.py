@@ -118,6 +118,9 @@ def deal(batches: Iterable[Batch], *, num_replicas: int, rank: int) -> Iterator[
     left over get an empty batch."""
     if not 0 <= rank < num_replicas:
         raise HsxError(f"rank {rank} is not one of num_replicas {num_replicas} (0 to {num_replicas - 1})")
+    if num_replicas == 1:  # every count is whole rounds: nothing to hold
+        yield from batches
+        return
     held: deque[Batch] = deque()
     for batch in batches:
         held.append(batch)

@@ -34,7 +34,7 @@ from nats.js.api import DeliverPolicy
 from hsx.errors import HsxError
 from hsx.wire import schemas, topology
 from hsx.wire.counts import last_sequence
-from hsx.wire.jobs import read_job_spec, wait_for_job_spec
+from hsx.wire.jobs import read_job_spec, wait_for_job
 from hsx.wire.natsconn import NatsSettings, close_connection, connect, redact_url
 from hsx.wire.worker import JobVerdict, JobWatch
 
@@ -224,7 +224,8 @@ class LandingFeed:
                     f"(plan {self.plan})"
                 )
         else:
-            spec = await wait_for_job_spec(kv, self.job, self._stopping, poll_s=self.check_s)
+            # It says every 30 s that it waits, with the jobs there are: a mistyped name shows.
+            spec = await wait_for_job(kv, self.job, self._stopping)
             if spec is None:
                 return
         if self.plan is not None and (spec.plan_tag, spec.created_at) != (self.plan, self.created_at):
@@ -327,7 +328,7 @@ def read_job_spec_waiting(settings: NatsSettings, job: str, *, name: str, poll_s
                     break
                 except nats.js.errors.BucketNotFoundError:
                     await asyncio.sleep(poll_s)
-            spec = await wait_for_job_spec(kv, job, asyncio.Event(), poll_s=poll_s)
+            spec = await wait_for_job(kv, job, asyncio.Event())
             assert spec is not None  # only a set stop event ends the wait without one
             return spec
         finally:
