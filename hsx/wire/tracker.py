@@ -73,7 +73,9 @@ class ProgressTracker:
     """Follows a job: its sums from the checkpoint on, its dead letters, optionally its heartbeats;
     `refresh_counts` and `refresh_queues` read JetStream's counts and queue state."""
 
-    def __init__(self, js: JetStreamContext, job: str, *, plan: str = "", heartbeats: bool = False) -> None:
+    def __init__(
+        self, js: JetStreamContext, job: str, *, plan: str = "", heartbeats: bool = False, sums: bool = True
+    ) -> None:
         self.js = js
         self.job = job
         self.plan = plan
@@ -81,6 +83,9 @@ class ProgressTracker:
         self.queues = QueueState()
         self.counts = ProgressCounts()
         self.heartbeats = heartbeats
+        # Without `sums` only the dead letters (and heartbeats) are replayed: enough for whether
+        # a job is over, which the counts and queues say, without replaying every marker.
+        self.sums = sums
         self._sums: list[_Replay] = []
         self._others: list[_Replay] = []
         self._uploaded_known: set[int] = set()  # dead samples whose marker was found: it stays
@@ -90,6 +95,7 @@ class ProgressTracker:
         if checkpoint is not None:
             self.fold = ProgressFold.from_checkpoint(checkpoint)
         events, plan = topology.EVENTS_STREAM, self.plan or "none"
+        replayed = (("written", self.fold.written_seq), ("uploaded", self.fold.uploaded_seq)) if self.sums else ()
         self._sums = [
             _Replay(
                 self.js,
@@ -99,7 +105,7 @@ class ProgressTracker:
                 DeliverPolicy.ALL,
                 after_seq=after_seq,
             )
-            for kind, after_seq in (("written", self.fold.written_seq), ("uploaded", self.fold.uploaded_seq))
+            for kind, after_seq in replayed
         ]
         self._others = [
             _Replay(

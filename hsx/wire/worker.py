@@ -269,7 +269,7 @@ class JobVerdict:
 
     def __init__(self, js: JetStreamContext, watch: JobWatch) -> None:
         self.js, self.watch = js, watch
-        self.tracker = ProgressTracker(js, watch.spec.job, plan=watch.spec.plan_tag)
+        self.tracker = ProgressTracker(js, watch.spec.job, plan=watch.spec.plan_tag, sums=False)
         self._started = False
 
     async def read(self) -> StatusView | None:
