@@ -46,6 +46,7 @@ CHECK_S = 2.0
 # over in lists of up to _CHUNK (one queue operation per burst, not per marker).
 QUEUE_MARKERS = 65536
 _CHUNK = 256
+IDLE_HEARTBEAT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +265,9 @@ class LandingFeed:
             cb=on_msg,
             ordered_consumer=True,
             deliver_policy=DeliverPolicy.ALL,
+            # The client remakes an ordered consumer the server lost (a restart) when two
+            # heartbeats fail to come: at nats-py's 5 s that took 10-20 s after NATS was back.
+            idle_heartbeat=IDLE_HEARTBEAT_S,
         )
         watch = JobWatch(kv, spec, asyncio.Event())
         verdict = JobVerdict(js, watch) if end is None else None
