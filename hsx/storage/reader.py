@@ -565,6 +565,9 @@ class JobStream(torch.utils.data.IterableDataset):
         self.missing: list[int] = []
         self.missing_count = 0
         self._spec: schemas.JobSpec | None = None
+        # The first epoch's samples in landing order (index, tokens), once this process has read
+        # them all: later epochs draw from them without replaying the markers.
+        self._first_epoch_samples: tuple[np.ndarray, np.ndarray] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration reads; the one a loaded state is of keeps its place."""
@@ -601,41 +604,45 @@ class JobStream(torch.utils.data.IterableDataset):
                 )
         end = state.get("first_epoch")
         self.plan, self.created_at = state.get("plan"), state.get("created_at")
+        self._first_epoch_samples = None
         self.first_epoch = None if end is None else EpochEnd(**{**end, "missing": tuple(end["missing"])})
         self.epoch, self.taken, self._resume = int(state["epoch"]), int(state["taken"]), int(state["taken"])
 
-    def _batches(self, feed: LandingFeed) -> Iterator[list[Landed]]:
-        """Every rank's batches of this epoch, in order (each rank keeps its own by `deal`)."""
-        if self.epoch == 0 or self.first_epoch is None:
-            cutter = LandingBatcher(
-                token_budget=self.token_budget,
-                max_batch_size=self.max_batch_size,
-                shuffle_pool=self.shuffle_buffer,
-                seed=self.seed,
-            )
+    def _batches(self, feed: LandingFeed | None) -> Iterator[list[Landed]]:
+        """Every rank's batches of this epoch, in order (each rank keeps its own by `deal`): the
+        first epoch's cut as the samples land; a later one's drawn from the first's samples, as
+        this process kept them, or as the feed replays them up to where the first epoch ended."""
+        if feed is None:
+            indices, tokens = self._first_epoch_samples
+        else:
+            cutter = None
+            if self.epoch == 0:
+                cutter = LandingBatcher(
+                    token_budget=self.token_budget,
+                    max_batch_size=self.max_batch_size,
+                    shuffle_pool=self.shuffle_buffer,
+                    seed=self.seed,
+                )
             landed_indices, landed_tokens = array.array("q"), array.array("q")
             for landed in feed:
                 if isinstance(landed, EpochEnd):
                     self._first_epoch_ended(landed)
-                    if self.epoch == 0:
-                        yield from cutter.finish()
+                    indices = np.frombuffer(landed_indices, dtype=np.int64)
+                    tokens = np.frombuffer(landed_tokens, dtype=np.int64)
+                    self._first_epoch_samples = indices, tokens  # 16 bytes a sample
                     break
-                if self.epoch == 0:
+                landed_indices.append(landed.index)
+                landed_tokens.append(landed.tokens)
+                if cutter is not None:
                     yield from cutter.push(landed)
-                else:
-                    landed_indices.append(landed.index)
-                    landed_tokens.append(landed.tokens)
-            if self.epoch == 0:
+            else:
+                return  # the feed was closed before the epoch's end
+            if cutter is not None:
+                yield from cutter.finish()
                 return
-        else:
-            landed_indices, landed_tokens = array.array("q"), array.array("q")
-            for landed in feed:
-                if not isinstance(landed, EpochEnd):
-                    landed_indices.append(landed.index)
-                    landed_tokens.append(landed.tokens)
         yield from shuffled_batches(
-            np.frombuffer(landed_indices, dtype=np.int64),
-            np.frombuffer(landed_tokens, dtype=np.int64),
+            indices,
+            tokens,
             token_budget=self.token_budget,
             max_batch_size=self.max_batch_size,
             seed=self.seed,
@@ -667,12 +674,16 @@ class JobStream(torch.utils.data.IterableDataset):
         # The batches taken before a restart are skipped unread; they stay taken.
         skip = self.taken = self._resume
         self._resume = 0
-        feed = LandingFeed(
-            self.nats, self.job, name=self.name, plan=self.plan, created_at=self.created_at, end=self.first_epoch
-        ).start()
+        feed = None
+        if self.epoch == 0 or self._first_epoch_samples is None or self._spec is None:
+            feed = LandingFeed(
+                self.nats, self.job, name=self.name, plan=self.plan, created_at=self.created_at, end=self.first_epoch
+            ).start()
         reads = None
         try:
-            self._spec = feed.wait_for_spec()
+            if feed is not None:
+                self._spec = feed.wait_for_spec()
+            assert self._spec is not None
             self.plan, self.created_at = self._spec.plan_tag, self._spec.created_at
             job_folder = Location.parse(self._spec.dest, what="the job's destination").child(self.job)
             if str(job_folder) != self.url:  # the same storage may be reached by another path here
@@ -706,7 +717,8 @@ class JobStream(torch.utils.data.IterableDataset):
                     yield self.collate_fn(batch)
                 batch = []
         finally:
-            feed.close()  # first: the reads' source may be waiting on the feed
+            if feed is not None:
+                feed.close()  # first: the reads' source may be waiting on the feed
             if reads is not None:
                 reads.close()
 

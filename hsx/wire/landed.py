@@ -27,9 +27,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
+import nats.errors
 import nats.js.errors
 import structlog
-from nats.js.api import DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from hsx.errors import HsxError
 from hsx.wire import schemas, topology
@@ -45,8 +46,12 @@ CHECK_S = 2.0
 # Markers handed over but not yet taken by the trainer: a bound on memory, not on speed. They go
 # over in lists of up to _CHUNK (one queue operation per burst, not per marker).
 QUEUE_MARKERS = 65536
-_CHUNK = 256
-IDLE_HEARTBEAT_S = 1.0
+_CHUNK = 1024
+# How long one fetch waits for markers that have not landed yet.
+FETCH_WAIT_S = 1.0
+# An idle trainer's consumer is removed by the server after this; the reader makes a new one
+# from where it stood when it fetches again.
+INACTIVE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +116,7 @@ class LandingFeed:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
         self._closed = threading.Event()
+        self._markers: _MarkerReader | None = None
         self._thread = threading.Thread(target=self._run, name=f"hsx-stream-{name}", daemon=True)
 
     def start(self) -> LandingFeed:
@@ -127,6 +133,11 @@ class LandingFeed:
             except RuntimeError:  # the loop already ended
                 pass
         self._thread.join(timeout=30)
+
+    @property
+    def fetched(self) -> int:
+        """Markers fetched from the server so far (at most a queue and a fetch ahead of the trainer)."""
+        return 0 if self._markers is None else self._markers.fetched
 
     def wait_for_spec(self) -> schemas.JobSpec:
         """The job's spec, once the feed has read it (it waits for the producer to record it)."""
@@ -237,40 +248,11 @@ class LandingFeed:
             )
         self.spec = spec
         self.spec_ready.set()
-        plan = spec.plan_tag or "none"
-        subject = topology.marker_filter(self.job, "uploaded", plan)
-        delivered = [0]  # the stream sequence of the last marker handed over
-        end = self.end
-        pending: list[Landed] = []
-
-        async def on_msg(msg) -> None:
-            seq = msg.metadata.sequence.stream
-            if end is not None and seq > end.end_seq:
-                return
-            try:
-                event = schemas.event_decoder.decode(msg.data)
-            except msgspec.DecodeError:
-                log.warning("undecodable_event", subject=msg.subject)
-                event = None
-            if isinstance(event, schemas.FileUploaded):
-                pending.append(Landed(index=event.sample_index, tokens=event.tokens))
-            if len(pending) >= _CHUNK or msg.metadata.num_pending == 0:
-                await self._put(pending[:])
-                pending.clear()
-            delivered[0] = seq
-
-        sub = await js.subscribe(
-            subject,
-            stream=topology.EVENTS_STREAM,
-            cb=on_msg,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.ALL,
-            # The client remakes an ordered consumer the server lost (a restart) when two
-            # heartbeats fail to come: at nats-py's 5 s that took 10-20 s after NATS was back.
-            idle_heartbeat=IDLE_HEARTBEAT_S,
-        )
+        subject = topology.marker_filter(self.job, "uploaded", spec.plan_tag or "none")
         watch = JobWatch(kv, spec, asyncio.Event())
-        verdict = JobVerdict(js, watch) if end is None else None
+        verdict = JobVerdict(js, watch) if self.end is None else None
+        markers = self._markers = _MarkerReader(js, subject, name=self.name)
+        end = self.end
         try:
             checked = 0.0
             while not self._stopping.is_set():
@@ -279,15 +261,17 @@ class LandingFeed:
                     await self._still_the_job(watch)
                     if end is None:
                         end = await self._over(js, verdict, subject)
-                if end is not None and delivered[0] >= end.end_seq:
-                    if pending:
-                        await self._put(pending[:])
-                        pending.clear()
+                if end is not None and markers.delivered >= end.end_seq:
                     await self._put(end)
                     return
-                await self._sleep(self.check_s if end is None else 0.05)
+                if self._queue.full():  # the trainer has not taken what it has: nothing is fetched
+                    await self._sleep(0.05)
+                    continue
+                landed = await markers.next_chunk(up_to=None if end is None else end.end_seq)
+                if landed:
+                    await self._put(landed)
         finally:
-            await sub.unsubscribe()
+            await markers.close()
             if verdict is not None:
                 await verdict.stop()
 
@@ -339,3 +323,84 @@ def read_job_spec_waiting(settings: NatsSettings, job: str, *, name: str, poll_s
             await close_connection(nc)
 
     return asyncio.run(read())
+
+
+class _MarkerReader:
+    """The markers of `subject` in stream order, fetched `_CHUNK` at a time only when asked for
+    (so nothing is buffered that the trainer has not room for), from an ephemeral pull consumer
+    that acks nothing. A consumer the server lost (a restart, or removed after `INACTIVE_S`
+    unused) or a gap in its delivery count is replaced by a new one starting after the last
+    marker handed over: none is skipped and none handed over twice."""
+
+    def __init__(self, js, subject: str, *, name: str) -> None:
+        self.js, self.subject, self.name = js, subject, name
+        self.delivered = 0  # the stream sequence of the last marker handed over
+        self.fetched = 0  # markers received, in all
+        self._sub = None
+        self._consumer_seq = 0
+
+    async def _subscribe(self):
+        config = ConsumerConfig(
+            description=f"hsx stream {self.name}: reads the markers, acks nothing",
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=self.delivered + 1,
+            ack_policy=AckPolicy.NONE,
+            filter_subject=self.subject,
+            inactive_threshold=INACTIVE_S,
+            mem_storage=True,
+            num_replicas=1,
+        )
+        self._consumer_seq = 0
+        return await self.js.pull_subscribe(self.subject, stream=topology.EVENTS_STREAM, config=config)
+
+    async def next_chunk(self, *, up_to: int | None) -> list[Landed]:
+        """The next markers (at most `_CHUNK`; none if none landed within FETCH_WAIT_S), and none
+        past stream sequence `up_to`."""
+        try:
+            if self._sub is None:
+                self._sub = await self._subscribe()
+            msgs = await self._sub.fetch(batch=_CHUNK, timeout=FETCH_WAIT_S)
+        except (nats.errors.TimeoutError, TimeoutError):  # nothing landed meanwhile
+            return []
+        except Exception as exc:  # the consumer or the connection is gone: a new one next time
+            log.warning("stream_markers_retry", error=str(exc) or type(exc).__name__, after_seq=self.delivered)
+            await self._drop()
+            await asyncio.sleep(FETCH_WAIT_S)
+            return []
+        self.fetched += len(msgs)
+        landed: list[Landed] = []
+        for msg in msgs:
+            meta = msg.metadata
+            if meta.sequence.consumer != self._consumer_seq + 1 or meta.sequence.stream <= self.delivered:
+                # A delivery lost on the way: start again after the last marker handed over.
+                log.warning("stream_markers_gap", after_seq=self.delivered, consumer_seq=meta.sequence.consumer)
+                await self._drop()
+                break
+            self._consumer_seq = meta.sequence.consumer
+            if up_to is not None and meta.sequence.stream > up_to:
+                break
+            try:
+                event = schemas.event_decoder.decode(msg.data)
+            except msgspec.DecodeError:
+                log.warning("undecodable_event", subject=msg.subject)
+                event = None
+            if isinstance(event, schemas.FileUploaded):
+                landed.append(Landed(index=event.sample_index, tokens=event.tokens))
+            self.delivered = meta.sequence.stream
+        return landed
+
+    async def _drop(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is None:
+            return
+        try:
+            await self.js.delete_consumer(topology.EVENTS_STREAM, sub._consumer)
+        except Exception:  # gone already, or NATS away: the server removes it once inactive
+            pass
+        try:
+            await sub.unsubscribe()
+        except Exception:
+            pass
+
+    async def close(self) -> None:
+        await self._drop()
