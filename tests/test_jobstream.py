@@ -199,7 +199,8 @@ def _events_consumers(nats_url: str) -> list:
 
 def _trainers_left_nothing_behind(nats_url: str, *, stopped: list[str], killed: list[str]) -> None:
     """No trainer made a durable consumer or acks anything; a trainer that stopped removed its
-    consumer, and one that was killed left one the server removes by itself once inactive."""
+    consumer (one killed while its feed read may leave one, which the server removes by itself
+    once inactive)."""
     left = {}
     for info in _events_consumers(nats_url):
         if info.config.durable_name:
@@ -210,7 +211,7 @@ def _trainers_left_nothing_behind(nats_url: str, *, stopped: list[str], killed: 
     for name in stopped:
         assert f"hsx stream {name}: reads the markers, acks nothing" not in left, left
     for name in killed:
-        assert f"hsx stream {name}: reads the markers, acks nothing" in left, left
+        assert len(left.get(f"hsx stream {name}: reads the markers, acks nothing", [])) <= 1, left
 
 
 def test_a_trainer_killed_mid_epoch_resumes_from_its_state_exactly_once(

@@ -20,6 +20,7 @@ a bounded queue, so a slow trainer holds the stream back (JetStream's flow contr
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import threading
 import time
@@ -30,7 +31,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 
 from hsx.errors import HsxError
 from hsx.wire import schemas, topology
@@ -326,21 +327,30 @@ def read_job_spec_waiting(settings: NatsSettings, job: str, *, name: str, poll_s
 
 
 class _MarkerReader:
-    """The markers of `subject` in stream order, fetched `_CHUNK` at a time only when asked for
-    (so nothing is buffered that the trainer has not room for), from an ephemeral pull consumer
-    that acks nothing. A consumer the server lost (a restart, or removed after `INACTIVE_S`
-    unused) or a gap in its delivery count is replaced by a new one starting after the last
-    marker handed over: none is skipped and none handed over twice."""
+    """The markers of `subject` in stream order, pulled `_CHUNK` at a time only when asked for
+    (so nothing is buffered that the trainer has no room for), from an ephemeral consumer that
+    acks nothing. The pull requests are made here, not with nats-py's `fetch`, whose wait per
+    message (a timer each) read a third as fast. A consumer the server lost (a restart, or removed
+    after `INACTIVE_S` unused), a request nothing answered or a gap in the consumer's delivery
+    count is replaced by a new consumer starting after the last marker handed over: none is
+    skipped and none handed over twice."""
 
     def __init__(self, js, subject: str, *, name: str) -> None:
-        self.js, self.subject, self.name = js, subject, name
+        self.js, self.nc, self.subject, self.name = js, js._nc, subject, name
         self.delivered = 0  # the stream sequence of the last marker handed over
         self.fetched = 0  # markers received, in all
+        self._consumer: str | None = None
         self._sub = None
         self._consumer_seq = 0
+        self._received: list = []
+        self._asked = 0
+        self._answered = asyncio.Event()
+        self._status: str | None = None
 
-    async def _subscribe(self):
+    async def _start(self) -> None:
+        name = self.nc._nuid.next().decode()
         config = ConsumerConfig(
+            name=name,
             description=f"hsx stream {self.name}: reads the markers, acks nothing",
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=self.delivered + 1,
@@ -350,23 +360,43 @@ class _MarkerReader:
             mem_storage=True,
             num_replicas=1,
         )
-        self._consumer_seq = 0
-        return await self.js.pull_subscribe(self.subject, stream=topology.EVENTS_STREAM, config=config)
+        await self.js.add_consumer(topology.EVENTS_STREAM, config=config)
+        self._consumer, self._consumer_seq = name, 0
+        self._sub = await self.nc.subscribe(self.nc.new_inbox(), cb=self._on_msg)
+
+    async def _on_msg(self, msg) -> None:
+        status = msg.headers.get(Header.STATUS) if msg.headers else None
+        if status is None:
+            self._received.append(msg)
+            if len(self._received) >= self._asked:
+                self._answered.set()
+        elif status != StatusCode.CONTROL_MESSAGE:  # no more for now (404, 408), or an error
+            self._status = status
+            self._answered.set()
 
     async def next_chunk(self, *, up_to: int | None) -> list[Landed]:
         """The next markers (at most `_CHUNK`; none if none landed within FETCH_WAIT_S), and none
         past stream sequence `up_to`."""
+        self._received, self._asked, self._status = [], _CHUNK, None
+        self._answered.clear()
         try:
-            if self._sub is None:
-                self._sub = await self._subscribe()
-            msgs = await self._sub.fetch(batch=_CHUNK, timeout=FETCH_WAIT_S)
-        except (nats.errors.TimeoutError, TimeoutError):  # nothing landed meanwhile
-            return []
-        except Exception as exc:  # the consumer or the connection is gone: a new one next time
+            if self._consumer is None:
+                await self._start()
+            request = {"batch": _CHUNK, "expires": int(FETCH_WAIT_S * 1e9)}
+            await self.nc.publish(
+                f"$JS.API.CONSUMER.MSG.NEXT.{topology.EVENTS_STREAM}.{self._consumer}",
+                json.dumps(request).encode(),
+                reply=self._sub.subject,
+            )
+            await asyncio.wait_for(self._answered.wait(), FETCH_WAIT_S + 5.0)
+        except Exception as exc:  # no answer, the consumer or the connection gone: a new one
             log.warning("stream_markers_retry", error=str(exc) or type(exc).__name__, after_seq=self.delivered)
             await self._drop()
             await asyncio.sleep(FETCH_WAIT_S)
-            return []
+        if self._status not in (None, StatusCode.NO_MESSAGES, StatusCode.REQUEST_TIMEOUT):
+            log.warning("stream_markers_retry", status=self._status, after_seq=self.delivered)
+            await self._drop()
+        msgs, self._received = self._received, []
         self.fetched += len(msgs)
         landed: list[Landed] = []
         for msg in msgs:
@@ -390,17 +420,18 @@ class _MarkerReader:
         return landed
 
     async def _drop(self) -> None:
-        sub, self._sub = self._sub, None
-        if sub is None:
-            return
-        try:
-            await self.js.delete_consumer(topology.EVENTS_STREAM, sub._consumer)
-        except Exception:  # gone already, or NATS away: the server removes it once inactive
-            pass
-        try:
-            await sub.unsubscribe()
-        except Exception:
-            pass
+        consumer, sub = self._consumer, self._sub
+        self._consumer = self._sub = None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        if consumer is not None:
+            try:
+                await self.js.delete_consumer(topology.EVENTS_STREAM, consumer)
+            except Exception:  # gone already, or NATS away: the server removes it once inactive
+                pass
 
     async def close(self) -> None:
         await self._drop()
