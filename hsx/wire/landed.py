@@ -2,9 +2,9 @@
 by hsx/storage/reader.py's `JobStream`): each planned sample's `uploaded` marker, in the order
 the events stream holds them, then the end of the job's first epoch (`EpochEnd`).
 
-The markers are read by an ordered consumer from the stream's first message: ephemeral, nothing
-acked, no durable left behind, so any number of trainers follow a job without touching its
-queues or each other. Each marker is stored once (topology.ONCE_HEADERS), so the order is the
+The markers are pulled from the stream's first message by an ephemeral consumer of the feed's
+own (`_MarkerReader`): nothing acked, no durable left behind, so any number of trainers follow a
+job without touching its queues or each other. Each marker is stored once (topology.ONCE_HEADERS), so the order is the
 same on every reading: a rank, or a trainer restarted on another machine, sees the samples in the
 same order, which is what lets it skip what it already took without reading a file.
 
@@ -14,7 +14,10 @@ is the stream sequence of the last marker there was then (`EpochEnd.end_seq`), s
 where the first reading stopped, even when a retried sample lands later.
 
 The NATS client runs on its own thread with its own event loop; the trainer's thread takes from
-a bounded queue, so a slow trainer holds the stream back (JetStream's flow control), not memory.
+a bounded queue, and markers are pulled only while it has room: a slow trainer leaves them on the
+server, not in memory. (A push consumer would not do: nats-py answers JetStream's flow control as
+messages arrive, not as they are handled, so a stalled trainer let it buffer some 770 MB of a
+914k-sample job and then drop markers unnoticed; docs/PERFORMANCE.md, "JobStream at 914k".)
 """
 
 from __future__ import annotations
@@ -388,11 +391,12 @@ class _MarkerReader:
                 json.dumps(request).encode(),
                 reply=self._sub.subject,
             )
-            await asyncio.wait_for(self._answered.wait(), FETCH_WAIT_S + 5.0)
+            # Answered by the server within its expiry, unless the consumer or connection is gone.
+            await asyncio.wait_for(self._answered.wait(), FETCH_WAIT_S + 1.0)
         except Exception as exc:  # no answer, the consumer or the connection gone: a new one
             log.warning("stream_markers_retry", error=str(exc) or type(exc).__name__, after_seq=self.delivered)
             await self._drop()
-            await asyncio.sleep(FETCH_WAIT_S)
+            await asyncio.sleep(0.5)
         if self._status not in (None, StatusCode.NO_MESSAGES, StatusCode.REQUEST_TIMEOUT):
             log.warning("stream_markers_retry", status=self._status, after_seq=self.delivered)
             await self._drop()
