@@ -184,30 +184,19 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             self._pool = ThreadPoolExecutor(max_workers=self.max_connections, thread_name_prefix="hsx-batch")
         return list(self._pool.map(self.__getitem__, positions))
 
-    def _bad(self, sample_index: int, reason: str) -> None:
-        key = f"{self.url}/{relative_sample_key(self.job, sample_index)}"
-        if self.on_bad_file == "skip":
-            log.warning("sample_file_skipped", key=key, sample_index=sample_index, reason=reason)
-            return None
-        raise BadSampleFile(f"{key}: {reason}")
-
     def __getitem__(self, i: int) -> dict[str, Any] | None:
         if not -len(self) <= i < len(self):
             raise IndexError(f"index {i} out of range for {len(self)} samples")
-        sample_index = self.sample_indices[i]
-        key = relative_sample_key(self.job, sample_index)
-        try:
-            data = self._destination().read_bytes(key)
-        except Exception as exc:
-            if is_missing(exc):  # gone since the index or the listing said it was there
-                return self._bad(sample_index, "missing: no object at this key")
-            raise
-        try:
-            return _checked_item(
-                data, self.expected, sample_index, concat_layers=self.concat_layers, dequantized=self.dequantize
-            )
-        except _NotTheSample as exc:
-            return self._bad(sample_index, str(exc))
+        return _read_checked(
+            self._destination(),
+            self.url,
+            self.expected,
+            self.sample_indices[i],
+            concat_layers=self.concat_layers,
+            dequantized=self.dequantize,
+            on_bad_file=self.on_bad_file,
+            missing="no object at this key",
+        )
 
 
 class _NotTheSample(Exception):
@@ -249,6 +238,39 @@ def _checked_item(
     if not dequantized and SCALE_TENSOR in tensors:
         item[SCALE_TENSOR] = tensors[SCALE_TENSOR]
     return item
+
+
+def _read_checked(
+    destination: Destination,
+    url: str,
+    expected: ExpectedSamples,
+    sample_index: int,
+    *,
+    concat_layers: bool,
+    dequantized: bool,
+    on_bad_file: str,
+    missing: str,
+    tokens: int | None = None,
+) -> dict[str, Any] | None:
+    """Sample `sample_index`'s item read from the job folder `destination` (at `url`) and checked;
+    a missing (`missing` says why it should not be), damaged or foreign file as `on_bad_file`
+    says: BadSampleFile naming its key, or None and a `sample_file_skipped` warning."""
+    key = relative_sample_key(expected.job, sample_index)
+    try:
+        data = destination.read_bytes(key)
+        return _checked_item(
+            data, expected, sample_index, concat_layers=concat_layers, dequantized=dequantized, tokens=tokens
+        )
+    except _NotTheSample as exc:
+        reason = str(exc)
+    except Exception as exc:
+        if not is_missing(exc):
+            raise
+        reason = f"missing: {missing}"
+    if on_bad_file == "skip":
+        log.warning("sample_file_skipped", key=f"{url}/{key}", sample_index=sample_index, reason=reason)
+        return None
+    raise BadSampleFile(f"{url}/{key}: {reason}")
 
 
 class TokenBudgetSampler(torch.utils.data.Sampler):
@@ -723,31 +745,17 @@ class JobStream(torch.utils.data.IterableDataset):
                 reads.close()
 
     def _read(self, destination: Destination, expected: ExpectedSamples, landed: Landed) -> dict[str, Any] | None:
-        key = relative_sample_key(self.job, landed.index)
-        try:
-            data = destination.read_bytes(key)
-        except Exception as exc:
-            if is_missing(exc):  # its marker says it was stored: deleted since
-                return self._bad(landed.index, "missing: no object at this key, although its upload was recorded")
-            raise
-        try:
-            return _checked_item(
-                data,
-                expected,
-                landed.index,
-                concat_layers=self.concat_layers,
-                dequantized=self.dequantize,
-                tokens=landed.tokens,
-            )
-        except _NotTheSample as exc:
-            return self._bad(landed.index, str(exc))
-
-    def _bad(self, sample_index: int, reason: str) -> None:
-        key = f"{self.url}/{relative_sample_key(self.job, sample_index)}"
-        if self.on_bad_file == "skip":
-            log.warning("sample_file_skipped", key=key, sample_index=sample_index, reason=reason)
-            return None
-        raise BadSampleFile(f"{key}: {reason}")
+        return _read_checked(
+            destination,
+            self.url,
+            expected,
+            landed.index,
+            concat_layers=self.concat_layers,
+            dequantized=self.dequantize,
+            on_bad_file=self.on_bad_file,
+            missing="no object at this key, although its upload was recorded",
+            tokens=landed.tokens,
+        )
 
 
 class _BatchEnd:
