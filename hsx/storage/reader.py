@@ -517,7 +517,7 @@ class JobStream(torch.utils.data.IterableDataset):
     logged (`stream_epoch_incomplete`) and kept in `missing` (the dead-lettered samples never
     stored; `missing_count`, every planned sample that never landed). Later epochs (`set_epoch`)
     take the samples of the first, drawn at random from (`seed`, epoch) as TokenBudgetSampler
-    draws them.
+    draws them; one begun before the first has ended (a loop that left it early) waits for it.
 
     `num_replicas` / `rank` (data parallel, batches only): every rank reads the same events and
     cuts the same batches, and takes every `num_replicas`-th from `rank`; each sample goes to
