@@ -8,6 +8,7 @@ computed token is a real one. Longest-first also means an out-of-memory batch sh
 not hours into a run. Pure function; knows nothing about NATS or models.
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,3 +66,17 @@ def plan_in_rounds(
                 PlannedBatch(sample_indices=tuple(start + i for i in batch.sample_indices), padded_len=batch.padded_len)
             )
     return batches
+
+
+def shuffled_epoch(
+    lengths, *, token_budget: int, max_batch_size: int | None, seed: int, epoch: int
+) -> Iterator[np.ndarray]:
+    """One epoch of a trainer's batches (TokenBudgetSampler, and JobStream's epochs after the
+    first): the samples drawn in a random order, cut by `plan_batches`, the batches in a random
+    order, all from (seed, epoch); each batch as the positions in `lengths` of its samples."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    rng = np.random.default_rng((seed, epoch))
+    order = rng.permutation(len(lengths))
+    planned = plan_batches(lengths[order], token_budget=token_budget, max_batch_size=max_batch_size)
+    for number in rng.permutation(len(planned)).tolist():
+        yield order[list(planned[number].sample_indices)]

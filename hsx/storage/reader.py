@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load as _load_safetensors
 
 from hsx.errors import HsxError
-from hsx.packing import plan_batches
+from hsx.packing import plan_batches, shuffled_epoch
 from hsx.storage.destinations import Destination, open_destination
 from hsx.storage.expected import (
     BUNDLE_SPEC_KEY,
@@ -46,7 +46,7 @@ from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import relative_sample_key
 from hsx.storage.location import Location
 from hsx.storage.samplefile import SampleFileCorrupt
-from hsx.storage.streambatches import LandingBatcher, deal, shuffled_batches
+from hsx.storage.streambatches import LandingBatcher, check_rank, deal, shuffled_batches
 from hsx.storage.tensors import SCALE_TENSOR, dequantize_float8
 from hsx.wire import schemas
 from hsx.wire.landed import EpochEnd, Landed, LandingFeed, read_job_spec_waiting
@@ -295,8 +295,7 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
         num_replicas: int = 1,
         rank: int = 0,
     ) -> None:
-        if not 0 <= rank < num_replicas:
-            raise HsxError(f"rank {rank} is not one of num_replicas {num_replicas} (0 to {num_replicas - 1})")
+        check_rank(num_replicas, rank)
         if isinstance(lengths, HiddenStateDataset):
             if lengths.sample_tokens is None:
                 raise HsxError(
@@ -326,9 +325,14 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         if self.shuffle:
-            rng = np.random.default_rng((self.seed, self.epoch))
-            batches = self._batches(rng.permutation(len(self.lengths)))
-            batches = [batches[i] for i in rng.permutation(len(batches))]
+            drawn = shuffled_epoch(
+                self.lengths,
+                token_budget=self.token_budget,
+                max_batch_size=self.max_batch_size,
+                seed=self.seed,
+                epoch=self.epoch,
+            )
+            batches = [positions.tolist() for positions in drawn]
         else:
             batches = self._batches(np.arange(len(self.lengths)))
         # Every rank takes the same number of steps (a rank with one fewer would hang the others
@@ -558,8 +562,7 @@ class JobStream(torch.utils.data.IterableDataset):
 
         if on_bad_file not in ON_BAD_FILE:
             raise HsxError(f"on_bad_file is {on_bad_file!r}, expected one of {', '.join(ON_BAD_FILE)}")
-        if not 0 <= rank < num_replicas:
-            raise HsxError(f"rank {rank} is not one of num_replicas {num_replicas} (0 to {num_replicas - 1})")
+        check_rank(num_replicas, rank)
         if num_replicas > 1 and token_budget is None:
             raise HsxError(
                 f"num_replicas {num_replicas} needs a token_budget: ranks take equal numbers of batches, "

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from hsx.errors import HsxError
-from hsx.packing import plan_batches
+from hsx.packing import plan_batches, shuffled_epoch
 from hsx.wire.landed import Landed
 
 Batch = list[Landed]
@@ -107,6 +107,12 @@ class LandingBatcher:
         return out
 
 
+def check_rank(num_replicas: int, rank: int) -> None:
+    """One line when `rank` is not one of `num_replicas` ranks."""
+    if not 0 <= rank < num_replicas:
+        raise HsxError(f"rank {rank} is not one of num_replicas {num_replicas} (0 to {num_replicas - 1})")
+
+
 def deal(batches: Iterable[Batch], *, num_replicas: int, rank: int) -> Iterator[Batch]:
     """Rank `rank`'s batches of `batches` (every rank passes the same ones in the same order):
     round by round, each round's `num_replicas` batches one to each rank, the r-th to rank r.
@@ -116,8 +122,7 @@ def deal(batches: Iterable[Batch], *, num_replicas: int, rank: int) -> Iterator[
     and the round before are split in two, largest first, into two full rounds (a part of a
     batch is within its budget). When they hold fewer samples than two rounds need, the ranks
     left over get an empty batch."""
-    if not 0 <= rank < num_replicas:
-        raise HsxError(f"rank {rank} is not one of num_replicas {num_replicas} (0 to {num_replicas - 1})")
+    check_rank(num_replicas, rank)
     if num_replicas == 1:  # every count is whole rounds: nothing to hold
         yield from batches
         return
@@ -158,16 +163,15 @@ def shuffled_batches(
     epoch: int,
 ) -> Iterator[Batch]:
     """An epoch after the first, when every sample is known (`indices` and their `tokens`, in
-    landing order): the samples drawn in a random order and cut as `TokenBudgetSampler` cuts
-    them, the batches in a random order, from (seed, epoch). Held: the two arrays and the plan's
-    positions, some 50 bytes a sample; each batch's samples are made as it is handed on."""
-    rng = np.random.default_rng((seed, epoch))
-    order = rng.permutation(len(indices))
+    landing order): the samples drawn as `TokenBudgetSampler` draws them (`shuffled_epoch`), from
+    (seed, epoch). Held: the two arrays and the plan's positions, some 50 bytes a sample; each
+    batch's samples are made as it is handed on."""
     if token_budget is None:
+        order = np.random.default_rng((seed, epoch)).permutation(len(indices))
         for position in order.tolist():
             yield [Landed(index=int(indices[position]), tokens=int(tokens[position]))]
         return
-    planned = plan_batches(tokens[order], token_budget=token_budget, max_batch_size=max_batch_size)
-    for number in rng.permutation(len(planned)).tolist():
-        positions = order[list(planned[number].sample_indices)]
+    for positions in shuffled_epoch(
+        tokens, token_budget=token_budget, max_batch_size=max_batch_size, seed=seed, epoch=epoch
+    ):
         yield [Landed(index=int(i), tokens=int(n)) for i, n in zip(indices[positions], tokens[positions])]
