@@ -209,18 +209,6 @@ class LandingFeed:
         finally:
             await close_connection(nc)
 
-    async def _jobs_bucket(self, js):
-        announced = False
-        while not self._stopping.is_set():
-            try:
-                return await js.key_value(topology.JOBS_BUCKET)
-            except nats.js.errors.BucketNotFoundError:
-                if not announced:
-                    log.info("waiting_for_job_spec", job=self.job, bucket=topology.JOBS_BUCKET)
-                    announced = True
-                await self._sleep(self.check_s)
-        return None
-
     async def _sleep(self, seconds: float) -> None:
         try:
             await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
@@ -228,7 +216,7 @@ class LandingFeed:
             pass
 
     async def _follow(self, js) -> None:
-        kv = await self._jobs_bucket(js)
+        kv = await _jobs_bucket(js, self.job, self._stopping, poll_s=self.check_s)
         if kv is None:
             return
         if self.plan is not None:
@@ -313,14 +301,9 @@ def read_job_spec_waiting(settings: NatsSettings, job: str, *, name: str, poll_s
     async def read() -> schemas.JobSpec:
         nc = await connect(settings, name=f"hsx-stream-{name}")
         try:
-            js = nc.jetstream()
-            while True:
-                try:
-                    kv = await js.key_value(topology.JOBS_BUCKET)
-                    break
-                except nats.js.errors.BucketNotFoundError:
-                    await asyncio.sleep(poll_s)
-            spec = await wait_for_job(kv, job, asyncio.Event())
+            never = asyncio.Event()
+            kv = await _jobs_bucket(nc.jetstream(), job, never, poll_s=poll_s)
+            spec = await wait_for_job(kv, job, never)
             assert spec is not None  # only a set stop event ends the wait without one
             return spec
         finally:
@@ -439,3 +422,21 @@ class _MarkerReader:
 
     async def close(self) -> None:
         await self._drop()
+
+
+async def _jobs_bucket(js, job: str, stopping: asyncio.Event, *, poll_s: float):
+    """The jobs bucket, once some producer has made it on this server (a stream started before
+    any job waits for it); None if asked to stop first."""
+    announced = False
+    while not stopping.is_set():
+        try:
+            return await js.key_value(topology.JOBS_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            if not announced:
+                log.info("waiting_for_job_spec", job=job, bucket=topology.JOBS_BUCKET)
+                announced = True
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=poll_s)
+        except TimeoutError:
+            pass
+    return None
