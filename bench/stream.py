@@ -95,29 +95,29 @@ def _stream(url: str, nats_url: str, name: str) -> JobStream:
     return JobStream(url, nats=nats_url, name=name, token_budget=BUDGET, shuffle_buffer=0, max_connections=IN_FLIGHT)
 
 
-def finished_pass(url: str, nats_url: str, which: str, number: int) -> tuple[float, int]:
-    """(samples/s, samples) of one read of the finished job, construction included."""
-    started = time.monotonic()
-    if which == "stream":
-        batches = _stream(url, nats_url, f"replay-{number}")
-    else:
-        dataset = HiddenStateDataset(url, max_connections=IN_FLIGHT)
-        sampler = TokenBudgetSampler(dataset, token_budget=BUDGET, shuffle=False)
-        batches = PrefetchedBatches(dataset, sampler, collate_fn=pack_collate, in_flight=IN_FLIGHT)
-    samples = sum(len(batch["sample_index"]) for batch in batches)
-    return samples / (time.monotonic() - started), samples
-
-
-def landed_pass(url: str) -> tuple[float, int]:
-    """(samples/s, samples) of HiddenStateDataset over the files of a running job (listed: it
-    has no index yet), as `finished_pass` reads a finished one, construction included."""
-    started = time.monotonic()
+def dataset_batches(url: str) -> PrefetchedBatches:
+    """The job's files as HiddenStateDataset reads them: a finished job through its index, a
+    running one listed (its lengths then from the bundle's tokens), cut as the stream cuts them."""
     dataset = HiddenStateDataset(url, max_connections=IN_FLIGHT)
-    lengths = dataset.expected.lengths[dataset.sample_indices]
+    lengths = dataset.sample_tokens
+    if lengths is None:
+        lengths = dataset.expected.lengths[dataset.sample_indices]
     sampler = TokenBudgetSampler(lengths, token_budget=BUDGET, shuffle=False)
-    batches = PrefetchedBatches(dataset, sampler, collate_fn=pack_collate, in_flight=IN_FLIGHT)
-    samples = sum(len(batch["sample_index"]) for batch in batches)
+    return PrefetchedBatches(dataset, sampler, collate_fn=pack_collate, in_flight=IN_FLIGHT)
+
+
+def timed_pass(make_batches) -> tuple[float, int]:
+    """(samples/s, samples) of one read, construction included."""
+    started = time.monotonic()
+    samples = sum(len(batch["sample_index"]) for batch in make_batches())
     return samples / (time.monotonic() - started), samples
+
+
+def finished_pass(url: str, nats_url: str, which: str, number: int) -> tuple[float, int]:
+    """One read of the finished job: the stream (a new name: markers replayed) or the dataset."""
+    if which == "stream":
+        return timed_pass(lambda: _stream(url, nats_url, f"replay-{number}"))
+    return timed_pass(lambda: dataset_batches(url))
 
 
 def main() -> int:
@@ -153,7 +153,9 @@ def main() -> int:
                 if late is None and landed >= args.samples // 2:
                     backlog, late = landed, Trainer(_stream(url, server.url, "late"))
                 if late is not None and landed_read is None and late.seconds_to(backlog) is not None:
-                    landed_read = landed_pass(url)  # right after, the job still running: the same load
+                    landed_read = timed_pass(
+                        lambda: dataset_batches(url)
+                    )  # right after, the job still running: the same load
                 time.sleep(0.05)
             if up.returncode != 0:
                 raise SystemExit(f"hsx up exited {up.returncode} ({work}/up/logs)")
