@@ -5,7 +5,8 @@ Samples are sorted by length (longest first, ties by index, so the plan is deter
 cut greedily: a batch's padded length is its first (longest) sample's length, and samples join
 it while `batch_size * padded_len <= token_budget`. Sorting keeps padding small, so nearly every
 computed token is a real one. Longest-first also means an out-of-memory batch shows up at once,
-not hours into a run. Pure function; knows nothing about NATS or models.
+not hours into a run. `shuffled_epoch` draws a trainer's epoch from them (TokenBudgetSampler,
+and JobStream's epochs after the first). Pure functions; they know nothing about NATS or models.
 """
 
 from collections.abc import Iterator
