@@ -567,6 +567,8 @@ async def _publish_rounds(
     replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != str(cfg.dest))
     if existing is not None and existing.published and replaces:
         _refuse_published(cfg, existing)
+    # The job's identity (JobWatch): fixed when it is first recorded, kept by every round and rerun.
+    created_at = existing.created_at if existing and not replaces else time.time()
     cut, starts = first, [0]
     long, empty = list(first.long), list(first.empty_masks)
     rows = first.samples
@@ -631,7 +633,7 @@ async def _publish_rounds(
             fingerprint,
             rows,
             batches,
-            created_at=existing.created_at if existing and not replaces else time.time(),
+            created_at=created_at,
             tokenized_object=final.pop("tokenized_object", ""),
             report_object=final.pop("report_object", ""),
             dataset_digest=digest,

@@ -269,6 +269,9 @@ async def next_then(self):
         {then}
     seen.append(await real(self))
     return seen[-1]
+async def wait_for_go():
+    while not os.path.exists(os.environ["ROUNDS_GO"]):
+        await asyncio.sleep(0.1)
 async def delete_the_job():
     nc = await nats.connect(os.environ["HSX_NATS_URL"])
     await (await nc.jetstream().key_value("hsx_jobs")).delete({job!r})
@@ -281,6 +284,8 @@ sys.exit(main(sys.argv[1:]))
 _DIE = "raise SystemExit(9)"
 # The job is deleted between rounds (as `hsx jobs delete` does first).
 _DELETE = "await delete_the_job()"
+# The producer waits between rounds until the file named by ROUNDS_GO exists.
+_WAIT = "await wait_for_go()"
 
 
 def _produce_after_rounds(nats_url: str, args: list[str], *, rounds: int, then: str, job: str):
@@ -292,6 +297,80 @@ def _produce_after_rounds(nats_url: str, args: list[str], *, rounds: int, then: 
         timeout=120,
         cwd=REPO,
     )
+
+
+def _start_producer_after_rounds(
+    nats_url: str, args: list[str], *, rounds: int, then: str, job: str, log: Path, go: Path
+) -> subprocess.Popen:
+    process = subprocess.Popen(
+        [sys.executable, "-c", _AFTER_ROUNDS.format(rounds=rounds, then=then, job=job), *args],
+        env=_env(nats_url, {"ROUNDS_GO": str(go)}),
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
+    process.log_path = log
+    return process
+
+
+def _wait_for_log(process: subprocess.Popen, event: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while f'"{event}"' not in Path(process.log_path).read_text(errors="replace"):
+        assert process.poll() is None and time.monotonic() < deadline, logs_of(process)
+        time.sleep(0.2)
+
+
+def test_workers_started_while_a_first_run_publishes_its_rounds_serve_the_job_to_its_end(
+    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
+):
+    """The job's identity (its created_at) is fixed by the first round's spec and every later
+    round keeps it: workers that started on round 3's spec take the rounds after it for the same
+    job, not for a job deleted and produced again (issue 35, item 0)."""
+    model = tiny_model("qwen3")
+    rows = write_dataset(tmp_path / "data.jsonl", 40, min_len=4, max_len=200, seed=23)
+    out, spool, go = tmp_path / "out", tmp_path / "spool", tmp_path / "go"
+    args = _produce_args(job_name, model, tmp_path / "data.jsonl", out)
+    producer = _start_producer_after_rounds(
+        nats_server.url, args, rounds=3, then=_WAIT, job=job_name, log=tmp_path / "produce.log", go=go
+    )
+    deadline = time.monotonic() + 120
+    while not _wait_for_round(nats_server.url, job_name, 3):
+        assert producer.poll() is None and time.monotonic() < deadline, logs_of(producer)
+        time.sleep(0.2)
+    first = _spec(nats_server.url, job_name)
+    consumer, uploader = workers = _workers(hsx_service, job_name, spool, "--until-done")
+    _wait_for_log(consumer, "consumer_ready")
+    _wait_for_log(uploader, "uploader_ready")
+    go.touch()
+    assert producer.wait(timeout=120) == 0, logs_of(producer)
+    final = _spec(nats_server.url, job_name)
+    assert final.published and len(final.round_starts) == 6 and final.total_samples == 40
+    for worker in workers:
+        assert worker.wait(timeout=180) == 0, logs_of(*workers)
+    assert final.created_at == first.created_at, (first.created_at, final.created_at)
+    check_outputs(read_dir_objects(out), job=job_name, rows=rows)
+    view = status(hsx, job_name, None)
+    assert view["done"] and view["samples_uploaded"] == 40 and view["samples_outside_plan"] == 0
+
+
+def _wait_for_round(nats_url: str, job: str, rounds: int) -> bool:
+    """Whether the job's spec records at least `rounds` rounds."""
+
+    async def read():
+        nc = await nats.connect(nats_url)
+        try:
+            kv = await nc.jetstream().key_value(topology.JOBS_BUCKET)
+            try:
+                entry = await kv.get(job)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.NotFoundError):
+                return False
+            return len(schemas.job_decoder.decode(entry.value).round_starts) >= rounds
+        except nats.js.errors.BucketNotFoundError:
+            return False
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
 
 
 def test_a_producer_dead_between_rounds_resumes_without_publishing_twice(
