@@ -11,7 +11,6 @@ import hashlib
 import time
 
 import msgspec
-import nats.js.errors
 import numpy as np
 import structlog
 
@@ -32,12 +31,13 @@ from hsx.producer.estimate import (
 )
 from hsx.producer.inputs import Inputs, check_vocab, report_document
 from hsx.producer.rounds import RoundReader, read_dataset, round_fingerprint
+from hsx.producer.specrecord import SpecChanged, SpecRecord
 from hsx.storage.tokens import SampleTable, report_object_name, tokens_object_name
 from hsx.wire import schemas, topology
 from hsx.wire.counts import count_stored
 from hsx.wire.headers import message_headers
 from hsx.wire.jetstream import publish_all
-from hsx.wire.jobs import count_messages, live_workers, read_job_spec
+from hsx.wire.jobs import count_messages, live_workers
 from hsx.wire.natsconn import connect
 from hsx.wire.schemas import Layer, plan_batch_id
 
@@ -332,23 +332,24 @@ async def _store_inputs(cfg: ProducerConfig, js, inputs: Inputs, *, max_payload:
 async def _produce(cfg: ProducerConfig, nc, info, layers: list[Layer], *, started: float) -> int:
     js = nc.jetstream()
     kv = await topology.ensure_topology(js, replicas=cfg.replicas)
-    existing = await read_job_spec(kv, cfg.job)
+    record = await SpecRecord.read(kv, cfg.job)
+    existing = record.spec
     stored_rows = await _stored_rows(cfg, js, info, existing)
     if stored_rows is None and cfg.round_rows:
-        return await _produce_in_rounds(cfg, nc, js, kv, info, layers, existing, started=started)
+        return await _produce_in_rounds(cfg, nc, js, record, info, layers, existing, started=started)
     if stored_rows is not None:
         rows, inputs = stored_rows, None
     else:
         inputs = await _read_inputs(cfg, info)
         rows = inputs.samples
     try:
-        return await _plan_and_publish(cfg, nc, js, kv, info, layers, existing, rows, inputs, started=started)
+        return await _plan_and_publish(cfg, nc, js, record, info, layers, existing, rows, inputs, started=started)
     finally:
         rows.close()  # the spilled tokens' temp files
 
 
 async def _produce_in_rounds(
-    cfg: ProducerConfig, nc, js, kv, info, layers: list[Layer], existing, *, started: float
+    cfg: ProducerConfig, nc, js, record: SpecRecord, info, layers: list[Layer], existing, *, started: float
 ) -> int:
     """The dataset read in rounds of --round-rows rows: one round, the whole dataset, goes the one
     plan's way (`_plan_and_publish`, as without rounds); more are planned and published a round
@@ -359,9 +360,9 @@ async def _produce_in_rounds(
         if first.last:
             inputs = await reader.inputs()
             return await _plan_and_publish(
-                cfg, nc, js, kv, info, layers, existing, inputs.samples, inputs, started=started
+                cfg, nc, js, record, info, layers, existing, inputs.samples, inputs, started=started
             )
-        return await _publish_rounds(cfg, nc, js, kv, info, layers, existing, reader, first, started=started)
+        return await _publish_rounds(cfg, nc, js, record, info, layers, existing, reader, first, started=started)
     finally:
         await reader.close()  # the samples' spill files too
 
@@ -417,7 +418,7 @@ async def _plan_and_publish(
     cfg: ProducerConfig,
     nc,
     js,
-    kv,
+    record: SpecRecord,
     info,
     layers: list[Layer],
     existing,
@@ -498,7 +499,7 @@ async def _plan_and_publish(
     )
     # The folder says whose files it holds before any worker can write one (producer/bundle.py).
     await asyncio.to_thread(bundle.claim_folder, spec)
-    await kv.put(cfg.job, schemas.encode(spec))
+    await _record(record, spec)
     # The durables that count the job's markers exist from its start (readers make them too).
     for counter in topology.PROGRESS_COUNTERS:
         await topology.ensure_progress_counter(js, cfg.job, spec.plan_tag, counter)
@@ -508,7 +509,7 @@ async def _plan_and_publish(
     published, duplicates = await _publish_batches(js, cfg, fingerprint, batches, rows, skip=accounted)
     republished = await _republish_forgotten(js, cfg, spec, batches, rows, duplicates)
     spec = msgspec.structs.replace(spec, published=True)
-    await kv.put(cfg.job, schemas.encode(spec))
+    await _record(record, spec)
     log.info(
         "job_published",
         job=cfg.job,
@@ -542,7 +543,7 @@ async def _publish_rounds(
     cfg: ProducerConfig,
     nc,
     js,
-    kv,
+    record: SpecRecord,
     info,
     layers: list[Layer],
     existing: schemas.JobSpec | None,
@@ -652,20 +653,28 @@ async def _publish_rounds(
         await _remove_replaced(cfg, owner, plan)
     spec = round_spec()
     await asyncio.to_thread(bundle.claim_folder, spec)
-    revision, recorded = await kv.put(cfg.job, schemas.encode(spec)), spec
 
-    async def record(grown: schemas.JobSpec) -> None:
-        """The spec written over the one this run wrote last, and only over it: a job deleted (or
-        produced again) meanwhile is not brought back by the next round."""
-        nonlocal revision, recorded
+    async def record_grown(grown: schemas.JobSpec) -> None:
+        """The spec written over the one this run read or wrote last, and only over it: a job
+        deleted (or produced again) meanwhile is not brought back by the next round."""
+        recorded = record.spec
         try:
-            revision = await kv.update(cfg.job, schemas.encode(grown), last=revision)
-        except nats.js.errors.KeyWrongLastSequenceError:
+            await record.write(grown)
+        except SpecChanged:
             raise HsxError(
                 f"job {cfg.job} was deleted or produced again while its plan was published in rounds (after "
                 f"{len(recorded.round_starts)} rounds, {recorded.total_samples} samples); this producer stopped"
             ) from None
-        recorded = grown
+
+    # A rerun of a job whose rounds are recorded resumes from them: the spec it read stays as it
+    # is (workers serve those rounds meanwhile) until this run has read past them; a spec this
+    # run would write for fewer rounds is never written.
+    resumed = existing if existing is not None and not replaces else None
+    recorded_rounds = len(resumed.round_starts) if resumed is not None else 0
+    if recorded_rounds == 0:
+        await _record(record, spec)
+    elif resumed.stopped:  # the cause is gone (this run got past the checks): the job runs on
+        await record_grown(msgspec.structs.replace(resumed, stopped=""))
 
     for counter in topology.PROGRESS_COUNTERS:
         await topology.ensure_progress_counter(js, cfg.job, spec.plan_tag, counter)
@@ -704,17 +713,25 @@ async def _publish_rounds(
                 )
             )
             await check(range(before, len(batches)), cut.samples, starts[-1])
+            if len(starts) <= recorded_rounds and starts[-1] != resumed.round_starts[len(starts) - 1]:
+                raise HsxError(
+                    f"round {len(starts) - 1} of the dataset starts at sample {starts[-1]}, but job {cfg.job}'s "
+                    f"spec records it at sample {resumed.round_starts[len(starts) - 1]}: the dataset was not read "
+                    "into the same samples as by the run that recorded it"
+                )
         except HsxError as exc:
-            await _stop(record, spec, str(exc))
+            stopped = record.spec  # the largest spec recorded: what was published, which runs
+            await _stop(record_grown, stopped, str(exc))
             raise HsxError(
-                f"{exc}; job {cfg.job} stopped after {len(spec.round_starts)} rounds of --round-rows {cfg.round_rows} "
-                f"({spec.total_samples} samples published, which run; the job then ends failed): run hsx produce "
-                f"again once this is fixed and it resumes, or, for another dataset or settings, hsx jobs delete "
-                f"{cfg.job} first"
+                f"{exc}; job {cfg.job} stopped after {len(stopped.round_starts)} rounds of --round-rows "
+                f"{cfg.round_rows} ({stopped.total_samples} samples published, which run; the job then ends failed): "
+                f"run hsx produce again once this is fixed and it resumes, or, for another dataset or settings, "
+                f"hsx jobs delete {cfg.job} first"
             ) from None
         # The spec grows before the round's batches go out: a worker that gets one finds it planned.
         spec = round_spec()
-        await record(spec)
+        if len(starts) > recorded_rounds:
+            await record_grown(spec)
         await publish(range(before, len(batches)))
     inputs = await reader.inputs()
     tokens_object, report_object = await _store_inputs(cfg, js, inputs, max_payload=nc.max_payload)
@@ -725,7 +742,7 @@ async def _publish_rounds(
         counts=_input_counts(cfg, inputs, existing),
         published=True,
     )
-    await record(spec)
+    await record_grown(spec)
     log.info(
         "job_published",
         job=cfg.job,
@@ -741,6 +758,18 @@ async def _publish_rounds(
     )
     await bundle.write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
     return 0
+
+
+async def _record(record: SpecRecord, spec: schemas.JobSpec) -> None:
+    """The job's spec written by compare-and-set over what this run read: a producer racing this
+    one, or a job deleted or produced again meanwhile, stops this run in one line."""
+    try:
+        await record.write(spec)
+    except SpecChanged:
+        raise HsxError(
+            f"job {spec.job} was recorded, deleted or produced again by someone else while this producer "
+            "ran; nothing of this run was recorded; run hsx produce again to see the job as it is now"
+        ) from None
 
 
 async def _stop(record, spec: schemas.JobSpec, reason: str) -> None:

@@ -353,6 +353,48 @@ def test_workers_started_while_a_first_run_publishes_its_rounds_serve_the_job_to
     assert view["done"] and view["samples_uploaded"] == 40 and view["samples_outside_plan"] == 0
 
 
+def test_a_rerun_after_a_kill_between_rounds_keeps_the_recorded_rounds_and_ends_done(
+    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
+):
+    """A rerun resumes from the rounds its spec records and never writes a spec holding fewer:
+    workers serving the recorded rounds meanwhile count every sample as planned, and the job ends
+    done with no count past its total (issue 35, item 1)."""
+    model = tiny_model("qwen3")
+    rows = write_dataset(tmp_path / "data.jsonl", 40, min_len=4, max_len=200, seed=29)
+    out, spool, go = tmp_path / "out", tmp_path / "spool", tmp_path / "go"
+    args = _produce_args(job_name, model, tmp_path / "data.jsonl", out)
+    crashed = _produce_after_rounds(nats_server.url, args, rounds=3, then=_DIE, job=job_name)
+    assert crashed.returncode == 9, crashed.stderr[-3000:]
+    recorded = _spec(nats_server.url, job_name)
+    assert len(recorded.round_starts) == 3 and not recorded.published
+    workers = _workers(hsx_service, job_name, spool, "--until-done")
+    # The rerun stops after reading its first round, before reading the second: meanwhile the
+    # workers serve every batch the first run published.
+    rerun = _start_producer_after_rounds(
+        nats_server.url, args, rounds=1, then=_WAIT, job=job_name, log=tmp_path / "rerun.log", go=go
+    )
+    deadline = time.monotonic() + 180
+    while True:
+        spec = _spec(nats_server.url, job_name)
+        assert len(spec.round_starts) >= 3 and spec.total_samples >= recorded.total_samples, spec
+        assert spec.created_at == recorded.created_at
+        view = status(hsx, job_name, None)
+        assert view["batches_done"] <= view["batches_total"] and view["samples_uploaded"] <= view["total_samples"]
+        if view["samples_uploaded"] + view["samples_outside_plan"] >= recorded.total_samples:
+            break
+        assert time.monotonic() < deadline and rerun.poll() is None, logs_of(rerun, *workers)
+        time.sleep(0.5)
+    assert view["samples_outside_plan"] == 0, view
+    go.touch()
+    assert rerun.wait(timeout=120) == 0, logs_of(rerun)
+    for worker in workers:
+        assert worker.wait(timeout=180) == 0, logs_of(*workers)
+    check_outputs(read_dir_objects(out), job=job_name, rows=rows)
+    view = status(hsx, job_name, None)
+    assert view["done"] and view["samples_uploaded"] == 40 and view["samples_outside_plan"] == 0, view
+    assert view["batches_done"] == view["batches_total"] == _spec(nats_server.url, job_name).total_batches
+
+
 def _wait_for_round(nats_url: str, job: str, rounds: int) -> bool:
     """Whether the job's spec records at least `rounds` rounds."""
 
