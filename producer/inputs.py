@@ -337,7 +337,9 @@ class _Rounds:
         """Every place before `complete` is filled or dropped: cut the rounds that lie before it."""
         if self.cancelled is not None and self.cancelled.is_set():
             raise RoundsCancelled
-        while self.round_rows and complete - self.since >= self.round_rows:
+        # A full round is cut once a row past it is read: until then it may be the last (a dataset
+        # of a multiple of --round-rows rows ends with a full round, not with an empty one).
+        while self.round_rows and complete - self.since > self.round_rows:
             self._cut(self.since + self.round_rows, last=False)
 
     def finish(self, rows_read: int) -> SampleTable:

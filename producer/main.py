@@ -701,6 +701,8 @@ async def _publish_rounds(
     while not cut.last:
         try:
             cut = await reader.next()
+            if cut.last and not len(cut.samples):
+                break  # the dataset's last rows were all set aside: they make no round of their own
             starts.append(len(rows))
             long += cut.long
             empty += cut.empty_masks

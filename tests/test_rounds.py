@@ -119,6 +119,31 @@ def test_a_dataset_read_in_rounds_gives_what_it_gives_read_whole(tmp_path, chat_
         parts.samples.close()
 
 
+@pytest.mark.parametrize(("rows", "expected"), [(42, [7] * 6), (7, [7]), (8, [7, 1]), (15, [7, 7, 1])])
+def test_rounds_are_cut_at_round_rows_and_the_last_is_never_empty(tmp_path, chat_models, rows, expected):  # noqa: F811
+    """A dataset of a multiple of --round-rows rows ends with a full round (issue 35, item 5)."""
+    data = tmp_path / "tokens.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [1 + i % 50, 2, 3]}) + "\n" for i in range(rows)))
+    rounds = []
+    whole = _read(data, chat_models["plain"], ROUND_ROWS, on_round=rounds.append)
+    try:
+        assert [len(r.samples) for r in rounds] == expected
+        assert [r.last for r in rounds] == [False] * (len(expected) - 1) + [True]
+        assert len(whole.samples) == rows
+    finally:
+        whole.samples.close()
+
+
+def test_a_last_round_of_set_aside_rows_only_is_not_recorded(tmp_path, hsx, tiny_model, job_name, nats_server):
+    rows = write_dataset(tmp_path / "data.jsonl", 15, min_len=4, max_len=60, seed=31)
+    rows[14] = {"input_ids": list(range(300))}  # longer than --max-seq-len 256: skipped
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = _produce_args(job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", tmp_path / "out")
+    check_ok(hsx(*args, "--on-long", "skip"), "hsx produce")
+    spec = _spec(nats_server.url, job_name)
+    assert spec.published and spec.round_starts == [0, 7] and spec.total_samples == 14 and spec.samples_skipped == 1
+
+
 def test_planned_in_rounds_every_sample_is_in_one_batch_of_its_round():
     rng = np.random.default_rng(3)
     lengths = rng.integers(1, 200, size=1000)
