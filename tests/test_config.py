@@ -319,6 +319,24 @@ def test_secrets_never_appear_in_show_or_errors(cli, tmp_path):
         assert secret not in everything
 
 
+def test_a_nats_url_without_a_scheme_or_with_a_bad_port_never_shows_its_password(cli):
+    """nats-py takes `user:password@host:port` as a nats:// URL; it is redacted as one. A port
+    that is not a number is one line naming --nats, not the redactor's traceback (issue 35, item 10)."""
+    secret = SECRETS["url_password"]
+    bare = f"alice:{secret}@127.0.0.1:{_free_port()}"  # nothing listens there
+    shown = cli("config", "show", "--json", "status", env={"HSX_NATS_URL": bare})
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["settings"]["nats.url"]["value"] == bare.replace(secret, "***")
+    refused = cli("status", "--job", "j", env={"HSX_NATS_URL": bare})
+    assert_one_line_error(refused, f"cannot connect to NATS at {bare.replace(secret, '***')}")
+    bad_port = cli("status", "--job", "j", "--nats", f"nats://alice:{secret}@127.0.0.1:42x22")
+    assert_one_line_error(bad_port, "--nats nats://alice:***@127.0.0.1:42x22: the port is not a number")
+    bad_scheme = cli("status", "--job", "j", "--nats", f"http://alice:{secret}@127.0.0.1:4222")
+    assert_one_line_error(bad_scheme, "the scheme must be one of nats://")
+    everything = "".join(r.stdout + r.stderr for r in (shown, refused, bad_port, bad_scheme))
+    assert secret not in everything and "Traceback" not in everything
+
+
 def test_hsx_up_passes_trust_remote_code_and_the_file_to_what_it_starts(tmp_path):
     """up resolves each child's config once, as its own command would (flag > env > file >
     default), and hands it over whole: what up itself sets (job, spool, device) beats the file."""

@@ -13,7 +13,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import nats
 import nats.errors
@@ -33,6 +33,47 @@ _STARTUP_ATTEMPTS = 3
 OUTAGE_RETRY_S = 120.0
 
 
+def redact_url(url: str) -> str:
+    """The URL(s) with any password or token in them replaced, safe for logs and errors, whatever
+    the text: with or without a scheme (nats-py takes `user:pw@host:4222` as a nats:// URL), with
+    a port that is not a number. Plain text work, which cannot fail: everything before a part's
+    last `@` is its user information."""
+    parts = []
+    for one in url.split(","):
+        one = one.strip()
+        userinfo, at, host = one.rpartition("@")
+        if at:
+            scheme, slashes, userinfo = userinfo.rpartition("://")
+            user, colon, _ = userinfo.partition(":")
+            one = f"{scheme}{slashes}{user + ':***' if colon else '***'}@{host}"
+        parts.append(one)
+    return ",".join(parts)
+
+
+_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def nats_urls(text: str) -> str:
+    """--nats: one or more comma-separated server URLs as nats-py takes them (`nats://`, `tls://`,
+    `ws://`, `wss://`; a URL without a scheme is a nats:// one), each with a host and a numeric
+    port if any; else a one-line HsxError showing the URL redacted."""
+    servers = [one.strip() for one in text.split(",") if one.strip()]
+    if not servers:
+        raise HsxError("--nats: no server URL given")
+    for one in servers:
+        shown = redact_url(one)
+        split = urlsplit(one if "://" in one else f"nats://{one}")
+        if split.scheme not in _SCHEMES:
+            raise HsxError(f"--nats {shown}: the scheme must be one of {', '.join(s + '://' for s in _SCHEMES)}")
+        try:
+            split.port  # noqa: B018 - urllib checks the port when asked for it
+        except ValueError:
+            raise HsxError(f"--nats {shown}: the port is not a number from 0 to 65535") from None
+        if not split.hostname:
+            raise HsxError(f"--nats {shown}: no host in the URL")
+    return text
+
+
 @dataclass(frozen=True, kw_only=True)
 class NatsSettings:
     """The connection; its flags are declared here once for every command (hsx/config/fields.py)."""
@@ -41,6 +82,7 @@ class NatsSettings:
         "--nats",
         default=DEFAULT_NATS_URL,
         env="HSX_NATS_URL",
+        parse=nats_urls,
         secret=lambda url: redact_url(url),
         help="NATS server URL(s), comma-separated (env HSX_NATS_URL, default %(default)s)",
     )
@@ -115,21 +157,6 @@ class NatsSettings:
                 context.load_cert_chain(self.tls_cert, self.tls_key)
             options["tls"] = context
         return options
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password or token in it replaced, safe for logs and errors."""
-    parts = []
-    for one in url.split(","):
-        split = urlsplit(one.strip())
-        if split.username is not None or split.password is not None:
-            host = split.hostname or ""
-            if split.port:
-                host = f"{host}:{split.port}"
-            user = "***" if split.password is None else f"{split.username}:***"
-            one = urlunsplit((split.scheme, f"{user}@{host}", split.path, split.query, split.fragment))
-        parts.append(one.strip())
-    return ",".join(parts)
 
 
 async def connect(settings: NatsSettings, *, name: str) -> NATS:
