@@ -270,14 +270,35 @@ def test_a_refusal_fails_the_job_only_while_a_live_uploader_says_so():
         )
         return status_view(spec, fold, QueueState(**queued), ProgressCounts(), job="j", now=1000.0, live_s=30.0)
 
-    refused = view("refused", 5.0, files_queued=2)
+    refused = view("refused", 5.0, files_queued=2, files_in_hand=2)
+    # Files queued that no uploader holds (none took them up): one heartbeat's word alone.
+    assert not view("refused", 5.0, files_queued=2).failed
     assert refused.failed and refused.destination_error == reason, refused
     assert refused.failure_reason == f"the destination refuses uploads: {reason}", refused
     assert refused.destination_refusals == [DestinationRefusal(uploader="u-1", node="n", reason=reason)], refused
     # Silent for longer than live_s (killed), said goodbye, or working again: no failure.
     for state, age_s in (("refused", 31.0), ("stopping", 1.0), ("working", 1.0)):
-        quiet = view(state, age_s, files_queued=2)
+        quiet = view(state, age_s, files_queued=2, files_in_hand=2)
         assert not quiet.failed and quiet.failure_reason is None and quiet.destination_refusals == [], quiet
+    # One uploader's word alone while another live uploader works (or idles), or while a consumer
+    # works: the refusal is shown, the job has not failed (issue 35, item 9).
+    for service, instance, state in (("uploader", "u-2", "idle"), ("gpu_consumer", "c-1", "working")):
+        fold = ProgressFold()
+        for beat_service, beat_instance, beat_state in (("uploader", "u-1", "refused"), (service, instance, state)):
+            fold.apply(
+                schemas.Heartbeat(
+                    job="j",
+                    service=beat_service,
+                    instance=beat_instance,
+                    node="n",
+                    state=beat_state,
+                    detail=reason,
+                    sent_at=995.0,
+                )
+            )
+        queues = QueueState(files_queued=2, files_in_hand=2)
+        outvoted = status_view(spec, fold, queues, ProgressCounts(), job="j", now=1000.0)
+        assert not outvoted.failed and outvoted.destination_error == reason, (service, outvoted)
 
 
 # ---------------------------------------------------------------- whole jobs

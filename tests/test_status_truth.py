@@ -34,7 +34,7 @@ from hsx.wire.headers import message_headers
 
 def publish_heartbeat(url: str, job: str, *, instance: str, service: str, state: str, age_s: float) -> None:
     """The heartbeat a worker sends (EventPublisher.heartbeat: same subject, headers, rollup), sent
-    `age_s` seconds ago: a worker that went away that long ago."""
+    `age_s` seconds ago by its own clock (the server stores it now, and that is its age)."""
 
     async def run() -> None:
         nc = await nats.connect(url)
@@ -127,10 +127,16 @@ def test_waiting_then_running_then_stalled_then_done_and_no_ghosts(
     assert view["consumers"] == [], view
     assert view["no_worker_alive_s"] is not None and view["no_worker_alive_s"] < 60, view
 
-    # The last word of any worker was ten minutes ago (a killed one's last beat): stalled that long.
+    # A beat that says it was sent ten minutes ago was stored now: its age is the server's, not
+    # the sender's clock (issue 35, item 9), so that worker counts alive, until its goodbye.
     publish_heartbeat(nats_server.url, job, instance="ghost-consumer", service="gpu_consumer", state="idle", age_s=600)
     view = status(hsx, job, None)
-    assert view["state"] == "stalled" and view["no_worker_alive_s"] < 60, view  # the goodbye is newer
+    assert view["state"] == "running" and view["workers_alive"]["gpu_consumer"] == 1, view
+    publish_heartbeat(
+        nats_server.url, job, instance="ghost-consumer", service="gpu_consumer", state="stopping", age_s=0
+    )
+    view = status(hsx, job, None)
+    assert view["state"] == "stalled" and view["no_worker_alive_s"] < 60, view
     text = check_ok(hsx("status", "--job", job), "hsx status").stdout
     assert f"job {job}: stalled: no worker alive for" in text, text
 
@@ -153,8 +159,8 @@ def test_waiting_then_running_then_stalled_then_done_and_no_ghosts(
         uploader.send_signal(signal.SIGTERM)
         assert uploader.wait(timeout=60) == 0, logs_of(uploader)
 
-    # A worker of the finished job that fell silent (the ghost above, 10 min without a beat) is
-    # no problem: the monitor names none, and its summary says how long the job took.
+    # A worker of the finished job that falls silent is no problem: the monitor names none, and
+    # its summary says how long the job took.
     publish_heartbeat(nats_server.url, job, instance="ghost-uploader", service="uploader", state="retrying", age_s=1)
     monitor = hsx_service(
         "monitor", "--job", job, "--until-done", "--format", "json", "--silent-after", "5", name="monitor"

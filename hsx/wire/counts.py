@@ -31,6 +31,9 @@ class QueueState:
     dead_letters: int = 0
     batch_redeliveries: int = 0
     file_redeliveries: int = 0
+    # File events delivered to an uploader and not yet acked: what the job's uploaders hold, as
+    # JetStream counts it (a heartbeat cannot make it up).
+    files_in_hand: int = 0
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import nats.js.errors
 import structlog
 from nats.aio.client import Client as NATS
@@ -260,3 +261,26 @@ async def keep_in_progress(msg: Msg, *, interval_s: float) -> None:
             await msg.in_progress()
         except Exception as exc:  # a reconnect in progress; the next tick tries again
             log.warning("in_progress_failed", error=str(exc))
+
+
+# A heartbeat's own clock is believed within this much of the time the server stored it.
+HEARTBEAT_CLOCK_SKEW_S = 30.0
+
+
+def heard_heartbeat(data: bytes, *, subject: str, stored_at: float | None, job: str) -> schemas.Heartbeat | None:
+    """A heartbeat as read from the events stream, or None when it is not one of `job`'s own: it
+    must decode as a heartbeat, name the job and the instance of its subject. Its `sent_at` is the
+    sender's clock, which anyone who can publish may set: more than HEARTBEAT_CLOCK_SKEW_S from
+    `stored_at` (when the server stored it) it is taken as `stored_at`, so that no beat, crafted or
+    from a machine with a wrong clock, keeps a worker alive past its time or reads as newer."""
+    try:
+        beat = schemas.event_decoder.decode(data)
+    except Exception:  # noqa: BLE001 - msgspec's errors: a stray payload, not a worker's word
+        return None
+    if not isinstance(beat, schemas.Heartbeat) or beat.job != job:
+        return None
+    if subject != topology.heartbeat_subject(job, beat.instance):
+        return None
+    if stored_at is not None and abs(beat.sent_at - stored_at) > HEARTBEAT_CLOCK_SKEW_S:
+        beat = msgspec.structs.replace(beat, sent_at=stored_at)
+    return beat

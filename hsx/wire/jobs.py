@@ -18,6 +18,7 @@ from nats.js.kv import KeyValue
 
 from hsx.errors import HsxError
 from hsx.wire import schemas, topology
+from hsx.wire.events import heard_heartbeat
 
 log = structlog.get_logger("hsx.jobs")
 
@@ -172,10 +173,12 @@ async def last_heartbeats(js: JetStreamContext, job: str) -> list[schemas.Heartb
     for beat_subject in sorted(info.state.subjects or {}):
         try:
             msg = await js.get_last_msg(topology.EVENTS_STREAM, beat_subject)
-            beat = schemas.event_decoder.decode(msg.data)
-        except (nats.js.errors.NotFoundError, msgspec.DecodeError):
+        except nats.js.errors.NotFoundError:
             continue
-        if isinstance(beat, schemas.Heartbeat):
+        beat = heard_heartbeat(
+            msg.data, subject=msg.subject, stored_at=msg.time.timestamp() if msg.time else None, job=job
+        )
+        if beat is not None:
             beats.append(beat)
     return beats
 

@@ -230,7 +230,18 @@ def status_view(
     # A refusing destination (a missing bucket, bad credentials, a denied permission) is a failure
     # for as long as it lasts: nothing is uploaded until someone fixes it, then it clears by itself.
     refusals = [] if done else destination_refusals(fold.heartbeats, now=now, live_s=live_s)
-    if refusals:
+    # One worker's word alone does not fail a job while other workers make progress (a heartbeat
+    # may come from anyone who can publish on the job's subjects): a refusal is the job's failure
+    # once the job's uploaders hold files they have not stored (JetStream's count, not a
+    # heartbeat's), every live uploader says the destination refuses and no live consumer is
+    # working; until then it is shown.
+    live = live_heartbeats(fold.heartbeats, now=now, live_s=live_s)
+    outvoted = any(
+        (beat.service == "uploader" and beat.state != "refused")
+        or (beat.service == "gpu_consumer" and beat.state == "working")
+        for beat in live
+    )
+    if refusals and queues.files_in_hand and not outvoted:
         failed = True
         failure_reason = f"the destination refuses uploads: {refusals[0].reason}"
     destination_error = refusals[0].reason if refusals else None

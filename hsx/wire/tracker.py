@@ -16,6 +16,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from hsx.wire import schemas, topology
 from hsx.wire.counts import ProgressCounts, QueueState, has_uploaded_marker, last_sequence, read_counts
+from hsx.wire.events import heard_heartbeat
 from hsx.wire.fold import ProgressFold, load_checkpoint, save_checkpoint
 
 log = structlog.get_logger("hsx.progress")
@@ -122,7 +123,7 @@ class ProgressTracker:
                     self.js,
                     events,
                     topology.heartbeats_subject_all(self.job),
-                    self._apply_whole(schemas.event_decoder),
+                    self._apply_heartbeat,
                     DeliverPolicy.LAST_PER_SUBJECT,
                 )
             )
@@ -143,6 +144,13 @@ class ProgressTracker:
         self.fold.apply_marker(
             schemas.event_decoder.decode(msg.data), seq=msg.metadata.sequence.stream, planned=planned
         )
+
+    def _apply_heartbeat(self, msg) -> None:
+        beat = heard_heartbeat(
+            msg.data, subject=msg.subject, stored_at=msg.metadata.timestamp.timestamp(), job=self.job
+        )
+        if beat is not None:
+            self.fold.apply(beat)
 
     def _apply_whole(self, decoder):
         return lambda msg: self.fold.apply(decoder.decode(msg.data))
@@ -231,16 +239,18 @@ class ProgressTracker:
                 return 0
 
         # One upload durable per node, each filtered to hsx.files.<job>.<node>.
-        file_redeliveries = sum(
-            info.num_redelivered or 0
+        uploads = [
+            info
             for info in await self.js.consumers_info(topology.FILES_STREAM)
             if (info.config.filter_subject or "").split(".")[2:3] == [job]
-        )
+        ]
+        file_redeliveries = sum(info.num_redelivered or 0 for info in uploads)
         self.queues = QueueState(
             batches_queued=await count(topology.BATCHES_STREAM, topology.batch_subject(job)),
             files_queued=await count(topology.FILES_STREAM, topology.files_subject_all(job)),
             dead_letters=await count(topology.DEAD_STREAM, topology.dead_subject_all(job)),
             batch_redeliveries=await redelivered(topology.BATCHES_STREAM, topology.gpu_durable(job)),
             file_redeliveries=file_redeliveries,
+            files_in_hand=sum(info.num_ack_pending or 0 for info in uploads),
         )
         return self.queues
