@@ -7,6 +7,11 @@ alone would be dropped as a duplicate inside the stream's duplicate window), the
 dead letter. A crash between the two retries it twice at worst: extraction and upload are
 idempotent and progress counts distinct samples.
 
+A letter is sent back only to this job's own batch subject (a batch) or its node's file subject
+(a file event), and only with a payload that decodes as that kind, of this job and its plan: the
+target is derived from the payload, and a letter whose own `original_subject` names anything else
+(a crafted one: the jobs bucket, a stream's purge) is listed as *refused* with why, never sent.
+
 A letter is *resolved* when its samples were written after all: each has its `uploaded` marker,
 or the `written` marker of its batch names them (a stalled forward that finished after the
 reaper dead-lettered its batch, a consumer that handed a spent batch back as a fresh copy and
@@ -65,7 +70,35 @@ def _payload_batch_id(letter: schemas.DeadLetter) -> str:
         return letter.batch_id
 
 
-def _describe(seq: int, letter: schemas.DeadLetter, resolved: str) -> dict:
+def _target(letter: schemas.DeadLetter, job: str, spec: schemas.JobSpec | None) -> tuple[str, bytes, str]:
+    """(the subject the letter's payload would go back to, the payload, "") or ("", b"", why it
+    is refused). The subject is derived from the payload, never taken from the letter."""
+    if letter.job != job:
+        return "", b"", f"the letter names job {letter.job!r}"
+    payload = resendable(letter)
+    if payload is None:
+        return "", b"", "the letter could not keep its payload (larger than the server's max_payload)"
+    decoder = schemas.batch_decoder if letter.what == "batch" else schemas.file_decoder
+    try:
+        message = decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        return "", b"", f"its payload does not decode as a {letter.what} ({exc})"
+    if message.job != job:
+        return "", b"", f"its payload is of job {message.job!r}"
+    if spec is None:
+        return "", b"", f"job {job} has no spec (deleted): nothing would take the payload"
+    if not spec.owns(message.plan):
+        return "", b"", f"its payload is of plan {message.plan}, not the job's {spec.plan_tag}"
+    if isinstance(message, schemas.BatchDescriptor):
+        target = topology.batch_subject(job)
+    else:
+        target = topology.file_subject(job, message.node)
+    if letter.original_subject != target:
+        return "", b"", f"it names subject {letter.original_subject!r}, not its payload's {target!r}"
+    return target, payload, ""
+
+
+def _describe(seq: int, letter: schemas.DeadLetter, resolved: str, refused: str = "") -> dict:
     return {
         "seq": seq,
         "what": letter.what,
@@ -76,6 +109,7 @@ def _describe(seq: int, letter: schemas.DeadLetter, resolved: str) -> dict:
         "error": letter.error,
         "resolved": bool(resolved),
         "resolved_by": resolved,  # "" | "uploaded" | "written"
+        "refused": refused,  # why `hsx dead retry` will not send it back; "" when it would
     }
 
 
@@ -104,7 +138,9 @@ async def _resolution(js, job: str, plan: str, letter: schemas.DeadLetter) -> st
     return "uploaded"
 
 
-async def _letters_and_resolutions(js, kv, job: str) -> list[tuple[int, schemas.DeadLetter, str]]:
+async def _letters_and_resolutions(
+    js, kv, job: str
+) -> tuple[schemas.JobSpec | None, list[tuple[int, schemas.DeadLetter, str]]]:
     spec = await read_job_spec(kv, job)
     plan = spec.plan_tag if spec else ""
     letters = await _read_letters(js, job)
@@ -114,7 +150,7 @@ async def _letters_and_resolutions(js, kv, job: str) -> list[tuple[int, schemas.
             f"job {job} not found: no job spec in KV bucket {topology.JOBS_BUCKET} and no dead letters "
             "(hsx jobs list shows the jobs)"
         )
-    return [(seq, letter, await _resolution(js, job, plan, letter)) for seq, letter in letters]
+    return spec, [(seq, letter, await _resolution(js, job, plan, letter)) for seq, letter in letters]
 
 
 async def list_dead(settings: NatsSettings, job: str) -> list[dict]:
@@ -122,21 +158,23 @@ async def list_dead(settings: NatsSettings, job: str) -> list[dict]:
     try:
         js = nc.jetstream()
         kv = await topology.ensure_topology(js)
-        return [
-            _describe(seq, letter, resolved) for seq, letter, resolved in await _letters_and_resolutions(js, kv, job)
-        ]
+        spec, letters = await _letters_and_resolutions(js, kv, job)
+        return [_describe(seq, letter, resolved, _target(letter, job, spec)[2]) for seq, letter, resolved in letters]
     finally:
         await nc.drain()
 
 
-async def retry_dead(settings: NatsSettings, job: str, seqs: list[int] | None) -> tuple[list[dict], list[dict]]:
-    """Send back the chosen dead letters (all when seqs is None) that are not resolved; returns
-    (what was sent, the resolved letters skipped)."""
+async def retry_dead(
+    settings: NatsSettings, job: str, seqs: list[int] | None
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """Send back the chosen dead letters (all when seqs is None) that are neither resolved nor
+    refused; returns (what was sent, the resolved letters skipped, the refused ones: each with
+    `refused` saying why; they stay in HSX_DEAD)."""
     nc = await connect(settings, name=f"hsx-dead-retry-{job}")
     try:
         js = nc.jetstream()
         kv = await topology.ensure_topology(js)
-        letters = await _letters_and_resolutions(js, kv, job)
+        spec, letters = await _letters_and_resolutions(js, kv, job)
         if seqs is not None:
             unknown = sorted(set(seqs) - {seq for seq, _, _ in letters})
             if unknown:
@@ -147,23 +185,19 @@ async def retry_dead(settings: NatsSettings, job: str, seqs: list[int] | None) -
             log.info(
                 "dead_letter_resolved_skipped", seq=entry["seq"], samples=entry["samples"], by=entry["resolved_by"]
             )
-        retried = []
+        retried, refused = [], []
         for seq, letter, resolved in letters:
             if resolved:
                 continue
-            payload = resendable(letter)
-            if payload is None:
-                log.error(
-                    "dead_letter_not_resendable",
-                    seq=seq,
-                    samples=letter.sample_indices,
-                    reason="the letter could not keep its payload (larger than the server's max_payload)",
-                )
+            target, payload, refusal = _target(letter, job, spec)
+            if refusal:
+                log.error("dead_letter_refused", seq=seq, samples=letter.sample_indices[:20], reason=refusal)
+                refused.append(_describe(seq, letter, resolved, refusal))
                 continue
             message_id = f"{letter.batch_id or letter.what}:retry:{seq}"
             single = letter.sample_indices[0] if len(letter.sample_indices) == 1 else None
             await js.publish(
-                letter.original_subject,
+                target,
                 payload,
                 headers=message_headers(
                     job,
@@ -178,7 +212,7 @@ async def retry_dead(settings: NatsSettings, job: str, seqs: list[int] | None) -
                 "dead_letter_retried", seq=seq, what=letter.what, batch=letter.batch_id, samples=letter.sample_indices
             )
             retried.append(_describe(seq, letter, resolved))
-        return retried, skipped
+        return retried, skipped, refused
     finally:
         await nc.drain()
 
@@ -193,9 +227,10 @@ def format_letters(letters: list[dict], *, as_json: bool) -> str:
         samples = letter["samples"][:10]
         more = " ..." if len(letter["samples"]) > 10 else ""
         resolved = f" (resolved: its samples were {letter['resolved_by']} since)" if letter["resolved"] else ""
+        refused = f" (refused by hsx dead retry: {letter['refused']})" if letter.get("refused") else ""
         lines.append(
             f"seq {letter['seq']}: {letter['what']} {letter['batch_id'] or '-'} samples {samples}{more} "
-            f"after {letter['deliveries']} deliveries: {letter['error']}{resolved}"
+            f"to {letter['subject']} after {letter['deliveries']} deliveries: {letter['error']}{resolved}{refused}"
         )
     return "\n".join(lines)
 
@@ -206,14 +241,19 @@ def run_list(settings: NatsSettings, job: str, *, as_json: bool) -> int:
 
 
 def run_retry(settings: NatsSettings, job: str, *, seqs: list[int] | None, as_json: bool) -> int:
-    retried, skipped = asyncio.run(retry_dead(settings, job, seqs))
-    if as_json:  # the letters sent back; the resolved ones skipped are in the log
-        print(format_letters(retried, as_json=True))
-        return 0
+    """Exit 0 when every chosen letter was sent back or skipped as resolved; 1 when some were
+    refused (they are listed, and stay in HSX_DEAD)."""
+    retried, skipped, refused = asyncio.run(retry_dead(settings, job, seqs))
+    if as_json:  # the letters sent back and those refused; the resolved ones skipped are in the log
+        print(format_letters(retried + refused, as_json=True))
+        return 1 if refused else 0
     print(format_letters(retried, as_json=False) if retried else "nothing to retry")
     if skipped:
         print(
             f"skipped {len(skipped)} resolved letters (their samples were written since): "
             f"seq {', '.join(str(entry['seq']) for entry in skipped)}"
         )
-    return 0
+    if refused:
+        print(f"refused {len(refused)} letters (left in {topology.DEAD_STREAM}):")
+        print(format_letters(refused, as_json=False))
+    return 1 if refused else 0

@@ -8,12 +8,12 @@ reply lost) finds its own bytes under the key and takes that revision as its own
 bucket and the spec's bytes, not what the producer publishes.
 """
 
-import msgspec
 import nats.js.errors
 from nats.js.kv import KeyValue
 
 from hsx.errors import HsxError
 from hsx.wire import schemas
+from hsx.wire.jobs import decode_job_spec
 from hsx.wire.natsconn import through_outage
 
 
@@ -39,11 +39,7 @@ class SpecRecord:
         entry = await through_outage(get, what="read_job_spec")
         if entry is None:
             return cls(kv, job, None, None)
-        try:
-            spec = schemas.job_decoder.decode(entry.value)
-        except msgspec.DecodeError as exc:
-            raise HsxError(f"job {job}: the job spec in KV bucket hsx_jobs does not decode ({exc})") from None
-        return cls(kv, job, spec, entry.revision)
+        return cls(kv, job, decode_job_spec(entry.value, job=job), entry.revision)
 
     async def write(self, spec: schemas.JobSpec) -> None:
         """Record `spec` over the revision last read or written; SpecChanged when the key moved on."""

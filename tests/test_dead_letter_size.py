@@ -83,6 +83,32 @@ async def _letters(js, job: str) -> list[schemas.DeadLetter]:
     return letters
 
 
+async def _record_spec(url: str, job: str, *, samples: int) -> None:
+    nc = await nats.connect(url)
+    try:
+        kv = await nc.jetstream().key_value(topology.JOBS_BUCKET)
+        spec = schemas.JobSpec(
+            job=job,
+            model="m",
+            model_revision="r",
+            layers=[0],
+            dtype="bfloat16",
+            dest="file:///tmp/hsx-unused",
+            token_budget=1 << 20,
+            max_seq_len=1 << 20,
+            dataset="d",
+            plan_fingerprint="0" * 64,
+            total_samples=samples,
+            total_tokens=0,
+            total_batches=1,
+            created_at=0.0,
+            published=True,
+        )
+        await kv.put(job, schemas.encode(spec))
+    finally:
+        await nc.close()
+
+
 async def _requeued(url: str, job: str) -> list[schemas.BatchDescriptor]:
     nc = await nats.connect(url)
     try:
@@ -110,6 +136,7 @@ def test_a_batch_at_the_servers_limit_is_dead_lettered_split_and_retried_whole(s
         assert letter.batch is not None and not letter.original_truncated
         assert [s.index for s in letter.batch.samples] == letter.sample_indices
         assert letter.batch_id == batch.batch_id and letter.deliveries == 1 and letter.source_seq > 0
+    asyncio.run(_record_spec(small_server.url, job_name, samples=6))  # retry sends only to a job that exists
     asyncio.run(retry_dead(NatsSettings(url=small_server.url), job_name, None))
     sent_back = asyncio.run(_requeued(small_server.url, job_name))
     assert sorted(s.index for b in sent_back for s in b.samples) == list(range(6))
@@ -147,7 +174,7 @@ def test_a_file_event_at_the_limit_fits(small_server, job_name):
                 spool_path="p",
                 key="k",
                 size=1,
-                digest="d",
+                digest="0" * 64,
                 sample=sample,
             )
             assert len(schemas.encode(ready)) < MAX_PAYLOAD

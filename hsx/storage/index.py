@@ -42,6 +42,7 @@ from hsx.storage.expected import (
 from hsx.storage.layout import BUNDLE_DIR, sample_index_of, sample_key
 from hsx.storage.location import Location, spec_location
 from hsx.wire import schemas
+from hsx.wire.events import read_marker
 
 log = structlog.get_logger("hsx.index")
 
@@ -252,11 +253,9 @@ async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600
         caught_up = asyncio.Event()
 
         async def on_msg(msg) -> None:
-            try:
-                event = schemas.event_decoder.decode(msg.data)
-            except msgspec.DecodeError:
-                log.warning("undecodable_event", subject=msg.subject)
-                event = None
+            event = read_marker(msg.data, subject=msg.subject, job=job)
+            if event is None:
+                log.warning("marker_refused", subject=msg.subject, reason="not what its subject names")
             if isinstance(event, schemas.FileUploaded) and 0 <= event.sample_index < total:
                 size[event.sample_index] = event.size
                 tokens[event.sample_index] = event.tokens

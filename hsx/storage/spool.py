@@ -15,6 +15,7 @@ from pathlib import Path
 
 import structlog
 
+from hsx.errors import HsxError
 from hsx.storage.fsutil import free_bytes, human_bytes
 from hsx.storage.layout import relative_sample_key, sample_tensor_shapes
 from hsx.storage.samplefile import file_size
@@ -74,7 +75,14 @@ def warn_spool_room(spool: Path, spec: JobSpec, *, high_water: int) -> None:
         )
 
 
+_JOB_FOLDER = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
 def plan_folder(spool: Path, job: str, plan: str) -> Path:
+    """`<spool>/<job>/<plan>`. Only a job name and a plan tag of their own forms name a folder: a
+    value read from NATS cannot lead a worker to write or remove anything outside its spool."""
+    if not _JOB_FOLDER.match(job) or not _PLAN_FOLDER.match(plan):
+        raise HsxError(f"refused to name a spool folder for job {job!r}, plan {plan!r}: not a job name and plan tag")
     return spool / job / plan
 
 

@@ -284,3 +284,23 @@ def heard_heartbeat(data: bytes, *, subject: str, stored_at: float | None, job: 
     if stored_at is not None and abs(beat.sent_at - stored_at) > HEARTBEAT_CLOCK_SKEW_S:
         beat = msgspec.structs.replace(beat, sent_at=stored_at)
     return beat
+
+
+def read_marker(data: bytes, *, subject: str, job: str) -> schemas.BatchWritten | schemas.FileUploaded | None:
+    """A progress marker (or a `replaced` event) as read from the events stream, or None when it
+    is not what its subject says: it must decode as a `written` or `uploaded` event of `job`, of
+    the plan its subject names, for the batch or sample its subject names
+    (`hsx.events.<job>.<kind>.<plan>.[extra.]<batch or sample>`). Counts come from subjects alone
+    (hsx/wire/counts.py); what a marker carries is summed, indexed or streamed only when it
+    agrees with them."""
+    try:
+        event = schemas.event_decoder.decode(data)
+    except Exception:  # noqa: BLE001 - msgspec's errors: a stray payload
+        return None
+    tokens = subject.split(".")
+    if len(tokens) < 6 or tokens[2] != job or event.__class__ not in (schemas.BatchWritten, schemas.FileUploaded):
+        return None
+    if event.job != job or (event.plan and event.plan != tokens[4]):
+        return None
+    named = event.batch_id if isinstance(event, schemas.BatchWritten) else str(event.sample_index)
+    return event if tokens[-1] == named else None

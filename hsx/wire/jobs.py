@@ -17,6 +17,8 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from hsx.errors import HsxError
+from hsx.storage.layout import DTYPE_CHOICES
+from hsx.storage.location import Location
 from hsx.wire import schemas, topology
 from hsx.wire.events import heard_heartbeat
 
@@ -28,10 +30,47 @@ async def read_job_spec(kv: KeyValue, job: str) -> schemas.JobSpec | None:
         entry = await kv.get(job)
     except nats.js.errors.KeyNotFoundError:
         return None
+    return decode_job_spec(entry.value, job=job)
+
+
+def decode_job_spec(data: bytes, *, job: str) -> schemas.JobSpec:
+    """The spec stored under key `job`, checked (its fields' own checks are schemas'): one line
+    naming the job and the field when it is not a spec the producer could have written."""
     try:
-        return schemas.job_decoder.decode(entry.value)
+        spec = schemas.job_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise HsxError(f"job {job}: the job spec in KV bucket hsx_jobs does not decode ({exc})") from None
+    problem = _spec_problem(spec, job)
+    if problem:
+        raise HsxError(f"job {job}: the job spec in KV bucket hsx_jobs is refused: {problem}")
+    return spec
+
+
+def _spec_problem(spec: schemas.JobSpec, key: str) -> str:
+    if spec.job != key:
+        return f"`job` is {spec.job!r}, not its key"
+    if spec.dtype not in DTYPE_CHOICES:
+        return f"`dtype` {spec.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}"
+    if not spec.dest.startswith(("s3://", "file://")):
+        return f"`dest` {spec.dest!r} is not an s3:// or file:// URL"
+    try:
+        if str(Location.parse(spec.dest, what="`dest`")) != spec.dest:
+            return f"`dest` {spec.dest!r} is not in the form the producer writes"
+    except HsxError as exc:
+        return str(exc)
+    layers = [layer for layer in spec.layers if layer != schemas.FINAL]
+    if len(set(spec.layers)) != len(spec.layers):
+        return f"`layers` {spec.layers} names a layer twice"
+    if spec.num_layers and any(layer >= spec.num_layers for layer in layers):
+        return f"`layers` {spec.layers} goes past the model's {spec.num_layers} decoder layers"
+    starts = spec.round_starts
+    if starts and (
+        starts[0] != 0 or any(a >= b for a, b in zip(starts, starts[1:])) or starts[-1] >= max(1, spec.total_samples)
+    ):
+        return (
+            f"`round_starts` {starts[:5]}... are not increasing rounds from 0 within its {spec.total_samples} samples"
+        )
+    return ""
 
 
 async def require_job_spec(kv: KeyValue, job: str) -> schemas.JobSpec:

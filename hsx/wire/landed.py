@@ -30,7 +30,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
@@ -39,6 +38,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, Status
 from hsx.errors import HsxError
 from hsx.wire import schemas, topology
 from hsx.wire.counts import last_sequence
+from hsx.wire.events import read_marker
 from hsx.wire.jobs import read_job_spec, wait_for_job
 from hsx.wire.natsconn import NatsSettings, close_connection, connect, redact_url
 from hsx.wire.worker import JobVerdict, JobWatch
@@ -243,7 +243,7 @@ class LandingFeed:
         subject = topology.marker_filter(self.job, "uploaded", spec.plan_tag or "none")
         watch = JobWatch(kv, spec, asyncio.Event())
         verdict = JobVerdict(js, watch) if self.end is None else None
-        markers = self._markers = _MarkerReader(js, subject, name=self.name)
+        markers = self._markers = _MarkerReader(js, subject, name=self.name, job=self.job)
         end = self.end
         try:
             checked = 0.0
@@ -321,8 +321,8 @@ class _MarkerReader:
     count is replaced by a new consumer starting after the last marker handed over: none is
     skipped and none handed over twice."""
 
-    def __init__(self, js, subject: str, *, name: str) -> None:
-        self.js, self.nc, self.subject, self.name = js, js._nc, subject, name
+    def __init__(self, js, subject: str, *, name: str, job: str) -> None:
+        self.js, self.nc, self.subject, self.name, self.job = js, js._nc, subject, name, job
         self.delivered = 0  # the stream sequence of the last marker handed over
         self.fetched = 0  # markers received, in all
         self._consumer: str | None = None
@@ -396,11 +396,9 @@ class _MarkerReader:
             self._consumer_seq = meta.sequence.consumer
             if up_to is not None and meta.sequence.stream > up_to:
                 break
-            try:
-                event = schemas.event_decoder.decode(msg.data)
-            except msgspec.DecodeError:
-                log.warning("undecodable_event", subject=msg.subject)
-                event = None
+            event = read_marker(msg.data, subject=msg.subject, job=self.job)
+            if event is None:
+                log.warning("marker_refused", subject=msg.subject, reason="not what its subject names")
             if isinstance(event, schemas.FileUploaded):
                 landed.append(Landed(index=event.sample_index, tokens=event.tokens))
             self.delivered = meta.sequence.stream

@@ -8,15 +8,33 @@ A payload that does not decode is poison: the receiver terminates it and dead-le
 does not crash.
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
+
+# Every value is checked where it is decoded (msgspec.Meta constraints: a payload that breaks one
+# does not decode, and is poison): what becomes a NATS subject token or a path element is a name
+# of safe characters, what is counted or summed is not negative, what names a plan is hex.
+# What depends on the receiver (a job equal to its key and subject, an index inside the plan) is
+# checked by the receiver (hsx/wire/jobs.py `read_job_spec`, the workers).
+Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # a job or node: a subject token, a folder
+# A worker instance (`<node>-<host>-<pid>`): a subject token of its heartbeats.
+Instance = Annotated[str, Meta(pattern=r"^[^.*>\s]{1,256}$")]
+BatchId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,256}$")]  # a subject token of its markers
+PlanTag = Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{12})?$")]  # JobSpec.plan_tag; "" from older senders
+Fingerprint = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+Digest = Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{64})?$")]  # a sha256; "" from older senders
+Count = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(ge=1)]
+Seconds = Annotated[float, Meta(ge=0, le=1e12)]
+TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 
 # A selected layer, as the job names it: a decoder layer index, or "final" (the post-norm final
 # state). hsx/model/layers.py parses and resolves it; every layers field in hsx has this type.
 FINAL = "final"  # the post-norm final state
 # A resolved layer: a 0-based decoder layer index (its raw output), or FINAL.
-Layer = int | Literal["final"]
+Layer = Annotated[int, Meta(ge=0)] | Literal["final"]
 
 
 def plan_tag_of(fingerprint: str) -> str:
@@ -44,11 +62,20 @@ class Sample(_Wire, tag="sample.v1", omit_defaults=True):
     `loss_spans == []`: a mask of all 0s. Readers call `mask()`, which takes either. Fields at
     their default are left out of the JSON (older readers default them the same way)."""
 
-    index: int  # position in the job's dataset, 0-based; also the output file name
+    index: Count  # position in the job's dataset, 0-based; also the output file name
     source_id: str  # the row's `id` if it had one, else its row number
-    input_ids: list[int]
-    loss_mask: list[int] | None = None
-    loss_spans: list[tuple[int, int]] | None = None
+    input_ids: Annotated[list[TokenId], Meta(min_length=1)]
+    loss_mask: list[Annotated[int, Meta(ge=0, le=1)]] | None = None
+    loss_spans: list[tuple[Count, Count]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.input_ids):
+            raise ValueError(f"sample {self.index}: {len(self.loss_mask)} mask values for {len(self.input_ids)} tokens")
+        end = 0
+        for start, stop in self.loss_spans or ():
+            if not end <= start < stop <= len(self.input_ids):
+                raise ValueError(f"sample {self.index}: loss span [{start}, {stop}) out of order or past its tokens")
+            end = stop
 
     def mask(self) -> list[int] | None:
         """The per-token 0/1 loss mask, from `loss_spans` or `loss_mask`; None when the sample has none."""
@@ -63,17 +90,26 @@ class Sample(_Wire, tag="sample.v1", omit_defaults=True):
 class BatchDescriptor(_Wire, tag="batch.v1"):
     """One unit of GPU work: samples packed so that len(samples) * padded_len <= token budget."""
 
-    job: str
-    batch_id: str
-    padded_len: int
-    samples: list[Sample]
+    job: Name
+    batch_id: BatchId
+    padded_len: Positive
+    samples: Annotated[list[Sample], Meta(min_length=1)]
     # Set when an uploader re-queues a sample whose spool file was lost or corrupted; such a batch
     # is not one of the job's planned batches and is not counted as one.
     redo_reason: str = ""
     # JobSpec.plan_tag of the plan the batch belongs to: a worker serves one plan for its whole
     # life and never handles another's batch (a job deleted and produced again under its name).
     # "" from producers before it existed.
-    plan: str = ""
+    plan: PlanTag = ""
+
+    def __post_init__(self) -> None:
+        longest = max(len(sample.input_ids) for sample in self.samples)
+        if self.padded_len < longest:
+            raise ValueError(
+                f"batch {self.batch_id}: padded_len {self.padded_len} is below its longest sample's {longest}"
+            )
+        if len({sample.index for sample in self.samples}) != len(self.samples):
+            raise ValueError(f"batch {self.batch_id}: a sample index is given twice")
 
 
 class FileReady(_Wire, tag="file.v2", omit_defaults=True):
@@ -84,21 +120,21 @@ class FileReady(_Wire, tag="file.v2", omit_defaults=True):
     for extraction reads it from the job's stored samples (`JobSpec.tokenized_object`). Fields at
     their default are left out of the JSON (older readers default them the same way)."""
 
-    job: str
-    node: str
-    batch_id: str
-    sample_index: int
-    num_tokens: int
-    spool_path: str  # relative to the spool directory
-    key: str  # destination key relative to the destination prefix
-    size: int
-    digest: str  # hsx.storage.samplefile: sha256 of the file's header, which holds the sha256 of its data
+    job: Name
+    node: Name
+    batch_id: BatchId
+    sample_index: Count
+    num_tokens: Positive
+    spool_path: str  # relative to the spool directory; never read (the uploader derives the path)
+    key: str  # destination key relative to the destination prefix; checked against the one derived
+    size: Count
+    digest: Digest  # hsx.storage.samplefile: sha256 of the file's header, which holds the sha256 of its data
     # The sample itself, as GPU consumers before references sent it (events of theirs may still
     # sit in a stream): re-queued from here when present. New events leave it out.
     sample: Sample | None = None
     # The writing consumer's JobSpec.plan_tag, passed on to the `uploaded` event; a lost file's
     # sample is taken from the stored samples only when they are this plan's.
-    plan: str = ""
+    plan: PlanTag = ""
 
 
 class JobSpec(_Wire, tag="job.v1"):
@@ -108,19 +144,21 @@ class JobSpec(_Wire, tag="job.v1"):
     and every node works from the same settings.
     """
 
-    job: str
+    job: Name
     model: str
     model_revision: str
-    layers: list[Layer]  # resolved decoder layer indices, or "final" (hsx/model/layers.py)
+    layers: Annotated[
+        list[Layer], Meta(min_length=1)
+    ]  # resolved decoder layer indices, or "final" (hsx/model/layers.py)
     dtype: str  # storage dtype: bfloat16 | float16 | float32 | float8_e4m3
     dest: str
-    token_budget: int
-    max_seq_len: int
+    token_budget: Positive
+    max_seq_len: Positive
     dataset: str
-    plan_fingerprint: str
-    total_samples: int
-    total_tokens: int
-    total_batches: int
+    plan_fingerprint: Fingerprint
+    total_samples: Count
+    total_tokens: Count
+    total_batches: Count
     created_at: float
     published: bool = False  # all descriptors are in the stream; a re-run publishes nothing
     trust_remote_code: bool = False  # the model's own code may run (asked for with --trust-remote-code)
@@ -130,26 +168,26 @@ class JobSpec(_Wire, tag="job.v1"):
     report_object: str = ""  # "<job>.report.json": which rows were truncated or skipped, and how chats were tokenized
     dataset_digest: str = ""  # sha256 of the dataset's bytes, to refuse a changed dataset on a re-run
     on_long: str = "error"  # --on-long: error | truncate | skip
-    samples_truncated: int = 0
-    samples_skipped: int = 0
-    rows_bad: int = 0  # rows set aside by --on-bad-row skip; listed in the report
+    samples_truncated: Count = 0
+    samples_skipped: Count = 0
+    rows_bad: Count = 0  # rows set aside by --on-bad-row skip; listed in the report
     # Rows of the dataset read, bad ones included (0: a job from before it was recorded); more
     # than the samples where a row makes none, fewer where it makes several (--chat-as speculators).
-    rows_read: int = 0
+    rows_read: Count = 0
     # --on-empty-mask: keep | skip | error; samples whose loss mask is all 0, kept or skipped as it
     # says (listed in the report); "keep" and 0 for jobs from before it was recorded.
     on_empty_mask: str = "keep"
-    samples_empty_mask: int = 0
-    num_layers: int = 0  # the model's decoder layers (0: a job from before it was recorded)
+    samples_empty_mask: Count = 0
+    num_layers: Count = 0  # the model's decoder layers (0: a job from before it was recorded)
     layer_preset: str = ""  # --layers as a preset (dflash:5, eagle3, speculators), which `layers` resolves
-    hidden_size: int = 0  # the model's hidden size H of every file's [T, k, H] (0: a job from before it was recorded)
+    hidden_size: Count = 0  # the model's hidden size H of every file's [T, k, H] (0: a job from before it was recorded)
     # --chat-as: whose loss mask chat rows got: hsx | specforge:TEMPLATE | speculators (producer/conventions.py)
     chat_convention: str = "hsx"
     # A plan published in rounds (--round-rows): the round size, and the first sample of each round
     # published so far. The totals above grow with each round and `published` is set after the
     # last; the plan's fingerprint is fixed from the first (producer/rounds.py). 0 and []: one plan.
-    round_rows: int = 0
-    round_starts: list[int] = msgspec.field(default_factory=list)
+    round_rows: Count = 0
+    round_starts: list[Count] = msgspec.field(default_factory=list)
     # Why the producer stopped before publishing the whole plan (a refusal found in a later round:
     # a bad row, a long one, no room); "" while it has not. The job is failed once what was
     # published has run; `hsx produce` again resumes it once the cause is gone (a changed dataset
@@ -185,33 +223,33 @@ class JobSpec(_Wire, tag="job.v1"):
 
 
 class BatchWritten(_Wire, tag="written.v1"):
-    job: str
-    batch_id: str
-    consumer: str
-    node: str
-    sample_indices: list[int]
-    tokens: int
-    bytes: int
-    seconds: float
-    attempt: int = 1
+    job: Name
+    batch_id: BatchId
+    consumer: Instance
+    node: Name
+    sample_indices: list[Count]
+    tokens: Count
+    bytes: Count
+    seconds: Seconds
+    attempt: Positive = 1
     redo: bool = False  # a re-queued sample, not a planned batch
-    plan: str = ""  # JobSpec.plan_tag of the consumer's job spec; "" from consumers before it existed
+    plan: PlanTag = ""  # JobSpec.plan_tag of the consumer's job spec; "" from consumers before it existed
 
 
 class FileUploaded(_Wire, tag="uploaded.v1"):
-    job: str
-    node: str
-    uploader: str
-    sample_index: int
+    job: Name
+    node: Name
+    uploader: Instance
+    sample_index: Count
     key: str
-    size: int
-    tokens: int
+    size: Count
+    tokens: Count
     already_present: bool = False
-    attempt: int = 1  # delivery number of the file-ready event
-    plan: str = ""  # JobSpec.plan_tag of the plan that wrote the file (FileReady.plan); "" from older senders
+    attempt: Positive = 1  # delivery number of the file-ready event
+    plan: PlanTag = ""  # JobSpec.plan_tag of the plan that wrote the file (FileReady.plan); "" from older senders
     # The stored object's digest (FileReady.digest, checked by the verified put): these events are
     # the journal the job's index is compacted from (hsx/storage/index.py); "" from older senders.
-    digest: str = ""
+    digest: Digest = ""
     # Sent on `hsx.events.<job>.replaced.<plan>.<sample>`: the sample's marker was stored before,
     # and this upload stored its object again; the index takes this digest, no count or sum does.
     replaces: bool = False
@@ -220,9 +258,9 @@ class FileUploaded(_Wire, tag="uploaded.v1"):
 class SampleRequeued(_Wire, tag="requeued.v1"):
     """An uploader found a spool file lost or corrupted and sent the sample back for extraction."""
 
-    job: str
-    node: str
-    sample_index: int
+    job: Name
+    node: Name
+    sample_index: Count
     reason: str
 
 
@@ -240,15 +278,15 @@ class Kernels(_Wire, tag="kernels.v1"):
 
 
 class Heartbeat(_Wire, tag="heartbeat.v1"):
-    job: str
+    job: Name
     service: str  # "gpu_consumer" | "uploader" | "producer"
-    instance: str
-    node: str
+    instance: Instance
+    node: Name
     state: str  # "starting" | "working" | "idle" | "paused" | "disk_full" | "stalled" | "retrying" | "refused" | "stopping"
     # Why the worker is not working (paused, disk_full, retrying); free text. For "refused" (an
     # uploader whose destination refuses writes) the one-line reason, which `hsx status` reports.
     detail: str = ""
-    sent_at: float = 0.0
+    sent_at: Seconds = 0.0
     # Added within heartbeat.v1 (defaults keep older senders and receivers working):
     last_batch: str = ""  # the batch a GPU consumer last started; "" for other services
     # The job's finished files in this node's spool when the beat was sent; -1: not measured.
@@ -272,17 +310,17 @@ class DeadLetter(_Wire, tag="dead.v1"):
     decode is kept as bytes in `original` (base64), cut to fit.
     """
 
-    job: str
-    what: str  # "batch" | "file"
+    job: Name
+    what: Literal["batch", "file"]
     error: str
-    deliveries: int
+    deliveries: Count
     original_subject: str
     original: bytes = b""  # a payload that does not decode, as it arrived (base64 in JSON); else empty
-    batch_id: str = ""
-    sample_indices: list[int] = []
+    batch_id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{0,256}$")] = ""
+    sample_indices: list[Count] = []
     batch: BatchDescriptor | None = None  # the descriptor to send back, when what == "batch"
     file: FileReady | None = None  # the file-ready event to send back, when what == "file"
-    source_seq: int = 0  # the payload's sequence in its work-queue stream (0: not from one)
+    source_seq: Count = 0  # the payload's sequence in its work-queue stream (0: not from one)
     original_truncated: bool = False  # `original` was cut to fit the server's max_payload
 
 
@@ -291,18 +329,18 @@ class ProgressCheckpoint(_Wire, tag="progress.v1"):
     `hsx.events.<job>.checkpoint`: each kind's sums over every marker of `plan` at or below its
     stream sequence, so the next fold reads only the markers after it."""
 
-    job: str
-    plan: str
-    written_seq: int = 0
-    samples_written: int = 0
-    tokens_written: int = 0
-    bytes_written: int = 0
-    batch_redeliveries: int = 0  # deliveries before each batch was first written, less one each
-    uploaded_seq: int = 0
-    tokens_uploaded: int = 0
-    bytes_uploaded: int = 0
-    file_redeliveries: int = 0
-    saved_at: float = 0.0
+    job: Name
+    plan: PlanTag
+    written_seq: Count = 0
+    samples_written: Count = 0
+    tokens_written: Count = 0
+    bytes_written: Count = 0
+    batch_redeliveries: Count = 0  # deliveries before each batch was first written, less one each
+    uploaded_seq: Count = 0
+    tokens_uploaded: Count = 0
+    bytes_uploaded: Count = 0
+    file_redeliveries: Count = 0
+    saved_at: Seconds = 0.0
 
 
 # A dead letter's error text is cut to this many characters.

@@ -16,7 +16,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from hsx.wire import schemas, topology
 from hsx.wire.counts import ProgressCounts, QueueState, has_uploaded_marker, last_sequence, read_counts
-from hsx.wire.events import heard_heartbeat
+from hsx.wire.events import heard_heartbeat, read_marker
 from hsx.wire.fold import ProgressFold, load_checkpoint, save_checkpoint
 
 log = structlog.get_logger("hsx.progress")
@@ -141,9 +141,11 @@ class ProgressTracker:
     def _apply_marker(self, msg) -> None:
         # hsx.events.<job>.<kind>.<plan>.<batch or sample>, or ...<plan>.extra.<batch or sample>
         planned = msg.subject.split(".")[5] != topology.EXTRA
-        self.fold.apply_marker(
-            schemas.event_decoder.decode(msg.data), seq=msg.metadata.sequence.stream, planned=planned
-        )
+        event = read_marker(msg.data, subject=msg.subject, job=self.job)
+        if event is None:
+            log.warning("marker_refused", subject=msg.subject, reason="not what its subject names")
+            return
+        self.fold.apply_marker(event, seq=msg.metadata.sequence.stream, planned=planned)
 
     def _apply_heartbeat(self, msg) -> None:
         beat = heard_heartbeat(
