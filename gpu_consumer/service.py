@@ -36,6 +36,7 @@ from hsx.gpu_consumer.extract import (
     extract_samples,
 )
 from hsx.gpu_consumer.model import LoadedModel
+from hsx.gpu_consumer.plansamples import PlanSamples, PlanSamplesUnavailable
 from hsx.gpu_consumer.staging import StagingLease
 from hsx.gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
 from hsx.gpu_consumer.writer import write_sample_file
@@ -54,6 +55,8 @@ log = structlog.get_logger("hsx.gpu_consumer")
 
 SERVICE = "gpu_consumer"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# How long a batch of a round whose spec is not recorded yet waits before it is looked at again.
+_ROUND_WAIT_S = 10.0
 T = TypeVar("T")
 
 # Seams for tests (devkit/faults.py installs faults here, e.g. a crash at the worst moment):
@@ -101,6 +104,8 @@ class BatchWorker:
         self.stopping = stopping
         # Whether the job is still the one this worker started for (None: not watched, in tests).
         self.watch = watch
+        # The samples the plan names, as its producer recorded them: what a descriptor may carry.
+        self.plan_samples = PlanSamples(js, lambda: self.spec if watch is None else watch.current)
         self.state = "idle"
         self.last_batch = ""
         self.detail = ""  # why the worker is not working, when it is paused or waiting
@@ -333,6 +338,55 @@ class BatchWorker:
         )
         await through_outage(msg.term, what="drop_stale_batch", stopping=self.stopping)
 
+    async def _in_plan(self, msg: Msg, batch: schemas.BatchDescriptor) -> bool:
+        """Whether the batch is the plan's: of this job, every sample (and a batch id of the plan's
+        form) inside the plan as its spec is now, and every sample the one its producer recorded
+        (gpu_consumer/plansamples.py). A batch of a round not yet recorded waits (handed back with
+        a delay: a plan published in rounds records each round, and its samples' digests, before
+        its batches go out); anything else is removed, never extracted (`_refuse`)."""
+
+        def covers(spec: schemas.JobSpec) -> bool:
+            seq = spec.plan_batch_seq(batch.batch_id)
+            in_range = all(0 <= sample.index < spec.total_samples for sample in batch.samples)
+            return in_range and (seq is None or seq < spec.total_batches)
+
+        if batch.job != self.spec.job:
+            return await self._refuse(msg, batch, f"it names job {batch.job!r}")
+        placed = covers(self.spec) if self.watch is None else await self.watch.placed(covers)
+        if placed is None:
+            return await self._wait_for_round(msg, batch, "its round is not recorded in the job's spec yet")
+        if not placed:
+            return await self._refuse(msg, batch, "its samples or batch id are outside the job's plan")
+        try:
+            refused = await self.plan_samples.refused(batch)
+        except PlanSamplesUnavailable as exc:
+            return await self._wait_for_round(msg, batch, str(exc))
+        if refused:
+            index, why = refused[0]
+            return await self._refuse(
+                msg, batch, f"{len(refused)} of its samples are not the plan's (sample {index}: {why})"
+            )
+        return True
+
+    async def _wait_for_round(self, msg: Msg, batch: schemas.BatchDescriptor, why: str) -> bool:
+        log.info("batch_waits_for_its_round", batch=batch.batch_id, reason=why, retry_in_s=_ROUND_WAIT_S)
+        await through_outage(lambda: msg.nak(delay=_ROUND_WAIT_S), what="nak_batch", stopping=self.stopping)
+        return False
+
+    async def _refuse(self, msg: Msg, batch: schemas.BatchDescriptor, why: str) -> bool:
+        """A descriptor that is not of the job's plan (published by hand, or crafted): removed from
+        the queue, never extracted, said in one line. Not a dead letter: it is none of the job's
+        work, and retrying it could only be refused again."""
+        log.warning(
+            "batch_refused",
+            batch=batch.batch_id,
+            plan=self.spec.plan_tag,
+            samples=[s.index for s in batch.samples[:20]],
+            reason=why,
+        )
+        await through_outage(msg.term, what="drop_refused_batch", stopping=self.stopping)
+        return False
+
     async def _compute_batch(
         self, taken: Taken, lease: StagingLease | None, on_stall: Callable[[], Awaitable[None]] | None
     ) -> Computed | None:
@@ -345,6 +399,8 @@ class BatchWorker:
             return None
         if not self.spec.owns(batch.plan):
             await self._not_this_plan(msg, batch)
+            return None
+        if not await self._in_plan(msg, batch):
             return None
         if on_batch is not None:
             on_batch(batch)

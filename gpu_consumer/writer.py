@@ -7,6 +7,7 @@ import torch
 
 from hsx.storage import samplefile
 from hsx.storage.layout import FLOAT8, sample_key, sample_metadata
+from hsx.storage.sampledigest import sample_digest
 from hsx.storage.spool import spool_file
 from hsx.storage.tensors import Float8States, quantize_float8
 from hsx.wire.schemas import FileReady, JobSpec, Sample
@@ -86,4 +87,5 @@ def write_sample_file(
         size=size,
         digest=digest,
         plan=spec.plan_tag,
+        sample_digest=sample_digest(sample).hex(),
     )

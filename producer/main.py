@@ -499,6 +499,7 @@ async def _plan_and_publish(
     )
     # The folder says whose files it holds before any worker can write one (producer/bundle.py).
     await asyncio.to_thread(bundle.claim_folder, spec)
+    await stored.store_digests(js, cfg.job, spec.plan_tag, 0, rows, max_payload=nc.max_payload)
     await _record(record, spec)
     # The durables that count the job's markers exist from its start (readers make them too).
     for counter in topology.PROGRESS_COUNTERS:
@@ -671,6 +672,7 @@ async def _publish_rounds(
     # run would write for fewer rounds is never written.
     resumed = existing if existing is not None and not replaces else None
     recorded_rounds = len(resumed.round_starts) if resumed is not None else 0
+    await stored.store_digests(js, cfg.job, plan, 0, rows, max_payload=nc.max_payload)
     if recorded_rounds == 0:
         await _record(record, spec)
     elif resumed.stopped:  # the cause is gone (this run got past the checks): the job runs on
@@ -730,7 +732,9 @@ async def _publish_rounds(
                 f"run hsx produce again once this is fixed and it resumes, or, for another dataset or settings, "
                 f"hsx jobs delete {cfg.job} first"
             ) from None
-        # The spec grows before the round's batches go out: a worker that gets one finds it planned.
+        # The spec grows before the round's batches go out: a worker that gets one finds it planned,
+        # and its samples' digests are stored before the spec names them.
+        await stored.store_digests(js, cfg.job, plan, len(starts) - 1, cut.samples, max_payload=nc.max_payload)
         spec = round_spec()
         if len(starts) > recorded_rounds:
             await record_grown(spec)
@@ -844,6 +848,7 @@ def _job_spec(
         dataset_digest=dataset_digest,
         on_long=cfg.on_long,
         chat_convention=str(cfg.chat_as),
+        sample_digests=True,
         **input_counts,
     )
 

@@ -8,6 +8,7 @@ tokenized.
 Why they are stored: docs/ARCHITECTURE.md, "Module notes".
 """
 
+import asyncio
 import io
 import json
 import tempfile
@@ -19,8 +20,10 @@ from nats.js.api import ObjectMeta, ObjectMetaOptions
 from nats.js.object_store import OBJ_DEFAULT_CHUNK_SIZE
 
 from hsx.errors import HsxError
+from hsx.storage.sampledigest import table_digests
 from hsx.storage.tokens import (  # noqa: F401  (re-exported: the producer's and its tests' names for them)
     SampleTable,
+    digests_object_name,
     load_table,
     read_tokens,
     report_object_name,
@@ -29,6 +32,7 @@ from hsx.storage.tokens import (  # noqa: F401  (re-exported: the producer's and
     write_tokens,
 )
 from hsx.wire import schemas, topology
+from hsx.wire.natsconn import through_outage
 
 # The job's samples as planned and published, `table[i]` sample i (hsx.storage.tokens.load_table).
 load_tokenized = load_table
@@ -56,6 +60,18 @@ async def store_tokenized(js: JetStreamContext, job: str, samples: SampleTable, 
         write_tokens(samples, file, job=job)
         file.seek(0)
         await store.put(name, file, meta=_chunked(name, max_payload))
+    return name
+
+
+async def store_digests(
+    js: JetStreamContext, job: str, plan: str, round_index: int, samples: SampleTable, *, max_payload: int
+) -> str:
+    """Store the digests of a round's samples (its first sample is the round's start), before
+    the spec names them: what a consumer checks each descriptor's samples against."""
+    store = await topology.ensure_datasets_store(js)
+    name = digests_object_name(job, plan, round_index)
+    data = await asyncio.to_thread(table_digests, samples)
+    await through_outage(lambda: store.put(name, data, meta=_chunked(name, max_payload)), what="store_digests")
     return name
 
 

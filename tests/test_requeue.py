@@ -59,7 +59,7 @@ def _lost(job: str, index: int, *, sample: schemas.Sample | None = None, plan: s
         spool_path=key,
         key=key,
         size=100,
-        digest="d",
+        digest="0" * 64,
         sample=sample,
         plan=plan,
     )

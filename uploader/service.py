@@ -200,6 +200,8 @@ class FileMover:
             if not self.spec.owns(ready.plan):
                 await self._not_this_plan(msg, ready, stopping)
                 return
+            if not await self._in_plan(msg, ready, stopping):
+                return
             attempt = 0
             while True:
                 if self.job_lost:
@@ -262,6 +264,7 @@ class FileMover:
                 attempt=msg.metadata.num_delivered,
                 plan=ready.plan,
                 digest=ready.digest,
+                sample_digest=ready.sample_digest,
             )
             # The sample's marker (stored once): what `hsx status` counts and the index is built from.
             await through_outage(
@@ -291,6 +294,26 @@ class FileMover:
             batch=ready.batch_id,
         )
         await through_outage(msg.term, what="drop_stale_file_event", stopping=stopping)
+
+    async def _in_plan(self, msg: Msg, ready: schemas.FileReady, stopping: asyncio.Event) -> bool:
+        """Whether the event's sample is one of the plan's, as its spec is now. One of a round not
+        yet recorded waits (the event goes back with a delay: a plan published in rounds records
+        each round before its batches go out); one outside the whole plan is removed unhandled."""
+        index = ready.sample_index
+
+        def covers(spec: schemas.JobSpec) -> bool:
+            return 0 <= index < spec.total_samples
+
+        placed = covers(self.spec) if self.watch is None else await self.watch.placed(covers)
+        if placed:
+            return True
+        if placed is None:
+            log.info("file_waits_for_its_round", sample=index, retry_in_s=_STORED_SAMPLES_WAIT_S)
+            await through_outage(lambda: msg.nak(delay=_STORED_SAMPLES_WAIT_S), what="nak_file", stopping=stopping)
+            return False
+        log.warning("file_event_outside_plan", sample=index, batch=ready.batch_id, plan=self.plan, node=ready.node)
+        await through_outage(msg.term, what="drop_file_outside_plan", stopping=stopping)
+        return False
 
     async def _uploaded_already(self, ready: schemas.FileReady) -> bool:
         try:

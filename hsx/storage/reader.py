@@ -45,6 +45,7 @@ from hsx.storage.expected import (
 from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import relative_sample_key
 from hsx.storage.location import Location
+from hsx.storage.sampledigest import file_digest
 from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.storage.streambatches import LandingBatcher, check_rank, deal, shuffled_batches
 from hsx.storage.tensors import SCALE_TENSOR, dequantize_float8
@@ -211,10 +212,11 @@ def _checked_item(
     concat_layers: bool,
     dequantized: bool,
     tokens: int | None = None,
+    sample_digest: str = "",
 ) -> dict[str, Any]:
     """The dataset's item of the file `data` read at `sample_index`'s key, checked against
-    `expected` (and against `tokens`, the sample's token count when known from elsewhere);
-    _NotTheSample says why not."""
+    `expected` (and against `tokens`, the sample's token count, and `sample_digest`, what the
+    sample is, when known from its marker); _NotTheSample says why not."""
     try:
         tensors, metadata = load_sample(data)
         failed = mismatches(data, expected, sample_index)
@@ -222,6 +224,10 @@ def _checked_item(
         raise _NotTheSample(f"damaged: {exc}") from None
     if tokens is not None and "input_ids" not in failed and len(tensors["input_ids"]) != tokens:
         failed["input_ids"] = f"{len(tensors['input_ids'])} input ids, its uploaded marker says {tokens} tokens"
+    if sample_digest and not failed:
+        found = file_digest(tensors["input_ids"].numpy(), _mask_of(tensors), str(metadata.get("source_id", "")))
+        if found.hex() != sample_digest:
+            failed["input_ids"] = "its tokens, mask or source id are not those its uploaded marker records"
     if failed:
         raise _NotTheSample(f"not this job's sample {sample_index}: {describe(failed)}")
     hidden = dequantize(tensors) if dequantized else tensors["hidden_states"]
@@ -240,6 +246,11 @@ def _checked_item(
     return item
 
 
+def _mask_of(tensors: dict[str, torch.Tensor]):
+    mask = tensors.get("loss_mask")
+    return None if mask is None else mask.numpy()
+
+
 def _read_checked(
     destination: Destination,
     url: str,
@@ -251,6 +262,7 @@ def _read_checked(
     on_bad_file: str,
     missing: str,
     tokens: int | None = None,
+    sample_digest: str = "",
 ) -> dict[str, Any] | None:
     """Sample `sample_index`'s item read from the job folder `destination` (at `url`) and checked;
     a missing (`missing` says why it should not be), damaged or foreign file as `on_bad_file`
@@ -259,7 +271,13 @@ def _read_checked(
     try:
         data = destination.read_bytes(key)
         return _checked_item(
-            data, expected, sample_index, concat_layers=concat_layers, dequantized=dequantized, tokens=tokens
+            data,
+            expected,
+            sample_index,
+            concat_layers=concat_layers,
+            dequantized=dequantized,
+            tokens=tokens,
+            sample_digest=sample_digest,
         )
     except _NotTheSample as exc:
         reason = str(exc)
@@ -758,6 +776,7 @@ class JobStream(torch.utils.data.IterableDataset):
             on_bad_file=self.on_bad_file,
             missing="no object at this key, although its upload was recorded",
             tokens=landed.tokens,
+            sample_digest=landed.sample_digest,
         )
 
 

@@ -50,6 +50,11 @@ def report_object_name(job: str) -> str:
     return f"{job}.report.json"
 
 
+def digests_object_name(job: str, plan: str, round_index: int) -> str:
+    """The digests of a round's samples (hsx/storage/sampledigest.py); one plan is round 0."""
+    return f"{job}.{plan}.digests.{round_index:05d}"
+
+
 @dataclass(frozen=True, slots=True)
 class TokenRow:
     """One sample as Python values: for a few samples at a time (errors, tests, tools), never a

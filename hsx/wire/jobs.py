@@ -17,7 +17,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from hsx.errors import HsxError
-from hsx.storage.layout import DTYPE_CHOICES
+from hsx.storage.layout import STORED_DTYPES
 from hsx.storage.location import Location
 from hsx.wire import schemas, topology
 from hsx.wire.events import heard_heartbeat
@@ -49,8 +49,8 @@ def decode_job_spec(data: bytes, *, job: str) -> schemas.JobSpec:
 def _spec_problem(spec: schemas.JobSpec, key: str) -> str:
     if spec.job != key:
         return f"`job` is {spec.job!r}, not its key"
-    if spec.dtype not in DTYPE_CHOICES:
-        return f"`dtype` {spec.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}"
+    if spec.dtype not in STORED_DTYPES:
+        return f"`dtype` {spec.dtype!r} is not one of {', '.join(STORED_DTYPES)}"
     if not spec.dest.startswith(("s3://", "file://")):
         return f"`dest` {spec.dest!r} is not an s3:// or file:// URL"
     try:

@@ -60,11 +60,12 @@ INACTIVE_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class Landed:
-    """A sample stored in the destination, as its marker says: its index in the job and its
-    token count."""
+    """A sample stored in the destination, as its marker says: its index in the job, its token
+    count, and what the sample is (hsx/storage/sampledigest.py; "" when the marker does not say)."""
 
     index: int
     tokens: int
+    sample_digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -400,7 +401,7 @@ class _MarkerReader:
             if event is None:
                 log.warning("marker_refused", subject=msg.subject, reason="not what its subject names")
             if isinstance(event, schemas.FileUploaded):
-                landed.append(Landed(index=event.sample_index, tokens=event.tokens))
+                landed.append(Landed(index=event.sample_index, tokens=event.tokens, sample_digest=event.sample_digest))
             self.delivered = meta.sequence.stream
         return landed
 

@@ -25,6 +25,8 @@ BatchId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,256}$")]  # a subject t
 PlanTag = Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{12})?$")]  # JobSpec.plan_tag; "" from older senders
 Fingerprint = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
 Digest = Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{64})?$")]  # a sha256; "" from older senders
+# hsx.storage.sampledigest: what a sample is (its tokens, mask, source id); "" from older senders.
+SampleDigest = Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{32})?$")]
 Count = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(ge=0, le=1e12)]
@@ -135,6 +137,9 @@ class FileReady(_Wire, tag="file.v2", omit_defaults=True):
     # The writing consumer's JobSpec.plan_tag, passed on to the `uploaded` event; a lost file's
     # sample is taken from the stored samples only when they are this plan's.
     plan: PlanTag = ""
+    # The sample's digest (hsx/storage/sampledigest.py), as the consumer checked it against the
+    # plan's; passed on to the `uploaded` marker, which a reader checks the file's tokens against.
+    sample_digest: SampleDigest = ""
 
 
 class JobSpec(_Wire, tag="job.v1"):
@@ -193,6 +198,10 @@ class JobSpec(_Wire, tag="job.v1"):
     # published has run; `hsx produce` again resumes it once the cause is gone (a changed dataset
     # or setting is another plan: the job is deleted first).
     stopped: str = ""
+    # Every sample the spec names has its digest in bucket hsx_datasets
+    # (hsx.storage.tokens.digests_object_name), stored before the spec named it: a consumer
+    # extracts a descriptor's sample only when it is that sample. False: a job of an older hsx.
+    sample_digests: bool = False
 
     @property
     def plan_tag(self) -> str:
@@ -205,6 +214,15 @@ class JobSpec(_Wire, tag="job.v1"):
         """Whether a message naming `plan` is of this spec's plan (messages from before they
         carried their plan name none, and are taken as the job's)."""
         return plan in ("", self.plan_tag)
+
+    def plan_batch_seq(self, batch_id: str) -> int | None:
+        """The sequence number in a batch id of the plan's form (`plan_batch_id`), whether or not
+        the plan has that many batches; None for an id of another form."""
+        prefix = plan_batch_id(self.job, self.plan_fingerprint, 0)[:-6]
+        seq = batch_id.removeprefix(prefix)
+        if seq == batch_id or len(seq) < 6 or not seq.isascii() or not seq.isdigit():
+            return None
+        return int(seq) if batch_id == plan_batch_id(self.job, self.plan_fingerprint, int(seq)) else None
 
     def is_plan_batch(self, batch_id: str) -> bool:
         """Whether `batch_id` is one of the plan's own batches (a re-queued sample's batch, a
@@ -250,6 +268,8 @@ class FileUploaded(_Wire, tag="uploaded.v1"):
     # The stored object's digest (FileReady.digest, checked by the verified put): these events are
     # the journal the job's index is compacted from (hsx/storage/index.py); "" from older senders.
     digest: Digest = ""
+    # FileReady.sample_digest: what the sample is, which the first marker of the sample fixes.
+    sample_digest: SampleDigest = ""
     # Sent on `hsx.events.<job>.replaced.<plan>.<sample>`: the sample's marker was stored before,
     # and this upload stored its object again; the index takes this digest, no count or sum does.
     replaces: bool = False

@@ -152,6 +152,17 @@ class JobWatch:
         await self.check()
         return self.current
 
+    async def placed(self, covers: Callable[[schemas.JobSpec], bool]) -> bool | None:
+        """Whether the job's plan covers a message (`covers(spec)`): True when the spec as last read,
+        or as read again now, does; None when it does not and the plan is still being published
+        (a round is recorded before its batches go out, so this is not a message of the plan yet:
+        ask again later, never set it aside for good); False when the whole plan is recorded
+        (published, or its producer stopped) and does not cover it."""
+        spec = await self.current_for(covers)
+        if covers(spec):
+            return True
+        return False if spec.published or spec.stopped else None
+
     async def watch(self) -> None:
         while not self.stopping.is_set():
             try:
