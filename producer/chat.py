@@ -8,7 +8,8 @@ This module knows nothing about files, --max-seq-len, processes or NATS.
 
 The mask from one rendering (`_mask_in_rendering`), for each assistant message in order:
 - its turn starts after the template's assistant header (what `add_generation_prompt` adds,
-  found once per tokenizer), searched from the end of the previous reply; its turn ends with the
+  found once per tokenizer), searched from the end of the message before it (a message may hold
+  the header's text: that is the message's, not a turn); its turn ends with the
   first special token after that (the end-of-turn token, e.g. `<|im_end|>`);
 - the reply is the message's content found (last occurrence) inside the turn, else its content
   stripped of surrounding whitespace (templates that trim); where the template changed it
@@ -269,7 +270,7 @@ class ChatTokenizer:
                         seen = at + len(candidate)
                         break
                 continue
-            span = self._reply_span(text, offsets, specials, content, reply_end, max(seen, reply_end))
+            span = self._reply_span(text, offsets, specials, content, max(seen, reply_end))
             if span is None:
                 raise BadRow(
                     row.where,
@@ -283,12 +284,12 @@ class ChatTokenizer:
             reply_end = seen = end
         return mask
 
-    def _reply_span(
-        self, text: str, offsets, specials: list[int], content: str, reply_end: int, seen: int
-    ) -> tuple[int, int] | None:
+    def _reply_span(self, text: str, offsets, specials: list[int], content: str, seen: int) -> tuple[int, int] | None:
         """Characters [begin, end) of one reply and its end-of-turn token in the rendering: in the
-        turn after the first header from `reply_end` on, else searched forward from `seen`."""
-        at = -1 if self._header is None else text.find(self._header, reply_end)
+        turn after the first header from `seen` (the end of the message before it) on, else
+        searched forward from there. From `seen`, not from the last reply: a message before the
+        reply may hold the header's own text, which is that message's, not a turn."""
+        at = -1 if self._header is None else text.find(self._header, seen)
         if at >= 0:
             turn = at + len(self._header)
             eot = _end_of_turn(offsets, specials, turn)

@@ -38,7 +38,7 @@ from hsx.wire.counts import count_stored
 from hsx.wire.headers import message_headers
 from hsx.wire.jetstream import publish_all
 from hsx.wire.jobs import count_messages, live_workers
-from hsx.wire.natsconn import connect
+from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, OUTAGE_RETRY_S, close_connection, connect, redact_url, through_outage
 from hsx.wire.schemas import Layer, plan_batch_id
 
 log = structlog.get_logger("hsx.producer")
@@ -145,8 +145,15 @@ async def run(cfg: ProducerConfig) -> int:
     nc = await connect(cfg.nats, name=f"hsx-producer-{cfg.job}")
     try:
         return await _produce(cfg, nc, info, layers, started=started)
+    except NATS_OUTAGE_ERRORS as exc:
+        # Each step rides out an outage for OUTAGE_RETRY_S (through_outage); past that, one line.
+        raise HsxError(
+            f"NATS at {redact_url(cfg.nats.url)} did not answer for {OUTAGE_RETRY_S:g} s "
+            f"({type(exc).__name__}: {exc or 'no reply'}); job {cfg.job} is not fully published: run hsx "
+            "produce again once NATS is back, and it resumes (nothing published is published twice)"
+        ) from None
     finally:
-        await nc.drain()
+        await close_connection(nc)
 
 
 def _estimate(
@@ -445,7 +452,7 @@ async def _plan_and_publish(
         owner = await _check_folder(cfg, plan, len(rows), existing)
         if owner is not None:
             await _remove_replaced(cfg, owner, plan)
-        await bundle.write_bundle(js, existing, batches, max_batch_size=cfg.max_batch_size)
+        await _write_bundle(js, existing, batches, max_batch_size=cfg.max_batch_size)
         return 0
     # Everything that can refuse the job, before anything of it is written.
     checked = await asyncio.to_thread(
@@ -502,10 +509,9 @@ async def _plan_and_publish(
     await stored.store_digests(js, cfg.job, spec.plan_tag, 0, rows, max_payload=nc.max_payload)
     await _record(record, spec)
     # The durables that count the job's markers exist from its start (readers make them too).
-    for counter in topology.PROGRESS_COUNTERS:
-        await topology.ensure_progress_counter(js, cfg.job, spec.plan_tag, counter)
+    await _ensure_progress_counters(js, cfg.job, spec.plan_tag)
     # Queued or finished already: a producer stopped mid-publish, or one racing this one.
-    accounted = await resume.accounted_batch_ids(js, cfg.job)
+    accounted = await _accounted(js, cfg.job)
     already = sum(plan_batch_id(cfg.job, fingerprint, seq) in accounted for seq in range(len(batches)))
     published, duplicates = await _publish_batches(js, cfg, fingerprint, batches, rows, skip=accounted)
     republished = await _republish_forgotten(js, cfg, spec, batches, rows, duplicates)
@@ -522,8 +528,29 @@ async def _plan_and_publish(
         samples_empty_mask=spec.samples_empty_mask,
         seconds=round(time.monotonic() - started, 2),
     )
-    await bundle.write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
+    await _write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
     return 0
+
+
+async def _write_bundle(js, spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_batch_size) -> None:
+    """The job's bundle (producer/bundle.py), written again whole after an outage (it skips what
+    the destination holds already)."""
+    await through_outage(
+        lambda: bundle.write_bundle(js, spec, batches, max_batch_size=max_batch_size), what="write_bundle"
+    )
+
+
+async def _ensure_progress_counters(js, job: str, plan: str) -> None:
+    """The durables that count the job's markers, from its start (readers make them too)."""
+    for counter in topology.PROGRESS_COUNTERS:
+        await through_outage(
+            lambda counter=counter: topology.ensure_progress_counter(js, job, plan, counter), what="progress_counter"
+        )
+
+
+async def _accounted(js, job: str) -> set[str]:
+    """The batch ids queued or done (producer/resume.py), read again through an outage."""
+    return await through_outage(lambda: resume.accounted_batch_ids(js, job), what="read_accounted_batches")
 
 
 def _refuse_published(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
@@ -678,9 +705,8 @@ async def _publish_rounds(
     elif resumed.stopped:  # the cause is gone (this run got past the checks): the job runs on
         await record_grown(msgspec.structs.replace(resumed, stopped=""))
 
-    for counter in topology.PROGRESS_COUNTERS:
-        await topology.ensure_progress_counter(js, cfg.job, spec.plan_tag, counter)
-    accounted = await resume.accounted_batch_ids(js, cfg.job)
+    await _ensure_progress_counters(js, cfg.job, spec.plan_tag)
+    accounted = await _accounted(js, cfg.job)
     totals = {"new": 0, "duplicates": 0, "already": 0}
 
     async def publish(seqs: range) -> None:
@@ -699,71 +725,81 @@ async def _publish_rounds(
             seconds=round(time.monotonic() - started, 2),
         )
 
-    await publish(range(len(batches)))
-    while not cut.last:
-        try:
-            cut = await reader.next()
-            if cut.last and not len(cut.samples):
-                break  # the dataset's last rows were all set aside: they make no round of their own
-            starts.append(len(rows))
-            long += cut.long
-            empty += cut.empty_masks
-            rows = SampleTable.concat([rows, cut.samples])
-            before = len(batches)
-            batches = (
-                batches
-                + plan_in_rounds(  # the new round's alone; the others are planned
-                    rows.lengths, starts[-1:], token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size
+    try:
+        await publish(range(len(batches)))
+        while not cut.last:
+            try:
+                cut = await reader.next()
+                if cut.last and not len(cut.samples):
+                    break  # the dataset's last rows were all set aside: they make no round of their own
+                starts.append(len(rows))
+                long += cut.long
+                empty += cut.empty_masks
+                rows = SampleTable.concat([rows, cut.samples])
+                before = len(batches)
+                batches = (
+                    batches
+                    + plan_in_rounds(  # the new round's alone; the others are planned
+                        rows.lengths, starts[-1:], token_budget=cfg.token_budget, max_batch_size=cfg.max_batch_size
+                    )
                 )
-            )
-            await check(range(before, len(batches)), cut.samples, starts[-1])
-            if len(starts) <= recorded_rounds and starts[-1] != resumed.round_starts[len(starts) - 1]:
+                await check(range(before, len(batches)), cut.samples, starts[-1])
+                if len(starts) <= recorded_rounds and starts[-1] != resumed.round_starts[len(starts) - 1]:
+                    raise HsxError(
+                        f"round {len(starts) - 1} of the dataset starts at sample {starts[-1]}, but job {cfg.job}'s "
+                        f"spec records it at sample {resumed.round_starts[len(starts) - 1]}: the dataset was not read "
+                        "into the same samples as by the run that recorded it"
+                    )
+            except HsxError as exc:
+                stopped = record.spec  # the largest spec recorded: what was published, which runs
+                await _stop(record_grown, stopped, str(exc))
                 raise HsxError(
-                    f"round {len(starts) - 1} of the dataset starts at sample {starts[-1]}, but job {cfg.job}'s "
-                    f"spec records it at sample {resumed.round_starts[len(starts) - 1]}: the dataset was not read "
-                    "into the same samples as by the run that recorded it"
-                )
-        except HsxError as exc:
-            stopped = record.spec  # the largest spec recorded: what was published, which runs
-            await _stop(record_grown, stopped, str(exc))
-            raise HsxError(
-                f"{exc}; job {cfg.job} stopped after {len(stopped.round_starts)} rounds of --round-rows "
-                f"{cfg.round_rows} ({stopped.total_samples} samples published, which run; the job then ends failed): "
-                f"run hsx produce again once this is fixed and it resumes, or, for another dataset or settings, "
-                f"hsx jobs delete {cfg.job} first"
-            ) from None
-        # The spec grows before the round's batches go out: a worker that gets one finds it planned,
-        # and its samples' digests are stored before the spec names them.
-        await stored.store_digests(js, cfg.job, plan, len(starts) - 1, cut.samples, max_payload=nc.max_payload)
-        spec = round_spec()
-        if len(starts) > recorded_rounds:
-            await record_grown(spec)
-        await publish(range(before, len(batches)))
-    inputs = await reader.inputs()
-    tokens_object, report_object = await _store_inputs(cfg, js, inputs, max_payload=nc.max_payload)
-    rows = inputs.samples
-    spec = round_spec(
-        tokenized_object=tokens_object,
-        report_object=report_object,
-        counts=_input_counts(cfg, inputs, existing),
-        published=True,
-    )
-    await record_grown(spec)
-    log.info(
-        "job_published",
-        job=cfg.job,
-        batches=len(batches),
-        rounds=len(starts),
-        packing_efficiency=round(rows.total_tokens / max(1, sum(b.padded_tokens for b in batches)), 4),
-        new=totals["new"],
-        duplicates=totals["duplicates"],
-        already_queued_or_done=totals["already"],
-        samples=len(rows),
-        samples_empty_mask=spec.samples_empty_mask,
-        seconds=round(time.monotonic() - started, 2),
-    )
-    await bundle.write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
-    return 0
+                    f"{exc}; job {cfg.job} stopped after {len(stopped.round_starts)} rounds of --round-rows "
+                    f"{cfg.round_rows} ({stopped.total_samples} samples published, which run; the job then ends failed): "
+                    f"run hsx produce again once this is fixed and it resumes, or, for another dataset or settings, "
+                    f"hsx jobs delete {cfg.job} first"
+                ) from None
+            # The spec grows before the round's batches go out: a worker that gets one finds it planned,
+            # and its samples' digests are stored before the spec names them.
+            await stored.store_digests(js, cfg.job, plan, len(starts) - 1, cut.samples, max_payload=nc.max_payload)
+            spec = round_spec()
+            if len(starts) > recorded_rounds:
+                await record_grown(spec)
+            await publish(range(before, len(batches)))
+        inputs = await reader.inputs()
+        tokens_object, report_object = await _store_inputs(cfg, js, inputs, max_payload=nc.max_payload)
+        rows = inputs.samples
+        spec = round_spec(
+            tokenized_object=tokens_object,
+            report_object=report_object,
+            counts=_input_counts(cfg, inputs, existing),
+            published=True,
+        )
+        await record_grown(spec)
+        log.info(
+            "job_published",
+            job=cfg.job,
+            batches=len(batches),
+            rounds=len(starts),
+            packing_efficiency=round(rows.total_tokens / max(1, sum(b.padded_tokens for b in batches)), 4),
+            new=totals["new"],
+            duplicates=totals["duplicates"],
+            already_queued_or_done=totals["already"],
+            samples=len(rows),
+            samples_empty_mask=spec.samples_empty_mask,
+            seconds=round(time.monotonic() - started, 2),
+        )
+        await _write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
+        return 0
+    except NATS_OUTAGE_ERRORS as exc:
+        # Past the outage budget of a step: the spec says why the producer stopped, if NATS answers
+        # within a few seconds more (a rerun resumes and clears it).
+        reason = f"NATS did not answer for {OUTAGE_RETRY_S:g} s ({type(exc).__name__})"
+        try:
+            await record.write(msgspec.structs.replace(record.spec, stopped=reason), give_up_after_s=5.0)
+        except (*NATS_OUTAGE_ERRORS, SpecChanged):
+            log.warning("job_stop_not_recorded", job=cfg.job, reason=reason)
+        raise
 
 
 async def _record(record: SpecRecord, spec: schemas.JobSpec) -> None:
@@ -861,7 +897,7 @@ async def _republish_forgotten(
     since. They go out under an id of this job's making; any other duplicate is queued or done."""
     if not duplicates:
         return 0
-    accounted = await resume.accounted_batch_ids(js, cfg.job)
+    accounted = await _accounted(js, cfg.job)
     forgotten = {plan_batch_id(cfg.job, spec.plan_fingerprint, seq) for seq in duplicates} - accounted
     if not forgotten:
         return 0

@@ -14,7 +14,7 @@ from nats.js.kv import KeyValue
 from hsx.errors import HsxError
 from hsx.wire import schemas
 from hsx.wire.jobs import decode_job_spec
-from hsx.wire.natsconn import through_outage
+from hsx.wire.natsconn import OUTAGE_RETRY_S, through_outage
 
 
 class SpecChanged(HsxError):
@@ -41,8 +41,9 @@ class SpecRecord:
             return cls(kv, job, None, None)
         return cls(kv, job, decode_job_spec(entry.value, job=job), entry.revision)
 
-    async def write(self, spec: schemas.JobSpec) -> None:
-        """Record `spec` over the revision last read or written; SpecChanged when the key moved on."""
+    async def write(self, spec: schemas.JobSpec, *, give_up_after_s: float = OUTAGE_RETRY_S) -> None:
+        """Record `spec` over the revision last read or written; SpecChanged when the key moved on;
+        through an outage of up to `give_up_after_s` (then NATS's error)."""
         payload = schemas.encode(spec)
         attempts = 0
 
@@ -62,7 +63,7 @@ class SpecRecord:
                     f"job {self.job}: its spec in KV bucket hsx_jobs changed under this producer"
                 ) from None
 
-        self.revision = await through_outage(put, what="record_job_spec")
+        self.revision = await through_outage(put, what="record_job_spec", give_up_after_s=give_up_after_s)
         self.spec = spec
 
     async def _revision_holding(self, payload: bytes) -> int | None:

@@ -58,8 +58,12 @@ async def store_tokenized(js: JetStreamContext, job: str, samples: SampleTable, 
     name = tokens_object_name(job)
     with tempfile.TemporaryFile(prefix="hsx-tokens-") as file:
         write_tokens(samples, file, job=job)
-        file.seek(0)
-        await store.put(name, file, meta=_chunked(name, max_payload))
+
+        async def put() -> None:  # again from the start after an outage: a put replaces the object whole
+            file.seek(0)
+            await store.put(name, file, meta=_chunked(name, max_payload))
+
+        await through_outage(put, what="store_samples")
     return name
 
 
@@ -79,7 +83,7 @@ async def store_report(js: JetStreamContext, job: str, report: dict, *, max_payl
     store = await topology.ensure_datasets_store(js)
     name = report_object_name(job)
     data = json.dumps(report, indent=1, sort_keys=True).encode()
-    await store.put(name, data, meta=_chunked(name, max_payload))
+    await through_outage(lambda: store.put(name, data, meta=_chunked(name, max_payload)), what="store_report")
     return name
 
 

@@ -272,22 +272,35 @@ def test_a_dead_lettered_batch_ends_the_epoch_with_its_samples_reported(
     bad = _batch_of(nats_server.url, job_name, 5)
     blocker = _block_sample_path(spool, out, job_name, 5)
     workers = _workers(hsx_service, job_name, spool, *FAST)
-    stream = JobStream(url, nats=nats_server.url, name="dead", token_budget=BUDGET, shuffle_buffer=0)
-    seen = _samples_of(_Reading(stream).result())
-    assert sorted(seen) == sorted(set(range(24)) - set(bad)), (seen, bad)
+
+    def rank(r: int, name: str = "dead", replicas: int = 2) -> JobStream:
+        return JobStream(
+            url, nats=nats_server.url, name=name, token_budget=BUDGET, shuffle_buffer=0, num_replicas=replicas, rank=r
+        )
+
+    stream = rank(0)
+    first = _Reading(stream).result()
+    seen = _samples_of(first)
     end = stream.first_epoch
     assert end is not None and not end.done and "dead-lettered" in end.reason
     assert stream.missing == bad and stream.missing_count == len(bad)
     state = stream.state_dict()
-    # Retried and uploaded after the epoch ended: a replay from the saved state stops where the
-    # first reading stopped; a stream without a state reads the whole plan.
+    # Retried and uploaded after rank 0 ended its epoch: rank 1 of the same stream, started only
+    # now, ends the epoch where rank 0 did (the end is recorded once for the stream), so the two
+    # ranks take every sample that had landed then exactly once, in as many batches each (issue
+    # 35, item 3); a replay from the saved state stops there too; a stream of another name reads
+    # the whole plan.
     blocker.joinpath("in-the-way").unlink()
     blocker.rmdir()
     assert hsx("dead", "retry", "--job", job_name, "--all").returncode == 0
-    fresh = JobStream(url, nats=nats_server.url, name="dead", token_budget=BUDGET, shuffle_buffer=0)
+    fresh = rank(0, name="dead-fresh", replicas=1)
     assert sorted(_samples_of(_Reading(fresh).result())) == list(range(24)), logs_of(*workers)
     assert fresh.first_epoch.done and fresh.missing == []
-    replay = JobStream(url, nats=nats_server.url, name="dead", token_budget=BUDGET, shuffle_buffer=0)
+    late = rank(1)
+    second = _Reading(late).result()
+    assert late.first_epoch == end and len(second) == len(first), (late.first_epoch, end)
+    assert sorted(seen + _samples_of(second)) == sorted(set(range(24)) - set(bad)), (seen, bad)
+    replay = rank(0)
     state["taken"] = 0
     replay.load_state_dict(state)
     assert _samples_of(_Reading(replay).result()) == seen

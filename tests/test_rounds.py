@@ -27,7 +27,7 @@ import nats
 import nats.js.errors
 import numpy as np
 import pytest
-from conftest import REPO, _env
+from conftest import REPO, _env, _free_port
 from test_e2e_s3 import (
     LAYERS,
     check_ok,
@@ -44,6 +44,7 @@ from test_e2e_s3 import (
 from test_inputs import CONVERSATIONS, chat_models, chat_tokenizer_files  # noqa: F401 (fixtures)
 from test_producer_checks import log_events_of
 
+from hsx.commands.embedded import start_nats_server
 from hsx.packing import plan_in_rounds
 from hsx.producer import estimate
 from hsx.producer.config import BadRowCap
@@ -418,6 +419,37 @@ def test_a_rerun_after_a_kill_between_rounds_keeps_the_recorded_rounds_and_ends_
     view = status(hsx, job_name, None)
     assert view["done"] and view["samples_uploaded"] == 40 and view["samples_outside_plan"] == 0, view
     assert view["batches_done"] == view["batches_total"] == _spec(nats_server.url, job_name).total_batches
+
+
+def test_a_nats_restart_between_rounds_is_ridden_out_by_the_producer(tmp_path, tiny_model, job_name):
+    """NATS killed while the producer is between rounds and back 8 s later: the producer waits it
+    out as the workers do and publishes the whole plan once; no traceback (issue 35, item 2)."""
+    store, port = tmp_path / "nats", _free_port()
+    server = start_nats_server(store, port=port, log_file=tmp_path / "nats-server.log")
+    try:
+        write_dataset(tmp_path / "data.jsonl", 40, min_len=4, max_len=200, seed=37)
+        go = tmp_path / "go"
+        args = _produce_args(job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", tmp_path / "out")
+        producer = _start_producer_after_rounds(
+            server.url, args, rounds=2, then=_WAIT, job=job_name, log=tmp_path / "produce.log", go=go
+        )
+        deadline = time.monotonic() + 120
+        while not _wait_for_round(server.url, job_name, 2):
+            assert producer.poll() is None and time.monotonic() < deadline, logs_of(producer)
+            time.sleep(0.2)
+        server.kill()
+        go.touch()
+        time.sleep(8.0)  # longer than a request's timeout: the producer's next steps fail and are retried
+        server = start_nats_server(store, port=port, log_file=tmp_path / "nats-server.log")
+        assert producer.wait(timeout=180) == 0, logs_of(producer)
+        text = Path(producer.log_path).read_text()
+        assert "Traceback" not in text, text[-3000:]
+        assert '"nats_disconnected"' in text and '"nats_reconnected"' in text, text[-3000:]
+        spec = _spec(server.url, job_name)
+        assert spec.published and len(spec.round_starts) == 6 and not spec.stopped, spec
+        assert _planned_batches_in_stream(server.url, job_name) == spec.total_batches
+    finally:
+        server.stop()
 
 
 def _wait_for_round(nats_url: str, job: str, rounds: int) -> bool:

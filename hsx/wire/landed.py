@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
@@ -253,7 +254,12 @@ class LandingFeed:
                     checked = time.monotonic()
                     await self._still_the_job(watch)
                     if end is None:
-                        end = await self._over(js, verdict, subject)
+                        end = await self._agreed_end(js, spec, await self._over(js, verdict, subject))
+                        if end is not None and markers.delivered > end.end_seq:
+                            raise HsxError(
+                                f"stream {self.name}: this rank read past the epoch's end another rank recorded "
+                                f"(stream sequence {end.end_seq}); restart every rank of the stream"
+                            )
                 if end is not None and markers.delivered >= end.end_seq:
                     await self._put(end)
                     return
@@ -274,6 +280,58 @@ class LandingFeed:
         lost = await watch.check()
         if lost:
             raise HsxError(f"stream {self.name}: {lost.removesuffix('; stopped')}")
+
+    async def _agreed_end(self, js, spec: schemas.JobSpec, found: EpochEnd | None) -> EpochEnd | None:
+        """The epoch's end every rank of the stream takes: the one recorded on its subject, if a rank
+        recorded one; else `found` (this rank's reading: None while the job runs), recorded now,
+        once: the first rank to find the job over sets where every rank's first epoch ends, so
+        that samples retried or landed after it never reach one rank and miss another."""
+        subject = topology.epoch_end_subject(self.job, spec.plan_tag, self.name)
+        try:
+            if found is not None:
+                record = schemas.EpochEndRecord(
+                    job=self.job,
+                    plan=spec.plan_tag,
+                    stream=self.name,
+                    created_at=spec.created_at,
+                    end_seq=found.end_seq,
+                    done=found.done,
+                    total_samples=found.total_samples,
+                    reason=found.reason,
+                    missing=list(found.missing),
+                    missing_count=found.missing_count,
+                )
+                try:
+                    await js.publish(subject, schemas.encode(record), headers=topology.ONCE_HEADERS)
+                except nats.js.errors.APIError as exc:
+                    if exc.err_code != topology.WRONG_LAST_SEQUENCE:
+                        raise
+            try:
+                msg = await js.get_last_msg(topology.EVENTS_STREAM, subject)
+            except nats.js.errors.NotFoundError:
+                return None
+        except Exception as exc:  # NATS reconnecting: read again at the next check
+            log.warning("epoch_end_unavailable", job=self.job, error=str(exc) or type(exc).__name__)
+            return None
+        try:
+            agreed = schemas.epoch_end_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            agreed = None
+        if agreed is None or (agreed.job, agreed.plan, agreed.stream) != (self.job, spec.plan_tag, self.name):
+            raise HsxError(f"stream {self.name}: the epoch's end recorded on {subject} is not one hsx wrote")
+        if agreed.created_at != spec.created_at:
+            raise HsxError(
+                f"stream {self.name}: the epoch's end recorded on {subject} is of an earlier production of job "
+                f"{self.job}; delete the job's events (hsx jobs delete) or use another stream name"
+            )
+        return EpochEnd(
+            end_seq=agreed.end_seq,
+            done=agreed.done,
+            total_samples=agreed.total_samples,
+            reason=agreed.reason,
+            missing=tuple(agreed.missing),
+            missing_count=agreed.missing_count,
+        )
 
     async def _over(self, js, verdict: JobVerdict, subject: str) -> EpochEnd | None:
         """The epoch's end once the job is over; None while it runs."""

@@ -363,6 +363,23 @@ class ProgressCheckpoint(_Wire, tag="progress.v1"):
     saved_at: Seconds = 0.0
 
 
+class EpochEndRecord(_Wire, tag="epoch.v1"):
+    """The end of a trainer stream's first epoch (hsx/wire/landed.py `EpochEnd`), recorded once on
+    `hsx.events.<job>.epoch.<plan>.<stream>` by the first rank that found the job over: the stream
+    sequence of its last marker, and whether the job was done or failed then."""
+
+    job: Name
+    plan: PlanTag
+    stream: Name
+    created_at: float  # the job's (JobSpec.created_at): an end of another production is not this one's
+    end_seq: Count
+    done: bool
+    total_samples: Count
+    reason: str | None = None
+    missing: list[Count] = []
+    missing_count: Count = 0
+
+
 # A dead letter's error text is cut to this many characters.
 DEAD_LETTER_ERROR_CHARS = 2000
 
@@ -391,6 +408,7 @@ job_decoder = msgspec.json.Decoder(JobSpec)
 event_decoder = msgspec.json.Decoder(Event)
 dead_decoder = msgspec.json.Decoder(DeadLetter)
 checkpoint_decoder = msgspec.json.Decoder(ProgressCheckpoint)
+epoch_end_decoder = msgspec.json.Decoder(EpochEndRecord)
 
 
 def encode(message: _Wire) -> bytes:

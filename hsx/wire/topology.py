@@ -163,6 +163,12 @@ def progress_counter_filter(job: str, plan: str, counter: str) -> str:
     return marker_filter(job, kind, plan if which == "<plan>" else which, extra=extra)
 
 
+def epoch_end_subject(job: str, plan: str, stream: str) -> str:
+    """Where the first epoch's end of a trainer's stream of `plan` is recorded, once: every rank
+    of the stream, whenever it starts, ends the epoch there (hsx/wire/landed.py)."""
+    return f"hsx.events.{job}.epoch.{plan or 'none'}.{stream}"
+
+
 def checkpoint_subject(job: str) -> str:
     """The job's progress checkpoint (hsx/wire/fold.py): one message, rolled up on each save."""
     return f"hsx.events.{job}.checkpoint"
