@@ -17,7 +17,6 @@ Knows the model as a module tree and a checkpoint folder; nothing of hooks, NATS
 
 import importlib.util
 import re
-import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -166,8 +165,12 @@ def _weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())  # a tied weight counts once
 
 
-def peak_host_rss_bytes() -> int:
-    """This process's peak resident set so far (Linux reports KiB, macOS bytes)."""
+def peak_host_rss_bytes() -> int | None:
+    """This process's peak resident set so far (Linux reports KiB, macOS bytes); None on Windows."""
+    try:
+        import resource
+    except ImportError:
+        return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
