@@ -1,11 +1,14 @@
 """Loading the model once and capturing the selected layers' outputs.
 
-Forward hooks sit on the selected decoder layers only. The hook on the deepest selected layer
-raises `_StopForward` after capturing, so later layers, the final norm and the lm_head never run:
-a capture of layers up to L/2 costs about half a full forward. Layer i means the raw output of
-decoder layer i (0-based), which is transformers' `output_hidden_states[i + 1]` except for the
-last layer (transformers applies the final norm to that entry). The `final` selector captures the
-final norm's output instead, and the forward stops there (the lm_head still never runs).
+`load_model` loads only what the selection runs (hsx.gpu_consumer.trunk): the embedding, the
+decoder layers up to the deepest selected one, the final norm for `final`, never the lm_head,
+straight onto the device. Forward hooks sit on the selected decoder layers only. The hook on the
+deepest selected layer raises `_StopForward` after capturing, so nothing after it runs, also on a
+whole model (bench/gpu.py taps one it builds itself): a capture of layers up to L/2 costs about
+half a full forward. Layer i means the raw output of decoder layer i (0-based), which is
+transformers' `output_hidden_states[i + 1]` except for the last layer (transformers applies the
+final norm to that entry). The `final` selector captures the final norm's output instead, and the
+forward stops there.
 """
 
 import importlib.util
@@ -18,6 +21,7 @@ from torch import nn
 
 from hsx.errors import HsxError
 from hsx.gpu_consumer.staging import HostStaging
+from hsx.gpu_consumer.trunk import LoadReport, decoder_layers, decoder_stack, load_trunk, peak_host_rss_bytes
 from hsx.logs import route_transformers_logging
 from hsx.model.devices import visible_text
 from hsx.model.layers import FINAL
@@ -34,18 +38,6 @@ COMPUTE_DTYPES = {**STORAGE_DTYPES, FLOAT8: torch.bfloat16}
 
 class _StopForward(Exception):
     """Raised by the deepest hook: everything the job needs has been captured."""
-
-
-def decoder_stack(model: nn.Module) -> nn.Module:
-    """The module that holds `.layers` and `.norm` (`model.model` for most causal LMs)."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, model.base_model_prefix, model)
-    if not isinstance(getattr(base, "layers", None), nn.ModuleList):
-        raise HsxError(f"model class {type(model).__name__}: cannot find its decoder layers (no .layers ModuleList)")
-    return base
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    return decoder_stack(model).layers
 
 
 class LayerTap:
@@ -108,6 +100,7 @@ class LoadedModel:
     pad_token_id: int
     attention: str
     staging: HostStaging | None = None  # pinned host buffers, on CUDA devices
+    load_report: LoadReport | None = None  # what load_model loaded (hsx.gpu_consumer.trunk)
 
 
 def choose_attention(
@@ -164,28 +157,26 @@ def load_model(
     revision: str | None = None,
     compile_layers: bool = False,
 ) -> LoadedModel:
-    """`revision`: the cache snapshot the producer resolved (pinned so that every consumer loads the
-    weights the job spec names, even if the cache's `main` moves); None for a local folder."""
-    from transformers import AutoModelForCausalLM
-
+    """The trunk of the model at `path` that `layers` runs (hsx.gpu_consumer.trunk), its weights
+    loaded straight onto `device`. `revision`: the cache snapshot the producer resolved (pinned so
+    that every consumer loads the weights the job spec names, even if the cache's `main` moves);
+    None for a local folder."""
     route_transformers_logging()
     compute_dtype = COMPUTE_DTYPES[dtype]
     target = usable_device(device)
     attention = choose_attention(target, compute_dtype)
-    attention_kwargs = {"attn_implementation": attention} if attention else {}
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=compute_dtype,
-            local_files_only=True,
-            trust_remote_code=trust_remote_code,
-            **attention_kwargs,
-            **({"revision": revision} if revision else {}),
-        )
-    except (OSError, ValueError) as exc:
-        raise HsxError(f"model {path}: cannot load ({str(exc).splitlines()[0]})") from None
-    model.to(target).eval()
-    model.requires_grad_(False)
+    model, report = load_trunk(
+        path,
+        layers=layers,
+        dtype=compute_dtype,
+        device=target,
+        trust_remote_code=trust_remote_code,
+        revision=revision,
+        attention=attention,
+    )
+    log.info(
+        "model_loaded", model=path, device=str(target), **report.fields(), host_peak_rss_bytes=peak_host_rss_bytes()
+    )
     if compile_layers:
         # Per layer, not the whole model: the layer tap's hooks end the forward early, and every
         # layer shares one compiled graph. dynamic: each batch has its own [B, P].
@@ -201,4 +192,5 @@ def load_model(
         pad_token_id=int(pad) if isinstance(pad, int) and 0 <= pad < config.vocab_size else 0,
         attention=str(getattr(model.config, "_attn_implementation", "unknown")),
         staging=HostStaging() if target.type == "cuda" else None,
+        load_report=report,
     )

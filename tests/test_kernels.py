@@ -38,7 +38,8 @@ def loaded(tmp_path_factory):
     def get(name: str):
         if name not in models:
             path = build_tiny_model(root / name, seed=7, **FAMILIES[name].config)
-            models[name] = load_model(str(path), layers=[0], dtype="float32", device="cpu")
+            # Layer 2: the trunk holds layers 0-2, two of them linear attention (HYBRID_LAYER_TYPES).
+            models[name] = load_model(str(path), layers=[2], dtype="float32", device="cpu")
         return models[name]
 
     return get

@@ -55,15 +55,17 @@ def _reference(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def test_final_selector_is_the_post_norm_state_and_the_lm_head_never_runs(tiny_model):
+def test_final_selector_is_the_post_norm_state_and_the_lm_head_is_not_loaded(tiny_model):
     path = tiny_model("qwen3")
     loaded = load_model(str(path), layers=[FINAL, 2], dtype="float32", device="cpu")
-    calls = {"lm_head": 0, "norm": 0}
-    loaded.model.lm_head.register_forward_pre_hook(lambda *_: calls.__setitem__("lm_head", calls["lm_head"] + 1))
+    # `final` needs every layer and the norm; nothing needs the lm_head.
+    assert loaded.model.get_output_embeddings() is None
+    assert len(loaded.model.model.layers) == loaded.model.config.num_hidden_layers
+    calls = {"norm": 0}
     loaded.model.model.norm.register_forward_pre_hook(lambda *_: calls.__setitem__("norm", calls["norm"] + 1))
     samples = _samples([9, 40, 23])
     outputs = extract_samples(loaded, samples)
-    assert calls == {"lm_head": 0, "norm": 1}
+    assert calls == {"norm": 1}
     reference = _reference(path)
     for sample, stored in zip(samples, outputs):
         with torch.inference_mode():

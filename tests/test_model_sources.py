@@ -72,6 +72,13 @@ def test_a_model_id_resolves_from_the_local_hub_cache_offline(hsx, hsx_service, 
     monitor = hsx("monitor", "--job", job_name, "--until-done", "--interval", "0.5", timeout=120)
     assert monitor.returncode == 0, (monitor.stdout + monitor.stderr)[-2000:] + consumer.log_path.read_text()[-2000:]
 
+    # The start-up log says what was loaded: the cached snapshot's layers up to the deepest, 5 (all 6).
+    loads = [json.loads(line) for line in consumer.log_path.read_text().splitlines() if '"model_loaded"' in line]
+    assert [(r["model"], r["layers_loaded"], r["layers_total"], r["final_norm"]) for r in loads] == [
+        (MODEL_ID, 6, 6, False)
+    ], loads
+    assert loads[0]["weight_bytes"] > 0 and loads[0]["placement"] == "direct"
+
     files = sorted(out.rglob("*.safetensors"))
     assert len(files) == len(rows)
     for path in files:

@@ -19,6 +19,13 @@ class ModelInfo:
     hidden_size: int
 
 
+def remote_code_refused(model: str) -> HsxError:
+    return HsxError(
+        f"model {model} needs its own Python code (custom code in the model folder) to load; "
+        "hsx refuses to run it unless you pass --trust-remote-code"
+    )
+
+
 def load_model_info(model: str, *, trust_remote_code: bool = False) -> ModelInfo:
     from transformers import AutoConfig
 
@@ -27,10 +34,7 @@ def load_model_info(model: str, *, trust_remote_code: bool = False) -> ModelInfo
         config = AutoConfig.from_pretrained(model, local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
-            raise HsxError(
-                f"model {model} needs its own Python code (custom code in the model folder) to load; "
-                "hsx refuses to run it unless you pass --trust-remote-code"
-            ) from None
+            raise remote_code_refused(model) from None
         raise HsxError(f"model {model}: cannot read its config ({str(exc).splitlines()[0]})") from None
     except OSError as exc:
         if Path(model).is_dir():
