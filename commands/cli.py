@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from hsx.logs import configure_logging
 from hsx.monitor.config import MonitorConfig
 from hsx.producer.config import ProducerConfig
 from hsx.uploader.config import UploaderConfig
+from hsx.wire import denials
 from hsx.wire.natsconn import NatsSettings, redact_url
 
 
@@ -348,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hsx: error: {exc}", file=sys.stderr)
         return exc.exit_code
     configure_logging(level=args.log_level)
+    started = time.monotonic()
     try:
         return _dispatch(parser, args)
     except HsxError as exc:
@@ -355,3 +358,11 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except Exception:
+        # A request the NATS user may not make times out somewhere no one expected it: the
+        # server's refusal, not the timeout's traceback, is what the operator must see.
+        refusal = denials.denied(started, what=f"hsx {args.command}")
+        if refusal is None:
+            raise
+        print(f"hsx: error: {refusal}", file=sys.stderr)
+        return refusal.exit_code
