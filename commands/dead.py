@@ -121,7 +121,7 @@ async def list_dead(settings: NatsSettings, job: str) -> list[dict]:
     nc = await connect(settings, name=f"hsx-dead-{job}")
     try:
         js = nc.jetstream()
-        kv = await topology.ensure_topology(js)
+        kv = await topology.require_jobs_bucket(js, job)
         return [
             _describe(seq, letter, resolved) for seq, letter, resolved in await _letters_and_resolutions(js, kv, job)
         ]
@@ -135,7 +135,7 @@ async def retry_dead(settings: NatsSettings, job: str, seqs: list[int] | None) -
     nc = await connect(settings, name=f"hsx-dead-retry-{job}")
     try:
         js = nc.jetstream()
-        kv = await topology.ensure_topology(js)
+        kv = await topology.require_jobs_bucket(js, job)
         letters = await _letters_and_resolutions(js, kv, job)
         if seqs is not None:
             unknown = sorted(set(seqs) - {seq for seq, _, _ in letters})

@@ -72,9 +72,11 @@ async def load_report(js: JetStreamContext, job: str, *, spec: schemas.JobSpec |
     spec = await spec_of(js, job, spec)
     if not spec.report_object:
         raise HsxError(f"job {job} has no input report (it was produced by an older hsx)")
-    store = await topology.ensure_datasets_store(js)
+    store = await topology.datasets_store(js)
     buffer = io.BytesIO()  # writeinto: get() otherwise grows one bytes object chunk by chunk
     try:
+        if store is None:
+            raise nats.js.errors.ObjectNotFoundError
         await store.get(spec.report_object, writeinto=buffer)
         return msgspec.json.decode(buffer.getvalue())
     except nats.js.errors.ObjectNotFoundError:

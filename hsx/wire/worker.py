@@ -198,8 +198,8 @@ async def job_session(
     nc = await connect(nats, name=name)
     try:
         js = nc.jetstream()
-        kv = await topology.ensure_topology(js)
-        spec = await wait_for_job(kv, job, stopping, wait_s=wait_s)
+        kv = await topology.wait_for_jobs_bucket(js, job, stopping)
+        spec = None if kv is None else await wait_for_job(kv, job, stopping, wait_s=wait_s)
         yield None if spec is None else Session(nc=nc, js=js, kv=kv, spec=spec, stopping=stopping)
     finally:
         await close_connection(nc)
