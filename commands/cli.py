@@ -22,6 +22,7 @@ from hsx.commands.configs import (
     IndexRebuildConfig,
     JobsDeleteConfig,
     JobsListConfig,
+    NatsConfigConfig,
     StatusConfig,
     SyncConfig,
     VerifyConfig,
@@ -124,6 +125,12 @@ def _run_jobs_delete(cfg: JobsDeleteConfig) -> int:
     return run_delete(cfg.nats, cfg.job, force=cfg.force, as_json=cfg.as_json)
 
 
+def _run_nats_config(cfg: NatsConfigConfig) -> int:
+    from hsx.commands.natsconfig import run_nats_config
+
+    return run_nats_config(cfg)
+
+
 @dataclass(frozen=True)
 class Command:
     """A command that runs no service: its flags are its config's fields (commands/configs.py)."""
@@ -182,6 +189,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         _run_jobs_delete,
         "purge a job's messages, durables, job spec and stored samples (not its output in the "
         "destination); refused while its workers are alive unless --force",
+    ),
+    ("nats-config",): Command(
+        NatsConfigConfig,
+        _run_nats_config,
+        "write a nats-server authorization block with one NATS user per role (producer, consumer, "
+        "uploader, monitor, trainer, admin), each allowed what it does, and each role's env file",
     ),
 }
 
