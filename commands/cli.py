@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         # A request the NATS user may not make times out somewhere no one expected it: the
         # server's refusal, not the timeout's traceback, is what the operator must see.
-        refusal = denials.denied(started, what=f"hsx {args.command}")
+        words = [args.command, getattr(args, f"{args.command}_command", None)]
+        refusal = denials.denied(started, what="hsx " + " ".join(filter(None, words)))
         if refusal is None:
             raise
         print(f"hsx: error: {refusal}", file=sys.stderr)

@@ -250,6 +250,14 @@ class NatsConfigConfig:
         example="nats://nats-a:4222",
         help="the server URL the services use, written into each env file as HSX_NATS_URL (default: none)",
     )
+    bcrypt_cost: int = option(
+        "--bcrypt-cost",
+        default=11,
+        parse=positive_int("--bcrypt-cost"),
+        metavar="N",
+        help="bcrypt's work factor for the password hashes, 4-31: nats-server checks one per login "
+        "(default 11, as nats server passwd)",
+    )
     # Writing new passwords is asked for per run: a file must not do it.
     force: bool = option(
         "--force",
@@ -257,3 +265,16 @@ class NatsConfigConfig:
         command_line_only=True,
         help="replace the files of an earlier run: every role gets a new password",
     )
+    keep_passwords: bool = option(
+        "--update",
+        default=False,
+        command_line_only=True,
+        help="rewrite an earlier run's block for the jobs and nodes given now, keeping each role's password "
+        "(read from its env file): add a job, then nats-server --signal reload",
+    )
+
+    def __post_init__(self) -> None:
+        if self.force and self.keep_passwords:
+            raise HsxError("--force gives every role a new password and --update keeps them: give one")
+        if not 4 <= self.bcrypt_cost <= 31:
+            raise HsxError(f"--bcrypt-cost must be 4 to 31 (bcrypt's range), got {self.bcrypt_cost}")

@@ -21,8 +21,6 @@ from hsx.storage.fsutil import atomic_write_bytes
 from hsx.wire.permissions import ANY, ROLES, Permissions, inbox_prefix, role_permissions
 
 AUTH_FILE = "nats-auth.conf"
-# nats-server's own default cost (`nats server passwd`): each connection's login checks one hash.
-_BCRYPT_COST = 11
 
 
 def user_of(role: str) -> str:
@@ -41,10 +39,10 @@ class RoleUser:
     permissions: Permissions
 
 
-def _bcrypt(password: str) -> str:
+def _bcrypt(password: str, cost: int) -> str:
     import bcrypt
 
-    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=_BCRYPT_COST)).decode()
+    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=cost)).decode()
 
 
 def _quoted(values: tuple[str, ...], indent: str) -> str:
@@ -52,7 +50,7 @@ def _quoted(values: tuple[str, ...], indent: str) -> str:
     return "\n".join(f"{indent}{json.dumps(value)}" for value in values)
 
 
-def authorization_block(users: list[RoleUser], *, scope: str) -> str:
+def authorization_block(users: list[RoleUser], *, scope: str, cost: int) -> str:
     """The `authorization {}` block of nats-server's configuration for `users`."""
     entries = []
     for one in users:
@@ -60,7 +58,7 @@ def authorization_block(users: list[RoleUser], *, scope: str) -> str:
             f"""    {{
       # role {one.role}
       user: {json.dumps(one.user)}
-      password: {json.dumps(_bcrypt(one.password))}
+      password: {json.dumps(_bcrypt(one.password, cost))}
       permissions: {{
         publish: {{ allow: [
 {_quoted(one.permissions.publish, "          ")}
@@ -91,6 +89,19 @@ def role_env(one: RoleUser, *, url: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _kept_password(path: Path) -> str:
+    """The password an earlier run wrote into `path` (--update)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise HsxError(f"--update: cannot read {path} ({exc.strerror}); run without --update to write it") from None
+    for line in text.splitlines():
+        name, _, value = line.partition("=")
+        if name == "HSX_NATS_PASSWORD" and value:
+            return value
+    raise HsxError(f"--update: {path} has no HSX_NATS_PASSWORD line (not written by hsx nats-config?)")
+
+
 def _scope(jobs: tuple[str, ...], nodes: tuple[str, ...]) -> str:
     on_jobs = "every job" if jobs == (ANY,) else "jobs " + ", ".join(jobs)
     on_nodes = "every node" if nodes == (ANY,) else "nodes " + ", ".join(nodes)
@@ -104,22 +115,23 @@ def write_nats_config(cfg: NatsConfigConfig) -> list[Path]:
         raise HsxError(f"--out {out}: not a directory")
     targets = [out / AUTH_FILE, *(out / env_file(role) for role in ROLES)]
     existing = [str(path) for path in targets if path.exists()]
-    if existing and not cfg.force:
+    if existing and not (cfg.force or cfg.keep_passwords):
         raise HsxError(
             f"--out {out} already holds {', '.join(existing[:3])}{' ...' if len(existing) > 3 else ''} "
-            "from an earlier hsx nats-config: pass --force to give every role a new password"
+            "from an earlier hsx nats-config: pass --update to keep the roles' passwords (a new scope), "
+            "or --force to give every role a new one"
         )
     jobs, nodes = cfg.jobs or (ANY,), cfg.nodes or (ANY,)
     users = [
         RoleUser(
             role=role,
             user=user_of(role),
-            password=secrets.token_urlsafe(24),
+            password=_kept_password(out / env_file(role)) if cfg.keep_passwords else secrets.token_urlsafe(24),
             permissions=role_permissions(role, user=user_of(role), jobs=jobs, nodes=nodes),
         )
         for role in ROLES
     ]
-    atomic_write_bytes(targets[0], authorization_block(users, scope=_scope(jobs, nodes)).encode())
+    atomic_write_bytes(targets[0], authorization_block(users, scope=_scope(jobs, nodes), cost=cfg.bcrypt_cost).encode())
     for one, path in zip(users, targets[1:]):
         atomic_write_bytes(path, role_env(one, url=cfg.url).encode())
     return targets
