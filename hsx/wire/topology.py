@@ -373,20 +373,28 @@ async def require_jobs_bucket(js: JetStreamContext, job: str) -> KeyValue:
 
 
 async def wait_for_jobs_bucket(
-    js: JetStreamContext, job: str, stopping: asyncio.Event, *, poll_s: float = 0.5
+    js: JetStreamContext, job: str, stopping: asyncio.Event, *, poll_s: float = 0.5, wait_s: float | None = None
 ) -> KeyValue | None:
     """The jobs bucket, once some producer has made it on this server (a worker started before
-    any job waits for it, saying so once); None if asked to stop first."""
-    announced = False
+    any job waits for it, saying so once); None if asked to stop first; past `wait_s` (None: no
+    bound, as --wait-for-job) an HsxError naming the job."""
+    started, announced = time.monotonic(), False
     while not stopping.is_set():
         kv = await jobs_bucket(js)
         if kv is not None:
             return kv
+        waited = time.monotonic() - started
+        if wait_s is not None and waited >= wait_s:
+            raise HsxError(
+                f"job {job} not found in KV bucket {JOBS_BUCKET} after waiting {wait_s:g} s (--wait-for-job): "
+                f"no job was ever produced on this server (run hsx produce --job {job} first, or check --nats)"
+            )
         if not announced:
             log.info("waiting_for_job_spec", job=job, bucket=JOBS_BUCKET)
             announced = True
+        timeout = poll_s if wait_s is None else max(0.0, min(poll_s, wait_s - waited))
         try:
-            await asyncio.wait_for(stopping.wait(), timeout=poll_s)
+            await asyncio.wait_for(stopping.wait(), timeout=timeout)
         except TimeoutError:
             pass
     return None
