@@ -357,11 +357,19 @@ async def _ensure_topology(js: JetStreamContext, replicas: int | None) -> KeyVal
 
 
 async def jobs_bucket(js: JetStreamContext) -> KeyValue | None:
-    """The jobs bucket, or None when no producer has made the topology on this server yet."""
+    """The jobs bucket, or None when no producer has made the topology on this server yet. Each
+    stream is asked for once, as creating it would: on a cluster that is electing leaders (a
+    server died) the process waits here for every stream to answer, not at its first read."""
     try:
-        return await _while_unavailable(lambda: js.key_value(JOBS_BUCKET), what=f"bucket {JOBS_BUCKET}")
+        kv = await _while_unavailable(lambda: js.key_value(JOBS_BUCKET), what=f"bucket {JOBS_BUCKET}")
     except nats.js.errors.BucketNotFoundError:
         return None
+    for config in STREAMS:
+        try:
+            await _while_unavailable(lambda name=config.name: js.stream_info(name), what=f"stream {config.name}")
+        except nats.js.errors.NotFoundError:
+            pass  # made by an older producer: its next run adds it
+    return kv
 
 
 async def require_jobs_bucket(js: JetStreamContext, job: str) -> KeyValue:
