@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from hsx.commands.configs import (
     IndexRebuildConfig,
     JobsDeleteConfig,
     JobsListConfig,
+    NatsConfigConfig,
     StatusConfig,
     SyncConfig,
     VerifyConfig,
@@ -45,6 +47,7 @@ from hsx.logs import configure_logging
 from hsx.monitor.config import MonitorConfig
 from hsx.producer.config import ProducerConfig
 from hsx.uploader.config import UploaderConfig
+from hsx.wire import denials
 from hsx.wire.natsconn import NatsSettings, redact_url
 
 
@@ -122,6 +125,12 @@ def _run_jobs_delete(cfg: JobsDeleteConfig) -> int:
     return run_delete(cfg.nats, cfg.job, force=cfg.force, as_json=cfg.as_json)
 
 
+def _run_nats_config(cfg: NatsConfigConfig) -> int:
+    from hsx.commands.natsconfig import run_nats_config
+
+    return run_nats_config(cfg)
+
+
 @dataclass(frozen=True)
 class Command:
     """A command that runs no service: its flags are its config's fields (commands/configs.py)."""
@@ -180,6 +189,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         _run_jobs_delete,
         "purge a job's messages, durables, job spec and stored samples (not its output in the "
         "destination); refused while its workers are alive unless --force",
+    ),
+    ("nats-config",): Command(
+        NatsConfigConfig,
+        _run_nats_config,
+        "write a nats-server authorization block with one NATS user per role (producer, consumer, "
+        "uploader, monitor, trainer, admin), each allowed what it does, and each role's env file",
     ),
 }
 
@@ -348,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hsx: error: {exc}", file=sys.stderr)
         return exc.exit_code
     configure_logging(level=args.log_level)
+    started = time.monotonic()
     try:
         return _dispatch(parser, args)
     except HsxError as exc:
@@ -355,3 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except Exception:
+        # A request the NATS user may not make times out somewhere no one expected it: the
+        # server's refusal, not the timeout's traceback, is what the operator must see.
+        words = [args.command, getattr(args, f"{args.command}_command", None)]
+        refusal = denials.denied(started, what="hsx " + " ".join(filter(None, words)))
+        if refusal is None:
+            raise
+        print(f"hsx: error: {refusal}", file=sys.stderr)
+        return refusal.exit_code

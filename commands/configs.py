@@ -19,7 +19,7 @@ from hsx.storage.location import Location, job_folder_argument
 from hsx.storage.trainers import DTYPES as EXPORT_DTYPES
 from hsx.storage.trainers import FORMATS as EXPORT_FORMATS
 from hsx.wire.natsconn import NatsSettings
-from hsx.wire.topology import job_name
+from hsx.wire.topology import check_name, job_name
 
 DEFAULT_TIMEOUT_S = 120.0
 # How long `hsx status` folds markers the last reader has not (commands/status.py): with a
@@ -219,3 +219,62 @@ class JobsDeleteConfig:
         command_line_only=True,
         help="delete even while workers of the job are alive (they lose their durables)",
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class NatsConfigConfig:
+    out: Path = option(
+        "--out",
+        default=Path("hsx-nats"),
+        parse=Path,
+        help="the folder to write nats-auth.conf and one <role>.env per role into (default ./hsx-nats)",
+    )
+    # Repeatable: command line only (a file has no lists). None: every job.
+    jobs: tuple[str, ...] | None = option(
+        "--job",
+        default=None,
+        parse=job_name,
+        repeat=True,
+        help="allow each role this job only (repeatable; default: every job)",
+    )
+    nodes: tuple[str, ...] | None = option(
+        "--node",
+        default=None,
+        parse=lambda text: check_name(text, "--node"),
+        repeat=True,
+        help="allow consumers' files and uploaders' durables on this node only (repeatable; default: every node)",
+    )
+    url: str | None = option(
+        "--url",
+        default=None,
+        example="nats://nats-a:4222",
+        help="the server URL the services use, written into each env file as HSX_NATS_URL (default: none)",
+    )
+    bcrypt_cost: int = option(
+        "--bcrypt-cost",
+        default=11,
+        parse=positive_int("--bcrypt-cost"),
+        metavar="N",
+        help="bcrypt's work factor for the password hashes, 4-31: nats-server checks one per login "
+        "(default 11, as nats server passwd)",
+    )
+    # Writing new passwords is asked for per run: a file must not do it.
+    force: bool = option(
+        "--force",
+        default=False,
+        command_line_only=True,
+        help="replace the files of an earlier run: every role gets a new password",
+    )
+    keep_passwords: bool = option(
+        "--update",
+        default=False,
+        command_line_only=True,
+        help="rewrite an earlier run's block for the jobs and nodes given now, keeping each role's password "
+        "(read from its env file): add a job, then nats-server --signal reload",
+    )
+
+    def __post_init__(self) -> None:
+        if self.force and self.keep_passwords:
+            raise HsxError("--force gives every role a new password and --update keeps them: give one")
+        if not 4 <= self.bcrypt_cost <= 31:
+            raise HsxError(f"--bcrypt-cost must be 4 to 31 (bcrypt's range), got {self.bcrypt_cost}")

@@ -157,7 +157,7 @@ async def list_dead(settings: NatsSettings, job: str) -> list[dict]:
     nc = await connect(settings, name=f"hsx-dead-{job}")
     try:
         js = nc.jetstream()
-        kv = await topology.ensure_topology(js)
+        kv = await topology.require_jobs_bucket(js, job)
         spec, letters = await _letters_and_resolutions(js, kv, job)
         return [_describe(seq, letter, resolved, _target(letter, job, spec)[2]) for seq, letter, resolved in letters]
     finally:
@@ -173,7 +173,7 @@ async def retry_dead(
     nc = await connect(settings, name=f"hsx-dead-retry-{job}")
     try:
         js = nc.jetstream()
-        kv = await topology.ensure_topology(js)
+        kv = await topology.require_jobs_bucket(js, job)
         spec, letters = await _letters_and_resolutions(js, kv, job)
         if seqs is not None:
             unknown = sorted(set(seqs) - {seq for seq, _, _ in letters})

@@ -33,9 +33,9 @@ async def _job_names(kv: KeyValue) -> list[str]:
         return []
 
 
-async def list_jobs(js: JetStreamContext, kv: KeyValue) -> list[dict]:
+async def list_jobs(js: JetStreamContext, kv: KeyValue | None) -> list[dict]:
     jobs = []
-    for name in await _job_names(kv):
+    for name in await _job_names(kv) if kv is not None else []:
         row: dict = {"job": name}
         try:
             spec = await read_job_spec(kv, name)
@@ -86,11 +86,17 @@ def format_jobs(jobs: list[dict], *, as_json: bool) -> str:
     )
 
 
-async def delete_job(js: JetStreamContext, kv: KeyValue, job: str, *, force: bool) -> dict:
+async def delete_job(js: JetStreamContext, kv: KeyValue | None, job: str, *, force: bool) -> dict:
     """Remove everything NATS holds of `job`; refuse while its workers are alive unless `force`.
     The spec goes last, so a delete that stops half-way still lists the job and can be run again."""
-    from hsx.storage.tokens import report_object_name, tokens_object_name
+    from hsx.storage.tokens import digests_object_name, report_object_name, tokens_object_name
 
+    not_found = HsxError(
+        f"job {job} not found: nothing in KV bucket {topology.JOBS_BUCKET}, the hsx streams or "
+        f"object store {topology.DATASETS_BUCKET} (hsx jobs list shows the jobs)"
+    )
+    if kv is None:  # no producer ever ran on this server: it holds no job
+        raise not_found
     try:
         spec = await read_job_spec(kv, job)
     except HsxError:  # a spec that does not decode is deleted like any other
@@ -98,12 +104,12 @@ async def delete_job(js: JetStreamContext, kv: KeyValue, job: str, *, force: boo
     subjects = topology.job_subjects(job)
     messages = {stream: await count_messages(js, stream, subject) for stream, subject in subjects.items()}
     durables = await job_durables(js, job)
-    store = await topology.ensure_datasets_store(js)
-    objects = {tokens_object_name(job), report_object_name(job)}
+    store = await topology.datasets_store(js)
+    objects = {tokens_object_name(job), report_object_name(job), digests_object_name(job)}
     if spec is not None:
         objects |= {name for name in (spec.tokenized_object, spec.report_object) if name}
     stored = []
-    for name in sorted(objects):
+    for name in sorted(objects) if store is not None else []:
         try:
             info = await store.get_info(name)
         except nats.js.errors.NotFoundError:
@@ -112,10 +118,7 @@ async def delete_job(js: JetStreamContext, kv: KeyValue, job: str, *, force: boo
             stored.append(name)
     in_kv = spec is not None or await _has_key(kv, job)
     if not (in_kv or any(messages.values()) or durables or stored):
-        raise HsxError(
-            f"job {job} not found: nothing in KV bucket {topology.JOBS_BUCKET}, the hsx streams or "
-            f"object store {topology.DATASETS_BUCKET} (hsx jobs list shows the jobs)"
-        )
+        raise not_found
     if not force:
         alive = await live_workers(js, job)
         if alive:
@@ -212,8 +215,7 @@ async def _with_jetstream(settings: NatsSettings, name: str, action):
     nc = await connect(settings, name=name)
     try:
         js = nc.jetstream()
-        kv = await topology.ensure_topology(js)
-        return await action(js, kv)
+        return await action(js, await topology.jobs_bucket(js))
     finally:
         await nc.drain()
 

@@ -85,7 +85,7 @@ async def _read_status(
     nc = await connect(settings, name=f"hsx-status-{job}")
     try:
         js = nc.jetstream()
-        kv = await topology.ensure_topology(js)
+        kv = await topology.require_jobs_bucket(js, job)
         spec = await require_job_spec(kv, job)
         # Heartbeats too: an uploader's says when the destination refuses it (the job's failure reason).
         tracker = ProgressTracker(js, job, plan=spec.plan_tag, heartbeats=True)

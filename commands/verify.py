@@ -48,7 +48,7 @@ async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, 
     nc = await connect(settings, name=f"hsx-verify-{job}")
     try:
         js = nc.jetstream()
-        kv = await topology.ensure_topology(js)
+        kv = await topology.require_jobs_bucket(js, job)
         spec = await require_job_spec(kv, job)
         if spec.tokenized_object:
             return spec, (await load_table(js, job, spec=spec)).token_ids

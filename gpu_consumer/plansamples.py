@@ -3,12 +3,12 @@
 A descriptor's sample is extracted only when its digest (hsx/storage/sampledigest.py: its token
 ids, loss mask and source id) is the one the producer stored for its index in bucket hsx_datasets
 before the spec named it: a descriptor published by hand with the plan's tag and other tokens is
-never written as the job's sample, over a stored one or not. Each round's digests (16 bytes a
-sample) are read once, when a batch first needs them. A job of an older hsx (`sample_digests`
+never written as the job's sample, over a stored one or not. The digests (16 bytes a sample, one
+object for the job, grown by each round) are read again only when a batch names a sample past
+those read. A job of an older hsx (`sample_digests`
 false) has none and is not checked. It knows the spec and the object store, not the pull loop.
 """
 
-import bisect
 import io
 from collections.abc import Callable
 
@@ -28,41 +28,35 @@ class PlanSamplesUnavailable(HsxError):
 class PlanSamples:
     def __init__(self, js: JetStreamContext, spec: Callable[[], schemas.JobSpec]) -> None:
         self.js, self.spec = js, spec  # `spec()`: the job's spec as last read (a plan in rounds grows)
-        self._rounds: dict[int, bytes] = {}
+        self._digests = b""  # as last read: every sample's, in index order
 
-    async def _round(self, spec: schemas.JobSpec, round_index: int) -> bytes:
-        if round_index not in self._rounds:
-            name = digests_object_name(spec.job, spec.plan_tag, round_index)
-            buffer = io.BytesIO()
-            try:
-                store = await self.js.object_store(topology.DATASETS_BUCKET)
-                await store.get(name, writeinto=buffer)
-            except (
-                nats.js.errors.ObjectNotFoundError,
-                nats.js.errors.NotFoundError,
-                nats.js.errors.BucketNotFoundError,
-            ):
-                raise PlanSamplesUnavailable(
-                    f"object {name} (the digests of round {round_index} of job {spec.job}) is not in bucket "
-                    f"{topology.DATASETS_BUCKET}"
-                ) from None
-            self._rounds[round_index] = buffer.getvalue()
-        return self._rounds[round_index]
+    async def _read(self, spec: schemas.JobSpec) -> bytes:
+        name = digests_object_name(spec.job)
+        buffer = io.BytesIO()
+        try:
+            store = await self.js.object_store(topology.DATASETS_BUCKET)
+            await store.get(name, writeinto=buffer)
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
+            raise PlanSamplesUnavailable(
+                f"object {name} (the digests of job {spec.job}'s samples) is not in bucket {topology.DATASETS_BUCKET}"
+            ) from None
+        return buffer.getvalue()
 
     async def refused(self, batch: schemas.BatchDescriptor) -> list[tuple[int, str]]:
         """(index, why) for each of the batch's samples that is not the plan's; [] when all are
-        (or the job records no digests). PlanSamplesUnavailable when a round's digests are missing."""
+        (or the job records no digests). PlanSamplesUnavailable when the digests are missing. They
+        are read again only when a sample lies past those read (a round recorded since)."""
         spec = self.spec()
         if not spec.sample_digests:
             return []
-        starts = spec.round_starts or [0]
+        if max(sample.index for sample in batch.samples) >= len(self._digests) // DIGEST_BYTES:
+            self._digests = await self._read(spec)
         refused = []
         for sample in batch.samples:
-            round_index = bisect.bisect_right(starts, sample.index) - 1
-            recorded = await self._round(spec, round_index)
-            at = (sample.index - starts[round_index]) * DIGEST_BYTES
-            if at + DIGEST_BYTES > len(recorded):
+            at = sample.index * DIGEST_BYTES
+            recorded = self._digests[at : at + DIGEST_BYTES]
+            if len(recorded) < DIGEST_BYTES:
                 refused.append((sample.index, "no digest is recorded for it"))
-            elif recorded[at : at + DIGEST_BYTES] != sample_digest(sample):
+            elif recorded != sample_digest(sample):
                 refused.append((sample.index, "its tokens, mask or source id are not the sample the producer planned"))
         return refused

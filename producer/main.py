@@ -32,6 +32,7 @@ from hsx.producer.estimate import (
 from hsx.producer.inputs import Inputs, check_vocab, report_document
 from hsx.producer.rounds import RoundReader, read_dataset, round_fingerprint
 from hsx.producer.specrecord import SpecChanged, SpecRecord
+from hsx.storage.sampledigest import table_digests
 from hsx.storage.tokens import SampleTable, report_object_name, tokens_object_name
 from hsx.wire import schemas, topology
 from hsx.wire.counts import count_stored
@@ -506,7 +507,7 @@ async def _plan_and_publish(
     )
     # The folder says whose files it holds before any worker can write one (producer/bundle.py).
     await asyncio.to_thread(bundle.claim_folder, spec)
-    await stored.store_digests(js, cfg.job, spec.plan_tag, 0, rows, max_payload=nc.max_payload)
+    await stored.store_digests(js, cfg.job, await asyncio.to_thread(table_digests, rows), max_payload=nc.max_payload)
     await _record(record, spec)
     # The durables that count the job's markers exist from its start (readers make them too).
     await _ensure_progress_counters(js, cfg.job, spec.plan_tag)
@@ -699,7 +700,9 @@ async def _publish_rounds(
     # run would write for fewer rounds is never written.
     resumed = existing if existing is not None and not replaces else None
     recorded_rounds = len(resumed.round_starts) if resumed is not None else 0
-    await stored.store_digests(js, cfg.job, plan, 0, rows, max_payload=nc.max_payload)
+    # The digests of the rounds so far, grown by each round's and stored before it is recorded.
+    digests = bytearray(await asyncio.to_thread(table_digests, rows))
+    await stored.store_digests(js, cfg.job, bytes(digests), max_payload=nc.max_payload)
     if recorded_rounds == 0:
         await _record(record, spec)
     elif resumed.stopped:  # the cause is gone (this run got past the checks): the job runs on
@@ -761,7 +764,8 @@ async def _publish_rounds(
                 ) from None
             # The spec grows before the round's batches go out: a worker that gets one finds it planned,
             # and its samples' digests are stored before the spec names them.
-            await stored.store_digests(js, cfg.job, plan, len(starts) - 1, cut.samples, max_payload=nc.max_payload)
+            digests += await asyncio.to_thread(table_digests, cut.samples)
+            await stored.store_digests(js, cfg.job, bytes(digests), max_payload=nc.max_payload)
             spec = round_spec()
             if len(starts) > recorded_rounds:
                 await record_grown(spec)

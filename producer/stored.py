@@ -8,7 +8,6 @@ tokenized.
 Why they are stored: docs/ARCHITECTURE.md, "Module notes".
 """
 
-import asyncio
 import io
 import json
 import tempfile
@@ -20,7 +19,6 @@ from nats.js.api import ObjectMeta, ObjectMetaOptions
 from nats.js.object_store import OBJ_DEFAULT_CHUNK_SIZE
 
 from hsx.errors import HsxError
-from hsx.storage.sampledigest import table_digests
 from hsx.storage.tokens import (  # noqa: F401  (re-exported: the producer's and its tests' names for them)
     SampleTable,
     digests_object_name,
@@ -67,15 +65,12 @@ async def store_tokenized(js: JetStreamContext, job: str, samples: SampleTable, 
     return name
 
 
-async def store_digests(
-    js: JetStreamContext, job: str, plan: str, round_index: int, samples: SampleTable, *, max_payload: int
-) -> str:
-    """Store the digests of a round's samples (its first sample is the round's start), before
-    the spec names them: what a consumer checks each descriptor's samples against."""
+async def store_digests(js: JetStreamContext, job: str, digests: bytes, *, max_payload: int) -> str:
+    """Store the digests of every sample the spec will name (index order; table_digests), before
+    it names them: what a consumer checks each descriptor's samples against."""
     store = await topology.ensure_datasets_store(js)
-    name = digests_object_name(job, plan, round_index)
-    data = await asyncio.to_thread(table_digests, samples)
-    await through_outage(lambda: store.put(name, data, meta=_chunked(name, max_payload)), what="store_digests")
+    name = digests_object_name(job)
+    await through_outage(lambda: store.put(name, digests, meta=_chunked(name, max_payload)), what="store_digests")
     return name
 
 
@@ -92,9 +87,11 @@ async def load_report(js: JetStreamContext, job: str, *, spec: schemas.JobSpec |
     spec = await spec_of(js, job, spec)
     if not spec.report_object:
         raise HsxError(f"job {job} has no input report (it was produced by an older hsx)")
-    store = await topology.ensure_datasets_store(js)
+    store = await topology.datasets_store(js)
     buffer = io.BytesIO()  # writeinto: get() otherwise grows one bytes object chunk by chunk
     try:
+        if store is None:
+            raise nats.js.errors.ObjectNotFoundError
         await store.get(spec.report_object, writeinto=buffer)
         return msgspec.json.decode(buffer.getvalue())
     except nats.js.errors.ObjectNotFoundError:

@@ -195,7 +195,7 @@ def _table_rows(text: str | None = None) -> list[tuple[list[str], list[str]]]:
         for usage in re.findall(r"`hsx ([^`]*)`", line.split(" | ")[0]):
             words = []
             for word in usage.split():
-                if not re.fullmatch(r"[a-z]+", word):
+                if not re.fullmatch(r"[a-z]+(-[a-z]+)*", word):
                     break
                 words.append(word)
             commands.append(" ".join(words))
@@ -217,7 +217,7 @@ def test_the_command_table_agrees_with_help():
 
 # Described once, in the reference's paragraph on the settings every command shares.
 SHARED_FLAGS = {"--help", "--nats", "--nats-user", "--nats-password", "--nats-token", "--nats-creds"}
-SHARED_FLAGS |= {"--nats-tls-ca", "--nats-tls-cert", "--nats-tls-key"}
+SHARED_FLAGS |= {"--nats-tls-ca", "--nats-tls-cert", "--nats-tls-key", "--nats-inbox-prefix"}
 
 
 def test_the_reference_table_gives_every_flag_of_every_command():
@@ -237,7 +237,7 @@ def test_the_readme_says_which_commands_take_nats():
     text = " ".join(section(README.read_text(), COMMANDS_HEADING).split())
     match = re.search(r"Every command that talks to NATS takes `--nats URL`[^;]*; (.*?) do not\.", text)
     assert match, "the sentence on --nats changed: update this test"
-    without = set(re.findall(r"`([a-z ]+)`", match.group(1)))
+    without = set(re.findall(r"`([a-z -]+)`", match.group(1)))
     lacking = {command for command, parser in _leaf_parsers().items() if "--nats" not in parser.format_help()}
     # "config" stands for both of its actions.
     assert {command.split()[0] if command.startswith("config") else command for command in lacking} == without

@@ -102,13 +102,15 @@ def check_names(
     """Every value of the file by place, as (the key as written, value), after checking that each
     table and key is one of `known` ({place: its flag, e.g. "--nats-user"}); `command_line_only`
     are flags a file may not set, named in the error. Values are not checked here. A key spelled
-    with `-` is the same key as with `_`."""
+    with `-` is the same key as with `_`, and so is a table (`[nats-config]`, a command's name)."""
     tables = {place.table for place in known if place.table}
+    by_normal = {_normal(table): table for table in tables}
     found: dict[Place, tuple[str, object]] = {}
     for name, value in data.items():
-        if isinstance(value, dict) and _normal(name) in tables:
+        if isinstance(value, dict) and _normal(name) in by_normal:
+            table = by_normal[_normal(name)]
             for key, inner in value.items():
-                _add(found, Place(_normal(name), _normal(key)), key, inner, path, known, command_line_only)
+                _add(found, Place(table, _normal(key)), key, inner, path, known, command_line_only)
         elif isinstance(value, dict) and Place("", _normal(name)) not in known:
             close = difflib.get_close_matches(_normal(name), sorted(tables), n=1)
             hint = f"did you mean [{close[0]}]?" if close else f"tables: {', '.join(_table_order(tables))}"

@@ -414,7 +414,7 @@ async def run_build(settings, job: str) -> StoredIndex:
     nc = await connect(settings, name=f"hsx-index-{job}")
     try:
         js = nc.jetstream()
-        spec = await require_job_spec(await topology.ensure_topology(js), job)
+        spec = await require_job_spec(await topology.require_jobs_bucket(js, job), job)
         return await build_job_index(js, spec)
     finally:
         await close_connection(nc)

@@ -50,9 +50,10 @@ def report_object_name(job: str) -> str:
     return f"{job}.report.json"
 
 
-def digests_object_name(job: str, plan: str, round_index: int) -> str:
-    """The digests of a round's samples (hsx/storage/sampledigest.py); one plan is round 0."""
-    return f"{job}.{plan}.digests.{round_index:05d}"
+def digests_object_name(job: str) -> str:
+    """The digests of the job's samples the spec names (hsx/storage/sampledigest.py), in index
+    order: stored again, grown, before each round is recorded."""
+    return f"{job}.digests"
 
 
 @dataclass(frozen=True, slots=True)
@@ -606,8 +607,7 @@ def read_tokens(source, *, what: str) -> SampleTable:
 async def spec_of(js: JetStreamContext, job: str, spec: schemas.JobSpec | None) -> schemas.JobSpec:
     if spec is not None:
         return spec
-    kv = await topology.ensure_topology(js)
-    found = await read_job_spec(kv, job)
+    found = await read_job_spec(await topology.require_jobs_bucket(js, job), job)
     if found is None:
         raise HsxError(f"job {job} not found in KV bucket {topology.JOBS_BUCKET} (run hsx produce --job {job} first)")
     return found
@@ -615,10 +615,12 @@ async def spec_of(js: JetStreamContext, job: str, spec: schemas.JobSpec | None) 
 
 async def download(js: JetStreamContext, name: str, into, *, job: str | None = None) -> None:
     """Object `name` of bucket hsx_datasets into the binary file `into` (left at its start)."""
-    store = await topology.ensure_datasets_store(js)
+    store = await topology.datasets_store(js)
     what = f"object {name} in object store bucket {topology.DATASETS_BUCKET}"
     prefix = f"job {job}: " if job else ""
     try:
+        if store is None:
+            raise nats.js.errors.ObjectNotFoundError
         await store.get(name, writeinto=into)
     except nats.js.errors.ObjectNotFoundError:
         raise HsxError(f"{prefix}{what} is missing (deleted?); the job's samples cannot be read back") from None

@@ -14,6 +14,7 @@ uploaded over a recent window (`recent_upload_rate`).
 import asyncio
 import datetime
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,6 +59,9 @@ async def count_stored(
     monitor's reading counts through the durables (`read_counts`), since a cluster pays every
     consumer created as a meta-layer proposal."""
     config = ConsumerConfig(
+        # Named, so that nats-py creates it on a subject that names its filter: a role's NATS
+        # user may count its own job's messages and no other's (hsx/wire/permissions.py).
+        name=uuid.uuid4().hex,
         filter_subject=subject_filter,
         ack_policy=AckPolicy.NONE,
         mem_storage=True,
@@ -77,12 +81,21 @@ async def count_stored(
 
 async def read_counts(js: JetStreamContext, job: str, plan: str) -> ProgressCounts:
     """The job's counts: one consumer-info request per counting durable (topology.PROGRESS_COUNTERS,
-    created on first use), all at once, whatever the job's size."""
+    created on first use), all at once, whatever the job's size. A durable that no longer counts
+    everything under its filter, because someone fetched from it (every trainer's user may fetch
+    from HSX_EVENTS' consumers: hsx/wire/permissions.py), is made again."""
 
     async def count(counter: str) -> int:
+        durable = topology.progress_durable(job, counter)
         try:
-            info = await js.consumer_info(topology.EVENTS_STREAM, topology.progress_durable(job, counter))
+            info = await js.consumer_info(topology.EVENTS_STREAM, durable)
         except nats.js.errors.NotFoundError:
+            info = None
+        if info is not None and info.delivered is not None and info.delivered.consumer_seq:
+            try:
+                await js.delete_consumer(topology.EVENTS_STREAM, durable)
+            except nats.js.errors.NotFoundError:
+                pass
             info = None
         if info is None or info.config.filter_subject != topology.progress_counter_filter(job, plan, counter):
             info = await topology.ensure_progress_counter(js, job, plan, counter)

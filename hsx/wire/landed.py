@@ -31,13 +31,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
-import nats.errors
 import nats.js.errors
 import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 
 from hsx.errors import HsxError
-from hsx.wire import schemas, topology
+from hsx.wire import denials, schemas, topology
 from hsx.wire.counts import last_sequence
 from hsx.wire.events import read_marker
 from hsx.wire.jobs import read_job_spec, wait_for_job
@@ -205,9 +204,14 @@ class LandingFeed:
         self._loop, self._stopping = asyncio.get_running_loop(), asyncio.Event()
         if self._closed.is_set():
             return
+        started = time.monotonic()
         nc = await connect(self.settings, name=f"hsx-stream-{self.name}")
         try:
             await self._follow(nc.jetstream())
+        except Exception:
+            # A request this user may not make times out: the refusal is the trainer's error.
+            denials.raise_if_denied(started, what=f"stream {self.name} of job {self.job}")
+            raise
         finally:
             await close_connection(nc)
 
@@ -218,7 +222,7 @@ class LandingFeed:
             pass
 
     async def _follow(self, js) -> None:
-        kv = await _jobs_bucket(js, self.job, self._stopping, poll_s=self.check_s)
+        kv = await topology.wait_for_jobs_bucket(js, self.job, self._stopping, poll_s=self.check_s)
         if kv is None:
             return
         if self.plan is not None:
@@ -335,12 +339,14 @@ class LandingFeed:
 
     async def _over(self, js, verdict: JobVerdict, subject: str) -> EpochEnd | None:
         """The epoch's end once the job is over; None while it runs."""
+        started = time.monotonic()
         try:
             view = await verdict.read()
             if view is None:
                 return None
             end_seq = await last_sequence(js, topology.EVENTS_STREAM, subject)
         except Exception as exc:  # NATS reconnecting: read again at the next check
+            denials.raise_if_denied(started, what=f"stream {self.name}: whether job {self.job} is over")
             log.warning("job_state_unavailable", job=self.job, error=str(exc) or type(exc).__name__)
             return None
         missing = tuple(i for i in view.dead_samples if 0 <= i < view.total_samples)
@@ -361,7 +367,7 @@ def read_job_spec_waiting(settings: NatsSettings, job: str, *, name: str, poll_s
         nc = await connect(settings, name=f"hsx-stream-{name}")
         try:
             never = asyncio.Event()
-            kv = await _jobs_bucket(nc.jetstream(), job, never, poll_s=poll_s)
+            kv = await topology.wait_for_jobs_bucket(nc.jetstream(), job, never, poll_s=poll_s)
             spec = await wait_for_job(kv, job, never)
             assert spec is not None  # only a set stop event ends the wait without one
             return spec
@@ -424,6 +430,7 @@ class _MarkerReader:
         past stream sequence `up_to`."""
         self._received, self._asked, self._status = [], _CHUNK, None
         self._answered.clear()
+        asked = time.monotonic()
         try:
             if self._consumer is None:
                 await self._start()
@@ -436,6 +443,7 @@ class _MarkerReader:
             # Answered by the server within its expiry, unless the consumer or connection is gone.
             await asyncio.wait_for(self._answered.wait(), FETCH_WAIT_S + 1.0)
         except Exception as exc:  # no answer, the consumer or the connection gone: a new one
+            denials.raise_if_denied(asked, what=f"stream {self.name}: reading the markers of {self.subject}")
             log.warning("stream_markers_retry", error=str(exc) or type(exc).__name__, after_seq=self.delivered)
             await self._drop()
             await asyncio.sleep(0.5)
@@ -479,21 +487,3 @@ class _MarkerReader:
 
     async def close(self) -> None:
         await self._drop()
-
-
-async def _jobs_bucket(js, job: str, stopping: asyncio.Event, *, poll_s: float):
-    """The jobs bucket, once some producer has made it on this server (a stream started before
-    any job waits for it); None if asked to stop first."""
-    announced = False
-    while not stopping.is_set():
-        try:
-            return await js.key_value(topology.JOBS_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            if not announced:
-                log.info("waiting_for_job_spec", job=job, bucket=topology.JOBS_BUCKET)
-                announced = True
-        try:
-            await asyncio.wait_for(stopping.wait(), timeout=poll_s)
-        except TimeoutError:
-            pass
-    return None

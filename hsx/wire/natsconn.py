@@ -9,6 +9,7 @@ with a CA and optionally a client certificate.
 
 import asyncio
 import os
+import re
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ from nats.aio.client import Client as NATS
 from hsx.config.fields import flag_fields, option
 from hsx.config.values import hide, path_not_contents
 from hsx.errors import HsxError
+from hsx.wire import denials
 
 log = structlog.get_logger("hsx.nats")
 
@@ -123,6 +125,15 @@ class NatsSettings:
         example="/etc/hsx/client.key",
         help="client key, env HSX_NATS_TLS_KEY",
     )
+    inbox_prefix: str | None = option(
+        "--nats-inbox-prefix",
+        default=None,
+        env="HSX_NATS_INBOX_PREFIX",
+        example="_INBOX.hsx-consumer",
+        parse=lambda text: subject_prefix(text, "--nats-inbox-prefix"),
+        help="subject prefix of this process's reply inboxes, which its NATS user may subscribe to "
+        "(hsx nats-config sets it per role), env HSX_NATS_INBOX_PREFIX, default _INBOX",
+    )
     connect_timeout_s: float = 3.0
 
     def __repr__(self) -> str:  # the URL may carry a password
@@ -151,6 +162,8 @@ class NatsSettings:
             options["token"] = self.token
         if self.creds_file:
             options["user_credentials"] = self.creds_file
+        if self.inbox_prefix:
+            options["inbox_prefix"] = self.inbox_prefix
         if self.tls_ca or self.tls_cert:
             context = ssl.create_default_context(cafile=self.tls_ca)
             if self.tls_cert:
@@ -159,11 +172,23 @@ class NatsSettings:
         return options
 
 
+_SUBJECT_PREFIX_RE = re.compile(r"^[^.*>\s]+(\.[^.*>\s]+)*$")
+
+
+def subject_prefix(text: str, flag: str) -> str:
+    """A subject's leading tokens: no wildcard, no empty token, no white space."""
+    if not _SUBJECT_PREFIX_RE.match(text):
+        raise HsxError(f"{flag} {text!r}: give subject tokens separated by '.', without '*', '>' or spaces")
+    return text
+
+
 async def connect(settings: NatsSettings, *, name: str) -> NATS:
     last_error: list[BaseException] = []
 
     async def on_error(exc: BaseException) -> None:
         last_error.append(exc)
+        if denials.note(exc, user=settings.user):  # logged there; the request that met it says so
+            return
         if nc.is_connected or nc.is_reconnecting:
             log.warning("nats_error", error=str(exc) or type(exc).__name__)
 
@@ -237,6 +262,7 @@ async def through_outage(
         try:
             return await operation()
         except NATS_OUTAGE_ERRORS as exc:
+            denials.raise_if_denied(started, what=what)  # no outage: this user may not do it
             if time.monotonic() - started >= give_up_after_s or (stopping is not None and stopping.is_set()):
                 raise
             log.warning("nats_retry", what=what, error=str(exc) or type(exc).__name__, retry_in_s=retry_s)

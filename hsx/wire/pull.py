@@ -9,12 +9,14 @@ with what is in hand. `Taken` is a message kept in progress from its fetch until
 """
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import structlog
 from nats.aio.msg import Msg
 
+from hsx.wire import denials
 from hsx.wire.events import keep_in_progress
 from hsx.wire.worker import JobWatch
 
@@ -65,6 +67,7 @@ class PullLoop(Generic[T]):
         self.fetch_timeout_s = fetch_timeout_s
 
     async def run(self) -> None:
+        started = time.monotonic()
         try:
             while not self.stopping.is_set():
                 count = await self.room()
@@ -73,6 +76,8 @@ class PullLoop(Generic[T]):
                 try:
                     got = await self.next(count)
                 except TimeoutError:
+                    # A fetch this user may not make looks like an idle queue: say so and stop.
+                    denials.raise_if_denied(started, what="a fetch from the durable", about="msg.next")
                     await self.idle()
                     continue
                 except Exception as exc:  # NATS reconnecting, or the durable gone with its job

@@ -1,7 +1,8 @@
-"""The JetStream topology, declared once and created idempotently at every service's start-up:
-every stream, subject, consumer and bucket name is built here and nowhere else (names are part
-of the user interface: `nats stream ls` and `nats consumer ls HSX_BATCHES` show them), with the
-streams' and consumers' settings.
+"""The JetStream topology, declared once: every stream, subject, consumer and bucket name is built
+here and nowhere else (names are part of the user interface: `nats stream ls` and `nats consumer
+ls HSX_BATCHES` show them), with the streams' and consumers' settings. The producer creates the
+streams and buckets idempotently (`ensure_topology`); every other process looks them up
+(`jobs_bucket`, `wait_for_jobs_bucket`, `datasets_store`) and creates only its own durables.
 
 All the names: docs/OPERATIONS.md, "Streams, subjects, consumers and buckets"; notes in
 docs/ARCHITECTURE.md, "Module notes".
@@ -33,6 +34,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from hsx.errors import HsxError
+from hsx.wire import denials
 from hsx.wire.natsconn import OUTAGE_RETRY_S
 
 log = structlog.get_logger("hsx.topology")
@@ -310,6 +312,7 @@ async def _while_unavailable(operation: Callable[[], Awaitable[T]], *, what: str
         try:
             return await operation()
         except _JETSTREAM_UNAVAILABLE as exc:
+            denials.raise_if_denied(started, what=what)  # no outage: this role's user may not do it
             no_jetstream = isinstance(exc, nats.js.errors.ServiceUnavailableError) and (
                 exc.err_code != _JETSTREAM_TEMPORARILY_UNAVAILABLE
             )
@@ -354,9 +357,75 @@ async def _ensure_topology(js: JetStreamContext, replicas: int | None) -> KeyVal
         raise
 
 
+# Only the producer (and `hsx up`, through it) creates and updates the streams and buckets; every
+# other process looks them up: each role's NATS user may create nothing but its own consumers
+# (hsx/wire/permissions.py). The jobs bucket is created last, so once it exists the rest does.
+
+
+async def jobs_bucket(js: JetStreamContext) -> KeyValue | None:
+    """The jobs bucket, or None when no producer has made the topology on this server yet. Each
+    stream is asked for once, as creating it would: on a cluster that is electing leaders (a
+    server died) the process waits here for every stream to answer, not at its first read."""
+    try:
+        kv = await _while_unavailable(lambda: js.key_value(JOBS_BUCKET), what=f"bucket {JOBS_BUCKET}")
+    except nats.js.errors.BucketNotFoundError:
+        return None
+    for config in STREAMS:
+        try:
+            await _while_unavailable(lambda name=config.name: js.stream_info(name), what=f"stream {config.name}")
+        except nats.js.errors.NotFoundError:
+            pass  # made by an older producer: its next run adds it
+    return kv
+
+
+async def require_jobs_bucket(js: JetStreamContext, job: str) -> KeyValue:
+    """The jobs bucket; an HsxError naming the job when there is none (nothing produced here)."""
+    kv = await jobs_bucket(js)
+    if kv is None:
+        raise HsxError(f"job {job} not found in KV bucket {JOBS_BUCKET} (run hsx produce --job {job} first)")
+    return kv
+
+
+async def wait_for_jobs_bucket(
+    js: JetStreamContext, job: str, stopping: asyncio.Event, *, poll_s: float = 0.5, wait_s: float | None = None
+) -> KeyValue | None:
+    """The jobs bucket, once some producer has made it on this server (a worker started before
+    any job waits for it, saying so once); None if asked to stop first; past `wait_s` (None: no
+    bound, as --wait-for-job) an HsxError naming the job."""
+    started, announced = time.monotonic(), False
+    while not stopping.is_set():
+        kv = await jobs_bucket(js)
+        if kv is not None:
+            return kv
+        waited = time.monotonic() - started
+        if wait_s is not None and waited >= wait_s:
+            raise HsxError(
+                f"job {job} not found in KV bucket {JOBS_BUCKET} after waiting {wait_s:g} s (--wait-for-job): "
+                f"no job was ever produced on this server (run hsx produce --job {job} first, or check --nats)"
+            )
+        if not announced:
+            log.info("waiting_for_job_spec", job=job, bucket=JOBS_BUCKET)
+            announced = True
+        timeout = poll_s if wait_s is None else max(0.0, min(poll_s, wait_s - waited))
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=timeout)
+        except TimeoutError:
+            pass
+    return None
+
+
+async def datasets_store(js: JetStreamContext) -> ObjectStore | None:
+    """The object store of tokenized datasets and reports, looked up; None when it does not exist."""
+    try:
+        return await _while_unavailable(lambda: js.object_store(DATASETS_BUCKET), what=f"bucket {DATASETS_BUCKET}")
+    except nats.js.errors.BucketNotFoundError:
+        return None
+
+
 async def ensure_datasets_store(js: JetStreamContext) -> ObjectStore:
     """Return the object store bucket of tokenized datasets and reports, created if missing (R1;
-    `ensure_topology` has usually created it already, with the replicas asked for)."""
+    `ensure_topology` has usually created it already, with the replicas asked for): the
+    producer's, which stores them."""
     return await _while_unavailable(lambda: _ensure_datasets_store(js, None), what=f"bucket {DATASETS_BUCKET}")
 
 
@@ -419,12 +488,18 @@ async def _ensure_datasets_store(js: JetStreamContext, replicas: int | None) -> 
     return store
 
 
+# Durables are created with `name` as well as `durable_name`: nats-py then sends the create on
+# $JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>, whose subject names the job twice, so a role's
+# NATS user can be allowed its own job's durables and no other (hsx/wire/permissions.py).
+
+
 async def ensure_gpu_consumer(js: JetStreamContext, job: str, *, ack_wait_s: float = BATCH_ACK_WAIT_S) -> str:
     durable = gpu_durable(job)
     await _while_unavailable(
         lambda: js.add_consumer(
             BATCHES_STREAM,
             ConsumerConfig(
+                name=durable,
                 durable_name=durable,
                 description=f"GPU extraction workers of job {job}",
                 filter_subject=batch_subject(job),
@@ -447,6 +522,7 @@ async def ensure_exhausted_consumer(js: JetStreamContext, job: str) -> str:
         lambda: js.add_consumer(
             ADVISORIES_STREAM,
             ConsumerConfig(
+                name=durable,
                 durable_name=durable,
                 description=f"batches of job {job} that used up their deliveries, to dead-letter",
                 filter_subject=max_deliveries_subject(BATCHES_STREAM, gpu_durable(job)),
@@ -465,6 +541,7 @@ async def ensure_progress_counter(js: JetStreamContext, job: str, plan: str, cou
     """The counting durable `counter` of `job`, created or (another plan under the job's name)
     re-filtered; its info, whose num_pending is the count."""
     config = ConsumerConfig(
+        name=progress_durable(job, counter),
         durable_name=progress_durable(job, counter),
         filter_subject=progress_counter_filter(job, plan, counter),
         ack_policy=AckPolicy.NONE,
@@ -485,6 +562,7 @@ async def ensure_upload_consumer(
         lambda: js.add_consumer(
             FILES_STREAM,
             ConsumerConfig(
+                name=durable,
                 durable_name=durable,
                 description=f"uploaders of job {job} on node {node}",
                 filter_subject=file_subject(job, node),

@@ -10,6 +10,7 @@ hsx/wire/pull.py.
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -209,8 +210,10 @@ async def job_session(
     nc = await connect(nats, name=name)
     try:
         js = nc.jetstream()
-        kv = await topology.ensure_topology(js)
-        spec = await wait_for_job(kv, job, stopping, wait_s=wait_s)
+        started = time.monotonic()
+        kv = await topology.wait_for_jobs_bucket(js, job, stopping, wait_s=wait_s)
+        left = None if wait_s is None else max(0.0, wait_s - (time.monotonic() - started))
+        spec = None if kv is None else await wait_for_job(kv, job, stopping, wait_s=left)
         yield None if spec is None else Session(nc=nc, js=js, kv=kv, spec=spec, stopping=stopping)
     finally:
         await close_connection(nc)

@@ -1,0 +1,282 @@
+"""Least privilege on NATS: a nats-server started with what `hsx nats-config` writes (one user
+per role, each allowed only its role's subjects), and a job run with each role's own
+credentials: produce, a batch dead-lettered by the consumer's own reaper and sent back with
+`hsx dead retry`, consume on the CPU, upload to a local folder, `monitor --until-done`, status,
+a trainer's JobStream, `hsx jobs delete`; none of it meets a permission violation. A consumer's
+credentials cannot purge a stream, write the jobs bucket or publish another job's batch (the
+server refuses, the data stays), and a worker run with another role's credentials stops with one
+line naming what was refused."""
+
+import asyncio
+import json
+import os
+import stat
+import uuid
+
+import nats
+import nats.errors
+import pytest
+from test_cli_errors import assert_one_line_error
+from test_e2e_s3 import check_outputs, read_dir_objects, write_dataset
+from test_jobstream import _Reading, _samples_of
+
+from hsx.commands.configs import NatsConfigConfig
+from hsx.commands.embedded import start_nats_server
+from hsx.commands.natsconfig import AUTH_FILE, env_file, write_nats_config
+from hsx.errors import HsxError
+from hsx.storage.reader import JobStream
+from hsx.wire import permissions, schemas, topology
+from hsx.wire.events import EventPublisher
+from hsx.wire.exhausted import dead_letter_exhausted
+from hsx.wire.natsconn import NatsSettings, close_connection, connect
+
+NODE = "rolenode"
+# The jobs the configuration allows; another job's subjects are refused to every role.
+RUN_JOB, REFUSED_JOB, OTHER_JOB = (f"r{uuid.uuid4().hex[:8]}" for _ in range(3))
+
+
+def _read_env(path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
+
+
+@pytest.fixture(scope="module")
+def roles(tmp_path_factory):
+    """A server that knows only the roles' users, and each role's environment (HSX_NATS_*)."""
+    root = tmp_path_factory.mktemp("roles")
+    out = root / "nats-config"
+    write_nats_config(NatsConfigConfig(out=out, jobs=(RUN_JOB, REFUSED_JOB), nodes=(NODE,), bcrypt_cost=4))
+    server = start_nats_server(root / "server", log_file=root / "server.log", extra_args=("-c", str(out / AUTH_FILE)))
+    envs = {role: {**_read_env(out / env_file(role)), "HSX_NATS_URL": server.url} for role in permissions.ROLES}
+    yield server, envs, root / "server.log"
+    server.stop()
+
+
+def _violations(log_path) -> list[str]:
+    return [line for line in log_path.read_text(errors="replace").splitlines() if "Violation" in line]
+
+
+def _settings(env: dict[str, str]) -> NatsSettings:
+    return NatsSettings.from_env(env)
+
+
+def _produce(hsx, env, tmp_path, tiny_model, job: str, rows: int = 10) -> tuple[list[dict], str]:
+    data = tmp_path / f"{job}.jsonl"
+    written = write_dataset(data, rows, min_len=4, max_len=24, seed=3)
+    dest = tmp_path / "out"
+    result = hsx(
+        "produce",
+        *("--job", job, "--model", str(tiny_model("qwen3")), "--dataset", str(data), "--layers", "0,2,5"),
+        *("--dest", str(dest), "--dtype", "float32", "--token-budget", "64", "--max-seq-len", "32"),
+        env=env,
+        nats_url=env["HSX_NATS_URL"],
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return written, str(dest)
+
+
+async def _dead_letter_first_batch(env: dict[str, str], job: str) -> int:
+    """Take the job's first batch out of the queue as the consumer's reaper does with one that
+    used up its deliveries, with the consumer's own credentials; its stream sequence."""
+    nc = await connect(_settings(env), name="test-reaper")
+    try:
+        js = nc.jetstream()
+        first = await js.get_msg(topology.BATCHES_STREAM, seq=1, subject=topology.batch_subject(job), next=True)
+        assert await dead_letter_exhausted(js, EventPublisher(nc, js, job), seq=first.seq, deliveries=5)
+        return first.seq
+    finally:
+        await close_connection(nc)
+
+
+def test_a_job_runs_end_to_end_with_each_roles_own_credentials(roles, hsx, hsx_service, tmp_path, tiny_model):
+    server, envs, log_path = roles
+    job = RUN_JOB
+    violations_before = len(_violations(log_path))
+
+    def run(role: str, *args: str, **kwargs):
+        return hsx(*args, env=envs[role], nats_url=server.url, **kwargs)
+
+    rows, dest = _produce(hsx, envs["producer"], tmp_path, tiny_model, job)
+    asyncio.run(_dead_letter_first_batch(envs["consumer"], job))
+    listed = run("monitor", "dead", "list", "--job", job, "--json")
+    assert listed.returncode == 0, listed.stderr
+    [letter] = json.loads(listed.stdout)
+    assert letter["what"] == "batch" and letter["samples"] and not letter["resolved"]
+    retried = run("admin", "dead", "retry", "--job", job, "--all", "--json")
+    assert retried.returncode == 0, retried.stderr
+    assert [entry["seq"] for entry in json.loads(retried.stdout)] == [letter["seq"]]
+
+    spool = str(tmp_path / "spool")
+    worker_env = {"HSX_NODE": NODE}
+    consumer = hsx_service(
+        "consume",
+        *("--job", job, "--device", "cpu", "--spool", spool, "--until-done"),
+        env={**envs["consumer"], **worker_env},
+        name="consumer",
+    )
+    uploader = hsx_service(
+        "upload",
+        "--job",
+        job,
+        "--spool",
+        spool,
+        "--until-done",
+        env={**envs["uploader"], **worker_env},
+        name="uploader",
+    )
+    monitor = run("monitor", "monitor", "--job", job, "--until-done", "--interval", "0.5", timeout=180)
+    assert monitor.returncode == 0, (monitor.stdout + monitor.stderr)[-3000:]
+    for worker in (consumer, uploader):
+        assert worker.wait(timeout=60) == 0, worker.log_path.read_text()[-3000:]
+    check_outputs(read_dir_objects(tmp_path / "out"), job=job, rows=rows)
+
+    status = run("monitor", "status", "--job", job, "--json")
+    assert status.returncode == 0, status.stderr
+    view = json.loads(status.stdout)
+    assert view["done"] and view["samples_uploaded"] == len(rows) and view["dead_letters"] == 0
+    jobs = run("monitor", "jobs", "list", "--json")
+    assert jobs.returncode == 0 and job in {row["job"] for row in json.loads(jobs.stdout)}, jobs.stderr
+
+    stream = JobStream(f"{dest}/{job}", nats=_settings(envs["trainer"]), name="trainer", token_budget=256)
+    assert sorted(_samples_of(_Reading(stream).result(timeout=60))) == list(range(len(rows)))
+    assert stream.first_epoch is not None and stream.first_epoch.done
+
+    deleted = run("admin", "jobs", "delete", job, "--json")
+    assert deleted.returncode == 0, deleted.stderr
+    assert json.loads(deleted.stdout)["spec"]
+    after = run("monitor", "jobs", "list", "--json")
+    assert job not in {row["job"] for row in json.loads(after.stdout)}
+    # Every role had exactly what it needed: the server refused nothing.
+    assert _violations(log_path)[violations_before:] == []
+
+
+async def _try_as(env: dict[str, str], operations) -> tuple[list[str], dict]:
+    """Run each (name, operation(js, kv)) with the role's user; the permission violations the
+    server reported, and per operation what it raised."""
+    denied: list[str] = []
+
+    async def on_error(exc: BaseException) -> None:
+        denied.append(str(exc))
+
+    settings = _settings(env)
+    nc = await nats.connect(settings.url, error_cb=on_error, max_reconnect_attempts=0, **settings.connect_options())
+    try:
+        js = nc.jetstream(timeout=1.0)
+        kv = await js.key_value(topology.JOBS_BUCKET)
+        raised = {}
+        for name, operation in operations:
+            try:
+                await operation(js, kv)
+                raised[name] = None
+            except (nats.errors.TimeoutError, TimeoutError) as exc:
+                raised[name] = exc
+        return denied, raised
+    finally:
+        await nc.close()
+
+
+async def _state(env: dict[str, str], job: str) -> tuple[int, bytes]:
+    nc = await connect(_settings(env), name="test-state")
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(topology.BATCHES_STREAM, subjects_filter=topology.batch_subject(job))
+        spec = await (await js.key_value(topology.JOBS_BUCKET)).get(job)
+        return sum((info.state.subjects or {}).values()), spec.value
+    finally:
+        await close_connection(nc)
+
+
+def test_a_consumers_credentials_cannot_purge_write_specs_or_publish_batches(roles, hsx, tmp_path, tiny_model):
+    server, envs, _ = roles
+    job = REFUSED_JOB
+    _produce(hsx, envs["producer"], tmp_path, tiny_model, job, rows=6)
+    batches, spec = asyncio.run(_state(envs["admin"], job))
+    assert batches > 0
+    crafted = schemas.encode(schemas.BatchDescriptor(job=OTHER_JOB, batch_id="crafted", padded_len=1, samples=[]))
+    operations = [
+        ("purge", lambda js, kv: js.purge_stream(topology.BATCHES_STREAM)),
+        ("purge_job", lambda js, kv: js.purge_stream(topology.BATCHES_STREAM, subject=topology.batch_subject(job))),
+        ("spec", lambda js, kv: kv.put(job, b'{"crafted": true}')),
+        ("other_spec", lambda js, kv: kv.put(OTHER_JOB, b'{"crafted": true}')),
+        ("batch", lambda js, kv: js.publish(topology.batch_subject(OTHER_JOB), crafted)),
+        ("delete_durable", lambda js, kv: js.delete_consumer(topology.BATCHES_STREAM, topology.gpu_durable(job))),
+    ]
+    denied, raised = asyncio.run(_try_as(envs["consumer"], operations))
+    assert all(raised[name] is not None for name, _ in operations), raised
+    text = "\n".join(denied).lower()
+    for subject in (
+        f"$JS.API.STREAM.PURGE.{topology.BATCHES_STREAM}",
+        f"$KV.{topology.JOBS_BUCKET}.{job}",
+        f"$KV.{topology.JOBS_BUCKET}.{OTHER_JOB}",
+        topology.batch_subject(OTHER_JOB),
+        f"$JS.API.CONSUMER.DELETE.{topology.BATCHES_STREAM}.{topology.gpu_durable(job)}",
+    ):
+        assert f'permissions violation for publish to "{subject.lower()}"' in text, denied
+    # Nothing of it happened.
+    assert asyncio.run(_state(envs["admin"], job)) == (batches, spec)
+    # Other roles publish no batch at all, not even of their own job.
+    denied, raised = asyncio.run(
+        _try_as(envs["monitor"], [("batch", lambda js, kv: js.publish(topology.batch_subject(job), crafted))])
+    )
+    assert raised["batch"] is not None and topology.batch_subject(job).lower() in "\n".join(denied).lower()
+
+
+def test_a_worker_with_another_roles_credentials_stops_in_one_line(roles, hsx, tmp_path, tiny_model):
+    """An uploader started with the monitor's credentials: its durable's create is refused, and
+    it exits 2 with one line naming the subject instead of waiting out an outage."""
+    server, envs, _ = roles
+    result = hsx(
+        "upload",
+        *("--job", REFUSED_JOB, "--spool", str(tmp_path / "spool"), "--node", NODE),
+        env=envs["monitor"],
+        nats_url=server.url,
+        timeout=60,
+    )
+    line = assert_one_line_error(result, "NATS refused", "permissions violation", "hsx_files", "hsx-monitor")
+    assert "nats-config" in line
+    assert envs["monitor"]["HSX_NATS_PASSWORD"] not in result.stdout + result.stderr
+
+
+def test_nats_config_writes_secrets_once_and_never_shows_them(cli, tmp_path):
+    out = tmp_path / "nc"
+    first = cli("nats-config", "--out", str(out), "--job", "j1", "--bcrypt-cost", "4")
+    assert first.returncode == 0, first.stderr
+    passwords = {role: _read_env(out / env_file(role))["HSX_NATS_PASSWORD"] for role in permissions.ROLES}
+    assert len(set(passwords.values())) == len(permissions.ROLES)
+    conf = (out / AUTH_FILE).read_text()
+    for role, password in passwords.items():
+        assert password not in first.stdout + first.stderr + conf
+        assert f'user: "hsx-{role}"' in conf
+        assert stat.S_IMODE(os.stat(out / env_file(role)).st_mode) == 0o600
+    again = cli("nats-config", "--out", str(out))
+    assert again.returncode == 2 and "--force" in again.stderr
+    assert _read_env(out / env_file("consumer"))["HSX_NATS_PASSWORD"] == passwords["consumer"]
+    updated = cli("nats-config", "--out", str(out), "--update", "--job", "j1", "--job", "j2", "--bcrypt-cost", "4")
+    assert updated.returncode == 0, updated.stderr
+    assert _read_env(out / env_file("consumer"))["HSX_NATS_PASSWORD"] == passwords["consumer"]
+    assert '"hsx.batches.j2"' in (out / AUTH_FILE).read_text() and '"hsx.batches.j2"' not in conf
+    forced = cli("nats-config", "--out", str(out), "--force", "--bcrypt-cost", "4")
+    assert (
+        forced.returncode == 0 and _read_env(out / env_file("consumer"))["HSX_NATS_PASSWORD"] != passwords["consumer"]
+    )
+
+
+@pytest.mark.parametrize("jobs,nodes", [((permissions.ANY,), (permissions.ANY,)), (("j1", "j-2"), ("n1",))])
+def test_every_permission_is_a_subject_nats_server_matches(jobs, nodes):
+    """Wildcards only as whole tokens (`gpu-*` would match nothing), `>` only last, and no role
+    but the admin may purge, delete a durable it does not own, or write the jobs bucket."""
+    for role in permissions.ROLES:
+        allowed = permissions.role_permissions(role, user=f"hsx-{role}", jobs=jobs, nodes=nodes)
+        for subject in allowed.publish + allowed.subscribe:
+            tokens = subject.split(".")
+            assert all(token in ("*", ">") or not {"*", ">"} & set(token) for token in tokens), subject
+            assert ">" not in tokens[:-1], subject
+        purges = {subject for subject in allowed.publish if ".STREAM.PURGE." in subject}
+        if role == "producer":  # storing an object again drops its old chunks; no other purge
+            assert purges == {f"$JS.API.STREAM.PURGE.{topology.object_store_stream(topology.DATASETS_BUCKET)}"}
+        elif role != "admin":
+            assert purges == set(), role
+        if role not in ("admin", "producer"):
+            assert not [subject for subject in allowed.publish if subject.startswith("$KV.")], role
+            assert not [subject for subject in allowed.publish if ".STREAM.CREATE." in subject], role
+    with pytest.raises(HsxError):
+        permissions.role_permissions("consumer", user="u", jobs=("a.b",))
