@@ -100,20 +100,20 @@ def closure(roots, environment: dict | None = None) -> dict[str, str | None]:
 
 
 def problems(root: str = ROOT) -> list[str]:
-    """One line per requirement of `root`, recursively, that no distribution on sys.path meets."""
+    """One line per requirement that no distribution on sys.path meets: `root`'s, and those of
+    hsx-extract and BUNDLE's distributions, recursively (the bundle's side: botocore's urllib3 is
+    checked against the image's). What the image's own distributions need is theirs: torch and
+    transformers run there as installed, so their requirements are not judged here."""
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
+    ours = {canonicalize_name(name) for name in ("hsx-extract", *BUNDLE)}
     lines = []
-    seen: set[tuple[str, frozenset]] = set()
+    walked: set[tuple[str, frozenset]] = set()
     pending = [(Requirement(root), "the device check")]
     while pending:
         requirement, wanted_by = pending.pop()
         name = canonicalize_name(requirement.name)
-        key = (name, frozenset(requirement.extras))
-        if key in seen:
-            continue
-        seen.add(key)
         try:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
@@ -122,12 +122,16 @@ def problems(root: str = ROOT) -> list[str]:
         if not requirement.specifier.contains(dist.version, prereleases=True):
             lines.append(f"{name} {dist.version} is installed, {wanted_by} requires {requirement}")
             continue
+        key = (name, frozenset(requirement.extras))
+        if key in walked or name not in ours:
+            continue
+        walked.add(key)
         for text in dist.requires or []:
             needed = Requirement(text)
             extras = requirement.extras or {""}
             if needed.marker is None or any(needed.marker.evaluate({"extra": extra}) for extra in extras):
                 pending.append((needed, f"{name} {dist.version}"))
-    return sorted(lines)
+    return sorted(set(lines))
 
 
 # Every service's modules and what the device script runs: an import that fails here would fail

@@ -11,7 +11,7 @@
 # Steps, in this order, each under `timeout` min(its cap, the time left of BUDGET_S, default
 # 450 s); a step with less than NEED_S left is skipped and says so in bench.log:
 #   install  the wheels into $SITE (pip --no-index, .whl only), then `device_bundle.py check`:
-#            every requirement of hsx-extract[gpu] met, every service imports, nats-server found;
+#            hsx-extract[gpu]'s and the bundle's requirements met, every service imports, nats-server;
 #            env.txt: GPU, driver, Python/torch/CUDA/transformers/triton, fla, flash-attn, disks.
 #            A failure here ends the script (exit 1) before any GPU time is spent on it.
 #   qwen35-fla       (cap 160 s) bench/gpu.py, Qwen3.5-27B's shape at 24 of its 64 layers, 2 layers
