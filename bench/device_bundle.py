@@ -2,9 +2,9 @@
 environment holds everything hsx needs.
 
 The H200 image (docs: the device tool's KINDS.md) has Python 3.12, torch 2.11 (CUDA 13),
-transformers 5.17 with its own dependencies, triton, einops, safetensors, numpy, pyarrow, pytest,
-rich, prometheus-client, uvloop, and requests with urllib3, python-dateutil and six; it reaches no
-registry. So `.whl/` carries hsx's own wheel (the top-level folders install as `hsx.*` by
+transformers 5.17 with its own dependencies, accelerate, triton, einops, safetensors, numpy,
+pyarrow, pytest, rich, prometheus-client, uvloop, and requests with urllib3, python-dateutil and
+six; it reaches no registry. So `.whl/` carries hsx's own wheel (the top-level folders install as `hsx.*` by
 `package-dir`: a checkout on PYTHONPATH is not an install) and the closure of hsx's core
 dependencies minus what the image has, written down here once (BUNDLE; a test recomputes it from
 the installed metadata), plus fla-core (flash-linear-attention's Triton kernels, pure Python).
@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 IMAGE = (
     "torch",
     "transformers",
+    "accelerate",
     "triton",
     "einops",
     "safetensors",
