@@ -58,6 +58,7 @@ Medians over --repeats passes over the same batches.
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -349,6 +350,9 @@ async def _service_pass(loaded, batches, spec, spool: Path) -> dict:
             started = time.perf_counter()
             loop_task = asyncio.create_task(pull_loop(worker, sub, cfg, stopping))
             while True:
+                if loop_task.done():  # the loop ended before the work did: its error, not a hang
+                    loop_task.result()
+                    raise RuntimeError("the consumer loop ended with batches left")
                 info = await js.consumer_info(topology.BATCHES_STREAM, durable)
                 if info.num_pending == 0 and info.num_ack_pending == 0:
                     break
@@ -739,7 +743,7 @@ def main() -> int:
         token_budget=args.token_budget,
         max_seq_len=args.max_len,
         dataset="synthetic",
-        plan_fingerprint="x",
+        plan_fingerprint=hashlib.sha256(b"bench").hexdigest(),  # a plan's form: the spool folder is named by it
         total_samples=args.plan_samples,
         total_tokens=real_tokens,
         total_batches=len(plan),
