@@ -10,6 +10,7 @@ the closure of hsx's own dependencies less the image's, recomputed from the inst
 """
 
 import importlib.metadata as metadata
+import importlib.util
 import json
 import os
 import re
@@ -22,8 +23,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "bench"))
-import device_bundle  # noqa: E402
+# bench/ is no package, and on sys.path its modules (index, stream, status...) would shadow others.
+_spec = importlib.util.spec_from_file_location("device_bundle", REPO / "bench" / "device_bundle.py")
+device_bundle = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(device_bundle)
 
 DEVICE_PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
 BENCH_STEPS = ("qwen35-fla", "qwen35-fallback", "dense", "qwen35-compile", "attn")
