@@ -2,13 +2,17 @@
 # make run:   setup + `hsx up` (embedded demo: nats-server, tiny model, synthetic data, local dest)
 # make lint:  ruff check + ruff format --check (configured in pyproject.toml)
 # make test:  setup + lint + the whole pytest suite, on TEST_WORKERS pytest-xdist workers (default 2)
+# make device-bundle [DEVICE_PYTHON=3.12] [BUNDLE=.whl]: after setup, the wheels the GPU machine's
+#             image lacks, hsx's own included, pinned to this venv's versions (bench/device_bundle.py)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hsx-installed
 PYTHON ?= python3
 TEST_WORKERS ?= 2
+DEVICE_PYTHON ?= 3.12
+BUNDLE ?= .whl
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test lint clean device-bundle
 
 setup: $(STAMP)
 
@@ -35,6 +39,10 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# Not on setup: a test (tests/test_device_rehearsal.py) builds one while the suite runs.
+device-bundle:
+	$(PY) bench/device_bundle.py build --python $(DEVICE_PYTHON) --out $(BUNDLE)
 
 clean:
 	rm -rf hsx-demo hsx-spool .pytest_cache

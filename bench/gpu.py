@@ -1,47 +1,66 @@
 """GPU benchmark: the consumer's extraction path on a model of a real shape (random weights,
-built from its config, nothing downloaded), bf16.
+built from its config, nothing downloaded), bf16, projected onto the seeds' job.
 
 Shapes (`--model`):
-- `qwen3_8b` (default): Qwen3-8B, 36 layers, 5 captured layers (1,9,17,25,33);
+- `qwen3_8b` (default): Qwen3-8B, 36 layers, 5 captured layers (1,9,17,25,33): the earlier runs';
 - `qwen3_5`: Qwen3.5-27B's own text dimensions and layer pattern (hidden 5120, MLP 17408, Gated
   DeltaNet linear attention with 16 key / 48 value heads of 128, full attention (24 query / 4 kv
   heads of 256, output gate) every 4th layer; vocabulary 248,320), cut to `--depth` layers
-  (default 16, the real model has 64) and captured at the seeds' layers scaled to that depth:
-  the seeds' job is `dflash:5` on 64 layers = 1,16,31,46,61, so `dflash:5` on 16 = 1,4,7,10,13.
-  `--kernels fallback` hides fla and causal-conv1d, so transformers runs its pure-torch delta
-  rule and convolution (what a node without them runs); `auto` uses them when they import.
+  (default 24; the real model has 64, and fits an H200 too: `--depth 64`). `--kernels fallback`
+  hides fla and causal-conv1d, so transformers runs its pure-torch delta rule and convolution
+  (what a node without them runs); `auto` uses them when they import.
 
-Prints one JSON object with, for the same packed batches:
-- full_model_output_hidden_states_tokens_per_s: the baseline the one-off scripts use (whole
-  model, output_hidden_states=True, then pick the layers and copy them to the host);
-- forward_tokens_per_s: the layer tap alone (forward up to the deepest layer);
-- extract_tokens_per_s: forward + stacking (+ float8 quantization with `--dtype float8`) +
-  device-to-host copy (what the consumer computes);
-- pipeline_tokens_per_s: the real consumer loop (gpu_consumer.scheduler) against a real
-  nats-server: forward, files written on the writer pool while the next batch computes,
-  file-ready and progress events, acks (no uploader);
-- mfu: model FLOP utilisation of the forward (against 989 TFLOP/s dense bf16), FLOPs counted by
-  `forward_flops` (its docstring has the formula, Gated DeltaNet layers included);
-- gpu_busy: bare forward time of the same batches / the consumer loop's wall time;
-- write_gb_per_s: bytes written per second in the pipeline loop;
-- projection (`qwen3_5`): the seeds' job (914,000 samples, 624.4M tokens, 4 GPUs) at the
-  measured rates, scaled from the measured depth to the real one by the FLOPs of the forward.
+Captured layers, `qwen3_5` (`--layers seeds-io`, the default): the seeds' job captures 5 layers
+(1,16,31,46,61) of 64 and so runs 62 layers' FLOPs for 5 x 5120 x 2 bytes written per token. A cut
+of D layers capturing 5 would write ~62/D times the real job's bytes per FLOP (4x at 16 layers),
+and the disk would look busier than it will be. So every one of the D layers runs and k of them
+are captured, evenly spaced up to the last, k = round(5 x FLOPs(D layers) / FLOPs(62 layers)):
+at 24 layers, 2 (11 and 23), 1.03x the seeds' bytes per FLOP (`io_per_flop_vs_seeds`); at 64,
+the seeds' own layers. `--layers 1,4,7` names them instead.
 
-Experiments instead of the run above: `--compile-layers` (eager vs each decoder layer
-torch.compile'd) and `--attn-compare` (the forward with sdpa vs flash_attention_2, when
-flash-attn imports; the consumer picks flash-attention whenever it is installed, which this
-measures rather than assumes).
+Output: JSON lines on stdout, each printed (and flushed) as soon as it is measured, so a run cut
+short by a timeout keeps what it measured. Each line's `what`:
+- `config`: shape, layers, io_per_flop_vs_seeds, kernels the forward runs, the plan's batches;
+  `built_s`; then `warm_up` (seconds; the first passes pay for fla's autotune and compiling);
+- `disk` per spool: its filesystem and its own write rate (one file, 16 MiB writes, one fsync,
+  `--disk-gb` of it: what bench/write.py calls raw_one_file);
+- `pipeline` per spool and pass: the real consumer loop (gpu_consumer.scheduler.pull_loop with a
+  BatchWorker) against a real nats-server: fetch, forward, files written while the next batch
+  computes, file-ready and progress events, acks (no uploader: the files stay). `gpu_busy` is
+  measured inside that loop: CUDA events on the current stream around each LayerTap.forward,
+  their spans summed, over the loop's wall time from its start to the last ack (wall clock on a
+  CPU, where the forward is synchronous); `mfu` is the loop's, `mfu_while_busy` the forward's;
+- `pass` (path `forward`, `extract`, `baseline`): the same batches outside the loop: the tap
+  alone; forward + stacking (+ float8) + device-to-host copy; and what the one-off scripts do,
+  the whole model with output_hidden_states, the chosen layers copied to the host. The baseline
+  keeps the logits of the last position only (logits_to_keep=1): the lm_head over the whole
+  vocabulary for every token (248,320 x 5120 per token here) is not what those scripts need and
+  is left out of it;
+- `summary` after every repeat: the medians so far (the earlier runs' keys);
+- `projection` (`qwen3_5`) after every repeat: the seeds' job (914,000 samples, 624.4M tokens,
+  4 GPUs of one node) at the measured rates, scaled from the measured forward to the real one by
+  their FLOPs (forward_flops, same samples; bytes scale alike at the seeds' I/O per FLOP): hours
+  bound by the GPU (the loop on a tmpfs spool), by the disk (its own write rate against the
+  node's 4 consumers' bytes), by the network where `--network-gb-per-s` is given (no network on
+  the device to measure), and which of them binds;
+- `compare` for the experiments `--compile-layers` (eager vs each decoder layer torch.compile'd)
+  and `--attn-compare` (sdpa vs flash_attention_2, when flash-attn imports).
+FLOPs are counted by `forward_flops` (its docstring has the formula); MFU against 989 TFLOP/s
+(H200 dense bf16).
 
-Run: python bench/gpu.py [--model qwen3_5 --depth 16] [--plan-samples 100000 --batches 8]
+Run: python bench/gpu.py [--model qwen3_5 [--depth 24]] [--plan-samples 100000 --batches 8]
      [--token-budget 32768] [--spool /tmp/hsx-bench-spool --spool /dev/shm/hsx-bench-spool]
-     [--dtype float8] [--kernels fallback] [--compile]
-     python bench/gpu.py --smoke [--model qwen3_5]   # tiny shapes on the CPU: checks the script
+     [--dtype float8] [--kernels fallback] [--compile] [--network-gb-per-s 1.25]
+     python bench/gpu.py --smoke [--model qwen3_5]   # tiny shapes, at most 8 layers, on the CPU
 Medians over --repeats passes over the same batches.
 """
 
 import argparse
 import asyncio
+import contextlib
+import hashlib
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -52,15 +71,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from hsx.commands.embedded import synthetic_lengths  # noqa: E402
-from hsx.gpu_consumer.extract import extract_samples, pad_batch  # noqa: E402
-from hsx.gpu_consumer.model import LayerTap, LoadedModel, choose_attention, decoder_layers  # noqa: E402
-from hsx.gpu_consumer.staging import HostStaging  # noqa: E402
-from hsx.packing import plan_batches  # noqa: E402
-from hsx.storage.layout import FLOAT8  # noqa: E402
-from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
+from hsx.commands.embedded import synthetic_lengths
+from hsx.gpu_consumer.extract import extract_samples, pad_batch
+from hsx.gpu_consumer.model import LayerTap, LoadedModel, choose_attention, decoder_layers
+from hsx.gpu_consumer.staging import HostStaging
+from hsx.packing import plan_batches
+from hsx.storage.layout import FLOAT8
+from hsx.wire.schemas import JobSpec, Sample
 
 QWEN3_8B = dict(
     model_type="qwen3",
@@ -108,10 +125,16 @@ SMOKE = dict(
     linear_value_head_dim=16,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
+    vocab_size=1024,
 )
 PEAK_BF16_FLOPS = 989e12
 SEEDS_JOB = {"samples": 914_000, "tokens": 624_400_000, "gpus": 4, "layers": [1, 16, 31, 46, 61], "depth": 64}
 GDN_CHUNK = 64  # the chunk length of the chunked delta rule (fla's and transformers' fallback)
+
+
+def emit(what: str, **fields) -> None:
+    """One JSON line on stdout, at once: whatever is cut short later keeps it."""
+    print(json.dumps({"what": what, **fields}), flush=True)
 
 
 def layer_types(cfg: dict) -> list[str]:
@@ -187,10 +210,108 @@ def kernels_in_use(model) -> dict:
         }
 
 
-async def _service_pass(loaded, batches, spec, spool: Path) -> tuple[int, float]:
-    """One pass of the real consumer loop over `batches`; returns (bytes written, seconds from the
-    loop's start to the last batch acked). Starting NATS and publishing come before the clock
-    starts; tearing down and deleting the files after it stops."""
+def seeds_io_layers(lengths: list[int], shape: dict) -> list[int]:
+    """The layers to capture so that bytes written per FLOP are the seeds' job's (module
+    docstring): all of `shape`'s layers run, k of them captured, evenly spaced up to the last."""
+    depth = shape["num_hidden_layers"]
+    if depth == SEEDS_JOB["depth"]:
+        return list(SEEDS_JOB["layers"])
+    real = {**shape, "num_hidden_layers": SEEDS_JOB["depth"]}
+    share = forward_flops(lengths, shape, depth) / forward_flops(lengths, real, max(SEEDS_JOB["layers"]) + 1)
+    count = max(1, round(len(SEEDS_JOB["layers"]) * share))
+    spacing = depth / count
+    return [round(depth - 1 - spacing * (count - 1 - j)) for j in range(count)]
+
+
+def io_per_flop_vs_seeds(lengths: list[int], shape: dict, layers: list[int]) -> float:
+    """Bytes written per forward FLOP here over the seeds' job's, same samples (same hidden size)."""
+    real = {**shape, "num_hidden_layers": SEEDS_JOB["depth"]}
+    here = len(layers) / forward_flops(lengths, shape, max(layers) + 1)
+    seeds = len(SEEDS_JOB["layers"]) / forward_flops(lengths, real, max(SEEDS_JOB["layers"]) + 1)
+    return here / seeds
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem `path` is on (tmpfs, ext4, overlay, ...), from /proc/mounts."""
+    target, best, kind = str(path.resolve()), "", "unknown"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return kind
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, kind = mount, fields[2]
+    return kind
+
+
+def disk_write_rate(directory: Path, nbytes: int) -> float:
+    """The disk's own sequential write rate in bytes/s: one file, 16 MiB writes, one fsync."""
+    directory.mkdir(parents=True, exist_ok=True)
+    chunk = memoryview(os.urandom(16 << 20))
+    path = directory / "hsx-bench-disk.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        start, written = time.perf_counter(), 0
+        while written < nbytes:
+            written += os.write(fd, chunk[: min(len(chunk), nbytes - written)])
+        os.fsync(fd)
+        return written / (time.perf_counter() - start)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def forward_spans(device: torch.device):
+    """LayerTap.forward, wrapped for the block: each call's span on the stream it runs on (CUDA
+    events recorded on the current stream before and after; the wall clock on a CPU, where the
+    forward is synchronous). Yields a list; `busy_seconds` sums it once the work is done."""
+    spans: list = []
+    original = LayerTap.forward
+
+    def timed(self, *args, **kwargs):
+        if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                end.record(stream)
+                spans.append((start, end))
+        began = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            spans.append(time.perf_counter() - began)
+
+    LayerTap.forward = timed
+    try:
+        yield spans
+    finally:
+        LayerTap.forward = original
+
+
+def busy_seconds(spans: list) -> float:
+    total = 0.0
+    for span in spans:
+        if isinstance(span, tuple):
+            span[1].synchronize()
+            total += span[0].elapsed_time(span[1]) / 1000
+        else:
+            total += span
+    return total
+
+
+async def _service_pass(loaded, batches, spec, spool: Path) -> dict:
+    """One pass of the real consumer loop over `batches`: bytes written, seconds from the loop's
+    start to the last batch acked, and the GPU's seconds inside LayerTap.forward meanwhile.
+    Starting NATS and publishing come before the clock starts; tearing down after it stops."""
     from hsx.commands.embedded import start_nats_server
     from hsx.gpu_consumer.config import ConsumerConfig
     from hsx.gpu_consumer.scheduler import pull_loop
@@ -225,47 +346,50 @@ async def _service_pass(loaded, batches, spec, spool: Path) -> tuple[int, float]
         )
         stopping = asyncio.Event()
         worker = BatchWorker(cfg, js, EventPublisher(nc, js, spec.job), spec, loaded, stopping)
-        started = time.perf_counter()
-        loop_task = asyncio.create_task(pull_loop(worker, sub, cfg, stopping))
-        while True:
-            info = await js.consumer_info(topology.BATCHES_STREAM, durable)
-            if info.num_pending == 0 and info.num_ack_pending == 0:
-                break
-            await asyncio.sleep(0.01)
-        seconds = time.perf_counter() - started
-        stopping.set()
-        await loop_task
+        with forward_spans(loaded.device) as spans:
+            started = time.perf_counter()
+            loop_task = asyncio.create_task(pull_loop(worker, sub, cfg, stopping))
+            while True:
+                if loop_task.done():  # the loop ended before the work did: its error, not a hang
+                    loop_task.result()
+                    raise RuntimeError("the consumer loop ended with batches left")
+                info = await js.consumer_info(topology.BATCHES_STREAM, durable)
+                if info.num_pending == 0 and info.num_ack_pending == 0:
+                    break
+                await asyncio.sleep(0.01)
+            seconds = time.perf_counter() - started
+            stopping.set()
+            await loop_task
+        busy = busy_seconds(spans)
         worker.close()
         await sub.unsubscribe()
         await nc.drain()
     finally:
         server.stop()
-    return sum(p.stat().st_size for p in (spool / spec.job).rglob("*.safetensors")), seconds
+    written = sum(p.stat().st_size for p in (spool / spec.job).rglob("*.safetensors"))
+    return {"bytes": written, "seconds": seconds, "busy_s": busy, "forwards": len(spans)}
 
 
 def _compare_compiled(model, forward_only, timed, repeats: int, real_tokens: int, flops: float) -> int:
     """An experiment, not the consumer's path: what fusing each decoder layer's element-wise work
     with torch.compile would buy the forward."""
     eager = statistics.median(timed(forward_only) for _ in range(repeats))
+    emit("pass", path="forward_eager", seconds=round(eager, 4), tokens_per_s=round(real_tokens / eager))
     start = time.perf_counter()
     for layer in decoder_layers(model):
         layer.compile(dynamic=True)
     first = timed(forward_only)  # pays for compiling
     compile_s = time.perf_counter() - start - first
+    emit("compile", first_compiled_pass_s=round(first + max(compile_s, 0), 1))
     compiled = statistics.median(timed(forward_only) for _ in range(repeats))
-    print(
-        json.dumps(
-            {
-                "forward_eager_tokens_per_s": round(real_tokens / eager),
-                "mfu_eager": round(flops / eager / PEAK_BF16_FLOPS, 4),
-                "forward_compiled_tokens_per_s": round(real_tokens / compiled),
-                "mfu_compiled": round(flops / compiled / PEAK_BF16_FLOPS, 4),
-                "compiled_vs_eager": round(eager / compiled, 3),
-                "first_compiled_pass_s": round(first + max(compile_s, 0), 1),
-                "repeats": repeats,
-            },
-            indent=1,
-        )
+    emit(
+        "compare",
+        forward_eager_tokens_per_s=round(real_tokens / eager),
+        mfu_eager=round(flops / eager / PEAK_BF16_FLOPS, 4),
+        forward_compiled_tokens_per_s=round(real_tokens / compiled),
+        mfu_compiled=round(flops / compiled / PEAK_BF16_FLOPS, 4),
+        compiled_vs_eager=round(eager / compiled, 3),
+        repeats=repeats,
     )
     return 0
 
@@ -287,30 +411,91 @@ def _compare_attention(model, forward_only, timed, repeats: int, real_tokens: in
         figures[attention] = {
             "forward_tokens_per_s": round(real_tokens / seconds),
             "mfu": round(flops / seconds / PEAK_BF16_FLOPS, 4),
-            "raw_seconds": seconds,
+            "raw_seconds": round(seconds, 4),
         }
-    print(json.dumps({"attention_compare": figures, "repeats": repeats}, indent=1))
+    emit("compare", attention_compare=figures, repeats=repeats)
     return 0
 
 
-def _projection(out: dict, lengths: list[int], shape: dict, flops: float, real_tokens: int, forward_s: float) -> dict:
-    """The seeds' job (SEEDS_JOB) at the measured rates. The real model runs layers 0..61 of 64
-    where this run ran `max(layers) + 1` of `--depth`: each measured rate is scaled by the ratio
-    of the two forwards' FLOPs (forward_flops, same samples), i.e. the time per token is taken
-    to grow with the FLOPs; writes are the real job's (5 layers x 5120 x 2 bytes per token) and
-    are not scaled."""
+def _projection(
+    *,
+    shape: dict,
+    lengths: list[int],
+    flops: float,
+    summary: dict,
+    disks: dict,
+    float8: bool,
+    network_gb_per_s: float | None,
+) -> dict:
+    """The seeds' job (SEEDS_JOB) at the measured rates, on one node of SEEDS_JOB["gpus"] GPUs.
+    The real model runs layers 0..61 of 64 where this run ran `max(layers) + 1` of `--depth`:
+    each measured rate is divided by the ratio of the two forwards' FLOPs (same samples). Bytes
+    are the real job's: 5 layers x hidden x 2 bytes per token (1 byte + a float32 scale per
+    layer in float8)."""
     real = {**shape, "num_hidden_layers": SEEDS_JOB["depth"]}
     ratio = forward_flops(lengths, real, max(SEEDS_JOB["layers"]) + 1) / flops
-    rates = {"forward": real_tokens / forward_s / ratio}
-    for spool, figures in out["pipeline_by_spool"].items():
-        rates[f"pipeline {spool}"] = figures["tokens_per_s"] / ratio
-    gpus, tokens = SEEDS_JOB["gpus"], SEEDS_JOB["tokens"]
+    layers, hidden, gpus, tokens = (
+        len(SEEDS_JOB["layers"]),
+        shape["hidden_size"],
+        SEEDS_JOB["gpus"],
+        SEEDS_JOB["tokens"],
+    )
+    bytes_per_token = layers * (hidden + 4) if float8 else layers * hidden * 2
+    per_gpu = {"forward": summary["forward_tokens_per_s"] / ratio}
+    tmpfs_rates, disk_rates = [], []
+    for spool, figures in summary["pipeline_by_spool"].items():
+        rate = figures["tokens_per_s"] / ratio
+        per_gpu[f"pipeline {spool}"] = rate
+        (tmpfs_rates if disks.get(spool, {}).get("fs") == "tmpfs" else disk_rates).append(rate)
+    # The GPU's bound: the consumer loop with nothing but memory under its spool.
+    gpu_rate = max(tmpfs_rates or disk_rates)
+    needed = gpu_rate * gpus * bytes_per_token / 1e9
+    hours = {"gpu": tokens / (gpu_rate * gpus) / 3600}
+    disk_rate = max((d["write_gb_per_s"] for d in disks.values() if d["fs"] != "tmpfs"), default=None)
+    if disk_rate:
+        hours["disk"] = tokens * bytes_per_token / (disk_rate * 1e9) / 3600
+    if network_gb_per_s:
+        hours["network"] = tokens * bytes_per_token / (network_gb_per_s * 1e9) / 3600
+    binds = max(hours, key=hours.get)
     return {
         "job": f"{SEEDS_JOB['samples']} samples, {tokens / 1e6:.1f}M tokens, layers {SEEDS_JOB['layers']} "
-        f"of {SEEDS_JOB['depth']}, {gpus} GPUs",
+        f"of {SEEDS_JOB['depth']}, {gpus} GPUs of one node",
         "flops_ratio_real_to_measured": round(ratio, 3),
-        "tokens_per_s_per_gpu_at_full_depth": {k: round(v) for k, v in rates.items()},
-        "hours": {k: round(tokens / (v * gpus) / 3600, 2) for k, v in rates.items()},
+        "tokens_per_s_per_gpu_at_full_depth": {k: round(v) for k, v in per_gpu.items()},
+        "bytes_per_token": bytes_per_token,
+        "job_needs_gb_per_s": {"per_gpu": round(needed / gpus, 3), "per_node": round(needed, 3)},
+        "disk_write_gb_per_s": disk_rate,
+        "network_gb_per_s": network_gb_per_s or "not measured (no network on the device): pass --network-gb-per-s",
+        "hours": {k: round(v, 2) for k, v in hours.items()},
+        "binds": binds,
+        "job_hours": round(hours[binds], 2),
+        "one_gpu_on_the_disk_vs_tmpfs": round(max(disk_rates) / max(tmpfs_rates), 3)
+        if disk_rates and tmpfs_rates
+        else None,
+    }
+
+
+def _summary(results: dict, per_spool: dict, real_tokens: int, flops: float) -> dict:
+    median = {k: statistics.median(v) for k, v in results.items() if v}
+    full_s = median.get("baseline")
+    forward_s = median["forward"]
+    return {
+        "full_model_output_hidden_states_tokens_per_s": round(real_tokens / full_s) if full_s else None,
+        "forward_tokens_per_s": round(real_tokens / forward_s),
+        "early_exit_ratio": round(forward_s / full_s, 4) if full_s else None,
+        "extract_tokens_per_s": round(real_tokens / median["extract"]) if "extract" in median else None,
+        "mfu_forward": round(flops / forward_s / PEAK_BF16_FLOPS, 4),
+        "pipeline_by_spool": {
+            spool: {
+                "tokens_per_s": round(real_tokens / statistics.median(f["seconds"])),
+                "gpu_busy": round(statistics.median(f["gpu_busy"]), 4),
+                "mfu": round(flops / statistics.median(f["seconds"]) / PEAK_BF16_FLOPS, 4),
+                "write_gb_per_s": round(statistics.median(f["write_gb_per_s"]), 3),
+            }
+            for spool, f in per_spool.items()
+            if f["seconds"]
+        },
+        "repeats": len(results["forward"]),
     }
 
 
@@ -327,12 +512,13 @@ def main() -> int:
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--model", choices=sorted(SHAPES), default="qwen3_8b", help="the model's shape")
     parser.add_argument(
-        "--depth", type=int, default=16, help="qwen3_5: decoder layers built (the real model has 64; default 16)"
+        "--depth", type=int, default=24, help="qwen3_5: decoder layers built (the real model has 64; default 24)"
     )
     parser.add_argument(
         "--layers",
         default=None,
-        help="captured layers (default: qwen3_8b 1,9,17,25,33; qwen3_5 the seeds' dflash:5 at --depth)",
+        help="captured layers, e.g. 1,4,7 (default: qwen3_8b 1,9,17,25,33; qwen3_5 seeds-io: the seeds' "
+        "bytes per FLOP, module docstring)",
     )
     parser.add_argument("--dtype", choices=("bfloat16", "float8"), default="bfloat16", help="stored dtype")
     parser.add_argument(
@@ -348,6 +534,13 @@ def main() -> int:
         action="append",
         default=None,
         help="spool directory for the consumer-loop pass; repeat to measure several disks",
+    )
+    parser.add_argument("--disk-gb", type=float, default=2.0, help="bytes written to measure each spool's disk")
+    parser.add_argument(
+        "--network-gb-per-s",
+        type=float,
+        default=None,
+        help="the node's upload rate, for the projection (not measured: the device has no network)",
     )
     parser.add_argument("--attn", default=None, help="attention implementation (default: what the consumer picks)")
     parser.add_argument(
@@ -366,7 +559,11 @@ def main() -> int:
         action="store_true",
         help="only compare the forward with sdpa vs flash_attention_2 (when flash-attn is installed)",
     )
-    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny model and batches on the CPU, no torch.compile: checks the script, measures nothing",
+    )
     args = parser.parse_args()
     from hsx.logs import configure_logging
 
@@ -378,53 +575,22 @@ def main() -> int:
         shape["num_hidden_layers"] = args.depth
     if args.smoke:
         shape.update(SMOKE if args.model == "qwen3_5" else {k: v for k, v in SMOKE.items() if "linear" not in k})
+        if args.model == "qwen3_5":
+            shape["num_hidden_layers"] = min(args.depth, 8)
+        # torch.compile on a CPU spends tens of seconds tracing for nothing the script needs checked.
+        args.compile = args.compile_layers = False
+        args.plan_samples, args.token_budget, args.max_len = min(args.plan_samples, 500), 256, 128
+        args.batches, args.repeats, args.disk_gb = min(args.batches, 2), 1, 0.004
         device = torch.device("cpu")
+        torch.set_num_threads(1)
     elif not torch.cuda.is_available():
-        print(json.dumps({"skipped": "no CUDA device"}))
+        emit("skipped", reason="no CUDA device")
         return 0
     else:
         device = torch.device("cuda")
         torch.set_num_threads(1)  # as the consumer does on a GPU (gpu_consumer/main.py)
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from hsx.model.layers import preset_layers
-
-    depth = shape["num_hidden_layers"]
-    if args.layers:
-        layers = [int(x) for x in args.layers.split(",")]
-    elif args.model == "qwen3_5":
-        layers = preset_layers("dflash:5", depth)
-    else:
-        layers = [1, 9, 17, 25, 33]
-    model_type = shape.pop("model_type")
-    config = AutoConfig.for_model(model_type, **shape)
-    shape["model_type"] = model_type
-    args.attn = args.attn or choose_attention(device, torch.bfloat16) or "sdpa"
-    config._attn_implementation = args.attn
-    t0 = time.perf_counter()
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.eval().requires_grad_(False)
-    if args.compile:
-        for layer in decoder_layers(model):
-            layer.compile(dynamic=True)
-    build_s = time.perf_counter() - t0
-    kernels = kernels_in_use(model)
-    staging = HostStaging() if device.type == "cuda" else None
-
-    def with_tap() -> LoadedModel:
-        return LoadedModel(
-            model=model,
-            tap=LayerTap(model, layers),
-            device=device,
-            dtype=torch.bfloat16,
-            pad_token_id=0,
-            attention=args.attn,
-            staging=staging,
-        )
-
-    loaded = with_tap()
 
     # The batches of a real job: plan a large synthetic dataset as the producer would, then take a
     # few batches spread evenly over the plan (long and short ones alike). Their padding is what a
@@ -444,8 +610,67 @@ def main() -> int:
     lengths = [len(s.input_ids) for s in samples]
     real_tokens = sum(lengths)
     padded_tokens = sum(b.padded_tokens for b in plan)
+
+    depth = shape["num_hidden_layers"]
+    if args.layers and args.layers != "seeds-io":
+        layers = [int(x) for x in args.layers.split(",")]
+    elif args.model == "qwen3_5":
+        layers = seeds_io_layers(lengths, shape)
+    else:
+        layers = [1, 9, 17, 25, 33]
     flops = forward_flops(lengths, shape, max(layers) + 1)
+    model_type = shape.pop("model_type")
+    config = AutoConfig.for_model(model_type, **shape)
+    shape["model_type"] = model_type
+    args.attn = args.attn or choose_attention(device, torch.bfloat16) or "sdpa"
+    config._attn_implementation = args.attn
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval().requires_grad_(False)
+    if args.compile:
+        for layer in decoder_layers(model):
+            layer.compile(dynamic=True)
+    build_s = time.perf_counter() - t0
+    staging = HostStaging() if device.type == "cuda" else None
     cuda = device.type == "cuda"
+
+    def with_tap() -> LoadedModel:
+        return LoadedModel(
+            model=model,
+            tap=LayerTap(model, layers),
+            device=device,
+            dtype=torch.bfloat16,
+            pad_token_id=0,
+            attention=args.attn,
+            staging=staging,
+        )
+
+    loaded = with_tap()
+    emit(
+        "config",
+        gpu=torch.cuda.get_device_name(0) if cuda else "cpu (smoke run: figures mean nothing)",
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        attention=args.attn,
+        model=f"{args.model}-shaped ({depth} layers, hidden {shape['hidden_size']}), random bf16",
+        layers=layers,
+        layers_run=max(layers) + 1,
+        io_per_flop_vs_seeds=round(io_per_flop_vs_seeds(lengths, shape, layers), 3)
+        if args.model == "qwen3_5"
+        else None,
+        stored_dtype=args.dtype,
+        compiled_layers=args.compile,
+        kernels=kernels_in_use(model),
+        plan=f"{len(plan)} batches spread over the plan of {args.plan_samples} samples ({len(full_plan)} batches)",
+        samples=len(samples),
+        real_tokens=real_tokens,
+        packing_efficiency=round(real_tokens / padded_tokens, 4),
+        forward_flops=flops,
+        baseline="whole model, output_hidden_states=True, logits of the last position only (logits_to_keep=1)",
+        built_s=round(build_s, 1),
+    )
 
     def sync() -> None:
         if cuda:
@@ -454,10 +679,9 @@ def main() -> int:
     warm_start = time.perf_counter()
     float8 = args.dtype == "float8"
     extract_samples(loaded, batches[0][:2], float8=float8)  # warm-up (and compiling, with --compile)
-    if args.compile:
-        extract_samples(loaded, batches[0], float8=float8)
+    extract_samples(loaded, batches[0], float8=float8)  # fla autotunes per shape: the full batch's too
     sync()
-    warm_up_s = time.perf_counter() - warm_start
+    emit("warm_up", seconds=round(time.perf_counter() - warm_start, 1))
 
     def timed(fn) -> float:
         sync()
@@ -489,7 +713,7 @@ def main() -> int:
                     attention_mask=mask.to(device),
                     output_hidden_states=True,
                     use_cache=False,
-                    logits_to_keep=0,
+                    logits_to_keep=1,
                 )
                 torch.stack([out.hidden_states[i + 1] for i in layers], dim=2).cpu()
             del out
@@ -504,6 +728,11 @@ def main() -> int:
                 lease.release()
 
     spools = args.spool or [Path(tempfile.mkdtemp(prefix="hsx-bench-spool-"))]
+    disks = {}
+    for spool in spools:
+        rate = disk_write_rate(spool, int(args.disk_gb * 1e9))
+        disks[str(spool)] = {"fs": filesystem(spool), "write_gb_per_s": round(rate / 1e9, 3)}
+        emit("disk", spool=str(spool), fs=disks[str(spool)]["fs"], write_gb_per_s=round(rate / 1e9, 3), gb=args.disk_gb)
     spec = JobSpec(
         job="bench",
         model=f"{args.model}-shaped-random",
@@ -514,75 +743,75 @@ def main() -> int:
         token_budget=args.token_budget,
         max_seq_len=args.max_len,
         dataset="synthetic",
-        plan_fingerprint="x",
+        plan_fingerprint=hashlib.sha256(b"bench").hexdigest(),  # a plan's form: the spool folder is named by it
         total_samples=args.plan_samples,
         total_tokens=real_tokens,
         total_batches=len(plan),
         created_at=0.0,
     )
 
-    def pipeline(spool: Path) -> tuple[int, float]:
+    def pipeline(spool: Path) -> dict:
         """The real consumer service loop (gpu_consumer.scheduler.pull_loop) against a real
         nats-server: fetch, forward, files written on the writer pool while the next batch
         computes, file-ready events, progress events, ack. No uploader: files stay in the spool."""
         sync()
-        written, seconds = asyncio.run(_service_pass(loaded, batches, spec, spool))
+        figures = asyncio.run(_service_pass(loaded, batches, spec, spool))
         shutil.rmtree(spool / "bench", ignore_errors=True)
-        return written, seconds
+        return figures
 
-    results = {"full": [], "forward": [], "extract": []}
-    per_spool = {str(spool): {"pipeline": [], "gpu_busy": [], "write_gbps": []} for spool in spools}
-    for _ in range(args.repeats):
-        if not args.compile:
-            results["full"].append(timed(full_model_baseline))
-        forward_seconds = timed(forward_only)
-        results["forward"].append(forward_seconds)
-        results["extract"].append(timed(extract_only))
+    results: dict[str, list[float]] = {"forward": [], "extract": [], "baseline": []}
+    per_spool = {str(spool): {"seconds": [], "gpu_busy": [], "write_gb_per_s": []} for spool in spools}
+    for repeat in range(args.repeats):
         for spool in spools:
-            written, seconds = pipeline(spool)
-            figures = per_spool[str(spool)]
-            figures["pipeline"].append(seconds)
-            # The forward alone of the same batches over the service's wall time: the share of
-            # the run the GPU spent on the work that matters.
-            figures["gpu_busy"].append(forward_seconds / seconds)
-            figures["write_gbps"].append(written / seconds / 1e9)
-    forward_s = statistics.median(results["forward"])
-    full_s = statistics.median(results["full"]) if results["full"] else None
-    out = {
-        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu (smoke run: figures mean nothing)",
-        "torch": torch.__version__,
-        "attention": args.attn,
-        "model": f"{args.model}-shaped ({depth} layers, hidden {shape['hidden_size']}), random bf16",
-        "layers": layers,
-        "stored_dtype": args.dtype,
-        "kernels": kernels,
-        "plan": f"{len(plan)} batches spread over the plan of {args.plan_samples} samples ({len(full_plan)} batches)",
-        "samples": len(samples),
-        "real_tokens": real_tokens,
-        "packing_efficiency": round(real_tokens / padded_tokens, 4),
-        "build_s": round(build_s, 1),
-        "compiled_layers": args.compile,
-        "warm_up_s": round(warm_up_s, 1),
-        "full_model_output_hidden_states_tokens_per_s": round(real_tokens / full_s) if full_s else None,
-        "forward_tokens_per_s": round(real_tokens / forward_s),
-        "early_exit_ratio": round(forward_s / full_s, 4) if full_s else None,
-        "extract_tokens_per_s": round(real_tokens / statistics.median(results["extract"])),
-        "mfu_forward": round(flops / forward_s / PEAK_BF16_FLOPS, 4),
-        "pipeline_by_spool": {
-            spool: {
-                "tokens_per_s": round(real_tokens / statistics.median(figures["pipeline"])),
-                "gpu_busy": round(statistics.median(figures["gpu_busy"]), 4),
-                "write_gb_per_s": round(statistics.median(figures["write_gbps"]), 3),
-                "raw_seconds": [round(x, 3) for x in figures["pipeline"]],
-            }
-            for spool, figures in per_spool.items()
-        },
-        "repeats": args.repeats,
-        "raw_seconds": {k: [round(x, 3) for x in v] for k, v in results.items()},
-    }
-    if args.model == "qwen3_5":
-        out["projection"] = _projection(out, lengths, shape, flops, real_tokens, forward_s)
-    print(json.dumps(out, indent=1))
+            figures = pipeline(spool)
+            seconds = figures["seconds"]
+            busy = figures["busy_s"] / seconds
+            kept = per_spool[str(spool)]
+            kept["seconds"].append(seconds)
+            kept["gpu_busy"].append(busy)
+            kept["write_gb_per_s"].append(figures["bytes"] / seconds / 1e9)
+            emit(
+                "pipeline",
+                spool=str(spool),
+                repeat=repeat,
+                seconds=round(seconds, 4),
+                tokens_per_s=round(real_tokens / seconds),
+                gpu_busy=round(busy, 4),
+                forward_gpu_s=round(figures["busy_s"], 4),
+                forwards=figures["forwards"],
+                mfu=round(flops / seconds / PEAK_BF16_FLOPS, 4),
+                mfu_while_busy=round(flops / figures["busy_s"] / PEAK_BF16_FLOPS, 4) if figures["busy_s"] else None,
+                write_gb_per_s=round(figures["bytes"] / seconds / 1e9, 3),
+            )
+        paths = {"forward": forward_only, "extract": extract_only}
+        if not args.compile:
+            paths["baseline"] = full_model_baseline
+        for name, run in paths.items():
+            seconds = timed(run)
+            results[name].append(seconds)
+            emit(
+                "pass",
+                path=name,
+                repeat=repeat,
+                seconds=round(seconds, 4),
+                tokens_per_s=round(real_tokens / seconds),
+                mfu=round(flops / seconds / PEAK_BF16_FLOPS, 4) if name != "baseline" else None,
+            )
+        summary = _summary(results, per_spool, real_tokens, flops)
+        emit("summary", **summary)
+        if args.model == "qwen3_5":
+            emit(
+                "projection",
+                **_projection(
+                    shape=shape,
+                    lengths=lengths,
+                    flops=flops,
+                    summary=summary,
+                    disks=disks,
+                    float8=float8,
+                    network_gb_per_s=args.network_gb_per_s,
+                ),
+            )
     return 0
 
 
