@@ -1,5 +1,5 @@
 """Which implementations the loaded model's forward runs (`kernel_report`), and what a consumer
-does about a slow one (`check_kernels`).
+does about a slow one (`check_kernels`: refused on CUDA unless allowed).
 
 transformers picks a hybrid model's linear-attention kernels when its modeling module is imported
 (`use_kernel_func_from_hub_with_fallback`): the fast package's function when `fla` (pip
@@ -83,13 +83,13 @@ def linear_attention_layers(model: nn.Module) -> list[nn.Module]:
     return mixers
 
 
-def kernel_report(model: nn.Module, *, compiled: bool) -> Kernels:
+def kernel_report(model: nn.Module, *, compiled: bool, compile_error: str = "") -> Kernels:
     """What the loaded model's forward runs. A model without linear-attention layers reports
     None for the linear attention and the convolution."""
     attention = str(getattr(model.config, "_attn_implementation", None) or UNKNOWN)
     mixers = linear_attention_layers(model)
     if not mixers:
-        return Kernels(attention=attention, compiled=compiled)
+        return Kernels(attention=attention, compiled=compiled, compile_error=compile_error)
     # One modeling file per model: every linear-attention layer calls the same functions.
     functions = _called(mixers[0])
     return Kernels(
@@ -97,6 +97,7 @@ def kernel_report(model: nn.Module, *, compiled: bool) -> Kernels:
         linear_attention=_pick(functions, conv=False),
         conv1d=_pick(functions, conv=True),
         compiled=compiled,
+        compile_error=compile_error,
     )
 
 
@@ -114,18 +115,20 @@ def fallbacks(report: Kernels, device_type: str) -> list[str]:
     return [part for part, used in parts.items() if used == TORCH]
 
 
-def check_kernels(report: Kernels, device_type: str, *, require_fast: bool) -> None:
-    """On a device with fast kernels, a hybrid model on the torch fallback is logged once as a
-    warning, or refused (one-line HsxError) with --require-fast-kernels."""
+def check_kernels(report: Kernels, device_type: str, *, allow_slow: bool) -> None:
+    """On a device with fast kernels, a hybrid model on the torch fallback is refused (one-line
+    HsxError naming what is missing and the opt-out), or with --allow-slow-kernels logged once as
+    a warning. Elsewhere (a CPU) the torch path is the only one there is: nothing to say."""
     slow = fallbacks(report, device_type)
     if not slow:
         return
-    if require_fast:
+    if not allow_slow:
         parts = " and ".join(_PARTS[part][0] for part in slow)
         packages = ", ".join(_PARTS[part][1] for part in slow)
         raise HsxError(
-            f"--require-fast-kernels: the model's {parts} would run transformers' torch fallback on "
-            f"{device_type} ({packages} not importable here); install the kernels: {INSTALL_HINT}"
+            f"the model's {parts} would run transformers' torch fallback on {device_type}, many times "
+            f"slower ({packages} not importable here); install the kernels ({INSTALL_HINT}), or pass "
+            f"--allow-slow-kernels to run it so"
         )
     log.warning("slow_kernels", fallbacks=slow, install=INSTALL_HINT)
 

@@ -178,10 +178,9 @@ def load_model(
         "model_loaded", model=path, device=str(target), **report.fields(), host_peak_rss_bytes=peak_host_rss_bytes()
     )
     if compile_layers:
-        # Per layer, not the whole model: the layer tap's hooks end the forward early, and every
-        # layer shares one compiled graph. dynamic: each batch has its own [B, P].
-        for layer in decoder_layers(model):
-            layer.compile(dynamic=True)
+        from hsx.gpu_consumer.compiling import compile_decoder_layers  # it imports this module
+
+        compile_decoder_layers(model)
     config = model.config.get_text_config()
     pad = getattr(config, "pad_token_id", None)
     return LoadedModel(
