@@ -42,7 +42,7 @@ from hsx.gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
 from hsx.gpu_consumer.writer import write_sample_file
 from hsx.storage.fsutil import fsync_dir
 from hsx.storage.layout import FLOAT8
-from hsx.storage.spool import spool_usage
+from hsx.storage.spool import SpoolMeter, plan_folder, spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.headers import message_headers
@@ -115,6 +115,9 @@ class BatchWorker:
         # The batches taken up and not yet settled, by their Taken: what a stop is finishing.
         self._in_hand: dict[int, str] = {}
         self._writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="hsx-writer")
+        # The plan's spool usage as a running count, read before every fetch and in every beat
+        # (no walk of the folder on the way: hsx/storage/spool.py).
+        self.spool_meter = SpoolMeter(plan_folder(cfg.spool, spec.job, spec.plan_tag)).start()
         # Where the forwards run: the consumer's device thread, which loaded and warmed up the
         # model (gpu_consumer/main.py); one of this worker's own when not given (benches, tests).
         self._owns_forwards = forwards is None
@@ -126,7 +129,11 @@ class BatchWorker:
 
     def _write_one(self, batch_id: str, sample: schemas.Sample, hidden: torch.Tensor) -> schemas.FileReady:
         """Its folder is fsynced by the caller (`_sync_folders`), once for the batch's files."""
-        return write_sample_file(
+        try:  # a redelivered batch rewrites its files in place: counted once
+            replaced = os.stat(spool_file(self.cfg.spool, self.spec.job, self.spec.plan_tag, sample.index)).st_size
+        except FileNotFoundError:
+            replaced = None
+        ready = write_sample_file(
             spool=self.cfg.spool,
             spec=self.spec,
             node=self.cfg.node,
@@ -135,6 +142,8 @@ class BatchWorker:
             hidden_states=hidden,
             sync_dir=False,
         )
+        self.spool_meter.add(0 if replaced is not None else 1, ready.size - (replaced or 0))
+        return ready
 
     def _write_some(self, batch_id: str, part: list[tuple[schemas.Sample, torch.Tensor]]) -> list[schemas.FileReady]:
         """One writer thread's share of a batch's files, in order."""
@@ -616,7 +625,7 @@ class BatchWorker:
         )
 
     def heartbeat_state(self) -> WorkerState:
-        files, used = spool_usage(self.cfg.spool, self.spec.job, self.spec.plan_tag)
+        files, used = self.spool_meter.usage()
         stall = self.stall
         if stall is not None:  # whatever the other stage says: this worker's batch is hung
             running = stall.running_s()
@@ -642,7 +651,7 @@ class BatchWorker:
         return not self._in_hand and self.stall is None
 
     def spool_full(self) -> tuple[bool, int]:
-        _, used = spool_usage(self.cfg.spool, self.spec.job, self.spec.plan_tag)
+        _, used = self.spool_meter.usage()
         return used >= self.cfg.spool_high_water_bytes, used
 
     def room_for(self, used: int, batches: int) -> bool:
@@ -651,6 +660,7 @@ class BatchWorker:
 
     def close(self) -> None:
         self._writers.shutdown(wait=True)
+        self.spool_meter.close()
         if self._owns_forwards:
             self.forwards.close()
 
