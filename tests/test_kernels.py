@@ -15,6 +15,7 @@ import sys
 import msgspec
 import pytest
 import structlog
+import torch
 from test_families import FAMILIES
 from transformers.integrations import hub_kernels
 
@@ -171,3 +172,53 @@ def test_hsx_up_passes_allow_slow_kernels_to_its_consumers(given, tmp_path):
     args = parser.parse_args(["up", "--workdir", str(tmp_path), *(["--allow-slow-kernels"] if given else [])])
     resolve(parser, args, {})
     assert UpConfig.from_args(parser, args, nats=None, environ={}, prepare=False).consumer.allow_slow_kernels is given
+
+
+def _conv_of_flas_contract(x, weight, bias=None, activation=None):
+    """fla's `causal_conv1d` contract ([B, T, D] in; (y, final state) out; accumulated and
+    activated in float32, as its Triton kernel does), in plain torch: what runs here in fla's
+    place (its kernel needs CUDA; tests/test_gpu.py checks the real one against transformers')."""
+    width = weight.shape[1]
+    y = torch.nn.functional.conv1d(
+        x.transpose(1, 2).float(),
+        weight.float().unsqueeze(1),
+        None if bias is None else bias.float(),
+        padding=width - 1,
+        groups=weight.shape[0],
+    )[..., : x.shape[1]]
+    if activation in ("silu", "swish"):
+        y = torch.nn.functional.silu(y)
+    return y.transpose(1, 2).to(x.dtype), None
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_fla_conv_is_bound_where_transformers_runs_its_torch_conv(name, loaded):
+    """bind_fla_conv puts a convolution of fla's contract where the modeling module's forward
+    looks `causal_conv1d_fn` up: the report names it (conv1d no longer a fallback), the states
+    are the torch convolution's, a second bind changes nothing, and unbinding restores it."""
+    from hsx.gpu_consumer.extract import extract_samples
+    from hsx.gpu_consumer.kernels import bind_fla_conv, unbind_fla_conv
+
+    model = loaded(name)
+    samples = [
+        schemas.Sample(index=i, source_id=str(i), input_ids=list(range(5, 5 + n))) for i, n in enumerate((9, 30))
+    ]
+    before = extract_samples(model, samples)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return _conv_of_flas_contract(*args, **kwargs)
+
+    try:
+        assert bind_fla_conv(model.model, implementation=counted)
+        report = kernel_report(model.model, compiled=False)
+        assert report.conv1d == __name__ and fallbacks(report, "cuda") == ["linear_attention"], report
+        assert not bind_fla_conv(model.model, implementation=_conv_of_flas_contract)
+        for got, expected in zip(extract_samples(model, samples), before):
+            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+        # Called by the forward (layer 0 is a linear-attention one), with [B, T, D].
+        assert calls and calls[0][:2] == (2, 30), calls
+    finally:
+        unbind_fla_conv()
+    assert kernel_report(model.model, compiled=False).conv1d == "torch"
