@@ -41,7 +41,7 @@ class CountingStaging(HostStaging):
     """The real pool, counting the leases held at once."""
 
     def __init__(self) -> None:
-        super().__init__(pin=False)
+        super().__init__()  # pinned where CUDA is
         self.live = self.most = 0
         self.count_lock = threading.Lock()
 
@@ -65,6 +65,12 @@ class CountingStaging(HostStaging):
 def test_the_pipeline_overlaps_batches_and_acks_each_only_after_its_files(
     nats_server, tiny_model, job_name, tmp_path, monkeypatch
 ):
+    check_pipeline(nats_server, tiny_model, job_name, tmp_path, monkeypatch, device="cpu", atol=1e-5)
+
+
+def check_pipeline(nats_server, tiny_model, job_name, tmp_path, monkeypatch, *, device: str, atol: float) -> None:
+    """The run and its checks, on `device` (tests/test_gpu.py runs it on CUDA: pinned buffers,
+    the copy stream)."""
     path = tiny_model("qwen3")
     batches = [_samples(10 * k, lengths, seed=k) for k, lengths in enumerate(LENGTHS)]
     spec = _spec(job_name, path, LAYERS, "float32", [s for batch in batches for s in batch])
@@ -94,7 +100,7 @@ def test_the_pipeline_overlaps_batches_and_acks_each_only_after_its_files(
     monkeypatch.setattr(service, "publish_all", announcing)
 
     async def run() -> tuple[BatchWorker, object]:
-        loaded = load_model(str(path), layers=LAYERS, dtype="float32", device="cpu")
+        loaded = load_model(str(path), layers=LAYERS, dtype="float32", device=device)
         staging = CountingStaging()
         loaded = dataclasses.replace(loaded, staging=staging)
         nc = await connect(NatsSettings(url=nats_server.url), name="test-pipeline")
@@ -113,7 +119,7 @@ def test_the_pipeline_overlaps_batches_and_acks_each_only_after_its_files(
         cfg = ConsumerConfig(
             nats=NatsSettings(url=nats_server.url),
             job=job_name,
-            device="cpu",
+            device=device,
             spool=tmp_path / "spool",
             node="node-a",
             instance="pipeline-1",
@@ -175,8 +181,87 @@ def test_the_pipeline_overlaps_batches_and_acks_each_only_after_its_files(
             assert at[("forward", k + DEPTH)] > at[("ack", k)], (k, steps)
     staging = worker.loaded.staging
     assert staging.most == DEPTH and staging.live == 0 and staging.leased_bytes == 0, (staging.most, staging.live)
-    eager = load_model(str(path), layers=LAYERS, dtype="float32", device="cpu")
+    eager = load_model(str(path), layers=LAYERS, dtype="float32", device=device)
     for sample in (s for batch in batches for s in batch):
         stored = load_file(spool_file(tmp_path / "spool", job_name, spec.plan_tag, sample.index))["hidden_states"]
         alone = extract.extract_samples(eager, [sample])[0]
-        assert torch.allclose(stored, alone, atol=1e-5, rtol=0), sample.index
+        assert torch.allclose(stored, alone, atol=atol, rtol=0), sample.index
+
+
+def test_a_redelivered_batch_runs_alone(nats_server, tiny_model, job_name, tmp_path, monkeypatch):
+    """A redelivery (it may be what killed its last consumer) is taken with nothing in hand, and
+    nothing is fetched while its forward runs; the batches after it overlap again."""
+    path = tiny_model("qwen3")
+    batches = [_samples(10 * k, lengths, seed=k) for k, lengths in enumerate(LENGTHS[:4])]
+    spec = _spec(job_name, path, LAYERS, "float32", [s for batch in batches for s in batch])
+    batch_of = {sample.index: k for k, batch in enumerate(batches) for sample in batch}
+    steps: list[tuple[str, int]] = []
+    monkeypatch.setattr(
+        extract, "before_forward", lambda samples, _: steps.append(("forward", batch_of[samples[0].index]))
+    )
+
+    async def run() -> int:
+        loaded = load_model(str(path), layers=LAYERS, dtype="float32", device="cpu")
+        nc = await connect(NatsSettings(url=nats_server.url), name="test-pipeline-alone")
+        js = nc.jetstream()
+        await topology.ensure_topology(js)
+        for k, samples in enumerate(batches):
+            descriptor = schemas.BatchDescriptor(
+                job=job_name,
+                batch_id=f"{job_name}-{k}",
+                padded_len=max(len(s.input_ids) for s in samples),
+                samples=samples,
+            )
+            await js.publish(topology.batch_subject(job_name), schemas.encode(descriptor))
+        durable = await topology.ensure_gpu_consumer(js, job_name)
+        sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
+        [first] = await sub.fetch(1, timeout=5)
+        await first.nak()  # a consumer gave it back: its next delivery is the second
+        cfg = ConsumerConfig(
+            nats=NatsSettings(url=nats_server.url),
+            job=job_name,
+            device="cpu",
+            spool=tmp_path / "spool",
+            node="node-a",
+            instance="pipeline-2",
+            spool_high_water_bytes=1 << 60,
+            idle_fetch_timeout_s=0.5,
+        )
+        stopping = asyncio.Event()
+        worker = BatchWorker(cfg, js, EventPublisher(nc, js, job_name), spec, loaded, stopping)
+        fetch, compute = sub.fetch, worker.compute
+
+        async def recorded_fetch(*args, **kwargs):
+            steps.append(("fetch", -1))
+            return await fetch(*args, **kwargs)
+
+        async def recorded_compute(taken, **kwargs):
+            computed = await compute(taken, **kwargs)
+            k = int(schemas.batch_decoder.decode(taken.msg.data).batch_id.rsplit("-", 1)[1])
+            steps.append(("computed", k) if taken.msg.metadata.num_delivered == 1 else ("computed again", k))
+            return computed
+
+        sub.fetch, worker.compute = recorded_fetch, recorded_compute
+        loop = asyncio.create_task(pull_loop(worker, sub, cfg, stopping))
+        deadline = time.monotonic() + 60
+        while sum(step[0].startswith("computed") for step in steps) < len(batches):
+            assert time.monotonic() < deadline and not loop.done(), steps
+            await asyncio.sleep(0.05)
+        stopping.set()
+        await loop
+        info = await js.consumer_info(topology.BATCHES_STREAM, durable)
+        worker.close()
+        await sub.unsubscribe()
+        await nc.drain()
+        return info.num_ack_pending + info.num_pending
+
+    assert asyncio.run(run()) == 0
+    redone = steps.index(("computed again", 0))
+    # Fetched (the first fetch), computed with no other fetch meanwhile, and only then the next.
+    assert steps[:3] == [("fetch", -1), ("forward", 0), ("computed again", 0)], steps
+    assert ("fetch", -1) in steps[redone + 1 :], steps
+    # The batches after it overlap again: batch 1's fetch, then the next one fetched ahead
+    # while batch 1 computes.
+    later = steps[redone + 1 :]
+    fetches = [i for i, step in enumerate(later) if step == ("fetch", -1)]
+    assert len(fetches) >= 2 and fetches[1] < later.index(("computed", 1)), steps

@@ -255,3 +255,47 @@ def test_the_pool_counts_the_blocks_the_host_allocator_really_holds():
     again.take(torch.Size([3, 110, 5, 64]), torch.bfloat16)
     assert pool.held_bytes == expected and again.nbytes == 262144
     again.release()
+
+
+class _Copy:
+    """What a buffer's copy is done at, passing when the test says (on CUDA: the copy stream's
+    event, tests/test_gpu.py)."""
+
+    def __init__(self, *, done: bool = False) -> None:
+        self.passed = threading.Event()
+        self.waited = 0
+        if done:
+            self.passed.set()
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        assert self.passed.wait(timeout=30)
+
+
+def test_a_buffer_goes_back_to_the_pool_only_once_the_copy_into_it_is_done():
+    """A forward that fails after an earlier part's copy was queued gives that part's buffer
+    back: not before its copy's fence has passed, so no other batch can be handed a buffer that
+    is still being written into. Only the fences of the buffers given back are waited for."""
+    pool = HostStaging(pin=False)
+    shape = torch.Size([2, 8, 3, 16])
+    lease = pool.lease()
+    lease.take(shape, torch.float32)
+    kept = _Copy()
+    lease.fence(kept)
+    mark = lease.mark()
+    lease.take(shape, torch.float32)
+    pending = _Copy()
+    lease.fence(pending)
+    lease.take(shape, torch.float32)  # copied synchronously: no fence
+    held = pool.leased_bytes
+    releasing = threading.Thread(target=lease.release_since, args=(mark,))
+    releasing.start()
+    releasing.join(timeout=0.3)
+    assert releasing.is_alive() and pool.leased_bytes == held, "a buffer went back while its copy ran"
+    pending.passed.set()
+    releasing.join(timeout=10)
+    assert not releasing.is_alive() and pool.leased_bytes == held // 3
+    assert (kept.waited, pending.waited) == (0, 1)
+    kept.passed.set()
+    lease.release()
+    assert pool.leased_bytes == 0 and kept.waited == 1
