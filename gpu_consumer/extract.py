@@ -246,6 +246,10 @@ def _launch(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | No
     if before_forward is not None:
         before_forward(samples, len(samples) * max(len(s.input_ids) for s in samples))
     ids, mask = pad_batch(samples, loaded.pad_token_id)
+    if loaded.device.type == "cuda":
+        # From pageable memory the driver may wait for the stream before the copy: pinned, the
+        # copy is queued behind the forward before it like everything else.
+        ids, mask = ids.pin_memory(), mask.pin_memory()
     with torch.inference_mode():
         mask = mask.to(loaded.device, non_blocking=True)
         captured = loaded.tap.forward(ids.to(loaded.device, non_blocking=True), mask)
