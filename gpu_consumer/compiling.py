@@ -7,7 +7,10 @@ work (no C compiler for inductor, a Triton too old for the GPU, an operator dyna
 fails at the first forward. The consumer's warm-up is that first forward: it runs the compiled
 path, and on a failure turns compiling off (`run_eager`), says so in one log line and in the
 kernel report (`fallback_reason`, `Kernels.compile_error`), and warms up again eagerly. A forward
-that fails eagerly too is the model's failure, not the compiler's, and is raised.
+that fails eagerly too is the model's failure, not the compiler's, and is raised. A batch whose
+shapes make dynamo compile again later, and fail at it (`is_compile_error`), turns compiling
+off the same way and runs again eagerly (`eager_on_failure`), so that a compiler's bug costs no
+batch a delivery.
 
 It knows the model only as its decoder layers; nothing of batches, NATS or the job.
 """
@@ -84,3 +87,26 @@ def warm_up(model: nn.Module, first_forward: Callable[[], object], *, device_fai
         reason = one_line(exc)
     run_eager(model, reason=reason)
     return first_forward()
+
+
+def is_compile_error(exc: BaseException) -> bool:
+    """Whether `exc` is torch.compile's own failure (dynamo's, or inductor's), not the forward's."""
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+        from torch._inductor.exc import InductorError
+    except ImportError:  # a torch without them compiles nothing
+        return False
+    return isinstance(exc, (TorchDynamoException, InductorError))
+
+
+def eager_on_failure(model: nn.Module, run: Callable[[], object]):
+    """`run()` (a batch's forward); if it fails compiling, compiling is turned off and it runs
+    again, eagerly."""
+    try:
+        return run()
+    except Exception as exc:
+        if not (compiled(model) and is_compile_error(exc)):
+            raise
+        reason = one_line(exc)
+    run_eager(model, reason=reason)
+    return run()

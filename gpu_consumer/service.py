@@ -25,6 +25,7 @@ import torch
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from hsx.gpu_consumer import compiling
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.device_thread import DeviceThread
 from hsx.gpu_consumer.extract import (
@@ -435,7 +436,10 @@ class BatchWorker:
     ) -> list:
         """The batch's forward queued on the forwards thread, then its copy to the host waited for
         on the landing thread (not at all when it is there already: off CUDA)."""
-        inflight: InFlight = await self.forwards.run(launch_samples, self.loaded, samples, lease=lease, float8=float8)
+        def launch() -> InFlight:
+            return launch_samples(self.loaded, samples, lease=lease, float8=float8)
+
+        inflight: InFlight = await self.forwards.run(compiling.eager_on_failure, self.loaded.model, launch)
         if launched is not None:
             launched.set()
         if inflight.landed():

@@ -88,3 +88,20 @@ def test_hsx_up_hands_the_compile_switches_to_its_consumers(argv, expected, tmp_
     resolve(parser, args, {})
     consumer = UpConfig.from_args(parser, args, nats=None, environ={}, prepare=False).consumer
     assert (consumer.compiles("cuda"), consumer.compiles("cpu")) == expected
+
+
+def test_a_batch_that_fails_compiling_later_runs_eagerly(tiny_model, monkeypatch):
+    """Past the warm-up (a batch's shapes make dynamo compile again, and that fails): the batch's
+    forward turns compiling off and runs again eagerly, in one log line; other failures are the
+    forward's own and are raised."""
+    path = tiny_model("qwen3")
+    loaded = load_model(str(path), layers=list(LAYERS), dtype="float32", device="cpu", compile_layers=True)
+    monkeypatch.setattr(compiling, "backend", _no_compiler)
+    compiling.compile_decoder_layers(loaded.model)  # compiled again, with the failing backend
+    samples = [schemas.Sample(index=0, source_id="0", input_ids=list(range(3, 14)))]
+    with structlog.testing.capture_logs() as logs:
+        states = compiling.eager_on_failure(loaded.model, lambda: extract_samples(loaded, samples))
+    assert [entry["event"] for entry in logs if entry["log_level"] == "warning"] == ["compile_failed_running_eager"]
+    assert not compiling.compiled(loaded.model) and states[0].shape == (11, len(LAYERS), 64)
+    with pytest.raises(ValueError):
+        compiling.eager_on_failure(loaded.model, lambda: (_ for _ in ()).throw(ValueError("the forward's own")))
