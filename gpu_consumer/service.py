@@ -436,6 +436,7 @@ class BatchWorker:
     ) -> list:
         """The batch's forward queued on the forwards thread, then its copy to the host waited for
         on the landing thread (not at all when it is there already: off CUDA)."""
+
         def launch() -> InFlight:
             return launch_samples(self.loaded, samples, lease=lease, float8=float8)
 
