@@ -37,6 +37,12 @@ BATCHES = 6
 LENGTHS = [[20, 9], [14, 30, 5], [11], [25, 7], [16, 16], [8, 3, 12]]
 
 
+def _batches(lengths: list[list[int]]) -> list[list[schemas.Sample]]:
+    """The batches' samples, indexed 0.. in order (every index inside the plan)."""
+    starts = [sum(len(batch) for batch in lengths[:k]) for k in range(len(lengths))]
+    return [_samples(start, batch, seed=k) for k, (start, batch) in enumerate(zip(starts, lengths))]
+
+
 class CountingStaging(HostStaging):
     """The real pool, counting the leases held at once."""
 
@@ -72,7 +78,7 @@ def check_pipeline(nats_server, tiny_model, job_name, tmp_path, monkeypatch, *, 
     """The run and its checks, on `device` (tests/test_gpu.py runs it on CUDA: pinned buffers,
     the copy stream)."""
     path = tiny_model("qwen3")
-    batches = [_samples(10 * k, lengths, seed=k) for k, lengths in enumerate(LENGTHS)]
+    batches = _batches(LENGTHS)
     spec = _spec(job_name, path, LAYERS, "float32", [s for batch in batches for s in batch])
     batch_of = {sample.index: k for k, batch in enumerate(batches) for sample in batch}
     steps: list[tuple[str, int]] = []
@@ -192,7 +198,7 @@ def test_a_redelivered_batch_runs_alone(nats_server, tiny_model, job_name, tmp_p
     """A redelivery (it may be what killed its last consumer) is taken with nothing in hand, and
     nothing is fetched while its forward runs; the batches after it overlap again."""
     path = tiny_model("qwen3")
-    batches = [_samples(10 * k, lengths, seed=k) for k, lengths in enumerate(LENGTHS[:4])]
+    batches = _batches(LENGTHS[:4])
     spec = _spec(job_name, path, LAYERS, "float32", [s for batch in batches for s in batch])
     batch_of = {sample.index: k for k, batch in enumerate(batches) for sample in batch}
     steps: list[tuple[str, int]] = []

@@ -37,6 +37,7 @@ from hsx.wire.pull import Taken
 LAYERS = [1, 3, 4]  # none is the last decoder layer: each is transformers' hidden_states[i + 1]
 VOCAB = 512  # tests/conftest.py TINY
 OOM_ABOVE = 64  # padded tokens per forward, with the fault devkit.faults.oom_above
+SECOND = 2  # batch N+1's first sample index: batch N holds 0 and 1 (every index inside the plan)
 
 # Batch N: 2 samples, 2 x 28 = 56 padded tokens, one forward, one buffer. Batch N+1 (4 samples):
 # - oom_split: 4 x 30 tokens > 64: split into [12, 30] and [25, 16], two forwards, two buffers;
@@ -74,7 +75,7 @@ async def _overlap(url: str, model_path: Path, job: str, spool: Path, device: st
     let go, N+1 finished. Returns what the checks need."""
     loaded = with_staging(load_model(str(model_path), layers=LAYERS, dtype="float32", device=device))
     first = _samples(0, [20, 28], seed=1)
-    second = _samples(10, case["lengths"], seed=2, poison=case["poison"])
+    second = _samples(SECOND, case["lengths"], seed=2, poison=case["poison"])
     spec = _spec(job, model_path, LAYERS, "float32", first + second)
     nc = await connect(NatsSettings(url=url), name="test-staging")
     js = nc.jetstream()
@@ -149,7 +150,11 @@ def check_overlap(
     spool = tmp_path / "spool"
     result = asyncio.run(_overlap(nats_server.url, model_path, job_name, spool, device, case))
 
-    bad = {10 + case["poison"]} if case["poison"] is not None else ({12} if case["lengths"][2] > OOM_ABOVE else set())
+    bad = (
+        {SECOND + case["poison"]}
+        if case["poison"] is not None
+        else ({SECOND + 2} if case["lengths"][2] > OOM_ABOVE else set())
+    )
     assert set(result["failed"]) == bad
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
     checked = 0
