@@ -220,6 +220,8 @@ def _kernel_lines(view: StatusView) -> list[str]:
             parts.append(f"conv1d {kernels.conv1d}")
         if kernels.compiled:
             parts.append("compiled")
+        elif kernels.compile_error:
+            parts.append(f"eager (compile failed: {kernels.compile_error})")
         lines.append(f"  kernels  {', '.join(parts)} ({count} consumer{'s' if count > 1 else ''})")
     return lines
 

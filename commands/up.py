@@ -97,13 +97,20 @@ class UpConfig:
         example="0,2",
         help="with --device cuda: only these GPUs, e.g. 0,2 (default: every visible GPU)",
     )
-    compile_layers: bool = option(
-        "--compile", default=False, help="consumers torch.compile the decoder layers (hsx consume --compile)"
+    compile_layers: bool | None = option(
+        "--compile",
+        default=None,
+        example=True,
+        help="consumers torch.compile the decoder layers, on cpu too (hsx consume --compile; default: on with CUDA)",
     )
-    require_fast_kernels: bool = option(
-        "--require-fast-kernels",
+    no_compile: bool = option(
+        "--no-compile", default=False, help="consumers never torch.compile (hsx consume --no-compile)"
+    )
+    allow_slow_kernels: bool = option(
+        "--allow-slow-kernels",
         default=False,
-        help="consumers on a GPU refuse a hybrid model on the torch fallback (hsx consume --require-fast-kernels)",
+        help="consumers on a GPU run a hybrid model on the torch fallback instead of refusing it "
+        "(hsx consume --allow-slow-kernels)",
     )
     timeout_s: float = option(
         "--timeout", default=3600.0, parse=positive_float("--timeout"), help="give up after this many seconds"
@@ -161,8 +168,16 @@ class UpConfig:
                 job=args.job,
                 device=devices[0],
                 spool=spool,
-                compile_layers=args.compile_layers,
-                require_fast_kernels=args.require_fast_kernels,
+                # Given to up: passed on; not given: the consumer's own layers (HSX_COMPILE, ...) decide.
+                **{
+                    name: value
+                    for name, value in (
+                        ("compile_layers", args.compile_layers),
+                        ("no_compile", args.no_compile or None),
+                        ("allow_slow_kernels", args.allow_slow_kernels or None),
+                    )
+                    if value is not None
+                },
             ),
             uploader=child("upload", job=args.job, spool=spool),
             monitor=child("monitor", job=args.job, until_done=True, interval_s=2.0),

@@ -59,22 +59,31 @@ class ConsumerConfig(WorkerConfig):
     writer_threads: int = 8
     # torch.compile each decoder layer (fuses the element-wise work between the matmuls): 1.36x the
     # forward on an H200 for a Qwen3-8B shape, for ~20 s of compiling at start (docs/PERFORMANCE.md).
-    compile_layers: bool = option(
+    # None: on with CUDA, off elsewhere (on a CPU compiling costs more than it gains). A compile
+    # that fails falls back to eager at the warm-up (gpu_consumer/compiling.py).
+    compile_layers: bool | None = option(
         "--compile",
-        default=False,
+        default=None,
+        example=True,
         env="HSX_COMPILE",
-        help="torch.compile the decoder layers: a faster forward after ~20 s of compiling (env HSX_COMPILE=1)",
+        help="torch.compile the decoder layers, on cpu too (default: on with CUDA, off on cpu; a compile "
+        "that fails falls back to eager, said in the log and the kernel report; env HSX_COMPILE=1, or 0 for off)",
     )
-    # On a GPU, a hybrid model whose linear-attention layers run transformers' torch fallback (no
-    # fla-core / causal-conv1d) is refused instead of warned about (gpu_consumer/kernels.py). On a
-    # CPU the torch path is the only one: nothing to refuse.
-    require_fast_kernels: bool = option(
-        "--require-fast-kernels",
+    no_compile: bool = option(
+        "--no-compile",
         default=False,
-        env="HSX_REQUIRE_FAST_KERNELS",
-        help="on a GPU, refuse to start when a hybrid model's linear attention or causal conv1d would run "
-        "transformers' slow torch fallback (fla-core / causal-conv1d missing; pip install -e '.[kernels]'); "
-        "no effect on cpu (env HSX_REQUIRE_FAST_KERNELS=1)",
+        help="never torch.compile: the eager forward, whatever --compile or HSX_COMPILE say",
+    )
+    # On a GPU, a hybrid model whose linear-attention layers would run transformers' torch
+    # fallback (no fla-core / causal-conv1d) is refused unless allowed (gpu_consumer/kernels.py).
+    # On a CPU the torch path is the only one: nothing to refuse.
+    allow_slow_kernels: bool = option(
+        "--allow-slow-kernels",
+        default=False,
+        env="HSX_ALLOW_SLOW_KERNELS",
+        help="on a GPU, run a hybrid model whose linear attention or causal conv1d would take transformers' "
+        "slow torch fallback (fla-core / causal-conv1d missing) instead of refusing to start; one warning "
+        "line (env HSX_ALLOW_SLOW_KERNELS=1)",
     )
     # A forward running longer than stall_factor x what its batch should take at this consumer's
     # measured pace, and never less than stall_after_s, is stalled: its batch is released to
@@ -91,3 +100,11 @@ class ConsumerConfig(WorkerConfig):
     stall_factor: float = 10.0
     # Set by `hsx up` only (no flag): the model to load before the spec is read (ExpectedModel).
     expected_model: ExpectedModel | None = None
+
+    def compiles(self, device_type: str) -> bool:
+        """Whether the decoder layers are torch.compiled on a device of this type."""
+        if self.no_compile:
+            return False
+        if self.compile_layers is not None:
+            return self.compile_layers
+        return device_type == "cuda"

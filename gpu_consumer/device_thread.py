@@ -10,7 +10,9 @@ thread-local caches (compiled graphs, autotuning) warmed up once. The consumer c
 forward at a time anyway (gpu_consumer/scheduler.py), so nothing waits on this thread that would
 have run in parallel.
 
-It knows nothing of batches or models: it runs what it is given, in order.
+The consumer has a second one (`name="hsx-land"`): it waits for each batch's copy to the host
+(gpu_consumer/extract.py InFlight.wait), so that the forward thread queues the next forward
+meanwhile. It knows nothing of batches or models: it runs what it is given, in order.
 """
 
 import asyncio
@@ -35,10 +37,10 @@ def bind_to(device: torch.device) -> None:
 
 
 class DeviceThread:
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, *, name: str = "hsx-forward") -> None:
         self.device = torch.device(device)
         self.bound_thread: int | None = None  # the thread's ident, once it has bound itself
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsx-forward", initializer=self._bind)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=self._bind)
 
     def _bind(self) -> None:
         bind_to(self.device)

@@ -16,7 +16,18 @@ not the batch's: the CUDA context is dead for the process, and nothing here retr
 Given a staging lease (gpu_consumer/staging.py), every forward copies its states into a host
 buffer of that lease, and the states returned are views into those buffers: valid until the
 lease is released, which the caller does once it has written them. Without one, each forward's
-states are copied into ordinary host memory the caller owns.
+states are copied into host memory the caller owns.
+
+Launching and landing are apart (`launch_samples` -> `InFlight.wait`): on CUDA the forward is
+queued on the compute stream, an event recorded after it, and the copy to the host queued on a
+copy stream of its own that waits for that event (`_copy_out`), with an event of its own when it
+is done; `launch_samples` returns once all of that is queued, so the next batch's forward can be
+queued behind this one while its copy runs. Only `InFlight.wait` blocks the host, on the copy's
+event, when the bytes are needed. The device tensors the copy reads are marked as used by the copy
+stream (`record_stream`): the caching allocator gives their memory to the compute stream again
+only once the copy is done, though nothing here holds them. The lease's buffers are fenced by the
+copy's event, so none goes back to the pool while a copy into it may still run. Off CUDA the
+forward is done when it returns, and so is the copy.
 
 With `float8`, the batch is quantized where it was computed, before the copy
 (`hsx.storage.tensors.quantize_float8`: the same bytes as quantizing on the host): one byte per
@@ -133,41 +144,130 @@ def pad_batch(samples: list[Sample], pad_token_id: int) -> tuple[torch.Tensor, t
 States = torch.Tensor | Float8States  # one sample's [T, k, H], as computed or quantized
 
 
-def _to_host(tensor: torch.Tensor, lease: StagingLease | None, cuda: bool) -> torch.Tensor:
-    if lease is None:
-        return tensor.to("cpu")
-    host = lease.take(tensor.shape, tensor.dtype)
-    host.copy_(tensor, non_blocking=cuda)
-    return host
+class Landing:
+    """One forward's states on their way to the host: the host tensors (valid once `done` has
+    happened: a CUDA event of the copy stream, None when the copy was synchronous) and the
+    non-finite flags copied with them."""
+
+    def __init__(
+        self, samples: list[Sample], hosts: list[torch.Tensor], flags: torch.Tensor, done, float8: bool
+    ) -> None:
+        self.samples, self.hosts, self.flags, self.done, self.float8 = samples, hosts, flags, done, float8
+
+    def landed(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def states(self) -> list["States"]:
+        if self.float8:
+            values, scale = self.hosts
+            return [
+                Float8States(values[row, : len(sample.input_ids)], scale[row, : len(sample.input_ids)])
+                for row, sample in enumerate(self.samples)
+            ]
+        [host] = self.hosts
+        return [host[row, : len(sample.input_ids)] for row, sample in enumerate(self.samples)]
 
 
-def _forward(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | None, float8: bool) -> list[States]:
+class InFlight:
+    """A batch's forwards (one, or one per part after OOM splits), queued, their copies on their
+    way. `wait` blocks until every copy is done, checks the states are finite, and returns them."""
+
+    def __init__(self, loaded: LoadedModel, parts: list[Landing], lease: StagingLease | None, mark: int) -> None:
+        self.loaded, self.parts, self.lease, self.mark = loaded, parts, lease, mark
+
+    def landed(self) -> bool:
+        """Whether `wait` would return at once (every copy done)."""
+        return all(part.landed() for part in self.parts)
+
+    def wait(self) -> list["States"]:
+        try:
+            for part in self.parts:
+                if part.done is not None:
+                    part.done.synchronize()
+            failed = []
+            for part in self.parts:
+                try:
+                    _check_finite(self.loaded, part.samples, part.flags)
+                except NonFiniteStates as exc:
+                    failed += exc.failed
+            if failed:
+                raise NonFiniteStates(failed)
+            return [states for part in self.parts for states in part.states()]
+        except BaseException:
+            # Nothing will read what these forwards copied (a device failure, non-finite states):
+            # their buffers go back to the pool, once no copy into them can still run.
+            if self.lease is not None:
+                self.lease.release_since(self.mark)
+            raise
+
+
+# One copy stream per device, made on the device thread (bound to the device) at its first use.
+_COPY_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _COPY_STREAMS:
+        _COPY_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _COPY_STREAMS[index]
+
+
+def _copy_out(
+    device: torch.device, tensors: list[torch.Tensor], flags: torch.Tensor, lease: StagingLease | None
+) -> tuple[list[torch.Tensor], torch.Tensor, "torch.cuda.Event"]:
+    """Queue the device-to-host copies of `tensors` and `flags` on the copy stream, after what the
+    compute stream has queued so far; returns the host tensors, the host flags and the copy's event."""
+    compute, copying = torch.cuda.current_stream(device), copy_stream(device)
+    computed = torch.cuda.Event()
+    computed.record(compute)
+    copying.wait_event(computed)
+    with torch.cuda.stream(copying):
+        hosts = []
+        for tensor in tensors:
+            if lease is None:
+                hosts.append(tensor.to("cpu", non_blocking=True))  # pinned by torch for the copy
+            else:
+                host = lease.take(tensor.shape, tensor.dtype)
+                host.copy_(tensor, non_blocking=True)
+                hosts.append(host)
+        host_flags = flags.to("cpu", non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(copying)
+    for tensor in (*tensors, flags):
+        # Allocated on the compute stream, read by the copy stream: their memory is not handed
+        # to the compute stream again before the copy is done, whoever drops them first.
+        tensor.record_stream(copying)
+    if lease is not None:
+        lease.fence(done)
+    return hosts, host_flags, done
+
+
+def _launch(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | None, float8: bool) -> Landing:
     if before_forward is not None:
         before_forward(samples, len(samples) * max(len(s.input_ids) for s in samples))
     ids, mask = pad_batch(samples, loaded.pad_token_id)
+    if loaded.device.type == "cuda":
+        # From pageable memory the driver may wait for the stream before the copy: pinned, the
+        # copy is queued behind the forward before it like everything else.
+        ids, mask = ids.pin_memory(), mask.pin_memory()
     with torch.inference_mode():
         mask = mask.to(loaded.device, non_blocking=True)
         captured = loaded.tap.forward(ids.to(loaded.device, non_blocking=True), mask)
         # [B, P, k, H], one device-to-host copy for the whole batch.
         stacked = torch.stack(captured, dim=2).to(loaded.dtype)
-        cuda = loaded.device.type == "cuda"
-        # Issued before the states' copy: the sync that copy needs (below, or the blocking copy
-        # without a lease) covers this one too (pinned by torch, as non_blocking to the host is).
-        flags = _non_finite(stacked, mask).to("cpu", non_blocking=True)
-        if float8:
-            values, scale = quantize_float8(stacked)  # [B, P, k, H] e4m3, [B, P, k] float32
-            host_values, host_scale = _to_host(values, lease, cuda), _to_host(scale, lease, cuda)
+        del captured
+        flags = _non_finite(stacked, mask)
+        # float8: [B, P, k, H] e4m3 and [B, P, k] float32 scales cross to the host.
+        tensors = list(quantize_float8(stacked)) if float8 else [stacked]
+        del stacked
+        if loaded.device.type == "cuda":
+            hosts, host_flags, done = _copy_out(loaded.device, tensors, flags, lease)
+            return Landing(samples, hosts, host_flags, done, float8)
+        if lease is None:
+            hosts = [tensor.to("cpu") for tensor in tensors]
         else:
-            host = _to_host(stacked, lease, cuda)
-        if cuda and lease is not None:
-            torch.cuda.current_stream(loaded.device).synchronize()
-    _check_finite(loaded, samples, flags)
-    if float8:
-        return [
-            Float8States(host_values[row, : len(sample.input_ids)], host_scale[row, : len(sample.input_ids)])
-            for row, sample in enumerate(samples)
-        ]
-    return [host[row, : len(sample.input_ids)] for row, sample in enumerate(samples)]
+            hosts = [lease.take(tensor.shape, tensor.dtype).copy_(tensor) for tensor in tensors]
+        return Landing(samples, hosts, flags.to("cpu"), None, float8)
 
 
 def extract_isolating(
@@ -203,11 +303,27 @@ def extract_samples(
     loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None, float8: bool = False
 ) -> list[States]:
     """Hidden states [T, k, H] per sample (`Float8States` with `float8`), in the order given;
-    splits the batch on OOM."""
+    splits the batch on OOM. Launched and waited for at once (`launch_samples`)."""
+    return launch_samples(loaded, samples, lease=lease, float8=float8).wait()
+
+
+def launch_samples(
+    loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None, float8: bool = False
+) -> InFlight:
+    """Queue the batch's forward and its copy to the host (`InFlight.wait` for the states),
+    splitting it on OOM: an out-of-memory error is raised when memory is asked for, while the
+    forward is queued, so the halves are launched here too."""
+    mark = lease.mark() if lease is not None else 0
+    return InFlight(loaded, _launch_parts(loaded, samples, lease, float8), lease, mark)
+
+
+def _launch_parts(
+    loaded: LoadedModel, samples: list[Sample], lease: StagingLease | None, float8: bool
+) -> list[Landing]:
     mark = lease.mark() if lease is not None else 0
     try:
         try:
-            return _forward(loaded, samples, lease, float8)
+            return [_launch(loaded, samples, lease, float8)]
         except torch.OutOfMemoryError as exc:
             if len(samples) == 1:
                 raise
@@ -222,14 +338,14 @@ def extract_samples(
         half = len(samples) // 2
         log.warning("batch_split_on_oom", samples=len(samples), halves=[half, len(samples) - half])
         # The first half's states stay in their leased buffers while the second half runs.
-        first = extract_samples(loaded, samples[:half], lease=lease, float8=float8)
-        return first + extract_samples(loaded, samples[half:], lease=lease, float8=float8)
+        first = _launch_parts(loaded, samples[:half], lease, float8)
+        return first + _launch_parts(loaded, samples[half:], lease, float8)
     except BaseException as exc:
         # Whoever catches this (a retry, a bisection) must not find the failed forward's
         # tensors still held by its frames.
         _forget(exc)
-        # Nothing will read what this call copied: its buffers go back to the pool now, so a
-        # lease holds only the states that will be written.
+        # Nothing will read what this call copied: its buffers go back to the pool (once no copy
+        # into them can run), so a lease holds only the states that will be written.
         if lease is not None:
             lease.release_since(mark)
         raise

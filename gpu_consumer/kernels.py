@@ -1,5 +1,5 @@
 """Which implementations the loaded model's forward runs (`kernel_report`), and what a consumer
-does about a slow one (`check_kernels`).
+does about a slow one (`check_kernels`: refused on CUDA unless allowed).
 
 transformers picks a hybrid model's linear-attention kernels when its modeling module is imported
 (`use_kernel_func_from_hub_with_fallback`): the fast package's function when `fla` (pip
@@ -7,8 +7,17 @@ transformers picks a hybrid model's linear-attention kernels when its modeling m
 transformers warning. So the report reads what the loaded model's linear-attention layers will
 call, not which packages are installed. It knows the model only as a loaded module tree; nothing
 of NATS or the job.
+
+transformers binds a causal convolution only from `causal-conv1d`, which has no wheel for most
+GPU images (it compiles CUDA code at install). fla-core, pure Python on Triton, has one of its
+own (`fla.modules.convolution.causal_conv1d`): on CUDA, where transformers would run its torch
+convolution and fla imports, `bind_fla_conv` puts fla's in its place. The forward finds
+`causal_conv1d_fn` in its modeling module's namespace at each call (transformers 5.17 and 5.24),
+so that is where it is bound; only the prefill path (a whole sequence, no cache: what extraction
+runs) is replaced, never the one-step decode update. docs/PERFORMANCE.md, "fla's causal conv".
 """
 
+import importlib
 import inspect
 import sys
 from collections.abc import Callable
@@ -83,13 +92,13 @@ def linear_attention_layers(model: nn.Module) -> list[nn.Module]:
     return mixers
 
 
-def kernel_report(model: nn.Module, *, compiled: bool) -> Kernels:
+def kernel_report(model: nn.Module, *, compiled: bool, compile_error: str = "") -> Kernels:
     """What the loaded model's forward runs. A model without linear-attention layers reports
     None for the linear attention and the convolution."""
     attention = str(getattr(model.config, "_attn_implementation", None) or UNKNOWN)
     mixers = linear_attention_layers(model)
     if not mixers:
-        return Kernels(attention=attention, compiled=compiled)
+        return Kernels(attention=attention, compiled=compiled, compile_error=compile_error)
     # One modeling file per model: every linear-attention layer calls the same functions.
     functions = _called(mixers[0])
     return Kernels(
@@ -97,6 +106,7 @@ def kernel_report(model: nn.Module, *, compiled: bool) -> Kernels:
         linear_attention=_pick(functions, conv=False),
         conv1d=_pick(functions, conv=True),
         compiled=compiled,
+        compile_error=compile_error,
     )
 
 
@@ -114,21 +124,85 @@ def fallbacks(report: Kernels, device_type: str) -> list[str]:
     return [part for part, used in parts.items() if used == TORCH]
 
 
-def check_kernels(report: Kernels, device_type: str, *, require_fast: bool) -> None:
-    """On a device with fast kernels, a hybrid model on the torch fallback is logged once as a
-    warning, or refused (one-line HsxError) with --require-fast-kernels."""
+def check_kernels(report: Kernels, device_type: str, *, allow_slow: bool) -> None:
+    """On a device with fast kernels, a hybrid model on the torch fallback is refused (one-line
+    HsxError naming what is missing and the opt-out), or with --allow-slow-kernels logged once as
+    a warning. Elsewhere (a CPU) the torch path is the only one there is: nothing to say."""
     slow = fallbacks(report, device_type)
     if not slow:
         return
-    if require_fast:
+    if not allow_slow:
         parts = " and ".join(_PARTS[part][0] for part in slow)
         packages = ", ".join(_PARTS[part][1] for part in slow)
         raise HsxError(
-            f"--require-fast-kernels: the model's {parts} would run transformers' torch fallback on "
-            f"{device_type} ({packages} not importable here); install the kernels: {INSTALL_HINT}"
+            f"the model's {parts} would run transformers' torch fallback on {device_type}, many times "
+            f"slower ({packages} not importable here); install the kernels ({INSTALL_HINT}), or pass "
+            f"--allow-slow-kernels to run it so"
         )
     log.warning("slow_kernels", fallbacks=slow, install=INSTALL_HINT)
 
 
 # Each part of the forward that has a fast kernel: its name in a sentence, the package that has it.
 _PARTS = {"linear_attention": ("linear attention", "fla-core"), "conv1d": ("causal conv1d", "causal-conv1d")}
+
+
+# The functions bind_fla_conv replaced, by (module or layer, name): what unbind_fla_conv restores.
+_REPLACED: dict[tuple[int, str], tuple[object, Callable | None]] = {}
+_CONV = "causal_conv1d_fn"
+
+
+def fla_causal_conv1d() -> Callable | None:
+    """fla's Triton causal convolution, [B, T, D] in and out, or None where fla does not import."""
+    for module in ("fla.modules.convolution", "fla.modules.causal_conv1d", "fla.modules"):
+        try:
+            function = getattr(importlib.import_module(module), "causal_conv1d", None)
+        except Exception:  # not installed, or no Triton that works here
+            continue
+        if callable(function):
+            return function
+    return None
+
+
+def _as_causal_conv1d_fn(implementation: Callable) -> Callable:
+    """transformers' `causal_conv1d_fn` contract (x [B, D, T], weight [D, W], bias, activation;
+    returns [B, D, T]) on a convolution of fla's contract (x [B, T, D]; returns (y, state) or y)."""
+
+    def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None, **_unused):
+        if seq_idx is not None:  # packed sequences: never from hsx, which pads its batches
+            raise ValueError("causal_conv1d_fn bound to fla: packed sequences (seq_idx) are not supported")
+        out = implementation(x.transpose(1, 2), weight=weight, bias=bias, activation=activation)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+    return causal_conv1d_fn
+
+
+def bind_fla_conv(model: nn.Module, *, implementation: Callable | None = None) -> bool:
+    """Bind fla's causal convolution (or `implementation`, of fla's contract) where the model's
+    linear-attention layers would call transformers' torch one; True if it was bound. A model
+    without such layers, one on causal-conv1d already, or no fla here: nothing is changed."""
+    mixers = linear_attention_layers(model)
+    if not mixers:
+        return False
+    own = [mixer for mixer in mixers if _CONV in vars(mixer)]  # transformers < 5 held it per layer
+    holders = own or [sys.modules[type(mixers[0]).__module__]]
+    current = getattr(holders[0], _CONV, None)
+    if current is None and not own:
+        return False  # a modeling file without the function: nothing this knows how to bind
+    if _implementation(current) != TORCH:
+        return False
+    implementation = implementation or fla_causal_conv1d()
+    if implementation is None:
+        return False
+    bound = _as_causal_conv1d_fn(implementation)
+    for holder in holders:
+        _REPLACED.setdefault((id(holder), _CONV), (holder, getattr(holder, _CONV, None)))
+        setattr(holder, _CONV, bound)
+    log.info("conv1d_bound", implementation=_implementation(bound), layers=len(mixers))
+    return True
+
+
+def unbind_fla_conv() -> None:
+    """Put back what bind_fla_conv replaced (tests)."""
+    for holder, original in _REPLACED.values():
+        setattr(holder, _CONV, original)
+    _REPLACED.clear()

@@ -18,6 +18,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from hsx.gpu_consumer import compiling
 from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
 from hsx.gpu_consumer.device_thread import DeviceThread
 from hsx.gpu_consumer.kernels import check_kernels, kernel_report, report_fields
@@ -38,9 +39,17 @@ log = structlog.get_logger("hsx.gpu_consumer")
 
 
 def _warm_up(loaded) -> None:
-    from hsx.gpu_consumer.extract import extract_samples
+    """The first forward: kernels loaded, autotuned, and with compiling on, compiled (or found
+    not to compile: eager then, gpu_consumer/compiling.py). Two samples of different lengths, so
+    that the batch is padded and neither of [B, P] is 1 (which torch.compile would specialise on
+    and compile again for the first real batch)."""
+    from hsx.gpu_consumer.extract import device_failed, extract_samples
 
-    extract_samples(loaded, [schemas.Sample(index=-1, source_id="warmup", input_ids=[loaded.pad_token_id] * 16)])
+    warm = [
+        schemas.Sample(index=-1 - i, source_id="warmup", input_ids=[loaded.pad_token_id] * length)
+        for i, length in enumerate((16, 12))
+    ]
+    compiling.warm_up(loaded.model, lambda: extract_samples(loaded, warm), device_failed=device_failed)
 
 
 @dataclass(frozen=True)
@@ -147,13 +156,14 @@ async def run(cfg: ConsumerConfig) -> int:
     started_at = time.time()
     device = usable_device(cfg.device)  # refused here, before a connection or a heartbeat
     make_private_dirs(cfg.spool)
+    compile_layers = cfg.compiles(device.type)
     # Loaded, warmed up and run on one thread bound to the device; started before the spec is
     # read when the model is known (hsx up: while its producer plans).
     forwards = DeviceThread(device)
     early = None
     if cfg.expected_model is not None:
         early = asyncio.ensure_future(
-            load_early(cfg.expected_model, forwards, device=cfg.device, compile_layers=cfg.compile_layers)
+            load_early(cfg.expected_model, forwards, device=cfg.device, compile_layers=compile_layers)
         )
         early.add_done_callback(lambda done: done.cancelled() or done.exception())  # read, if never awaited
     async with job_session(
@@ -188,10 +198,14 @@ async def run(cfg: ConsumerConfig) -> int:
             watching(watch),
             heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state),
         ):
-            loaded = await model_for(spec, early, forwards, device=cfg.device, compile_layers=cfg.compile_layers)
-            kernels = kernel_report(loaded.model, compiled=cfg.compile_layers)
+            loaded = await model_for(spec, early, forwards, device=cfg.device, compile_layers=compile_layers)
+            kernels = kernel_report(
+                loaded.model,
+                compiled=compiling.compiled(loaded.model),
+                compile_error=compiling.fallback_reason(loaded.model),
+            )
             # Refused here, before any batch is taken: the goodbye leaves no live worker.
-            check_kernels(kernels, loaded.device.type, require_fast=cfg.require_fast_kernels)
+            check_kernels(kernels, loaded.device.type, allow_slow=cfg.allow_slow_kernels)
             # After the load, which may convert a checkpoint's dtype on the CPU with every core.
             limit_host_threads(device)
             folder = plan_folder(cfg.spool, spec.job, spec.plan_tag)
@@ -210,7 +224,7 @@ async def run(cfg: ConsumerConfig) -> int:
                 # Which GPU cuda:0 is: hsx up shows each consumer its own alone.
                 cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                 attention=loaded.attention,
-                compile_layers=cfg.compile_layers,
+                compile_layers=kernels.compiled,
                 kernels=report_fields(kernels),
                 torch_threads=torch.get_num_threads(),
                 node=cfg.node,

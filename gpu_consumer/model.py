@@ -21,7 +21,8 @@ from torch import nn
 
 from hsx.errors import HsxError
 from hsx.gpu_consumer.staging import HostStaging
-from hsx.gpu_consumer.trunk import LoadReport, decoder_layers, decoder_stack, load_trunk, peak_host_rss_bytes
+from hsx.gpu_consumer.trunk import LoadReport, decoder_stack, load_trunk, peak_host_rss_bytes
+from hsx.gpu_consumer.trunk import decoder_layers as decoder_layers  # kept importable from here
 from hsx.logs import route_transformers_logging
 from hsx.model.devices import visible_text
 from hsx.model.layers import FINAL
@@ -177,11 +178,14 @@ def load_model(
     log.info(
         "model_loaded", model=path, device=str(target), **report.fields(), host_peak_rss_bytes=peak_host_rss_bytes()
     )
+    if target.type == "cuda":
+        from hsx.gpu_consumer.kernels import bind_fla_conv  # it imports this module
+
+        bind_fla_conv(model)  # fla's causal conv where causal-conv1d is missing
     if compile_layers:
-        # Per layer, not the whole model: the layer tap's hooks end the forward early, and every
-        # layer shares one compiled graph. dynamic: each batch has its own [B, P].
-        for layer in decoder_layers(model):
-            layer.compile(dynamic=True)
+        from hsx.gpu_consumer.compiling import compile_decoder_layers  # it imports this module
+
+        compile_decoder_layers(model)
     config = model.config.get_text_config()
     pad = getattr(config, "pad_token_id", None)
     return LoadedModel(

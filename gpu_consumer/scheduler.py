@@ -1,11 +1,22 @@
 """The GPU consumer's scheduler: what it fetches, starts, overlaps, holds and hands back.
 
-Two batches overlap: batch N is written, announced and acked (`BatchWorker.finish`) while batch
-N+1's forward runs (`BatchWorker.compute`); N+2's forward starts only once N is finished. The next
-descriptor is fetched while the current one computes, unless the spool is near its high-water
-mark or the current batch is a redelivery (it runs alone). Paused at the mark, or stuck behind a
-stalled stage, it holds no batch it has not started: those are handed back (`give_back`). The
-loop itself is the workers' shared one (hsx.wire.pull.PullLoop).
+A pipeline two batches deep on the device: batch N+1's forward is queued on the GPU while batch
+N's forward still runs, and batch N's copy to the host runs (on its own stream) under N+1's
+forward, then its files are written, announced and acked (`BatchWorker.finish`) while N+1
+computes. Each batch is a chain of its own (`_chain`): its first stage (`BatchWorker.start`: the
+forward queued, the states landed), then, once every batch before it is finished, its finish; so
+batches are finished, and acked, in the order they were taken. The next batch is taken once this
+one's forward is queued (`Running.launched`), and at most `DEPTH` batches are in hand at once:
+one being written, one landing, one queued behind it. Each holds its states in host buffers
+leased to it (gpu_consumer/staging.py): at most `DEPTH` batches' states are leased at once; on the
+device, the states of the batch being copied out and those of the batch computing (the caching
+allocator gives a copied batch's memory back once its copy is done).
+
+The next descriptor is fetched while the current one computes, unless the spool is near its
+high-water mark or the current batch is a redelivery (it runs alone: everything before it
+finished first, nothing fetched ahead, nothing taken after it until its forward is done). Paused
+at the mark, or stuck behind a stalled stage, it holds no batch it has not started: those are
+handed back (`give_back`). The loop itself is the workers' shared one (hsx.wire.pull.PullLoop).
 """
 
 import asyncio
@@ -16,12 +27,16 @@ from nats.js import JetStreamContext
 
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.extract import DeviceFailed
-from hsx.gpu_consumer.service import BatchWorker, Computed
+from hsx.gpu_consumer.service import BatchWorker, Computed, Running
 from hsx.wire.jetstream import give_back
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS
 from hsx.wire.pull import PullLoop, Taken
 
 log = structlog.get_logger("hsx.gpu_consumer")
+
+# Batches in hand at once: one being written, one whose states are landing, one queued on the
+# device behind it. Each holds a staging lease; the spool's room is checked for all of them.
+DEPTH = 3
 
 
 async def _finish_guarded(
@@ -42,11 +57,6 @@ async def _finish_guarded(
         log.warning(
             "batch_interrupted", batch=computed.batch.batch_id, error=f"{type(exc).__name__}: {exc}", exc_info=True
         )
-
-
-async def _settle(task: asyncio.Task | None) -> None:
-    if task is not None:
-        await task
 
 
 async def _hand_back(js: JetStreamContext, taken: Taken, *, why: str) -> None:
@@ -76,58 +86,93 @@ async def _return_unstarted(prefetch: asyncio.Task | None, js: JetStreamContext)
 
 class BatchScheduler(PullLoop[Taken]):
     """The consumer's policy in the shared pull loop: one descriptor at a time, fetched ahead while
-    the current batch computes; a pause at the spool's high-water mark; nothing fetched while the
-    batch being finished is stalled."""
+    the current batch computes, taken up once the one before it is queued on the device; a pause
+    at the spool's high-water mark; nothing fetched while a batch being finished is stalled."""
 
     def __init__(self, worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asyncio.Event) -> None:
         super().__init__(sub, stopping=stopping, watch=worker.watch, fetch_timeout_s=cfg.idle_fetch_timeout_s)
         self.worker = worker
         self.cfg = cfg
-        self.finishing: asyncio.Task | None = None
+        # The batches in hand, in the order taken: each one's chain (first stage, then finish).
+        self.chains: list[asyncio.Task] = []
         # The next descriptor is fetched while the current batch computes, so the GPU does not
         # wait for a round trip to NATS between batches.
         self.prefetch: asyncio.Task | None = None
         self.paused = False
         self.used = 0  # the spool's bytes, as last looked at (`room`)
+        # The device's failure, met by a batch's first stage: the consumer ends (exit 3).
+        self.failure: DeviceFailed | None = None
 
-    async def _settle_finishing(self) -> None:
-        await _settle(self.finishing)
-        self.finishing = None
+    def _in_hand(self) -> list[asyncio.Task]:
+        self.chains = [chain for chain in self.chains if not chain.done()]
+        return self.chains
 
-    def _finishing_runs(self) -> bool:
-        return self.finishing is not None and not self.finishing.done()
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    async def _settle_all(self) -> None:
+        """Every batch in hand finished (or settled otherwise)."""
+        while self._in_hand():
+            await asyncio.wait(set(self.chains))
 
     async def release_ahead(self) -> None:
         held, self.prefetch = self.prefetch, None
         await _return_unstarted(held, self.worker.js)
 
-    async def finished_first(self, taken: Taken, computed: Computed | None = None) -> bool:
-        """Wait for the batch being finished before going on with `taken`. Should that batch stall
-        meanwhile (a hung write), what this loop holds is handed back rather than held, kept
-        alive, for as long as the stall lasts: False."""
-        while self._finishing_runs():
-            if self.worker.stall is not None:
+    async def _after(self, earlier: list[asyncio.Task], taken: Taken, computed: Computed | None = None) -> bool:
+        """Wait for the batches taken before `taken` to be finished. Should one of them stall
+        meanwhile in its files or their announcement (a hung write), what this loop holds is
+        handed back rather than held, kept alive, for as long as the stall lasts: False. A
+        forward stalled behind this batch (a later one's) does not count: `computed` has
+        landed, and may go on."""
+        pending = [chain for chain in earlier if not chain.done()]
+        while pending:
+            stall = self.worker.stall
+            if stall is not None and (computed is None or stall.stage != "forward"):
                 await self.release_ahead()
                 if computed is not None and computed.lease is not None:
                     computed.lease.release()  # its forward is done: no thread writes into it
                 await _hand_back(self.worker.js, taken, why="the batch before it stalled")
                 return False
-            await asyncio.wait({self.finishing}, timeout=0.5)
-        await self._settle_finishing()
+            await asyncio.wait(pending, timeout=0.5)
+            pending = [chain for chain in pending if not chain.done()]
         return True
 
+    async def _chain(self, running: Running, earlier: list[asyncio.Task]) -> None:
+        """One batch from its first stage to its ack: its files are finished only once every
+        batch taken before it is (acks in order, and at most DEPTH batches' buffers leased)."""
+        try:
+            computed = await running.task
+        except DeviceFailed:
+            return  # kept by `_stage_one_done`; the batch is left unacked
+        except Exception as exc:
+            log.warning("batch_interrupted", error=f"{type(exc).__name__}: {exc}", exc_info=True)
+            return
+        if computed is None:
+            return
+        if await self._after(earlier, computed.taken, computed):
+            await _finish_guarded(self.worker, computed, self.release_ahead)
+
+    def _stage_one_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and isinstance(task.exception(), DeviceFailed):
+            self.failure = self.failure or task.exception()
+
     async def room(self) -> int:
+        self._raise_failure()
         worker, cfg = self.worker, self.cfg
-        if self._finishing_runs() and worker.stall is not None:
-            # The batch being written or announced is stalled: a batch fetched now could only be
-            # handed back (a delivery spent for nothing) until it ends.
-            await asyncio.wait({self.finishing}, timeout=1.0)
+        if self._in_hand() and worker.stall is not None:
+            # A batch in hand is stalled: a batch fetched now could only be handed back (a
+            # delivery spent for nothing) until it ends.
+            await asyncio.wait(set(self.chains), timeout=1.0)
             return 0
         full, used = worker.spool_full()
-        if not full and self._finishing_runs() and not worker.room_for(used, 1):
-            # The batch being written may take the spool past the mark: let it land before
+        in_hand = len(self._in_hand())
+        if not full and in_hand and not worker.room_for(used, in_hand):
+            # The batches in hand may take the spool past the mark: let them land before
             # fetching one that could then not be started.
-            await self._settle_finishing()
+            await self._settle_all()
+            self._raise_failure()
             full, used = worker.spool_full()
         if full:
             if self.prefetch is not None:
@@ -160,41 +205,41 @@ class BatchScheduler(PullLoop[Taken]):
         return await fetching
 
     async def idle(self) -> None:
-        await self._settle_finishing()  # idle: nothing to overlap with
+        await self._settle_all()  # idle: nothing to overlap with
+        self._raise_failure()
         if self.worker.state == "working":
             self.worker.state = "idle"
 
     async def take(self, taken: Taken) -> None:
         worker = self.worker
-        if taken.msg.metadata.num_delivered > 1:
-            # A redelivered batch may be what killed its last consumer: it runs alone (the batch
-            # before it finished first, nothing fetched ahead), so that dying on it again costs no
-            # other batch one of its deliveries.
-            if not await self.finished_first(taken):
+        alone = taken.msg.metadata.num_delivered > 1
+        if alone:
+            # A redelivered batch may be what killed its last consumer: it runs alone (every
+            # batch before it finished, nothing fetched ahead, nothing taken after it before its
+            # forward is done), so that dying on it again costs no other batch a delivery.
+            if not await self._after(self._in_hand(), taken):
                 return
-        elif not self.stopping.is_set() and worker.room_for(self.used, 2):
-            # Only what can be started: near the high-water mark (this batch and the one being
-            # written still to land), a descriptor fetched ahead would be held through the pause
-            # that follows.
+        elif not self.stopping.is_set() and worker.room_for(self.used, len(self._in_hand()) + 2):
+            # Only what can be started: near the high-water mark (the batches in hand, this one
+            # and the next still to land), a descriptor fetched ahead would be held through the
+            # pause that follows.
             self.prefetch = asyncio.create_task(self._take())
-        try:
-            computed = await worker.compute(taken, on_stall=self.release_ahead)
-        except DeviceFailed:
-            raise  # the consumer ends (its wind-down hands back what was fetched ahead)
-        except Exception as exc:
-            log.warning("batch_interrupted", error=f"{type(exc).__name__}: {exc}", exc_info=True)
-            return
-        # Batch N must be finished before batch N+1's finish starts (and before batch N+2's
-        # forward leases staging buffers: two batches leased at most); batch N+1's forward has
-        # just run alongside it.
-        if computed is None:
-            await self._settle_finishing()
-        elif await self.finished_first(computed.taken, computed):
-            self.finishing = asyncio.create_task(_finish_guarded(worker, computed, self.release_ahead))
+        earlier = list(self._in_hand())
+        running = worker.start(taken, on_stall=self.release_ahead)
+        running.task.add_done_callback(self._stage_one_done)
+        self.chains.append(asyncio.create_task(self._chain(running, earlier)))
+        # The next batch is taken up once this one's forward is queued behind the one computing:
+        # the device's queue is two forwards deep.
+        await running.launched.wait()
+        if alone:
+            await asyncio.wait({running.task})
+        while len(self._in_hand()) >= DEPTH:
+            await asyncio.wait({self.chains[0]})
+        self._raise_failure()
 
     async def wind_down(self) -> None:
         await _return_unstarted(self.prefetch, self.worker.js)
-        await _settle(self.finishing)
+        await asyncio.gather(*self.chains, return_exceptions=True)
 
 
 async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asyncio.Event) -> None:

@@ -16,7 +16,6 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TypeVar
 
 import msgspec
@@ -26,14 +25,16 @@ import torch
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from hsx.gpu_consumer import compiling
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.device_thread import DeviceThread
 from hsx.gpu_consumer.extract import (
     DeviceFailed,
+    InFlight,
     NonFiniteStates,
     device_failed,
     extract_isolating,
-    extract_samples,
+    launch_samples,
 )
 from hsx.gpu_consumer.model import LoadedModel
 from hsx.gpu_consumer.plansamples import PlanSamples, PlanSamplesUnavailable
@@ -42,7 +43,7 @@ from hsx.gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
 from hsx.gpu_consumer.writer import write_sample_file
 from hsx.storage.fsutil import fsync_dir
 from hsx.storage.layout import FLOAT8
-from hsx.storage.spool import spool_usage
+from hsx.storage.spool import SpoolMeter, plan_folder, spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.headers import message_headers
@@ -83,6 +84,17 @@ class Computed:
         return self.taken.msg
 
 
+@dataclass
+class Running:
+    """A batch taken up (`BatchWorker.start`): `launched` is set once its forward is queued on the
+    device (or its first stage ended without one); `task` is its first stage, which ends when its
+    states are on the host (`Computed`) or it was settled (None)."""
+
+    taken: Taken
+    launched: asyncio.Event
+    task: "asyncio.Task[Computed | None]"
+
+
 class BatchWorker:
     def __init__(
         self,
@@ -115,10 +127,19 @@ class BatchWorker:
         # The batches taken up and not yet settled, by their Taken: what a stop is finishing.
         self._in_hand: dict[int, str] = {}
         self._writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="hsx-writer")
+        # The plan's spool usage as a running count, read before every fetch and in every beat
+        # (no walk of the folder on the way: hsx/storage/spool.py).
+        self.spool_meter = SpoolMeter(plan_folder(cfg.spool, spec.job, spec.plan_tag)).start()
         # Where the forwards run: the consumer's device thread, which loaded and warmed up the
         # model (gpu_consumer/main.py); one of this worker's own when not given (benches, tests).
         self._owns_forwards = forwards is None
         self.forwards = forwards if forwards is not None else DeviceThread(loaded.device)
+        # Where each batch's copy to the host is waited for, while the forwards thread queues the
+        # next batch's forward.
+        self.landing = DeviceThread(loaded.device, name="hsx-land")
+        # When the device last finished a forward (monotonic): a batch queued behind another
+        # starts computing then, not when it was queued (its pace, gpu_consumer/stall.py).
+        self._device_free_at = 0.0
 
     @property
     def job_lost(self) -> bool:
@@ -126,7 +147,11 @@ class BatchWorker:
 
     def _write_one(self, batch_id: str, sample: schemas.Sample, hidden: torch.Tensor) -> schemas.FileReady:
         """Its folder is fsynced by the caller (`_sync_folders`), once for the batch's files."""
-        return write_sample_file(
+        try:  # a redelivered batch rewrites its files in place: counted once
+            replaced = os.stat(spool_file(self.cfg.spool, self.spec.job, self.spec.plan_tag, sample.index)).st_size
+        except FileNotFoundError:
+            replaced = None
+        ready = write_sample_file(
             spool=self.cfg.spool,
             spec=self.spec,
             node=self.cfg.node,
@@ -135,6 +160,8 @@ class BatchWorker:
             hidden_states=hidden,
             sync_dir=False,
         )
+        self.spool_meter.add(0 if replaced is not None else 1, ready.size - (replaced or 0))
+        return ready
 
     def _write_some(self, batch_id: str, part: list[tuple[schemas.Sample, torch.Tensor]]) -> list[schemas.FileReady]:
         """One writer thread's share of a batch's files, in order."""
@@ -237,8 +264,11 @@ class BatchWorker:
                 running = None
             if stage == "forward":
                 # Only forwards within their bound: a stalled one would raise every later bound
-                # by the time the device spent hung.
-                self.pace.add(batch, time.monotonic() - began)
+                # by the time the device spent hung. A forward queued behind another one computes
+                # from when that one landed.
+                now = time.monotonic()
+                self.pace.add(batch, now - max(began, self._device_free_at))
+                self._device_free_at = now
             return result
         stalled_event, finished_event = STAGES[stage].stalled, STAGES[stage].finished
         taken.release()
@@ -289,7 +319,21 @@ class BatchWorker:
             log.warning("batch_state_unknown", error=str(exc) or type(exc).__name__)
         return True
 
-    async def compute(self, taken: Taken, *, on_stall: Callable[[], Awaitable[None]] | None = None) -> Computed | None:
+    def start(self, taken: Taken, *, on_stall: Callable[[], Awaitable[None]] | None = None) -> Running:
+        """Stage 1 (`compute`) as a task of its own, so that the caller can take the next batch
+        once this one's forward is queued (`Running.launched`), before its states land."""
+        launched = asyncio.Event()
+        task = asyncio.create_task(self.compute(taken, on_stall=on_stall, launched=launched))
+        task.add_done_callback(lambda _: launched.set())
+        return Running(taken, launched, task)
+
+    async def compute(
+        self,
+        taken: Taken,
+        *,
+        on_stall: Callable[[], Awaitable[None]] | None = None,
+        launched: asyncio.Event | None = None,
+    ) -> Computed | None:
         """Stage 1: decode and run the forward. Returns None when the message was settled here
         (poison dead-lettered, a failure nak'ed for a later retry, another plan's batch set
         aside or handed back), or was released by a stalled forward that then failed or whose
@@ -301,7 +345,7 @@ class BatchWorker:
         files are written; a batch that comes to nothing releases it here."""
         lease = self.loaded.staging.lease() if self.loaded.staging is not None else None
         try:
-            computed = await self._compute_batch(taken, lease, on_stall)
+            computed = await self._compute_batch(taken, lease, on_stall, launched)
         except asyncio.CancelledError:
             # The forward's thread may still be copying into the lease: its buffers stay leased
             # (the consumer is going down).
@@ -387,8 +431,28 @@ class BatchWorker:
         await through_outage(msg.term, what="drop_refused_batch", stopping=self.stopping)
         return False
 
+    async def _launch_and_land(
+        self, samples: list[schemas.Sample], lease: StagingLease | None, float8: bool, launched: asyncio.Event | None
+    ) -> list:
+        """The batch's forward queued on the forwards thread, then its copy to the host waited for
+        on the landing thread (not at all when it is there already: off CUDA)."""
+
+        def launch() -> InFlight:
+            return launch_samples(self.loaded, samples, lease=lease, float8=float8)
+
+        inflight: InFlight = await self.forwards.run(compiling.eager_on_failure, self.loaded.model, launch)
+        if launched is not None:
+            launched.set()
+        if inflight.landed():
+            return inflight.wait()
+        return await self.landing.run(inflight.wait)
+
     async def _compute_batch(
-        self, taken: Taken, lease: StagingLease | None, on_stall: Callable[[], Awaitable[None]] | None
+        self,
+        taken: Taken,
+        lease: StagingLease | None,
+        on_stall: Callable[[], Awaitable[None]] | None,
+        launched: asyncio.Event | None = None,
     ) -> Computed | None:
         msg = taken.msg
         attempt = msg.metadata.num_delivered
@@ -410,9 +474,9 @@ class BatchWorker:
         started = time.perf_counter()
         float8 = self.spec.dtype == FLOAT8  # quantized on the device, before the copy to the host
 
-        def forward(run: Callable) -> Awaitable:
+        def forward(work: Awaitable) -> Awaitable:
             return self._watched(
-                self.forwards.run(run, self.loaded, batch.samples),
+                work,
                 stage="forward",
                 batch=batch,
                 taken=taken,
@@ -421,7 +485,7 @@ class BatchWorker:
             )
 
         try:
-            outputs = await forward(partial(extract_samples, lease=lease, float8=float8))
+            outputs = await forward(self._launch_and_land(batch.samples, lease, float8, launched))
             return Computed(taken, batch, attempt, started, list(zip(batch.samples, outputs)))
         except ReleasedBatch:
             return None
@@ -439,7 +503,9 @@ class BatchWorker:
                 return None
         # Last delivery (or samples found non-finite): give up only the samples that fail on their own.
         try:
-            extracted, failed = await forward(partial(extract_isolating, lease=lease, float8=float8))
+            extracted, failed = await forward(
+                self.forwards.run(extract_isolating, self.loaded, batch.samples, lease=lease, float8=float8)
+            )
         except ReleasedBatch:
             return None
         except Exception as exc:
@@ -616,7 +682,7 @@ class BatchWorker:
         )
 
     def heartbeat_state(self) -> WorkerState:
-        files, used = spool_usage(self.cfg.spool, self.spec.job, self.spec.plan_tag)
+        files, used = self.spool_meter.usage()
         stall = self.stall
         if stall is not None:  # whatever the other stage says: this worker's batch is hung
             running = stall.running_s()
@@ -642,7 +708,7 @@ class BatchWorker:
         return not self._in_hand and self.stall is None
 
     def spool_full(self) -> tuple[bool, int]:
-        _, used = spool_usage(self.cfg.spool, self.spec.job, self.spec.plan_tag)
+        _, used = self.spool_meter.usage()
         return used >= self.cfg.spool_high_water_bytes, used
 
     def room_for(self, used: int, batches: int) -> bool:
@@ -651,6 +717,8 @@ class BatchWorker:
 
     def close(self) -> None:
         self._writers.shutdown(wait=True)
+        self.spool_meter.close()
+        self.landing.close()
         if self._owns_forwards:
             self.forwards.close()
 

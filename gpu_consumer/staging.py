@@ -1,13 +1,14 @@
 """Host buffers for device-to-host copies of captured states, leased to one batch at a time
 (`HostStaging`, `StagingLease`): pinned where CUDA is available, kept and reused, and none of a
 lease handed out again until the lease is released, once the batch's files (written straight
-from these buffers) are written. It knows nothing of batches, files or messages: it hands out
-buffers and takes them back.
+from these buffers) are written. It knows nothing of batches, files, streams or messages: it hands
+out buffers and takes them back, never while a copy into one may still run (`StagingLease.fence`).
 
 Why pinned, and how much memory it holds: docs/ARCHITECTURE.md, "Module notes".
 """
 
 import threading
+from typing import Protocol
 
 import torch
 
@@ -69,13 +70,24 @@ class HostStaging:
                 free -= self._free.pop(0).numel()
 
 
+class Fence(Protocol):
+    """What a copy into a buffer is done at: a CUDA event (or anything that can be waited for)."""
+
+    def synchronize(self) -> None: ...
+
+
 class StagingLease:
     """The buffers one batch's forwards copied into. None is handed out again before `release()`;
-    a tensor from `take` is valid until then, and must not be read after it."""
+    a tensor from `take` is valid until then, and must not be read after it.
+
+    A copy into a buffer may still run when the lease gives it back (a forward that failed after
+    an earlier part's copy was queued): `fence` names what the copies into the buffers taken so
+    far are done at, and a buffer goes back to the pool only once its fence has passed."""
 
     def __init__(self, pool: HostStaging) -> None:
         self._pool = pool
         self._buffers: list[torch.Tensor] = []
+        self._fences: list[Fence | None] = []  # one per buffer: what its copy is done at
         self._released = False
 
     def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -84,7 +96,15 @@ class StagingLease:
         nbytes = shape.numel() * dtype.itemsize
         buffer = self._pool._acquire(nbytes)
         self._buffers.append(buffer)
+        self._fences.append(None)
         return buffer[:nbytes].view(dtype).view(shape)
+
+    def fence(self, done: Fence) -> None:
+        """The copies into the buffers taken since the last fence are done at `done`."""
+        for i in range(len(self._fences) - 1, -1, -1):
+            if self._fences[i] is not None:
+                break
+            self._fences[i] = done
 
     def mark(self) -> int:
         """A point to give back to if what follows fails (`release_since`)."""
@@ -94,6 +114,9 @@ class StagingLease:
         """Give back the buffers taken after `mark`: those of a forward that failed, whose states
         nobody will read."""
         returned, self._buffers = self._buffers[mark:], self._buffers[:mark]
+        fences, self._fences = self._fences[mark:], self._fences[:mark]
+        for fence in {id(f): f for f in fences if f is not None}.values():  # each once
+            fence.synchronize()
         self._pool._give_back(returned)
 
     def release(self) -> None:

@@ -89,7 +89,7 @@ LAYERS = [
         False,
         ("HSX_COMPILE", "0"),
         "[consume]\ncompile = true\n",
-        {"flag": True, "env": False, "file": True, "default": False},
+        {"flag": True, "env": False, "file": True, "default": None},  # None: on with CUDA
     ),
     Layers(
         "consume.spool",

@@ -1,6 +1,6 @@
 """The consumer's kernel report says what transformers resolved on the loaded model, and a hybrid
-model on transformers' torch fallback is warned about, or refused with --require-fast-kernels,
-only where fast kernels exist (CUDA).
+model on transformers' torch fallback is refused, or with --allow-slow-kernels warned about, only
+where fast kernels exist (CUDA).
 
 The tiny hybrid models (Qwen3.5, Qwen3-Next) are test_families.py's. Without fla-core and
 causal-conv1d (this machine: they are CUDA packages) transformers binds its torch functions. With
@@ -15,6 +15,7 @@ import sys
 import msgspec
 import pytest
 import structlog
+import torch
 from test_families import FAMILIES
 from transformers.integrations import hub_kernels
 
@@ -108,20 +109,40 @@ FAST = schemas.Kernels(attention="flash_attention_2", linear_attention="fla", co
 DENSE = schemas.Kernels(attention="sdpa")
 
 
-def test_on_cuda_a_fallback_is_one_warning_or_a_refusal():
+def test_on_cuda_a_fallback_is_refused_in_one_line_unless_allowed():
+    with pytest.raises(HsxError) as refused:
+        check_kernels(HALF, "cuda", allow_slow=False)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("the model's causal conv1d would run transformers' torch "), (
+        message
+    )
+    assert "fallback on cuda" in message and "(causal-conv1d not importable here)" in message, message
+    assert "linear" not in message and "pip install -e '.[kernels]'" in message, message
+    assert message.endswith("or pass --allow-slow-kernels to run it so"), message
+
     with structlog.testing.capture_logs() as logs:
-        check_kernels(SLOW, "cuda", require_fast=False)
+        check_kernels(SLOW, "cuda", allow_slow=True)
     assert [entry["event"] for entry in logs] == ["slow_kernels"], logs
     assert logs[0]["log_level"] == "warning" and logs[0]["fallbacks"] == ["linear_attention", "conv1d"]
     assert "pip install -e '.[kernels]'" in logs[0]["install"], logs
 
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_real_hybrid_models_report_is_refused_on_cuda(name, loaded):
+    """The check is not CUDA-specific: a tiny real Qwen3.5 / Qwen3-Next's own report (torch
+    fallback here), checked as a CUDA consumer checks it, is refused in one line naming both
+    parts; allowed, it runs with one warning; on the CPU it is what runs, and nothing is said."""
+    report = kernel_report(loaded(name).model, compiled=False)
     with pytest.raises(HsxError) as refused:
-        check_kernels(HALF, "cuda", require_fast=True)
+        check_kernels(report, "cuda", allow_slow=False)
     message = str(refused.value)
-    assert "\n" not in message and message.startswith("--require-fast-kernels: ")
-    assert "the model's causal conv1d would run transformers' torch fallback on cuda" in message, message
-    assert "(causal-conv1d not importable here)" in message and "linear" not in message, message
-    assert "pip install -e '.[kernels]'" in message, message
+    assert "\n" not in message, message
+    assert message.startswith("the model's linear attention and causal conv1d would run transformers' torch "), message
+    assert "(fla-core, causal-conv1d not importable here)" in message and "--allow-slow-kernels" in message, message
+    with structlog.testing.capture_logs() as logs:
+        check_kernels(report, "cuda", allow_slow=True)
+        check_kernels(report, "cpu", allow_slow=False)
+    assert [entry["event"] for entry in logs] == ["slow_kernels"], logs
 
 
 @pytest.mark.parametrize(
@@ -130,10 +151,10 @@ def test_on_cuda_a_fallback_is_one_warning_or_a_refusal():
     ids=["fast-on-cuda", "dense-on-cuda", "torch-on-cpu"],
 )
 def test_nothing_to_warn_about_or_refuse(report, device):
-    """On a CPU the torch path is the only one there is: --require-fast-kernels does not refuse it."""
+    """On a CPU the torch path is the only one there is: it is never refused."""
     with structlog.testing.capture_logs() as logs:
-        for require_fast in (False, True):
-            check_kernels(report, device, require_fast=require_fast)
+        for allow_slow in (False, True):
+            check_kernels(report, device, allow_slow=allow_slow)
     assert logs == []
 
 
@@ -146,8 +167,58 @@ def test_a_heartbeat_without_kernels_still_decodes():
 
 
 @pytest.mark.parametrize("given", [False, True])
-def test_hsx_up_passes_require_fast_kernels_to_its_consumers(given, tmp_path):
+def test_hsx_up_passes_allow_slow_kernels_to_its_consumers(given, tmp_path):
     parser = build_parser()
-    args = parser.parse_args(["up", "--workdir", str(tmp_path), *(["--require-fast-kernels"] if given else [])])
+    args = parser.parse_args(["up", "--workdir", str(tmp_path), *(["--allow-slow-kernels"] if given else [])])
     resolve(parser, args, {})
-    assert UpConfig.from_args(parser, args, nats=None, environ={}, prepare=False).consumer.require_fast_kernels is given
+    assert UpConfig.from_args(parser, args, nats=None, environ={}, prepare=False).consumer.allow_slow_kernels is given
+
+
+def _conv_of_flas_contract(x, weight, bias=None, activation=None):
+    """fla's `causal_conv1d` contract ([B, T, D] in; (y, final state) out; accumulated and
+    activated in float32, as its Triton kernel does), in plain torch: what runs here in fla's
+    place (its kernel needs CUDA; tests/test_gpu.py checks the real one against transformers')."""
+    width = weight.shape[1]
+    y = torch.nn.functional.conv1d(
+        x.transpose(1, 2).float(),
+        weight.float().unsqueeze(1),
+        None if bias is None else bias.float(),
+        padding=width - 1,
+        groups=weight.shape[0],
+    )[..., : x.shape[1]]
+    if activation in ("silu", "swish"):
+        y = torch.nn.functional.silu(y)
+    return y.transpose(1, 2).to(x.dtype), None
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_fla_conv_is_bound_where_transformers_runs_its_torch_conv(name, loaded):
+    """bind_fla_conv puts a convolution of fla's contract where the modeling module's forward
+    looks `causal_conv1d_fn` up: the report names it (conv1d no longer a fallback), the states
+    are the torch convolution's, a second bind changes nothing, and unbinding restores it."""
+    from hsx.gpu_consumer.extract import extract_samples
+    from hsx.gpu_consumer.kernels import bind_fla_conv, unbind_fla_conv
+
+    model = loaded(name)
+    samples = [
+        schemas.Sample(index=i, source_id=str(i), input_ids=list(range(5, 5 + n))) for i, n in enumerate((9, 30))
+    ]
+    before = extract_samples(model, samples)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return _conv_of_flas_contract(*args, **kwargs)
+
+    try:
+        assert bind_fla_conv(model.model, implementation=counted)
+        report = kernel_report(model.model, compiled=False)
+        assert report.conv1d == __name__ and fallbacks(report, "cuda") == ["linear_attention"], report
+        assert not bind_fla_conv(model.model, implementation=_conv_of_flas_contract)
+        for got, expected in zip(extract_samples(model, samples), before):
+            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+        # Called by the forward (layer 0 is a linear-attention one), with [B, T, D].
+        assert calls and calls[0][:2] == (2, 30), calls
+    finally:
+        unbind_fla_conv()
+    assert kernel_report(model.model, compiled=False).conv1d == "torch"

@@ -37,6 +37,7 @@ from hsx.wire.pull import Taken
 LAYERS = [1, 3, 4]  # none is the last decoder layer: each is transformers' hidden_states[i + 1]
 VOCAB = 512  # tests/conftest.py TINY
 OOM_ABOVE = 64  # padded tokens per forward, with the fault devkit.faults.oom_above
+SECOND = 2  # batch N+1's first sample index: batch N holds 0 and 1 (every index inside the plan)
 
 # Batch N: 2 samples, 2 x 28 = 56 padded tokens, one forward, one buffer. Batch N+1 (4 samples):
 # - oom_split: 4 x 30 tokens > 64: split into [12, 30] and [25, 16], two forwards, two buffers;
@@ -74,7 +75,7 @@ async def _overlap(url: str, model_path: Path, job: str, spool: Path, device: st
     let go, N+1 finished. Returns what the checks need."""
     loaded = with_staging(load_model(str(model_path), layers=LAYERS, dtype="float32", device=device))
     first = _samples(0, [20, 28], seed=1)
-    second = _samples(10, case["lengths"], seed=2, poison=case["poison"])
+    second = _samples(SECOND, case["lengths"], seed=2, poison=case["poison"])
     spec = _spec(job, model_path, LAYERS, "float32", first + second)
     nc = await connect(NatsSettings(url=url), name="test-staging")
     js = nc.jetstream()
@@ -149,7 +150,11 @@ def check_overlap(
     spool = tmp_path / "spool"
     result = asyncio.run(_overlap(nats_server.url, model_path, job_name, spool, device, case))
 
-    bad = {10 + case["poison"]} if case["poison"] is not None else ({12} if case["lengths"][2] > OOM_ABOVE else set())
+    bad = (
+        {SECOND + case["poison"]}
+        if case["poison"] is not None
+        else ({SECOND + 2} if case["lengths"][2] > OOM_ABOVE else set())
+    )
     assert set(result["failed"]) == bad
     reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
     checked = 0
@@ -255,3 +260,47 @@ def test_the_pool_counts_the_blocks_the_host_allocator_really_holds():
     again.take(torch.Size([3, 110, 5, 64]), torch.bfloat16)
     assert pool.held_bytes == expected and again.nbytes == 262144
     again.release()
+
+
+class _Copy:
+    """What a buffer's copy is done at, passing when the test says (on CUDA: the copy stream's
+    event, tests/test_gpu.py)."""
+
+    def __init__(self, *, done: bool = False) -> None:
+        self.passed = threading.Event()
+        self.waited = 0
+        if done:
+            self.passed.set()
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        assert self.passed.wait(timeout=30)
+
+
+def test_a_buffer_goes_back_to_the_pool_only_once_the_copy_into_it_is_done():
+    """A forward that fails after an earlier part's copy was queued gives that part's buffer
+    back: not before its copy's fence has passed, so no other batch can be handed a buffer that
+    is still being written into. Only the fences of the buffers given back are waited for."""
+    pool = HostStaging(pin=False)
+    shape = torch.Size([2, 8, 3, 16])
+    lease = pool.lease()
+    lease.take(shape, torch.float32)
+    kept = _Copy()
+    lease.fence(kept)
+    mark = lease.mark()
+    lease.take(shape, torch.float32)
+    pending = _Copy()
+    lease.fence(pending)
+    lease.take(shape, torch.float32)  # copied synchronously: no fence
+    held = pool.leased_bytes
+    releasing = threading.Thread(target=lease.release_since, args=(mark,))
+    releasing.start()
+    releasing.join(timeout=0.3)
+    assert releasing.is_alive() and pool.leased_bytes == held, "a buffer went back while its copy ran"
+    pending.passed.set()
+    releasing.join(timeout=10)
+    assert not releasing.is_alive() and pool.leased_bytes == held // 3
+    assert (kept.waited, pending.waited) == (0, 1)
+    kept.passed.set()
+    lease.release()
+    assert pool.leased_bytes == 0 and kept.waited == 1

@@ -106,7 +106,14 @@ def test_waiting_then_running_then_stalled_then_done_and_no_ghosts(
         period=0.5,
     )
     # Its kernels, per live consumer, as its heartbeat says: a dense model has no linear attention.
-    kernels = {"type": "kernels.v1", "attention": "sdpa", "linear_attention": None, "conv1d": None, "compiled": False}
+    kernels = {
+        "type": "kernels.v1",
+        "attention": "sdpa",
+        "linear_attention": None,
+        "conv1d": None,
+        "compiled": False,
+        "compile_error": "",
+    }
     # (the first heartbeat after the model's load carries them: within the 5 s between beats).
     wait_for(
         lambda: [c["kernels"] for c in status(hsx, job, None)["consumers"]] == [kernels],

@@ -66,7 +66,7 @@ def add_config_flags(
         kwargs: dict = {"dest": field.name, "help": flag.help}
         if flag.example is not None:
             kwargs["example"] = flag.example
-        boolean = field.type in (bool, "bool")
+        boolean = field.type in (bool, "bool", bool | None, "bool | None")  # None: not set
         if flag.metavar or not (flag.choices or boolean):
             kwargs["metavar"] = flag.metavar or key_of(flag.name).upper()
         if field.name in defaults:

@@ -6,11 +6,16 @@ two jobs that had the same name (one deleted, the next produced): where a file l
 (job, plan, sample) alone, so the uploader derives it as it derives the destination key, never
 from an event; the spool's use is measured per plan, so a deleted plan's leftovers never count
 against the next one's high-water mark; and the leftovers are one folder to remove.
+
+A consumer reads its plan's usage before every fetch: `SpoolMeter` keeps it as a running count
+instead of walking the folder each time (a walk grows with the upload backlog).
 """
 
 import os
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import structlog
@@ -96,7 +101,9 @@ def spool_usage(spool: Path, job: str, plan: str) -> tuple[int, int]:
     return _usage(plan_folder(spool, job, plan))
 
 
-def _usage(folder: Path) -> tuple[int, int]:
+def _usage(folder: Path, *, before_ns: int | None = None) -> tuple[int, int]:
+    """(files, bytes) of the finished files under `folder`; with `before_ns`, only those last
+    written before that time (time.time_ns())."""
     files = total = 0
     stack = [folder]
     while stack:
@@ -109,11 +116,84 @@ def _usage(folder: Path) -> tuple[int, int]:
                 stack.append(Path(entry.path))
             elif entry.name.endswith(".safetensors") and not entry.name.startswith("."):
                 try:
-                    total += entry.stat(follow_symlinks=False).st_size
-                    files += 1
+                    stat = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
-                    pass
+                    continue
+                if before_ns is None or stat.st_mtime_ns < before_ns:
+                    total += stat.st_size
+                    files += 1
     return files, total
+
+
+class SpoolMeter:
+    """The plan's finished files in the spool, (files, bytes), as a running count: `usage()` costs
+    a lock, never a walk. The count is the last walk of the folder plus what this process wrote
+    since that walk began (`add`); a thread walks again every few seconds (`every_s`, or ten times
+    the last walk's duration if longer), which is how the files the uploaders (other processes)
+    delete, and those other consumers on the same spool write, come into it.
+
+    No drift: each walk replaces the count, keeping only this process's writes recorded after the
+    walk began, and the walk counts only files last written before it began (their mtime), so
+    that a file written during the walk is not counted twice; one written just before the walk
+    and announced to `add` just after it is (a file or so, until the next walk). Between walks
+    the count is high by what was uploaded since the last one, never low by what this process
+    wrote: the consumer may pause a moment late to resume, never late to pause.
+    """
+
+    def __init__(self, folder: Path, *, every_s: float = 2.0) -> None:
+        self.folder = folder
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._walked = (0, 0)
+        self._since: list[tuple[int, int, int]] = []  # (time recorded, files, bytes) written since the walk began
+        self.walks = 0  # walks done (a test reads it: none on the hot path)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.walk()
+
+    def start(self) -> "SpoolMeter":
+        """Walk again every few seconds, on a thread of its own."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hsx-spool-meter", daemon=True)
+            self._thread.start()
+        return self
+
+    def add(self, files: int, nbytes: int) -> None:
+        """This process changed the plan's files by `files` and `nbytes` (a file written: 1 and its
+        size; one rewritten in place: 0 and the difference)."""
+        with self._lock:
+            self._since.append((time.time_ns(), files, nbytes))
+
+    def usage(self) -> tuple[int, int]:
+        with self._lock:
+            files, total = self._walked
+            for _, added_files, added_bytes in self._since:
+                files += added_files
+                total += added_bytes
+        return max(0, files), max(0, total)
+
+    def walk(self) -> float:
+        """Walk the folder now (off the hot path); returns how long it took."""
+        began_ns, began = time.time_ns(), time.monotonic()
+        walked = _usage(self.folder, before_ns=began_ns)
+        with self._lock:
+            self._walked = walked
+            self._since = [entry for entry in self._since if entry[0] >= began_ns]
+            self.walks += 1
+        return time.monotonic() - began
+
+    def _run(self) -> None:
+        pause = self.every_s
+        while not self._stop.wait(pause):
+            try:
+                pause = max(self.every_s, 10 * self.walk())
+            except OSError as exc:  # the spool's disk failing: the count stands, the writes will say
+                log.warning("spool_walk_failed", folder=str(self.folder), error=str(exc))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
 
 def other_plans(spool: Path, job: str, plan: str) -> list[Path]:

@@ -289,12 +289,15 @@ class Kernels(_Wire, tag="kernels.v1"):
     (gpu_consumer/kernels.py): `attention` (sdpa, eager, flash_attention_2, ...), and for the
     linear-attention layers of a hybrid model (Qwen3.5, Qwen3-Next) its delta rule
     (`linear_attention`: fla, or the torch fallback) and causal convolution (`conv1d`:
-    causal_conv1d, or torch); None for a model without such layers. `compiled`: --compile."""
+    causal_conv1d, fla (bound by hsx where causal-conv1d is missing), or torch); None for a model
+    without such layers. `compiled`: the decoder layers run torch.compiled; `compile_error`: why a
+    consumer asked to compile (--compile, or CUDA's default) runs eagerly instead, one line."""
 
     attention: str
     linear_attention: str | None = None
     conv1d: str | None = None
     compiled: bool = False
+    compile_error: str = ""
 
 
 class Heartbeat(_Wire, tag="heartbeat.v1"):
