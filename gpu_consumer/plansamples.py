@@ -51,12 +51,16 @@ class PlanSamples:
             return []
         if max(sample.index for sample in batch.samples) >= len(self._digests) // DIGEST_BYTES:
             self._digests = await self._read(spec)
+        recorded_samples = len(self._digests) // DIGEST_BYTES
+        if max(sample.index for sample in batch.samples) >= recorded_samples:
+            raise PlanSamplesUnavailable(
+                f"the digests of job {spec.job} hold {recorded_samples} samples, not yet sample "
+                f"{max(sample.index for sample in batch.samples)} of its spec"
+            )
         refused = []
         for sample in batch.samples:
             at = sample.index * DIGEST_BYTES
             recorded = self._digests[at : at + DIGEST_BYTES]
-            if len(recorded) < DIGEST_BYTES:
-                refused.append((sample.index, "no digest is recorded for it"))
-            elif recorded != sample_digest(sample):
+            if recorded != sample_digest(sample):
                 refused.append((sample.index, "its tokens, mask or source id are not the sample the producer planned"))
         return refused

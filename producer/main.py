@@ -701,8 +701,11 @@ async def _publish_rounds(
     resumed = existing if existing is not None and not replaces else None
     recorded_rounds = len(resumed.round_starts) if resumed is not None else 0
     # The digests of the rounds so far, grown by each round's and stored before it is recorded.
+    # A rerun stores them only once it has read past the rounds recorded: the object never holds
+    # fewer samples than a spec recorded names.
     digests = bytearray(await asyncio.to_thread(table_digests, rows))
-    await stored.store_digests(js, cfg.job, bytes(digests), max_payload=nc.max_payload)
+    if recorded_rounds <= 1:
+        await stored.store_digests(js, cfg.job, bytes(digests), max_payload=nc.max_payload)
     if recorded_rounds == 0:
         await _record(record, spec)
     elif resumed.stopped:  # the cause is gone (this run got past the checks): the job runs on
@@ -765,7 +768,8 @@ async def _publish_rounds(
             # The spec grows before the round's batches go out: a worker that gets one finds it planned,
             # and its samples' digests are stored before the spec names them.
             digests += await asyncio.to_thread(table_digests, cut.samples)
-            await stored.store_digests(js, cfg.job, bytes(digests), max_payload=nc.max_payload)
+            if len(starts) >= recorded_rounds:
+                await stored.store_digests(js, cfg.job, bytes(digests), max_payload=nc.max_payload)
             spec = round_spec()
             if len(starts) > recorded_rounds:
                 await record_grown(spec)

@@ -232,6 +232,8 @@ def _trainer(job: str, nodes: Sequence[str]) -> list[str]:
         _create(topology.EVENTS_STREAM, ANY, f"hsx.events.{job}.uploaded.>"),
         _api("CONSUMER", "MSG", "NEXT", topology.EVENTS_STREAM, ANY),
         _api("CONSUMER", "DELETE", topology.EVENTS_STREAM, ANY),
+        # The first epoch's end, recorded once for every rank of a stream (topology.epoch_end_subject).
+        f"hsx.events.{job}.epoch.>",
     ]
 
 
