@@ -9,9 +9,11 @@ those read. A job of an older hsx (`sample_digests`
 false) has none and is not checked. It knows the spec and the object store, not the pull loop.
 """
 
+import asyncio
 import io
 from collections.abc import Callable
 
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
@@ -19,6 +21,9 @@ from hsx.errors import HsxError
 from hsx.storage.sampledigest import DIGEST_BYTES, sample_digest
 from hsx.storage.tokens import digests_object_name
 from hsx.wire import schemas, topology
+
+# How long one reading of the digests object may take.
+_READ_S = 10.0
 
 
 class PlanSamplesUnavailable(HsxError):
@@ -35,10 +40,16 @@ class PlanSamples:
         buffer = io.BytesIO()
         try:
             store = await self.js.object_store(topology.DATASETS_BUCKET)
-            await store.get(name, writeinto=buffer)
+            # Bounded: a read that meets the producer storing the object again (the next round's)
+            # loses the old object's chunks and would wait for them forever; it is tried again.
+            await asyncio.wait_for(store.get(name, writeinto=buffer), timeout=_READ_S)
         except (nats.js.errors.ObjectNotFoundError, nats.js.errors.NotFoundError, nats.js.errors.BucketNotFoundError):
             raise PlanSamplesUnavailable(
                 f"object {name} (the digests of job {spec.job}'s samples) is not in bucket {topology.DATASETS_BUCKET}"
+            ) from None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise PlanSamplesUnavailable(
+                f"object {name} could not be read ({type(exc).__name__}: {exc}); it may be being stored again"
             ) from None
         return buffer.getvalue()
 
