@@ -33,8 +33,6 @@ DTYPE_CHOICES = ("bfloat16", "float16", "float32", "float8")
 # The stored dtype -> the torch dtype name of `hidden_states` in the file (hsx/storage/tensors.py
 # has the torch dtypes themselves; this side needs no torch).
 _HIDDEN_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", FLOAT8: "float8_e4m3fn"}
-# The dtypes a job spec and its files name (`stored_dtype` of each --dtype choice).
-STORED_DTYPES = tuple(_HIDDEN_DTYPE_NAMES)
 
 
 def sample_tensor_shapes(

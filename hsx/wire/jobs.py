@@ -9,6 +9,7 @@ the monitor calls it silent.
 
 import asyncio
 import time
+from urllib.parse import urlsplit
 
 import msgspec
 import nats.js.errors
@@ -17,8 +18,6 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from hsx.errors import HsxError
-from hsx.storage.layout import STORED_DTYPES
-from hsx.storage.location import Location
 from hsx.wire import schemas, topology
 from hsx.wire.events import heard_heartbeat
 
@@ -46,18 +45,26 @@ def decode_job_spec(data: bytes, *, job: str) -> schemas.JobSpec:
     return spec
 
 
+def _dest_form(dest: str) -> bool:
+    """Whether `dest` is a destination URL as the producer writes one (hsx.storage.location's
+    canonical form): a bucket and a prefix without empty or dot segments, or an absolute,
+    normalised local path."""
+    split = urlsplit(dest)
+    segments = split.path.strip("/").split("/") if split.path.strip("/") else []
+    if any(segment in ("", ".", "..") for segment in segments) or split.query or split.fragment:
+        return False
+    if split.scheme == "s3":
+        return bool(split.netloc) and not split.path.endswith("/")
+    return split.scheme == "file" and split.netloc == "" and split.path.startswith("/")
+
+
 def _spec_problem(spec: schemas.JobSpec, key: str) -> str:
     if spec.job != key:
         return f"`job` is {spec.job!r}, not its key"
-    if spec.dtype not in STORED_DTYPES:
-        return f"`dtype` {spec.dtype!r} is not one of {', '.join(STORED_DTYPES)}"
-    if not spec.dest.startswith(("s3://", "file://")):
-        return f"`dest` {spec.dest!r} is not an s3:// or file:// URL"
-    try:
-        if str(Location.parse(spec.dest, what="`dest`")) != spec.dest:
-            return f"`dest` {spec.dest!r} is not in the form the producer writes"
-    except HsxError as exc:
-        return str(exc)
+    if spec.dtype not in schemas.STORED_DTYPES:
+        return f"`dtype` {spec.dtype!r} is not one of {', '.join(schemas.STORED_DTYPES)}"
+    if not _dest_form(spec.dest):
+        return f"`dest` {spec.dest!r} is not an s3://bucket/prefix or file:///absolute/dir URL"
     layers = [layer for layer in spec.layers if layer != schemas.FINAL]
     if len(set(spec.layers)) != len(spec.layers):
         return f"`layers` {spec.layers} names a layer twice"

@@ -32,6 +32,9 @@ Positive = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(ge=0, le=1e12)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 
+# What a job's files hold (JobSpec.dtype; hsx/storage/layout.py `stored_dtype` of each --dtype).
+STORED_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3")
+
 # A selected layer, as the job names it: a decoder layer index, or "final" (the post-norm final
 # state). hsx/model/layers.py parses and resolves it; every layers field in hsx has this type.
 FINAL = "final"  # the post-norm final state
