@@ -23,6 +23,7 @@ messages arrive, not as they are handled, so a stalled trainer let it buffer som
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import queue
 import threading
@@ -298,12 +299,7 @@ class LandingFeed:
                     plan=spec.plan_tag,
                     stream=self.name,
                     created_at=spec.created_at,
-                    end_seq=found.end_seq,
-                    done=found.done,
-                    total_samples=found.total_samples,
-                    reason=found.reason,
-                    missing=list(found.missing),
-                    missing_count=found.missing_count,
+                    **{**dataclasses.asdict(found), "missing": list(found.missing)},
                 )
                 try:
                     await js.publish(subject, schemas.encode(record), headers=topology.ONCE_HEADERS)
@@ -328,14 +324,8 @@ class LandingFeed:
                 f"stream {self.name}: the epoch's end recorded on {subject} is of an earlier production of job "
                 f"{self.job}; delete the job's events (hsx jobs delete) or use another stream name"
             )
-        return EpochEnd(
-            end_seq=agreed.end_seq,
-            done=agreed.done,
-            total_samples=agreed.total_samples,
-            reason=agreed.reason,
-            missing=tuple(agreed.missing),
-            missing_count=agreed.missing_count,
-        )
+        fields = {field.name: getattr(agreed, field.name) for field in dataclasses.fields(EpochEnd)}
+        return EpochEnd(**{**fields, "missing": tuple(agreed.missing)})
 
     async def _over(self, js, verdict: JobVerdict, subject: str) -> EpochEnd | None:
         """The epoch's end once the job is over; None while it runs."""
