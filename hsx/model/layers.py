@@ -7,6 +7,7 @@ docs/ARCHITECTURE.md, "Module notes".
 """
 
 import re
+from typing import Literal
 
 import msgspec
 
@@ -29,7 +30,7 @@ class Preset(msgspec.Struct, frozen=True):
 
 # What --layers asks for: a preset, or layer indices as given (negative ones count from the end).
 # `resolve_layers` turns either into the job's layers (`list[Layer]`, non-negative or FINAL).
-LayerRequest = Preset | tuple[Layer, ...]
+LayerRequest = Preset | tuple[int | Literal["final"], ...]
 
 
 def parse_layers(text: str) -> LayerRequest:

@@ -27,6 +27,11 @@ from nats.js import JetStreamContext
 from hsx.errors import HsxError
 from hsx.wire import schemas, topology
 from hsx.wire.jobs import read_job_spec
+from hsx.wire.topology import (  # noqa: F401 (their names where the samples are)
+    digests_object_name,
+    report_object_name,
+    tokens_object_name,
+)
 
 TOKENS_FORMAT = "hsx.tokens.v1"
 SCHEMA = pa.schema(
@@ -40,20 +45,6 @@ SCHEMA = pa.schema(
 ROWS_PER_BATCH = 8192
 # Reads of consecutive samples are cut at about this many tokens (16 MB of int32).
 _TOKENS_PER_READ = 1 << 22
-
-
-def tokens_object_name(job: str) -> str:
-    return f"{job}.tokens.arrow"
-
-
-def report_object_name(job: str) -> str:
-    return f"{job}.report.json"
-
-
-def digests_object_name(job: str) -> str:
-    """The digests of the job's samples the spec names (hsx/storage/sampledigest.py), in index
-    order: stored again, grown, before each round is recorded."""
-    return f"{job}.digests"
 
 
 @dataclass(frozen=True, slots=True)

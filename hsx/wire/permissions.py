@@ -18,7 +18,6 @@ import base64
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from hsx.storage.tokens import digests_object_name, report_object_name, tokens_object_name
 from hsx.wire import topology
 
 ROLES = ("producer", "consumer", "uploader", "monitor", "trainer", "admin")
@@ -155,7 +154,11 @@ def _live_workers(job: str) -> list[str]:
 
 
 def _producer(job: str, nodes: Sequence[str]) -> list[str]:
-    objects = [tokens_object_name(job), report_object_name(job), digests_object_name(job)] if job != ANY else []
+    objects = (
+        [topology.tokens_object_name(job), topology.report_object_name(job), topology.digests_object_name(job)]
+        if job != ANY
+        else []
+    )
     return [
         *_base(job),
         *_datasets_read(),
@@ -238,7 +241,11 @@ def _trainer(job: str, nodes: Sequence[str]) -> list[str]:
 
 
 def _admin(job: str, nodes: Sequence[str]) -> list[str]:
-    objects = [tokens_object_name(job), report_object_name(job), digests_object_name(job)] if job != ANY else []
+    objects = (
+        [topology.tokens_object_name(job), topology.report_object_name(job), topology.digests_object_name(job)]
+        if job != ANY
+        else []
+    )
     return [
         *(permission for role in _BUILDERS.values() if role is not _admin for permission in role(job, nodes)),
         # hsx jobs delete: the job's durables, its messages, its objects and its spec.

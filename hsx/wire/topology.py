@@ -165,6 +165,21 @@ def progress_counter_filter(job: str, plan: str, counter: str) -> str:
     return marker_filter(job, kind, plan if which == "<plan>" else which, extra=extra)
 
 
+# The objects of a job in bucket hsx_datasets (producer/stored.py writes them).
+def tokens_object_name(job: str) -> str:
+    return f"{job}.tokens.arrow"
+
+
+def report_object_name(job: str) -> str:
+    return f"{job}.report.json"
+
+
+def digests_object_name(job: str) -> str:
+    """The digests of the job's samples the spec names (hsx/storage/sampledigest.py), in index
+    order: stored again, grown, before each round is recorded."""
+    return f"{job}.digests"
+
+
 def epoch_end_subject(job: str, plan: str, stream: str) -> str:
     """Where the first epoch's end of a trainer's stream of `plan` is recorded, once: every rank
     of the stream, whenever it starts, ends the epoch there (hsx/wire/landed.py)."""
