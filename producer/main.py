@@ -508,7 +508,7 @@ async def _plan_and_publish(
     # The folder says whose files it holds before any worker can write one (producer/bundle.py).
     await asyncio.to_thread(bundle.claim_folder, spec)
     await stored.store_digests(js, cfg.job, await asyncio.to_thread(table_digests, rows), max_payload=nc.max_payload)
-    await _record(record, spec)
+    spec = await _record(record, spec)
     # The durables that count the job's markers exist from its start (readers make them too).
     await _ensure_progress_counters(js, cfg.job, spec.plan_tag)
     # Queued or finished already: a producer stopped mid-publish, or one racing this one.
@@ -516,8 +516,7 @@ async def _plan_and_publish(
     already = sum(plan_batch_id(cfg.job, fingerprint, seq) in accounted for seq in range(len(batches)))
     published, duplicates = await _publish_batches(js, cfg, fingerprint, batches, rows, skip=accounted)
     republished = await _republish_forgotten(js, cfg, spec, batches, rows, duplicates)
-    spec = msgspec.structs.replace(spec, published=True)
-    await _record(record, spec)
+    spec = await _record(record, msgspec.structs.replace(spec, published=True))
     log.info(
         "job_published",
         job=cfg.job,
@@ -707,7 +706,8 @@ async def _publish_rounds(
     if recorded_rounds <= 1:
         await stored.store_digests(js, cfg.job, bytes(digests), max_payload=nc.max_payload)
     if recorded_rounds == 0:
-        await _record(record, spec)
+        spec = await _record(record, spec)
+        created_at = spec.created_at  # a producer of the same plan may have recorded it first
     elif resumed.stopped:  # the cause is gone (this run got past the checks): the job runs on
         await record_grown(msgspec.structs.replace(resumed, stopped=""))
 
@@ -810,16 +810,41 @@ async def _publish_rounds(
         raise
 
 
-async def _record(record: SpecRecord, spec: schemas.JobSpec) -> None:
-    """The job's spec written by compare-and-set over what this run read: a producer racing this
-    one, or a job deleted or produced again meanwhile, stops this run in one line."""
-    try:
-        await record.write(spec)
-    except SpecChanged:
-        raise HsxError(
-            f"job {spec.job} was recorded, deleted or produced again by someone else while this producer "
-            "ran; nothing of this run was recorded; run hsx produce again to see the job as it is now"
-        ) from None
+async def _record(record: SpecRecord, spec: schemas.JobSpec) -> schemas.JobSpec:
+    """The job's spec written by compare-and-set over what this run read; the spec written. A
+    producer of the same plan that recorded it first (two started together) is joined: its
+    `created_at` is kept, the job's identity. Anything else recorded meanwhile (a job deleted,
+    another plan, a racer further on) stops this run in one line."""
+    for _ in range(_RECORD_ATTEMPTS):
+        try:
+            await record.write(spec)
+            return spec
+        except SpecChanged:
+            now = await SpecRecord.read(record.kv, spec.job)
+            theirs = now.spec
+            same = theirs is not None and (theirs.plan_fingerprint, theirs.dest, theirs.total_samples) == (
+                spec.plan_fingerprint,
+                spec.dest,
+                spec.total_samples,
+            )
+            if not same:
+                break
+            record.spec, record.revision = theirs, now.revision
+            spec = msgspec.structs.replace(
+                spec, created_at=theirs.created_at, published=spec.published or theirs.published
+            )
+            log.info(
+                "job_spec_joined", job=spec.job, plan=spec.plan_tag, reason="recorded by a producer of the same plan"
+            )
+            if spec == theirs:
+                return spec
+    raise HsxError(
+        f"job {spec.job} was recorded, deleted or produced again by someone else while this producer "
+        "ran; nothing of this run was recorded; run hsx produce again to see the job as it is now"
+    )
+
+
+_RECORD_ATTEMPTS = 5
 
 
 async def _stop(record, spec: schemas.JobSpec, reason: str) -> None:
