@@ -233,16 +233,25 @@ def test_dead_retry_sends_only_to_the_jobs_own_subjects_and_lists_the_rest_refus
 def test_a_spec_naming_a_path_outside_the_spool_is_refused_and_nothing_is_removed(
     hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
 ):
+    """A spec whose plan tag is `../../victim` made an uploader that started on it remove
+    `<spool>/<job>/../../victim`, a sibling of its spool, when the job went away. Now such a spec
+    does not decode: a worker refuses to start on it in one line, one that serves the job keeps
+    its own spec, and nothing outside the spool is touched."""
     _produce(hsx, tmp_path, tiny_model, job_name)
     spool = tmp_path / "work" / "spool"
-    spool.mkdir(parents=True)
-    victim = tmp_path / "victim"  # a sibling of the spool's parent: ../../victim from the job's folder
+    (spool / job_name).mkdir(parents=True)
+    victim = tmp_path / "work" / "victim"  # <spool>/<job>/../../victim
     victim.mkdir()
     (victim / "keep.txt").write_text("not the job's")
+    spec, _ = _spec_entry(nats_server.url, job_name)
+    crafted = {**spec, "plan_fingerprint": "../../victim" + "0" * 52}
+    _put_spec(nats_server.url, job_name, crafted)
+    refused = hsx("upload", "--job", job_name, "--spool", str(spool), "--wait-for-job", "5")
+    assert refused.returncode == 2 and "plan_fingerprint" in refused.stderr.strip().splitlines()[-1], refused
+    _put_spec(nats_server.url, job_name, spec)
     uploader = hsx_service("upload", "--job", job_name, "--spool", str(spool), name="upload")
     _wait_for_line(uploader, "uploader_ready")
-    spec, _ = _spec_entry(nats_server.url, job_name)
-    _put_spec(nats_server.url, job_name, {**spec, "plan_fingerprint": "../../../victim" + "0" * 49})
+    _put_spec(nats_server.url, job_name, crafted)
     # The watch reads the spec every 5 s: refused where it is decoded, the worker keeps its own.
     warning = _wait_for_line(uploader, "job_spec_unavailable", timeout=30)
     assert "plan_fingerprint" in warning["error"], warning

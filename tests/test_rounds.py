@@ -325,18 +325,29 @@ def _produce_after_rounds(nats_url: str, args: list[str], *, rounds: int, then: 
     )
 
 
-def _start_producer_after_rounds(
-    nats_url: str, args: list[str], *, rounds: int, then: str, job: str, log: Path, go: Path
-) -> subprocess.Popen:
-    process = subprocess.Popen(
-        [sys.executable, "-c", _AFTER_ROUNDS.format(rounds=rounds, then=then, job=job), *args],
-        env=_env(nats_url, {"ROUNDS_GO": str(go)}),
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-    )
-    process.log_path = log
-    return process
+@pytest.fixture
+def held_producer():
+    """Start `hsx produce` held between rounds until a file appears (`_WAIT` and ROUNDS_GO); a
+    producer still running at the end of the test (one that failed before letting it go) is killed."""
+    started: list[subprocess.Popen] = []
+
+    def start(nats_url: str, args: list[str], *, rounds: int, then: str, job: str, log: Path, go: Path):
+        process = subprocess.Popen(
+            [sys.executable, "-c", _AFTER_ROUNDS.format(rounds=rounds, then=then, job=job), *args],
+            env=_env(nats_url, {"ROUNDS_GO": str(go)}),
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        process.log_path = log
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def _wait_for_log(process: subprocess.Popen, event: str, timeout: float = 120) -> None:
@@ -347,7 +358,7 @@ def _wait_for_log(process: subprocess.Popen, event: str, timeout: float = 120) -
 
 
 def test_workers_started_while_a_first_run_publishes_its_rounds_serve_the_job_to_its_end(
-    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
+    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server, held_producer
 ):
     """The job's identity (its created_at) is fixed by the first round's spec and every later
     round keeps it: workers that started on round 3's spec take the rounds after it for the same
@@ -356,7 +367,7 @@ def test_workers_started_while_a_first_run_publishes_its_rounds_serve_the_job_to
     rows = write_dataset(tmp_path / "data.jsonl", 40, min_len=4, max_len=200, seed=23)
     out, spool, go = tmp_path / "out", tmp_path / "spool", tmp_path / "go"
     args = _produce_args(job_name, model, tmp_path / "data.jsonl", out)
-    producer = _start_producer_after_rounds(
+    producer = held_producer(
         nats_server.url, args, rounds=3, then=_WAIT, job=job_name, log=tmp_path / "produce.log", go=go
     )
     deadline = time.monotonic() + 120
@@ -380,7 +391,7 @@ def test_workers_started_while_a_first_run_publishes_its_rounds_serve_the_job_to
 
 
 def test_a_rerun_after_a_kill_between_rounds_keeps_the_recorded_rounds_and_ends_done(
-    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
+    tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server, held_producer
 ):
     """A rerun resumes from the rounds its spec records and never writes a spec holding fewer:
     workers serving the recorded rounds meanwhile count every sample as planned, and the job ends
@@ -396,9 +407,7 @@ def test_a_rerun_after_a_kill_between_rounds_keeps_the_recorded_rounds_and_ends_
     workers = _workers(hsx_service, job_name, spool, "--until-done")
     # The rerun stops after reading its first round, before reading the second: meanwhile the
     # workers serve every batch the first run published.
-    rerun = _start_producer_after_rounds(
-        nats_server.url, args, rounds=1, then=_WAIT, job=job_name, log=tmp_path / "rerun.log", go=go
-    )
+    rerun = held_producer(nats_server.url, args, rounds=1, then=_WAIT, job=job_name, log=tmp_path / "rerun.log", go=go)
     deadline = time.monotonic() + 180
     while True:
         spec = _spec(nats_server.url, job_name)
@@ -421,7 +430,7 @@ def test_a_rerun_after_a_kill_between_rounds_keeps_the_recorded_rounds_and_ends_
     assert view["batches_done"] == view["batches_total"] == _spec(nats_server.url, job_name).total_batches
 
 
-def test_a_nats_restart_between_rounds_is_ridden_out_by_the_producer(tmp_path, tiny_model, job_name):
+def test_a_nats_restart_between_rounds_is_ridden_out_by_the_producer(tmp_path, tiny_model, job_name, held_producer):
     """NATS killed while the producer is between rounds and back 8 s later: the producer waits it
     out as the workers do and publishes the whole plan once; no traceback (issue 35, item 2)."""
     store, port = tmp_path / "nats", _free_port()
@@ -430,7 +439,7 @@ def test_a_nats_restart_between_rounds_is_ridden_out_by_the_producer(tmp_path, t
         write_dataset(tmp_path / "data.jsonl", 40, min_len=4, max_len=200, seed=37)
         go = tmp_path / "go"
         args = _produce_args(job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", tmp_path / "out")
-        producer = _start_producer_after_rounds(
+        producer = held_producer(
             server.url, args, rounds=2, then=_WAIT, job=job_name, log=tmp_path / "produce.log", go=go
         )
         deadline = time.monotonic() + 120
