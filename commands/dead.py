@@ -13,9 +13,11 @@ target is derived from the payload, and a letter whose own `original_subject` na
 (a crafted one: the jobs bucket, a stream's purge) is listed as *refused* with why, never sent.
 
 A letter is *resolved* when its samples were written after all: each has its `uploaded` marker,
-or the `written` marker of its batch names them (a stalled forward that finished after the
-reaper dead-lettered its batch, a consumer that handed a spent batch back as a fresh copy and
-died before removing the spent one). Listing shows it so; retrying skips it.
+or, for a batch letter, the `written` marker of its batch names them (a stalled forward that
+finished after the reaper dead-lettered its batch, a consumer that handed a spent batch back as
+a fresh copy and died before removing the spent one). A file letter is resolved by `uploaded`
+markers alone: its batch was written before its event existed. Listing shows it so; retrying
+skips it.
 """
 
 import asyncio
@@ -129,7 +131,13 @@ async def _resolution(js, job: str, plan: str, letter: schemas.DeadLetter) -> st
     samples = letter.sample_indices
     if not samples or not plan:
         return ""
-    if letter.batch_id and set(samples) <= await _written_with(js, job, plan, letter.batch_id):
+    # A batch's `written` marker resolves a batch letter only: a file event exists because its
+    # batch was written, so that marker names every file letter's sample, uploaded or not.
+    if (
+        letter.what == "batch"
+        and letter.batch_id
+        and set(samples) <= await _written_with(js, job, plan, letter.batch_id)
+    ):
         return "written"
     for start in range(0, len(samples), 64):
         chunk = samples[start : start + 64]

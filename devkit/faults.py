@@ -9,6 +9,9 @@ is imported (an import hook, so an uploader never imports the consumer's torch m
   out-of-memory error, so the split path runs on a CPU machine.
 - HSX_TEST_DEVICE_ERROR_SAMPLE=I: a forward holding sample I raises torch's AcceleratorError, as
   a device-side assert or an illegal address would (the CUDA context is dead after one).
+- HSX_TEST_FAIL_SAMPLE=I: a forward holding sample I raises an ordinary IndexError, as an
+  embedding given a token id past its table does: a sample of the plan that fails on its own on
+  every delivery (a poison sample), while the device stays usable.
 - HSX_TEST_HANG_SAMPLE=I with HSX_TEST_HANG_MARKER=PATH: the first forward holding sample I (the
   one that creates PATH) hangs, as a wedged device would, until PATH.release exists; forwards
   that find PATH there already run normally.
@@ -40,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 SWITCHES = (
     "HSX_TEST_OOM_ABOVE_TOKENS",
     "HSX_TEST_DEVICE_ERROR_SAMPLE",
+    "HSX_TEST_FAIL_SAMPLE",
     "HSX_TEST_HANG_SAMPLE",
     "HSX_TEST_HANG_MARKER",
     "HSX_TEST_HANG_WRITE_SAMPLE",
@@ -100,6 +104,17 @@ def device_error_on(index: int) -> Callable:
     return before_forward
 
 
+def index_error_on(index: int) -> Callable:
+    """A `gpu_consumer.extract.before_forward` that raises IndexError, with the text torch's
+    embedding raises for a token id past its table, for any forward holding sample `index`."""
+
+    def before_forward(samples, padded_tokens: int) -> None:
+        if any(sample.index == index for sample in samples):
+            raise IndexError(f"index out of range in self (test fault: sample {index})")
+
+    return before_forward
+
+
 class NonFiniteFault:
     """Writes `value` ("nan", "inf", "-inf") into the states of sample `index` at one token, as a
     model whose activations overflow would. `hook` goes on a decoder layer
@@ -122,18 +137,19 @@ class NonFiniteFault:
 
 def _consumer_extract(module, environ: Mapping[str, str]) -> None:
     oom_limit = int(environ.get("HSX_TEST_OOM_ABOVE_TOKENS") or 0)
-    device_error = environ.get("HSX_TEST_DEVICE_ERROR_SAMPLE")
+    device_error, fail_sample = environ.get("HSX_TEST_DEVICE_ERROR_SAMPLE"), environ.get("HSX_TEST_FAIL_SAMPLE")
     hang_sample, hang_marker = environ.get("HSX_TEST_HANG_SAMPLE"), environ.get("HSX_TEST_HANG_MARKER", "")
-    if not (oom_limit or device_error or hang_sample):
+    if not (oom_limit or device_error or fail_sample or hang_sample):
         return
-    oom = oom_above(oom_limit) if oom_limit else None
-    failing = device_error_on(int(device_error)) if device_error else None
+    faults = [
+        *([oom_above(oom_limit)] if oom_limit else []),
+        *([device_error_on(int(device_error))] if device_error else []),
+        *([index_error_on(int(fail_sample))] if fail_sample else []),
+    ]
 
     def before_forward(samples, padded_tokens: int) -> None:
-        if oom is not None:
-            oom(samples, padded_tokens)
-        if failing is not None:
-            failing(samples, padded_tokens)
+        for fault in faults:
+            fault(samples, padded_tokens)
         if hang_sample and any(str(s.index) == hang_sample for s in samples) and _first_to_create(hang_marker):
             module.log.warning("test_forward_hanging", sample=int(hang_sample), until=f"{hang_marker}.release")
             _wait_for_release(hang_marker)

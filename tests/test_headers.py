@@ -3,9 +3,11 @@ one (hsx/wire/headers.py), so `nats sub` / `nats stream get` tell whose a messag
 
 One small real job, choreographed so that every kind of message is made: descriptors (read back
 from HSX_BATCHES before any consumer runs), file-ready events (read back from HSX_FILES before any
-uploader runs), a lost spool file (a re-queued one-sample batch and a `requeued` event), a file
-event naming a key outside the job (a dead letter of one sample), `hsx dead retry` of it, and
-`written`/`uploaded` events and heartbeats (read back from HSX_EVENTS and HSX_DEAD afterwards).
+uploader runs), a lost spool file (a re-queued one-sample batch and a `requeued` event), a
+planned sample's file event swapped for a copy naming a key outside the job (a dead letter of one
+sample), `hsx dead retry` of it (dead-lettered again), the real event put back (the sample
+uploaded, its letter resolved), and `written`/`uploaded` events and heartbeats (read back from
+HSX_EVENTS and HSX_DEAD afterwards).
 A core subscription on `hsx.>` also records every message as published, including the ones a work
 queue deletes once acked, and each must carry `Hsx-Job`.
 """
@@ -13,6 +15,7 @@ queue deletes once acked, and each must carry `Hsx-Job`.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -91,6 +94,18 @@ async def _publish(url: str, subject: str, payload: bytes) -> None:
     await nc.drain()
 
 
+async def _delete_msg(url: str, stream: str, seq: int) -> None:
+    nc = await nats.connect(url)
+    await nc.jetstream().delete_msg(stream, seq)
+    await nc.drain()
+
+
+def _dead_list(hsx, job: str) -> list[dict]:
+    listed = hsx("dead", "list", "--job", job, "--json")
+    assert listed.returncode == 0, listed.stderr
+    return json.loads(listed.stdout)
+
+
 def sample_objects(out) -> dict[str, bytes]:
     """The destination's sample files (the job's own records under `<job>/_hsx/` left out)."""
     return {key: data for key, data in read_dir_objects(out).items() if "/_hsx/" not in key}
@@ -151,18 +166,33 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
             }
             announced[ready.sample_index] = ready
 
-        # A lost spool file (re-queued as a one-sample batch) and an event naming a key outside the
-        # job (dead-lettered with its batch and sample).
-        lost = 3
+        # A lost spool file (re-queued as a one-sample batch) and a planned sample's event swapped
+        # for one naming a key outside the job (dead-lettered with its batch and sample). The real
+        # event is held back until the letter has been retried, so that no upload of the sample
+        # resolves the letter before `hsx dead retry` sends it back. (An event of a sample outside
+        # the plan is removed unhandled, not dead-lettered: tests/test_crafted.py.)
+        lost, swapped = 3, 7
         (spool / announced[lost].spool_path).unlink()
-        # (For a sample outside the plan, so that no upload of it resolves the letter, and
-        # `hsx dead retry` sends it back.)
-        bad = msgspec.structs.replace(announced[7], sample_index=99, key="../outside.safetensors")
+        real = next(
+            m
+            for m in stored(url, topology.FILES_STREAM, files_subject)
+            if schemas.file_decoder.decode(m.data).sample_index == swapped
+        )
+        asyncio.run(_delete_msg(url, topology.FILES_STREAM, real.seq))
+        bad = msgspec.structs.replace(announced[swapped], key="../outside.safetensors")
         asyncio.run(_publish(url, files_subject, schemas.encode(bad)))
 
         uploader = hsx_service("upload", "--job", job, "--spool", str(spool), name="upload")
-        wait_until_done(start_monitor(hsx_service, job, None), [consumer, uploader])
-        check_outputs(sample_objects(out), job=job, rows=rows)
+        wait_for(
+            "the swapped event dead-lettered and every other sample uploaded",
+            lambda: (
+                len(stored(url, topology.DEAD_STREAM, topology.dead_subject_all(job))) == 1
+                and status(hsx, job, None)["samples_uploaded"] == len(rows) - 1
+            ),
+            90,
+            consumer,
+            uploader,
+        )
 
         # Dead letters, read back; then sent back by `hsx dead retry` (and dead-lettered again).
         letters = stored(url, topology.DEAD_STREAM, topology.dead_subject_all(job))
@@ -170,7 +200,10 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
         headers = dict(letters[0].headers)
         # The letter's message id is its payload's place in HSX_FILES: stored twice, kept once.
         assert headers.pop(H.MSG_ID, "").startswith("dead:file:"), letters[0].headers
-        assert headers == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: "99"}
+        assert headers == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: str(swapped)}
+        # Its batch was written (a file event exists only then), but the sample is not uploaded:
+        # the letter is not resolved, and `hsx dead retry` sends it back.
+        assert [entry["resolved"] for entry in _dead_list(hsx, job)] == [False]
         retried = hsx("dead", "retry", "--job", job, "--all")
         assert retried.returncode == 0, retried.stderr
         wait_for(
@@ -179,6 +212,20 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
             30,
             uploader,
         )
+
+        # The real event back: the sample is uploaded, and the job done.
+        asyncio.run(_publish(url, files_subject, real.data))
+        wait_for(
+            "the swapped sample uploaded",
+            lambda: status(hsx, job, None)["samples_uploaded"] == len(rows),
+            60,
+            consumer,
+            uploader,
+        )
+        wait_until_done(start_monitor(hsx_service, job, None), [consumer, uploader])
+        check_outputs(sample_objects(out), job=job, rows=rows)
+        [again] = stored(url, topology.DEAD_STREAM, topology.dead_subject_all(job))
+        assert [entry["resolved_by"] for entry in _dead_list(hsx, job)] == ["uploaded"]
 
         # Progress events and heartbeats, read back.
         events = stored(url, topology.EVENTS_STREAM, f"hsx.events.{job}.>")
@@ -232,10 +279,11 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
     assert retry == {
         H.JOB: job,
         H.BATCH: bad.batch_id,
-        H.SAMPLE: "99",
+        H.SAMPLE: str(swapped),
         H.RETRY_OF: str(letters[0].seq),
         H.MSG_ID: f"{bad.batch_id}:retry:{letters[0].seq}",
     }
     dead_again = dict(recorder.on(f"hsx.dead.{job}.")[-1][1])
     assert dead_again.pop(H.MSG_ID, "").startswith("dead:file:"), recorder.on(f"hsx.dead.{job}.")[-1][1]
-    assert dead_again == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: "99"}
+    assert dead_again == {H.JOB: job, H.BATCH: bad.batch_id, H.SAMPLE: str(swapped)}
+    assert dict(again.headers) == dict(recorder.on(f"hsx.dead.{job}.")[-1][1]), again.headers

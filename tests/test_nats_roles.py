@@ -185,19 +185,37 @@ async def _state(env: dict[str, str], job: str) -> tuple[int, bytes]:
         await close_connection(nc)
 
 
+async def _first_batch(env: dict[str, str], job: str) -> bytes:
+    """The payload of the job's first queued descriptor, read without consuming it."""
+    nc = await connect(_settings(env), name="test-first-batch")
+    try:
+        js = nc.jetstream()
+        first = await js.get_msg(topology.BATCHES_STREAM, seq=1, subject=topology.batch_subject(job), next=True)
+        assert schemas.batch_decoder.decode(first.data).job == job
+        return first.data
+    finally:
+        await close_connection(nc)
+
+
 def test_a_consumers_credentials_cannot_purge_write_specs_or_publish_batches(roles, hsx, tmp_path, tiny_model):
+    """The server refuses a consumer's purge of a stream, its writes to the jobs bucket, its
+    deletion of a durable and its publish of a batch on another job's subject (a descriptor the
+    producer published, sent again), and the monitor's publish of a batch on its own job's: none
+    of it happens."""
     server, envs, _ = roles
     job = REFUSED_JOB
     _produce(hsx, envs["producer"], tmp_path, tiny_model, job, rows=6)
     batches, spec = asyncio.run(_state(envs["admin"], job))
     assert batches > 0
-    crafted = schemas.encode(schemas.BatchDescriptor(job=OTHER_JOB, batch_id="crafted", padded_len=1, samples=[]))
+    # A descriptor the producer published (a valid one: what the server refuses is the subject,
+    # whatever the payload), sent again where the role may not publish.
+    planned = asyncio.run(_first_batch(envs["admin"], job))
     operations = [
         ("purge", lambda js, kv: js.purge_stream(topology.BATCHES_STREAM)),
         ("purge_job", lambda js, kv: js.purge_stream(topology.BATCHES_STREAM, subject=topology.batch_subject(job))),
         ("spec", lambda js, kv: kv.put(job, b'{"crafted": true}')),
         ("other_spec", lambda js, kv: kv.put(OTHER_JOB, b'{"crafted": true}')),
-        ("batch", lambda js, kv: js.publish(topology.batch_subject(OTHER_JOB), crafted)),
+        ("batch", lambda js, kv: js.publish(topology.batch_subject(OTHER_JOB), planned)),
         ("delete_durable", lambda js, kv: js.delete_consumer(topology.BATCHES_STREAM, topology.gpu_durable(job))),
     ]
     denied, raised = asyncio.run(_try_as(envs["consumer"], operations))
@@ -215,7 +233,7 @@ def test_a_consumers_credentials_cannot_purge_write_specs_or_publish_batches(rol
     assert asyncio.run(_state(envs["admin"], job)) == (batches, spec)
     # Other roles publish no batch at all, not even of their own job.
     denied, raised = asyncio.run(
-        _try_as(envs["monitor"], [("batch", lambda js, kv: js.publish(topology.batch_subject(job), crafted))])
+        _try_as(envs["monitor"], [("batch", lambda js, kv: js.publish(topology.batch_subject(job), planned))])
     )
     assert raised["batch"] is not None and topology.batch_subject(job).lower() in "\n".join(denied).lower()
 

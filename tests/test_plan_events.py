@@ -7,6 +7,10 @@ under `<plan>.extra.` by the uploader), is never counted, so it cannot stand in 
 sample that is missing. Before, `done` was `uploaded >= total`, and a dozen stray events, or a
 descriptor published by hand with extra samples, made a job with a missing sample `done`.
 Markers are published here as raw JSON with nats-py on the subjects hsx's own publishers use.
+
+A descriptor published by hand with samples past the plan's end is refused by the consumer
+(`batch_refused`: removed from the queue, never extracted, never dead-lettered), so it writes no
+file and no marker at all, inside or outside the plan.
 """
 
 import asyncio
@@ -123,7 +127,13 @@ def test_stray_events_of_another_plan_or_outside_the_plan_never_make_a_job_done(
     assert view["done"] and view["samples_uploaded"] == SAMPLES, view
 
 
-def test_a_descriptor_with_extra_samples_does_not_count_toward_done(
+def _logged(proc, event: str) -> list[dict]:
+    """The records of `event` in a service's JSON log."""
+    lines = Path(proc.log_path).read_text(errors="replace").splitlines()
+    return [r for r in (json.loads(line) for line in lines if line.startswith("{")) if r.get("event") == event]
+
+
+def test_a_descriptor_with_extra_samples_is_refused_and_does_not_count_toward_done(
     hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
 ):
     out = _produce(hsx, tmp_path, job_name, tiny_model("qwen3"))
@@ -164,20 +174,29 @@ def test_a_descriptor_with_extra_samples_does_not_count_toward_done(
         hsx_service("consume", "--job", job_name, "--device", "cpu", "--spool", spool, name="consume"),
         hsx_service("upload", "--job", job_name, "--spool", spool, name="upload"),
     ]
-    expected = {f"{i}.safetensors" for i in set(range(SAMPLES + 2)) - set(removed)}
+    consumer = workers[0]
+    expected = {f"{i}.safetensors" for i in set(range(SAMPLES)) - set(removed)}
 
-    # Everything that was queued is extracted and uploaded: as many samples as the plan has.
+    # The planned batches left are extracted and uploaded; the extra one is refused and removed.
     deadline = time.monotonic() + 60
     while True:
         names = {p.name for p in (out / job_name).rglob("*.safetensors")}
         view = status(hsx, job_name, None)
-        if names == expected and view["batches_queued"] == 0 and view["files_waiting_upload"] == 0:
+        refused = _logged(consumer, "batch_refused")
+        if names == expected and view["batches_queued"] == 0 and view["files_waiting_upload"] == 0 and refused:
             break
         assert all(w.poll() is None for w in workers), logs_of(*workers)
         assert time.monotonic() < deadline, f"{sorted(names)} after 60 s\n{logs_of(*workers)}"
         time.sleep(0.5)
+    assert [(r["batch"], r["samples"], r["plan"]) for r in refused] == [
+        (f"{job_name}-extra", [SAMPLES, SAMPLES + 1], plan)
+    ], refused
+    assert "outside the job's plan" in refused[0]["reason"], refused
+    # Never extracted: no file of it in the spool or the destination, no marker, no dead letter.
+    assert not [p for p in Path(spool).rglob("*.safetensors") if p.stem in {str(SAMPLES), str(SAMPLES + 1)}]
     assert not view["done"], view
-    assert view["samples_uploaded"] == SAMPLES - 2 and view["samples_outside_plan"] == 2, view
+    assert view["samples_uploaded"] == SAMPLES - 2 and view["samples_outside_plan"] == 0, view
+    assert view["samples_written"] == SAMPLES - 2 and view["dead_letters"] == 0, view
 
     async def events_and_put_back() -> dict[str, list[dict]]:
         nc = await nats.connect(nats_server.url)
@@ -191,10 +210,12 @@ def test_a_descriptor_with_extra_samples_does_not_count_toward_done(
         return events
 
     events = asyncio.run(events_and_put_back())
-    # Consumer and uploader stamp every event with the job's plan.
+    # Consumer and uploader stamp every event with the job's plan, and made none for the extra samples.
     assert events["written"] and events["uploaded"]
     assert {event["plan"] for kind in events.values() for event in kind} == {plan}, events
+    assert {event["sample_index"] for event in events["uploaded"]} == set(range(SAMPLES)) - set(removed), events
     wait_until_done(start_monitor(hsx_service, job_name, None), workers, timeout=60)
     view = status(hsx, job_name, None)
-    assert view["done"] and view["samples_uploaded"] == SAMPLES and view["samples_outside_plan"] == 2, view
-    assert check_ok(hsx("status", "--job", job_name), "hsx status").stdout.count("2 samples outside the plan") == 1
+    assert view["done"] and view["samples_uploaded"] == SAMPLES and view["samples_outside_plan"] == 0, view
+    assert "samples outside the plan" not in check_ok(hsx("status", "--job", job_name), "hsx status").stdout
+    assert len(_logged(consumer, "batch_refused")) == 1

@@ -1,25 +1,23 @@
-"""A batch that keeps failing (a token id the model cannot take, published past the producer's
-checks): after max_deliver attempts only the sample that fails on its own is dead-lettered, with
-its error; the batch's other samples are written; status counts it, `hsx up`-style completion
-is `failed` naming the dead sample; `hsx dead list` shows it and `hsx dead retry` sends it back."""
+"""A sample of the plan that fails on its own on every delivery (devkit/faults.py
+HSX_TEST_FAIL_SAMPLE: its forward raises an IndexError, as an embedding given a token id past its
+table does): after max_deliver attempts only that sample is dead-lettered, with its error; the
+batch's other samples are written and uploaded; status counts it and the job is `failed` naming
+the dead sample (`monitor --until-done` exits 1); `hsx dead list` shows it and `hsx dead retry`
+sends back a batch of that sample alone, which fails again and comes back.
 
-import asyncio
+The poison sample is one the producer planned: a descriptor with samples the producer did not
+record is refused, never extracted (tests/test_plan_events.py), so it cannot poison a job."""
+
 import json
+import time
 
-import nats
 from conftest import clean_environ
 from test_e2e_s3 import produce, read_dir_objects, write_dataset
 
 from devkit.faults import faults_env
-from hsx.wire import schemas, topology
+from hsx.wire import topology
 
-
-async def _publish(url: str, descriptor: schemas.BatchDescriptor) -> None:
-    nc = await nats.connect(url)
-    await nc.jetstream().publish(
-        topology.batch_subject(descriptor.job), schemas.encode(descriptor), headers={"Nats-Msg-Id": descriptor.batch_id}
-    )
-    await nc.drain()
+POISON = 3
 
 
 def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(
@@ -37,37 +35,37 @@ def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(
         max_seq_len=32,
         env=None,
     )
-    # Three extra samples past the planned ones; the middle one holds a token id outside the vocabulary.
-    extra = [schemas.Sample(index=6 + i, source_id=f"x{i}", input_ids=[1, 2, 3, 4 + i]) for i in range(3)]
-    extra[1] = schemas.Sample(index=7, source_id="poison", input_ids=[1, 2, 10_000_000, 3])
-    asyncio.run(
-        _publish(
-            nats_server.url,
-            schemas.BatchDescriptor(job=job_name, batch_id=f"{job_name}-extra", padded_len=4, samples=extra),
-        )
-    )
     spool = str(tmp_path / "spool")
     consumer = hsx_service(
-        "consume", "--job", job_name, "--device", "cpu", "--spool", spool, "--retry-delay", "0.1", name="consumer"
+        *("consume", "--job", job_name, "--device", "cpu", "--spool", spool, "--retry-delay", "0.1"),
+        env={"HSX_TEST_FAIL_SAMPLE": str(POISON)},
+        name="consumer",
     )
     uploader = hsx_service("upload", "--job", job_name, "--spool", spool, name="uploader")
     monitor = hsx("monitor", "--job", job_name, "--until-done", "--interval", "0.5", timeout=120)
-    # Done: every planned sample (0-5) is uploaded; the extra batch's good samples are written too
-    # but do not count toward it (they are outside the plan); the poisoned one is dead.
-    assert monitor.returncode == 0, (monitor.stdout + monitor.stderr)[-3000:]
+    # Failed: every planned sample but the poisoned one is uploaded, and that one is dead.
+    assert monitor.returncode == 1, (monitor.stdout + monitor.stderr)[-3000:]
+    [failed] = [
+        record
+        for line in (monitor.stdout + monitor.stderr).splitlines()
+        if line.startswith("{") and (record := json.loads(line)).get("event") == "job_failed"
+    ]
+    assert failed["dead_samples"] == [POISON] and failed["samples_uploaded"] == 5, failed
     letters = json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
     assert len(letters) == 1, letters
     letter = letters[0]
-    assert letter["samples"] == [7] and letter["deliveries"] == topology.BATCH_MAX_DELIVER
-    assert "sample 7" in letter["error"] and (
+    assert letter["samples"] == [POISON] and letter["deliveries"] == topology.BATCH_MAX_DELIVER
+    assert not letter["resolved"] and not letter["refused"], letter
+    assert f"sample {POISON}" in letter["error"] and (
         "index out of range" in letter["error"] or "IndexError" in letter["error"]
     )
     names = {key.rsplit("/", 1)[-1] for key in read_dir_objects(out)}
-    assert {f"{i}.safetensors" for i in range(6)} <= names, sorted(names)
-    assert {"6.safetensors", "8.safetensors"} <= names and "7.safetensors" not in names
+    assert {f"{i}.safetensors" for i in range(6) if i != POISON} <= names, sorted(names)
+    assert f"{POISON}.safetensors" not in names
     view = json.loads(hsx("status", "--job", job_name, "--json").stdout)
-    assert view["dead_letters"] == 1 and view["dead_samples"] == [7]
-    assert view["done"] and view["samples_uploaded"] == 6 and view["samples_outside_plan"] == 2, view
+    assert view["dead_letters"] == 1 and view["dead_samples"] == [POISON]
+    assert not view["done"] and view["failed"] and view["samples_uploaded"] == 5, view
+    assert view["samples_outside_plan"] == 0, view
 
     retried = hsx("dead", "retry", "--job", job_name, "--seq", str(letter["seq"]))
     assert retried.returncode == 0, retried.stderr
@@ -76,14 +74,16 @@ def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(
     assert all(
         other["seq"] != letter["seq"] for other in json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
     )
-    # The retried descriptor holds only the poisoned sample; it fails again and comes back.
+    # The retried descriptor holds only the poisoned sample, as its planned batch's `-poison`
+    # part; the plan's own sample, so the consumer takes it: it fails again and comes back.
     for _ in range(120):
         again = json.loads(hsx("dead", "list", "--job", job_name, "--json").stdout)
         if again:
             break
         assert consumer.poll() is None and uploader.poll() is None
-        asyncio.run(asyncio.sleep(0.5))
-    assert again and again[0]["samples"] == [7] and again[0]["batch_id"] == f"{job_name}-extra-poison"
+        time.sleep(0.5)
+    assert again and again[0]["samples"] == [POISON] and again[0]["batch_id"] == f"{letter['batch_id']}-poison"
+    assert "batch_refused" not in consumer.log_path.read_text()
 
 
 def test_hsx_up_exits_non_zero_naming_the_dead_samples(tmp_path, tiny_model):

@@ -5,8 +5,11 @@ once per uploader; an event of an older consumer still carries its sample and is
 it, nothing loaded; a job with no stored samples cannot send it back and dead-letters the event."""
 
 import asyncio
+import hashlib
 
+import msgspec
 import nats
+import pytest
 
 from hsx.producer.stored import store_tokenized
 from hsx.storage.destinations import FileDestination
@@ -174,12 +177,17 @@ def test_file_events_leave_the_sample_out_and_older_ones_still_decode():
     encoded = schemas.encode(ready)
     assert b'"sample":' not in encoded and b"input_ids" not in encoded
     assert schemas.file_decoder.decode(encoded) == ready
-    # As a consumer before references published them: every field written out, the sample inline.
+    # As a consumer before references published them: every field written out, the sample inline
+    # (its digest a sha256 in hex, as file.v2 events have always carried; one that is not does
+    # not decode).
+    digest = hashlib.sha256(b"header").hexdigest().encode()
     older = (
         b'{"type":"file.v2","job":"j","node":"n","batch_id":"b0","sample_index":0,"num_tokens":1,'
-        b'"spool_path":"p","key":"k","size":1,"digest":"d","sample":{"type":"sample.v1","index":0,'
-        b'"source_id":"s","input_ids":[7],"loss_spans":[[0,1]]},"plan":""}'
+        b'"spool_path":"p","key":"k","size":1,"digest":"' + digest + b'",'
+        b'"sample":{"type":"sample.v1","index":0,"source_id":"s","input_ids":[7],"loss_spans":[[0,1]]},"plan":""}'
     )
     assert schemas.file_decoder.decode(older).sample == schemas.Sample(
         index=0, source_id="s", input_ids=[7], loss_spans=[(0, 1)]
     )
+    with pytest.raises(msgspec.ValidationError, match="digest"):
+        schemas.file_decoder.decode(older.replace(digest, b"d"))

@@ -8,8 +8,8 @@
   pull loop against the session's nats-server).
 - A dead letter whose samples were written after all (a consumer that handed back a spent batch
   as a fresh copy and died before removing the spent one) is shown resolved and not retried.
-  Batches that are not the plan's own (a poison retry, a hand-made descriptor) never push
-  `batches_done` past `batches_total` (the same job, afterwards).
+  Batches that are not the plan's own (a poison retry of a planned sample) are extracted but
+  never push `batches_done` past `batches_total` (the same job, afterwards).
 - A spool write that hangs is a stall like a hung forward: the batch is released and another
   consumer finishes the job.
 """
@@ -21,6 +21,7 @@ import json
 import threading
 import time
 
+import msgspec
 import nats
 import nats.errors
 from test_chaos import check_uploaded_once, log_events, wait_for
@@ -322,12 +323,14 @@ def test_a_letter_whose_samples_were_written_after_all_is_resolved_and_not_retri
     assert view["batches_queued"] == 0 and view["done"] and view["dead_samples"] == [], view
     check_uploaded_once(url, job, len(rows))
 
-    # A batch that is not one of the plan's (a poisoned batch's retry, a dead letter's half, a
-    # hand-made descriptor) holding a planned sample is extracted, but never counted as a batch
-    # of the plan.
-    sample = schemas.Sample(index=0, source_id="0", input_ids=rows[0]["input_ids"])
-    extra = schemas.BatchDescriptor(
-        job=job, batch_id=f"{job}-000000-poison", padded_len=len(sample.input_ids), samples=[sample]
+    # A batch that is not one of the plan's (a poisoned batch's retry, a dead letter's half)
+    # holding a planned sample, exactly as the producer planned it (taken from the planned
+    # batch: a sample that is not the one recorded is refused, never extracted), is extracted,
+    # but never counted as a batch of the plan.
+    planned = schemas.batch_decoder.decode(payload)
+    sample = planned.samples[0]
+    extra = msgspec.structs.replace(
+        planned, batch_id=f"{planned.batch_id}-poison", padded_len=len(sample.input_ids), samples=[sample]
     )
 
     async def publish_extra() -> None:
@@ -348,6 +351,7 @@ def test_a_letter_whose_samples_were_written_after_all_is_resolved_and_not_retri
         alive=workers,
         period=0.2,
     )
+    assert not log_events(workers[0], "batch_refused"), logs_of(workers[0])
     view = status(hsx, job, None)
     assert view["batches_done"] == view["batches_total"] == 1, view
 
