@@ -31,8 +31,9 @@ from hsx.wire.exhausted import dead_letter_exhausted
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
 
 NODE = "rolenode"
-# The jobs the configuration allows; another job's subjects are refused to every role.
-RUN_JOB, REFUSED_JOB, OTHER_JOB = (f"r{uuid.uuid4().hex[:8]}" for _ in range(3))
+# The jobs the configuration allows; another job's subjects are refused to every role. Each test
+# produces its own: xdist may run a module's tests on different workers, each with its own server.
+RUN_JOB, REFUSED_JOB, WRONG_ROLE_JOB, OTHER_JOB = (f"r{uuid.uuid4().hex[:8]}" for _ in range(4))
 
 
 def _read_env(path) -> dict[str, str]:
@@ -44,7 +45,7 @@ def roles(tmp_path_factory):
     """A server that knows only the roles' users, and each role's environment (HSX_NATS_*)."""
     root = tmp_path_factory.mktemp("roles")
     out = root / "nats-config"
-    write_nats_config(NatsConfigConfig(out=out, jobs=(RUN_JOB, REFUSED_JOB), nodes=(NODE,), bcrypt_cost=4))
+    write_nats_config(NatsConfigConfig(out=out, jobs=(RUN_JOB, REFUSED_JOB, WRONG_ROLE_JOB), nodes=(NODE,), bcrypt_cost=4))
     server = start_nats_server(root / "server", log_file=root / "server.log", extra_args=("-c", str(out / AUTH_FILE)))
     envs = {role: {**_read_env(out / env_file(role)), "HSX_NATS_URL": server.url} for role in permissions.ROLES}
     yield server, envs, root / "server.log"
@@ -242,9 +243,10 @@ def test_a_worker_with_another_roles_credentials_stops_in_one_line(roles, hsx, t
     """An uploader started with the monitor's credentials: its durable's create is refused, and
     it exits 2 with one line naming the subject instead of waiting out an outage."""
     server, envs, _ = roles
+    _produce(hsx, envs["producer"], tmp_path, tiny_model, WRONG_ROLE_JOB, rows=4)
     result = hsx(
         "upload",
-        *("--job", REFUSED_JOB, "--spool", str(tmp_path / "spool"), "--node", NODE),
+        *("--job", WRONG_ROLE_JOB, "--spool", str(tmp_path / "spool"), "--node", NODE),
         env=envs["monitor"],
         nats_url=server.url,
         timeout=60,
