@@ -12,7 +12,8 @@ transformers binds a causal convolution only from `causal-conv1d`, which has no 
 GPU images (it compiles CUDA code at install). fla-core, pure Python on Triton, has one of its
 own (`fla.modules.convolution.causal_conv1d`): on CUDA, where transformers would run its torch
 convolution and fla imports, `bind_fla_conv` puts fla's in its place. The forward finds
-`causal_conv1d_fn` in its modeling module's namespace at each call (transformers 5.17 and 5.24),
+`causal_conv1d_fn` in its modeling module's namespace at each call (transformers 5.17 to 5.25; 5.25
+calls it from its `causal_conv1d_forward` helper),
 so that is where it is bound; only the prefill path (a whole sequence, no cache: what extraction
 runs) is replaced, never the one-step decode update. docs/PERFORMANCE.md, "fla's causal conv".
 """
@@ -39,9 +40,21 @@ FAST_KERNEL_DEVICES = ("cuda",)
 INSTALL_HINT = "pip install -e '.[kernels]' in an hsx checkout, or pip install 'hsx-extract[kernels]'"
 
 
+def plain_function(function: Callable | None) -> Callable | None:
+    """The function a kernels `Func` module calls (with the `kernels` package installed,
+    transformers 5.25 wraps each kernel function in one), else `function` itself."""
+    if isinstance(function, nn.Module):
+        try:
+            return inspect.getclosurevars(type(function).forward).nonlocals.get("func", function)
+        except TypeError:
+            return function
+    return function
+
+
 def _implementation(function: Callable | None) -> str:
     """Who implements `function`: its top-level package, `torch` for transformers' own code. A
     transformers fallback wrapper is looked through to the implementation it closed over."""
+    function = plain_function(function)
     if function is None:  # transformers < 5 kept None where the fast package was missing
         return TORCH
     try:
@@ -58,17 +71,30 @@ def _called(mixer: nn.Module) -> dict[str, Callable | None]:
     module-level functions its forward names, in the namespace of its modeling file."""
     found: dict[str, Callable | None] = {}
     for name, value in vars(mixer).items():
-        if ("delta_rule" in name or "conv1d_fn" in name) and (value is None or callable(value)):
+        if _is_kernel_name(name) and (value is None or callable(value)):
             found[name] = value
     if found:
         return found
-    namespace = vars(sys.modules.get(type(mixer).__module__, object))
+    module = type(mixer).__module__
+    namespace = vars(sys.modules.get(module, object))
     forward = inspect.unwrap(type(mixer).forward)
-    for name in getattr(getattr(forward, "__code__", None), "co_names", ()):
+    names = list(getattr(getattr(forward, "__code__", None), "co_names", ()))
+    # transformers 5.25 calls the convolution through a helper of the same file
+    # (`causal_conv1d_forward`, which looks `causal_conv1d_fn` up when called): the helpers the
+    # forward names are read one level down.
+    for name in list(names):
+        value = plain_function(namespace.get(name))
+        if inspect.isfunction(value) and value.__module__ == module and not _is_kernel_name(name):
+            names += getattr(inspect.unwrap(value).__code__, "co_names", ())
+    for name in names:
         value = namespace.get(name)
-        if callable(value) and ("delta_rule" in name or "conv1d_fn" in name):
+        if callable(value) and _is_kernel_name(name):
             found[name] = value
     return found
+
+
+def _is_kernel_name(name: str) -> bool:
+    return "delta_rule" in name or "conv1d_fn" in name
 
 
 def _pick(functions: dict[str, Callable | None], *, conv: bool) -> str:

@@ -208,6 +208,9 @@ def load_trunk(
             config=config,
             dtype=dtype,
             output_loading_info=True,
+            # transformers 5.25 kernelizes by default with the `kernels` package, whose layers come
+            # from the Hugging Face Hub: nothing is downloaded, and hsx binds its own (kernels.py).
+            use_kernels=False,
             **hub,
             **({"attn_implementation": attention} if attention else {}),
             **({"device_map": {"": device}} if mapped else {}),

@@ -24,7 +24,13 @@ from hsx.commands.embedded import build_tiny_model
 from hsx.commands.up import UpConfig
 from hsx.config.settings import resolve
 from hsx.errors import HsxError
-from hsx.gpu_consumer.kernels import check_kernels, fallbacks, kernel_report, linear_attention_layers
+from hsx.gpu_consumer.kernels import (
+    check_kernels,
+    fallbacks,
+    kernel_report,
+    linear_attention_layers,
+    plain_function,
+)
 from hsx.gpu_consumer.model import load_model
 from hsx.wire import schemas
 
@@ -91,7 +97,7 @@ def test_the_report_follows_the_functions_transformers_bound(name, loaded, tmp_p
             "torch_chunk_gated_delta_rule": ("chunk_gated_delta_rule", "fla"),
             "causal_conv1d_fn": ("causal_conv1d_fn", "causal_conv1d"),
         }.items():
-            torch_function = getattr(modeling, attribute).__wrapped__
+            torch_function = plain_function(getattr(modeling, attribute)).__wrapped__
             bound = hub_kernels.use_kernel_func_from_hub_with_fallback(function, package)(torch_function)
             monkeypatch.setattr(modeling, attribute, bound)
         report = kernel_report(model, compiled=False)
