@@ -18,9 +18,11 @@ from pathlib import Path
 
 import nats
 import pytest
-from test_e2e_s3 import check_ok, logs_of, produce, read_s3_objects, write_dataset
+from conftest import _free_port
+from test_e2e_s3 import check_ok, logs_of, produce, read_s3_objects, status, write_dataset
 from test_exhausted import _batch_of, _block_sample_path
 
+from hsx.commands.embedded import start_nats_server
 from hsx.wire import topology
 from hsx.wire.jobs import last_heartbeats
 
@@ -240,3 +242,51 @@ def test_wait_for_job_bounds_the_wait_for_a_missing_job(tmp_path, hsx, command):
     assert last.startswith(f"hsx: error: job {missing} not found") and "jobs there:" in last, run.stderr
     waiting = [json.loads(line) for line in run.stderr.splitlines() if '"waiting_for_job_spec"' in line]
     assert waiting and waiting[0]["job"] == missing and isinstance(waiting[0]["jobs"], list), run.stderr
+
+
+def test_a_worker_waiting_for_its_job_rides_out_a_nats_restart(tmp_path, hsx, hsx_service, tiny_model, job_name):
+    """An uploader started before its producer, waiting for the spec while the server restarts
+    (a JetStream leader lost or a server restarting answers a KV read with 503 or a timeout):
+    before, that read's error ended the uploader with a traceback. It waits on, then serves the
+    job the producer records once the server is back."""
+    store, port = tmp_path / "nats", _free_port()
+    server = start_nats_server(store, port=port, log_file=tmp_path / "nats-server.log")
+    env = {"HSX_NATS_URL": server.url}
+    rows = write_dataset(tmp_path / "data.jsonl", 6, min_len=4, max_len=24, seed=3)
+
+    def produce_job(job: str) -> None:
+        produce(
+            hsx,
+            job=job,
+            model=tiny_model("qwen3"),
+            dataset=tmp_path / "data.jsonl",
+            dest=str(tmp_path / "out" / job),
+            token_budget=64,
+            max_seq_len=32,
+            env=env,
+        )
+
+    try:
+        # Another job first: the jobs bucket exists, and the uploader waits for its own spec.
+        produce_job(f"{job_name}-other")
+        spool = str(tmp_path / "spool")
+        uploader = hsx_service("upload", "--job", job_name, "--spool", spool, "--until-done", env=env, name="upload")
+        deadline = time.monotonic() + 60
+        while '"logger": "hsx.jobs"' not in Path(uploader.log_path).read_text():  # its waiting line
+            assert uploader.poll() is None and time.monotonic() < deadline, logs_of(uploader)
+            time.sleep(0.1)
+        server.stop()
+        time.sleep(8)  # past the client's 5 s request timeout
+        assert uploader.poll() is None, logs_of(uploader)
+        server = start_nats_server(store, port=port, log_file=tmp_path / "nats-server.log")
+        produce_job(job_name)
+        consumer = hsx_service(
+            "consume", "--job", job_name, "--device", "cpu", "--spool", spool, "--until-done", env=env, name="consume"
+        )
+        for proc in (uploader, consumer):
+            assert proc.wait(timeout=120) == 0, logs_of(uploader, consumer)
+        assert "Traceback" not in Path(uploader.log_path).read_text(), logs_of(uploader)
+        view = status(hsx, job_name, env)
+        assert view["done"] and view["samples_uploaded"] == len(rows), view
+    finally:
+        server.stop()

@@ -20,6 +20,7 @@ from nats.js.kv import KeyValue
 from hsx.errors import HsxError
 from hsx.wire import schemas, topology
 from hsx.wire.events import heard_heartbeat
+from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
 
 log = structlog.get_logger("hsx.jobs")
 
@@ -93,7 +94,14 @@ async def wait_for_job_spec(
     """The job's spec once the producer has recorded it; None if asked to stop first."""
     announced = False
     while not stopping.is_set():
-        spec = await read_job_spec(kv, job)
+        # A JetStream leader lost or a server restarting while a worker starts (503, timeouts):
+        # ridden out like any outage, not a traceback.
+        try:
+            spec = await through_outage(lambda: read_job_spec(kv, job), what="read the job spec", stopping=stopping)
+        except NATS_OUTAGE_ERRORS:
+            if stopping.is_set():
+                return None
+            raise
         if spec is not None:
             return spec
         if not announced:
@@ -138,7 +146,14 @@ async def wait_for_job(
     started = time.monotonic()
     reported = None
     while not stopping.is_set():
-        spec = await read_job_spec(kv, job)
+        # A JetStream leader lost or a server restarting while a worker starts (503, timeouts):
+        # ridden out like any outage, not a traceback.
+        try:
+            spec = await through_outage(lambda: read_job_spec(kv, job), what="read the job spec", stopping=stopping)
+        except NATS_OUTAGE_ERRORS:
+            if stopping.is_set():
+                return None
+            raise
         if spec is not None:
             if reported is not None:
                 log.info("job_spec_found", job=job, waited_s=round(time.monotonic() - started, 1))
@@ -155,7 +170,7 @@ async def wait_for_job(
                 job=job,
                 bucket="hsx_jobs",
                 waited_s=round(waited),
-                jobs=(await job_names(kv))[:20],
+                jobs=(await through_outage(lambda: job_names(kv), what="list the jobs", stopping=stopping))[:20],
                 wait_for_job_s=wait_s,
                 hint=f"hsx produce --job {job} records it; a job named otherwise is not this one",
             )
