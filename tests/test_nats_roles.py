@@ -45,7 +45,9 @@ def roles(tmp_path_factory):
     """A server that knows only the roles' users, and each role's environment (HSX_NATS_*)."""
     root = tmp_path_factory.mktemp("roles")
     out = root / "nats-config"
-    write_nats_config(NatsConfigConfig(out=out, jobs=(RUN_JOB, REFUSED_JOB, WRONG_ROLE_JOB), nodes=(NODE,), bcrypt_cost=4))
+    write_nats_config(
+        NatsConfigConfig(out=out, jobs=(RUN_JOB, REFUSED_JOB, WRONG_ROLE_JOB), nodes=(NODE,), bcrypt_cost=4)
+    )
     server = start_nats_server(root / "server", log_file=root / "server.log", extra_args=("-c", str(out / AUTH_FILE)))
     envs = {role: {**_read_env(out / env_file(role)), "HSX_NATS_URL": server.url} for role in permissions.ROLES}
     yield server, envs, root / "server.log"
