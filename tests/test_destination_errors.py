@@ -360,7 +360,18 @@ def test_missing_bucket_fails_the_job_within_a_minute_and_the_uploader_resumes_o
     said = log_events(monitor, "destination_failed")
     assert said and bucket in said[0]["reason"], logs_of(monitor)
 
-    view = status(hsx, job, env)
+    # The failure rests on live heartbeats and JetStream's count of files in hand, read a moment
+    # after the monitor's: on a loaded machine a consumer's last `working` beat can still be live
+    # then (seen once in a full run), so the view is read until it agrees, briefly.
+    views = []
+    wait_for(
+        lambda: views.append(status(hsx, job, env)) or views[-1]["failed"],
+        timeout=20,
+        what="hsx status to say failed",
+        procs=services,
+        period=0.5,
+    )
+    view = views[-1]
     assert view["failed"] is True and view["done"] is False, view
     assert f"s3://{bucket}/prefix" in view["failure_reason"] and "NoSuchBucket" in view["destination_error"], view
     assert view["destination_refusals"][0]["node"] == "testnode", view
