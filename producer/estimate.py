@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from hsx.errors import HsxError
 from hsx.packing import PlannedBatch
 from hsx.producer.bundle import PLAN_FILE, REPORT_FILE, SPEC_FILE, plan_document
-from hsx.storage import samplefile
+from hsx.storage import encodings, samplefile
 from hsx.storage.fsutil import free_bytes, human_bytes
 from hsx.storage.index import INDEX_FILE, make_index
 from hsx.storage.layout import TOKENS_FILE, sample_metadata, sample_tensor_shapes
@@ -75,6 +75,7 @@ def sample_file_sizes(rows: SampleTable, spec: schemas.JobSpec, *, first_index: 
             plan=spec.plan_tag,
             layer_preset=spec.layer_preset,
         )
+        metadata.update(encodings.of_spec(spec.dtype).file_metadata(tokens, len(spec.layers), spec.hidden_size))
         shapes = sample_tensor_shapes(
             dtype=spec.dtype,
             num_tokens=tokens,
