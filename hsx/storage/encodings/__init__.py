@@ -11,6 +11,7 @@ import json
 from hsx.errors import HsxError
 from hsx.storage.encodings.base import ENCODING_KEY, HIDDEN, Encoding, Tolerance, UnknownEncoding
 from hsx.storage.encodings.bfloat16 import BFLOAT16
+from hsx.storage.encodings.bfloat16_zstd import BFLOAT16_ZSTD
 from hsx.storage.encodings.float8 import FLOAT8_E4M3
 from hsx.storage.encodings.float16 import FLOAT16
 from hsx.storage.encodings.float32 import FLOAT32
@@ -38,6 +39,7 @@ ENCODINGS: dict[str, Encoding] = {
         FLOAT16,
         FLOAT32,
         FLOAT8_E4M3,
+        BFLOAT16_ZSTD,
     )
 }
 _BY_STORED = {encoding.stored: encoding for encoding in ENCODINGS.values()}
