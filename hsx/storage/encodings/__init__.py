@@ -13,6 +13,7 @@ from hsx.storage.encodings.base import ENCODING_KEY, HIDDEN, Encoding, Tolerance
 from hsx.storage.encodings.bfloat16 import BFLOAT16
 from hsx.storage.encodings.bfloat16_zstd import BFLOAT16_ZSTD
 from hsx.storage.encodings.float8 import FLOAT8_E4M3
+from hsx.storage.encodings.float8_zstd import FLOAT8_ZSTD
 from hsx.storage.encodings.float16 import FLOAT16
 from hsx.storage.encodings.float32 import FLOAT32
 from hsx.storage.encodings.plain import SCALE_TENSOR
@@ -40,6 +41,7 @@ ENCODINGS: dict[str, Encoding] = {
         FLOAT32,
         FLOAT8_E4M3,
         BFLOAT16_ZSTD,
+        FLOAT8_ZSTD,
     )
 }
 _BY_STORED = {encoding.stored: encoding for encoding in ENCODINGS.values()}
