@@ -2,14 +2,16 @@
 runs through the real pipeline (produce -> consume on CPU -> upload to a file:// destination),
 its dry run giving a bound the files keep to and saying so:
 `HiddenStateDataset` reads its states back decoded, in the stored dtype of the encoding it
-compresses, and `hsx verify --recompute` passes within the encoding's
-tolerance."""
+compresses, `hsx verify --recompute` passes within the encoding's tolerance, and `hsx export`
+writes the decoded states."""
 
 import json
 import uuid
 
 import msgspec
 import pytest
+import torch
+from safetensors.torch import load_file
 from test_e2e_s3 import LAYERS, produce, start_monitor, wait_until_done, write_dataset
 
 from hsx.producer import estimate
@@ -69,3 +71,13 @@ def test_a_lossless_job_reads_back_and_verifies(name, hsx, hsx_service, tiny_mod
     assert report["ok"] and report["samples_ok"] == COUNT, report
     for result in report["recompute"]["results"]:
         assert result["ok"] and result["tolerance"] == {encoding.tolerance.measure: encoding.tolerance.limit}, result
+
+    # hsx export decodes too: speculators' files hold the states in the job's compute dtype.
+    exported = tmp_path / "exported"
+    done = hsx("export", str(out / job), "--to", "speculators", str(exported))
+    assert done.returncode == 0, done.stderr[-3000:]
+    decoded = HiddenStateDataset(str(out / job))
+    for i in range(COUNT):
+        written = load_file(str(exported / "hidden_states" / f"hs_{i}.safetensors"))["hidden_states"]
+        states = decoded[i]["hidden_states"].to(getattr(torch, encoding.compute))
+        assert written.dtype == states.dtype and torch.equal(written.flatten(), states.flatten()), i
