@@ -108,3 +108,21 @@ def test_a_file_of_an_unknown_encoding_is_refused_in_one_line_naming_it(tmp_path
         HiddenStateDataset(str(folder))[0]
     message = str(caught.value)
     assert "\n" not in message and str(path.relative_to(tmp_path)) in message and "'bfloat16-lz9'" in message
+
+
+def test_a_job_file_naming_another_or_an_unknown_encoding_is_not_the_jobs_sample(tmp_path):
+    from hsx.storage.expected import ExpectedSamples, mismatches
+
+    expected = ExpectedSamples(job="job", dtype="bfloat16")
+    for named, detail in (("bfloat16-lz9", "'bfloat16-lz9' is none this hsx knows"), ("float16", "'float16'")):
+        path = tmp_path / f"{named}.safetensors"
+        samplefile.write(
+            path,
+            {
+                "hidden_states": torch.zeros(2, 1, 4, dtype=torch.bfloat16),
+                "input_ids": torch.zeros(2, dtype=torch.int64),
+            },
+            {"job": "job", "sample_index": "0", "num_tokens": "2", "dtype": "bfloat16", "encoding": named},
+        )
+        failed = mismatches(path.read_bytes(), expected, 0)
+        assert list(failed) == ["encoding"] and detail in failed["encoding"], failed

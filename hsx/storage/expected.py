@@ -319,19 +319,21 @@ def mismatches(
         f"metadata num_tokens {metadata.get('num_tokens')!r}, the sample has {tokens} tokens",
     )
 
-    encoding = None
+    # The job's encoding when the bundle says it, else the one the file names (or is inferred).
+    encoding = encodings.of_spec(expected.dtype) if expected.dtype is not None else None
     try:
         named = encodings.of_file(metadata, header)
     except encodings.UnknownEncoding as exc:
         expect("encoding", False, str(exc))
     else:
-        if expected.dtype is not None and encodings.ENCODING_KEY in metadata:
+        if encoding is None:
+            encoding = named
+        elif encodings.ENCODING_KEY in metadata:
             expect(
                 "encoding",
-                named.stored == expected.dtype,
+                named is encoding,
                 f"metadata encoding {named.name!r}, the job stores {expected.dtype!r}",
             )
-        encoding = named if expected.dtype is None else encodings.of_spec(expected.dtype)
     hidden = encoding.header_states(header, metadata) if encoding is not None else header.get("hidden_states")
     width = hidden_size if hidden_size is not None else (expected.hidden_size or None)
     layers_count = len(expected.layers) if expected.layers is not None else None
