@@ -2,8 +2,8 @@
 runs through the real pipeline (produce -> consume on CPU -> upload to a file:// destination),
 its dry run giving a bound the files keep to and saying so:
 `HiddenStateDataset` reads its states back decoded, in the stored dtype of the encoding it
-compresses, `hsx verify --recompute` passes within the encoding's tolerance, and `hsx export`
-writes the decoded states."""
+compresses, as `JobStream` does, `hsx verify --recompute` passes within the encoding's
+tolerance, and `hsx export` writes the decoded states."""
 
 import json
 import uuid
@@ -13,17 +13,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_e2e_s3 import LAYERS, produce, start_monitor, wait_until_done, write_dataset
+from test_jobstream import _Reading, _samples_of
 
 from hsx.producer import estimate
 from hsx.storage import encodings
 from hsx.storage.encodings.base import HIDDEN
-from hsx.storage.reader import HiddenStateDataset
+from hsx.storage.reader import HiddenStateDataset, JobStream
 
 COUNT = 8
 
 
 @pytest.mark.parametrize("name", [n for n, e in encodings.ENCODINGS.items() if not e.exact_size])
-def test_a_lossless_job_reads_back_and_verifies(name, hsx, hsx_service, tiny_model, tmp_path):
+def test_a_lossless_job_reads_back_and_verifies(name, hsx, hsx_service, tiny_model, nats_server, tmp_path):
     encoding = encodings.by_name(name)
     job, out = f"z{uuid.uuid4().hex[:8]}", tmp_path / "out"
     write_dataset(tmp_path / "data.jsonl", COUNT, min_len=16, max_len=120, seed=3)
@@ -81,3 +82,11 @@ def test_a_lossless_job_reads_back_and_verifies(name, hsx, hsx_service, tiny_mod
         written = load_file(str(exported / "hidden_states" / f"hs_{i}.safetensors"))["hidden_states"]
         states = decoded[i]["hidden_states"].to(getattr(torch, encoding.compute))
         assert written.dtype == states.dtype and torch.equal(written.flatten(), states.flatten()), i
+
+    # JobStream decodes as the dataset does: its epoch of the finished job, batch by batch.
+    stream = JobStream(f"file://{out}/{job}", nats=nats_server.url, name=f"r{job}", token_budget=1024)
+    batches = _Reading(stream).result(timeout=60)
+    assert sorted(_samples_of(batches)) == list(range(COUNT))
+    for batch in batches:
+        expected = torch.cat([decoded[i]["hidden_states"] for i in batch["sample_index"].tolist()])
+        assert torch.equal(batch["hidden_states"], expected)
