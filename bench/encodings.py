@@ -30,6 +30,7 @@ from devkit import build_smollm2, smollm2_gguf  # noqa: E402
 from hsx.commands.embedded import build_tiny_model  # noqa: E402
 from hsx.gpu_consumer.extract import extract_samples  # noqa: E402
 from hsx.gpu_consumer.model import load_model  # noqa: E402
+from hsx.logs import configure_logging  # noqa: E402
 from hsx.storage import encodings  # noqa: E402
 from hsx.storage.encodings.base import HIDDEN  # noqa: E402
 from hsx.storage.encodings.float8 import Float8States  # noqa: E402
@@ -155,6 +156,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--work", type=Path, help="keep the built SmolLM2 folder here (default: a temp dir)")
     args = parser.parse_args()
+    configure_logging(file=sys.stderr)  # stdout is the JSON lines alone
     torch.set_num_threads(1)
     import blosc2
 
