@@ -28,9 +28,11 @@ from hsx.commands.embedded import build_tiny_model, synthetic_lengths  # noqa: E
 from hsx.gpu_consumer.extract import extract_samples  # noqa: E402
 from hsx.gpu_consumer.model import load_model  # noqa: E402
 from hsx.gpu_consumer.writer import write_sample_file  # noqa: E402
-from hsx.storage.layout import FLOAT8  # noqa: E402
+from hsx.storage.encodings.float8 import (
+    FLOAT8,  # noqa: E402
+    dequantize_float8,  # noqa: E402
+)
 from hsx.storage.spool import spool_file
-from hsx.storage.tensors import dequantize_float8  # noqa: E402
 from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
 
 TINY = dict(

@@ -76,7 +76,7 @@ from hsx.gpu_consumer.extract import extract_samples, pad_batch
 from hsx.gpu_consumer.model import LayerTap, LoadedModel, choose_attention, decoder_layers
 from hsx.gpu_consumer.staging import HostStaging
 from hsx.packing import plan_batches
-from hsx.storage.layout import FLOAT8
+from hsx.storage.encodings.float8 import FLOAT8
 from hsx.wire.schemas import JobSpec, Sample
 
 QWEN3_8B = dict(

@@ -35,7 +35,6 @@ from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, relative_sample_key, sample_key
 from hsx.storage.reader import dequantize, load_sample, ordered_map
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
-from hsx.storage.tensors import STORAGE_DTYPES
 from hsx.storage.tokens import SampleTable, read_tokens
 
 log = structlog.get_logger("hsx.export")
@@ -156,7 +155,7 @@ def _read(
         sample_index=sample_index,
         input_ids=ids,
         loss_mask=torch.ones_like(ids) if mask is None else mask.to(torch.int64),
-        hidden_states=dequantize(tensors).to(dtype),
+        hidden_states=dequantize(tensors, metadata).to(dtype),
         source_id=metadata.get("source_id"),
     )
 
@@ -196,7 +195,7 @@ def run_export(cfg: ExportConfig) -> ExportReport:
     if note:
         print(f"hsx export: note: {note}", file=sys.stderr)
     dtype_name = trainers.export_dtype(cfg.dtype, spec.dtype)
-    dtype = STORAGE_DTYPES[dtype_name]
+    dtype = getattr(torch, dtype_name)
     cfg.out.mkdir(parents=True, exist_ok=True)
     _claim(cfg.out, ExportIdentity(job=job, plan=spec.plan_tag, format=cfg.to, dtype=dtype_name))
     # speculators' table comes from the job's tokenized samples, not from the files: a rerun

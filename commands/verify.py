@@ -20,14 +20,14 @@ import msgspec
 import structlog
 
 from hsx.errors import HsxError
+from hsx.storage import encodings
 from hsx.storage.destinations import open_job_folder
 from hsx.storage.expected import ExpectedSamples, is_missing, mismatches
 from hsx.storage.index import INDEX_KEY, read_index
-from hsx.storage.layout import BUNDLE_DIR, FLOAT8, relative_sample_key, sample_key
+from hsx.storage.layout import BUNDLE_DIR, relative_sample_key, sample_key
 from hsx.storage.location import spec_location
 from hsx.storage.reader import dequantize, load_sample
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
-from hsx.storage.tensors import STORAGE_DTYPES
 from hsx.storage.tokens import load_table
 from hsx.wire import schemas, topology
 from hsx.wire.jobs import require_job_spec
@@ -36,9 +36,6 @@ from hsx.wire.natsconn import NatsSettings, close_connection, connect
 log = structlog.get_logger("hsx.verify")
 
 PROGRESS_EVERY = 5000
-# Recomputed (float32, CPU) vs stored: float32 by absolute error, the rest by ||stored - ref|| / ||ref||.
-FLOAT32_ATOL = 1e-4
-RELATIVE_TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, FLOAT8: 8e-2}
 
 
 async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, Sequence[list[int]] | None]:
@@ -228,7 +225,7 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
         ids = token_ids[index] if token_ids is not None else tensors["input_ids"].tolist()
         sample = Sample(index=index, source_id=metadata.get("source_id", str(index)), input_ids=list(ids))
         reference = extract_samples(loaded, [sample])[0].float()
-        stored = dequantize(tensors).float()
+        stored = dequantize(tensors, metadata).float()
         if stored.shape != reference.shape:
             results.append(
                 Recomputed(
@@ -245,11 +242,10 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
         ref_max_abs = reference.abs().max().item() if reference.numel() else 0.0
         ref_norm = reference.norm().item()
         relative = diff.norm().item() / ref_norm if ref_norm > 0 else (0.0 if max_abs == 0 else float("inf"))
-        if spec.dtype == "float32":
-            ok, tolerance = max_abs <= FLOAT32_ATOL, {"max_abs_error": FLOAT32_ATOL}
-        else:
-            limit = RELATIVE_TOLERANCE[spec.dtype]
-            ok, tolerance = relative <= limit, {"relative_error": limit}
+        # Recomputed (float32, CPU) vs stored, by the measure the job's encoding names.
+        allowed = encodings.of_spec(spec.dtype).tolerance
+        measured = {"max_abs_error": max_abs, "relative_error": relative}[allowed.measure]
+        ok, tolerance = measured <= allowed.limit, {allowed.measure: allowed.limit}
         results.append(
             Recomputed(
                 sample_index=index,
@@ -285,8 +281,7 @@ def verify(
     """Check the job's destination against its spec; the report (see `format_report`)."""
     started = time.monotonic()
     job, total = spec.job, spec.total_samples
-    if spec.dtype not in STORAGE_DTYPES:
-        raise HsxError(f"job {job}: unknown storage dtype {spec.dtype!r} in its spec")
+    encodings.of_spec(spec.dtype, where=f"job {job}'s spec")
     expected = ExpectedSamples.of_spec(spec, where=f"job {job}'s spec")
     dest = open_job_folder(spec_location(spec.dest), job, max_connections=workers)
     log.info("verify_started", job=job, dest=spec.dest, total_samples=total, workers=workers)

@@ -30,7 +30,7 @@ copy's event, so none goes back to the pool while a copy into it may still run. 
 forward is done when it returns, and so is the copy.
 
 With `float8`, the batch is quantized where it was computed, before the copy
-(`hsx.storage.tensors.quantize_float8`: the same bytes as quantizing on the host): one byte per
+(`hsx.storage.encodings.float8.quantize_float8`: the same bytes as quantizing on the host): one byte per
 value and a scale per token and layer cross to the host instead of bfloat16's two bytes, and the
 writer threads have no arithmetic left to do. Each sample's states are then `Float8States`.
 """
@@ -44,7 +44,7 @@ import torch
 from hsx.errors import HsxError
 from hsx.gpu_consumer.model import LoadedModel
 from hsx.gpu_consumer.staging import StagingLease
-from hsx.storage.tensors import Float8States, quantize_float8
+from hsx.storage.encodings.float8 import Float8States, quantize_float8
 from hsx.wire.schemas import Sample
 
 log = structlog.get_logger("hsx.gpu_consumer.extract")

@@ -26,15 +26,10 @@ from hsx.gpu_consumer.trunk import decoder_layers as decoder_layers  # kept impo
 from hsx.logs import route_transformers_logging
 from hsx.model.devices import visible_text
 from hsx.model.layers import FINAL
-from hsx.storage.layout import FLOAT8
-from hsx.storage.tensors import STORAGE_DTYPES
+from hsx.storage import encodings
 from hsx.wire.schemas import Layer
 
 log = structlog.get_logger("hsx.gpu_consumer.model")
-
-# The forward runs in the storage dtype, except float8 storage, which is computed in bfloat16 and
-# quantized per token when the file is written.
-COMPUTE_DTYPES = {**STORAGE_DTYPES, FLOAT8: torch.bfloat16}
 
 
 class _StopForward(Exception):
@@ -163,7 +158,7 @@ def load_model(
     that every consumer loads the weights the job spec names, even if the cache's `main` moves);
     None for a local folder."""
     route_transformers_logging()
-    compute_dtype = COMPUTE_DTYPES[dtype]
+    compute_dtype = getattr(torch, encodings.of_spec(dtype).compute)
     target = usable_device(device)
     attention = choose_attention(target, compute_dtype)
     model, report = load_trunk(

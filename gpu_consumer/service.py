@@ -41,8 +41,8 @@ from hsx.gpu_consumer.plansamples import PlanSamples, PlanSamplesUnavailable
 from hsx.gpu_consumer.staging import StagingLease
 from hsx.gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
 from hsx.gpu_consumer.writer import write_sample_file
+from hsx.storage import encodings
 from hsx.storage.fsutil import fsync_dir
-from hsx.storage.layout import FLOAT8
 from hsx.storage.spool import SpoolMeter, plan_folder, spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
@@ -472,7 +472,7 @@ class BatchWorker:
         self._in_hand[id(taken)] = batch.batch_id
         log_ = log.bind(batch=batch.batch_id, attempt=attempt)
         started = time.perf_counter()
-        float8 = self.spec.dtype == FLOAT8  # quantized on the device, before the copy to the host
+        float8 = encodings.of_spec(self.spec.dtype).quantized_on_device  # before the copy to the host
 
         def forward(work: Awaitable) -> Awaitable:
             return self._watched(

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import torch
 
-from hsx.storage import samplefile
-from hsx.storage.layout import FLOAT8, sample_key, sample_metadata
+from hsx.storage import encodings, samplefile
+from hsx.storage.encodings.float8 import Float8States
+from hsx.storage.layout import sample_key, sample_metadata
 from hsx.storage.sampledigest import sample_digest
 from hsx.storage.spool import spool_file
-from hsx.storage.tensors import Float8States, quantize_float8
 from hsx.wire.schemas import FileReady, JobSpec, Sample
 
 # hsx.storage.fsutil.atomic_write writes `.<name>.<hex>.tmp` next to the file, then renames it.
@@ -46,17 +46,15 @@ def write_sample_file(
 ) -> FileReady:
     """Write the sample's file into the spool (fsynced, renamed into place) and describe it.
     `sync_dir=False`: the caller fsyncs the file's folder (`hsx.storage.fsutil.fsync_dir`) once for all
-    the files it writes there, before it announces any of them. A float8 job's states come
-    quantized from the forward (`Float8States`, gpu_consumer/extract.py) or are quantized here."""
-    if isinstance(hidden_states, Float8States):
-        if spec.dtype != FLOAT8:
-            raise ValueError(f"float8 states given for a job stored as {spec.dtype}")
-        tensors = {"hidden_states": hidden_states.values, "hidden_states_scale": hidden_states.scale}
-    elif spec.dtype == FLOAT8:
-        quantized, scale = quantize_float8(hidden_states)
-        tensors = {"hidden_states": quantized, "hidden_states_scale": scale}
-    else:
-        tensors = {"hidden_states": hidden_states.contiguous()}
+    the files it writes there, before it announces any of them. The job's encoding makes the
+    file's tensors here, in the caller's writer thread (compression included): a float8 job's
+    states come quantized from the forward (`Float8States`, gpu_consumer/extract.py) or are
+    quantized here."""
+    encoding = encodings.of_spec(spec.dtype)
+    if isinstance(hidden_states, Float8States) and not encoding.quantized_on_device:
+        raise ValueError(f"float8 states given for a job stored as {spec.dtype}")
+    shape = tuple(hidden_states.values.shape if isinstance(hidden_states, Float8States) else hidden_states.shape)
+    tensors = encoding.encode(hidden_states)
     tensors["input_ids"] = torch.tensor(sample.input_ids, dtype=torch.int64)
     mask = sample.mask()  # from loss_spans, or from the per-token list of older descriptors
     if mask is not None:
@@ -73,6 +71,7 @@ def write_sample_file(
         plan=spec.plan_tag,
         layer_preset=spec.layer_preset,
     )
+    metadata.update(encoding.file_metadata(*shape))
     path = spool_file(spool, spec.job, spec.plan_tag, sample.index)
     size, digest = samplefile.write(path, tensors, metadata, sync_dir=sync_dir)
     return FileReady(

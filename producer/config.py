@@ -10,7 +10,8 @@ from hsx.config.values import count, parse_size, positive_float, positive_int
 from hsx.errors import HsxError
 from hsx.model.layers import LayerRequest, parse_layers
 from hsx.producer.conventions import HSX, ChatConvention, parse_chat_as
-from hsx.storage.layout import DTYPE_CHOICES, stored_dtype
+from hsx.storage import encodings
+from hsx.storage.layout import stored_dtype
 from hsx.storage.location import Location
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.topology import job_name
@@ -109,7 +110,9 @@ class ProducerConfig:
         default="bfloat16",
         parse=stored_dtype,
         job=True,
-        help=f"{', '.join(DTYPE_CHOICES)} (float8: e4m3 with a per-token scale; default %(default)s)",
+        help=f"{', '.join(encodings.names())} ("
+        + "; ".join(f"{e.name}: {e.help}" for e in encodings.ENCODINGS.values() if e.help)
+        + "; default %(default)s)",
     )
     token_budget: int = option(
         "--token-budget",

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from hsx.errors import HsxError
 from hsx.packing import PlannedBatch
 from hsx.producer.bundle import PLAN_FILE, REPORT_FILE, SPEC_FILE, plan_document
-from hsx.storage import samplefile
+from hsx.storage import encodings, samplefile
 from hsx.storage.fsutil import free_bytes, human_bytes
 from hsx.storage.index import INDEX_FILE, make_index
 from hsx.storage.layout import TOKENS_FILE, sample_metadata, sample_tensor_shapes
@@ -75,6 +75,7 @@ def sample_file_sizes(rows: SampleTable, spec: schemas.JobSpec, *, first_index: 
             plan=spec.plan_tag,
             layer_preset=spec.layer_preset,
         )
+        metadata.update(encodings.of_spec(spec.dtype).file_metadata(tokens, len(spec.layers), spec.hidden_size))
         shapes = sample_tensor_shapes(
             dtype=spec.dtype,
             num_tokens=tokens,
@@ -221,7 +222,8 @@ class JobEstimate:
     batches: int
     largest_batch: LargestBatch
     files: int
-    bytes: int  # the sample files, as the destination will hold them
+    bytes: int  # the sample files, as the destination will hold them (at most, when not bytes_exact)
+    bytes_exact: bool  # False for a compressed encoding: `bytes` is its bound (incompressible states)
     bundle_bytes: int
     bundle: dict[str, int]
     max_payload: int  # what the descriptors were checked against
@@ -271,6 +273,7 @@ def estimate_job(
         largest_batch=largest_batch(batches, rows, sizes),
         files=len(rows),
         bytes=total,
+        bytes_exact=encodings.of_spec(spec.dtype).exact_size,
         bundle_bytes=bundle_total,
         bundle=bundle,
         max_payload=max_payload,
@@ -288,7 +291,9 @@ def format_estimate(estimate: JobEstimate, *, as_json: bool) -> str:
     lines = [
         f"job {estimate.job} (dry run: nothing published): {estimate.samples} samples, {estimate.tokens} tokens, "
         f"{estimate.batches} batches",
-        f"  sample files: {estimate.files}, {human_bytes(estimate.bytes)} ({estimate.bytes} bytes) at {estimate.dtype}",
+        f"  sample files: {estimate.files}, {'' if estimate.bytes_exact else 'at most '}{human_bytes(estimate.bytes)}"
+        f" ({estimate.bytes} bytes) at {estimate.dtype}"
+        + ("" if estimate.bytes_exact else " (a bound: compressed files are smaller, by how the states compress)"),
         f"  job bundle (_hsx/): {human_bytes(estimate.bundle_bytes)} ({estimate.bundle_bytes} bytes)",
         f"  largest batch: {largest.samples} samples, {largest.tokens} tokens ({largest.padded_tokens} padded), "
         f"{human_bytes(largest.bytes)} of files (a consumer's spool needs its --spool-high-water plus one or two of these)",

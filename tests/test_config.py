@@ -27,6 +27,7 @@ from hsx.commands.cli import build_parser
 from hsx.commands.up import UpConfig
 from hsx.config.configfile import Place
 from hsx.config.settings import file_layout, resolve
+from hsx.storage import encodings
 
 REPO = Path(__file__).resolve().parent.parent
 SECRETS = {  # each one a distinct string, so a leak names its source
@@ -217,7 +218,7 @@ BAD_FILES = {
     "not positive": ("[job]\ntoken_budget = 0\n", "[job] token_budget: --token-budget must be positive, got 0"),
     "not a choice": (
         '[job]\ndtype = "fp8"\n',
-        '[job] dtype: expected one of bfloat16, float16, float32, float8, got "fp8"',
+        f'[job] dtype: expected one of {", ".join(encodings.names())}, got "fp8"',
     ),
     "not a boolean": ('[consume]\ncompile = "yes"\n', '[consume] compile: expected true or false, got "yes"'),
     "array for a list flag": ("[job]\nlayers = [1, 2]\n", "[job] layers: expected a string, got an array"),

@@ -22,9 +22,8 @@ from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.service import BatchWorker
 from hsx.gpu_consumer.staging import HostStaging
 from hsx.gpu_consumer.writer import write_sample_file
-from hsx.storage.layout import FLOAT8
+from hsx.storage.encodings.float8 import FLOAT8, Float8States, quantize_float8
 from hsx.storage.spool import spool_file
-from hsx.storage.tensors import Float8States, quantize_float8
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings, connect
@@ -35,7 +34,7 @@ _MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def _quantize_before(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """hsx.storage.tensors.quantize_float8 as it was when the writer threads quantized on the CPU."""
+    """hsx.storage.encodings.float8.quantize_float8 as it was when the writer threads quantized on the CPU."""
     values = hidden_states.float()
     scale = values.abs().amax(dim=-1) / _MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))

@@ -21,7 +21,8 @@ from test_e2e_s3 import (
     write_dataset,
 )
 
-from hsx.storage.layout import FLOAT8, sample_metadata, sample_tensor_shapes
+from hsx.storage.encodings.float8 import FLOAT8
+from hsx.storage.layout import sample_metadata, sample_tensor_shapes
 from hsx.storage.samplefile import file_size
 from hsx.storage.spool import batch_bytes
 from hsx.wire import schemas

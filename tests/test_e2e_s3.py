@@ -79,6 +79,7 @@ def produce(
     max_seq_len: int,
     env: dict | None,
     layers: str = ",".join(map(str, LAYERS)),
+    dtype: str = "float32",
 ):
     check_ok(
         hsx(
@@ -94,7 +95,7 @@ def produce(
             "--dest",
             dest,
             "--dtype",
-            "float32",
+            dtype,
             "--token-budget",
             str(token_budget),
             "--max-seq-len",

@@ -377,17 +377,19 @@ def test_a_bundle_without_its_tokens_file_is_checked_by_its_spec(reused, tmp_pat
 
 
 def test_the_header_dtypes_are_the_stored_tensors(tmp_path):
-    """The safetensors dtype the check expects of `hidden_states` for each storage dtype is the
-    one the writer gives that storage dtype's tensor."""
-    from hsx.storage import samplefile
-    from hsx.storage.expected import HIDDEN_DTYPES, read_header
-    from hsx.storage.tensors import STORAGE_DTYPES
+    """The safetensors dtype the check expects of the hidden states for each encoding is the one
+    its writer gives them, and the header shows the states' shape."""
+    from hsx.storage import encodings, samplefile
+    from hsx.storage.expected import read_header
 
-    for name, dtype in STORAGE_DTYPES.items():
-        samplefile.write(tmp_path / name, {"hidden_states": torch.zeros(1, 1, 1).to(dtype)}, {})
+    for name, encoding in encodings.ENCODINGS.items():
+        states = torch.zeros(2, 3, 4).to(getattr(torch, encoding.compute))
+        metadata = encoding.file_metadata(2, 3, 4)
+        samplefile.write(tmp_path / name, encoding.encode(states), metadata)
         header, _ = read_header((tmp_path / name).read_bytes())
-        assert header["hidden_states"]["dtype"] == HIDDEN_DTYPES[name], name
-    assert HIDDEN_DTYPES.keys() == STORAGE_DTYPES.keys()
+        entry = encoding.header_states(header, metadata)
+        assert entry["dtype"] == encoding.header_dtype() and entry["shape"] == [2, 3, 4], name
+        assert encoding.header_problems(header, entry) == {}, name
 
 
 def test_a_file_past_the_plan_is_not_the_jobs(reused, tmp_path):

@@ -32,7 +32,7 @@ from devkit.faults import NonFiniteFault
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.model import decoder_layers, load_model
 from hsx.gpu_consumer.service import BatchWorker
-from hsx.storage.layout import FLOAT8
+from hsx.storage.encodings.float8 import FLOAT8
 from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher

@@ -349,8 +349,7 @@ def test_float8_quantized_on_the_gpu_stores_the_bytes_the_host_made(tiny_model, 
 
     import hsx.gpu_consumer.extract as extract
     from hsx.gpu_consumer.writer import write_sample_file
-    from hsx.storage.layout import FLOAT8
-    from hsx.storage.tensors import Float8States, quantize_float8
+    from hsx.storage.encodings.float8 import FLOAT8, Float8States, quantize_float8
 
     stacked: list[torch.Tensor] = []
 

@@ -12,9 +12,8 @@ from hsx.gpu_consumer.extract import extract_samples
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.writer import write_sample_file
 from hsx.model.layers import FINAL, parse_layers, resolve_layers
-from hsx.storage.layout import FLOAT8
+from hsx.storage.encodings.float8 import FLOAT8, dequantize_float8
 from hsx.storage.spool import spool_file
-from hsx.storage.tensors import dequantize_float8
 from hsx.wire.schemas import JobSpec, Sample
 
 

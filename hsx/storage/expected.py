@@ -20,8 +20,9 @@ import pyarrow as pa
 import structlog
 
 from hsx.errors import HsxError
+from hsx.storage import encodings
 from hsx.storage.destinations import Destination
-from hsx.storage.layout import BUNDLE_DIR, FLOAT8, SCALE_TENSOR, TOKENS_FILE
+from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE
 from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.storage.tokens import SampleTable, record_batches
 from hsx.wire import schemas
@@ -31,9 +32,6 @@ log = structlog.get_logger("hsx.expected")
 BUNDLE_SPEC_KEY = f"{BUNDLE_DIR}/job.json"  # relative to the job's folder
 BUNDLE_TOKENS_KEY = f"{BUNDLE_DIR}/{TOKENS_FILE}"
 IDS_DIGEST_BYTES = 16
-# The safetensors dtype of `hidden_states` for each storage dtype a job names: hsx/storage/tensors.py's
-# STORAGE_DTYPES by safetensors' own names, as headers hold them.
-HIDDEN_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", FLOAT8: "F8_E4M3"}
 
 
 def is_missing(exc: BaseException) -> bool:
@@ -90,8 +88,7 @@ class ExpectedSamples:
         for name in ("total_samples", "hidden_size", "num_layers"):
             if getattr(spec, name) < 0:
                 raise HsxError(f"{where}: {name} is {getattr(spec, name)}, not a count")
-        if spec.dtype not in HIDDEN_DTYPES:
-            raise HsxError(f"{where}: dtype {spec.dtype!r} is none of {', '.join(HIDDEN_DTYPES)}")
+        encodings.of_spec(spec.dtype, where=where)
         if not spec.layers:
             raise HsxError(f"{where}: the job names no layers")
         return cls(
@@ -322,7 +319,22 @@ def mismatches(
         f"metadata num_tokens {metadata.get('num_tokens')!r}, the sample has {tokens} tokens",
     )
 
-    hidden = header.get("hidden_states")
+    # The job's encoding when the bundle says it, else the one the file names (or is inferred).
+    encoding = encodings.of_spec(expected.dtype) if expected.dtype is not None else None
+    try:
+        named = encodings.of_file(metadata, header)
+    except encodings.UnknownEncoding as exc:
+        expect("encoding", False, str(exc))
+    else:
+        if encoding is None:
+            encoding = named
+        elif encodings.ENCODING_KEY in metadata:
+            expect(
+                "encoding",
+                named is encoding,
+                f"metadata encoding {named.name!r}, the job stores {expected.dtype!r}",
+            )
+    hidden = encoding.header_states(header, metadata) if encoding is not None else header.get("hidden_states")
     width = hidden_size if hidden_size is not None else (expected.hidden_size or None)
     layers_count = len(expected.layers) if expected.layers is not None else None
     if hidden is None:
@@ -338,25 +350,15 @@ def mismatches(
         want = f"[{tokens if tokens is not None else 'T'}, {layers_count or 'k'}, {width or 'H'}]"
         expect("hidden_states", shape_ok, f"hidden_states shape {hidden.get('shape')}, expected {want}")
         if expected.dtype is not None:
-            stored = HIDDEN_DTYPES[expected.dtype]
+            stored = encoding.header_dtype()
             expect(
                 "hidden_states",
                 hidden.get("dtype") == stored,
                 f"hidden_states dtype {hidden.get('dtype')}, the job stores {stored}",
             )
-    scale = header.get(SCALE_TENSOR)
-    dtype = expected.dtype or metadata.get("dtype")
-    if dtype == FLOAT8:
-        expect(
-            SCALE_TENSOR,
-            isinstance(scale, dict)
-            and scale.get("dtype") == "F32"
-            and isinstance(hidden, dict)
-            and scale.get("shape") == (hidden.get("shape") or [None])[:-1],
-            f"{SCALE_TENSOR} {_describe(scale)}, expected F32 [T, k]",
-        )
-    elif dtype is not None:
-        expect(SCALE_TENSOR, scale is None, f"a {SCALE_TENSOR} tensor in a {dtype} file")
+    if encoding is not None and (expected.dtype is not None or "dtype" in metadata):
+        for check, detail in encoding.header_problems(header, hidden).items():
+            expect(check, False, detail)
     mask = header.get("loss_mask")
     if mask is not None:
         mask_shape = _shape(mask, 1)

@@ -5,16 +5,15 @@ path in a node's spool. A shard holds SHARD_SIZE consecutive samples so no direc
 The job's bundle (what resuming it elsewhere needs) is under `<job>/_hsx/`.
 
 Tensors: `hidden_states` [T, k, H] (k selected layers in the order given), `input_ids` [T],
-`loss_mask` [T] when known. With float8 storage, `hidden_states` is float8 e4m3 and
-`hidden_states_scale` [T, k] float32 holds one scale per token and layer:
-value = hidden_states.float() * hidden_states_scale[..., None]. Metadata makes the file
-self-describing. The tensors themselves (dtypes, float8 scaling) are hsx/storage/tensors.py.
+`loss_mask` [T] when known; how the hidden states are held (dtype, float8 scales, compression)
+is the job's encoding's (hsx/storage/encodings/), named in the file's metadata. Metadata makes
+the file self-describing.
 """
 
 import json
 import re
 
-from hsx.errors import HsxError
+from hsx.storage import encodings
 from hsx.wire.schemas import Layer
 
 FORMAT_VERSION = "2"  # 2: `checksum` is the sha256 of the data section (hsx.storage.samplefile)
@@ -24,28 +23,14 @@ SHARD_SIZE = 1000
 LAYER_CONVENTION = "decoder_layer_output"
 
 
-FLOAT8 = "float8_e4m3"
-SCALE_TENSOR = "hidden_states_scale"  # float8 files' per-token, per-layer scales [T, k]
-# --dtype: what a job's files hold; float8 is stored as FLOAT8, e4m3 with a per-token scale.
-DTYPE_CHOICES = ("bfloat16", "float16", "float32", "float8")
-
-
-# The stored dtype -> the torch dtype name of `hidden_states` in the file (hsx/storage/tensors.py
-# has the torch dtypes themselves; this side needs no torch).
-_HIDDEN_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", FLOAT8: "float8_e4m3fn"}
-
-
 def sample_tensor_shapes(
     *, dtype: str, num_tokens: int, num_layers: int, hidden_size: int, has_mask: bool
 ) -> dict[str, tuple[str, list[int]]]:
     """The tensors of a sample file as name -> (torch dtype name, shape): what the consumer's
-    writer (gpu_consumer/writer.py) makes, for sizing files without making them."""
-    shapes = {
-        "hidden_states": (_HIDDEN_DTYPE_NAMES[dtype], [num_tokens, num_layers, hidden_size]),
-        "input_ids": ("int64", [num_tokens]),
-    }
-    if dtype == FLOAT8:
-        shapes[SCALE_TENSOR] = ("float32", [num_tokens, num_layers])
+    writer (gpu_consumer/writer.py) makes, for sizing files without making them. For an encoding
+    whose size is not exact (compressed), the hidden states' entry is its bound."""
+    shapes = encodings.of_spec(dtype).file_tensors(num_tokens, num_layers, hidden_size)
+    shapes["input_ids"] = ("int64", [num_tokens])
     if has_mask:
         shapes["loss_mask"] = ("uint8", [num_tokens])
     return shapes
@@ -53,9 +38,7 @@ def sample_tensor_shapes(
 
 def stored_dtype(name: str) -> str:
     """The --dtype choice as the job spec and the files name it."""
-    if name not in DTYPE_CHOICES:
-        raise HsxError(f"expected one of {', '.join(DTYPE_CHOICES)}, got {json.dumps(name)}")
-    return FLOAT8 if name == "float8" else name
+    return encodings.by_name(name).stored
 
 
 def sample_key(job: str, sample_index: int) -> str:

@@ -32,6 +32,7 @@ from safetensors.torch import load as _load_safetensors
 
 from hsx.errors import HsxError
 from hsx.packing import plan_batches, shuffled_epoch
+from hsx.storage import encodings
 from hsx.storage.destinations import Destination, open_destination
 from hsx.storage.expected import (
     BUNDLE_SPEC_KEY,
@@ -48,7 +49,6 @@ from hsx.storage.location import Location
 from hsx.storage.sampledigest import file_digest
 from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.storage.streambatches import LandingBatcher, check_rank, deal, shuffled_batches
-from hsx.storage.tensors import SCALE_TENSOR, dequantize_float8
 from hsx.wire import schemas
 from hsx.wire.landed import EpochEnd, Landed, LandingFeed, read_job_spec_waiting
 
@@ -64,26 +64,24 @@ class BadSampleFile(HsxError):
 
 
 def load_sample(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """One sample file's bytes -> (tensors, metadata); SampleFileCorrupt if it does not load."""
+    """One sample file's bytes -> (tensors, metadata), the hidden states decoded by the file's
+    encoding (hsx/storage/encodings/: decompressed; float8 stays float8 with its scales, see
+    `dequantize`); SampleFileCorrupt if it does not load, UnknownEncoding (one) if its encoding
+    is none this hsx has."""
     metadata = read_metadata(data)
     try:
         tensors = _load_safetensors(data)
     except Exception as exc:  # safetensors raises SafetensorError, ValueError, ... for damaged files
         raise SampleFileCorrupt(f"safetensors cannot load it ({type(exc).__name__}: {exc})") from None
-    return tensors, metadata
+    return encodings.of_file(metadata, tensors).decode(tensors, metadata), metadata
 
 
-def dequantize(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The real hidden states of a file's tensors: for float8 storage (a `hidden_states_scale`
-    tensor [T, k] beside float8 `hidden_states` [T, k, H]) `hidden_states.float() * scale[..., None]`
-    in float32; for any other storage `hidden_states` unchanged."""
-    hidden = tensors["hidden_states"]
-    scale = tensors.get(SCALE_TENSOR)
-    if scale is None:
-        return hidden
-    if tuple(scale.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"{SCALE_TENSOR} has shape {tuple(scale.shape)}, expected {tuple(hidden.shape[:-1])}")
-    return dequantize_float8(hidden, scale.float())
+def dequantize(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> torch.Tensor:
+    """The real hidden states of a loaded file's tensors (`load_sample`), as the file's encoding
+    (named in `metadata`) says: for float8 (a `hidden_states_scale` tensor [T, k] beside float8
+    `hidden_states` [T, k, H]) `hidden_states.float() * scale[..., None]` in float32; for any
+    other `hidden_states` unchanged. Without `metadata`, float8 is known by its scale tensor."""
+    return encodings.of_file(metadata or {}, tensors).values(tensors)
 
 
 class HiddenStateDataset(torch.utils.data.Dataset):
@@ -230,7 +228,7 @@ def _checked_item(
             failed["input_ids"] = "its tokens, mask or source id are not those its uploaded marker records"
     if failed:
         raise _NotTheSample(f"not this job's sample {sample_index}: {describe(failed)}")
-    hidden = dequantize(tensors) if dequantized else tensors["hidden_states"]
+    hidden = dequantize(tensors, metadata) if dequantized else tensors["hidden_states"]
     if concat_layers:
         hidden = hidden.reshape(hidden.shape[0], -1)
     item: dict[str, Any] = {
@@ -241,8 +239,8 @@ def _checked_item(
     }
     if "loss_mask" in tensors:
         item["loss_mask"] = tensors["loss_mask"]
-    if not dequantized and SCALE_TENSOR in tensors:
-        item[SCALE_TENSOR] = tensors[SCALE_TENSOR]
+    if not dequantized and encodings.SCALE_TENSOR in tensors:
+        item[encodings.SCALE_TENSOR] = tensors[encodings.SCALE_TENSOR]
     return item
 
 

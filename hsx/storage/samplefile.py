@@ -56,6 +56,11 @@ _ELEMENT_SIZES = {
 }
 
 
+def element_size(dtype: str) -> int:
+    """The bytes of one element of the torch dtype of this name."""
+    return _ELEMENT_SIZES[dtype]
+
+
 class SampleFileCorrupt(ValueError):
     """The bytes are not a sound sample file: truncated, a damaged header, or data that does not
     match the checksum in the header."""

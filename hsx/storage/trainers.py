@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hsx.errors import HsxError
-from hsx.storage.layout import FLOAT8
+from hsx.storage import encodings
 from hsx.wire import schemas
 from hsx.wire.schemas import FINAL
 
@@ -32,12 +32,13 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")  # of the exported hidden st
 
 
 def export_dtype(requested: str, stored: str) -> str:
-    """The exported hidden states' dtype: `auto` keeps the job's, except float8, which becomes
-    bfloat16 (what the trainers train in; its rounding, 2^-9, is far below float8's own, and
-    float32 would be four times the job's size)."""
+    """The exported hidden states' dtype: `auto` is the dtype the job's forward ran in (its
+    encoding's compute dtype): the job's own for bfloat16, float16 and float32, bfloat16 for float8
+    (what the trainers train in; its rounding, 2^-9, is far below float8's own, and float32 would
+    be four times the job's size) and for compressed bfloat16."""
     if requested != "auto":
         return requested
-    return "bfloat16" if stored == FLOAT8 else stored
+    return encodings.of_spec(stored).compute
 
 
 @dataclass(frozen=True, kw_only=True)

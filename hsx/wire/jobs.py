@@ -8,6 +8,7 @@ the monitor calls it silent.
 """
 
 import asyncio
+import re
 import time
 from urllib.parse import urlsplit
 
@@ -62,8 +63,8 @@ def _dest_form(dest: str) -> bool:
 def _spec_problem(spec: schemas.JobSpec, key: str) -> str:
     if spec.job != key:
         return f"`job` is {spec.job!r}, not its key"
-    if spec.dtype not in schemas.STORED_DTYPES:
-        return f"`dtype` {spec.dtype!r} is not one of {', '.join(schemas.STORED_DTYPES)}"
+    if not re.fullmatch(schemas.STORED_DTYPE_FORM, spec.dtype):
+        return f"`dtype` {spec.dtype!r} is not an encoding's name"
     if not _dest_form(spec.dest):
         return f"`dest` {spec.dest!r} is not an s3://bucket/prefix or file:///absolute/dir URL"
     layers = [layer for layer in spec.layers if layer != schemas.FINAL]

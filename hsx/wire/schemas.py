@@ -32,8 +32,10 @@ Positive = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(ge=0, le=1e12)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 
-# What a job's files hold (JobSpec.dtype; hsx/storage/layout.py `stored_dtype` of each --dtype).
-STORED_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3")
+# The form of JobSpec.dtype, the name of the job's encoding as its files store it. Which names
+# exist is hsx/storage/encodings/' registry's to say (the consumer, readers and verify look the
+# name up there); the wire, which imports no storage, checks only that it is a name.
+STORED_DTYPE_FORM = r"[a-z0-9][a-z0-9_-]{0,63}"
 
 # A selected layer, as the job names it: a decoder layer index, or "final" (the post-norm final
 # state). hsx/model/layers.py parses and resolves it; every layers field in hsx has this type.
@@ -158,7 +160,7 @@ class JobSpec(_Wire, tag="job.v1"):
     layers: Annotated[
         list[Layer], Meta(min_length=1)
     ]  # resolved decoder layer indices, or "final" (hsx/model/layers.py)
-    dtype: str  # storage dtype: bfloat16 | float16 | float32 | float8_e4m3
+    dtype: str  # the encoding's stored name (hsx/storage/encodings/): bfloat16 | float8_e4m3 | ...
     dest: str
     token_budget: Positive
     max_seq_len: Positive

@@ -1,0 +1,92 @@
+"""A job stored with each lossless encoding (every registered encoding whose size is a bound)
+runs through the real pipeline (produce -> consume on CPU -> upload to a file:// destination),
+its dry run giving a bound the files keep to and saying so:
+`HiddenStateDataset` reads its states back decoded, in the stored dtype of the encoding it
+compresses, as `JobStream` does, `hsx verify --recompute` passes within the encoding's
+tolerance, and `hsx export` writes the decoded states."""
+
+import json
+import uuid
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_e2e_s3 import LAYERS, produce, start_monitor, wait_until_done, write_dataset
+from test_jobstream import _Reading, _samples_of
+
+from hsx.producer import estimate
+from hsx.storage import encodings
+from hsx.storage.encodings.base import HIDDEN
+from hsx.storage.reader import HiddenStateDataset, JobStream
+
+COUNT = 8
+
+
+@pytest.mark.parametrize("name", [n for n, e in encodings.ENCODINGS.items() if not e.exact_size])
+def test_a_lossless_job_reads_back_and_verifies(name, hsx, hsx_service, tiny_model, nats_server, tmp_path):
+    encoding = encodings.by_name(name)
+    job, out = f"z{uuid.uuid4().hex[:8]}", tmp_path / "out"
+    write_dataset(tmp_path / "data.jsonl", COUNT, min_len=16, max_len=120, seed=3)
+    args = ["--model", str(tiny_model("qwen3")), "--dataset", str(tmp_path / "data.jsonl"), "--dest", str(out)]
+    args += ["--layers", ",".join(map(str, LAYERS)), "--dtype", name, "--token-budget", "1024", "--max-seq-len", "128"]
+    dry = hsx("produce", "--job", job, *args, "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    planned = json.loads(dry.stdout)
+    assert planned["bytes_exact"] is False and planned["dtype"] == name, planned
+    planned.pop("free_space_ok")
+    text = estimate.format_estimate(msgspec.convert(planned, estimate.JobEstimate), as_json=False)
+    assert f"sample files: {COUNT}, at most " in text and "a bound" in text, text
+    produce(
+        hsx,
+        job=job,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(out),
+        token_budget=1024,
+        max_seq_len=128,
+        env=None,
+        dtype=name,
+    )
+    spool = tmp_path / "spool"
+    workers = [
+        hsx_service("consume", "--job", job, "--device", "cpu", "--spool", str(spool), name="consume"),
+        hsx_service("upload", "--job", job, "--spool", str(spool), name="upload"),
+    ]
+    wait_until_done(start_monitor(hsx_service, job, None), workers)
+    written = sum(path.stat().st_size for path in (out / job).glob("0*/*.safetensors"))
+    assert 0 < written <= planned["bytes"], (written, planned["bytes"])
+
+    dataset = HiddenStateDataset(str(out / job), dequantize=False)
+    assert len(dataset) == COUNT
+    stored_dtype = encoding.inner.file_tensors(1, 1, 1)[HIDDEN][0]
+    for i in range(COUNT):
+        item = dataset[i]
+        assert item["metadata"][encodings.ENCODING_KEY] == name
+        assert str(item["hidden_states"].dtype) == f"torch.{stored_dtype}", item["hidden_states"].dtype
+        assert item["hidden_states"].shape[0] == len(item["input_ids"])
+        assert (encodings.SCALE_TENSOR in item) == (encodings.SCALE_TENSOR in encoding.inner.file_tensors(1, 1, 1))
+    verified = hsx("verify", "--job", job, "--recompute", "2", "--seed", "1", "--json")
+    assert verified.returncode == 0, verified.stderr[-3000:]
+    report = json.loads(verified.stdout)
+    assert report["ok"] and report["samples_ok"] == COUNT, report
+    for result in report["recompute"]["results"]:
+        assert result["ok"] and result["tolerance"] == {encoding.tolerance.measure: encoding.tolerance.limit}, result
+
+    # hsx export decodes too: speculators' files hold the states in the job's compute dtype.
+    exported = tmp_path / "exported"
+    done = hsx("export", str(out / job), "--to", "speculators", str(exported))
+    assert done.returncode == 0, done.stderr[-3000:]
+    decoded = HiddenStateDataset(str(out / job))
+    for i in range(COUNT):
+        written = load_file(str(exported / "hidden_states" / f"hs_{i}.safetensors"))["hidden_states"]
+        states = decoded[i]["hidden_states"].to(getattr(torch, encoding.compute))
+        assert written.dtype == states.dtype and torch.equal(written.flatten(), states.flatten()), i
+
+    # JobStream decodes as the dataset does: its epoch of the finished job, batch by batch.
+    stream = JobStream(f"file://{out}/{job}", nats=nats_server.url, name=f"r{job}", token_budget=1024)
+    batches = _Reading(stream).result(timeout=60)
+    assert sorted(_samples_of(batches)) == list(range(COUNT))
+    for batch in batches:
+        expected = torch.cat([decoded[i]["hidden_states"] for i in batch["sample_index"].tolist()])
+        assert torch.equal(batch["hidden_states"], expected)
