@@ -63,6 +63,15 @@ BUNDLE = (
     "s3transfer",
     "jmespath",
     "bcrypt",
+    "blosc2",
+    "ndindex",
+    "msgpack",
+    "threadpoolctl",
+    "httpx",
+    "httpcore",
+    "h2",
+    "hpack",
+    "hyperframe",
 )
 # Not a dependency of hsx: the kernels transformers binds for Qwen3.5's Gated DeltaNet layers.
 # Pure Python; its own requirement (einops) is in the image. causal-conv1d has no wheel.
