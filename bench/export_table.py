@@ -6,8 +6,8 @@ A synthetic job of --samples samples (lognormal lengths around --median-tokens, 
 10 rows with a loss mask) is built as the export builds it from the bundle's tokens.arrow: a
 `SampleTable`, whose tokens are spilled to disk. Then, each in its own process (so that peak RSS
 is the writer's alone), the table is written:
-- `streamed`: `hsx.storage.trainers.write_speculators_table`, run by run into one Arrow file that
-  datasets maps from disk and cuts into 500 MB shards;
+- `streamed`: `hsx.storage.trainers.speculators.write_speculators_table`, run by run into one
+  Arrow file that datasets maps from disk and cuts into 500 MB shards;
 - `in_memory`: the writer as it was before (kept here as the baseline): every token and mask in
   two int64 NumPy arrays, one `pa.table`, `datasets.Dataset(table).save_to_disk`.
 Each child reports seconds, its peak RSS above what it held before writing (the table's own
@@ -37,7 +37,7 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hsx.storage.tokens import SampleTable, SampleTableBuilder, TokenChunk  # noqa: E402
-from hsx.storage.trainers import write_speculators_table  # noqa: E402
+from hsx.storage.trainers.speculators import write_speculators_table  # noqa: E402
 
 CHUNK = 65_536
 

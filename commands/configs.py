@@ -15,9 +15,8 @@ from hsx.config.fields import option
 from hsx.config.settings import build_config
 from hsx.config.values import count, duration, positive_int
 from hsx.errors import HsxError
+from hsx.storage import trainers
 from hsx.storage.location import Location, job_folder_argument
-from hsx.storage.trainers import DTYPES as EXPORT_DTYPES
-from hsx.storage.trainers import FORMATS as EXPORT_FORMATS
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.topology import check_name, job_name
 
@@ -121,13 +120,13 @@ class ExportConfig:
         parse=job_folder_argument("SOURCE"),
         help="the job's folder: s3://bucket/prefix/JOB, file:///out/JOB or a path",
     )
-    to: str = option("--to", choices=EXPORT_FORMATS, example="specforge-dflash", help="the trainer's format")
+    to: str = option("--to", choices=trainers.names(), example="specforge-dflash", help="the trainer's format")
     out: Path = option("OUT", parse=Path, help="the folder to write (a rerun resumes it)")
     workers: int = option("--workers", default=16, parse=positive_int("--workers"), help="samples at once (default 16)")
     dtype: str = option(
         "--dtype",
         default="auto",
-        choices=EXPORT_DTYPES,
+        choices=trainers.DTYPES,
         help="the hidden states' dtype in the export (default auto: the job's, float8 as bfloat16)",
     )
     as_json: bool = json_flag()

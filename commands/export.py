@@ -1,8 +1,9 @@
 """`hsx export SOURCE --to FORMAT OUT`: a finished job's samples, read from the job's folder in its
-destination (no NATS), checked, and written as a drafter trainer reads them (hsx/storage/trainers.py
-says what each format holds). A rerun resumes OUT. A sample the trainer cannot take is left out
-and listed; one whose file is missing, damaged or not this plan's fails the run (exit 1) after the
-rest is written. `OUT/hsx-export.json` holds the report.
+destination (no NATS), checked, and written as a drafter trainer reads them (the format, looked up
+in hsx/storage/trainers/, says what its files hold and does the format's part of each step). A
+rerun resumes OUT. A sample the trainer cannot take is left out and listed; one whose file is
+missing, damaged or not this plan's fails the run (exit 1) after the rest is written.
+`OUT/hsx-export.json` holds the report.
 """
 
 from __future__ import annotations
@@ -190,18 +191,19 @@ def run_export(cfg: ExportConfig) -> ExportReport:
         )
     if spec.job != job:
         raise HsxError(f"{url}/{BUNDLE_SPEC_KEY} is job {spec.job}'s, not {job}'s")
-    trainer_ids = trainers.trainer_layer_ids(cfg.to, spec)
-    note = trainers.convention_note(cfg.to, spec.chat_convention)
+    fmt = trainers.by_name(cfg.to)
+    trainer_ids = fmt.trainer_layer_ids(spec)
+    note = fmt.convention_note(spec.chat_convention)
     if note:
         print(f"hsx export: note: {note}", file=sys.stderr)
     dtype_name = trainers.export_dtype(cfg.dtype, spec.dtype)
     dtype = getattr(torch, dtype_name)
     cfg.out.mkdir(parents=True, exist_ok=True)
     _claim(cfg.out, ExportIdentity(job=job, plan=spec.plan_tag, format=cfg.to, dtype=dtype_name))
-    # speculators' table comes from the job's tokenized samples, not from the files: a rerun
-    # reads no file it has written. The bundle's claims are checked (total_samples against its
-    # tokens) before anything is sized by them.
-    tokens = _bundle_tokens(folder, url) if cfg.to == "speculators" else None
+    # A format that finishes from the job's tokenized samples (speculators' table) reads them
+    # here, not from the files: a rerun reads no file it has written. The bundle's claims are
+    # checked (total_samples against its tokens) before anything is sized by them.
+    tokens = _bundle_tokens(folder, url) if fmt.reads_tokens else None
     try:
         expected = load_expected(folder, url, spec) if tokens is None else expected_of_table(spec, tokens, url)
     except HsxError:
@@ -212,28 +214,23 @@ def run_export(cfg: ExportConfig) -> ExportReport:
     if index is None:
         log.info("export_listing", reason=why_not)
 
-    def target(sample_index: int) -> Path:
-        # speculators' row i is sample i: its table is written only once every sample is there.
-        if cfg.to == "speculators":
-            return trainers.speculators_path(cfg.out, sample_index)
-        return trainers.specforge_path(cfg.out, sample_index)
-
     left_out: list[LeftOut] = []
     failed = list(_missing(samples, spec.total_samples, job))
     exported: list[int] = []
     progress = _Progress(len(samples))
 
     def export_one(sample_index: int) -> None:
-        if target(sample_index).exists():
+        path = fmt.path(cfg.out, sample_index)
+        if path.exists():
             exported.append(sample_index)  # written by an earlier run, atomically
             return
         sample = _read(folder, job, sample_index, dtype, expected)
-        why = trainers.refusal(cfg.to, sample)
+        why = fmt.refusal(sample)
         if why is not None:
             left_out.append(LeftOut(sample_index, why, source_id=sample.source_id))
             log.info("export_sample_left_out", sample_index=sample_index, source_id=sample.source_id, reason=why)
             return
-        trainers.write_atomically(target(sample_index), trainers.encode(cfg.to, trainers.features(cfg.to, sample)))
+        trainers.write_atomically(path, fmt.encode(fmt.features(sample)))
         exported.append(sample_index)
 
     def guarded(sample_index: int) -> None:
@@ -250,9 +247,9 @@ def run_export(cfg: ExportConfig) -> ExportReport:
     progress.close()
     failed.sort(key=lambda entry: entry.sample_index)
     left_out.sort(key=lambda entry: entry.sample_index)
+    if not failed:
+        fmt.finish(cfg.out, tokens)
     if tokens is not None:
-        if not failed:
-            trainers.write_speculators_table(cfg.out, tokens)
         tokens.close()
     report = ExportReport(
         source=str(url),

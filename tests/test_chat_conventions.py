@@ -387,7 +387,10 @@ def test_the_job_spec_records_the_convention(cli):
 
 
 def test_export_says_in_one_line_when_the_masks_are_not_the_trainers():
-    from hsx.storage.trainers import convention_note
+    from hsx.storage.trainers import by_name
+
+    def convention_note(fmt: str, chat_convention: str) -> str:
+        return by_name(fmt).convention_note(chat_convention)
 
     note = convention_note("specforge-eagle3", "hsx")
     assert "--chat-as hsx" in note and "specforge:TEMPLATE" in note and "\n" not in note
