@@ -490,7 +490,7 @@ def read_source(path: Path, *, on_bad_row: OnBadRow = None, chat_field: str | No
         raise HsxError(f"dataset {path} has no rows")
 
 
-def read_dataset(path: Path, *, max_seq_len: int | None = None) -> SampleTable:
+def read_pretokenized(path: Path, *, max_seq_len: int | None = None) -> SampleTable:
     """A dataset of pre-tokenized rows only, as a table (chat rows are an error here: tokenizing
     them needs the model's tokenizer, see `producer/chat.py`). With `max_seq_len`, a longer row
     is an error.
