@@ -20,7 +20,6 @@ from hsx.model.modelinfo import load_model_info
 from hsx.packing import PlannedBatch, plan_batches, plan_in_rounds
 from hsx.producer import bundle, preflight, resume, stored
 from hsx.producer.config import ProducerConfig
-from hsx.producer.dataset import dataset_digest
 from hsx.producer.estimate import (
     JobEstimate,
     check_free_space,
@@ -31,6 +30,7 @@ from hsx.producer.estimate import (
 )
 from hsx.producer.inputs import Inputs, check_vocab, report_document
 from hsx.producer.rounds import RoundReader, read_inputs, round_fingerprint
+from hsx.producer.sources import dataset_digest
 from hsx.producer.specrecord import SpecChanged, SpecRecord
 from hsx.storage.sampledigest import table_digests
 from hsx.storage.tokens import SampleTable, report_object_name, tokens_object_name
