@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hsx.producer.chat import ChatTokenizer  # noqa: E402
 from hsx.producer.chat_pool import CHUNK_ROWS  # noqa: E402
-from hsx.producer.dataset import ChatRow  # noqa: E402
+from hsx.producer.rows import ChatRow  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # The last commit whose producer/chat.py found the mask turn by turn (issue 23 replaced it).

@@ -57,10 +57,10 @@ async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, 
 def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> Sequence[list[int]] | None:
     """Every sample's token ids in index order, from the dataset the spec names; None when that
     dataset cannot be read on this machine (the comparison is then skipped and reported so)."""
-    from hsx.producer.dataset import read_dataset
+    from hsx.producer.inputs import read_pretokenized
 
     try:
-        rows = read_dataset(Path(spec.dataset), max_seq_len=spec.max_seq_len)
+        rows = read_pretokenized(Path(spec.dataset), max_seq_len=spec.max_seq_len)
     except HsxError as exc:
         log.warning("verify_token_ids_skipped", job=spec.job, dataset=spec.dataset, reason=str(exc))
         return None

@@ -34,7 +34,7 @@ from pathlib import Path
 from hsx.errors import HsxError
 from hsx.producer import conventions
 from hsx.producer.conventions import HSX, ChatConvention, ConventionSample
-from hsx.producer.dataset import BadRow, ChatRow, DatasetRow
+from hsx.producer.rows import BadRow, ChatRow, DatasetRow
 
 # transformers' own test for generation markers (apply_chat_template, return_assistant_tokens_mask).
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")

@@ -29,7 +29,7 @@ import numpy as np
 from hsx.errors import HsxError
 from hsx.producer.chat import ChatTokenizer
 from hsx.producer.conventions import ChatConvention
-from hsx.producer.dataset import BadRow, ChatRow, DatasetRow
+from hsx.producer.rows import BadRow, ChatRow, DatasetRow
 
 CHUNK_ROWS = 512
 # Below this many rows a pool's start-up (about a second per worker, in parallel) costs more than it saves.

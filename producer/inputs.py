@@ -2,7 +2,9 @@
 
 `tokenized_rows` is everything the producer does to a dataset before planning; what it returns
 is what gets stored (`producer/stored.py`), planned and published. `report_document` is the
-job's input report. No NATS here.
+job's input report. `read_pretokenized` reads a dataset of token rows alone, for `hsx verify`.
+The rows come from producer/sources/ (the file formats), each checked by producer/rows/ (the
+row forms). No NATS here.
 
 Token rows stream from the reader into a columnar `SampleTable` (hsx/storage/tokens.py: tokens spilled to
 a temp file, a few numbers per sample in memory). Chat rows keep a place in the table as the
@@ -39,8 +41,9 @@ from hsx.producer.chat import ChatTemplateInfo, ChatTokenizer
 from hsx.producer.chat_pool import POOL_MIN_ROWS, tokenize_chats
 from hsx.producer.config import ON_EMPTY_MASK, BadRowCap
 from hsx.producer.conventions import HSX, ChatConvention
-from hsx.producer.dataset import BadRow, ChatRow, read_source
 from hsx.producer.lengths import LongSample, apply_on_long_table
+from hsx.producer.rows import BadRow, ChatRow
+from hsx.producer.sources import read_source
 from hsx.storage.tokens import SampleTable, SampleTableBuilder
 
 log = structlog.get_logger("hsx.producer")
@@ -466,6 +469,30 @@ def tokenized_rows(
         bad_rows=tuple(bad.entries),
         empty_masks=tuple(empty),
     )
+
+
+def read_pretokenized(path: Path, *, max_seq_len: int | None = None) -> SampleTable:
+    """A dataset of pre-tokenized rows only, as a table (chat rows are an error here: tokenizing
+    them needs the model's tokenizer, see `producer/chat.py`). With `max_seq_len`, a longer row
+    is an error.
+
+    For jobs made before their samples were stored (`hsx verify`); the producer itself goes
+    through `tokenized_rows`, and the samples a job was actually planned from are
+    `hsx.storage.tokens.load_table`."""
+    builder = SampleTableBuilder()
+    for item in read_source(path):
+        if isinstance(item, ChatRow):
+            raise HsxError(
+                f"{item.where}: a chat row; it needs the model's tokenizer (use hsx.storage.tokens.load_table)"
+            )
+        builder.add(item)
+    table = builder.finish()
+    if max_seq_len is not None:
+        long = np.flatnonzero(table.lengths > max_seq_len)
+        if len(long):
+            i = int(long[0])
+            raise HsxError(f"{table.where(i)}: {table.lengths[i]} tokens is longer than --max-seq-len {max_seq_len}")
+    return table
 
 
 def report_document(

@@ -17,7 +17,7 @@ import numpy as np
 
 from hsx.errors import HsxError
 from hsx.producer.config import ON_LONG
-from hsx.producer.dataset import DatasetRow
+from hsx.producer.rows import DatasetRow
 from hsx.storage.tokens import SampleTable
 
 

@@ -20,7 +20,6 @@ from hsx.model.modelinfo import load_model_info
 from hsx.packing import PlannedBatch, plan_batches, plan_in_rounds
 from hsx.producer import bundle, preflight, resume, stored
 from hsx.producer.config import ProducerConfig
-from hsx.producer.dataset import dataset_digest
 from hsx.producer.estimate import (
     JobEstimate,
     check_free_space,
@@ -30,7 +29,8 @@ from hsx.producer.estimate import (
     sample_file_sizes,
 )
 from hsx.producer.inputs import Inputs, check_vocab, report_document
-from hsx.producer.rounds import RoundReader, read_dataset, round_fingerprint
+from hsx.producer.rounds import RoundReader, read_inputs, round_fingerprint
+from hsx.producer.sources import dataset_digest
 from hsx.producer.specrecord import SpecChanged, SpecRecord
 from hsx.storage.sampledigest import table_digests
 from hsx.storage.tokens import SampleTable, report_object_name, tokens_object_name
@@ -299,7 +299,7 @@ async def _stored_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec 
 
 async def _read_inputs(cfg: ProducerConfig, info, *, on_round=None) -> Inputs:
     """The dataset read and tokenized under the job's settings (`on_round`: each round's `Round`)."""
-    return await asyncio.to_thread(read_dataset, cfg, info, on_round=on_round)
+    return await asyncio.to_thread(read_inputs, cfg, info, on_round=on_round)
 
 
 def _report(cfg: ProducerConfig, inputs: Inputs) -> dict:

@@ -49,7 +49,7 @@ def round_fingerprint(
     return hashlib.sha256(msgspec.json.encode(settings)).hexdigest()
 
 
-def read_dataset(cfg: ProducerConfig, info, *, on_round=None, cancelled=None) -> Inputs:
+def read_inputs(cfg: ProducerConfig, info, *, on_round=None, cancelled=None) -> Inputs:
     """The dataset read and tokenized under the job's settings, in rounds of --round-rows rows
     (each handed to `on_round` as it is read; producer/inputs.py `tokenized_rows`)."""
     return tokenized_rows(
@@ -82,7 +82,7 @@ class RoundReader:
         self._rounds: asyncio.Queue[Round] = asyncio.Queue()
         self._cancelled = threading.Event()
         self._task = asyncio.create_task(
-            asyncio.to_thread(read_dataset, cfg, info, on_round=self._hand_over, cancelled=self._cancelled)
+            asyncio.to_thread(read_inputs, cfg, info, on_round=self._hand_over, cancelled=self._cancelled)
         )
 
     def _hand_over(self, cut: Round) -> None:  # on the reading thread
@@ -109,4 +109,4 @@ class RoundReader:
             self._task.result().samples.close()
 
 
-__all__ = ["RoundReader", "RoundsCancelled", "read_dataset", "round_fingerprint"]
+__all__ = ["RoundReader", "RoundsCancelled", "read_inputs", "round_fingerprint"]

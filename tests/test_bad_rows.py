@@ -31,7 +31,7 @@ from hsx.producer import chat_pool
 from hsx.producer.chat import ChatTokenizer
 from hsx.producer.chat_pool import tokenize_chats
 from hsx.producer.conventions import parse_chat_as
-from hsx.producer.dataset import BadRow, ChatRow, DatasetRow
+from hsx.producer.rows import BadRow, ChatRow, DatasetRow
 from hsx.storage.tokens import SampleTableBuilder, TokenChunk, TokenRow
 
 VOCAB = 512

@@ -135,8 +135,8 @@ def llama3(chatml):
 
 def _truncated(ids: list[int], mask: list[int], max_length: int) -> tuple[list[int], list[int]]:
     """What hsx stores with --on-long truncate --max-seq-len max_length."""
-    from hsx.producer.dataset import DatasetRow
     from hsx.producer.lengths import apply_on_long
+    from hsx.producer.rows import DatasetRow
 
     (row,), _ = apply_on_long(
         [DatasetRow(where="row", source_id="", input_ids=ids, loss_mask=mask)],
@@ -155,10 +155,10 @@ def _hsx(tokenizer, convention: str, messages: list[dict], max_length: int | Non
 def _hsx_samples(tokenizer, convention: str, messages: list[dict], max_length: int | None = None):
     """Every sample hsx --chat-as `convention` makes of one conversation, as (input_ids, loss_mask)."""
     from hsx.producer.chat import ChatTokenizer
-    from hsx.producer.dataset import ChatRow
+    from hsx.producer.rows import ChatRow
 
     chat = ChatTokenizer(tokenizer, model="local", convention=replace(parse_chat_as(convention), max_length=max_length))
-    # As hsx's reader gives a ShareGPT row's messages (producer/dataset.py); the trainers get the row as it is.
+    # As hsx's reader gives a ShareGPT row's messages (producer/rows/chat_rows.py); the trainers get the row as it is.
     roles = {"human": "user", "gpt": "assistant"}
     messages = [
         {"role": roles.get(m["from"], m["from"]), "content": m["value"]} if "from" in m else m for m in messages

@@ -25,7 +25,8 @@ from test_inputs import CHATML, CHATML_MARKERS, _ok, assistant_spans, make_chat_
 from hsx.errors import HsxError
 from hsx.producer.chat import ChatTokenizer
 from hsx.producer.config import parse_chat_field
-from hsx.producer.dataset import BadRow, ChatRow, read_source
+from hsx.producer.rows import BadRow, ChatRow
+from hsx.producer.sources import read_source
 
 # Llama 3's layout: a header per message, every content trimmed.
 LLAMA3 = (

@@ -28,8 +28,8 @@ import pytest
 from test_cli_errors import _produce_args, _state, assert_one_line_error
 
 from hsx.producer.chat import ChatTokenizer
-from hsx.producer.dataset import ChatRow, DatasetRow
 from hsx.producer.lengths import apply_on_long
+from hsx.producer.rows import ChatRow, DatasetRow
 from hsx.producer.stored import load_report, load_tokenized
 from hsx.wire import schemas
 

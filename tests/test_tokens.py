@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from hsx.errors import HsxError
-from hsx.producer.dataset import read_source
 from hsx.producer.inputs import tokenized_rows
+from hsx.producer.sources import read_source
 from hsx.storage.tokens import TokenRow, load_samples, loss_spans, read_tokens, tokens_object_name, write_tokens
 from hsx.wire import schemas
 
