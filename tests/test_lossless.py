@@ -3,16 +3,19 @@ runs through the real pipeline (produce -> consume on CPU -> upload to a file://
 its dry run giving a bound the files keep to and saying so:
 `HiddenStateDataset` reads its states back decoded, in the stored dtype of the encoding it
 compresses, as `JobStream` does, `hsx verify --recompute` passes within the encoding's
-tolerance, and `hsx export` writes the decoded states."""
+tolerance, and `hsx export` writes the decoded states, which speculators' `ArrowDataset` and
+SpecForge's DFlash feature reader load as they load any export."""
 
 import json
 import uuid
+import warnings
 
 import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_e2e_s3 import LAYERS, produce, start_monitor, wait_until_done, write_dataset
+from test_export import _specforge_batches, speculators_data
 from test_jobstream import _Reading, _samples_of
 
 from hsx.producer import estimate
@@ -82,6 +85,29 @@ def test_a_lossless_job_reads_back_and_verifies(name, hsx, hsx_service, tiny_mod
         written = load_file(str(exported / "hidden_states" / f"hs_{i}.safetensors"))["hidden_states"]
         states = decoded[i]["hidden_states"].to(getattr(torch, encoding.compute))
         assert written.dtype == states.dtype and torch.equal(written.flatten(), states.flatten()), i
+
+    # The trainers' own readers take the decoded export as any other: speculators' dataset...
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a token mismatch is only a warning there
+        theirs = speculators_data.ArrowDataset(max_len=256, datapath=str(exported), on_missing="raise")
+        items = [theirs[i] for i in range(len(theirs))]
+    assert len(items) == COUNT
+    for i, item in enumerate(items):
+        states = decoded[i]["hidden_states"].to(getattr(torch, encoding.compute))
+        assert torch.equal(item["input_ids"], decoded[i]["input_ids"].to(item["input_ids"].dtype))
+        assert torch.equal(item["hidden_states"], states[:, :-1].reshape(len(item["input_ids"]), -1))
+        assert torch.equal(item["verifier_last_hidden_states"], states[:, -1])
+    # ... and SpecForge's DFlash feature reader, batch by batch.
+    dflash = tmp_path / "dflash"
+    done = hsx("export", str(out / job), "--to", "specforge-dflash", str(dflash))
+    assert done.returncode == 0, done.stderr[-3000:]
+    by_ids = {tuple(decoded[i]["input_ids"].tolist()): decoded[i] for i in range(COUNT)}
+    batches = _specforge_batches("dflash", dflash)
+    assert len(batches) == json.loads((dflash / "hsx-export.json").read_text())["samples_exported"] > 0
+    for batch in batches:
+        ids = tuple(batch.tensors["input_ids"][0].tolist())
+        states = by_ids[ids]["hidden_states"].to(getattr(torch, encoding.compute))
+        assert torch.equal(batch.tensors["hidden_states"][0], states.reshape(len(ids), -1))
 
     # JobStream decodes as the dataset does: its epoch of the finished job, batch by batch.
     stream = JobStream(f"file://{out}/{job}", nats=nats_server.url, name=f"r{job}", token_budget=1024)
