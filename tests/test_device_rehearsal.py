@@ -171,3 +171,24 @@ def test_the_device_script_stops_at_its_check_without_boto3(bundle, device, tmp_
     assert done.returncode == 1
     assert "device bundle: boto3 is not installed (hsx-extract" in done.stdout, done.stdout
     assert not (out / "bench.log").exists()
+
+
+def test_the_wheel_holds_every_package_of_the_tree(bundle):
+    """pyproject.toml lists hsx's packages by hand (package-dir maps the service folders into
+    hsx.*): a package missing there imports from a checkout but not from the wheel that the GPU
+    machine, the images and users install."""
+    import zipfile
+
+    folders = {
+        "hsx": "hsx",
+        **{name: f"hsx.{name}" for name in ("producer", "gpu_consumer", "uploader", "monitor", "commands")},
+    }
+    tree = set()
+    for folder, package in folders.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(REPO / folder).parts
+            tree.add(".".join((package, *parts)))
+    (wheel,) = bundle.glob("hsx_extract-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    packed = {name.rsplit("/", 1)[0].replace("/", ".") for name in names if name.endswith("/__init__.py")}
+    assert tree == packed, (sorted(tree - packed), sorted(packed - tree))
