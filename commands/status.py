@@ -156,11 +156,13 @@ def format_status(view: StatusView, *, as_json: bool) -> str:
         return json.dumps(msgspec.to_builtins(view), sort_keys=True)
     state = view.state.upper() if view.state == "failed" else view.state
     if view.state == STALLED:
-        state += ": no worker alive" + (f" for {view.no_worker_alive_s:.0f} s" if view.no_worker_alive_s else "")
+        state += ": no worker alive" + (
+            f" for {view.no_worker_alive_s:.0f} s" if view.no_worker_alive_s is not None else ""
+        )
     if view.done and view.elapsed_s is not None:
-        state += f" in {_duration(view.elapsed_s)}"
+        state += f", {_duration(view.elapsed_s)} from the first sample written to the last stored"
         if view.average_samples_per_s:
-            state += f", {view.average_samples_per_s:.2f} samples/s on average"
+            state += f" ({view.average_samples_per_s:.2f} samples/s)"
     workers = ", ".join(
         f"{count} {_SERVICE_WORDS.get(service, service)}" for service, count in view.workers_alive.items()
     )

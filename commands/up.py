@@ -180,7 +180,7 @@ class UpConfig:
                 },
             ),
             uploader=child("upload", job=args.job, spool=spool),
-            monitor=child("monitor", job=args.job, until_done=True, interval_s=2.0),
+            monitor=replace(child("monitor", job=args.job, until_done=True, interval_s=2.0), leave_bar=False),
             make_model=args.model is None,
             make_dataset=args.dataset is None,
             devices=devices,
@@ -259,9 +259,14 @@ class Child:
     def poll(self) -> int | None:
         return self.process.poll() if self.process else None
 
-    def terminate(self) -> None:
+    def started(self) -> bool:
+        return self.process is not None
+
+    def terminate(self, signum: int = signal.SIGTERM) -> None:
+        """`signum` is the one up was given (Ctrl-C: SIGINT), so the child's `stopping` line
+        names what the user did."""
         if self.process and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signum)
 
     def wait(self, deadline: float) -> None:
         if not self.process:
@@ -287,12 +292,47 @@ def hsx_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "hsx.cli", *args]
 
 
-def stop_all(children: list[Child]) -> None:
+def stop_all(children: list[Child], signum: int = signal.SIGTERM) -> None:
     deadline = time.monotonic() + _STOP_DEADLINE_S
     for child in children:
-        child.terminate()
+        child.terminate(signum)
     for child in children:
         child.wait(deadline)
+
+
+async def _job_recorded(nats: NatsSettings, job: str) -> bool:
+    """Whether some producer has recorded `job`'s spec (one short look; no answer is no)."""
+    from hsx.wire.jobs import read_job_spec
+    from hsx.wire.natsconn import connect
+    from hsx.wire.topology import jobs_bucket
+
+    try:
+        nc = await connect(nats, name="hsx-up")
+    except Exception:
+        return False
+    try:
+        kv = await jobs_bucket(nc.jetstream())
+        return kv is not None and await read_job_spec(kv, job) is not None
+    except Exception:
+        return False
+    finally:
+        await nc.close()
+
+
+def _stop_line(nats: NatsSettings, job: str) -> str:
+    """Where an interrupted run stopped, and how to go on."""
+    from hsx.commands.status import read_status
+
+    try:
+        view = asyncio.run(asyncio.wait_for(read_status(nats, job), timeout=10))
+    except Exception:
+        view = None
+    if view is None or not view.exists:
+        return f"hsx up: stopped before job {job} was recorded; run the same command to resume"
+    return (
+        f"hsx up: stopped at {view.samples_uploaded:,}/{view.total_samples:,} samples stored; "
+        "run the same command to resume"
+    )
 
 
 def restart_crashed(workers: list[Child]) -> None:
@@ -309,7 +349,18 @@ def restart_crashed(workers: list[Child]) -> None:
         child.start()
 
 
+def _interrupted(signum: int, monitor: Child, nats: NatsSettings, job: str) -> int:
+    """Ctrl-C or SIGTERM: the monitor stops first (its bar leaves the terminal line), then up says
+    where the job stopped and how to resume; the caller stops the rest."""
+    monitor.terminate(signum)
+    monitor.wait(time.monotonic() + 10)
+    log.info("stopping", signal=signal.Signals(signum).name)
+    print(_stop_line(nats, job), file=sys.stderr, flush=True)
+    return 130
+
+
 def run_up(cfg: UpConfig) -> int:
+    up_started = time.monotonic()
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     logs = cfg.workdir / "logs"
     logs.mkdir(exist_ok=True)
@@ -356,9 +407,11 @@ def run_up(cfg: UpConfig) -> int:
         workers = [service(name, consumer, logs / f"{name}.log", own) for name, consumer, own in consumers] + [
             service(f"uploader-{i}", cfg.uploader, logs / f"uploader-{i}.log") for i in range(cfg.uploaders)
         ]
+        # The monitor starts once the job is recorded: before, it would only say it waits for a
+        # job that up is producing itself.
         monitor = service("monitor", cfg.monitor, None)
         children = [*workers, monitor]
-        for process in children:
+        for process in workers:
             process.start()
         if cfg.make_model:
             build_tiny_model(Path(producer_cfg.model))
@@ -375,20 +428,27 @@ def run_up(cfg: UpConfig) -> int:
         producer = service("producer", producer_cfg, logs / "producer.log")
         children.insert(0, producer)
         producer.start()
+        log.info("producing", job=producer_cfg.job, dataset=str(producer_cfg.dataset), log=str(producer.log_path))
+        looked = 0.0
         while producer.poll() is None:
             if interrupted:
-                return 130
+                return _interrupted(interrupted[0], monitor, nats, producer_cfg.job)
+            if not monitor.started() and time.monotonic() - looked > 1.0:
+                looked = time.monotonic()
+                if asyncio.run(_job_recorded(nats, producer_cfg.job)):
+                    monitor.start()
             restart_crashed(workers)
             time.sleep(0.1)
         if producer.poll() != 0:
             raise HsxError(f"producer failed: {producer.last_error()} (log: {producer.log_path})")
-        log.info("job_published", job=producer_cfg.job, dest=producer_cfg.dest)
+        log.info("job_published", job=producer_cfg.job, dest=str(producer_cfg.dest))
+        if not monitor.started():
+            monitor.start()
 
         started = time.monotonic()
         while True:
             if interrupted:
-                log.info("stopping", reason="signal")
-                return 130
+                return _interrupted(interrupted[0], monitor, nats, producer_cfg.job)
             code = monitor.poll()
             if code is not None:
                 break
@@ -403,6 +463,9 @@ def run_up(cfg: UpConfig) -> int:
 
         view = asyncio.run(read_status(nats, cfg.producer.job))
         print(format_status(view, as_json=False), flush=True)
+        print(
+            f"hsx up took {time.monotonic() - up_started:.0f} s in all: start-up, producing and extracting", flush=True
+        )
         if monitor.poll() != 0 or not view.done:
             if view.destination_refusals:
                 # Stopping the uploaders leaves their files in the spool: a run after the fix resumes.
@@ -416,7 +479,7 @@ def run_up(cfg: UpConfig) -> int:
             )
         return 0
     finally:
-        stop_all(children)
+        stop_all(children, interrupted[0] if interrupted else signal.SIGTERM)
         if server is not None:
             server.stop()
         for sig, handler in previous.items():

@@ -131,6 +131,14 @@ class TerminalBar:
             self.stream.write(_CLEAR_LINE + text.rstrip("\n") + "\n" + self.line + ("\r" if self.line else ""))
             self.stream.flush()
 
+    def clear(self) -> None:
+        """Take the drawing off the screen (`hsx up` says the result itself)."""
+        with self._lock:
+            if self.line:
+                self.stream.write(_CLEAR_LINE)
+                self.stream.flush()
+            self.line = ""
+
     def finish(self) -> None:
         """Leave the last drawing on screen and move below it."""
         with self._lock:

@@ -16,6 +16,8 @@ MONITOR_FORMATS = ("auto", "bar", "json")
 class MonitorConfig:
     nats: NatsSettings
     log_level: str = "info"  # the global --log-level
+    # No flag: `hsx up` runs its monitor with False and prints the result itself, once.
+    leave_bar: bool = True
     job: str = option(
         "--job", parse=job_name, job=True, file_key="name", example="qwen27b-l5", help="the job to follow"
     )

@@ -67,7 +67,7 @@ async def run(cfg: MonitorConfig) -> int:
         return await _follow(cfg, bar, collector)
     finally:
         if bar is not None:
-            bar.finish()
+            bar.finish() if cfg.leave_bar else bar.clear()
         if server is not None:
             server.shutdown()
             server.server_close()

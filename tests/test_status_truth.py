@@ -161,7 +161,7 @@ def test_waiting_then_running_then_stalled_then_done_and_no_ghosts(
     assert view["elapsed_s"] > 0 and view["finished_at"] >= view["started_at"], view
     assert abs(view["average_samples_per_s"] - count / view["elapsed_s"]) < 0.01, view
     text = check_ok(hsx("status", "--job", job), "hsx status").stdout
-    assert f"job {job}: done in " in text and "samples/s on average" in text, text
+    assert f"job {job}: done, " in text and "from the first sample written to the last stored (" in text, text
     for uploader in uploaders:
         uploader.send_signal(signal.SIGTERM)
         assert uploader.wait(timeout=60) == 0, logs_of(uploader)

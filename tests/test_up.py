@@ -3,6 +3,7 @@ synthetic dataset, a local destination. Also: a second run on the same workdir r
 redoes nothing; Ctrl-C stops every process and a later run finishes the job."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -163,3 +164,59 @@ def test_a_model_loaded_early_is_kept_only_for_the_spec_it_serves(tiny_model):
     assert kept is early_model and kept.tap.layers == [1, last]
     other, early_model = asyncio.run(serve([1]))
     assert other is not early_model and other.tap.layers == [1]
+
+
+def test_ctrl_c_in_a_terminal_leaves_a_readable_screen_saying_where_it_stopped(tmp_path):
+    """`hsx up` in a pseudo-terminal (the progress bar drawn), Ctrl-C typed once the job runs: the
+    screen, as a terminal emulator (pyte) shows it, has no log line written over the bar, the
+    workers' `stopping` names the signal typed (SIGINT), and the last line says where the job
+    stopped and how to resume."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    import pyte
+
+    columns, rows = 160, 60
+    screen = pyte.Screen(columns, rows)
+    stream = pyte.ByteStream(screen)
+    argv = [sys.executable, "-m", "hsx.cli", "up", "--workdir", str(tmp_path / "work"), "--samples", "5000"]
+    argv += ["--layers", "1,3", "--token-budget", "512", "--max-seq-len", "256"]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a session of its own on the terminal, as a shell would start it
+        os.chdir(tmp_path)
+        os.execve(sys.executable, argv, {**clean_environ(), "PYTHONUNBUFFERED": "1", "COLUMNS": str(columns)})
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    output = bytearray()
+
+    def read_for(seconds: float, until: bytes | None = None) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not (until and until in output):
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # the child is gone
+                return
+            if not chunk:
+                return
+            output.extend(chunk)
+
+    try:
+        read_for(150, until=b"batches ")  # the bar is drawn: batches are being done
+        assert b"batches " in output, output.decode(errors="replace")[-3000:]
+        os.write(fd, b"\x03")  # Ctrl-C, through the terminal driver: SIGINT to the foreground group
+        read_for(120)
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    stream.feed(bytes(output))
+    lines = [line.rstrip() for line in screen.display if line.strip()]
+    text = "\n".join(lines)
+    assert os.waitstatus_to_exitcode(status) == 130, text
+    assert "SIGTERM" not in text and "signal=SIGINT" in text, text
+    # No log line shares its row with the bar's remains ("| batches 3/65").
+    assert not [line for line in lines if "[info" in line and "| batches" in line], text
+    assert re.fullmatch(r"hsx up: stopped at [\d,]+/5,000 samples stored; run the same command to resume", lines[-1]), (
+        text
+    )
