@@ -78,6 +78,8 @@ def measure_states(spec: schemas.JobSpec, rows: SampleTable, device: str) -> Mea
     encoding = encodings.of_spec(spec.dtype)
     if not isinstance(encoding, CompressedEncoding):
         raise ValueError(f"{spec.dtype} is not a compressed encoding: its size is exact")
+    if len(rows) == 0:
+        raise NotMeasured("the job has no samples to measure")
     if importlib.util.find_spec("torch") is None:
         raise NotMeasured("torch is not installed here (a producer-only install; hsx-extract[gpu] has it)")
     import torch
