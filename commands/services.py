@@ -111,8 +111,11 @@ def in_this_process(cfg: ServiceConfig) -> ServiceConfig:
 def run_service(cfg: ServiceConfig) -> int:
     """Runs the service of `cfg` until it stops; its exit code."""
     if isinstance(cfg, ProducerConfig):
+        from hsx.commands.measure import measure_states
         from hsx.producer.main import run
-    elif isinstance(cfg, ConsumerConfig):
+
+        return asyncio.run(run(cfg, measure=measure_states))
+    if isinstance(cfg, ConsumerConfig):
         from hsx.gpu_consumer.main import run
     elif isinstance(cfg, UploaderConfig):
         from hsx.uploader.main import run

@@ -175,6 +175,44 @@ def peak_host_rss_bytes() -> int | None:
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
+def _hub(trust_remote_code: bool, revision: str | None) -> dict:
+    return {
+        "local_files_only": True,
+        "trust_remote_code": trust_remote_code,
+        **({"revision": revision} if revision else {}),
+    }
+
+
+def _resolve(path: str, layers: list[Layer], hub: dict) -> tuple[object, type, Trunk]:
+    """The config, the causal LM class and the trunk of the model at `path` for `layers`."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, **hub)
+    revision = hub.get("revision")
+    model_class, config = causal_lm_class(config, path, trust_remote_code=hub["trust_remote_code"], revision=revision)
+    return config, model_class, Trunk.of(layers, int(config.get_text_config().num_hidden_layers))
+
+
+def _load_failed(path: str, exc: Exception) -> HsxError:
+    if "trust_remote_code" in str(exc):
+        return remote_code_refused(path)
+    return HsxError(f"model {path}: cannot load ({str(exc).splitlines()[0]})")
+
+
+def trunk_weight_bytes(
+    path: str, *, layers: list[Layer], dtype: torch.dtype, trust_remote_code: bool = False, revision: str | None = None
+) -> int:
+    """The bytes of the weights `load_trunk` would load for `layers` in `dtype`: the trunk built
+    on the meta device, no weight read (what a caller asks before deciding to load it)."""
+    try:
+        config, model_class, trunk = _resolve(path, layers, _hub(trust_remote_code, revision))
+        with torch.device("meta"):
+            model = trunk_class(model_class, trunk)._from_config(config, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise _load_failed(path, exc) from None
+    return _weight_bytes(model)
+
+
 def load_trunk(
     path: str,
     *,
@@ -188,18 +226,10 @@ def load_trunk(
     """The model at `path` with only what `layers` runs, its weights on `device` in `dtype`, in
     eval mode without gradients. A checkpoint that lacks a weight the trunk needs is refused: its
     states would come from a randomly initialised weight."""
-    from transformers import AutoConfig
-
     started = time.monotonic()
-    hub = {
-        "local_files_only": True,
-        "trust_remote_code": trust_remote_code,
-        **({"revision": revision} if revision else {}),
-    }
+    hub = _hub(trust_remote_code, revision)
     try:
-        config = AutoConfig.from_pretrained(path, **hub)
-        model_class, config = causal_lm_class(config, path, trust_remote_code=trust_remote_code, revision=revision)
-        trunk = Trunk.of(layers, int(config.get_text_config().num_hidden_layers))
+        config, model_class, trunk = _resolve(path, layers, hub)
         # transformers takes a device_map only with accelerate installed; without one, it loads to the CPU.
         mapped = importlib.util.find_spec("accelerate") is not None
         direct = mapped or device.type == "cpu"
@@ -216,9 +246,7 @@ def load_trunk(
             **({"device_map": {"": device}} if mapped else {}),
         )
     except (OSError, ValueError) as exc:
-        if "trust_remote_code" in str(exc):
-            raise remote_code_refused(path) from None
-        raise HsxError(f"model {path}: cannot load ({str(exc).splitlines()[0]})") from None
+        raise _load_failed(path, exc) from None
     missing = sorted(info.get("missing_keys") or ())
     if missing:
         raise HsxError(

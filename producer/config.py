@@ -258,6 +258,16 @@ class ProducerConfig:
         command_line_only=True,
         help="with --dry-run --rate: GPUs the job runs on (default %(default)s)",
     )
+    estimate_device: str = option(
+        "--estimate-device",
+        default="cpu",
+        command_line_only=True,
+        example="cuda:0",
+        help="with --dry-run and a compressed --dtype: the torch device that runs the model's trunk on a sample "
+        "of the job's tokens, to measure how its states compress (default %(default)s; none: do not measure; "
+        "without torch, or for a trunk larger than half the device's free memory, the dry run gives the bound "
+        "alone and says why)",
+    )
     # Servers of a JetStream cluster holding each hsx stream and bucket; None keeps what exists
     # (R1 when creating). docs/OPERATIONS.md, Multi-node.
     replicas: int | None = option(
@@ -279,6 +289,7 @@ class ProducerConfig:
                     ("--max-payload", self.max_payload is not None),
                     ("--rate", self.rate is not None),
                     ("--gpus", self.gpus != 1),
+                    ("--estimate-device", self.estimate_device != "cpu"),
                 )
                 if value
             ]

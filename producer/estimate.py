@@ -5,6 +5,11 @@ and layout.py's own code, without making a tensor), the job bundle's files (`bun
 largest batch, the hours at a given rate (`estimate_job`), and a local destination's free space
 against what the job needs (`free_space`, `check_free_space`). It writes nothing anywhere.
 
+A compressed encoding's files are sized exactly but for their states, whose compressed size
+is bounded (incompressible states); given the ratio producer/measure.py measured on a sample
+of the job's own states, `estimated_bytes` scales the states by it, the rest of each file kept
+exact. The free space is checked against the bound, the safe side.
+
 `hsx produce --dry-run` prints the estimate (`format_estimate`); a real run refuses a local
 destination too small for the job with `check_free_space`. docs/OPERATIONS.md, "Planning a big
 job: the dry run".
@@ -24,7 +29,9 @@ import pyarrow.compute as pc
 from hsx.errors import HsxError
 from hsx.packing import PlannedBatch
 from hsx.producer.bundle import PLAN_FILE, REPORT_FILE, SPEC_FILE, plan_document
+from hsx.producer.measure import Measured
 from hsx.storage import encodings, samplefile
+from hsx.storage.encodings.compressed import CompressedEncoding, compressed_bound
 from hsx.storage.fsutil import free_bytes, human_bytes
 from hsx.storage.index import INDEX_FILE, make_index
 from hsx.storage.layout import TOKENS_FILE, sample_metadata, sample_tensor_shapes
@@ -99,6 +106,20 @@ def _json_lengths(names: pa.Array) -> np.ndarray:
     for i in escaped.tolist():
         lengths[i] = len(json.dumps(names[i].as_py(), ensure_ascii=False).encode())
     return lengths
+
+
+def estimated_bytes(spec: schemas.JobSpec, rows: SampleTable, *, bound: int, ratio: float) -> int:
+    """A compressed job's sample files, `bound` bytes at most (`sample_file_sizes`' sum), with its
+    states at `ratio` of their uncompressed bytes: each file's bound on its compressed states is
+    replaced by its states' bytes x `ratio`; headers and other tensors stay as sized."""
+    encoding = encodings.of_spec(spec.dtype)
+    assert isinstance(encoding, CompressedEncoding), spec.dtype
+    lengths, counts = np.unique(rows.lengths, return_counts=True)
+    saved = 0.0
+    for tokens, count in zip(lengths.tolist(), counts.tolist()):
+        states = encoding.states_bytes(tokens, len(spec.layers), spec.hidden_size)
+        saved += count * (compressed_bound(states) - ratio * states)
+    return round(bound - saved)
 
 
 class _Counter(io.RawIOBase):
@@ -222,8 +243,14 @@ class JobEstimate:
     batches: int
     largest_batch: LargestBatch
     files: int
-    bytes: int  # the sample files, as the destination will hold them (at most, when not bytes_exact)
-    bytes_exact: bool  # False for a compressed encoding: `bytes` is its bound (incompressible states)
+    # The sample files, as the destination will hold them: exact, or for a compressed encoding
+    # (bytes_exact False) an estimate when bytes_estimated_from says what it was measured on,
+    # else bytes_bound, with the reason it was not measured in bytes_not_estimated.
+    bytes: int
+    bytes_exact: bool
+    bytes_bound: int  # at most this many (incompressible states); `bytes` when exact
+    bytes_estimated_from: Measured | None
+    bytes_not_estimated: str | None
     bundle_bytes: int
     bundle: dict[str, int]
     max_payload: int  # what the descriptors were checked against
@@ -259,9 +286,19 @@ def estimate_job(
     rate: float | None,
     gpus: int,
     dest: Location,
+    measured: Measured | None = None,
+    not_measured: str | None = None,
 ) -> JobEstimate:
+    """`measured`: how a compressed job's states compress (producer/measure.py), or None with
+    the reason in `not_measured`."""
     sizes = sample_file_sizes(rows, spec)
     total = int(sizes.sum())
+    exact = encodings.of_spec(spec.dtype).exact_size
+    if exact or measured is None:
+        measured = None
+        guess = total
+    else:
+        guess = estimated_bytes(spec, rows, bound=total, ratio=measured.ratio)
     bundle = bundle_sizes(spec, rows, batches, max_batch_size=max_batch_size, report=report, file_sizes=sizes)
     bundle_total = sum(bundle.values())
     return JobEstimate(
@@ -272,14 +309,18 @@ def estimate_job(
         batches=len(batches),
         largest_batch=largest_batch(batches, rows, sizes),
         files=len(rows),
-        bytes=total,
-        bytes_exact=encodings.of_spec(spec.dtype).exact_size,
+        bytes=guess,
+        bytes_exact=exact,
+        bytes_bound=total,
+        bytes_estimated_from=measured,
+        bytes_not_estimated=None if exact else not_measured,
         bundle_bytes=bundle_total,
         bundle=bundle,
         max_payload=max_payload,
         rate=rate,
         gpus=gpus,
         hours=rows.total_tokens / (rate * gpus) / 3600 if rate else None,
+        # The bound: a disk filled past the estimate fails in the uploaders, long after this.
         free_space=free_space(dest, spec.job, job_bytes=total + bundle_total),
     )
 
@@ -288,26 +329,47 @@ def format_estimate(estimate: JobEstimate, *, as_json: bool) -> str:
     if as_json:
         return json.dumps(asdict(estimate) | {"free_space_ok": _fits(estimate)})
     largest = estimate.largest_batch
+    at_most = "" if estimate.bytes_exact else "at most "
     lines = [
         f"job {estimate.job} (dry run: nothing published): {estimate.samples} samples, {estimate.tokens} tokens, "
         f"{estimate.batches} batches",
-        f"  sample files: {estimate.files}, {'' if estimate.bytes_exact else 'at most '}{human_bytes(estimate.bytes)}"
-        f" ({estimate.bytes} bytes) at {estimate.dtype}"
-        + ("" if estimate.bytes_exact else " (a bound: compressed files are smaller, by how the states compress)"),
+        *_sample_files(estimate),
         f"  job bundle (_hsx/): {human_bytes(estimate.bundle_bytes)} ({estimate.bundle_bytes} bytes)",
         f"  largest batch: {largest.samples} samples, {largest.tokens} tokens ({largest.padded_tokens} padded), "
-        f"{human_bytes(largest.bytes)} of files (a consumer's spool needs its --spool-high-water plus one or two of these)",
+        f"{at_most}{human_bytes(largest.bytes)} of files (a consumer's spool needs its --spool-high-water plus one or "
+        "two of these)",
     ]
     if estimate.hours is not None:
         lines.append(f"  time: {_hours(estimate.hours)} at {estimate.rate:g} tokens/s per GPU on {estimate.gpus} GPUs")
     room = estimate.free_space
     if room is not None:
         verdict = "fits" if room.fits else f"does NOT fit: a real run is refused unless {IGNORE_FREE_SPACE_FLAG}"
+        bound = "" if estimate.bytes_exact else " (the bound: the safe side)"
         lines.append(
-            f"  destination: needs {human_bytes(room.needed)}, {human_bytes(room.free)} free at {room.measured}: "
-            + verdict
+            f"  destination: needs {human_bytes(room.needed)}{bound}, {human_bytes(room.free)} free at "
+            f"{room.measured}: {verdict}"
         )
     return "\n".join(lines)
+
+
+def _sample_files(estimate: JobEstimate) -> list[str]:
+    files = f"  sample files: {estimate.files}, "
+    if estimate.bytes_exact:
+        return [f"{files}{human_bytes(estimate.bytes)} ({estimate.bytes} bytes) at {estimate.dtype}"]
+    bound = f"{human_bytes(estimate.bytes_bound)} ({estimate.bytes_bound} bytes)"
+    measured = estimate.bytes_estimated_from
+    if measured is None:
+        return [
+            f"{files}at most {bound} at {estimate.dtype} (a bound: compressed files are smaller, by how the "
+            "states compress)",
+            f"  not estimated: {estimate.bytes_not_estimated}",
+        ]
+    return [
+        f"{files}about {human_bytes(estimate.bytes)} ({estimate.bytes} bytes) at {estimate.dtype}, an estimate: "
+        f"the states of {measured.samples} of its samples ({measured.tokens} tokens, run on {measured.device}) "
+        f"compressed to {measured.ratio:.3f} of their bytes",
+        f"  sample files at most: {bound} (the bound: states that do not compress)",
+    ]
 
 
 def _hours(hours: float) -> str:

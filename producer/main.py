@@ -9,6 +9,7 @@ Re-runs, replacement and resume: docs/ARCHITECTURE.md, "Module notes"."""
 import asyncio
 import hashlib
 import time
+from dataclasses import asdict
 
 import msgspec
 import numpy as np
@@ -29,9 +30,11 @@ from hsx.producer.estimate import (
     sample_file_sizes,
 )
 from hsx.producer.inputs import Inputs, check_vocab, report_document
+from hsx.producer.measure import NO_MEASURE, Measure, NotMeasured
 from hsx.producer.rounds import RoundReader, read_inputs, round_fingerprint
 from hsx.producer.sources import dataset_digest
 from hsx.producer.specrecord import SpecChanged, SpecRecord
+from hsx.storage import encodings
 from hsx.storage.sampledigest import table_digests
 from hsx.storage.tokens import SampleTable, report_object_name, tokens_object_name
 from hsx.wire import schemas, topology
@@ -136,12 +139,13 @@ async def _publish_batches(
     return published, duplicates
 
 
-async def run(cfg: ProducerConfig) -> int:
+async def run(cfg: ProducerConfig, *, measure: Measure | None = None) -> int:
+    """`measure`: how a dry run measures a compressed job's states (hsx/commands/measure.py)."""
     started = time.monotonic()
     info = load_model_info(cfg.model, trust_remote_code=cfg.trust_remote_code)
     layers = resolve_layers(cfg.layers, info.num_layers, model=cfg.model)
     if cfg.dry_run:
-        return await _dry_run(cfg, info, layers)
+        return await _dry_run(cfg, info, layers, measure)
     # Reach NATS first: an unreachable server is reported at once, not after reading a big dataset.
     nc = await connect(cfg.nats, name=f"hsx-producer-{cfg.job}")
     try:
@@ -168,10 +172,12 @@ def _estimate(
     existing: schemas.JobSpec | None,
     *,
     max_payload: int,
+    measure: Measure | None = None,
 ) -> JobEstimate:
     """The job sized (producer/estimate.py) from its spec as it will be, but for the stored
     objects' names and the dataset's digest, which only the bundle's job.json holds (their length,
-    not their value, counts; reading the dataset again for its digest would not)."""
+    not their value, counts; reading the dataset again for its digest would not). With
+    `measure` (a dry run's), a compressed job's states are measured on --estimate-device."""
     spec = _job_spec(
         cfg,
         info,
@@ -185,6 +191,16 @@ def _estimate(
         dataset_digest="0" * 64,
         **_input_counts(cfg, inputs, existing),
     )
+    measured = not_measured = None
+    if measure is not None and cfg.estimate_device == NO_MEASURE:
+        not_measured = f"--estimate-device {NO_MEASURE}"
+    elif measure is not None and not encodings.of_spec(spec.dtype).exact_size:
+        try:
+            measured = measure(spec, rows, cfg.estimate_device)
+            log.info("states_measured", job=cfg.job, **asdict(measured))
+        except NotMeasured as exc:
+            not_measured = str(exc)
+            log.warning("states_not_measured", job=cfg.job, reason=not_measured)
     return estimate_job(
         spec,
         rows,
@@ -195,6 +211,8 @@ def _estimate(
         rate=cfg.rate,
         gpus=cfg.gpus,
         dest=cfg.dest,
+        measured=measured,
+        not_measured=not_measured,
     )
 
 
@@ -208,7 +226,7 @@ def _check_free_space(cfg: ProducerConfig, *args, max_payload: int) -> None:
     check_free_space(room)
 
 
-async def _dry_run(cfg: ProducerConfig, info, layers: list[Layer]) -> int:
+async def _dry_run(cfg: ProducerConfig, info, layers: list[Layer], measure: Measure | None) -> int:
     """`--dry-run`: the inputs read and planned as a run would, the plan's descriptors checked
     against --max-payload, the job sized and printed. No NATS: nothing is published, stored,
     claimed or written."""
@@ -226,12 +244,26 @@ async def _dry_run(cfg: ProducerConfig, info, layers: list[Layer]) -> int:
             max_seq_len=cfg.max_seq_len,
         )
         estimate = await asyncio.to_thread(
-            _estimate, cfg, info, layers, fingerprint, rows, batches, inputs, None, max_payload=max_payload
+            _estimate,
+            cfg,
+            info,
+            layers,
+            fingerprint,
+            rows,
+            batches,
+            inputs,
+            None,
+            max_payload=max_payload,
+            measure=measure or _no_measure,
         )
     finally:
         rows.close()
     print(format_estimate(estimate, as_json=cfg.as_json), flush=True)
     return 0
+
+
+def _no_measure(spec: schemas.JobSpec, rows: SampleTable, device: str):
+    raise NotMeasured("this producer was started without a measurement (hsx produce hands it one)")
 
 
 def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:

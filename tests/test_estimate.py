@@ -6,6 +6,12 @@
 - A float8 dry run's `bytes` matches the files a real run (`hsx up`, file destination) then
   writes, and its bundle estimate the bundle; the dry run needs no NATS server.
 - A dry run publishes, stores and writes nothing, and prints the hours at --rate on --gpus.
+- A compressed job's estimate, measured on a sample of its tokens (producer/measure.py draws it,
+  hsx/commands/measure.py runs it), is within 5% of the files the consumer's code writes for all
+  of them; the measured samples are spread over the lengths, at most SAMPLE_TOKENS, the same
+  every time. Where it cannot measure (no torch, a device torch cannot use, a trunk over the
+  memory limit) or is told not to (--estimate-device none) the dry run gives the bound and says
+  why in one line.
 - A real run whose local destination lacks room is refused in one line before anything is
   published; --ignore-free-space runs it anyway. The small disk is a real 256 KiB tmpfs where this
   process may mount one, else the free-space probe reports 256 KiB (the producer runs in this
@@ -20,14 +26,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
+import numpy as np
 import pytest
 import torch
 from conftest import clean_environ
 from test_cli_errors import _state, assert_one_line_error
 from test_e2e_s3 import check_ok, write_dataset
 
+from hsx.commands import measure as measuring
+from hsx.gpu_consumer.extract import extract_samples
+from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.writer import write_sample_file
-from hsx.producer import estimate
+from hsx.producer import estimate, measure
 from hsx.storage import encodings
 from hsx.storage.layout import BUNDLE_DIR
 from hsx.storage.location import Location
@@ -96,6 +107,88 @@ def test_each_estimated_file_size_is_the_written_size(dtype, tmp_path):
         else:
             assert ready.size <= sizes[i], i
     rows.close()
+
+
+COMPRESSED = [encoding.stored for encoding in encodings.ENCODINGS.values() if not encoding.exact_size]
+
+
+def test_the_measured_samples_are_spread_over_the_lengths_and_seeded():
+    lengths = np.random.default_rng(2).integers(1, 400, 5000)
+    picked = measure.pick_samples(lengths)
+    assert 1 < len(picked) and lengths[picked].sum() <= measure.SAMPLE_TOKENS
+    assert np.array_equal(picked, measure.pick_samples(lengths))
+    assert np.array_equal(picked, np.unique(picked))
+    # One drawn from each stratum of lengths: the short, the middle and the long are all there.
+    quartiles = np.quantile(lengths, [0.25, 0.5, 0.75])
+    assert len(set(np.searchsorted(quartiles, lengths[picked]).tolist())) == 4
+    assert len(measure.pick_samples(np.array([5000, 6000]))) == 1  # one, even over the tokens
+    assert len(measure.pick_samples(np.array([3, 4, 5]))) == 3
+
+
+@pytest.mark.parametrize("dtype", COMPRESSED)
+def test_a_measured_estimate_is_within_5_percent_of_the_written_files(dtype, tiny_model, tmp_path):
+    """A job of more tokens than are measured: the estimate from its measured samples against
+    every file written from the states the consumer's code computes for all of its samples."""
+    rng = np.random.default_rng(5)
+    builder = SampleTableBuilder()
+    for i in range(90):
+        ids = rng.integers(0, 512, int(rng.integers(4, 128))).tolist()
+        builder.add_row(TokenRow(where=f"d:{i}", source_id=f"row-{i}", input_ids=ids, loss_mask=None))
+    rows = builder.finish()
+    model = str(tiny_model("qwen3"))
+    spec = msgspec.structs.replace(_spec(dtype, rows), model=model, model_revision="local", layers=[1, 3])
+    measured = measuring.measure_states(spec, rows, device="cpu")
+    assert measured.tokens <= measure.SAMPLE_TOKENS < rows.total_tokens / 2 and measured.samples < len(rows)
+    bound = int(estimate.sample_file_sizes(rows, spec).sum())
+    guess = estimate.estimated_bytes(spec, rows, bound=bound, ratio=measured.ratio)
+
+    encoding = encodings.of_spec(dtype)
+    loaded = load_model(model, layers=spec.layers, dtype=dtype, device="cpu")
+    written = 0
+    for start in range(0, len(rows), 8):
+        batch = [rows.sample(i) for i in range(start, min(start + 8, len(rows)))]
+        for sample, states in zip(batch, extract_samples(loaded, batch, float8=encoding.quantized_on_device)):
+            ready = write_sample_file(
+                spool=tmp_path, spec=spec, node="n", batch_id="b", sample=sample, hidden_states=states
+            )
+            written += ready.size
+    rows.close()
+    print(f"{dtype}: {measured}; estimate {guess}, bound {bound}, written {written} bytes")
+    assert written <= bound
+    assert abs(guess - written) <= written * 0.05
+
+
+def test_without_torch_the_states_are_not_measured(monkeypatch):
+    rows = _table(3)
+    monkeypatch.setitem(sys.modules, "torch", None)  # as on a producer-only install: find_spec gives None
+    with pytest.raises(measuring.NotMeasured, match=r"^torch is not installed here \(a producer-only install"):
+        measuring.measure_states(_spec("bfloat16-zstd", rows), rows, device="cpu")
+    rows.close()
+
+
+@pytest.mark.parametrize(
+    ("device", "reason"),
+    [
+        ("cpu", "not estimated: the model's trunk for these layers is "),
+        ("meta", "not estimated: --estimate-device meta: the meta device holds no data to extract"),
+        ("none", "not estimated: --estimate-device none"),
+    ],
+)
+def test_a_dry_run_that_cannot_measure_gives_the_bound_and_says_why(
+    device, reason, hsx, tiny_model, job_name, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(measuring, "MEMORY_FRACTION", 1e-6)  # the trunk is over the limit on any host
+    dataset = tmp_path / "data.jsonl"
+    write_dataset(dataset, 4, min_len=3, max_len=60, seed=2)
+    args = _produce(tiny_model("qwen3"), dataset, tmp_path / "out", job_name, "--dtype", "float8-zstd", "--dry-run")
+    args += ["--estimate-device", device]
+    text = check_ok(hsx(*args), "dry run").stdout
+    assert "sample files: 4, at most " in text and "(a bound: " in text, text
+    [line] = [line for line in text.splitlines() if "not estimated" in line]
+    assert line.strip().startswith(reason), line
+    planned = json.loads(check_ok(hsx(*args, "--json"), "dry run --json").stdout)
+    assert planned["bytes"] == planned["bytes_bound"] and planned["bytes_estimated_from"] is None, planned
+    assert line.strip() == f"not estimated: {planned['bytes_not_estimated']}"
 
 
 def test_free_space_is_the_nearest_existing_folders(tmp_path):
@@ -184,6 +277,8 @@ def test_dry_run_publishes_nothing_and_gives_the_hours(hsx, nats_server, tiny_mo
 
     wrong = hsx(*_produce(model, dataset, dest, job_name, "--rate", "100"))
     assert_one_line_error(wrong, "--rate", "--dry-run")
+    wrong = hsx(*_produce(model, dataset, dest, job_name, "--estimate-device", "cuda:0"))
+    assert_one_line_error(wrong, "--estimate-device", "--dry-run")
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """A job stored with each lossless encoding (every registered encoding whose size is a bound)
 runs through the real pipeline (produce -> consume on CPU -> upload to a file:// destination),
-its dry run giving a bound the files keep to and saying so:
+its dry run giving an estimate measured on the job's own states, within 5% of the bytes the files
+take, and a bound they keep to, and saying which is which:
 `HiddenStateDataset` reads its states back decoded, in the stored dtype of the encoding it
 compresses, as `JobStream` does, `hsx verify --recompute` passes within the encoding's
 tolerance, and `hsx export` writes the decoded states, which speculators' `ArrowDataset` and
@@ -21,6 +22,7 @@ from test_jobstream import _Reading, _samples_of
 from hsx.producer import estimate
 from hsx.storage import encodings
 from hsx.storage.encodings.base import HIDDEN
+from hsx.storage.fsutil import human_bytes
 from hsx.storage.reader import HiddenStateDataset, JobStream
 
 COUNT = 8
@@ -37,9 +39,13 @@ def test_a_lossless_job_reads_back_and_verifies(name, hsx, hsx_service, tiny_mod
     assert dry.returncode == 0, dry.stderr[-3000:]
     planned = json.loads(dry.stdout)
     assert planned["bytes_exact"] is False and planned["dtype"] == name, planned
+    measured = planned["bytes_estimated_from"]
+    assert measured["samples"] == COUNT and measured["device"] == "cpu", planned  # every sample: < 2,048 tokens
+    assert planned["bytes"] < planned["bytes_bound"] and planned["bytes_not_estimated"] is None, planned
     planned.pop("free_space_ok")
     text = estimate.format_estimate(msgspec.convert(planned, estimate.JobEstimate), as_json=False)
-    assert f"sample files: {COUNT}, at most " in text and "a bound" in text, text
+    assert f"sample files: {COUNT}, about " in text and "an estimate" in text, text
+    assert f"at most: {human_bytes(planned['bytes_bound'])}" in text and "(the bound" in text, text
     produce(
         hsx,
         job=job,
@@ -58,7 +64,9 @@ def test_a_lossless_job_reads_back_and_verifies(name, hsx, hsx_service, tiny_mod
     ]
     wait_until_done(start_monitor(hsx_service, job, None), workers)
     written = sum(path.stat().st_size for path in (out / job).glob("0*/*.safetensors"))
-    assert 0 < written <= planned["bytes"], (written, planned["bytes"])
+    print(f"{name}: estimate {planned['bytes']}, bound {planned['bytes_bound']}, written {written} bytes")
+    assert 0 < written <= planned["bytes_bound"], (written, planned)
+    assert abs(planned["bytes"] - written) <= written * 0.05, (written, planned)
 
     dataset = HiddenStateDataset(str(out / job), dequantize=False)
     assert len(dataset) == COUNT

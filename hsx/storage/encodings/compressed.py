@@ -94,10 +94,15 @@ class CompressedEncoding(Encoding):
     def _stored(self, tokens: int, layers: int, hidden: int) -> tuple[str, list[int]]:
         return self.inner.file_tensors(tokens, layers, hidden)[HIDDEN]
 
+    def states_bytes(self, tokens: int, layers: int, hidden: int) -> int:
+        """The bytes of a file's states before they are compressed (what `compress` takes)."""
+        dtype, shape = self._stored(tokens, layers, hidden)
+        return math.prod(shape) * samplefile.element_size(dtype)
+
     def file_tensors(self, tokens: int, layers: int, hidden: int) -> TensorShapes:
         shapes = self.inner.file_tensors(tokens, layers, hidden)
-        dtype, shape = shapes.pop(HIDDEN)
-        shapes[COMPRESSED] = ("uint8", [compressed_bound(math.prod(shape) * samplefile.element_size(dtype))])
+        del shapes[HIDDEN]
+        shapes[COMPRESSED] = ("uint8", [compressed_bound(self.states_bytes(tokens, layers, hidden))])
         return shapes
 
     def file_metadata(self, tokens: int, layers: int, hidden: int) -> dict[str, str]:
