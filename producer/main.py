@@ -486,6 +486,7 @@ async def _plan_and_publish(
         if owner is not None:
             await _remove_replaced(cfg, owner, plan)
         await _write_bundle(js, existing, batches, max_batch_size=cfg.max_batch_size)
+        _say_published(cfg, existing, new=0)
         return 0
     # Everything that can refuse the job, before anything of it is written.
     checked = await asyncio.to_thread(
@@ -561,7 +562,21 @@ async def _plan_and_publish(
         seconds=round(time.monotonic() - started, 2),
     )
     await _write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
+    _say_published(cfg, spec, new=published + republished)
     return 0
+
+
+def _say_published(cfg: ProducerConfig, spec: schemas.JobSpec, *, new: int) -> None:
+    """The run's result for a person, on stdout (the log is on stderr): what is queued and what
+    to start next."""
+    sent = f"{new:,} published now" if new else "nothing new to publish"
+    print(
+        f"job {cfg.job}: {spec.total_batches:,} batches of {spec.total_samples:,} samples "
+        f"({spec.total_tokens:,} tokens) queued or done, {sent}; output to {spec.dest}\n"
+        f"next, one per GPU: hsx consume --job {cfg.job} --device cuda:0 --spool DIR; on each node: "
+        f"hsx upload --job {cfg.job} --spool DIR; to follow it: hsx monitor --job {cfg.job}",
+        flush=True,
+    )
 
 
 async def _write_bundle(js, spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_batch_size) -> None:
@@ -830,6 +845,7 @@ async def _publish_rounds(
             seconds=round(time.monotonic() - started, 2),
         )
         await _write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
+        _say_published(cfg, spec, new=totals["new"])
         return 0
     except NATS_OUTAGE_ERRORS as exc:
         # Past the outage budget of a step: the spec says why the producer stopped, if NATS answers

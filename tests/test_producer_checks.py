@@ -394,3 +394,23 @@ async def _republish(url: str, job: str, batches: list[tuple[int, str, bytes]]) 
             assert not ack.duplicate
     finally:
         await nc.close()
+
+
+def test_produce_ends_with_a_line_for_a_person_on_stdout(tmp_path, hsx, tiny_model, job_name):
+    """Without a terminal the log is JSON on stderr; stdout holds the result in words, and the
+    commands to start next (issue 38, item 5). A rerun says it published nothing new."""
+    write_dataset(tmp_path / "data.jsonl", 40, min_len=16, max_len=64, seed=4)
+    args = _produce_args(
+        job_name, tiny_model("qwen3"), tmp_path / "data.jsonl", str(tmp_path / "out"), budget=1024, max_seq_len=64
+    )
+    first = check_ok(hsx(*args), "produce")
+    lines = first.stdout.splitlines()
+    assert re.fullmatch(
+        rf"job {job_name}: \d+ batches of 40 samples \([\d,]+ tokens\) queued or done, \d+ published now; "
+        r"output to file:///\S+",
+        lines[0],
+    ), first.stdout
+    assert lines[1].startswith(f"next, one per GPU: hsx consume --job {job_name} --device cuda:0"), first.stdout
+    assert len(lines) == 2 and all(line.startswith("{") for line in first.stderr.splitlines() if line), first.stderr
+    again = check_ok(hsx(*args), "the rerun")
+    assert "queued or done, nothing new to publish;" in again.stdout.splitlines()[0], again.stdout
