@@ -639,7 +639,7 @@ def test_s3_outage_uploads_retry_consumer_pauses_monitor_reports_nothing_lost(
     def degraded() -> bool:
         return (
             seen(consumer, "spool_high_water_paused")
-            and seen(uploader, "upload_retry")
+            and seen(uploader, "destination_unreachable")
             and seen(monitor, "worker_degraded", service="gpu_consumer", state="paused")
             and seen(monitor, "worker_degraded", service="uploader", state="retrying")
         )
@@ -688,6 +688,12 @@ def test_s3_outage_uploads_retry_consumer_pauses_monitor_reports_nothing_lost(
     check_uploaded_once(nats_server.url, job, len(rows))
     assert seen(consumer, "spool_resumed"), logs_of(consumer)
     retries = len(log_events(uploader, "upload_retry"))
+    # A person reads one line when uploads start failing (each file's retry is a debug line, this
+    # uploader runs at debug), at most one a minute after it, and one when they succeed again.
+    unreachable = log_events(uploader, "destination_unreachable", after=offsets[id(uploader)])
+    assert 1 <= len(unreachable) <= 1 + OUTAGE_S // 60 < retries, (len(unreachable), retries)
+    assert unreachable[0]["files_waiting"] >= 1 and unreachable[0]["error"], unreachable[0]
+    assert seen(uploader, "destination_reachable"), logs_of(uploader)
     print(
         f"\nCHAOS s3_outage: outage_s={restarted - stopped:.1f} detected_after_s={detected:.1f} "
         f"spool_files_during_outage={len(waiting)} upload_retries={retries} "

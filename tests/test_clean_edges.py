@@ -278,7 +278,7 @@ def test_an_uploader_stopped_with_uploads_in_hand_while_nats_is_down_exits_0_wit
         s3.stop()
         uploader = hsx_service("upload", "--job", job_name, "--spool", spool, env=env, name="upload")
         wait_for(
-            lambda: log_events(uploader, "upload_retry"),
+            lambda: log_events(uploader, "destination_unreachable"),
             timeout=60,
             what="uploads waiting out the S3 outage",
             procs=[uploader],

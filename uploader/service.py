@@ -40,6 +40,8 @@ SERVICE = "uploader"
 # How long a lost file's event waits before it asks again for the job's stored samples, while its
 # plan is still being published in rounds.
 _STORED_SAMPLES_WAIT_S = 10.0
+# While uploads keep failing, how often one line says so (the first failure is said at once).
+UNREACHABLE_REPORT_S = 60.0
 
 
 class _PermanentFailure(Exception):
@@ -87,6 +89,8 @@ class FileMover:
         # Uploads in hand whose last attempt failed (waiting to retry or trying again): the
         # heartbeat says `retrying` with the error until each succeeds, not only between attempts.
         self.retrying = 0
+        self._unreachable_since: float | None = None  # the first failed upload of the current run of them
+        self._unreachable_said = 0.0
         self.last_error = ""
         self.refused = ""  # why the destination refuses writes, while it does
         self._refused_since = 0.0
@@ -241,10 +245,11 @@ class FileMover:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     delay = retry_delay(attempt, base_s=self.cfg.retry_base_s, cap_s=self.cfg.retry_max_s)
                     attempt += 1
-                    log.warning("upload_retry", key=ready.key, error=self.last_error, retry_in_s=round(delay, 2))
                     if not failing:
                         failing = True
                         self.retrying += 1
+                    log.debug("upload_retry", key=ready.key, error=self.last_error, retry_in_s=round(delay, 2))
+                    self._say_unreachable()
                     await asyncio.sleep(delay)
             if self.refused:
                 await self._destination_accepts()
@@ -275,6 +280,13 @@ class FileMover:
         finally:
             if failing:
                 self.retrying -= 1
+                if not self.retrying and self._unreachable_since is not None:
+                    log.info(
+                        "destination_reachable",
+                        dest=self.dest.url,
+                        unreachable_s=round(time.monotonic() - self._unreachable_since, 1),
+                    )
+                    self._unreachable_since = None
             taken.release()
             self.inflight -= 1
 
@@ -391,6 +403,24 @@ class FileMover:
             except TimeoutError:
                 pass
         return False
+
+    def _say_unreachable(self) -> None:
+        """One line when uploads start failing and one every UNREACHABLE_REPORT_S while they do
+        (each file's retry is a debug line): how long, how many files wait, the last error."""
+        now = time.monotonic()
+        if self._unreachable_since is not None and now - self._unreachable_said < UNREACHABLE_REPORT_S:
+            return
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+        self._unreachable_said = now
+        log.warning(
+            "destination_unreachable",
+            dest=self.dest.url,
+            error=self.last_error[:300],
+            files_waiting=self.retrying,
+            retry_every_s=f"at most {self.cfg.retry_max_s:g}",
+            unreachable_s=round(now - self._unreachable_since, 1),
+        )
 
     async def _refused_by_destination(self, reason: str, *, key: str, probe: bool) -> None:
         if reason != self.refused:
