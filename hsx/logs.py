@@ -1,14 +1,24 @@
-"""structlog set-up, done once per process in its entry point.
+"""Logging: hsx's library modules log through the standard `logging` module; the services
+configure the output once, in their entry point.
 
-JSON lines when stderr is not a terminal (containers, log shippers, `hsx up` children), a
-readable console when it is. Context (job, batch, attempt) is bound with contextvars per message.
-The monitor, whose log is its product, sends it to stdout instead (or above its progress bar).
+`get_logger(name)` is a library module's logger (hsx.wire, hsx.storage: what a training script
+imports with HiddenStateDataset or JobStream): structlog's API (events with key-value fields)
+over `logging.getLogger(name)`, with no set-up of its own and not structlog's global
+configuration. Used as a library, hsx therefore does what any library does: nothing on stdout,
+info dropped unless the program configures `logging` (`logging.basicConfig(level=logging.INFO)`
+puts it on stderr), warnings and errors on stderr through logging's last resort. A record's
+message reads `event key=value ...`. The services' own modules keep `structlog.get_logger`.
 
-Everything goes out through one stdlib `logging` handler with structlog's ProcessorFormatter:
-hsx's own events, and the records of the libraries underneath (nats-py, botocore, transformers),
-which thereby come out as the same JSON lines with the same fields (timestamp, level, job, ...)
-instead of bare text in between. An exception logged with `exc_info` carries its traceback
-(`exception` field).
+`configure_logging`, called by each service's `main()`: JSON lines when stderr is not a terminal
+(containers, log shippers, `hsx up` children), a readable console when it is. Context (job,
+batch, attempt) is bound with contextvars per message. The monitor, whose log is its product,
+sends it to stdout instead (or above its progress bar).
+
+Everything then goes out through one stdlib `logging` handler with structlog's
+ProcessorFormatter: the services' events, the library modules' records, and the records of the
+libraries underneath (nats-py, botocore, transformers), which thereby come out as the same JSON
+lines with the same fields (timestamp, level, job, ...) instead of bare text in between. An
+exception logged with `exc_info` carries its traceback (`exception` field).
 """
 
 import logging
@@ -39,8 +49,9 @@ def configure_logging(*, json: bool | None = None, level: str = "info", file: Te
     numeric_level = logging.getLevelNamesMapping()[level.upper()]
     # The console renderer draws exceptions itself; JSON gets the traceback as a string field.
     exceptions = [structlog.processors.format_exc_info] if json else []
-    shared = [
-        structlog.contextvars.merge_contextvars,
+    # Applied in the handler, to every record alike: the services' structlog events, the library
+    # modules' (get_logger) and other libraries'; the context is merged where each is logged.
+    fields = [
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -48,7 +59,7 @@ def configure_logging(*, json: bool | None = None, level: str = "info", file: Te
         *exceptions,
     ]
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        processors=[structlog.contextvars.merge_contextvars, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
         logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=True,
@@ -57,8 +68,8 @@ def configure_logging(*, json: bool | None = None, level: str = "info", file: Te
     handler = logging.StreamHandler(file) if file is not sys.stderr else _StderrHandler()
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
-            foreign_pre_chain=shared,  # records of other libraries: the fields hsx's own events get
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+            foreign_pre_chain=[structlog.contextvars.merge_contextvars],  # records of other libraries
+            processors=[*fields, structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
         )
     )
     root = logging.getLogger()
@@ -73,6 +84,52 @@ def configure_logging(*, json: bool | None = None, level: str = "info", file: Te
     for quiet in _WARNINGS_ONLY:
         logging.getLogger(quiet).setLevel(max(numeric_level, logging.WARNING))
     logging.captureWarnings(True)
+
+
+def get_logger(name: str) -> structlog.stdlib.BoundLogger:
+    """A library module's logger (`log.info("event", key=value)`), over `logging.getLogger(name)`:
+    quiet, or where the program's `logging` set-up sends it (module docstring)."""
+    return structlog.stdlib.BoundLogger(logging.getLogger(name), _LIBRARY_PROCESSORS, {})
+
+
+class _Event(dict):
+    """A library record's message: the event dict, as ProcessorFormatter reads it when
+    configure_logging ran, and `event key=value ...` as any other formatter prints it."""
+
+    def __str__(self) -> str:
+        fields = (f"{key}={_shown(value)}" for key, value in self.items() if key not in _NOT_SHOWN)
+        return " ".join((str(self.get("event", "")), *fields))
+
+
+_NOT_SHOWN = ("event", "exc_info", "stack_info")
+
+
+def _shown(value: object) -> str:
+    text = str(value)
+    return repr(text) if not text or any(c.isspace() or c in "'\"=" for c in text) else text
+
+
+def _to_record(logger: logging.Logger, method_name: str, event_dict: dict) -> tuple[tuple, dict]:
+    """The last processor of get_logger's: the arguments of the stdlib call, with the traceback
+    (exc_info=True, taken now) on the record for stdlib formatters and in the event for
+    ProcessorFormatter."""
+    exc_info = event_dict.get("exc_info")
+    if exc_info is True:
+        exc_info = sys.exc_info()
+        if exc_info[0] is None:
+            exc_info = None
+            event_dict.pop("exc_info")
+        else:
+            event_dict["exc_info"] = exc_info
+    extra = {"_logger": logger, "_name": method_name}
+    return (_Event(event_dict),), {"extra": extra, "exc_info": exc_info or None}
+
+
+_LIBRARY_PROCESSORS = [
+    structlog.stdlib.filter_by_level,  # first: nothing is built for a record no one takes
+    structlog.contextvars.merge_contextvars,
+    _to_record,
+]
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -64,6 +64,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_working_directory(tmp_path_factory):
+    """The suite runs away from the checkout: what `make run` left there (./hsx-demo, whose
+    embedded NATS store turns "cannot connect" into a hint), a ./hsx-spool, or any other working
+    file changes nothing. Fixtures wider than a test start their commands in this empty folder."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("cwd-session"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _working_directory(tmp_path_factory, monkeypatch):
+    """Each test, and every command it runs in or out of this process, starts in an empty folder
+    of its own (not tmp_path, which is the test's to fill)."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory):
     store = tmp_path_factory.mktemp("nats")
@@ -186,7 +203,7 @@ def _command_of(args: tuple[str, ...]) -> str | None:
 
 def run_in_process(args, environ: dict, monkeypatch, *, timeout: float) -> subprocess.CompletedProcess:
     """`hsx ARGS` through `hsx.commands.cli.main` in this process, with exactly `environ` as its
-    environment and the repository as its working directory; what it printed and its exit code,
+    environment, in the test's working directory; what it printed and its exit code,
     as a subprocess would give them. An exception that escapes main() is printed as its traceback,
     as the interpreter would; past `timeout` the run is interrupted (exit 130)."""
     from hsx.commands.cli import main
@@ -198,7 +215,6 @@ def run_in_process(args, environ: dict, monkeypatch, *, timeout: float) -> subpr
             patch.delenv(name)
         for name, value in environ.items():
             patch.setenv(name, value)
-        patch.chdir(REPO)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             watchdog.start()
             try:
@@ -234,7 +250,6 @@ def hsx(nats_server, monkeypatch):
             capture_output=True,
             text=True,
             timeout=timeout,
-            cwd=REPO,
         )
 
     return run
@@ -252,7 +267,6 @@ def hsx_service(nats_server, tmp_path):
             env=_env(nats_server.url, env),
             stdout=log,
             stderr=log,
-            cwd=REPO,
         )
         process.log_path = Path(log.name)
         started.append(process)

@@ -221,7 +221,6 @@ def test_library_logging_comes_out_as_json_lines_with_tracebacks(tiny_model):
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr
     records = []

@@ -29,7 +29,6 @@ from hsx.config.configfile import Place
 from hsx.config.settings import file_layout, resolve
 from hsx.storage import encodings
 
-REPO = Path(__file__).resolve().parent.parent
 SECRETS = {  # each one a distinct string, so a leak names its source
     "file_password": "pw-from-file-Q7xk2",
     "url_password": "pw-in-url-R4nd9",
@@ -260,7 +259,6 @@ def test_the_real_cli_prints_one_line_for_a_bad_file(tmp_path):
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=REPO,
         env=_clean_env(),
     )
     assert result.returncode == 2
@@ -382,7 +380,6 @@ def test_a_consumer_with_only_a_job_file_binds_to_the_files_job(nats_server, job
             [sys.executable, "-m", "hsx.cli", "--config", str(file), "consume"],
             stdout=out,
             stderr=out,
-            cwd=REPO,
             env=_clean_env(),
         )
     try:

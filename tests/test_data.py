@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -392,6 +394,50 @@ def test_the_sampler_needs_the_index_for_lengths(s3_job, tmp_path):
     assert listed.sample_tokens is None
     with pytest.raises(HsxError, match="no complete index"):
         TokenBudgetSampler(listed, token_budget=256)
+
+
+TRAINING_SCRIPT = """
+import logging, sys
+url, folder, nats, configured = sys.argv[1:]
+if configured == "yes":
+    logging.basicConfig(level=logging.INFO)
+from hsx.storage.reader import HiddenStateDataset, JobStream, PrefetchedBatches, TokenBudgetSampler
+
+dataset = HiddenStateDataset(url)
+read = sum(len(batch["sample_index"]) for batch in PrefetchedBatches(dataset, TokenBudgetSampler(dataset, token_budget=256)))
+listed = HiddenStateDataset(folder)  # no index there: listed, and a log line says so
+streamed = sum(len(batch["sample_index"]) for batch in JobStream(url, nats=nats, token_budget=256))
+print(f"read {read}, listed {len(listed)}, streamed {streamed}")
+"""
+
+
+def test_a_training_scripts_stdout_is_its_own_and_hsx_logs_through_logging(s3_job, tmp_path):
+    """hsx used as a library writes nothing to stdout: its records go through `logging`, quiet
+    until the script configures it, then there (stderr for basicConfig), `event key=value`."""
+    folder = tmp_path / "out" / s3_job.job
+    for i in range(2):
+        path = tmp_path / "out" / sample_key(s3_job.job, i)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(read_object(s3_job, i))
+
+    def train(configured: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-c", TRAINING_SCRIPT, s3_job.url, str(folder), s3_job.nats_url, configured],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout == f"read {COUNT}, listed 2, streamed {COUNT}\n", result.stdout + result.stderr[-3000:]
+        return result.stderr
+
+    quiet = train("no")
+    assert "dataset_listing" not in quiet and "stream_epoch_end" not in quiet, quiet
+    logged = train("yes").splitlines()
+    assert any(line.startswith("INFO:hsx.data:dataset_listing url=") for line in logged), logged
+    ended = [line for line in logged if line.startswith("INFO:hsx.data:stream_epoch_end ")]
+    assert ended and f"job={s3_job.job}" in ended[0] and f"samples={COUNT}" in ended[0], logged
 
 
 def test_the_jobs_tokenized_samples_stream_from_s3(s3_job):

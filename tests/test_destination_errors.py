@@ -28,7 +28,7 @@ import boto3
 import botocore.config
 import pytest
 import requests
-from conftest import REPO, _free_port, clean_environ
+from conftest import _free_port, clean_environ
 from test_chaos import check_uploaded_once, log_events, wait_for
 from test_e2e_s3 import (
     check_final_status,
@@ -568,7 +568,7 @@ def test_hsx_up_exits_1_naming_a_refusing_destination_and_leaves_no_stale_failur
     ]
     env = {**clean_environ(), "PYTHONUNBUFFERED": "1", "HSX_PROBE_EVERY": "1"}
 
-    run = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    run = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 1, run.stderr[-3000:]
     error = [line for line in run.stderr.splitlines() if line.startswith("hsx: error:")]
     assert error and "the destination refuses uploads" in error[-1] and str(blocker) in error[-1], run.stderr[-3000:]

@@ -27,8 +27,6 @@ from hsx.errors import HsxError
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.model.devices import check_consumer_device, child_visible_devices, plan_devices, visible_gpus, visible_text
 
-REPO = Path(__file__).resolve().parent.parent
-
 
 @pytest.mark.parametrize(
     "visible, expected",
@@ -225,7 +223,7 @@ def test_the_cli_refuses_with_one_line(tmp_path, subtests):
 
     def run(argv):
         return subprocess.run(
-            [sys.executable, "-m", "hsx.cli", *argv], env=env, capture_output=True, text=True, timeout=120, cwd=REPO
+            [sys.executable, "-m", "hsx.cli", *argv], env=env, capture_output=True, text=True, timeout=120
         )
 
     with ThreadPoolExecutor(max_workers=len(cases)) as pool:

@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import test_inputs
-from conftest import REPO
 from test_cli_errors import _produce_args, _state, _write_jsonl, assert_one_line_error
 from test_inputs import CHATML, CONVERSATIONS, make_chat_model, published_samples, stored_report
 
@@ -143,7 +142,6 @@ def test_s3_command_does_not_log_found_credentials(s3_env, tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert '"event"' in result.stderr, "sync logged nothing: the check below would prove nothing"

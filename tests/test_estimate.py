@@ -45,7 +45,6 @@ from hsx.storage.location import Location
 from hsx.storage.tokens import SampleTableBuilder, TokenRow
 from hsx.wire import schemas
 
-REPO = Path(__file__).resolve().parent.parent
 HIDDEN = 64  # tests/conftest.py TINY
 
 
@@ -240,7 +239,6 @@ def test_dry_run_bytes_are_the_bytes_a_float8_run_writes(hsx, tiny_model, job_na
         capture_output=True,
         text=True,
         timeout=180,
-        cwd=REPO,
         env={**clean_environ(), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
     )
     check_ok(up, "hsx up")

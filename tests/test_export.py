@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, _env, run_in_process
+from conftest import TINY, _env, run_in_process
 
 from hsx.commands.embedded import build_tiny_model
 from hsx.storage.reader import HiddenStateDataset
@@ -79,7 +79,6 @@ def jobs(nats_server, tmp_path_factory):
                     env=_env(nats_server.url, None),
                     stdout=log,
                     stderr=log,
-                    cwd=REPO,
                 )
             )
     try:

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import boto3
 import pytest
 import torch
-from conftest import REPO, _env, aws_bucket, run_in_process
+from conftest import _env, aws_bucket, run_in_process
 from test_e2e_s3 import check_ok, write_dataset
 from test_verify import restored, verify_in_process
 
@@ -68,7 +68,6 @@ def _run_job(
                 env=_env(nats_url, None),
                 stdout=log,
                 stderr=log,
-                cwd=REPO,
             )
         )
     try:

@@ -23,7 +23,6 @@ from hsx.gpu_consumer.model import load_model
 from hsx.wire.schemas import Sample
 
 pytestmark = pytest.mark.gpu
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _samples(lengths, vocab=512, seed=0):
@@ -207,7 +206,6 @@ def test_hsx_up_on_cuda(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=REPO,
         env={**clean_environ(), "PYTHONUNBUFFERED": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -242,7 +240,6 @@ def test_device_enumeration_sees_the_real_gpus(tiny_model):
             capture_output=True,
             text=True,
             timeout=120,
-            cwd=REPO,
             env={**clean_environ(), "CUDA_VISIBLE_DEVICES": hidden},
         )
         if expected:
@@ -275,7 +272,6 @@ def test_hsx_up_runs_consumers_on_every_gpu(tmp_path):
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=REPO,
         env={**clean_environ(), "PYTHONUNBUFFERED": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -174,7 +174,6 @@ def _trainer(tmp_path: Path, nats_url: str, url: str, journal: Path, name: str, 
         env=_env(nats_url, None),
         stdout=subprocess.PIPE,
         stderr=log,
-        cwd=REPO,
     )
     process.log_path = Path(log.name)
     return process

@@ -182,7 +182,6 @@ def _torch_after(code: str) -> str:
     """`True`/`False`: whether torch is in sys.modules after running `code` in a fresh interpreter."""
     result = subprocess.run(
         [sys.executable, "-c", f"{code}\nimport sys\nprint('torch' in sys.modules)"],
-        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,

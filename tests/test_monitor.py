@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _env, _free_port
+from conftest import _env, _free_port
 from prometheus_client.parser import text_string_to_metric_families
 from test_chaos import log_events, sigkill
 from test_e2e_s3 import job_plan, logs_of, produce, status, write_dataset
@@ -65,7 +65,6 @@ def spawn(nats_server, tmp_path):
             env=_env(nats_server.url, env),
             stdout=out if stdout is None else stdout,
             stderr=err,
-            cwd=REPO,
         )
         process.out_path, process.err_path = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         process.log_path = process.out_path  # for logs_of / log_events

@@ -5,7 +5,6 @@ appears in nothing the run prints or writes."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import clean_environ
@@ -13,7 +12,6 @@ from test_e2e_s3 import check_outputs, read_dir_objects, write_dataset
 
 from hsx.commands.embedded import start_nats_server
 
-REPO = Path(__file__).resolve().parent.parent
 PASSWORD = "pw-Zq8uJ2-never-log-this"
 
 
@@ -31,7 +29,6 @@ def _cli(*args, env, timeout=120, log=None):
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=REPO,
     )
 
 

@@ -257,7 +257,7 @@ def test_install_lines_install_this_checkout_as_hsx_extract():
         assert not re.search(r"\bhsx\b", command), command
     assert "`hsx-extract`" in section(README.read_text(), "## Install")
     version = subprocess.run(
-        [sys.executable, "-m", "hsx.cli", "--version"], capture_output=True, text=True, check=True, cwd=REPO
+        [sys.executable, "-m", "hsx.cli", "--version"], capture_output=True, text=True, check=True
     ).stdout
     assert version.split() == ["hsx", importlib.metadata.version("hsx-extract")]
 
@@ -284,7 +284,6 @@ def test_up_uses_the_server_hsx_nats_url_names(nats_server, hsx, tmp_path, job_n
         capture_output=True,
         text=True,
         timeout=240,
-        cwd=REPO,
         env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]

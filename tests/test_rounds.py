@@ -27,7 +27,7 @@ import nats
 import nats.js.errors
 import numpy as np
 import pytest
-from conftest import REPO, _env, _free_port
+from conftest import _env, _free_port
 from test_e2e_s3 import (
     LAYERS,
     check_ok,
@@ -321,7 +321,6 @@ def _produce_after_rounds(nats_url: str, args: list[str], *, rounds: int, then: 
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=REPO,
     )
 
 
@@ -337,7 +336,6 @@ def held_producer():
             env=_env(nats_url, {"ROUNDS_GO": str(go)}),
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
-            cwd=REPO,
         )
         process.log_path = log
         started.append(process)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import nats
-from conftest import _free_port
+from conftest import REPO, _free_port
 from test_chaos import log_events
 from test_e2e_s3 import check_ok, logs_of, produce, status, write_dataset
 from test_monitor import wait_for
@@ -222,6 +222,15 @@ def test_status_after_hsx_up_says_its_embedded_nats_is_gone(tmp_path, cli, monke
     assert "embedded NATS of hsx up" in run.stderr and "is not running" in run.stderr, run.stderr
     assert f"{workdir / 'out'}/demo" in run.stderr and "hsx verify" in run.stderr, run.stderr
     assert "produce" not in run.stderr, run.stderr
+
+
+def test_a_test_starts_in_an_empty_folder_away_from_the_checkout():
+    """What the test above reads is what `make run` leaves in the checkout: so that `make run`
+    then `make test` (the README's order, and CI's) passes, no test starts where those files
+    are (tests/conftest.py, _working_directory)."""
+    here = Path.cwd().resolve()
+    assert here != REPO and REPO not in here.parents, here
+    assert list(here.iterdir()) == [], here
 
 
 def test_eta_is_smooth_over_bursts():

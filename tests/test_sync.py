@@ -19,7 +19,7 @@ from pathlib import Path
 
 import boto3
 import pytest
-from conftest import REPO, clean_environ
+from conftest import clean_environ
 
 from hsx import cli
 from hsx.commands.sync import SyncConfig, Syncer
@@ -61,7 +61,6 @@ def _sync(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=REPO,
         env={**clean_environ(), **(env or {})},
     )
 
@@ -126,7 +125,6 @@ def test_every_to_s3_reuploads_only_the_changed_file_and_stops_on_sigterm(tmp_pa
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
-            cwd=REPO,
             env={**clean_environ(), **env},
         )
     try:

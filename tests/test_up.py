@@ -13,7 +13,6 @@ from pathlib import Path
 from conftest import clean_environ
 from safetensors import safe_open
 
-REPO = Path(__file__).resolve().parent.parent
 SMALL = ["--samples", "24", "--layers", "1,3", "--token-budget", "1024", "--max-seq-len", "256"]
 
 
@@ -23,7 +22,6 @@ def _up(workdir: Path, *extra: str, timeout: float = 240) -> subprocess.Complete
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=REPO,
         env={**clean_environ(), "PYTHONUNBUFFERED": "1"},
     )
 
@@ -99,7 +97,6 @@ def test_ctrl_c_stops_everything_and_a_rerun_completes(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=REPO,
         env={**clean_environ(), "PYTHONUNBUFFERED": "1"},
     )
     consumer_log = workdir / "logs" / "consumer-0.log"
@@ -122,7 +119,6 @@ def test_ctrl_c_stops_everything_and_a_rerun_completes(tmp_path):
         capture_output=True,
         text=True,
         timeout=240,
-        cwd=REPO,
         env={**clean_environ(), "PYTHONUNBUFFERED": "1"},
     )
     assert rerun.returncode == 0, rerun.stderr[-3000:]

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
-from conftest import REPO, _env
+from conftest import _env
 from test_e2e_s3 import run_pipeline
 
 from hsx import cli
@@ -49,13 +49,12 @@ class Services:
             capture_output=True,
             text=True,
             timeout=timeout,
-            cwd=REPO,
         )
 
     def service(self, *args: str, env: dict | None = None, name: str = "svc") -> subprocess.Popen:
         log = open(self.log_dir / f"{name}-{len(self.started)}.log", "wb")
         process = subprocess.Popen(
-            [sys.executable, "-m", "hsx.cli", *args], env=_env(self.nats_url, env), stdout=log, stderr=log, cwd=REPO
+            [sys.executable, "-m", "hsx.cli", *args], env=_env(self.nats_url, env), stdout=log, stderr=log
         )
         process.log_path = Path(log.name)
         self.started.append(process)

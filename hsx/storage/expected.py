@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import structlog
 
 from hsx.errors import HsxError
+from hsx.logs import get_logger
 from hsx.storage import encodings
 from hsx.storage.destinations import Destination
 from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE
@@ -27,7 +27,7 @@ from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.storage.tokens import SampleTable, record_batches
 from hsx.wire import schemas
 
-log = structlog.get_logger("hsx.expected")
+log = get_logger("hsx.expected")
 
 BUNDLE_SPEC_KEY = f"{BUNDLE_DIR}/job.json"  # relative to the job's folder
 BUNDLE_TOKENS_KEY = f"{BUNDLE_DIR}/{TOKENS_FILE}"

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 import pyarrow as pa
-import structlog
 
 from hsx.errors import HsxError
+from hsx.logs import get_logger
 from hsx.storage.destinations import (
     Destination,
     open_destination,
@@ -44,7 +44,7 @@ from hsx.storage.location import Location, spec_location
 from hsx.wire import schemas
 from hsx.wire.events import read_marker
 
-log = structlog.get_logger("hsx.index")
+log = get_logger("hsx.index")
 
 INDEX_FORMAT = "hsx.index.v1"
 INDEX_FILE = "index.arrow"

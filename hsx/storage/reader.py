@@ -26,11 +26,11 @@ from itertools import islice
 from typing import Any
 
 import numpy as np
-import structlog
 import torch
 from safetensors.torch import load as _load_safetensors
 
 from hsx.errors import HsxError
+from hsx.logs import get_logger
 from hsx.packing import plan_batches, shuffled_epoch
 from hsx.storage import encodings
 from hsx.storage.destinations import Destination, open_destination
@@ -52,7 +52,7 @@ from hsx.storage.streambatches import LandingBatcher, check_rank, deal, shuffled
 from hsx.wire import schemas
 from hsx.wire.landed import EpochEnd, Landed, LandingFeed, read_job_spec_waiting
 
-log = structlog.get_logger("hsx.data")
+log = get_logger("hsx.data")
 
 
 ON_BAD_FILE = ("raise", "skip")

@@ -18,15 +18,14 @@ import threading
 import time
 from pathlib import Path
 
-import structlog
-
 from hsx.errors import HsxError
+from hsx.logs import get_logger
 from hsx.storage.fsutil import free_bytes, human_bytes
 from hsx.storage.layout import relative_sample_key, sample_tensor_shapes
 from hsx.storage.samplefile import file_size
 from hsx.wire.schemas import JobSpec
 
-log = structlog.get_logger("hsx.spool")
+log = get_logger("hsx.spool")
 
 # A plan's folder is named by its tag: 12 hex characters, never a shard's 5 digits.
 _PLAN_FOLDER = re.compile(r"^[0-9a-f]{12}$")

@@ -10,11 +10,10 @@ waiting out an outage that is not one. It knows the server's error text, not wha
 
 import time
 
-import structlog
-
 from hsx.errors import HsxError
+from hsx.logs import get_logger
 
-log = structlog.get_logger("hsx.nats")
+log = get_logger("hsx.nats")
 
 _MARK = "permissions violation"
 # (when, the server's words, the user), oldest first; one process holds few connections, and a

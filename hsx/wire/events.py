@@ -12,17 +12,17 @@ from dataclasses import dataclass
 
 import msgspec
 import nats.js.errors
-import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from hsx.logs import get_logger
 from hsx.wire import deadletter, schemas, topology
 from hsx.wire.deadletter import build_letters
 from hsx.wire.headers import message_headers
 from hsx.wire.natsconn import through_outage
 
-log = structlog.get_logger("hsx.events")
+log = get_logger("hsx.events")
 
 # Sent with each heartbeat: JetStream then removes the subject's earlier messages (the stream
 # allows it: topology.STREAMS, allow_rollup_hdrs).

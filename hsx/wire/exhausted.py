@@ -13,13 +13,13 @@ import time
 
 import nats.errors
 import nats.js.errors
-import structlog
 from nats.js import JetStreamContext
 
+from hsx.logs import get_logger
 from hsx.wire import topology
 from hsx.wire.events import EventPublisher
 
-log = structlog.get_logger("hsx.exhausted")
+log = get_logger("hsx.exhausted")
 
 SWEEP_INTERVAL_S = 30.0
 

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 import nats.js.errors
-import structlog
 from nats.js import JetStreamContext
 
+from hsx.logs import get_logger
 from hsx.wire import schemas, topology
 from hsx.wire.events import HEARTBEAT_ROLLUP
 from hsx.wire.headers import message_headers
 
-log = structlog.get_logger("hsx.progress")
+log = get_logger("hsx.progress")
 
 
 @dataclass

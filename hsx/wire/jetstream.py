@@ -5,15 +5,15 @@ They know messages and the stream's rules, not what the messages mean."""
 import asyncio
 
 import nats.errors
-import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
+from hsx.logs import get_logger
 from hsx.wire import topology
 from hsx.wire.natsconn import through_outage
 
-log = structlog.get_logger("hsx.jetstream")
+log = get_logger("hsx.jetstream")
 
 # How long the acks of a group of publishes are awaited together before the missing ones are
 # published again one by one (their msg ids make a repeat harmless).

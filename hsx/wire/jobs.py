@@ -14,16 +14,16 @@ from urllib.parse import urlsplit
 
 import msgspec
 import nats.js.errors
-import structlog
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from hsx.errors import HsxError
+from hsx.logs import get_logger
 from hsx.wire import schemas, topology
 from hsx.wire.events import heard_heartbeat
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
 
-log = structlog.get_logger("hsx.jobs")
+log = get_logger("hsx.jobs")
 
 
 async def read_job_spec(kv: KeyValue, job: str) -> schemas.JobSpec | None:

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import msgspec
 import nats.js.errors
-import structlog
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 
 from hsx.errors import HsxError
+from hsx.logs import get_logger
 from hsx.wire import denials, schemas, topology
 from hsx.wire.counts import last_sequence
 from hsx.wire.events import read_marker
@@ -44,7 +44,7 @@ from hsx.wire.jobs import read_job_spec, wait_for_job
 from hsx.wire.natsconn import NatsSettings, close_connection, connect, redact_url
 from hsx.wire.worker import JobVerdict, JobWatch
 
-log = structlog.get_logger("hsx.stream")
+log = get_logger("hsx.stream")
 
 # How often the feed reads whether the job is over (and still the job it follows).
 CHECK_S = 2.0

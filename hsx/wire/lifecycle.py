@@ -14,9 +14,9 @@ import signal
 import threading
 from collections.abc import Awaitable, Callable
 
-import structlog
+from hsx.logs import get_logger
 
-log = structlog.get_logger("hsx.lifecycle")
+log = get_logger("hsx.lifecycle")
 
 # How long a second signal leaves the last words (a goodbye heartbeat) before the process exits.
 LAST_WORDS_S = 1.0

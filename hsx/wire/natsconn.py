@@ -18,15 +18,15 @@ from urllib.parse import urlsplit
 
 import nats
 import nats.errors
-import structlog
 from nats.aio.client import Client as NATS
 
 from hsx.config.fields import flag_fields, option
 from hsx.config.values import hide, path_not_contents
 from hsx.errors import HsxError
+from hsx.logs import get_logger
 from hsx.wire import denials
 
-log = structlog.get_logger("hsx.nats")
+log = get_logger("hsx.nats")
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 _STARTUP_ATTEMPTS = 3

@@ -13,14 +13,14 @@ import time
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-import structlog
 from nats.aio.msg import Msg
 
+from hsx.logs import get_logger
 from hsx.wire import denials
 from hsx.wire.events import keep_in_progress
 from hsx.wire.worker import JobWatch
 
-log = structlog.get_logger("hsx.pull")
+log = get_logger("hsx.pull")
 
 T = TypeVar("T")
 

@@ -17,7 +17,6 @@ from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
-import structlog
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -34,10 +33,11 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from hsx.errors import HsxError
+from hsx.logs import get_logger
 from hsx.wire import denials
 from hsx.wire.natsconn import OUTAGE_RETRY_S
 
-log = structlog.get_logger("hsx.topology")
+log = get_logger("hsx.topology")
 
 T = TypeVar("T")
 

@@ -10,16 +10,16 @@ from dataclasses import replace
 
 import msgspec
 import nats.js.errors
-import structlog
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
+from hsx.logs import get_logger
 from hsx.wire import schemas, topology
 from hsx.wire.counts import ProgressCounts, QueueState, has_uploaded_marker, last_sequence, read_counts
 from hsx.wire.events import heard_heartbeat, read_marker
 from hsx.wire.fold import ProgressFold, load_checkpoint, save_checkpoint
 
-log = structlog.get_logger("hsx.progress")
+log = get_logger("hsx.progress")
 
 # How long a tracker's start waits for the dead letters and heartbeats before the sums' replays.
 _OTHERS_FIRST_S = 10.0

@@ -23,6 +23,7 @@ from nats.js.kv import KeyValue
 from hsx.config.fields import option
 from hsx.config.values import positive_float
 from hsx.errors import JobFailed
+from hsx.logs import get_logger
 from hsx.wire import schemas, topology
 from hsx.wire.events import (
     EventPublisher,
@@ -37,7 +38,7 @@ from hsx.wire.statusview import StatusView, status_view
 from hsx.wire.topology import job_name
 from hsx.wire.tracker import ProgressTracker
 
-log = structlog.get_logger("hsx.worker")
+log = get_logger("hsx.worker")
 
 
 @dataclass(frozen=True, kw_only=True)
