@@ -2,8 +2,6 @@
 # make run:   setup + `hsx up` (embedded demo: nats-server, tiny model, synthetic data, local dest)
 # make lint:  ruff check + ruff format --check (configured in pyproject.toml)
 # make test:  setup + lint + the whole pytest suite, on TEST_WORKERS pytest-xdist workers (default 2)
-# make ci:    the README's quick start in its order, as CI runs it: `make run`, then `make test` with
-#             the demo's ./hsx-demo left in the checkout (the suite must not read it)
 # make device-bundle [DEVICE_PYTHON=3.12] [BUNDLE=.whl]: after setup, the wheels the GPU machine's
 #             image lacks, hsx's own included, pinned to this venv's versions (bench/device_bundle.py)
 VENV ?= .venv
@@ -14,7 +12,7 @@ TEST_WORKERS ?= 2
 DEVICE_PYTHON ?= 3.12
 BUNDLE ?= .whl
 
-.PHONY: setup run test ci lint clean device-bundle
+.PHONY: setup run test lint clean device-bundle
 
 setup: $(STAMP)
 
@@ -43,11 +41,6 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
-
-# In order, even under make -j: the suite runs after the demo, beside what it left.
-ci:
-	$(MAKE) run
-	$(MAKE) test
 
 # Not on setup: a test (tests/test_device_rehearsal.py) builds one while the suite runs.
 device-bundle:
