@@ -5,6 +5,8 @@ checked once (`Location.parse`) from what a user wrote (`--dest`, a job folder U
 
 from __future__ import annotations
 
+import difflib
+import re
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from urllib.parse import unquote, urlsplit
@@ -14,6 +16,11 @@ import msgspec
 from hsx.errors import HsxError
 
 _FORMS = "s3://bucket/prefix, file:///dir or a path"
+_SCHEMES = ("s3", "file")
+# What a user meant as a URL: a scheme and its colon ("s3:/b", "S3://b", "s4://b"), or one of
+# ours with the colon left out ("file//out"). A local folder whose name holds a colon is `./a:b`.
+_SCHEME_COLON = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+_SCHEME_NO_COLON = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)//")
 
 
 # A msgspec Struct, not a dataclass: a config that holds one crosses `hsx up`'s pipe to a child
@@ -24,7 +31,10 @@ class Location(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def parse(cls, text: str | Path, *, what: str = "--dest") -> Location:
-        """`text` as a Location, or a one-line HsxError naming `what` (the flag or argument)."""
+        """`text` as a Location, or a one-line HsxError naming `what` (the flag or argument). A
+        `Path` is a path; text that looks like a URL is one of ours (`s3://`, `file://`) or refused."""
+        if isinstance(text, Path):
+            return cls(path=str(text.expanduser().resolve()))
         url = str(text)
         split = urlsplit(url)
         if url.startswith("s3://"):
@@ -37,8 +47,7 @@ class Location(msgspec.Struct, frozen=True, kw_only=True):
             if not split.path.startswith("/"):
                 raise HsxError(f"{what} {url!r}: a file:// URL needs an absolute path (file:///absolute/dir)")
             return cls(path=str(Path(unquote(split.path))))
-        if "://" in url:
-            raise HsxError(f"{what} {url!r}: unsupported scheme; use {_FORMS}")
+        _refuse_url_like(url, what)
         if not url.strip():
             raise HsxError(f"{what} is empty: give {_FORMS}")
         return cls(path=str(Path(url).expanduser().resolve()))
@@ -76,6 +85,28 @@ class Location(msgspec.Struct, frozen=True, kw_only=True):
                 f"{what} {str(text)!r}: not a job folder (expected e.g. s3://bucket/prefix/JOB or file:///out/JOB)"
             )
         return folder
+
+
+def _refuse_url_like(url: str, what: str) -> None:
+    """A one-line HsxError for text that looks like a URL but is not `s3://` or `file://` (called
+    after those two): a typo is refused, never taken as a local folder named after it."""
+    match = _SCHEME_COLON.match(url) or _SCHEME_NO_COLON.match(url)
+    if not match:
+        return
+    scheme = match.group(1)
+    near = difflib.get_close_matches(scheme.lower(), _SCHEMES, n=1, cutoff=0.5)
+    well_formed = url[match.end() :].startswith("//") and match.group(0).endswith(":")
+    if not near and not match.group(0).endswith(":"):
+        return  # "data//out": a path with a doubled slash, no scheme meant
+    rest = url[len(scheme) :].lstrip(":/")
+    if near and rest:
+        advice = f"did you mean {near[0]}://{'/' if near[0] == 'file' else ''}{rest}? use {_FORMS}"
+    elif near or well_formed:
+        advice = f"use {_FORMS}"
+    else:
+        advice = f"use {_FORMS} (./{url} for a local folder so named)"
+    problem = f"unsupported scheme {scheme}://" if well_formed else "not a URL hsx reads"
+    raise HsxError(f"{what} {url!r}: {problem}; {advice}")
 
 
 def job_folder_argument(what: str) -> Callable[[str], Location]:
