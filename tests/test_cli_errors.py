@@ -21,6 +21,7 @@ import nats
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import REPO
 
 VOCAB = 512  # tests/conftest.py TINY
 NUM_LAYERS = 6
@@ -93,7 +94,7 @@ class Case:
     nats_url: str | None = None
 
 
-def _produce_args(model: Path, dataset: Path, dest: Path, job: str, **overrides: str) -> list[str]:
+def _produce_args(model: Path, dataset: Path, dest: Path | str, job: str, **overrides: str) -> list[str]:
     """`produce` with a valid flag set; overrides are {"--flag": "value"}."""
     flags = {
         "--job": job,
@@ -237,3 +238,26 @@ def test_same_job_name_different_dataset_is_refused(hsx, nats_server, tiny_model
     spec_after, count_after = _state(nats_server, job_name)
     assert spec_after == spec, "the refused run changed the job spec"
     assert count_after == count, "the refused run published batches"
+
+
+@pytest.mark.parametrize("typo", ["s3:/hidden-states/runs", "file//data/out", "s4://hidden-states/runs"])
+def test_a_mistyped_dest_is_refused_not_taken_as_a_folder(typo, hsx, nats_server, tiny_model, job_name, good_jsonl):
+    """Before, `s3:/b/p` and `file//data/out` were local folders (`./s3:/b/p`, exit 0): now any
+    text that looks like a URL and is not s3:// or file:// is one line naming --dest, exit 2,
+    and nothing is published or written."""
+    before = sorted(REPO.iterdir())
+    result = hsx(*_produce_args(tiny_model("qwen3"), good_jsonl, typo, job_name))
+    line = assert_one_line_error(result, f"--dest {typo!r}", "did you mean")
+    assert result.returncode == 2, line
+    assert _state(nats_server, job_name) == (None, 0), "a refused --dest published"
+    assert sorted(REPO.iterdir()) == before, "a refused --dest made a folder"
+
+
+def test_each_dest_form_is_still_taken(hsx, tiny_model, job_name, good_jsonl, tmp_path):
+    """s3://bucket/prefix, file:///abs, a relative and an absolute path: planned (--dry-run
+    publishes and writes nothing, and needs no bucket)."""
+    for dest in ("s3://b/p", (tmp_path / "out").as_uri(), "relative/out", str(tmp_path / "abs")):
+        args = _produce_args(tiny_model("qwen3"), good_jsonl, dest, job_name)
+        result = hsx(*args, "--dry-run", "--json")
+        assert result.returncode == 0, (dest, result.stderr[-2000:])
+        assert json.loads(result.stdout.strip().splitlines()[-1])["samples"] == 10, result.stdout

@@ -2,6 +2,8 @@
 one-line errors, and that a Location survives the trips it makes (the canonical URL in a job
 spec, JSON through `hsx up`'s pipe to a child) unchanged."""
 
+import re
+
 import msgspec
 import pytest
 
@@ -39,12 +41,33 @@ def test_a_plain_path_is_made_absolute(tmp_path, monkeypatch):
         ("file://host/x", "--dest 'file://host/x': file:// URLs must be local"),
         ("ftp://x/y", "--dest 'ftp://x/y': unsupported scheme"),
         ("", "--dest is empty"),
+        (
+            "s3:/hidden-states/runs",
+            "--dest 's3:/hidden-states/runs': not a URL hsx reads; did you mean s3://hidden-states/runs?",
+        ),
+        ("file//data/out", "--dest 'file//data/out': not a URL hsx reads; did you mean file:///data/out?"),
+        ("s4://b/p", "--dest 's4://b/p': unsupported scheme s4://; did you mean s3://b/p?"),
+        ("S3://b/p", "--dest 'S3://b/p': unsupported scheme S3://; did you mean s3://b/p?"),
+        ("file:/abs", "--dest 'file:/abs': not a URL hsx reads; did you mean file:///abs?"),
+        (
+            "run:2/out",
+            "--dest 'run:2/out': not a URL hsx reads; use s3://bucket/prefix, file:///dir or a path"
+            " (./run:2/out for a local folder so named)",
+        ),
     ],
 )
 def test_bad_forms_are_one_line_errors_naming_the_flag(text, error):
-    with pytest.raises(HsxError, match="^" + error.replace("(", r"\(")) as raised:
+    with pytest.raises(HsxError, match="^" + re.escape(error)) as raised:
         Location.parse(text)
     assert "\n" not in str(raised.value)
+
+
+def test_paths_that_only_look_odd_are_still_paths(tmp_path, monkeypatch):
+    """A doubled slash, a colon after `./`, a Path holding a colon: local folders, as written."""
+    monkeypatch.chdir(tmp_path)
+    assert Location.parse("data//out") == Location(path=str(tmp_path / "data" / "out"))
+    assert Location.parse("./run:2") == Location(path=str(tmp_path / "run:2"))
+    assert Location.parse(tmp_path / "a:b") == Location(path=str(tmp_path / "a:b"))
 
 
 def test_a_job_folder_names_its_job_and_a_root_is_not_one(tmp_path):
