@@ -28,7 +28,7 @@ from hsx.commands.configs import (
     VerifyConfig,
 )
 from hsx.commands.services import BUILDERS, nats_settings, run_service
-from hsx.commands.up import UP_JOB_DEFAULTS, UP_MADE, UpConfig
+from hsx.commands.up import UP_JOB_DEFAULTS, UP_MADE, UpConfig, passed_to_producer
 from hsx.config.settings import (
     Parser,
     add_config_flags,
@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     auth = up.add_argument_group("NATS credentials (prefer the environment for secrets: flags show in ps)")
     add_config_flags(auth, NatsSettings, only=lambda flag: flag.name != "--nats")
     # The job's flags are the producer's, with the demo's defaults (commands/up.py says why).
-    add_config_flags(up, ProducerConfig, only=lambda flag: flag.job, defaults={**UP_JOB_DEFAULTS, **UP_MADE})
+    add_config_flags(up, ProducerConfig, only=passed_to_producer, defaults={**UP_JOB_DEFAULTS, **UP_MADE})
 
     for name, config, about in _SERVICES:
         add_command_flags(commands.add_parser(name, help=about), config)

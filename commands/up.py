@@ -31,7 +31,7 @@ from hsx.commands.embedded import (
     write_synthetic_dataset,
 )
 from hsx.commands.services import BUILDERS
-from hsx.config.fields import flag_fields, option
+from hsx.config.fields import Flag, flag_fields, option
 from hsx.config.settings import build_config, resolve
 from hsx.config.values import positive_float, positive_int
 from hsx.errors import HsxError, JobFailed
@@ -57,6 +57,14 @@ _STOP_DEADLINE_S = 90.0
 # model, dataset and dest default to what up makes in the workdir.
 UP_JOB_DEFAULTS = {"job": "demo", "layers": "1,3,5", "token_budget": 4096, "max_seq_len": 1024}
 UP_MADE = {"model": None, "dataset": None, "dest": None}
+# The producer's command-line-only flags up passes on, so that what its refusals advise
+# (another plan's files in the job's folder, a disk too small) works for `hsx up` too.
+UP_PRODUCER_FLAGS = ("--replace-output", "--ignore-free-space")
+
+
+def passed_to_producer(flag: Flag) -> bool:
+    """The producer's flags `hsx up` takes: the job's, and UP_PRODUCER_FLAGS."""
+    return flag.job or flag.name in UP_PRODUCER_FLAGS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +149,11 @@ class UpConfig:
         # Every process up starts on this node names it `local` unless told otherwise.
         environ.setdefault("HSX_NODE", "local")
         workdir = args.workdir.resolve()
-        job = {field.name: getattr(args, field.name) for field, flag in flag_fields(ProducerConfig) if flag.job}
+        job = {
+            field.name: getattr(args, field.name)
+            for field, flag in flag_fields(ProducerConfig)
+            if passed_to_producer(flag)
+        }
         job["model"] = job["model"] or str(workdir / "model")
         job["dataset"] = job["dataset"] or workdir / "dataset.jsonl"
         job["dest"] = job["dest"] or Location.parse(workdir / "out")
