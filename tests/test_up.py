@@ -4,6 +4,7 @@ redoes nothing; Ctrl-C stops every process and a later run finishes the job."""
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,3 +217,27 @@ def test_ctrl_c_in_a_terminal_leaves_a_readable_screen_saying_where_it_stopped(t
     assert re.fullmatch(r"hsx up: stopped at [\d,]+/5,000 samples stored; run the same command to resume", lines[-1]), (
         text
     )
+
+
+def test_a_rerun_with_another_dataset_gets_advice_that_works_for_up(tmp_path):
+    """The job's folder holds the first dataset's files; a second `hsx up` with another dataset,
+    its NATS store started over (so the job is new to NATS), is refused by its producer: the
+    flag that refusal advises is one `hsx up` takes (before, `--replace-output` was unrecognized),
+    and re-running with it finishes the new job."""
+    workdir = tmp_path / "work"
+    first = _up(workdir)
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join((workdir / "dataset.jsonl").read_text().splitlines(keepends=True)[:10]))
+    shutil.rmtree(workdir / "nats")
+
+    refused = _up(workdir, "--dataset", str(other))
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    last = refused.stderr.strip().splitlines()[-1]
+    advised = re.search(r"pass (--[a-z-]+)", last)
+    assert last.startswith("hsx: error: producer failed: ") and advised, last
+    assert advised.group(1) == "--replace-output", last
+
+    replaced = _up(workdir, "--dataset", str(other), advised.group(1))
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert "uploaded 10/10" in replaced.stdout, replaced.stdout[-3000:]
