@@ -8,6 +8,8 @@ the monitor calls it silent.
 """
 
 import asyncio
+import difflib
+import logging
 import re
 import time
 from urllib.parse import urlsplit
@@ -85,8 +87,16 @@ def _spec_problem(spec: schemas.JobSpec, key: str) -> str:
 async def require_job_spec(kv: KeyValue, job: str) -> schemas.JobSpec:
     spec = await read_job_spec(kv, job)
     if spec is None:
-        raise HsxError(f"job {job} not found in KV bucket hsx_jobs (run hsx produce --job {job} first)")
+        near = near_job(job, await job_names(kv))
+        guess = f"did you mean {near}? " if near else ""
+        raise HsxError(f"job {job} not found in KV bucket hsx_jobs ({guess}run hsx produce --job {job} first)")
     return spec
+
+
+def near_job(job: str, names: list[str]) -> str | None:
+    """The job of `names` closest to `job`, when close enough to be what a typo in --job meant."""
+    near = difflib.get_close_matches(job, [name for name in names if name != job], n=1, cutoff=0.75)
+    return near[0] if near else None
 
 
 async def wait_for_job_spec(
@@ -161,19 +171,27 @@ async def wait_for_job(
             return spec
         waited = time.monotonic() - started
         if wait_s is not None and waited >= wait_s:
+            names = await job_names(kv)
+            near = near_job(job, names)
             raise HsxError(
                 f"job {job} not found in KV bucket hsx_jobs after waiting {wait_s:g} s (--wait-for-job); "
-                f"jobs there: {_named(await job_names(kv))} (run hsx produce --job {job} first, or check --job)"
+                + (f"did you mean {near}? " if near else "")
+                + f"jobs there: {_named(names)} (run hsx produce --job {job} first, or check --job)"
             )
         if reported is None or time.monotonic() - reported >= report_every_s:
-            log.info(
+            names = await through_outage(lambda: job_names(kv), what="list the jobs", stopping=stopping)
+            near = near_job(job, names)
+            log.log(
+                logging.WARNING if near else logging.INFO,
                 "waiting_for_job_spec",
                 job=job,
                 bucket="hsx_jobs",
                 waited_s=round(waited),
-                jobs=(await through_outage(lambda: job_names(kv), what="list the jobs", stopping=stopping))[:20],
+                jobs=names[:20],
+                did_you_mean=near,
                 wait_for_job_s=wait_s,
-                hint=f"hsx produce --job {job} records it; a job named otherwise is not this one",
+                hint=(f"did you mean {near}? " if near else "")
+                + f"hsx produce --job {job} records it; a job named otherwise is not this one",
             )
             reported = time.monotonic()
         timeout = poll_s if wait_s is None else max(0.0, min(poll_s, wait_s - waited))
