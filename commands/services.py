@@ -2,9 +2,9 @@
 
 The flags themselves are declared on the config classes (hsx/config/fields.py). What is finished
 here is what no flag says alone: the node named after the host, the process's own instance, the
-spool made absolute and created, the high-water mark `auto` measured on the spool's disk, the
-monitor's `auto` format. `hsx consume` and `hsx up` (for each consumer it starts) build a
-consumer's config with the same function.
+spool made absolute and created, `--wait-for-job`'s bound under `--until-done`, the high-water
+mark `auto` measured on the spool's disk, the monitor's `auto` format. `hsx consume` and `hsx up`
+(for each consumer it starts) build a consumer's config with the same function.
 """
 
 import argparse
@@ -24,7 +24,7 @@ from hsx.storage.fsutil import free_bytes, make_private_dirs
 from hsx.uploader.config import UploaderConfig
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.topology import node_name
-from hsx.wire.worker import WorkerConfig
+from hsx.wire.worker import UNTIL_DONE_WAIT_FOR_JOB_S, WorkerConfig
 
 ServiceConfig = ProducerConfig | ConsumerConfig | UploaderConfig | MonitorConfig
 
@@ -58,7 +58,11 @@ def _worker_fields(args: argparse.Namespace, *, prepare: bool) -> dict:
     spool = args.spool.resolve()
     if prepare:
         make_private_dirs(spool)
-    return {"node": node, "instance": process_instance(node), "spool": spool}
+    # --until-done bounds the wait for the job's spec unless --wait-for-job says otherwise.
+    wait = args.wait_for_job_s
+    if wait is None and args.until_done:
+        wait = UNTIL_DONE_WAIT_FOR_JOB_S
+    return {"node": node, "instance": process_instance(node), "spool": spool, "wait_for_job_s": wait}
 
 
 # Each builder takes `prepare`: False for `hsx config show`, which builds the config for its

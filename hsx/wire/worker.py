@@ -41,6 +41,11 @@ from hsx.wire.tracker import ProgressTracker
 log = get_logger("hsx.worker")
 
 
+# --wait-for-job when not given under --until-done: a worker of a batch scheduler (a job that
+# ends, an allocation that costs) gives up on a job that is not there after this long.
+UNTIL_DONE_WAIT_FOR_JOB_S = 600.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
     """The settings every spooling worker (consumer, uploader) has; its flags are declared here
@@ -83,13 +88,16 @@ class WorkerConfig:
         "cannot finish (everything left is dead-lettered), as hsx monitor --until-done decides",
     )
     # None: wait for the job's spec for as long as it takes (workers may start before the producer).
+    # Not given, the entry point makes it UNTIL_DONE_WAIT_FOR_JOB_S under --until-done
+    # (commands/services.py): a batch scheduler's worker never waits for ever for a mistyped job.
     wait_for_job_s: float | None = option(
         "--wait-for-job",
         default=None,
         parse=positive_float("--wait-for-job"),
         example=600.0,
         help="give up (exit 2, naming the jobs there are) when the job has not been produced within "
-        "this many seconds (default: wait as long as it takes, saying so every 30 s)",
+        "this many seconds (default: 600 with --until-done, else wait as long as it takes; either way "
+        "saying so every 30 s)",
     )
     heartbeat_s: float = 5.0
     idle_fetch_timeout_s: float = 1.0
