@@ -475,7 +475,7 @@ async def _plan_and_publish(
     plan = schemas.plan_tag_of(fingerprint)
     if existing is not None and existing.published:
         if replaces:
-            _refuse_published(cfg, existing)
+            await asyncio.to_thread(_refuse_published, cfg, existing, info, layers)
         log.info(
             "job_already_published",
             job=cfg.job,
@@ -600,13 +600,44 @@ async def _accounted(js, job: str) -> set[str]:
     return await through_outage(lambda: resume.accounted_batch_ids(js, job), what="read_accounted_batches")
 
 
-def _refuse_published(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
+# What a job's plan depends on that its spec does not record: when none of what it records
+# differs, one of these (or the rows themselves) did.
+_UNRECORDED = "--max-batch-size, --chat-field, --on-bad-row, --max-bad-rows"
+
+
+def _refuse_published(
+    cfg: ProducerConfig, existing: schemas.JobSpec, info, layers: list[Layer], *, digest: str | None = None
+) -> None:
+    """One line naming each setting of this run that differs from the published job's (`digest`:
+    the dataset's, when the caller has it; read here otherwise)."""
+    if digest is None and existing.dataset_digest:
+        digest = dataset_digest(cfg.dataset)
+    recorded = [
+        ("--model", existing.model, cfg.model),
+        ("the model's revision", existing.model_revision, info.revision),
+        ("--layers", _layer_list(existing.layers), _layer_list(layers)),
+        ("--dtype", existing.dtype, cfg.dtype),
+        ("--dest", existing.dest, str(cfg.dest)),
+        ("--token-budget", existing.token_budget, cfg.token_budget),
+        ("--max-seq-len", existing.max_seq_len, cfg.max_seq_len),
+        ("--on-long", existing.on_long, cfg.on_long),
+        ("--chat-as", existing.chat_convention, str(cfg.chat_as)),
+        ("--on-empty-mask", existing.on_empty_mask, cfg.on_empty_mask),
+    ]
+    if existing.round_rows:  # a job published in rounds: their size decides its plan
+        recorded.append(("--round-rows", existing.round_rows, cfg.round_rows))
+    differ = [f"{name} {theirs} (this run: {ours})" for name, theirs, ours in recorded if theirs != ours]
+    if existing.dataset_digest and digest and digest != existing.dataset_digest:
+        differ.insert(0, f"--dataset {existing.dataset} (this run: {cfg.dataset}, other data)")
+    what = "; ".join(differ) if differ else f"the same recorded settings, so the rows or one of {_UNRECORDED}"
     raise HsxError(
-        f"job {cfg.job} already exists with a different dataset or settings "
-        f"(model {existing.model}, layers {existing.layers}, dest {existing.dest}, "
-        f"{existing.total_samples} samples); use another --job name, or delete the job first "
-        f"(hsx jobs delete {cfg.job})"
+        f"job {cfg.job} already exists with a different dataset or settings ({existing.total_samples} samples): "
+        f"{what}; use another --job name, or delete the job first (hsx jobs delete {cfg.job})"
     )
+
+
+def _layer_list(layers) -> str:
+    return ",".join(str(layer) for layer in layers)
 
 
 def _round_descriptors(cfg: ProducerConfig, fingerprint: str, batches: list[PlannedBatch], seqs: range, rows):
@@ -642,7 +673,7 @@ async def _publish_rounds(
     plan = schemas.plan_tag_of(fingerprint)
     replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != str(cfg.dest))
     if existing is not None and existing.published and replaces:
-        _refuse_published(cfg, existing)
+        _refuse_published(cfg, existing, info, layers, digest=digest)
     # The job's identity (JobWatch): fixed when it is first recorded, kept by every round and rerun.
     created_at = existing.created_at if existing and not replaces else time.time()
     cut, starts = first, [0]
