@@ -261,3 +261,29 @@ def test_each_dest_form_is_still_taken(hsx, tiny_model, job_name, good_jsonl, tm
         result = hsx(*args, "--dry-run", "--json")
         assert result.returncode == 0, (dest, result.stderr[-2000:])
         assert json.loads(result.stdout.strip().splitlines()[-1])["samples"] == 10, result.stdout
+
+
+def test_a_published_job_run_again_with_other_settings_names_each_that_differs(
+    hsx, nats_server, tiny_model, job_name, good_jsonl, tmp_path
+):
+    """Same name, same data, other --layers and --dtype: the refusal names those two, with the
+    job's value and this run's, and nothing the run shares with the job."""
+    model = tiny_model("qwen3")
+    first = hsx(*_produce_args(model, good_jsonl, tmp_path / "out", job_name))
+    assert first.returncode == 0, first.stderr
+    before = _state(nats_server, job_name)
+
+    again = hsx(
+        *_produce_args(model, good_jsonl, tmp_path / "out", job_name, **{"--layers": "1,5", "--dtype": "bfloat16"})
+    )
+    line = assert_one_line_error(
+        again,
+        f"job {job_name} already exists with a different dataset or settings",
+        "--layers 1,3 (this run: 1,5)",
+        "--dtype float32 (this run: bfloat16)",
+        f"hsx jobs delete {job_name}",
+    )
+    assert again.returncode == 2, line
+    for same in ("--model", "--dest", "--dataset", "--token-budget", "--max-seq-len"):
+        assert same not in line, line
+    assert _state(nats_server, job_name) == before, "the refused run changed the job"

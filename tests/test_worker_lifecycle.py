@@ -22,9 +22,12 @@ from conftest import _free_port
 from test_e2e_s3 import check_ok, logs_of, produce, read_s3_objects, status, write_dataset
 from test_exhausted import _batch_of, _block_sample_path
 
+from hsx.commands.cli import build_command_config, build_parser
 from hsx.commands.embedded import start_nats_server
+from hsx.config.settings import resolve
 from hsx.wire import topology
 from hsx.wire.jobs import last_heartbeats
+from hsx.wire.worker import UNTIL_DONE_WAIT_FOR_JOB_S
 
 FAST = ("--ack-wait", "2", "--retry-delay", "0.2")
 EXIT_TIMEOUT_S = 150.0
@@ -242,6 +245,43 @@ def test_wait_for_job_bounds_the_wait_for_a_missing_job(tmp_path, hsx, command):
     assert last.startswith(f"hsx: error: job {missing} not found") and "jobs there:" in last, run.stderr
     waiting = [json.loads(line) for line in run.stderr.splitlines() if '"waiting_for_job_spec"' in line]
     assert waiting and waiting[0]["job"] == missing and isinstance(waiting[0]["jobs"], list), run.stderr
+
+
+def _worker_config(*argv: str):
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    resolve(parser, args, {})
+    return build_command_config(parser, args, prepare=False)
+
+
+def test_until_done_bounds_the_wait_for_the_job_by_default():
+    """A batch scheduler's worker (--until-done) gives up on a job that is not there after at most
+    10 minutes unless --wait-for-job says otherwise; a worker without --until-done waits on."""
+    for command, extra in (("consume", ("--device", "cpu")), ("upload", ())):
+        bounded = _worker_config(command, "--job", "j", *extra, "--until-done").wait_for_job_s
+        assert bounded == UNTIL_DONE_WAIT_FOR_JOB_S and 0 < bounded <= 600
+        assert _worker_config(command, "--job", "j", *extra, "--until-done", "--wait-for-job", "3").wait_for_job_s == 3
+        assert _worker_config(command, "--job", "j", *extra).wait_for_job_s is None
+
+
+def test_a_mistyped_job_is_named_with_its_near_match_and_until_done_gives_up(
+    tmp_path, hsx, nats_server, tiny_model, job_name
+):
+    """`--job chat-eagl3` beside a job chat-eagle3: the waiting line and the final error say "did
+    you mean chat-eagle3?", and under --until-done the worker exits 2 once the wait is over (here
+    --wait-for-job 3, the default's stand-in) instead of waiting for ever."""
+    job = f"{job_name}-eagle3"
+    _small_job(tmp_path, hsx, tiny_model, job, dest=str(tmp_path / "out"), rows=4)
+    typo = f"{job_name}-eagl3"
+    spool = str(tmp_path / "spool")
+    run = hsx("consume", "--job", typo, "--device", "cpu", "--spool", spool, "--until-done", "--wait-for-job", "3")
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"hsx: error: job {typo} not found") and f"did you mean {job}?" in last, last
+    waiting = [json.loads(line) for line in run.stderr.splitlines() if '"waiting_for_job_spec"' in line]
+    assert waiting and waiting[0]["did_you_mean"] == job, run.stderr[-3000:]
+    assert f"did you mean {job}?" in waiting[0]["hint"], waiting[0]
+    assert _queued_batches(nats_server.url, job) > 0  # the real job is untouched
 
 
 def test_a_worker_waiting_for_its_job_rides_out_a_nats_restart(tmp_path, hsx, hsx_service, tiny_model, job_name):
