@@ -13,7 +13,7 @@ from test_cli_errors import assert_one_line_error
 
 from hsx.commands import cli
 from hsx.commands.configs import DeadRetryConfig, ExportConfig, SyncConfig
-from hsx.commands.up import UpConfig
+from hsx.commands.up import UpConfig, passed_to_producer
 from hsx.config.fields import flag_fields, option
 from hsx.config.settings import Parser, resolve
 from hsx.config.values import positive_int
@@ -63,7 +63,9 @@ def test_every_commands_flags_are_its_configs_fields():
             continue
         seen.add(words)
         if words == ("up",):
-            job = _declared(cli.ProducerConfig, only=lambda flag: flag.job)[0]
+            # The job's flags and the producer's own that its refusals advise (--replace-output, ...).
+            job = _declared(cli.ProducerConfig, only=passed_to_producer)[0]
+            assert ("--replace-output", "replace_output") in job
             expected = (_declared(UpConfig)[0] | job | (_nats_flags() - {("--nats", "url")}), set())
             assert ("--nats", "url") in expected[0]  # up's own --nats: a server instead of its own
         elif words[0] in services:
