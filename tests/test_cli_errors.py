@@ -21,7 +21,6 @@ import nats
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO
 
 VOCAB = 512  # tests/conftest.py TINY
 NUM_LAYERS = 6
@@ -245,12 +244,12 @@ def test_a_mistyped_dest_is_refused_not_taken_as_a_folder(typo, hsx, nats_server
     """Before, `s3:/b/p` and `file//data/out` were local folders (`./s3:/b/p`, exit 0): now any
     text that looks like a URL and is not s3:// or file:// is one line naming --dest, exit 2,
     and nothing is published or written."""
-    before = sorted(REPO.iterdir())
+    before = sorted(Path.cwd().iterdir())  # where the command runs (conftest: a folder of the test's own)
     result = hsx(*_produce_args(tiny_model("qwen3"), good_jsonl, typo, job_name))
     line = assert_one_line_error(result, f"--dest {typo!r}", "did you mean")
     assert result.returncode == 2, line
     assert _state(nats_server, job_name) == (None, 0), "a refused --dest published"
-    assert sorted(REPO.iterdir()) == before, "a refused --dest made a folder"
+    assert sorted(Path.cwd().iterdir()) == before, "a refused --dest made a folder"
 
 
 def test_each_dest_form_is_still_taken(hsx, tiny_model, job_name, good_jsonl, tmp_path):
