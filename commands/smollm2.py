@@ -88,12 +88,17 @@ def build_smollm2(folder: Path) -> Path:
     with _gguf_read_once():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # A GGUF-loaded model keeps its quantization config and refuses save_pretrained: rebuild it plainly.
+    # A GGUF-loaded model keeps its quantization config and refuses save_pretrained: rebuild it
+    # plainly, its parameters the loaded ones. Made on the meta device, it has no random values
+    # to compute first (3 of the build's seconds); its non-persistent buffers (rotary inv_freq)
+    # stay there, and save_pretrained writes none of them.
     settings = loaded.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         settings.pop(key, None)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**settings), dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), strict=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**settings), dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True, assign=True)
+    model.tie_weights()  # lm_head is the embedding again, saved once
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
