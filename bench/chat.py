@@ -104,7 +104,7 @@ def tokenizer_folders(work: Path) -> dict[str, Path]:
     if not (plain / "tokenizer.json").exists():
         from transformers import AutoTokenizer
 
-        from devkit import smollm2_gguf
+        from hsx.commands.smollm2 import smollm2_gguf
 
         gguf = smollm2_gguf()
         if gguf is None:

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from devkit import build_smollm2, smollm2_gguf  # noqa: E402
 from hsx.commands.embedded import build_tiny_model  # noqa: E402
+from hsx.commands.smollm2 import build_smollm2, smollm2_gguf  # noqa: E402
 from hsx.gpu_consumer.extract import extract_samples  # noqa: E402
 from hsx.gpu_consumer.model import load_model  # noqa: E402
 from hsx.logs import configure_logging  # noqa: E402

