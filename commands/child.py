@@ -5,14 +5,20 @@ builders as the command itself (commands/services.py); the child parses nothing 
 its secrets (a NATS password) travel in the pipe, not in argv or the environment.
 """
 
+import signal
 import sys
-from pathlib import Path
 
-import msgspec
+# up passes Ctrl-C on as SIGINT: until the service installs its own handlers (it stops cleanly
+# then), SIGINT ends the process as SIGTERM would, not with a KeyboardInterrupt traceback.
+signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-from hsx.commands.services import COMMANDS, ServiceConfig, in_this_process, run_service
-from hsx.errors import HsxError
-from hsx.logs import configure_logging
+from pathlib import Path  # noqa: E402
+
+import msgspec  # noqa: E402
+
+from hsx.commands.services import COMMANDS, ServiceConfig, in_this_process, run_service  # noqa: E402
+from hsx.errors import HsxError  # noqa: E402
+from hsx.logs import configure_logging  # noqa: E402
 
 
 class ChildOrder(msgspec.Struct, frozen=True, kw_only=True):
