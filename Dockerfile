@@ -4,7 +4,11 @@
 #   docker build -t hsx .                          # gpu (the last stage, the default): every command, torch
 #   docker build --target slim -t hsx-slim .       # uploader, monitor, status/dead/jobs/index/sync: no torch
 #   docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu -t hsx:cpu .
-FROM python:3.11-slim AS base
+#
+# PYTHON_IMAGE is the base: the official python:3.11-slim, or an image of your own with python
+# and pip on PATH (a mirror; tests/compose/ builds one where no registry is reachable).
+ARG PYTHON_IMAGE=python:3.11-slim
+FROM ${PYTHON_IMAGE} AS base
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -36,11 +40,13 @@ CMD ["--help"]
 
 FROM base AS gpu
 # Where torch comes from. The default is the CUDA 12.8 build from the PyTorch
-# index; override with .../whl/cu126, .../whl/cpu, or a local mirror.
+# index; override with .../whl/cu126, .../whl/cpu, or a local mirror; empty: pip's
+# own index and configuration. TORCH_SPEC pins a version (torch==2.11.0).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+ARG TORCH_SPEC=torch
 # torch is by far the largest layer; install it on its own so changes to the
 # project do not re-download it.
-RUN pip install --no-cache-dir torch --index-url "${TORCH_INDEX}"
+RUN pip install --no-cache-dir "${TORCH_SPEC}" ${TORCH_INDEX:+--index-url "${TORCH_INDEX}"}
 COPY . /src
 RUN pip install --no-cache-dir '/src[gpu]' \
  && hsx --help >/dev/null \
