@@ -422,3 +422,52 @@ def test_documented_gpu_override_gives_each_copy_its_own_gpu(compose, tmp_path):
         assert svc["volumes"] == services["gpu_consumer"]["volumes"], name
         assert svc["environment"] == services["gpu_consumer"]["environment"], name
         assert svc["profiles"] == ["gpu"], name
+
+
+# --- make compose-test's override (tests/compose/compose.test.yaml) ------------
+
+TEST_OVERRIDE = REPO / "tests" / "compose" / "compose.test.yaml"
+
+
+def test_default_images_are_the_official_ones(config):
+    """Unset, the variables make compose-test sets leave the images users pull."""
+    assert config["services"]["nats"]["image"] == "nats:2.10-alpine"
+    for name in [*HSX_SERVICES, "demo-init"]:
+        assert config["services"][name]["build"]["args"] == {"PYTHON_IMAGE": "python:3.11-slim"}, name
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", (REPO / "Dockerfile").read_text(), re.M)
+
+
+def test_compose_test_override_changes_only_what_a_registry_would_give(compose, config, tmp_path):
+    """The override make compose-test runs with swaps MinIO for its stand-in, keeps every port on
+    127.0.0.1 and builds with the host network; the hsx services' commands, environments, volumes,
+    restart policies and targets are compose.yaml's own."""
+    env_file = tmp_path / "compose-test.env"
+    env_file.write_text("HSX_TEST_S3_IMAGE=hsx-compose-test/moto:x\nHSX_TEST_TORCH_SPEC=torch==2.13.0+cpu\n")
+    files = (COMPOSE_FILE, TEST_OVERRIDE)
+    proc = compose("config", "-q", files=files, env_file=env_file)
+    assert proc.returncode == 0 and proc.stderr.strip() == "", proc.stderr
+    merged = _config(compose, files=files, env_file=env_file)["services"]
+    assert set(merged) == set(config["services"])
+    for name, svc in merged.items():
+        for port in svc.get("ports", []):
+            assert port["host_ip"] == "127.0.0.1" and not port.get("published"), (name, port)
+    assert merged["minio"]["image"] == merged["minio-init"]["image"] == "hsx-compose-test/moto:x"
+    for name in [*HSX_SERVICES, "demo-init"]:
+        ours, theirs = merged[name], config["services"][name]
+        assert ours["build"]["network"] == "host", name
+        assert ours["build"].get("target") == theirs["build"].get("target"), name
+        for key in (
+            "command",
+            "entrypoint",
+            "environment",
+            "volumes",
+            "restart",
+            "depends_on",
+            "image",
+            "init",
+            "stop_grace_period",
+            "healthcheck",
+            "deploy",
+            "user",
+        ):
+            assert ours.get(key) == theirs.get(key), (name, key)
