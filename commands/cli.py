@@ -28,6 +28,7 @@ from hsx.commands.configs import (
     SyncConfig,
     VerifyConfig,
 )
+from hsx.commands.pages import START, page
 from hsx.commands.services import BUILDERS, nats_settings, run_service
 from hsx.commands.up import UP_JOB_DEFAULTS, UP_MADE, UpConfig, passed_to_producer
 from hsx.config.settings import (
@@ -149,7 +150,7 @@ class Command:
 
 # The services' commands: each config is built by its builder (commands/services.py) and run.
 _SERVICES = (
-    ("produce", ProducerConfig, "plan batches and publish them for a job"),
+    ("produce", ProducerConfig, "on a cluster, first: plan batches and publish them for a job"),
     ("consume", ConsumerConfig, "run one GPU consumer for a job"),
     ("upload", UploaderConfig, "run one uploader for a job on this node"),
     ("monitor", MonitorConfig, "follow a job's progress as a log stream"),
@@ -217,18 +218,19 @@ def _has_nats(cls: type) -> bool:
     return any(field.name == "nats" for field in dataclasses.fields(cls))
 
 
+NATS_GROUP = "NATS connection (prefer the environment for secrets: flags show in ps)"
+
+
 def add_command_flags(parser: Parser, cls: type) -> None:
-    """The flags of a command whose config is `cls`: the NATS connection's when it has one
-    (declared on NatsSettings), then its own."""
-    if _has_nats(cls):
-        add_config_flags(parser, NatsSettings, only=lambda flag: flag.name == "--nats")
-        auth = parser.add_argument_group("NATS credentials (prefer the environment for secrets: flags show in ps)")
-        add_config_flags(auth, NatsSettings, only=lambda flag: flag.name != "--nats")
+    """The flags of a command whose config is `cls`: its own, then the NATS connection's when it
+    has one (declared on NatsSettings), in a group made last so that its --help lists it last."""
     add_config_flags(parser, cls)
+    if _has_nats(cls):
+        add_config_flags(parser.add_argument_group(NATS_GROUP), NatsSettings)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="hsx", description="Hidden-state extraction over NATS JetStream.")
+    parser = Parser(prog="hsx", description="Hidden-state extraction over NATS JetStream.", epilog=START)
     parser.add_argument(
         "--config",
         metavar="FILE",
@@ -247,35 +249,41 @@ def build_parser() -> argparse.ArgumentParser:
     declare_command_line_only(parser, "config")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    up = commands.add_parser("up", help="run a whole job on this machine; starts what is not given")
-    add_config_flags(up, UpConfig)  # its --nats names a server to use instead of starting one
-    auth = up.add_argument_group("NATS credentials (prefer the environment for secrets: flags show in ps)")
-    add_config_flags(auth, NatsSettings, only=lambda flag: flag.name != "--nats")
+    up = commands.add_parser(
+        "up", help="start here: run a whole job on this machine; starts what is not given", **page(("up",))
+    )
+    add_config_flags(up, UpConfig, only=lambda flag: flag.name != "--nats")
     # The job's flags are the producer's, with the demo's defaults (commands/up.py says why).
     add_config_flags(up, ProducerConfig, only=passed_to_producer, defaults={**UP_JOB_DEFAULTS, **UP_MADE})
+    nats = up.add_argument_group(NATS_GROUP)
+    add_config_flags(nats, UpConfig, only=lambda flag: flag.name == "--nats")  # a server instead of its own
+    add_config_flags(nats, NatsSettings, only=lambda flag: flag.name != "--nats")
 
     for name, config, about in _SERVICES:
-        add_command_flags(commands.add_parser(name, help=about), config)
+        add_command_flags(commands.add_parser(name, help=about, **page((name,))), config)
 
     actions: dict[str, object] = {}
     for path, command in COMMANDS.items():
         name, *action = path
         if not action:
-            add_command_flags(commands.add_parser(name, help=command.help), command.config)
+            add_command_flags(commands.add_parser(name, help=command.help, **page(path)), command.config)
             continue
         if name not in actions:
-            group = commands.add_parser(name, help=_GROUPS[name])
+            group = commands.add_parser(name, help=_GROUPS[name], **page((name,)))
             actions[name] = group.add_subparsers(dest=f"{name}_command", required=True, metavar="ACTION")
-        add_command_flags(actions[name].add_parser(action[0], help=command.help), command.config)
+        add_command_flags(actions[name].add_parser(action[0], help=command.help, **page(path)), command.config)
 
     # config show and config example inspect the other commands and have no config of their own;
     # show's COMMAND [FLAGS] is argparse's REMAINDER, parsed again with the parser of that command.
-    config = commands.add_parser("config", help="inspect settings: hsx config show COMMAND, hsx config example")
+    config = commands.add_parser(
+        "config", help="inspect settings: hsx config show COMMAND, hsx config example", **page(("config",))
+    )
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = config_commands.add_parser(
         "show",
         help="print COMMAND's effective settings and where each came from (flag, env, file, default); "
         "secrets are shown as ***",
+        **page(("config", "show")),
     )
     show.add_argument("--json", action="store_true", help="as JSON")
     show.add_argument(
@@ -289,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         "example",
         help="print a job file with every key a file may set, commented out, with its flag, help and "
         "default: hsx config example > hsx.toml",
+        **page(("config", "example")),
     )
 
     return parser

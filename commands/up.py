@@ -2,13 +2,14 @@
 
 Starts whatever is not given: a nats-server with its JetStream store in the workdir, a small
 random-initialised model, a synthetic dataset, a local destination. It starts `--consumers` GPU
-consumers per device (`--device cuda`: every visible GPU, or those of `--devices`;
-hsx/model/devices.py), each its own process shown only its own GPU and loading the model while
-the producer plans, `--uploaders` uploaders sharing the consumers' spool, and the monitor, then
-makes what the demo needs and runs the producer; it restarts a worker that crashes, and returns 0
-when every sample is in the destination. Everything lives in the workdir, so running it again
-resumes: the producer publishes nothing twice and only unfinished work runs. Ctrl-C (or SIGTERM)
-stops every process cleanly: workers finish their batch, then exit.
+consumers per device (`--device cuda`: every visible GPU, or those of `--devices`; the default,
+`auto`, is `cuda` when torch sees a GPU, else `cpu`; hsx/model/devices.py), each its own process
+shown only its own GPU and loading the model while the producer plans, `--uploaders` uploaders
+sharing the consumers' spool, and the monitor, then makes what the demo needs and runs the
+producer; it restarts a worker that crashes, and returns 0 when every sample is in the
+destination. Everything lives in the workdir, so running it again resumes: the producer publishes
+nothing twice and only unfinished work runs. Ctrl-C (or SIGTERM) stops every process cleanly:
+workers finish their batch, then exit.
 """
 
 import argparse
@@ -36,7 +37,7 @@ from hsx.config.settings import build_config, resolve
 from hsx.config.values import positive_float, positive_int
 from hsx.errors import HsxError, JobFailed
 from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
-from hsx.model.devices import child_visible_devices, node_devices, node_gpus
+from hsx.model.devices import auto_device, child_visible_devices, node_devices, node_gpus, torch_sees_cuda
 from hsx.monitor.config import MonitorConfig
 from hsx.producer.config import ProducerConfig
 from hsx.storage.location import Location
@@ -92,10 +93,12 @@ class UpConfig:
     samples: int = option(
         "--samples", default=256, parse=positive_int("--samples"), help="synthetic dataset size (default 256)"
     )
+    # "auto" until from_args resolves it (hsx/model/devices.py auto_device): then cpu, cuda, cuda:N.
     device: str = option(
         "--device",
-        default="cpu",
-        help="where the consumers run: cpu (default), cuda:N, or cuda for every visible GPU "
+        default="auto",
+        help="where the consumers run: auto (default: cuda when torch sees a GPU, else cpu; "
+        "hsx consume's default is cuda:0), cpu, cuda:N, or cuda for every visible GPU "
         "(CUDA_VISIBLE_DEVICES honoured), one consumer per GPU",
     )
     gpus: str | None = option(
@@ -137,6 +140,8 @@ class UpConfig:
     # The CUDA_VISIBLE_DEVICES entry of each GPU `cuda:i` of `devices` names (hsx/model/devices.py
     # visible_gpus); empty off CUDA.
     visible_gpus: tuple[str, ...] = ()
+    # Why `device` is what it is when it was not given ("auto: torch sees CUDA"); None: given.
+    device_chosen: str | None = None
 
     @classmethod
     def from_args(
@@ -159,8 +164,12 @@ class UpConfig:
         job["dest"] = job["dest"] or Location.parse(workdir / "out")
         spool = workdir / "spool"
         # Which GPUs the consumers get is this machine's to say: not asked unprepared (config show).
-        visible = tuple(node_gpus(args.device)) if prepare else ()
-        devices = tuple(node_devices(args.device, args.gpus, gpus=list(visible))) if prepare else (args.device,)
+        # --device auto (the default): this machine's GPUs if torch sees any, and why, for the log.
+        device, chosen = (
+            auto_device(args.device, args.gpus, cuda_visible=torch_sees_cuda) if prepare else (args.device, None)
+        )
+        visible = tuple(node_gpus(device)) if prepare else ()
+        devices = tuple(node_devices(device, args.gpus, gpus=list(visible))) if prepare else (device,)
         stand_in = nats or NatsSettings(url="nats://embedded.invalid")  # replaced once the server runs
 
         def child(command: str, **given):
@@ -197,6 +206,8 @@ class UpConfig:
             make_dataset=args.dataset is None,
             devices=devices,
             visible_gpus=visible,
+            device=device,
+            device_chosen=chosen,
         )
 
 
@@ -411,6 +422,8 @@ def run_up(cfg: UpConfig) -> int:
         consumers = consumer_configs(cfg)
         log.info(
             "consumers_planned",
+            device=cfg.device,
+            device_chosen=cfg.device_chosen or "--device",
             devices=list(cfg.devices),
             per_device=cfg.consumers,
             consumers={name: consumer.device for name, consumer, _ in consumers},

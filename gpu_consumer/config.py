@@ -33,7 +33,8 @@ class ConsumerConfig(WorkerConfig):
         default="cuda:0",
         parse=check_consumer_device,
         env="HSX_DEVICE",
-        help="env HSX_DEVICE, default cuda:0",
+        help="cpu or cuda:N, one device (env HSX_DEVICE, default cuda:0; hsx up's default is auto: every GPU torch "
+        "sees, else cpu)",
     )
     # As given ("auto", "200G"), made a byte count by the entry point (commands/services.py):
     # auto is half the spool disk's free space.

@@ -25,7 +25,15 @@ from hsx.commands.up import UpConfig, consumer_configs
 from hsx.config.settings import resolve
 from hsx.errors import HsxError
 from hsx.gpu_consumer.config import ConsumerConfig
-from hsx.model.devices import check_consumer_device, child_visible_devices, plan_devices, visible_gpus, visible_text
+from hsx.model.devices import (
+    auto_device,
+    check_consumer_device,
+    child_visible_devices,
+    plan_devices,
+    torch_sees_cuda,
+    visible_gpus,
+    visible_text,
+)
 
 
 @pytest.mark.parametrize(
@@ -133,7 +141,9 @@ def test_up_consumers_is_per_device_and_devices_chooses(monkeypatch, tmp_path):
     consumers = consumer_configs(cfg)
     assert _devices_of(consumers) == ["2", "2", "0", "0"]
     assert len({name for name, _, _ in consumers}) == 4  # each its own process, log file and instance
-    cpu = consumer_configs(_up_config(["--consumers", "3"], monkeypatch, visible=4, workdir=tmp_path))
+    cpu = consumer_configs(
+        _up_config(["--device", "cpu", "--consumers", "3"], monkeypatch, visible=4, workdir=tmp_path)
+    )
     assert _devices_of(cpu) == ["cpu", "cpu", "cpu"] and all(not env for _, _, env in cpu)
     one = consumer_configs(_up_config(["--device", "cuda:1"], monkeypatch, visible=4, workdir=tmp_path))
     assert _devices_of(one) == ["1"] and one[0][1].device == "cuda:0"
@@ -193,7 +203,7 @@ def test_up_asks_torch_only_for_a_gpu(monkeypatch, tmp_path):
 
     monkeypatch.setattr(hsx.model.devices, "cuda_device_count", fail)
     parser = build_parser()
-    args = parser.parse_args(["up", "--consumers", "2", "--workdir", str(tmp_path)])
+    args = parser.parse_args(["up", "--device", "cpu", "--consumers", "2", "--workdir", str(tmp_path)])
     resolve(parser, args, {})
     assert UpConfig.from_args(parser, args, nats=None, environ={}).devices == ("cpu",)
 
@@ -211,8 +221,12 @@ def test_the_cli_refuses_with_one_line(tmp_path, subtests):
             ("--device cuda", "no GPU visible with CUDA_VISIBLE_DEVICES=''"),
         ),
         "up --devices without cuda": (
-            ["up", "--workdir", str(workdir), "--devices", "0,2"],
+            ["up", "--workdir", str(workdir), "--device", "cpu", "--devices", "0,2"],
             ("--devices 0,2", "--device is cpu", "--device cuda --devices 0,2"),
+        ),
+        "up --devices, none visible": (
+            ["up", "--workdir", str(workdir), "--devices", "0,2"],
+            ("--devices 0,2", "no GPU visible"),
         ),
         "up --devices twice": (
             ["up", "--workdir", str(workdir), "--device", "cuda", "--devices", "1,1"],
@@ -233,3 +247,31 @@ def test_the_cli_refuses_with_one_line(tmp_path, subtests):
             assert results[name].returncode == 2
             assert_one_line_error(results[name], *needles)
     assert not workdir.exists() and not (tmp_path / "s").exists()
+
+
+def test_up_device_auto_is_every_gpu_when_torch_sees_cuda_else_cpu():
+    assert auto_device("auto", None, cuda_visible=lambda: True) == ("cuda", "auto: torch sees CUDA")
+    assert auto_device("auto", None, cuda_visible=lambda: False) == ("cpu", "auto: torch sees no CUDA")
+    assert auto_device("auto", "0,2", cuda_visible=lambda: False) == ("cuda", "auto: --devices chooses GPUs")
+
+    def never() -> bool:
+        raise AssertionError("torch asked for a device given")
+
+    assert auto_device("cuda:1", None, cuda_visible=never) == ("cuda:1", None)
+    assert auto_device("cpu", None, cuda_visible=never) == ("cpu", None)
+
+
+def test_up_without_device_runs_on_this_machines_cpu(tmp_path):
+    """This machine has no CUDA: hsx up's default (auto) is the CPU, said as chosen."""
+    assert not torch_sees_cuda()
+    parser = build_parser()
+    args = parser.parse_args(["up", "--workdir", str(tmp_path)])
+    resolve(parser, args, {})
+    assert args.device == "auto"
+    cfg = UpConfig.from_args(parser, args, nats=None, environ={})
+    assert (cfg.device, cfg.devices, cfg.device_chosen) == ("cpu", ("cpu",), "auto: torch sees no CUDA")
+
+
+def test_up_without_device_runs_on_every_gpu_torch_sees(monkeypatch, tmp_path):
+    cfg = _up_config([], monkeypatch, visible=2, workdir=tmp_path)
+    assert (cfg.device, cfg.devices, cfg.device_chosen) == ("cuda", ("cuda:0", "cuda:1"), "auto: torch sees CUDA")

@@ -126,12 +126,18 @@ def argparse_type(parse: Callable[[str], object]) -> Callable[[str], object]:
     return convert
 
 
+REQUIRED_GROUP = "required (from the flag, its environment variable or the job file)"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, declared through its public methods, that lists what was declared on it: its
     flags (`hsx_flags`, in order), its positional arguments (`hsx_positionals`), its subcommands
     (`hsx_commands`, under `hsx_command_dest`) and its exclusive groups of which one flag is
     required (`hsx_one_required`). A flag error is one line (`hsx: error: ...`, exit 2) instead of
-    a usage dump; subcommand parsers are Parsers too."""
+    a usage dump; subcommand parsers are Parsers too. Its help keeps the line breaks of its
+    description and epilog (the examples), and lists the required flags, and the exclusive groups
+    of which one is required, in a group of their own (REQUIRED_GROUP) after the positional
+    arguments."""
 
     def __init__(self, *args, **kwargs) -> None:
         self.hsx_flags: list[argparse.Action] = []
@@ -140,10 +146,17 @@ class Parser(argparse.ArgumentParser):
         self.hsx_command_dest: str | None = None
         self.hsx_one_required: list[list[argparse.Action]] = []
         self._hsx_declaring = False  # argparse makes its own groups while it starts
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)
+        # argparse lists its groups in the order they were made: this one right after its own
+        # "positional arguments" and before "options" (empty, it is not shown).
+        self._hsx_required = super().add_argument_group(REQUIRED_GROUP)
+        self._action_groups.insert(1, self._action_groups.pop())
         self._hsx_declaring = True
 
     def add_argument(self, *args, **kwargs) -> argparse.Action:
+        if kwargs.get("required") and args and str(args[0]).startswith("-"):
+            return self._declare(self._hsx_required.add_argument, args, kwargs)
         return self._declare(super().add_argument, args, kwargs)
 
     def _declare(self, add, args: tuple, kwargs: dict, group: list | None = None) -> argparse.Action:
@@ -180,6 +193,7 @@ class Parser(argparse.ArgumentParser):
         members: list[argparse.Action] = []
         if required:  # checked by `resolve`: the one flag may come from the environment or the file
             self.hsx_one_required.append(members)
+            return _Group(self, self._hsx_required.add_mutually_exclusive_group(required=False), members)
         return _Group(self, super().add_mutually_exclusive_group(required=False), members)
 
     def add_subparsers(self, **kwargs) -> "_Commands":

@@ -1,5 +1,6 @@
 """Which devices the GPU consumers of one node run on: one device per consumer process.
 
+`--device auto` (`hsx up`'s default, `auto_device`) is `cuda` when torch sees a GPU, else `cpu`.
 `--device cuda` means every GPU this process sees (torch.cuda.device_count(), which honours
 CUDA_VISIBLE_DEVICES: `cuda:0` .. `cuda:N-1`), `--devices 0,2` picks some of them, `--device
 cuda:N` is one GPU, and `--device cpu` (or any other torch device) is itself. `plan_devices` is
@@ -23,6 +24,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 
 from hsx.errors import HsxError
 
@@ -141,6 +143,27 @@ def _smi_listing() -> str | None:
         return subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def auto_device(device: str, devices: str | None, *, cuda_visible: Callable[[], bool]) -> tuple[str, str | None]:
+    """`hsx up --device auto` (its default) and why: `cuda`, every visible GPU, when `--devices`
+    chooses GPUs or `cuda_visible()` (torch sees CUDA), else `cpu`. Any other device is itself,
+    unasked, with no why."""
+    if device.strip() != "auto":
+        return device, None
+    if devices is not None:
+        return "cuda", "auto: --devices chooses GPUs"
+    if cuda_visible():
+        return "cuda", "auto: torch sees CUDA"
+    return "cpu", "auto: torch sees no CUDA"
+
+
+def torch_sees_cuda() -> bool:
+    """Whether torch sees a GPU here (CUDA_VISIBLE_DEVICES honoured); False without torch."""
+    try:
+        return cuda_device_count() > 0
+    except ImportError:
+        return False
 
 
 def node_gpus(device: str) -> list[str]:
