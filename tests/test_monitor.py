@@ -1,14 +1,18 @@
 """`hsx monitor` on real runs: its /metrics and its JSON lines agree with `hsx status --json`
 before, during and after a job; on a terminal it draws the bar instead; a GPU consumer killed
 mid-run is named with its instance, node and the last batch it worked on, and its node's spool
-backlog is reported in bytes.
+backlog is reported in bytes; two monitors of one running job, the second started mid-run, each
+show what `hsx status` reads within two of their intervals (issue 38, item 5: a second monitor
+was said to lag about 10 s behind).
 
-Real nats-server, tiny real model on the CPU, every service a subprocess. The monitors run with
-their stdout and stderr in separate files (or a pty), since what is on stdout is what is tested.
+Real nats-server, tiny real model on the CPU, every service a subprocess; where the pace of a job
+must be known, the test marks its samples uploaded itself, as an uploader does. The monitors run
+with their stdout and stderr in separate files (or a pty), since what is on stdout is what is tested.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -17,16 +21,20 @@ import sys
 import threading
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
+import nats
 import pytest
 from conftest import _env, _free_port
 from prometheus_client.parser import text_string_to_metric_families
 from test_chaos import log_events, sigkill
-from test_e2e_s3 import job_plan, logs_of, produce, status, write_dataset
+from test_e2e_s3 import check_ok, job_plan, logs_of, produce, status, write_dataset
 
 from hsx.monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS
 from hsx.storage.spool import spool_usage
+from hsx.wire import schemas, topology
+from hsx.wire.events import EventPublisher
 
 NODE = "testnode"  # HSX_NODE of every service the fixtures start
 
@@ -334,3 +342,105 @@ def test_a_consumer_killed_mid_run_is_named_with_its_node_and_last_batch(
     assert metric(samples, "hsx_spool_files", job, node=NODE) == files
     last = [r for r in log_events(monitor, "progress")][-1]
     assert last["spool_bytes"] == {NODE: used} and last["workers_silent"] == 1 and last["workers"] == 0, last
+
+
+def progress_readings(process) -> list[tuple[float, int]]:
+    """(when it was logged, samples_uploaded) of each `progress` line the monitor wrote."""
+    return [
+        (datetime.fromisoformat(r["timestamp"].replace("Z", "+00:00")).timestamp(), r["samples_uploaded"])
+        for r in json_lines(process)
+        if r["event"] == "progress"
+    ]
+
+
+class SteadyUploads(threading.Thread):
+    """Marks the job's samples uploaded one by one, every `every_s`, as an uploader marks each it
+    stored (EventPublisher.mark): a job that moves at a known pace, whatever the machine's speed."""
+
+    def __init__(self, url: str, job: str, plan: str, total: int, every_s: float) -> None:
+        super().__init__(daemon=True)
+        self.url, self.job, self.plan, self.total, self.every_s = url, job, plan, total, every_s
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            asyncio.run(self._mark_all())
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+    async def _mark_all(self) -> None:
+        nc = await nats.connect(self.url)
+        try:
+            events = EventPublisher(nc, nc.jetstream(), self.job)
+            for index in range(self.total):
+                uploaded = schemas.FileUploaded(
+                    job=self.job,
+                    node=NODE,
+                    uploader="steady",
+                    sample_index=index,
+                    key=f"{self.job}/{index}",
+                    size=1,
+                    tokens=1,
+                    plan=self.plan,
+                )
+                assert await events.mark(uploaded, subject=topology.uploaded_subject(self.job, self.plan, index))
+                await asyncio.sleep(self.every_s)
+        finally:
+            await nc.close()
+
+
+def test_two_monitors_of_a_running_job_keep_up_with_status(tmp_path, hsx, spawn, nats_server, tiny_model, job_name):
+    job, interval, total = job_name, 1.0, 64
+    write_dataset(tmp_path / "data.jsonl", total, min_len=4, max_len=60, seed=7)
+    produce(
+        hsx,
+        job=job,
+        model=tiny_model("qwen3"),
+        dataset=tmp_path / "data.jsonl",
+        dest=str(tmp_path / "out"),
+        token_budget=256,
+        max_seq_len=64,
+        env=None,
+    )
+    first = spawn("monitor", "--job", job, "--interval", str(interval), "--format", "json", name="monitor-1")
+    wait_for(lambda: progress_readings(first), timeout=30, what="the first monitor's first reading", procs=[first])
+    uploads = SteadyUploads(nats_server.url, job, job_plan(tmp_path / "out", job), total, every_s=0.25)
+    uploads.start()
+
+    def uploaded() -> int:
+        return json.loads(check_ok(hsx("status", "--job", job, "--json"), "hsx status").stdout)["samples_uploaded"]
+
+    # The second monitor starts once the job is under way and the first has followed it a while.
+    wait_for(lambda: uploaded() >= total // 4, timeout=30, what="a quarter of the samples", procs=[first])
+    second = spawn("monitor", "--job", job, "--interval", str(interval), "--format", "json", name="monitor-2")
+    procs = [first, second]
+    # The truth as `hsx status` reads it, each with the moments before and after it was read.
+    truth: list[tuple[float, float, int]] = []
+    while not truth or truth[-1][2] < total:
+        assert uploads.is_alive() or uploads.error is None, uploads.error
+        assert len(truth) < 200, (truth, logs_of(*procs))
+        before = time.time()
+        value = uploaded()
+        truth.append((before, time.time(), value))
+        time.sleep(0.3)
+    uploads.join(timeout=30)
+    assert uploads.error is None, uploads.error
+    time.sleep(3 * interval)  # readings after the last status, for the comparison below
+    for monitor in procs:
+        monitor.terminate()
+        assert monitor.wait(timeout=30) == 0, logs_of(monitor)
+    running = [(t0, t1, value) for t0, t1, value in truth if value < total]
+    # Only a job that moved while both monitors watched can show one of them behind.
+    assert len({value for _, _, value in running}) >= 10, truth
+    for monitor in procs:
+        readings = progress_readings(monitor)
+        # One reading per interval, none held up.
+        gaps = [b - a for (a, _), (b, _) in zip(readings, readings[1:])]
+        assert gaps and max(gaps) <= 2 * interval, (monitor.out_path.name, readings)
+        for t0, t1, value in truth:
+            # Read after the truth was: at least that much, within two intervals.
+            later = [shown for at, shown in readings if at >= t1 + 2 * interval]
+            assert later and later[0] >= value, (monitor.out_path.name, (t0, t1, value), readings)
+            # Read before it: never more (the count only grows).
+            earlier = [shown for at, shown in readings if at <= t0]
+            assert not earlier or earlier[-1] <= value, (monitor.out_path.name, (t0, t1, value), readings)
