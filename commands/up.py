@@ -323,23 +323,24 @@ def stop_all(children: list[Child], signum: int = signal.SIGTERM) -> None:
         child.wait(deadline)
 
 
-async def _job_recorded(nats: NatsSettings, job: str) -> bool:
+async def _job_recorded(nats: NatsSettings, job: str, *, within_s: float = 5.0) -> bool:
     """Whether some producer has recorded `job`'s spec (one short look; no answer is no)."""
     from hsx.wire.jobs import read_job_spec
     from hsx.wire.natsconn import connect
     from hsx.wire.topology import jobs_bucket
 
-    try:
+    async def look() -> bool:
         nc = await connect(nats, name="hsx-up")
-    except Exception:
-        return False
+        try:
+            kv = await jobs_bucket(nc.jetstream())
+            return kv is not None and await read_job_spec(kv, job) is not None
+        finally:
+            await nc.close()
+
     try:
-        kv = await jobs_bucket(nc.jetstream())
-        return kv is not None and await read_job_spec(kv, job) is not None
-    except Exception:
+        return await asyncio.wait_for(look(), timeout=within_s)
+    except Exception:  # NATS slow or away: look again later; the producer's own log says why
         return False
-    finally:
-        await nc.close()
 
 
 def _stop_line(nats: NatsSettings, job: str) -> str:

@@ -206,7 +206,7 @@ class FileMover:
                 return
             if not await self._in_plan(msg, ready, stopping):
                 return
-            attempt = 0
+            attempt, stored = 0, False
             while True:
                 if self.job_lost:
                     log.warning("upload_abandoned", key=ready.key, reason="the job was lost")
@@ -219,6 +219,7 @@ class FileMover:
                         return
                 try:
                     already = await self._try_move(ready, probe=probe)
+                    stored = True
                     break
                 except _SpoolFileLost as exc:
                     if await self._uploaded_already(ready):
@@ -281,11 +282,12 @@ class FileMover:
             if failing:
                 self.retrying -= 1
                 if not self.retrying and self._unreachable_since is not None:
-                    log.info(
-                        "destination_reachable",
-                        dest=self.dest.url,
-                        unreachable_s=round(time.monotonic() - self._unreachable_since, 1),
-                    )
+                    if stored:  # not when the last one was given up (job lost, stopping)
+                        log.info(
+                            "destination_reachable",
+                            dest=self.dest.url,
+                            unreachable_s=round(time.monotonic() - self._unreachable_since, 1),
+                        )
                     self._unreachable_since = None
             taken.release()
             self.inflight -= 1
