@@ -72,7 +72,11 @@ def test_the_training_recipe_trains_while_the_job_extracts_and_resumes(
     os.killpg(first.pid, signal.SIGKILL)  # right after its first checkpoint
     first.wait()
     saved = torch.load(checkpoint)["stream"]
-    assert saved["epoch"] == 0 and saved["taken"] >= 1, saved  # killed in the first epoch
+    # Killed after its first checkpoint: mostly in the first epoch, but on a quick machine the
+    # trainer can take the whole landed epoch within one 50 ms look (seen in a clean-clone run:
+    # epoch 1). Either way the rerun resumes from a saved state; mid-first-epoch resumption
+    # exactly once is test_jobstream's killed-trainer test, whose trainer the test paces.
+    assert (saved["epoch"] == 0 and saved["taken"] >= 1) or saved["epoch"] == 1, saved
     second = _torchrun(script, env, log)
     assert _finish(second, log, *workers) == 0, log.read_text()[-4000:]
     final = torch.load(checkpoint)["stream"]
