@@ -319,7 +319,7 @@ _JETSTREAM_TEMPORARILY_UNAVAILABLE = 10008
 _JETSTREAM_UNAVAILABLE = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.js.errors.ServiceUnavailableError)
 
 
-async def _while_unavailable(operation: Callable[[], Awaitable[T]], *, what: str) -> T:
+async def while_unavailable(operation: Callable[[], Awaitable[T]], *, what: str) -> T:
     """Run an idempotent topology operation, waiting out a JetStream that does not answer yet (up
     to OUTAGE_RETRY_S): a service started while a cluster elects new leaders waits, not exits."""
     started = time.monotonic()
@@ -353,7 +353,7 @@ async def ensure_topology(js: JetStreamContext, *, replicas: int | None = None) 
     single server, R3 on a three-node cluster). None keeps whatever exists and creates R1: only
     the process given --replicas changes it, so a consumer started without the flag never
     scales a replicated stream back down. Consumers inherit their stream's replica count."""
-    return await _while_unavailable(lambda: _ensure_topology(js, replicas), what="the hsx streams and buckets")
+    return await while_unavailable(lambda: _ensure_topology(js, replicas), what="the hsx streams and buckets")
 
 
 async def _ensure_topology(js: JetStreamContext, replicas: int | None) -> KeyValue:
@@ -382,12 +382,12 @@ async def jobs_bucket(js: JetStreamContext) -> KeyValue | None:
     stream is asked for once, as creating it would: on a cluster that is electing leaders (a
     server died) the process waits here for every stream to answer, not at its first read."""
     try:
-        kv = await _while_unavailable(lambda: js.key_value(JOBS_BUCKET), what=f"bucket {JOBS_BUCKET}")
+        kv = await while_unavailable(lambda: js.key_value(JOBS_BUCKET), what=f"bucket {JOBS_BUCKET}")
     except nats.js.errors.BucketNotFoundError:
         return None
     for config in STREAMS:
         try:
-            await _while_unavailable(lambda name=config.name: js.stream_info(name), what=f"stream {config.name}")
+            await while_unavailable(lambda name=config.name: js.stream_info(name), what=f"stream {config.name}")
         except nats.js.errors.NotFoundError:
             pass  # made by an older producer: its next run adds it
     return kv
@@ -432,7 +432,7 @@ async def wait_for_jobs_bucket(
 async def datasets_store(js: JetStreamContext) -> ObjectStore | None:
     """The object store of tokenized datasets and reports, looked up; None when it does not exist."""
     try:
-        return await _while_unavailable(lambda: js.object_store(DATASETS_BUCKET), what=f"bucket {DATASETS_BUCKET}")
+        return await while_unavailable(lambda: js.object_store(DATASETS_BUCKET), what=f"bucket {DATASETS_BUCKET}")
     except nats.js.errors.BucketNotFoundError:
         return None
 
@@ -441,7 +441,7 @@ async def ensure_datasets_store(js: JetStreamContext) -> ObjectStore:
     """Return the object store bucket of tokenized datasets and reports, created if missing (R1;
     `ensure_topology` has usually created it already, with the replicas asked for): the
     producer's, which stores them."""
-    return await _while_unavailable(lambda: _ensure_datasets_store(js, None), what=f"bucket {DATASETS_BUCKET}")
+    return await while_unavailable(lambda: _ensure_datasets_store(js, None), what=f"bucket {DATASETS_BUCKET}")
 
 
 async def _replicas_of(js: JetStreamContext, stream: str) -> int | None:
@@ -510,7 +510,7 @@ async def _ensure_datasets_store(js: JetStreamContext, replicas: int | None) -> 
 
 async def ensure_gpu_consumer(js: JetStreamContext, job: str, *, ack_wait_s: float = BATCH_ACK_WAIT_S) -> str:
     durable = gpu_durable(job)
-    await _while_unavailable(
+    await while_unavailable(
         lambda: js.add_consumer(
             BATCHES_STREAM,
             ConsumerConfig(
@@ -533,7 +533,7 @@ async def ensure_gpu_consumer(js: JetStreamContext, job: str, *, ack_wait_s: flo
 async def ensure_exhausted_consumer(js: JetStreamContext, job: str) -> str:
     """The durable over the job's max-deliveries advisories, shared by every GPU consumer of the job."""
     durable = exhausted_durable(job)
-    await _while_unavailable(
+    await while_unavailable(
         lambda: js.add_consumer(
             ADVISORIES_STREAM,
             ConsumerConfig(
@@ -564,7 +564,7 @@ async def ensure_progress_counter(js: JetStreamContext, job: str, plan: str, cou
         mem_storage=True,
         description=f"hsx: counts {counter} markers of job {job} (never fetched from)",
     )
-    return await _while_unavailable(
+    return await while_unavailable(
         lambda: js.add_consumer(EVENTS_STREAM, config), what=f"counter {progress_durable(job, counter)}"
     )
 
@@ -573,7 +573,7 @@ async def ensure_upload_consumer(
     js: JetStreamContext, job: str, node: str, *, ack_wait_s: float = FILE_ACK_WAIT_S
 ) -> str:
     durable = upload_durable(job, node)
-    await _while_unavailable(
+    await while_unavailable(
         lambda: js.add_consumer(
             FILES_STREAM,
             ConsumerConfig(

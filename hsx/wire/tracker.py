@@ -130,13 +130,20 @@ class ProgressTracker:
         # Dead letters and heartbeats first: once the sums' replays run, their markers (a whole
         # job's, on a first reading) would queue ahead of them on the connection.
         for replay in self._others:
-            await replay.start()
+            await self._start(replay)
         try:
             await self._all_caught_up_within(self._others, _OTHERS_FIRST_S)
         except TimeoutError:
             pass  # `wait_caught_up` reports it; the sums need not wait any longer
         for replay in self._sums:
-            await replay.start()
+            await self._start(replay)
+
+    @staticmethod
+    async def _start(replay: _Replay) -> None:
+        """A replay's consumer made while a cluster elects a leader waits for it (a monitor started
+        then died with a timeout's traceback). A start that timed out subscribed nothing here
+        (nats-py makes the consumer first), and each try makes its consumer anew."""
+        await topology.while_unavailable(replay.start, what=f"a reading of {replay.subject}")
 
     def _apply_marker(self, msg) -> None:
         # hsx.events.<job>.<kind>.<plan>.<batch or sample>, or ...<plan>.extra.<batch or sample>
