@@ -549,6 +549,16 @@ def once_each(counts: Counter, total: int, what: str) -> None:
         raise Failed(f"{what}: {len(twice)} more than once ({twice[:5]}), {missing} never")
 
 
+def stored_once_each(stack: Stack, job: str, total: int) -> dict[str, Counter]:
+    """Every sample in the bucket (check_bucket), each PUT once and uploaded once by the
+    uploaders' own lines; each uploader's counts."""
+    check_bucket(stack, job, total)
+    once_each(put_counts(stack, job), total, "S3 PUTs per sample")
+    per_uploader = uploads(stack, job)
+    once_each(sum(per_uploader.values(), Counter()), total, "file_uploaded per sample")
+    return per_uploader
+
+
 # --- the checks -------------------------------------------------------------------------------
 
 
@@ -587,13 +597,10 @@ def check_scaled_uploaders(stack: Stack) -> str:
     if len(running) != 3:
         raise Failed(f"--scale uploader=3 runs {len(running)} uploaders")
     view = stack.wait_done(job)
-    check_bucket(stack, job, view.total_samples)
-    per_uploader = uploads(stack, job)
+    per_uploader = stored_once_each(stack, job, view.total_samples)
     shares = [sum(c.values()) for c in per_uploader.values()]
     if len(shares) != 3 or min(shares) == 0:
         raise Failed(f"the uploaders' shares: {shares}")
-    once_each(sum(per_uploader.values(), Counter()), view.total_samples, "file_uploaded per sample")
-    once_each(put_counts(stack, job), view.total_samples, "S3 PUTs per sample")
     return (
         f"up -d --scale uploader=3: job {job} done, {view.total_samples} samples uploaded by 3 uploaders "
         f"({'+'.join(map(str, shares))}), each sample once (uploaders' lines and the S3 server's PUTs)"
@@ -628,9 +635,7 @@ def check_killed_consumer(stack: Stack) -> str:
     back = time.monotonic() - killed_at
     say(f"restarted by the restart policy after {back:.1f} s (RestartCount {state['RestartCount']})")
     view = stack.wait_done(job)
-    check_bucket(stack, job, view.total_samples)
-    once_each(put_counts(stack, job), view.total_samples, "S3 PUTs per sample")
-    once_each(sum(uploads(stack, job).values(), Counter()), view.total_samples, "file_uploaded per sample")
+    stored_once_each(stack, job, view.total_samples)
     return (
         f"SIGKILL to the consumer's hsx process at batch {before.batches_done}/{before.batches_total}: restarted "
         f"({state['HostConfig']['RestartPolicy']['Name']}) after {back:.1f} s, job {job} done "
@@ -667,14 +672,12 @@ def check_stop_and_resume(stack: Stack) -> str:
     stack.compose("up", "-d")
     paused = stack.status(job, sums_budget_s=30)
     view = stack.wait_done(job)
-    check_bucket(stack, job, view.total_samples)
+    stored_once_each(stack, job, view.total_samples)
     (consumer,) = workers["consumer"]
     batches = Counter(e["batch"] for e in stack.events(consumer, "batch_done"))
     redone = sorted(b for b, n in batches.items() if n > 1)
     if redone or len(batches) != view.batches_total:
         raise Failed(f"batches: {len(batches)} done of {view.batches_total}, computed twice: {redone[:5]}")
-    once_each(sum(uploads(stack, job).values(), Counter()), view.total_samples, "file_uploaded per sample")
-    once_each(put_counts(stack, job), view.total_samples, "S3 PUTs per sample")
     assert stopped is None
     resumed_from = paused.batches_done if paused is not None else "?"
     return (
