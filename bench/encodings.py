@@ -183,7 +183,7 @@ def main() -> int:
             from transformers import AutoTokenizer
 
             path = build_smollm2(work / "smollm2")
-            text = "".join(p.read_text() for p in sorted((REPO / "docs").glob("*.md")))
+            text = "".join(p.read_text() for p in sorted((REPO / "docs").rglob("*.md")))
             ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"][: args.tokens]
             models[f"SmolLM2-135M-Instruct (H=576, layers {','.join(map(str, LAYERS))})"] = states_of(path, LAYERS, ids)
         else:

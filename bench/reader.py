@@ -12,7 +12,7 @@ run one untimed epoch first; how long that first epoch took is reported on its o
 interleaved, each over every sample, `--concurrency` GETs in flight:
 - `boto3`: that many threads, each a `get_object(...)["Body"].read()` of one key, one shared
   client with that many connections: bytes only, no decoding. The baseline.
-- `dataloader`: what docs/TRAINING.md recommends: `DataLoader(dataset,
+- `dataloader`: what docs/training.md recommends: `DataLoader(dataset,
   batch_sampler=TokenBudgetSampler(dataset, token_budget=--token-budget),
   collate_fn=pack_collate, num_workers=--workers)`; each worker reads its batch's files on
   concurrency / workers threads (`HiddenStateDataset.__getitems__`) and packs them in shared memory.

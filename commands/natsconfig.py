@@ -6,7 +6,7 @@ bcrypt hashes, which nats-server checks), and `<role>.env` per role, the HSX_NAT
 services run with (user, password, inbox prefix, and the URL when --url is given). Passwords are
 random, written once into the env files (0600, in a 0700 folder) and nowhere else: never printed
 or logged. A second run replaces the files only with --force, which gives every role a new
-password. How to run hsx with them: docs/OPERATIONS.md, "Least privilege: one NATS user per role".
+password. How to run hsx with them: docs/operations/roles.md, "Least privilege: one NATS user per role".
 This module talks to no NATS server.
 """
 

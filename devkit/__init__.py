@@ -1,5 +1,5 @@
 """Fixtures for tests and benchmarks, not part of the product (not installed with hsx): a
-three-node JetStream cluster on loopback (the configuration docs/OPERATIONS.md describes, with
+three-node JetStream cluster on loopback (the configuration docs/operations/multi-node.md describes, with
 local ports). SmolLM2-135M-Instruct is the product's: commands/smollm2.py (`hsx demo model --chat`).
 """
 

@@ -4,7 +4,7 @@ lease handed out again until the lease is released, once the batch's files (writ
 from these buffers) are written. It knows nothing of batches, files, streams or messages: it hands
 out buffers and takes them back, never while a copy into one may still run (`StagingLease.fence`).
 
-Why pinned, and how much memory it holds: docs/ARCHITECTURE.md, "Module notes".
+Why pinned, and how much memory it holds: docs/architecture/consumer.md.
 """
 
 import threading

@@ -1,6 +1,6 @@
 """hsx: durable, resumable hidden-state extraction over NATS JetStream.
 
-The core, in rooms (docs/ARCHITECTURE.md, "Layout"): `hsx.wire` (messages, topology, progress),
+The core, in rooms (docs/architecture/index.md, "Layout"): `hsx.wire` (messages, topology, progress),
 `hsx.storage` (the output format, destinations, index, the trainers' reader), `hsx.model`
 (layers, model configs, devices) and `hsx.config` (where settings come from). The services
 `hsx.producer`, `hsx.gpu_consumer`, `hsx.uploader`, `hsx.monitor` and the command line

@@ -5,7 +5,7 @@ is published (again on every re-run: what is missing or different), and `remove_
 deletes another plan's bundle files when `--replace-output` takes its folder. This module knows
 the bundle's layout; the producer decides when to write it.
 
-The files and when each is written: docs/OPERATIONS.md, "The job bundle" and "Jobs: what the
+The files and when each is written: docs/operations/resume.md, "The job bundle" and "Jobs: what the
 producer checks, re-runs, and reusing a name".
 """
 

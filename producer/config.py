@@ -269,7 +269,7 @@ class ProducerConfig:
         "alone and says why)",
     )
     # Servers of a JetStream cluster holding each hsx stream and bucket; None keeps what exists
-    # (R1 when creating). docs/OPERATIONS.md, Multi-node.
+    # (R1 when creating). docs/operations/multi-node.md.
     replicas: int | None = option(
         "--replicas",
         default=None,

@@ -4,7 +4,7 @@ batch. `run` checks everything that can refuse the job before anything is writte
 batches under ids derived from the plan's fingerprint, and writes the bundle (producer/bundle.py).
 With --dry-run it stops after planning: the job is sized (producer/estimate.py) and printed,
 with no NATS server and nothing published, stored or written.
-Re-runs, replacement and resume: docs/ARCHITECTURE.md, "Module notes"."""
+Re-runs, replacement and resume: docs/architecture/producer.md."""
 
 import asyncio
 import hashlib

@@ -5,7 +5,7 @@ stream's 24 h duplicate window. Queued is read before finished: a batch acked in
 seen in one or the other, never in neither. This module reads; the producer decides what to
 publish.
 
-How each is read: docs/ARCHITECTURE.md, "Module notes".
+How each is read: docs/architecture/producer.md.
 """
 
 import msgspec

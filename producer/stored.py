@@ -5,7 +5,7 @@ as `<job>.tokens.arrow`, whose format is hsx/storage/tokens.py's; `store_report`
 (file/line or row, source id, original length, action), the counts, and how chat rows were
 tokenized.
 
-Why they are stored: docs/ARCHITECTURE.md, "Module notes".
+Why they are stored: docs/architecture/producer.md.
 """
 
 import io

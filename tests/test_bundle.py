@@ -3,7 +3,7 @@
 is checked against its source of truth: the KV entry, the object store's objects, and the batch
 descriptors actually published to HSX_BATCHES. A re-run writes nothing already there and
 completes a bundle that lost a file; the bundle's samples, produced again against a new NATS
-server (docs/OPERATIONS.md, "Resume and sync"), give the same plan; `hsx verify` does not count
+server (docs/operations/resume.md, "Resume and sync"), give the same plan; `hsx verify` does not count
 the bundle as stray keys.
 """
 
@@ -174,7 +174,7 @@ def test_s3_bundle_matches_the_job_and_verify_ignores_it(
 
 
 def bundle_to_parquet(tokens_arrow: Path, parquet: Path) -> None:
-    """The conversion docs/OPERATIONS.md shows: the bundle's samples as a dataset hsx produce reads."""
+    """The conversion docs/operations/resume.md shows: the bundle's samples as a dataset hsx produce reads."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

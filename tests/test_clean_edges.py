@@ -186,7 +186,7 @@ def test_events_are_kept_as_long_as_the_job_and_heartbeats_stay_one_per_worker(t
         server.stop()
     for stream in (topology.EVENTS_STREAM, topology.DEAD_STREAM):
         kind = documented_names(job="j", node="n")[stream]["kind"]
-        assert "days" not in kind and "no age limit" in kind, f"docs/OPERATIONS.md: {stream}: {kind}"
+        assert "days" not in kind and "no age limit" in kind, f"docs/operations/nats.md: {stream}: {kind}"
     readme = (REPO / "README.md").read_text()
     assert "| Limits, 30 days |" not in readme and "| Limits, 90 days |" not in readme
 

@@ -399,9 +399,9 @@ def test_broken_copy_is_rejected(compose, tmp_path, case):
 
 
 def _documented_override(tmp_path: Path) -> Path:
-    text = (REPO / "docs" / "OPERATIONS.md").read_text()
+    text = (REPO / "docs" / "operations" / "compose.md").read_text()
     blocks = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if b.startswith("# compose.override.yaml")]
-    assert len(blocks) == 1, "docs/OPERATIONS.md should show one compose.override.yaml"
+    assert len(blocks) == 1, "docs/operations/compose.md should show one compose.override.yaml"
     path = tmp_path / "compose.override.yaml"
     path.write_text(blocks[0])
     return path

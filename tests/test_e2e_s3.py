@@ -290,7 +290,7 @@ class Reference:
             got = hidden[:, slot]
             torch.testing.assert_close(got, raw[slot], atol=atol, rtol=0, msg=lambda m: f"{what} layer {layer}: {m}")
             if layer != last:
-                # The output format (docs/REFERENCE.md): layer i == output_hidden_states[i + 1] for every layer but the last ...
+                # The output format (docs/reference/data.md): layer i == output_hidden_states[i + 1] for every layer but the last ...
                 torch.testing.assert_close(
                     got, hf[layer + 1], atol=atol, rtol=0, msg=lambda m: f"{what} layer {layer} vs HF: {m}"
                 )

@@ -1,4 +1,4 @@
-"""The import rule of docs/ARCHITECTURE.md ("Layout"), read from the source with `ast`: every
+"""The import rule of docs/architecture/index.md ("Layout"), read from the source with `ast`: every
 import in every module, at the top or inside a function, is checked against the rooms it may
 reach. commands -> services -> core; the core never imports a service or a command; a service
 never imports another service; nothing in the product imports devkit/; and every module is
@@ -111,7 +111,7 @@ FLOORS = ["commands", *SERVICES, "hsx.storage", "hsx.model", "hsx.wire", "hsx.co
 
 
 def drawn(graph: dict[str, set[str]]) -> str:
-    """The graph as docs/ARCHITECTURE.md shows it: one line a room, top floor first."""
+    """The graph as docs/architecture/index.md shows it: one line a room, top floor first."""
     tuple(TopologicalSorter(graph).static_order())  # raises CycleError on a circle
     upward = [f"{room} -> {to}" for room in graph for to in graph[room] if FLOORS.index(to) <= FLOORS.index(room)]
     assert upward == [], f"arrows pointing up: {upward}"
@@ -132,7 +132,7 @@ def test_the_rooms_draw_a_graph_without_circles_and_the_docs_show_it():
     graph = room_graph()
     assert set(graph) == {*CORE, *SERVICES, "commands"}
     picture = drawn(graph)
-    assert picture in (REPO / "docs" / "ARCHITECTURE.md").read_text(), picture
+    assert picture in (REPO / "docs" / "architecture" / "index.md").read_text(), picture
 
 
 def test_a_circle_and_an_upward_arrow_are_caught():

@@ -1,4 +1,4 @@
-"""The NATS names docs/OPERATIONS.md documents are exactly the ones a running job has.
+"""The NATS names docs/operations/nats.md documents are exactly the ones a running job has.
 
 The table of streams, subjects, consumers and buckets is parsed from the doc, and compared with
 what a nats-server of its own reports on its HTTP monitoring port (`-m PORT`, `/jsz`) while a
@@ -23,7 +23,7 @@ from test_e2e_s3 import produce, start_monitor, wait_until_done, write_dataset
 from hsx.commands.embedded import start_nats_server
 from hsx.wire import schemas, topology
 
-DOC = REPO / "docs" / "OPERATIONS.md"
+DOC = REPO / "docs" / "operations" / "nats.md"
 COLUMNS = ("what", "kind", "stream", "bucket", "subjects", "durable consumer", "consumer filter")
 NODE = "node-a"
 

@@ -9,7 +9,7 @@
 - "Reading the output for training": the snippet runs as shown on the job the recipe made.
 - The command table: every command it names exists, every command of `hsx --help` is in it, and
   every flag a row names is in its command's `--help`; the sentence on which commands take
-  `--nats` matches their help. docs/REFERENCE.md's table gives every flag of every command.
+  `--nats` matches their help. docs/reference/commands.md's table gives every flag of every command.
 - Install lines install this checkout (the registry's `hsx` is another project), the distribution
   is `hsx-extract` and `hsx --version` reads its metadata; README stays at most 12,000 characters
   and names only docs and sections that exist.
@@ -240,15 +240,15 @@ SHARED_FLAGS |= {"--nats-tls-ca", "--nats-tls-cert", "--nats-tls-key", "--nats-i
 
 def test_the_reference_table_gives_every_flag_of_every_command():
     leaves = _leaf_parsers()
-    rows = _table_rows(section((REPO / "docs" / "REFERENCE.md").read_text(), "## Commands"))
+    rows = _table_rows(section((REPO / "docs" / "reference" / "commands.md").read_text(), "## Commands"))
     assert {command for commands, _ in rows for command in commands} == set(leaves)
     for commands, flags in rows:
         for command in commands:
             declared = {flag for action in leaves[command]._actions for flag in action.option_strings}
             missing = {flag for flag in declared if flag.startswith("--")} - SHARED_FLAGS - set(flags)
-            assert not missing, f"docs/REFERENCE.md's row of hsx {command} lacks {sorted(missing)}"
+            assert not missing, f"docs/reference/commands.md's row of hsx {command} lacks {sorted(missing)}"
         every = {flag for command in commands for action in leaves[command]._actions for flag in action.option_strings}
-        assert set(flags) <= every, f"docs/REFERENCE.md gives {sorted(set(flags) - every)} to {commands}"
+        assert set(flags) <= every, f"docs/reference/commands.md gives {sorted(set(flags) - every)} to {commands}"
 
 
 def test_the_readme_says_which_commands_take_nats():

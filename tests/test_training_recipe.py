@@ -1,4 +1,4 @@
-"""docs/TRAINING.md, "Train while it extracts": its training script, taken from the page as
+"""docs/training.md, "4. Train while it extracts": its training script, taken from the page as
 written, runs under `torchrun` on two CPU ranks (gloo) against a job that is still extracting;
 killed after its first checkpoint, it runs again from that checkpoint to the end of its epochs;
 run once more, it has nothing left to do. Every rank steps the same number of times (a rank with
@@ -23,9 +23,9 @@ RUN_TIMEOUT_S = 240.0
 
 
 def recipe_script() -> str:
-    text = (REPO / "docs" / "TRAINING.md").read_text()
+    text = (REPO / "docs" / "training.md").read_text()
     match = re.search(r"```python\n(# train_stream\.py.*?)```", text, re.S)
-    assert match, "docs/TRAINING.md has no train_stream.py block"
+    assert match, "docs/training.md has no train_stream.py block"
     return match.group(1)
 
 

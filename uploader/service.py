@@ -6,7 +6,7 @@ already holds exactly this object, delete the local copy and ack; else check the
 data against its header's checksum, its digest against the event's), upload, verify, delete the
 local file, store the sample's `uploaded` marker, and only then ack. A lost or corrupted spool
 file is sent back for extraction; a failing upload is retried while the event is kept alive; a
-refusing destination is probed, not retried (docs/ARCHITECTURE.md, "Module notes").
+refusing destination is probed, not retried (docs/architecture/consumer.md.
 """
 
 import asyncio

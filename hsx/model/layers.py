@@ -2,8 +2,8 @@
 counted from the end, `final`, or one of the trainer presets in `PRESETS`), `preset_layers` gives
 a preset's ids for a model's depth, and `resolve_layers` checks the selection against the model.
 
-What an id and a preset mean: docs/REFERENCE.md, "Layers for a trainer"; notes in
-docs/ARCHITECTURE.md, "Module notes".
+What an id and a preset mean: docs/reference/data.md, "Layers for a trainer"; notes in
+docs/architecture/library.md.
 """
 
 import re

@@ -4,8 +4,8 @@ that readers GET instead of listing the job's folder: compacted from the job's `
 `rebuild_job_index`), written by `write_index`. `read_index` returns it only when it is complete
 (else why not), and `stored_samples` lists the folder otherwise. It never writes samples.
 
-Format and where it comes from: docs/OPERATIONS.md, "The index of stored samples"; notes in
-docs/ARCHITECTURE.md, "Module notes".
+Format and where it comes from: docs/operations/resume.md, "The index of stored samples"; notes in
+docs/architecture/library.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where a sample's file lives, and what is inside it (the output format of docs/REFERENCE.md).
+"""Where a sample's file lives, and what is inside it (the output format of docs/reference/data.md).
 
 Key: `<job>/<shard>/<sample_index>.safetensors` under the destination prefix, the same relative
 path in a node's spool. A shard holds SHARD_SIZE consecutive samples so no directory grows huge.

@@ -7,8 +7,8 @@ one's own `TokenBudgetSampler`, `pad_collate`, `pack_collate`, `prefetched` and
 its NATS events (hsx/wire/landed.py; batches cut and dealt by hsx/storage/streambatches.py). It
 knows nothing of how the files were made.
 
-How to use them: docs/REFERENCE.md, "Reading the output in your own loop", and docs/TRAINING.md;
-notes in docs/ARCHITECTURE.md, "Module notes".
+How to use them: docs/reference/data.md, "Reading the output in your own loop", and docs/training.md;
+notes in docs/architecture/library.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The bytes of one sample file, and their digest: `write` (one pass, straight from the tensors'
 memory), `checked_digest` and `checked_file_digest` (the data checked against the checksum in the
 header, and the file's digest), `SampleFileCorrupt`. A sample file is a standard safetensors file
-with a sorted header and a checksum inside (docs/REFERENCE.md, "Output"). No torch import here.
+with a sorted header and a checksum inside (docs/reference/data.md, "Output"). No torch import here.
 
-Why it is written this way: docs/ARCHITECTURE.md, "Module notes".
+Why it is written this way: docs/architecture/library.md.
 """
 
 import hashlib

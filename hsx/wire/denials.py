@@ -21,7 +21,7 @@ _MARK = "permissions violation"
 _noted: list[tuple[float, str, str | None]] = []
 _GUIDE = (
     "these credentials do not cover this command: each role has its own NATS user "
-    '(hsx nats-config; docs/OPERATIONS.md, "Least privilege: one NATS user per role")'
+    '(hsx nats-config; docs/operations/roles.md, "Least privilege: one NATS user per role")'
 )
 
 

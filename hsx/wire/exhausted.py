@@ -3,8 +3,8 @@ queue (`reap_exhausted`, which every GPU consumer of a job runs beside its pull 
 them by JetStream's max-deliveries advisories and by a `sweep`, and stores each with
 `dead_letter_exhausted`).
 
-Why and how: docs/OPERATIONS.md, "Streams, subjects, consumers and buckets", and
-docs/ARCHITECTURE.md, "Module notes".
+Why and how: docs/operations/nats.md, "Streams, subjects, consumers and buckets", and
+docs/architecture/library.md.
 """
 
 import asyncio

@@ -1,7 +1,7 @@
 """The headers hsx puts on every message it publishes (`JOB`, `BATCH`, `SAMPLE`, `RETRY_OF`,
 `MSG_ID`; `message_headers` makes them), named here and nowhere else. They repeat what the
 payload says, which stays the authority, so that `nats` tools and scripts can tell messages
-apart without decoding them. Which message carries which: docs/OPERATIONS.md, "Headers".
+apart without decoding them. Which message carries which: docs/operations/nats.md, "Headers".
 """
 
 JOB = "Hsx-Job"

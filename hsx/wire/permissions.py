@@ -10,7 +10,7 @@ runs every role: the union of the others and the deletes). Each permission names
 the job (`jobs`, "*" for every job) where hsx's names allow it: message subjects, durable names,
 a consumer create's filter (nats-py names the filter in the create subject when the consumer has
 a name), ack subjects. Where NATS cannot scope by job, the subject is the stream's, and
-docs/OPERATIONS.md, "Least privilege: one NATS user per role", says what that leaves open. This
+docs/operations/roles.md, "Least privilege: one NATS user per role", says what that leaves open. This
 module knows names and roles, not users, passwords or files.
 """
 

@@ -43,7 +43,7 @@ class ConsumerView(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StatusView(msgspec.Struct, frozen=True, kw_only=True):
-    """One reading of a job: what `hsx status --json` prints (docs/OPERATIONS.md, "hsx status"),
+    """One reading of a job: what `hsx status --json` prints (docs/reference/commands.md, "Commands"),
     field for field, and what the monitor reports from."""
 
     job: str

@@ -4,8 +4,8 @@ ls HSX_BATCHES` show them), with the streams' and consumers' settings. The produ
 streams and buckets idempotently (`ensure_topology`); every other process looks them up
 (`jobs_bucket`, `wait_for_jobs_bucket`, `datasets_store`) and creates only its own durables.
 
-All the names: docs/OPERATIONS.md, "Streams, subjects, consumers and buckets"; notes in
-docs/ARCHITECTURE.md, "Module notes".
+All the names: docs/operations/nats.md, "Streams, subjects, consumers and buckets"; notes in
+docs/architecture/library.md.
 """
 
 import asyncio
@@ -367,7 +367,7 @@ async def _ensure_topology(js: JetStreamContext, replicas: int | None) -> KeyVal
         if replicas and replicas > 1 and not unavailable and exc.err_code != _STREAM_EXISTS_DIFFERENTLY:
             raise HsxError(
                 f"--replicas {replicas}: JetStream refused it ({exc.description}); replicated streams need a "
-                f"JetStream cluster of at least {replicas} servers (docs/OPERATIONS.md, Multi-node)"
+                f"JetStream cluster of at least {replicas} servers (docs/operations/multi-node.md)"
             ) from None
         raise
 

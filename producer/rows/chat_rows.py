@@ -2,7 +2,7 @@
 message into a `ChatRow`, still to be rendered with the model's chat template and tokenized
 (producer/chat.py). This module knows no file type, tokenizer or job setting.
 
-The forms a message may take: docs/REFERENCE.md, "Chat rows".
+The forms a message may take: docs/reference/data.md, "Chat rows".
 """
 
 from dataclasses import dataclass

@@ -3,7 +3,7 @@
 once (`columnar_chunk`: the same checks, vectorized). This module knows no file type, tokenizer
 or job setting.
 
-The form: docs/REFERENCE.md, "Input"; the columnar path: docs/ARCHITECTURE.md, "Module notes".
+The form: docs/reference/data.md, "Input"; the columnar path: docs/architecture/producer.md.
 """
 
 import numpy as np

@@ -5,8 +5,8 @@ TrainerFormat, base.py) and one entry in FORMATS below. Also what every format s
 exported dtype (`export_dtype`) and atomic writes. `hsx export` (commands/export.py) drives them;
 nothing of NATS here.
 
-What each format holds: docs/TRAINING.md, "Export", and docs/ARCHITECTURE.md, "Module notes";
-layer conventions: docs/REFERENCE.md, "Layers for a trainer".
+What each format holds: docs/training.md, "2. Export, on the training machine", and docs/architecture/library.md;
+layer conventions: docs/reference/data.md, "Layers for a trainer".
 """
 
 import json

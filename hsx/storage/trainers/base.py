@@ -105,5 +105,5 @@ def masked_otherwise(chat_convention: str, theirs: str) -> str:
     the trainer's own preprocessing makes, and the --chat-as that makes it)."""
     return (
         f"the job's chat rows were masked by --chat-as {chat_convention}, not as {theirs}: "
-        "their loss masks differ from the trainer's own (docs/TRAINING.md, Chat conventions)"
+        "their loss masks differ from the trainer's own (docs/training.md, Chat conventions)"
     )
