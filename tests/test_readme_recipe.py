@@ -283,11 +283,9 @@ def test_install_lines_install_this_checkout_as_hsx_extract():
 def test_readme_is_short_and_its_links_are_true():
     text = README.read_text()
     assert len(text) <= 12_000, len(text)
-    for doc in set(re.findall(r"\b(docs/[A-Z]+\.md|tests/[a-z_]+\.py)", text)):
-        assert (REPO / doc).exists(), doc
-    for doc, heading in re.findall(r"(docs/[A-Z]+\.md), \"([^\"]+)\"", " ".join(text.split())):
-        headings = re.findall(r"^#+ (.*)$", (REPO / doc).read_text(), re.MULTILINE)
-        assert heading in headings, (doc, heading)
+    # Its references into docs/ are checked with every other file's (tests/test_docs.py).
+    for path in set(re.findall(r"\b(docs/[\w/.-]*\w|tests/[a-z_]+\.py)", text)):
+        assert (REPO / path).exists(), path
 
 
 # ---------------------------------------------------------------------- hsx up and HSX_NATS_URL

@@ -1,0 +1,86 @@
+"""docs/ is a site of pages a person reads in one sitting, and what points into it is true.
+
+`make docs` (in `make test`) builds the site with `mkdocs build --strict` (mkdocs.yml): a link
+between pages, to a heading, or a page left out of the nav fails it. What mkdocs cannot see is
+checked here: the paths and headings that the source, tests, benchmarks, README and configs quote
+as plain text (`docs/operations/nats.md, "Headers"`), and each page's length.
+"""
+
+import re
+import subprocess
+
+import pytest
+from conftest import REPO
+
+DOCS = REPO / "docs"
+# About 4,000 words: read in one sitting (issue 38). The longest page today is the module notes.
+PAGE_LIMIT = 25_000
+# A path under docs/, and the heading quoted after it: `docs/x.md, "Heading"` or `docs/x.md ("Heading")`,
+# where a comment may break the line between them.
+REFERENCE = re.compile(r'\bdocs/((?:[\w-]+/)*[\w.-]+\.md|(?:[\w-]+/)+)(?:,\s*(?:#\s*)?"([^"]+)"|\s*\("([^"]+)"\))?')
+
+
+def pages() -> list:
+    return sorted(DOCS.rglob("*.md"))
+
+
+def headings(page) -> list[str]:
+    found, fenced = [], False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (match := re.match(r"#{1,6} (.*)", line)):
+            found.append(match.group(1).strip())
+    return found
+
+
+def _plain(text: str) -> str:
+    return " ".join(re.sub(r"\n\s*#?\s*", " ", text).replace("`", "").split()).casefold()
+
+
+def quoting_files() -> list:
+    """Every tracked text file outside docs/ (the pages link to each other; mkdocs checks those)."""
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True)
+    files = []
+    for name in listed.stdout.split():
+        path = REPO / name
+        if name.startswith("docs/") or not path.is_file() or path.suffix in {".json", ".jsonl", ".gguf"}:
+            continue
+        try:
+            files.append((name, path.read_text()))
+        except UnicodeDecodeError:
+            continue
+    return files
+
+
+def test_every_page_reads_in_one_sitting():
+    long = {str(p.relative_to(DOCS)): len(p.read_text()) for p in pages() if len(p.read_text()) > PAGE_LIMIT}
+    assert not long, f"pages over {PAGE_LIMIT:,} characters: {long}"
+    assert len(pages()) > 20  # the walk found the site, not an empty folder
+
+
+@pytest.mark.parametrize("name,text", quoting_files(), ids=lambda value: value if "\n" not in value else "")
+def test_every_reference_to_a_page_names_a_page_and_a_heading_it_has(name, text):
+    wrong = []
+    for match in REFERENCE.finditer(text):
+        target, quoted = DOCS / match.group(1), match.group(2) or match.group(3)
+        if not target.exists():
+            wrong.append(f"docs/{match.group(1)}: no such page")
+        elif quoted and target.is_file():
+            said = _plain(quoted)
+            if not any(_plain(heading).startswith(said) for heading in headings(target)):
+                wrong.append(f'docs/{match.group(1)}: no heading "{quoted}"')
+    assert not wrong, f"{name}: {wrong}"
+
+
+def test_the_references_are_found_where_they_are():
+    """The check above reads what it should: the references of the code are many, and one is known."""
+    quoted = {(m.group(1), m.group(2)) for _, text in quoting_files() for m in REFERENCE.finditer(text)}
+    assert len(quoted) > 40
+    assert ("operations/nats.md", "Headers") in quoted  # hsx/wire/headers.py
+
+
+def test_the_nav_holds_every_page_once():
+    """mkdocs --strict fails on a page left out (validation.omitted_files); twice is checked here."""
+    nav = re.findall(r":\s*([\w/.-]+\.md)\s*$", (REPO / "mkdocs.yml").read_text(), re.M)
+    assert sorted(nav) == sorted(str(p.relative_to(DOCS)) for p in pages())
