@@ -25,7 +25,7 @@
 # Every benchmark line is a JSON object printed as soon as it is measured, so a step killed by
 # its timeout keeps what it had measured. Files in $OUT (8 come back at most): env.txt, bench.log
 # (the steps' stderr, limits, exits, skips), gpu-tests.txt, and one .jsonl per benchmark step.
-# docs/PERFORMANCE.md ("The device check") says what each line means.
+# docs/performance/device-check.md ("The device check") says what each line means.
 #
 # STEPS=name,name runs only those (after the install). HSX_DEVICE_REHEARSAL=1 is the rehearsal
 # (tests/test_device_rehearsal.py, on a CPU): every step up to its first CUDA call: the install

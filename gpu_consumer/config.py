@@ -59,7 +59,7 @@ class ConsumerConfig(WorkerConfig):
     # and file writes release the GIL).
     writer_threads: int = 8
     # torch.compile each decoder layer (fuses the element-wise work between the matmuls): 1.36x the
-    # forward on an H200 for a Qwen3-8B shape, for ~20 s of compiling at start (docs/PERFORMANCE.md).
+    # forward on an H200 for a Qwen3-8B shape, for ~20 s of compiling at start (docs/performance/index.md).
     # None: on with CUDA, off elsewhere (on a CPU compiling costs more than it gains). A compile
     # that fails falls back to eager at the warm-up (gpu_consumer/compiling.py).
     compile_layers: bool | None = option(

@@ -1,6 +1,6 @@
 """A dataset read in rounds (`--round-rows`): while the producer plans and publishes one round,
 the next is read and tokenized, so the first batches go out after one round of the dataset, not
-after all of it (914,000 chat rows take minutes on a small machine: docs/PERFORMANCE.md).
+after all of it (914,000 chat rows take minutes on a small machine: docs/performance/index.md).
 
 `RoundReader` runs the reading (producer/inputs.py, `tokenized_rows` with `on_round`) on a thread
 and hands the rounds to the event loop in order; `round_fingerprint` names a plan published in

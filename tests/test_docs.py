@@ -15,8 +15,8 @@ from conftest import REPO
 DOCS = REPO / "docs"
 # About 4,000 words: read in one sitting (issue 38). The longest page today is the module notes.
 PAGE_LIMIT = 25_000
-# A path under docs/, and the heading quoted after it: `docs/x.md, "Heading"` or `docs/x.md ("Heading")`,
-# where a comment may break the line between them.
+# A path under docs/, and the heading quoted after it, after a comma or in brackets; a comment may
+# break the line between them.
 REFERENCE = re.compile(r'\bdocs/((?:[\w-]+/)*[\w.-]+\.md|(?:[\w-]+/)+)(?:,\s*(?:#\s*)?"([^"]+)"|\s*\("([^"]+)"\))?')
 
 

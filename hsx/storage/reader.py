@@ -448,7 +448,7 @@ class PrefetchedBatches(torch.utils.data.IterableDataset):
     on threads of the training process, across batch boundaries: over S3, where a sample's read
     waits on the network and its decoding is cheap, this keeps the GETs going without worker
     processes, whose batches cost one more copy through shared memory on their way
-    (docs/PERFORMANCE.md, "Reader against plain boto3"). Iterate it, or hand it to `DataLoader(batches,
+    (docs/bench-results/2026-12-02-reader.md, "Reader against plain boto3"). Iterate it, or hand it to `DataLoader(batches,
     batch_size=None)` (num_workers=0) for `pin_memory`. `set_epoch` reaches the sampler."""
 
     def __init__(

@@ -17,7 +17,7 @@ The NATS client runs on its own thread with its own event loop; the trainer's th
 a bounded queue, and markers are pulled only while it has room: a slow trainer leaves them on the
 server, not in memory. (A push consumer would not do: nats-py answers JetStream's flow control as
 messages arrive, not as they are handled, so a stalled trainer let it buffer some 770 MB of a
-914k-sample job and then drop markers unnoticed; docs/PERFORMANCE.md, "JobStream at 914k".)
+914k-sample job and then drop markers unnoticed; docs/bench-results/2026-12-03-jobstream.md, "At 914k samples".)
 """
 
 from __future__ import annotations

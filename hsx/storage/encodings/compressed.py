@@ -7,7 +7,7 @@ encoding's tensors bit for bit, so every reader past `decode` sees an uncompress
 
 Each blosc2 chunk begins with a header that holds its compressed length, so the chunks need no
 index. Encode and decode run one thread each (the consumer's writer threads, a reader's pool are
-the parallelism). Why blosc2 and these settings: docs/PERFORMANCE.md, "Lossless encodings".
+the parallelism). Why blosc2 and these settings: docs/bench-results/2026-12-03-encodings.md, "Lossless encodings".
 """
 
 from __future__ import annotations
