@@ -3,7 +3,7 @@ counted from the end, `final`, or one of the trainer presets in `PRESETS`), `pre
 a preset's ids for a model's depth, and `resolve_layers` checks the selection against the model.
 
 What an id and a preset mean: docs/reference/data.md, "Layers for a trainer"; notes in
-docs/architecture/library.md.
+docs/architecture/storage.md.
 """
 
 import re

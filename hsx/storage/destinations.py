@@ -4,7 +4,7 @@ It holds the verified puts of sample files (`put_verified`, `has_verified`, `mov
 of other bytes (`put_bytes_verified`, `put_file_verified`, `has_sha256`), the producer's write
 test (`probe`), and each destination's own errors (`refusal`, `reconnect`). Calls block.
 
-Design notes: docs/architecture/library.md.
+Design notes: docs/architecture/storage.md.
 """
 
 import errno

@@ -4,7 +4,7 @@ whether a sample file is that sample (`mismatches`, read from its header: `read_
 `HiddenStateDataset` apply, so that no file of another job, or of an earlier job of the same
 name, is read as this job's. No torch here; it reads the bundle and never writes.
 
-Design notes: docs/architecture/library.md.
+Design notes: docs/architecture/storage.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ that readers GET instead of listing the job's folder: compacted from the job's `
 (else why not), and `stored_samples` lists the folder otherwise. It never writes samples.
 
 Format and where it comes from: docs/operations/resume.md, "The index of stored samples"; notes in
-docs/architecture/library.md.
+docs/architecture/storage.md.
 """
 
 from __future__ import annotations

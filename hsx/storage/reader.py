@@ -8,7 +8,7 @@ its NATS events (hsx/wire/landed.py; batches cut and dealt by hsx/storage/stream
 knows nothing of how the files were made.
 
 How to use them: docs/reference/data.md, "Reading the output in your own loop", and docs/training.md;
-notes in docs/architecture/library.md.
+notes in docs/architecture/storage.md.
 """
 
 from __future__ import annotations

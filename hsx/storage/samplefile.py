@@ -3,7 +3,7 @@ memory), `checked_digest` and `checked_file_digest` (the data checked against th
 header, and the file's digest), `SampleFileCorrupt`. A sample file is a standard safetensors file
 with a sorted header and a checksum inside (docs/reference/data.md, "Output"). No torch import here.
 
-Why it is written this way: docs/architecture/library.md.
+Why it is written this way: docs/architecture/storage.md.
 """
 
 import hashlib

@@ -6,7 +6,7 @@ record batch by record batch (`write_tokens`, `read_tokens`). `load_table` and `
 read a job's stored samples for any service; reading datasets and the producer's policies
 (--on-long, vocabulary) live in `producer/`.
 
-Memory and format in detail: docs/architecture/library.md.
+Memory and format in detail: docs/architecture/storage.md.
 """
 
 from __future__ import annotations

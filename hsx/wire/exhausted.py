@@ -4,7 +4,7 @@ them by JetStream's max-deliveries advisories and by a `sweep`, and stores each 
 `dead_letter_exhausted`).
 
 Why and how: docs/operations/nats.md, "Streams, subjects, consumers and buckets", and
-docs/architecture/library.md.
+docs/architecture/wire.md.
 """
 
 import asyncio

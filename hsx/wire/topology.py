@@ -5,7 +5,7 @@ streams and buckets idempotently (`ensure_topology`); every other process looks 
 (`jobs_bucket`, `wait_for_jobs_bucket`, `datasets_store`) and creates only its own durables.
 
 All the names: docs/operations/nats.md, "Streams, subjects, consumers and buckets"; notes in
-docs/architecture/library.md.
+docs/architecture/wire.md.
 """
 
 import asyncio

@@ -5,7 +5,7 @@ TrainerFormat, base.py) and one entry in FORMATS below. Also what every format s
 exported dtype (`export_dtype`) and atomic writes. `hsx export` (commands/export.py) drives them;
 nothing of NATS here.
 
-What each format holds: docs/training.md, "2. Export, on the training machine", and docs/architecture/library.md;
+What each format holds: docs/training.md, "2. Export, on the training machine", and docs/architecture/storage.md;
 layer conventions: docs/reference/data.md, "Layers for a trainer".
 """
 
