@@ -71,6 +71,23 @@ def test_required_flags_are_listed_as_required_and_nats_last(command):
         )
 
 
+@pytest.mark.parametrize("command", sorted(PARSERS))
+def test_the_usage_line_shows_required_flags_bare_and_the_others_in_brackets(command):
+    parser = PARSERS[command]
+    usage = " ".join(parser.format_usage().split())
+    for action in parser.hsx_flags:
+        flag = action.option_strings[-1]
+        one_of = any(action in group for group in parser.hsx_one_required)
+        if action.hsx_required:
+            assert f" {flag} " in usage and f"[{flag} " not in usage, (flag, usage)
+        elif not one_of:
+            assert f"[{flag}" in usage, (flag, usage)
+    for group in parser.hsx_one_required:  # one of them is required: argparse's (a | b)
+        assert re.search(r"\(" + re.escape(group[0].option_strings[-1]), usage), usage
+    # Formatting leaves the flags as `resolve` needs them: not required by argparse itself.
+    assert not any(action.required for action in parser.hsx_flags)
+
+
 def test_device_defaults_differ_between_up_and_consume_and_say_so():
     up, consume = PARSERS["up"].format_help(), PARSERS["consume"].format_help()
     flat = " ".join(up.split()), " ".join(consume.split())

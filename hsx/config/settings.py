@@ -9,6 +9,7 @@ HsxError naming the flag, the variable, or the file, table and key; a secret is 
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -153,6 +154,30 @@ class Parser(argparse.ArgumentParser):
         self._hsx_required = super().add_argument_group(REQUIRED_GROUP)
         self._action_groups.insert(1, self._action_groups.pop())
         self._hsx_declaring = True
+
+    def format_usage(self) -> str:
+        with self._required_shown():
+            return super().format_usage()
+
+    def format_help(self) -> str:
+        with self._required_shown():
+            return super().format_help()
+
+    @contextlib.contextmanager
+    def _required_shown(self):
+        """argparse brackets every flag it does not require itself; these are required by
+        `resolve` (from the flag, the environment or the file), so while the usage line is written
+        they are argparse's required flags too: shown bare, one of a group as `(--a | --b)`."""
+        flags = [action for action in self.hsx_flags if action.hsx_required]
+        one_of = {id(action) for group in self.hsx_one_required for action in group}
+        groups = [g for g in self._mutually_exclusive_groups if any(id(a) in one_of for a in g._group_actions)]
+        for item in (*flags, *groups):
+            item.required = True
+        try:
+            yield
+        finally:
+            for item in (*flags, *groups):
+                item.required = False
 
     def add_argument(self, *args, **kwargs) -> argparse.Action:
         if kwargs.get("required") and args and str(args[0]).startswith("-"):
