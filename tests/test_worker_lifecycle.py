@@ -234,17 +234,34 @@ def test_a_consumer_whose_model_does_not_load_leaves_only_its_goodbye(tmp_path, 
 
 
 @pytest.mark.parametrize("command", ["consume", "upload"])
-def test_wait_for_job_bounds_the_wait_for_a_missing_job(tmp_path, hsx, command):
-    missing = "nosuchjob-lifecycle"
+def test_wait_for_job_bounds_the_wait_for_a_missing_job(tmp_path, hsx, command, tiny_model, job_name):
+    """A worker told to wait 2 s for a job that is not there gives up in one line, whatever the
+    server holds: beside other jobs it lists them; where no job was ever produced it says so."""
+    _small_job(tmp_path, hsx, tiny_model, job_name, dest=str(tmp_path / "out"), rows=4)
+    fresh = start_nats_server(tmp_path / "fresh", log_file=tmp_path / "fresh.log")
+    missing = f"{job_name}-missing"
     device = ("--device", "cpu") if command == "consume" else ()
-    started = time.monotonic()
-    run = hsx(command, "--job", missing, *device, "--spool", str(tmp_path / "spool"), "--wait-for-job", "2")
-    assert time.monotonic() - started < 60
-    assert run.returncode != 0, run.stderr
-    last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"hsx: error: job {missing} not found") and "jobs there:" in last, run.stderr
-    waiting = [json.loads(line) for line in run.stderr.splitlines() if '"waiting_for_job_spec"' in line]
-    assert waiting and waiting[0]["job"] == missing and isinstance(waiting[0]["jobs"], list), run.stderr
+    try:
+        for nats_url, says in (
+            (None, "); jobs there: "),
+            (fresh.url, "): no job was ever produced on this server"),
+        ):
+            given = ("--nats", nats_url) if nats_url else ()
+            started = time.monotonic()
+            run = hsx(
+                command, "--job", missing, *device, "--spool", str(tmp_path / "spool"), "--wait-for-job", "2", *given
+            )
+            assert time.monotonic() - started < 60
+            assert run.returncode != 0, run.stderr
+            last = run.stderr.strip().splitlines()[-1]
+            assert last.startswith(f"hsx: error: job {missing} not found in KV bucket hsx_jobs after waiting 2 s"), last
+            assert says in last, last
+            if nats_url is None:
+                assert job_name in last.split(says)[1].split(" (run")[0].split(", "), last
+            waiting = [json.loads(line) for line in run.stderr.splitlines() if '"waiting_for_job_spec"' in line]
+            assert waiting and waiting[0]["job"] == missing, run.stderr
+    finally:
+        fresh.stop()
 
 
 def _worker_config(*argv: str):

@@ -147,6 +147,7 @@ async def wait_for_job(
     stopping: asyncio.Event,
     *,
     wait_s: float | None = None,
+    given_wait_s: float | None = None,  # the --wait-for-job the error names (wait_s is what is left of it)
     poll_s: float = 0.5,  # a KV read: cheap, and a worker started beside its producer starts sooner
     report_every_s: float = WAIT_REPORT_S,
 ) -> schemas.JobSpec | None:
@@ -174,7 +175,7 @@ async def wait_for_job(
             names = await job_names(kv)
             near = near_job(job, names)
             raise HsxError(
-                f"job {job} not found in KV bucket hsx_jobs after waiting {wait_s:g} s (--wait-for-job); "
+                f"job {job} not found in KV bucket hsx_jobs after waiting {given_wait_s or wait_s:g} s (--wait-for-job); "
                 + (f"did you mean {near}? " if near else "")
                 + f"jobs there: {_named(names)} (run hsx produce --job {job} first, or check --job)"
             )

@@ -222,7 +222,7 @@ async def job_session(
         started = time.monotonic()
         kv = await topology.wait_for_jobs_bucket(js, job, stopping, wait_s=wait_s)
         left = None if wait_s is None else max(0.0, wait_s - (time.monotonic() - started))
-        spec = None if kv is None else await wait_for_job(kv, job, stopping, wait_s=left)
+        spec = None if kv is None else await wait_for_job(kv, job, stopping, wait_s=left, given_wait_s=wait_s)
         yield None if spec is None else Session(nc=nc, js=js, kv=kv, spec=spec, stopping=stopping)
     finally:
         await close_connection(nc)
