@@ -466,7 +466,14 @@ def run_up(cfg: UpConfig) -> int:
             restart_crashed(workers)
             time.sleep(0.1)
         if producer.poll() != 0:
-            raise HsxError(f"producer failed: {producer.last_error()} (log: {producer.log_path})")
+            error = producer.last_error()
+            if server is not None and "already exists" in error:
+                # Its advice (`hsx jobs delete`) needs this server, which stops with up.
+                error += (
+                    f"; hsx up keeps its jobs in {cfg.workdir / 'nats'}: give another --job, or remove that "
+                    "folder and pass --replace-output to make the job anew"
+                )
+            raise HsxError(f"producer failed: {error} (log: {producer.log_path})")
         log.info("job_published", job=producer_cfg.job, dest=str(producer_cfg.dest))
         if not monitor.started():
             monitor.start()

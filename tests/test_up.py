@@ -220,13 +220,20 @@ def test_ctrl_c_in_a_terminal_leaves_a_readable_screen_saying_where_it_stopped(t
 
 
 def test_a_rerun_with_another_dataset_gets_advice_that_works_for_up(tmp_path):
-    """The job's folder holds the first dataset's files; a second `hsx up` with another dataset,
-    its NATS store started over (so the job is new to NATS), is refused by its producer: the
-    flag that refusal advises is one `hsx up` takes (before, `--replace-output` was unrecognized),
-    and re-running with it finishes the new job."""
+    """A second `hsx up` with other settings is refused by its producer, the job being in up's own
+    NATS store: the advice is what an `hsx up` user can do (before, `hsx jobs delete`, which needs
+    the NATS server up had stopped). With the store started over (the job new to NATS) but the
+    job's folder holding the first dataset's files, another dataset is refused: the flag that
+    refusal advises is one `hsx up` takes (before, `--replace-output` was unrecognized), and
+    re-running with it finishes the new job."""
     workdir = tmp_path / "work"
     first = _up(workdir)
     assert first.returncode == 0, first.stderr[-3000:]
+    settings = _up(workdir, "--token-budget", "2048")
+    assert settings.returncode == 2, settings.stderr[-3000:]
+    last = settings.stderr.strip().splitlines()[-1]
+    assert "already exists" in last and "--token-budget 1024 (this run: 2048)" in last, last
+    assert f"hsx up keeps its jobs in {workdir / 'nats'}" in last and "another --job" in last, last
     other = tmp_path / "other.jsonl"
     other.write_text("".join((workdir / "dataset.jsonl").read_text().splitlines(keepends=True)[:10]))
     shutil.rmtree(workdir / "nats")
