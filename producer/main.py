@@ -9,7 +9,7 @@ Re-runs, replacement and resume: docs/architecture/producer.md."""
 import asyncio
 import hashlib
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import msgspec
 import numpy as np
@@ -17,7 +17,7 @@ import structlog
 
 from hsx.errors import HsxError
 from hsx.model.layers import preset_of, resolve_layers
-from hsx.model.modelinfo import load_model_info
+from hsx.model.modelinfo import ModelInfo, load_model_info
 from hsx.packing import PlannedBatch, plan_batches, plan_in_rounds
 from hsx.producer import bundle, preflight, resume, stored
 from hsx.producer.config import ProducerConfig
@@ -161,52 +161,54 @@ async def run(cfg: ProducerConfig, *, measure: Measure | None = None) -> int:
         await close_connection(nc)
 
 
-def _estimate(
-    cfg: ProducerConfig,
-    info,
-    layers: list[Layer],
-    fingerprint: str,
-    rows: SampleTable,
-    batches: list[PlannedBatch],
-    inputs: Inputs | None,
-    existing: schemas.JobSpec | None,
-    *,
-    max_payload: int,
-    measure: Measure | None = None,
-) -> JobEstimate:
+@dataclass(frozen=True, kw_only=True)
+class Sizing:
+    """What sizing a job takes: the model, its layers, the plan and the samples it packs, and the
+    inputs' counts (those of the job on record where this run read nothing new)."""
+
+    info: ModelInfo
+    layers: list[Layer]
+    fingerprint: str
+    rows: SampleTable
+    batches: list[PlannedBatch]
+    inputs: Inputs | None
+    existing: schemas.JobSpec | None
+
+
+def _estimate(cfg: ProducerConfig, job: Sizing, *, max_payload: int, measure: Measure | None = None) -> JobEstimate:
     """The job sized (producer/estimate.py) from its spec as it will be, but for the stored
     objects' names and the dataset's digest, which only the bundle's job.json holds (their length,
     not their value, counts; reading the dataset again for its digest would not). With
     `measure` (a dry run's), a compressed job's states are measured on --estimate-device."""
     spec = _job_spec(
         cfg,
-        info,
-        layers,
-        fingerprint,
-        rows,
-        batches,
+        job.info,
+        job.layers,
+        job.fingerprint,
+        job.rows,
+        job.batches,
         created_at=time.time(),
         tokenized_object=tokens_object_name(cfg.job),
         report_object=report_object_name(cfg.job),
         dataset_digest="0" * 64,
-        **_input_counts(cfg, inputs, existing),
+        **_input_counts(cfg, job.inputs, job.existing),
     )
     measured = not_measured = None
     if measure is not None and cfg.estimate_device == NO_MEASURE:
         not_measured = f"--estimate-device {NO_MEASURE}"
     elif measure is not None and not encodings.of_spec(spec.dtype).exact_size:
         try:
-            measured = measure(spec, rows, cfg.estimate_device)
+            measured = measure(spec, job.rows, cfg.estimate_device)
             log.info("states_measured", job=cfg.job, **asdict(measured))
         except NotMeasured as exc:
             not_measured = str(exc)
             log.warning("states_not_measured", job=cfg.job, reason=not_measured)
     return estimate_job(
         spec,
-        rows,
-        batches,
+        job.rows,
+        job.batches,
         max_batch_size=cfg.max_batch_size,
-        report=None if inputs is None else _report(cfg, inputs),
+        report=None if job.inputs is None else _report(cfg, job.inputs),
         max_payload=max_payload,
         rate=cfg.rate,
         gpus=cfg.gpus,
@@ -216,12 +218,12 @@ def _estimate(
     )
 
 
-def _check_free_space(cfg: ProducerConfig, *args, max_payload: int) -> None:
+def _check_free_space(cfg: ProducerConfig, job: Sizing, *, max_payload: int) -> None:
     """Refuse a local destination without room for the job's files (an S3 bucket has no free
-    space to ask); `args` as `_estimate`'s."""
+    space to ask)."""
     if cfg.dest.is_s3:
         return
-    room = _estimate(cfg, *args, max_payload=max_payload).free_space
+    room = _estimate(cfg, job, max_payload=max_payload).free_space
     log.info("free_space_checked", job=cfg.job, dest=str(cfg.dest), needed=room.needed, free=room.free, fits=room.fits)
     check_free_space(room)
 
@@ -243,18 +245,11 @@ async def _dry_run(cfg: ProducerConfig, info, layers: list[Layer], measure: Meas
             token_budget=cfg.token_budget,
             max_seq_len=cfg.max_seq_len,
         )
+        sizing = Sizing(
+            info=info, layers=layers, fingerprint=fingerprint, rows=rows, batches=batches, inputs=inputs, existing=None
+        )
         estimate = await asyncio.to_thread(
-            _estimate,
-            cfg,
-            info,
-            layers,
-            fingerprint,
-            rows,
-            batches,
-            inputs,
-            None,
-            max_payload=max_payload,
-            measure=measure or _no_measure,
+            _estimate, cfg, sizing, max_payload=max_payload, measure=measure or _no_measure
         )
     finally:
         rows.close()
@@ -497,18 +492,16 @@ async def _plan_and_publish(
         max_seq_len=cfg.max_seq_len,
     )
     if not cfg.ignore_free_space:
-        await asyncio.to_thread(
-            _check_free_space,
-            cfg,
-            info,
-            layers,
-            fingerprint,
-            rows,
-            batches,
-            inputs,
-            existing,
-            max_payload=nc.max_payload,
+        sizing = Sizing(
+            info=info,
+            layers=layers,
+            fingerprint=fingerprint,
+            rows=rows,
+            batches=batches,
+            inputs=inputs,
+            existing=existing,
         )
+        await asyncio.to_thread(_check_free_space, cfg, sizing, max_payload=nc.max_payload)
     await asyncio.to_thread(preflight.check_destination, cfg.dest, cfg.job)
     owner = await _check_folder(cfg, plan, len(rows), existing)
     log.info("preflight_passed", job=cfg.job, batches=checked, max_payload=nc.max_payload, dest=str(cfg.dest))
@@ -690,9 +683,16 @@ async def _publish_rounds(
         far once a round)."""
         if first_index == 0:
             so_far = Inputs(samples=rows, long=long, rows_read=0, chat_rows=0, chat=None, empty_masks=tuple(empty))
-            estimate = _estimate(
-                cfg, info, layers, fingerprint, rows, batches, so_far, existing, max_payload=nc.max_payload
+            sizing = Sizing(
+                info=info,
+                layers=layers,
+                fingerprint=fingerprint,
+                rows=rows,
+                batches=batches,
+                inputs=so_far,
+                existing=existing,
             )
+            estimate = _estimate(cfg, sizing, max_payload=nc.max_payload)
             room["files"] = estimate.bytes
             room["bundle_per_token"] = estimate.bundle_bytes / max(1, rows.total_tokens)
             free = estimate.free_space
