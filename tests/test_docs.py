@@ -2,8 +2,8 @@
 
 `make docs` (in `make test`) builds the site with `mkdocs build --strict` (mkdocs.yml): a link
 between pages, to a heading, or a page left out of the nav fails it. What mkdocs cannot see is
-checked here: the paths and headings that the source, tests, benchmarks, README and configs quote
-as plain text (`docs/operations/nats.md, "Headers"`), and each page's length.
+checked here: the paths and headings that the source, tests, benchmarks, README, configs and the
+pages themselves quote as plain text (`docs/operations/nats.md, "Headers"`), and each page's length.
 """
 
 import re
@@ -39,12 +39,13 @@ def _plain(text: str) -> str:
 
 
 def quoting_files() -> list:
-    """Every tracked text file outside docs/ (the pages link to each other; mkdocs checks those)."""
+    """Every tracked text file: the pages too, where a path written as text (not a link, which
+    mkdocs checks) is as likely to rot."""
     listed = subprocess.run(["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True)
     files = []
     for name in listed.stdout.split():
         path = REPO / name
-        if name.startswith("docs/") or not path.is_file() or path.suffix in {".json", ".jsonl", ".gguf"}:
+        if not path.is_file() or path.suffix in {".json", ".jsonl", ".gguf"}:
             continue
         try:
             files.append((name, path.read_text()))
