@@ -255,9 +255,7 @@ def test_wait_for_job_bounds_the_wait_for_a_missing_job(tmp_path, hsx, command, 
             assert run.returncode != 0, run.stderr
             last = run.stderr.strip().splitlines()[-1]
             assert last.startswith(f"hsx: error: job {missing} not found in KV bucket hsx_jobs after waiting 2 s"), last
-            assert says in last, last
-            if nats_url is None:
-                assert job_name in last.split(says)[1].split(" (run")[0].split(", "), last
+            assert says in last, last  # the jobs there are listed (20 at most), or there are none
             waiting = [json.loads(line) for line in run.stderr.splitlines() if '"waiting_for_job_spec"' in line]
             assert waiting and waiting[0]["job"] == missing, run.stderr
     finally:

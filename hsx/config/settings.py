@@ -146,6 +146,7 @@ class Parser(argparse.ArgumentParser):
         self.hsx_commands: dict[str, Parser] = {}
         self.hsx_command_dest: str | None = None
         self.hsx_one_required: list[list[argparse.Action]] = []
+        self._hsx_one_required_groups: list = []  # their argparse groups, for the usage line
         self._hsx_declaring = False  # argparse makes its own groups while it starts
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)
@@ -169,14 +170,12 @@ class Parser(argparse.ArgumentParser):
         `resolve` (from the flag, the environment or the file), so while the usage line is written
         they are argparse's required flags too: shown bare, one of a group as `(--a | --b)`."""
         flags = [action for action in self.hsx_flags if action.hsx_required]
-        one_of = {id(action) for group in self.hsx_one_required for action in group}
-        groups = [g for g in self._mutually_exclusive_groups if any(id(a) in one_of for a in g._group_actions)]
-        for item in (*flags, *groups):
+        for item in (*flags, *self._hsx_one_required_groups):
             item.required = True
         try:
             yield
         finally:
-            for item in (*flags, *groups):
+            for item in (*flags, *self._hsx_one_required_groups):
                 item.required = False
 
     def add_argument(self, *args, **kwargs) -> argparse.Action:
@@ -218,7 +217,9 @@ class Parser(argparse.ArgumentParser):
         members: list[argparse.Action] = []
         if required:  # checked by `resolve`: the one flag may come from the environment or the file
             self.hsx_one_required.append(members)
-            return _Group(self, self._hsx_required.add_mutually_exclusive_group(required=False), members)
+            group = self._hsx_required.add_mutually_exclusive_group(required=False)
+            self._hsx_one_required_groups.append(group)
+            return _Group(self, group, members)
         return _Group(self, super().add_mutually_exclusive_group(required=False), members)
 
     def add_subparsers(self, **kwargs) -> "_Commands":
