@@ -22,6 +22,7 @@ from hsx.packing import PlannedBatch, plan_batches, plan_in_rounds
 from hsx.producer import bundle, preflight, resume, stored
 from hsx.producer.config import ProducerConfig
 from hsx.producer.estimate import (
+    FreeSpace,
     JobEstimate,
     check_free_space,
     estimate_job,
@@ -223,8 +224,22 @@ def _check_free_space(cfg: ProducerConfig, job: Sizing, *, max_payload: int) -> 
     space to ask)."""
     if cfg.dest.is_s3:
         return
-    room = _estimate(cfg, job, max_payload=max_payload).free_space
-    log.info("free_space_checked", job=cfg.job, dest=str(cfg.dest), needed=room.needed, free=room.free, fits=room.fits)
+    _refuse_without_room(cfg, _estimate(cfg, job, max_payload=max_payload).free_space)
+
+
+def _refuse_without_room(cfg: ProducerConfig, room: FreeSpace | None, **context) -> None:
+    """Log the destination's free space against the job's need (`free_space_checked`), then
+    refuse the job if it does not fit (check_free_space); `room` None: nothing to ask."""
+    if room is not None:
+        log.info(
+            "free_space_checked",
+            job=cfg.job,
+            dest=str(cfg.dest),
+            needed=room.needed,
+            free=room.free,
+            fits=room.fits,
+            **context,
+        )
     check_free_space(room)
 
 
@@ -700,17 +715,7 @@ async def _publish_rounds(
             room["files"] += int(sample_file_sizes(new, round_spec(), first_index=first_index).sum())
             bundle = int(room["bundle_per_token"] * rows.total_tokens)
             free = free_space(cfg.dest, cfg.job, job_bytes=room["files"] + bundle)
-        if free is not None:
-            log.info(
-                "free_space_checked",
-                job=cfg.job,
-                dest=str(cfg.dest),
-                needed=free.needed,
-                free=free.free,
-                fits=free.fits,
-                round=len(starts) - 1,
-            )
-        check_free_space(free)
+        _refuse_without_room(cfg, free, round=len(starts) - 1)
 
     async def check(seqs: range, new: SampleTable, first_index: int) -> int:
         checked = await asyncio.to_thread(
