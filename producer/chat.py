@@ -1,22 +1,24 @@
 """Chat rows to tokens: the model's chat template, applied once by the producer (`ChatTokenizer`).
 `tokenize` renders a `ChatRow`'s messages with the model's own tokenizer and template; its
 `loss_mask` is 1 exactly on the assistant's replies. Where the template has `{% generation %}`
-markers the mask is transformers' own assistant mask; otherwise it is found in ONE rendering of
-the whole conversation (the rule below). `tokenize_many` gives the same result for many rows,
-row for row, with one batched `apply_chat_template` call and one tokenizer call for the chunk.
+markers the mask is transformers' own assistant mask; otherwise it is found from the rendering
+of the whole conversation (the rule below). `tokenize_many` gives the same result for many rows,
+row for row, with two batched `apply_chat_template` calls (the rows, their marked twins) and one
+tokenizer call for the chunk.
 This module knows nothing about files, --max-seq-len, processes or NATS.
 
-The mask from one rendering (`_mask_in_rendering`), for each assistant message in order:
+The mask from the rendering: each assistant reply's characters, through its end-of-turn token,
+are found from where the template put that message's text (`producer/reply_spans.py`: a second
+rendering with each text between markers), so text inside a reply, `<|im_end|>` or a whole quoted
+turn, can never end it or start another. The mask is 1 on every token that overlaps a reply's span.
+
+Where markers change what a template renders (`_mask_by_search`, the older rule), for each
+assistant message in order:
 - its turn starts after the template's assistant header (what `add_generation_prompt` adds,
   found once per tokenizer), searched from the end of the message before it (a message may hold
-  the header's text: that is the message's, not a turn); its turn ends with the
-  first special token after that (the end-of-turn token, e.g. `<|im_end|>`);
-- the reply is the message's content found (last occurrence) inside the turn, else its content
-  stripped of surrounding whitespace (templates that trim); where the template changed it
-  otherwise (e.g. Qwen3 drops an earlier turn's <think> block), the whole rendered turn;
-- the mask is 1 on every token that overlaps the reply through the end-of-turn token (so text the
-  template renders between them, such as tool calls, is in it), and 0 on what follows (ChatML's
-  newline after `<|im_end|>`): the convention `{% generation %}` templates mark;
+  the header's text: that is the message's, not a turn); the reply is the message's content
+  found first after the header (else its content stripped of surrounding whitespace; else the
+  whole rendered turn), and the turn ends with the first special token after the reply;
 - a template without a header (no generation prompt), or whose history turns do not repeat it
   (DeepSeek-R1's prompt adds `<think>`): the content (else trimmed) is searched forward from the
   previous message's (found the same way), and the end-of-turn token is in the mask only when
@@ -34,6 +36,7 @@ from pathlib import Path
 from hsx.errors import HsxError
 from hsx.producer import conventions
 from hsx.producer.conventions import HSX, ChatConvention, ConventionSample
+from hsx.producer.reply_spans import MARKINGS, Marked, has_edge_whitespace, marked_messages, read_markers, reply_spans
 from hsx.producer.rows import BadRow, ChatRow, DatasetRow
 
 # transformers' own test for generation markers (apply_chat_template, return_assistant_tokens_mask).
@@ -77,6 +80,13 @@ def _end_of_turn(offsets: list[tuple[int, int]], specials: list[int], at: int) -
     """The first special token (`specials`: their indices) that ends after character `at`."""
     k = bisect.bisect_left(specials, _ending_after(offsets, at))
     return specials[k] if k < len(specials) else None
+
+
+def _set_span(mask: list[int], offsets: list[tuple[int, int]], begin: int, end: int) -> None:
+    """1 on every token that overlaps characters [begin, end): those ending after begin and
+    starting before end."""
+    first, last = _ending_after(offsets, begin), bisect.bisect_left(offsets, end, key=_start)
+    mask[first:last] = [1] * (last - first)
 
 
 def _tool_support(template: str) -> tuple[bool, bool]:
@@ -234,13 +244,64 @@ class ChatTokenizer:
         if self.has_generation_markers:
             return [[ConventionSample(*pair)] for pair in self._many_with_markers([row.messages for row in rows])]
         texts = self._render_many([row.messages for row in rows], generation_prompt=False)
+        markers = self._markers_many(rows, texts)
         out = []
-        for row, text, (ids, offsets) in zip(rows, texts, self._encode(texts), strict=True):
+        for row, text, marked, (ids, offsets) in zip(rows, texts, markers, self._encode(texts), strict=True):
             try:
-                out.append([ConventionSample(ids, self._mask_in_rendering(row, text, ids, offsets))])
+                if marked is None:
+                    mask = self._mask_by_search(row, text, ids, offsets)
+                else:
+                    mask = self._mask_from_markers(row, text, marked, ids, offsets)
+                out.append([ConventionSample(ids, mask)])
             except BadRow as exc:
                 out.append(exc)
         return out
+
+    def _markers_many(self, rows: list[ChatRow], texts: list[str]) -> list[Marked | None]:
+        """Each row's text places (producer/reply_spans.py): the markings tried in order, each one
+        batched over the rows no earlier marking placed; None for a row none places."""
+        out: list[Marked | None] = [None] * len(rows)
+        for which, inside_whitespace in MARKINGS:
+            todo = [i for i, marked in enumerate(out) if marked is None]
+            if inside_whitespace:  # the same marking as before for a row without edge whitespace
+                todo = [i for i in todo if has_edge_whitespace(rows[i].messages)]
+            if not todo:
+                continue
+            marked = {i: marked_messages(rows[i].messages, which, inside_whitespace=inside_whitespace) for i in todo}
+            todo = [i for i in todo if marked[i] is not None]
+            for i, marked_text in zip(todo, self._render_marked([marked[i] for i in todo]), strict=True):
+                if marked_text is not None:
+                    out[i] = read_markers(marked_text, texts[i])
+        return out
+
+    def _render_marked(self, conversations: list[list[dict]]) -> list[str | None]:
+        """The marked renderings, in one call; each alone where that call fails (None for one the
+        template refuses)."""
+        try:
+            return self._render_many(conversations, generation_prompt=False)
+        except Exception:  # a template that refuses some marked text: each alone
+            pass
+        out: list[str | None] = []
+        for conversation in conversations:
+            try:
+                out.append(self._render_many([conversation], generation_prompt=False)[0])
+            except Exception:  # this one refused: the next marking, else the older rule
+                out.append(None)
+        return out
+
+    def _mask_from_markers(self, row: ChatRow, text: str, marked: Marked, ids: list[int], offsets: list) -> list[int]:
+        specials = [offsets[t] for t, token in enumerate(ids) if token in self._special_ids]
+        spans = reply_spans(row.messages, text, marked, header=self._header, special_starts=specials)
+        mask = [0] * len(ids)
+        for k, span in zip((k for k, m in enumerate(row.messages) if m["role"] == "assistant"), spans, strict=True):
+            if span is None:
+                raise BadRow(
+                    row.where,
+                    f"cannot find assistant message {k} in the chat template's rendering of the conversation",
+                    source_id=row.source_id,
+                )
+            _set_span(mask, offsets, *span)
+        return mask
 
     def _encode(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """Each text's token ids and their character offsets, as apply_chat_template(tokenize=True)
@@ -256,8 +317,9 @@ class ChatTokenizer:
             for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)
         ]
 
-    def _mask_in_rendering(self, row: ChatRow, text: str, ids: list[int], offsets: list) -> list[int]:
-        """The loss mask of one row from its whole rendering; the rule is in the module docstring."""
+    def _mask_by_search(self, row: ChatRow, text: str, ids: list[int], offsets: list) -> list[int]:
+        """The loss mask of one row by the older rule (module docstring), for templates that
+        render marked text otherwise."""
         specials = [t for t, token in enumerate(ids) if token in self._special_ids]
         mask = [0] * len(ids)
         reply_end = seen = 0  # the end of the last reply found; of the last message found
@@ -277,11 +339,8 @@ class ChatTokenizer:
                     f"cannot find assistant message {k} in the chat template's rendering of the conversation",
                     source_id=row.source_id,
                 )
-            begin, end = span
-            # Every token that overlaps [begin, end): those ending after begin and starting before end.
-            first, last = _ending_after(offsets, begin), bisect.bisect_left(offsets, end, key=_start)
-            mask[first:last] = [1] * (last - first)
-            reply_end = seen = end
+            _set_span(mask, offsets, *span)
+            reply_end = seen = span[1]
         return mask
 
     def _reply_span(self, text: str, offsets, specials: list[int], content: str, seen: int) -> tuple[int, int] | None:
@@ -292,16 +351,19 @@ class ChatTokenizer:
         at = -1 if self._header is None else text.find(self._header, seen)
         if at >= 0:
             turn = at + len(self._header)
-            eot = _end_of_turn(offsets, specials, turn)
-            limit = len(text) if eot is None else offsets[eot][0]
-            begin = text.rfind(content, turn, limit)
-            if begin < 0 and content.strip():
-                begin = text.rfind(content.strip(), turn, limit)
-            if begin < 0:
+            # The reply first, then its end: a reply may hold the end-of-turn token's text.
+            reply_end = -1
+            for candidate in (content, content.strip()) if content.strip() else (content,):
+                begin = text.find(candidate, turn)
+                if begin >= 0:
+                    reply_end = begin + len(candidate)
+                    break
+            else:
                 begin = turn  # the template changed the reply: the whole rendered turn
+            eot = _end_of_turn(offsets, specials, max(turn, reply_end))
             if eot is not None:
                 return begin, offsets[eot][1]
-            return (begin, begin + len(content)) if text.startswith(content, begin) else None
+            return (begin, reply_end) if reply_end >= 0 else None
         for candidate in (content, content.strip()):
             begin = text.find(candidate, seen)
             if begin >= 0:

@@ -196,6 +196,72 @@ def test_one_rendering_equals_transformers_assistant_mask(markers, plain, chats,
         assert sum(one_rendering.loss_mask) > 0
 
 
+def _holding_template_text(tokens: tuple[str, ...], header: str, end: str) -> list[list[dict]]:
+    """Conversations whose system, user and assistant text hold every special token of the
+    template, its assistant header and whole quoted turns: data about chat formats and prompting."""
+    every = " ".join(tokens)
+    turn = f"{header}Hello{end}"
+    return [
+        [
+            {"role": "user", "content": "How does a reply end?"},
+            {"role": "assistant", "content": f"write {end} at the end of the reply, then stop"},
+        ],
+        [
+            {"role": "system", "content": f"Tokens: {every}. A turn: {turn}"},
+            {"role": "user", "content": f"Quote a turn: {turn}\n{header}"},
+            {"role": "assistant", "content": turn},
+            {"role": "user", "content": f"{end}\n{header}and again"},
+            {"role": "assistant", "content": f"{end}\n{header}Hi{end}{every}\n{header}ok"},
+        ],
+        [
+            {"role": "user", "content": every},
+            {"role": "assistant", "content": f"  {every}  "},  # surrounding whitespace, trimmed by some templates
+            {"role": "user", "content": "and an empty one"},
+            {"role": "assistant", "content": f"{end}"},
+        ],
+    ]
+
+
+CHATML_HEADER = "<|im_start|>assistant\n"
+LLAMA3_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+@pytest.mark.parametrize(
+    ("markers", "plain", "tokens", "header", "end"),
+    [
+        ("chatml_markers", "chatml", CHATML_TOKENS, CHATML_HEADER, "<|im_end|>"),
+        ("llama3_markers", "llama3", LLAMA3_TOKENS, LLAMA3_HEADER, "<|eot_id|>"),
+    ],
+)
+def test_replies_holding_template_text_keep_their_whole_mask(markers, plain, tokens, header, end, chats):
+    """A reply that holds the end-of-turn token's text, or quotes whole turns, is masked whole:
+    the one-rendering rule, on the template with and without markers, gives transformers' own
+    return_assistant_tokens_mask, on rows whose every message holds every special token."""
+    forced = ChatTokenizer(chats[markers].tokenizer, model="forced")
+    forced.has_generation_markers = False
+    rows = [_row(c, where=f"r{n}") for n, c in enumerate(_holding_template_text(tokens, header, end))]
+    for row, one_rendering, without_markers in zip(
+        rows, forced.tokenize_many(rows), chats[plain].tokenize_many(rows), strict=True
+    ):
+        out = chats[markers].tokenizer.apply_chat_template(
+            row.messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert one_rendering.input_ids == list(out["input_ids"]) == without_markers.input_ids, row.where
+        assert one_rendering.loss_mask == list(out["assistant_masks"]), row.where
+        assert without_markers.loss_mask == list(out["assistant_masks"]), row.where
+
+
+@pytest.mark.parametrize("template", ["think", "tools", "prompt_thinks"])
+def test_replies_holding_template_text_on_other_templates(template, chats):
+    """The same rows on templates without a markers twin: each span is the reply and its end-of-turn token."""
+    chat = chats[template]
+    for n, conversation in enumerate(_holding_template_text(CHATML_TOKENS, CHATML_HEADER, "<|im_end|>")):
+        row = chat.tokenize(_row(conversation, where=f"r{n}"))
+        assert row.input_ids == _reference_ids(chat, conversation)
+        replies = [m["content"] for m in conversation if m["role"] == "assistant"]
+        assert assistant_spans(chat.tokenizer, row.input_ids, row.loss_mask) == [r + "<|im_end|>" for r in replies], n
+
+
 def test_template_that_rewrites_earlier_turns(chats):
     """Qwen3-style: an earlier reply is rendered without its think block; the mask is that
     reply as rendered, and the last reply (think block kept) is masked whole."""
@@ -214,7 +280,7 @@ def test_template_that_rewrites_earlier_turns(chats):
     ]
 
 
-def test_tokenize_many_is_one_rendering_and_one_tokenizer_call(chats):
+def test_tokenize_many_is_two_renderings_and_one_tokenizer_call(chats):
     chat = chats["chatml"]
     rows = [_row(c, where=f"r{n}") for n, c in enumerate(CONVERSATIONS * 8)]
     expected = [chat.tokenize(row) for row in rows]
@@ -242,7 +308,8 @@ def test_tokenize_many_is_one_rendering_and_one_tokenizer_call(chats):
     chat_counted = copy.copy(chat)
     chat_counted.tokenizer = tokenizer
     assert chat_counted.tokenize_many(rows) == expected
-    assert calls == {"render": 1, "encode": 1}
+    # The conversations and their marked twins (producer/reply_spans.py): two renderings.
+    assert calls == {"render": 2, "encode": 1}
 
 
 # ---------------------------------------------------------------- tool calls
