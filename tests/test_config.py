@@ -27,6 +27,7 @@ from hsx.commands.cli import build_parser
 from hsx.commands.up import UpConfig
 from hsx.config.configfile import Place
 from hsx.config.settings import file_layout, resolve
+from hsx.wire.natsconn import redact_url, split_servers
 from hsx.storage import encodings
 
 SECRETS = {  # each one a distinct string, so a leak names its source
@@ -334,6 +335,33 @@ def test_a_nats_url_without_a_scheme_or_with_a_bad_port_never_shows_its_password
     assert_one_line_error(bad_scheme, "the scheme must be one of nats://")
     everything = "".join(r.stdout + r.stderr for r in (shown, refused, bad_port, bad_scheme))
     assert secret not in everything and "Traceback" not in everything
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("nats://alice:Secret1,x@h:4222", "nats://alice:***@h:4222"),
+        ("alice:Secret1,x@h:4222", "alice:***@h:4222"),
+        ("nats://a:p1@h1:4222,nats://b:q,2@h2:4222", "nats://a:***@h1:4222,nats://b:***@h2:4222"),
+        ("a:p1@h1:4222, b:q,2@h2", "a:***@h1:4222,b:***@h2"),
+        ("nats://tok,en@h:4222", "nats://***@h:4222"),
+        ("nats://a:p@ss@h:4222", "nats://a:***@h:4222"),  # an unencoded @: userinfo runs to the last one
+        ("nats://h1:4222,nats://h2:4222", "nats://h1:4222,nats://h2:4222"),
+    ],
+)
+def test_redaction_parses_userinfo_before_splitting_servers(url, shown):
+    """RFC 3986 userinfo may hold commas: it runs to the last @ before its host, and the server
+    list splits on commas outside it, so no part of a password is ever shown."""
+    assert redact_url(url) == shown
+    assert len(split_servers(url)) == shown.count(",") + 1
+
+
+def test_a_comma_in_a_nats_password_is_never_shown(cli):
+    secret = "Secret1"
+    for url in (f"nats://alice:{secret},x@127.0.0.1:42x22", f"nats://alice:x,{secret}@127.0.0.1:42x22"):
+        bad_port = cli("status", "--job", "j", "--nats", url)
+        assert_one_line_error(bad_port, "--nats nats://alice:***@127.0.0.1:42x22: the port is not a number")
+        assert secret not in bad_port.stdout + bad_port.stderr
 
 
 def test_hsx_up_passes_trust_remote_code_and_the_file_to_what_it_starts(tmp_path):

@@ -35,21 +35,55 @@ _STARTUP_ATTEMPTS = 3
 OUTAGE_RETRY_S = 120.0
 
 
+def _userinfo_spans(text: str) -> list[tuple[int, int]]:
+    """[start, end) of each server's user information in a comma-separated server list, read once,
+    before anything splits the list: RFC 3986 userinfo may hold commas and runs to the last `@`
+    before its host. An `@` with no comma after the one before it belongs to the same userinfo
+    (an unencoded `@` in a password); otherwise its userinfo starts after that comma, or after
+    the `://` that follows it."""
+    spans: list[tuple[int, int]] = []
+    previous = -1  # the last @ seen
+    for at, char in enumerate(text):
+        if char != "@":
+            continue
+        comma = text.find(",", previous + 1, at) if previous >= 0 else -1
+        if previous >= 0 and comma < 0:  # the same server's userinfo: it runs on to this @
+            spans[-1] = (spans[-1][0], at)
+        else:
+            start = 0 if previous < 0 else comma + 1
+            scheme = text.rfind("://", start, at)
+            spans.append((start if scheme < 0 else scheme + 3, at))
+        previous = at
+    return spans
+
+
+def split_servers(text: str) -> list[str]:
+    """The server URLs of a comma-separated list, split on the commas outside user information."""
+    inside = [False] * len(text)
+    for start, end in _userinfo_spans(text):
+        inside[start:end] = [True] * (end - start)
+    servers, start = [], 0
+    for at, char in enumerate(text):
+        if char == "," and not inside[at]:
+            servers.append(text[start:at])
+            start = at + 1
+    servers.append(text[start:])
+    return [one.strip() for one in servers if one.strip()]
+
+
 def redact_url(url: str) -> str:
     """The URL(s) with any password or token in them replaced, safe for logs and errors, whatever
     the text: with or without a scheme (nats-py takes `user:pw@host:4222` as a nats:// URL), with
-    a port that is not a number. Plain text work, which cannot fail: everything before a part's
-    last `@` is its user information."""
-    parts = []
-    for one in url.split(","):
-        one = one.strip()
-        userinfo, at, host = one.rpartition("@")
-        if at:
-            scheme, slashes, userinfo = userinfo.rpartition("://")
-            user, colon, _ = userinfo.partition(":")
-            one = f"{scheme}{slashes}{user + ':***' if colon else '***'}@{host}"
-        parts.append(one)
-    return ",".join(parts)
+    a port that is not a number, with commas or `@` in a password. Plain text work, which cannot
+    fail: each server's user information is found once in the whole text (`_userinfo_spans`);
+    its user name is kept, everything after its first `:` is replaced."""
+    out, at = [], 0
+    for start, end in _userinfo_spans(url):
+        user, colon, _ = url[start:end].partition(":")
+        out += [url[at:start], f"{user}:***" if colon else "***"]
+        at = end
+    out.append(url[at:])
+    return ",".join(split_servers("".join(out)))
 
 
 _SCHEMES = ("nats", "tls", "ws", "wss")
@@ -59,7 +93,7 @@ def nats_urls(text: str) -> str:
     """--nats: one or more comma-separated server URLs as nats-py takes them (`nats://`, `tls://`,
     `ws://`, `wss://`; a URL without a scheme is a nats:// one), each with a host and a numeric
     port if any; else a one-line HsxError showing the URL redacted."""
-    servers = [one.strip() for one in text.split(",") if one.strip()]
+    servers = split_servers(text)
     if not servers:
         raise HsxError("--nats: no server URL given")
     for one in servers:
@@ -200,7 +234,7 @@ async def connect(settings: NatsSettings, *, name: str) -> NATS:
         log.info("nats_reconnected", url=redact_url(settings.url))
 
     nc = NATS()
-    servers = [s.strip() for s in settings.url.split(",") if s.strip()]
+    servers = split_servers(settings.url)
     try:
         options = settings.connect_options()
     except (OSError, ssl.SSLError) as exc:
