@@ -27,8 +27,8 @@ from hsx.commands.cli import build_parser
 from hsx.commands.up import UpConfig
 from hsx.config.configfile import Place
 from hsx.config.settings import file_layout, resolve
-from hsx.wire.natsconn import redact_url, split_servers
 from hsx.storage import encodings
+from hsx.wire.natsconn import redact_url, split_servers
 
 SECRETS = {  # each one a distinct string, so a leak names its source
     "file_password": "pw-from-file-Q7xk2",
