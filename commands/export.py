@@ -144,12 +144,13 @@ def _read(
         raise _Failed(f"unreadable: {key}: {type(exc).__name__}: {exc}") from None
     try:
         checked_digest([data])  # the checksum inside the file: SampleFileCorrupt if a byte changed
-        tensors, metadata = load_sample(data)
+        # The header before the states: nothing is decoded (or allocated) from another sample's file.
         failed = mismatches(data, expected, sample_index)
+        if failed:
+            raise _Failed(f"mismatching: {key} is not this job's sample {sample_index}: {describe(failed)}")
+        tensors, metadata = load_sample(data)
     except SampleFileCorrupt as exc:
         raise _Failed(f"damaged: {key}: {exc}") from None
-    if failed:
-        raise _Failed(f"mismatching: {key} is not this job's sample {sample_index}: {describe(failed)}")
     ids = tensors["input_ids"].to(torch.int64)
     mask = tensors.get("loss_mask")
     return trainers.Sample(

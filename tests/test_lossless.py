@@ -22,8 +22,10 @@ from test_jobstream import _Reading, _samples_of
 from hsx.producer import estimate
 from hsx.storage import encodings
 from hsx.storage.encodings.base import HIDDEN
+from hsx.storage.encodings.compressed import SHAPE_KEY
 from hsx.storage.fsutil import human_bytes
-from hsx.storage.reader import HiddenStateDataset, JobStream
+from hsx.storage.reader import BadSampleFile, HiddenStateDataset, JobStream, load_sample
+from hsx.storage.samplefile import SampleFileCorrupt
 
 COUNT = 8
 
@@ -124,3 +126,32 @@ def test_a_lossless_job_reads_back_and_verifies(name, hsx, hsx_service, tiny_mod
     for batch in batches:
         expected = torch.cat([decoded[i]["hidden_states"] for i in batch["sample_index"].tolist()])
         assert torch.equal(batch["hidden_states"], expected)
+
+    # A file whose own metadata claims states of another size is a bad file before anything is
+    # allocated from that claim: verify lists it and goes on, the dataset raises BadSampleFile.
+    path = next((out / job).glob("*/3.safetensors"))
+    good = path.read_bytes()
+    for claim in ([2**40, 2**40, 2**40], [json.loads(_header(good)["__metadata__"][SHAPE_KEY])[0], 2, 1 << 28]):
+        path.write_bytes(_with_metadata(good, {SHAPE_KEY: json.dumps(claim)}))
+        verified = hsx("verify", "--job", job, "--json")
+        report = json.loads(verified.stdout)
+        assert verified.returncode != 0 and "Traceback" not in verified.stderr, verified.stderr[-3000:]
+        assert report["samples_ok"] == COUNT - 1, report
+        with pytest.raises(BadSampleFile, match="hidden_states"):
+            HiddenStateDataset(str(out / job))[3]
+        with pytest.raises(SampleFileCorrupt):
+            load_sample(path.read_bytes())  # without the job's bundle: the file's own sizes bound it
+    path.write_bytes(good)
+
+
+def _header(data: bytes) -> dict:
+    return json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+
+
+def _with_metadata(data: bytes, changes: dict[str, str]) -> bytes:
+    """The safetensors file `data` with these metadata entries replaced (tensor bytes unchanged)."""
+    header = _header(data)
+    header["__metadata__"].update(changes)
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return len(encoded).to_bytes(8, "little") + encoded + data[8 + int.from_bytes(data[:8], "little") :]

@@ -216,8 +216,11 @@ def _checked_item(
     `expected` (and against `tokens`, the sample's token count, and `sample_digest`, what the
     sample is, when known from its marker); _NotTheSample says why not."""
     try:
-        tensors, metadata = load_sample(data)
+        # The header first: nothing is decoded (or allocated) from a file that is not the sample.
         failed = mismatches(data, expected, sample_index)
+        if failed:
+            raise _NotTheSample(f"not this job's sample {sample_index}: {describe(failed)}")
+        tensors, metadata = load_sample(data)
     except SampleFileCorrupt as exc:
         raise _NotTheSample(f"damaged: {exc}") from None
     if tokens is not None and "input_ids" not in failed and len(tensors["input_ids"]) != tokens:

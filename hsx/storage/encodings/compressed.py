@@ -55,6 +55,31 @@ def compress(raw: np.ndarray, typesize: int) -> np.ndarray:
     return out
 
 
+# The most bytes of states a file may claim per compressed byte. Real hidden states compress to
+# 0.70-0.86 of their size (docs/bench-results/2026-12-03-encodings.md); a claim past this is a crafted or
+# damaged file, refused before anything is allocated from it (blosc2 stores a run of zeros in a
+# few bytes, so a chunk header alone could ask for any size).
+MAX_RATIO = 64
+_RATIO_SLACK = 1 << 20  # tiny samples: a header's worth of fixed cost, whatever the ratio
+
+
+def claimed_bytes(data: np.ndarray) -> int:
+    """The bytes of states the chunks in flat uint8 `data` say they hold (their headers, read
+    without decompressing); SampleFileCorrupt when a header does not read or runs past the data."""
+    import blosc2
+
+    read = total = 0
+    while read < data.size:
+        try:
+            nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(data[read:])
+        except Exception as exc:
+            raise SampleFileCorrupt(f"{COMPRESSED}: no blosc2 chunk at byte {read} ({exc})") from None
+        if cbytes <= 0 or read + cbytes > data.size:
+            raise SampleFileCorrupt(f"{COMPRESSED}: the chunk at byte {read} runs past the data")
+        read, total = read + cbytes, total + nbytes
+    return total
+
+
 def decompress(data: np.ndarray, out: np.ndarray) -> None:
     """The chunks in flat uint8 `data` -> flat uint8 `out`, which they must fill exactly."""
     import blosc2
@@ -123,6 +148,18 @@ class CompressedEncoding(Encoding):
         data, shape = tensors.pop(COMPRESSED, None), _shape(metadata)
         if data is None or data.dtype != torch.uint8 or data.dim() != 1 or shape is None:
             raise SampleFileCorrupt(f"a {self.name} file needs a 1-D uint8 {COMPRESSED} and {SHAPE_KEY} [T, k, H]")
+        ids = tensors.get("input_ids")
+        if ids is not None and shape[0] != len(ids):
+            raise SampleFileCorrupt(f"{SHAPE_KEY} {shape} is not [T, k, H] for the file's {len(ids)} input ids")
+        # Sizes from the file's own claims are checked in Python integers before torch sees them.
+        stored = self.states_bytes(*shape)
+        if stored > MAX_RATIO * data.numel() + _RATIO_SLACK:
+            raise SampleFileCorrupt(
+                f"{SHAPE_KEY} {shape} claims {stored} bytes of states from {data.numel()} compressed bytes"
+            )
+        claimed = claimed_bytes(data.numpy())
+        if claimed != stored:
+            raise SampleFileCorrupt(f"{COMPRESSED} holds {claimed} bytes of states, {SHAPE_KEY} {shape} is {stored}")
         dtype = getattr(torch, self._stored(*shape)[0])
         hidden = torch.empty(shape, dtype=dtype)
         decompress(data.numpy(), hidden.reshape(-1).view(torch.uint8).numpy())
