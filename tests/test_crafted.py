@@ -318,6 +318,12 @@ def test_a_crafted_descriptor_never_replaces_a_stored_sample_and_a_replaced_file
         finally:
             await nc.close()
 
+    # The job's spec rewritten first with only its sample check turned off (same plan, destination
+    # and created_at): a running worker never relaxes a check because the spec says so now.
+    entry, _ = _spec_entry(nats_server.url, job_name)
+    _put_spec(nats_server.url, job_name, {**entry, "sample_digests": False})
+    changed = _wait_for_line(workers[0], "job_spec_change_refused", timeout=60)
+    assert changed["field"] == "sample_digests", changed
     asyncio.run(publish())
     refused = _wait_for_line(workers[0], "batch_refused", timeout=60)
     assert refused["samples"] == [3] and "not the plan's" in refused["reason"], refused

@@ -34,6 +34,7 @@ from hsx.wire.events import (
 from hsx.wire.jobs import read_job_spec, wait_for_job
 from hsx.wire.lifecycle import StopEvent, stop_event_on_signals
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
+from hsx.wire.spec_changes import RefusedChange, refused_change
 from hsx.wire.statusview import StatusView, status_view
 from hsx.wire.topology import job_name
 from hsx.wire.tracker import ProgressTracker
@@ -128,7 +129,8 @@ class JobWatch:
     def __init__(self, kv: KeyValue, spec: schemas.JobSpec, stopping: asyncio.Event, *, every_s: float = 5.0) -> None:
         self.kv, self.spec, self.stopping, self.every_s = kv, spec, stopping, every_s
         self.lost = ""
-        self.current = spec  # the spec as last read (its `published` flag changes while it runs)
+        self.current = spec  # the spec as last adopted (its `published` flag changes while it runs)
+        self._refused: RefusedChange | None = None  # the last change refused, said once
 
     async def check(self) -> str:
         if self.lost:
@@ -142,7 +144,7 @@ class JobWatch:
         if current is None:
             self.lost = f"job {job} was deleted while this worker served it (plan {plan}); stopped"
         elif _identity(current) == _identity(self.spec):
-            self.current = current
+            self._adopt(current)
         else:
             self.lost = (
                 f"job {job} was deleted and produced again (now plan {current.plan_tag}, dest {current.dest}) while "
@@ -152,6 +154,17 @@ class JobWatch:
             log.error("job_lost", reason=self.lost)
             self.stopping.set()
         return self.lost
+
+    def _adopt(self, read: schemas.JobSpec) -> None:
+        """The spec read again, when it moved only as the producer moves it (hsx/wire/spec_changes.py);
+        otherwise the spec held stays, and one warning line per refused change says which field."""
+        refused = refused_change(self.current, read)
+        if refused is None:
+            self.current = read
+            return
+        if refused != self._refused:
+            self._refused = refused
+            log.warning("job_spec_change_refused", field=refused.field, change=refused.describe())
 
     async def current_for(self, covers: Callable[[schemas.JobSpec], bool]) -> schemas.JobSpec:
         """The spec as last read, or, when it does not `covers` a message and the plan is still
