@@ -101,6 +101,9 @@ class ChatTemplateInfo:
     model: str
     mask_method: str  # "generation_markers" | "one_rendering"
     template_sha256: str
+    # --chat-as a trainer whose own parser cuts replies that hold its template's text
+    # (producer/conventions.py `cut_replies`): how many rows have such a reply.
+    rows_replies_cut: int = 0
 
 
 class ChatTokenizer:

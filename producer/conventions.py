@@ -359,6 +359,34 @@ def specforge(tokenizer, template: SpecForgeTemplate, messages: list[dict]) -> t
     return input_ids, loss_mask
 
 
+def cut_replies(convention: ChatConvention, messages: list[dict[str, Any]]) -> bool:
+    """Whether the trainer's own parser masks some assistant reply of this conversation otherwise
+    than the reply is: SpecForge finds each reply as `assistant_header (.*?) end`, so a reply that
+    holds its end-of-turn text is cut there and one that holds the header text starts another
+    turn inside it. The mask stays the trainer's (the hidden states must line up with what it
+    computes); the producer counts such rows and says so once. hsx's own mask and speculators'
+    (from the rendering's boundary to its end) cover every reply whole."""
+    if convention.trainer != "specforge":
+        return False
+    template = SPECFORGE_TEMPLATES[convention.template]
+    for message in specforge_messages(template, messages):
+        if message["role"] != "assistant":
+            continue
+        content = message.get("content") or ""
+        if template.assistant_header in content or _holds_end(template, content):
+            return True
+    return False
+
+
+def _holds_end(template: SpecForgeTemplate, content: str) -> bool:
+    """Whether the trainer's end-of-turn pattern matches inside a reply's text."""
+    if template.assistant_pattern_type == "longcat":
+        return re.search(re.escape("[Round ") + r"\d+" + re.escape("] USER:"), content) is not None
+    if template.assistant_pattern_type == "inkling":
+        return any(t in content for t in ("<|message_user|>", "<|message_tool|>", "<|message_system|>"))
+    return template.end_of_turn_token in content
+
+
 def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 

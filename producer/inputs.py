@@ -37,6 +37,7 @@ import numpy as np
 import structlog
 
 from hsx.errors import HsxError
+from hsx.producer import conventions
 from hsx.producer.chat import ChatTemplateInfo, ChatTokenizer
 from hsx.producer.chat_pool import POOL_MIN_ROWS, tokenize_chats
 from hsx.producer.config import ON_EMPTY_MASK, BadRowCap
@@ -248,9 +249,17 @@ class _ChatStream:
         started = last_log = time.monotonic()
         before = _cpu_seconds()
         done = 0
+        cut: list[str] = []  # the rows whose replies the trainer's own parser cuts (--chat-as)
+
+        def noted(chats: Iterator[ChatRow]) -> Iterator[ChatRow]:
+            for chat_row in chats:
+                if conventions.cut_replies(chat_as, chat_row.messages):
+                    cut.append(chat_row.where)
+                yield chat_row
+
         # In chunks (one batched call each), on every usable core for a large dataset
         # (producer/chat_pool.py); row for row the same result, and error, as `chat.tokenize`.
-        for row in tokenize_chats(chat, chain(head, rows), total=total):
+        for row in tokenize_chats(chat, noted(chain(head, rows)), total=total):
             place = self.places.popleft()
             if isinstance(row, BadRow):
                 bad(row)  # --on-bad-row error: stops here, at the first bad conversation
@@ -272,7 +281,16 @@ class _ChatStream:
             main_cpu_s=round(main_cpu_s, 2),
             pool_cpu_s=round(pool_cpu_s, 2),
         )
-        return chat.info
+        if cut:
+            log.warning(
+                "chat_as_cuts_replies",
+                chat_as=str(chat_as),
+                rows=len(cut),
+                first=cut[0],
+                consequence="these rows' loss masks are the trainer's own, which end a reply at its end-of-turn "
+                "text or start a turn at its header text inside the reply (docs/training.md)",
+            )
+        return dataclasses.replace(chat.info, rows_replies_cut=len(cut))
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -531,6 +549,7 @@ def report_document(
             "model": inputs.chat.model,
             "mask_method": inputs.chat.mask_method,
             "template_sha256": inputs.chat.template_sha256,
+            "rows_replies_cut": inputs.chat.rows_replies_cut,
         },
         "long_rows": [
             {

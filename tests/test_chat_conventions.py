@@ -77,6 +77,16 @@ CONVERSATIONS = {
         {"from": "human", "value": "Why is the sky blue?"},
         {"from": "gpt", "value": "Rayleigh scattering."},
     ],
+    # Replies that hold the template's own text: SpecForge's parser ends the first at its
+    # end-of-turn text and starts a turn inside the second; the mask stays SpecForge's.
+    "reply_holds_end": [
+        {"role": "user", "content": "How does a turn end?"},
+        {"role": "assistant", "content": "write <|im_end|>\n at the end, then stop"},
+    ],
+    "reply_quotes_turn": [
+        {"role": "user", "content": "Quote a turn."},
+        {"role": "assistant", "content": "<|im_start|>assistant\nHello<|im_end|>\n<|eot_id|> done"},
+    ],
     "long": [
         {"role": "user", "content": "Count words: " + LONG},
         {"role": "assistant", "content": LONG},
@@ -313,6 +323,36 @@ def test_a_producer_reading_sharegpt_rows_gives_specforge_samples_and_records_it
         job="j", dataset=dataset, max_seq_len=64, on_long="truncate", inputs=inputs, chat_as=str(convention)
     )
     assert report["chat_convention"] == "specforge:qwen"
+
+
+def test_rows_whose_replies_specforge_cuts_are_counted_and_said_once(chatml, tmp_path, capfd):
+    """The mask stays SpecForge's own (the parity test above runs these rows too); the producer
+    counts the rows whose replies SpecForge's parser cuts, says so in one warning line, and the
+    input report records the count. hsx's own mask and speculators' cut nothing."""
+    import json
+
+    from hsx.producer.inputs import report_document, tokenized_rows
+
+    cut = [CONVERSATIONS["reply_holds_end"], CONVERSATIONS["reply_quotes_turn"]]
+    whole = [CONVERSATIONS["system"], CONVERSATIONS["multi_turn"]]
+    qwen = parse_chat_as("specforge:qwen")
+    assert [conventions.cut_replies(qwen, row) for row in cut + whole] == [True, True, False, False]
+    for other in ("hsx", "speculators"):
+        assert not any(conventions.cut_replies(parse_chat_as(other), row) for row in cut)
+    model = tmp_path / "model"
+    chatml.save_pretrained(model)
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps({"messages": row}) + "\n" for row in whole + cut + whole))
+    capfd.readouterr()
+    inputs = tokenized_rows(
+        dataset, model=str(model), vocab_size=len(chatml), max_seq_len=256, on_long="error", chat_as=qwen
+    )
+    said = [line for line in "".join(capfd.readouterr()).splitlines() if "chat_as_cuts_replies" in line]
+    assert len(said) == 1 and ("rows=2" in said[0] or '"rows": 2' in said[0]), said
+    report = report_document(
+        job="j", dataset=dataset, max_seq_len=256, on_long="error", inputs=inputs, chat_as=str(qwen)
+    )
+    assert report["chat_template"]["rows_replies_cut"] == 2
 
 
 def test_a_producer_gives_speculators_rows_one_sample_per_assistant_turn(chatml, tmp_path):
