@@ -223,7 +223,10 @@ def test_a_redelivered_batch_runs_alone(nats_server, tiny_model, job_name, tmp_p
         durable = await topology.ensure_gpu_consumer(js, job_name)
         sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
         [first] = await sub.fetch(1, timeout=5)
-        await first.nak()  # a consumer gave it back: its next delivery is the second
+        # A consumer gave it back: its next delivery is the second. Sent as a request, which the
+        # server answers once the nak is processed (as ack_sync does for an ack): the worker's
+        # first pull may not overtake it.
+        await nc.request(first.reply, b"-NAK", timeout=5)
         cfg = ConsumerConfig(
             nats=NatsSettings(url=nats_server.url),
             job=job_name,
