@@ -4,6 +4,7 @@
   (one per test session; tests use distinct job names).
 - `s3_server`: a moto S3 server over real HTTP on a free port, with AWS_* variables for clients.
 - `tiny_model`: random-initialised transformers models built locally, cached per session.
+- `torch_threads`: the fidelity tests run once with one torch thread and once with the default.
 - `hsx`: runs the real `hsx` CLI as a subprocess; `hsx_service` starts a long-running one.
 """
 
@@ -161,6 +162,20 @@ def tiny_model(tmp_path_factory):
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="module", params=["threads-1", "threads-default"])
+def torch_threads(request) -> int:
+    """torch's intra-op threads in this process for the test: 1, then torch's default (one per
+    core). A sum split among threads is summed in another order, so a fidelity test that takes
+    this fixture shows that its bound (tests/tolerance.py) holds either way. Module-scoped, so a
+    module's shared fixtures (models, references) serve every test of one thread count."""
+    import torch
+
+    default = torch.get_num_threads()
+    torch.set_num_threads(1 if request.param == "threads-1" else default)
+    yield torch.get_num_threads()
+    torch.set_num_threads(default)
 
 
 @pytest.fixture

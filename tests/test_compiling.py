@@ -44,7 +44,8 @@ def test_a_failing_compile_falls_back_to_eager_in_one_line_and_the_report_says_s
         loaded.model, compiled=compiling.compiled(loaded.model), compile_error=compiling.fallback_reason(loaded.model)
     )
     assert report == schemas.Kernels(attention="sdpa", compiled=False, compile_error=reason)
-    # Eager from then on: the states of a plain eager model.
+    # Eager from then on: the states of a plain eager model, bit for bit (the same modules on the
+    # same batches in one process: every sum in the same order, no tolerance to derive).
     samples = [schemas.Sample(index=i, source_id=str(i), input_ids=list(range(3, 3 + n))) for i, n in enumerate((9, 4))]
     eager = load_model(str(path), layers=list(LAYERS), dtype="float32", device="cpu")
     for got, expected in zip(extract_samples(loaded, samples), extract_samples(eager, samples)):

@@ -251,6 +251,13 @@ def test_sweep_dead_letters_a_spent_batch_whose_advisory_was_lost(nats_server, j
                 await asyncio.sleep(0.7)
             with pytest.raises((asyncio.TimeoutError, nats.errors.TimeoutError)):
                 await sub.fetch(1, timeout=1)  # spent: never delivered again
+            # The server takes the last delivery off the durable's pending list once its ack wait
+            # has passed, when its own timer looks: waited for as the state the sweep reads, not
+            # assumed from the clock.
+            deadline = time.monotonic() + 60
+            while (await js.consumer_info(topology.BATCHES_STREAM, durable)).num_ack_pending:
+                assert time.monotonic() < deadline, "the spent delivery is still pending after 60 s"
+                await asyncio.sleep(0.1)
             # The advisory is lost (as in a leader election at that moment).
             await js.purge_stream(
                 topology.ADVISORIES_STREAM, subject=topology.max_deliveries_subject(topology.BATCHES_STREAM, durable)

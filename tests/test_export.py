@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY, _env, run_in_process
+from tolerance import U_BFLOAT16, assert_within, bfloat16_bound, depth, error, float8_bound
 
 from hsx.commands.embedded import build_tiny_model
+from hsx.model.layers import FINAL
 from hsx.storage.reader import HiddenStateDataset
 
 with warnings.catch_warnings():
@@ -175,10 +177,13 @@ def test_specforge_dflash_reads_the_export(jobs, tmp_path):
         assert torch.equal(hidden, item["hidden_states"].reshape(len(ids), -1))
         mask = item.get("loss_mask", torch.ones(len(ids), dtype=torch.uint8))
         assert batch.tensors["loss_mask"][0].tolist() == mask.tolist()
-        # SpecForge's own reading of transformers' output for these ids: hidden_states[id + 1].
+        # SpecForge's own reading of transformers' output for these ids: hidden_states[id + 1],
+        # within the bfloat16 bound (tests/tolerance.py: a bfloat16 job) of the deepest, layer 5;
+        # the reading one layer off (hidden_states[id]) is not.
         states, _ = reference(list(ids))
-        theirs = extract_context_feature(states, [1, 3, 5])
-        torch.testing.assert_close(hidden.float(), theirs, rtol=0.02, atol=0.02)
+        bound = bfloat16_bound(depth(5, DEPTH))
+        assert_within(hidden, extract_context_feature(states, [1, 3, 5]), bound, f"dflash {ids}")
+        assert error(hidden, extract_context_feature(states, [0, 2, 4])) > bound
 
 
 def test_specforge_eagle3_reads_the_float8_export(jobs, tmp_path):
@@ -204,8 +209,13 @@ def test_specforge_eagle3_reads_the_float8_export(jobs, tmp_path):
         assert torch.equal(target, item[:, 3])
         states, _ = reference(list(ids))
         # aux: decoder layers 1, 3, 4 = hidden_states[2, 4, 5]; target: the post-norm state, [-1].
-        torch.testing.assert_close(aux.float(), torch.cat([states[2], states[4], states[5]], -1), rtol=0.1, atol=0.1)
-        torch.testing.assert_close(target.float(), states[-1], rtol=0.1, atol=0.1)
+        # Within tests/tolerance.py's float8 bound, and one bfloat16 rounding more (the export's).
+        aux_bound = float8_bound(depth(4, DEPTH)) + U_BFLOAT16
+        assert_within(aux, torch.cat([states[2], states[4], states[5]], -1), aux_bound, f"eagle3 aux {ids}")
+        assert error(aux, torch.cat([states[1], states[3], states[4]], -1)) > aux_bound  # one layer off
+        target_bound = float8_bound(depth(FINAL, DEPTH)) + U_BFLOAT16
+        assert_within(target, states[-1], target_bound, f"eagle3 target {ids}")
+        assert error(target, states[-2]) > target_bound  # the state before the norm
 
 
 def test_dtype_is_chosen_and_an_export_folder_holds_one_export(jobs, tmp_path):
@@ -252,12 +262,15 @@ def test_speculators_reads_the_export(jobs, tmp_path):
         assert torch.equal(item["verifier_last_hidden_states"], mine[:, 3])
         assert item["loss_mask"].tolist() == ROWS[row].get("loss_mask", [1] * len(ids))
         states, last_raw = reference(list(ids))
-        # speculators' ids index hidden_states directly; its last slot is the last layer before the norm.
-        torch.testing.assert_close(
-            item["hidden_states"].float(), torch.cat([states[2], states[4], states[5]], -1), rtol=0.02, atol=0.02
-        )
-        torch.testing.assert_close(item["verifier_last_hidden_states"].float(), last_raw, rtol=0.02, atol=0.02)
-        assert not torch.allclose(last_raw, states[-1], atol=1e-3)  # pre-norm is not the post-norm state
+        # speculators' ids index hidden_states directly; its last slot is the last layer before the
+        # norm. Within tests/tolerance.py's bfloat16 bound (a bfloat16 job); one layer off is not.
+        bound = bfloat16_bound(depth(4, DEPTH))
+        ours = torch.cat([states[2], states[4], states[5]], -1)
+        assert_within(item["hidden_states"], ours, bound, f"speculators {ids}")
+        assert error(item["hidden_states"], torch.cat([states[1], states[3], states[4]], -1)) > bound
+        last_bound = bfloat16_bound(depth(DEPTH - 1, DEPTH))
+        assert_within(item["verifier_last_hidden_states"], last_raw, last_bound, f"speculators last {ids}")
+        assert error(last_raw, states[-1]) > last_bound  # pre-norm is not the post-norm state
     collate = speculators_data.CollateFn(64, mine.shape[-1], num_target_layers=3, dtype=torch.bfloat16)
     batch = collate(items)
     assert batch["error_records"] == 0 and int((batch["document_ids"] >= 0).sum()) == sum(

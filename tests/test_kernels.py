@@ -17,6 +17,7 @@ import pytest
 import structlog
 import torch
 from test_families import FAMILIES
+from tolerance import assert_within, float32_states_bound
 from transformers.integrations import hub_kernels
 
 from hsx.commands.cli import build_parser
@@ -221,8 +222,11 @@ def test_fla_conv_is_bound_where_transformers_runs_its_torch_conv(name, loaded):
         report = kernel_report(model.model, compiled=False)
         assert report.conv1d == __name__ and fallbacks(report, "cuda") == ["linear_attention"], report
         assert not bind_fla_conv(model.model, implementation=_conv_of_flas_contract)
-        for got, expected in zip(extract_samples(model, samples), before):
-            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+        for sample, got, expected in zip(samples, extract_samples(model, samples), before):
+            # Another implementation of the same convolution sums its taps in its own order: the
+            # float32 bound of tests/tolerance.py for the deepest layer the model holds.
+            bound = float32_states_bound(model.model.config, [2], len(sample.input_ids))  # loaded with layers=[2]
+            assert_within(got, expected, bound, f"{name} sample {sample.index}")
         # Called by the forward (layer 0 is a linear-attention one), with [B, T, D].
         assert calls and calls[0][:2] == (2, 30), calls
     finally:

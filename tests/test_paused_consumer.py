@@ -306,4 +306,5 @@ def test_the_stall_bound_grows_with_the_batch_and_the_measured_pace_and_has_a_fl
     assert pace.bound_s(batch(64, 512)) == 300  # 10 x 8 s is under the floor
     assert pace.bound_s(batch(256, 512)) == 10 * 32.0  # four times the tokens: 10 x 32 s
     pace.add(batch(64, 512), 16.0)  # one slow batch moves the pace a fifth of the way
+    # float64 arithmetic on a value of 384: a few units of 2^-52 * 384 (1e-13) apart at most.
     assert abs(pace.bound_s(batch(256, 512)) - 10 * 32.0 * 1.2) < 1e-6

@@ -21,14 +21,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import signal
 from pathlib import Path
 
 import msgspec
 import nats
 import nats.js.errors
 import pytest
-from test_chaos import _shrink_duplicate_window, log_events, wait_for
+from test_chaos import forget_batch_ids, log_events, stop, wait_for
 from test_cli_errors import assert_one_line_error
 from test_e2e_s3 import (
     LAYERS,
@@ -299,7 +298,7 @@ def test_a_rerun_after_the_duplicate_window_publishes_only_what_is_neither_queue
     tiny_model,
     job_name,
 ):
-    # A server of its own: the test changes HSX_BATCHES's duplicate window.
+    # A server of its own: the test deletes and declares again the HSX_BATCHES stream.
     server = start_nats_server(tmp_path / "nats", log_file=tmp_path / "nats.log")
     try:
         url, job = server.url, job_name
@@ -332,11 +331,10 @@ def test_a_rerun_after_the_duplicate_window_publishes_only_what_is_neither_queue
             procs=[consumer],
             alive=[consumer],
         )
-        # Frozen, not stopped: what reaches the queue now stays queued (at most handed to its
-        # pending fetch, unacked) until the re-run is over.
-        consumer.send_signal(signal.SIGSTOP)
+        # Stopped: what reaches the queue now stays queued until the re-run is over.
+        stop(consumer)
         # More than 24 h later: the stream remembers no batch id.
-        _shrink_duplicate_window(url, job)
+        forget_batch_ids(url, job)
         asyncio.run(_republish(url, job, still_queued))
         asyncio.run(_mark_unpublished(url, job))
 
@@ -347,11 +345,11 @@ def test_a_rerun_after_the_duplicate_window_publishes_only_what_is_neither_queue
         )
         assert sorted(b for _, b, _ in state(url, job)["queued"]) == sorted(b for _, b, _ in never + still_queued)
 
-        consumer.send_signal(signal.SIGCONT)
-        wait_until_done(start_monitor(hsx_service, job, env), [consumer, uploader])
-        extracted = [r["batch"] for r in log_events(consumer, "batch_done")]
+        again = hsx_service("consume", "--job", job, "--device", "cpu", "--spool", spool, env=env, name="consume")
+        wait_until_done(start_monitor(hsx_service, job, env), [again, uploader])
+        extracted = [r["batch"] for worker in (consumer, again) for r in log_events(worker, "batch_done")]
         assert sorted(extracted) == sorted(b for _, b, _ in queued), (
-            f"{len(extracted)} extractions of {total} batches\n{logs_of(consumer)}"
+            f"{len(extracted)} extractions of {total} batches\n{logs_of(consumer, again)}"
         )
         check_outputs(read_dir_objects(out), job=job, rows=rows)
         check_final_status(status(hsx, job, env), total=len(rows))

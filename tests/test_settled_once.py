@@ -142,10 +142,16 @@ def test_a_stalled_forward_on_the_last_delivery_writes_nothing_once_its_batch_is
         alive=[consumer],
         period=0.1,
     )
-    time.sleep(3.0)  # the ack wait, since in_progress stopped at the stall
-    _pull_once(nats_server.url, job)
+
+    # Once the ack wait has passed (in_progress stopped at the stall), the next pull makes
+    # JetStream find the spent batch. When the server's timer notices that an ack wait has passed
+    # is its own affair: pull until the reaper has dead-lettered it, rather than once after a sleep.
+    def pulled_and_dead_lettered() -> list[dict]:
+        _pull_once(nats_server.url, job)
+        return _dead_letters(hsx, job)
+
     wait_for(
-        lambda: _dead_letters(hsx, job),
+        pulled_and_dead_lettered,
         timeout=60,
         what="the spent batch dead-lettered by the reaper",
         procs=[consumer],

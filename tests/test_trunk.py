@@ -3,7 +3,8 @@ decoder layers up to the deepest selected one, the final norm only for `final`, 
 lm_head; and what it loads computes exactly what transformers' whole model computes.
 
 The references are transformers' own `AutoModelForCausalLM.from_pretrained` of the same folder
-(`output_hidden_states`, bit for bit). The forms a checkpoint comes in are each built here: a
+(`output_hidden_states`, bit for bit: the same modules on the same batch take every sum in the
+same order, with one torch thread and with the default). The forms a checkpoint comes in are each built here: a
 plain causal LM (tests/conftest.py's tiny models), a Qwen3.5 checkpoint in its vision-language
 form (`text_config` nested, vision tower weights beside the text model's), a model with its own
 code (`--trust-remote-code`), and a checkpoint missing a weight. The host memory a load costs is
@@ -51,7 +52,9 @@ def _ids(vocab: int = 512, length: int = 24, seed: int = 5) -> torch.Tensor:
     ("layers", "depth", "norm"),
     [([1], 2, False), ([0, 3], 4, False), ([4, FINAL], NUM_LAYERS, True), ([NUM_LAYERS - 2], NUM_LAYERS - 1, False)],
 )
-def test_the_model_holds_what_the_layers_run_and_computes_what_transformers_does(layers, depth, norm, tiny_model):
+def test_the_model_holds_what_the_layers_run_and_computes_what_transformers_does(
+    layers, depth, norm, tiny_model, torch_threads
+):
     path = tiny_model("qwen3")
     loaded = load_model(str(path), layers=layers, dtype="float32", device="cpu")
     stack = decoder_stack(loaded.model)
@@ -65,6 +68,9 @@ def test_the_model_holds_what_the_layers_run_and_computes_what_transformers_does
 
     ids = _ids()
     expected = _reference_states(path, ids)
+    # Bit for bit, with no tolerance to derive: the trunk is the same modules run on the same
+    # batch (same shapes, no padding) in the same process with the same thread count, so each sum
+    # is taken in the same order. Either thread count (torch_threads) keeps that true.
     for layer, state in zip(layers, _tapped(loaded, ids)):
         assert torch.equal(state, expected[-1] if layer == FINAL else expected[layer + 1]), layer
 
