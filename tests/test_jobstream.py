@@ -333,8 +333,8 @@ def test_a_job_deleted_under_a_stream_stops_it_in_one_line(tmp_path, hsx, tiny_m
         _Reading(again).result(timeout=30)
 
 
-def _settings_of(nats: str | NatsSettings) -> NatsSettings:
-    return nats if isinstance(nats, NatsSettings) else NatsSettings(url=nats)
+def _settings_of(server: str | NatsSettings) -> NatsSettings:
+    return server if isinstance(server, NatsSettings) else NatsSettings(url=server)
 
 
 async def _land(nc, spec: schemas.JobSpec, indices) -> int:
@@ -360,14 +360,14 @@ async def _land(nc, spec: schemas.JobSpec, indices) -> int:
 
 
 def _fake_job(
-    nats: str | NatsSettings, job: str, count: int, *, landed=None, published: bool = True
+    server: str | NatsSettings, job: str, count: int, *, landed=None, published: bool = True
 ) -> tuple[schemas.JobSpec, int]:
     """A job's spec of `count` samples and the `uploaded` markers of `landed` (default: all) as the
     uploader stores them (no files): the spec and the stream sequence of the last marker. Not
     `published`: the producer has not recorded the whole plan yet, so the job is not over."""
 
     async def make() -> tuple[schemas.JobSpec, int]:
-        nc = await connect(_settings_of(nats), name="test-fake-job")
+        nc = await connect(_settings_of(server), name="test-fake-job")
         try:
             js = nc.jetstream()
             kv = await topology.ensure_topology(js)
@@ -396,12 +396,12 @@ def _fake_job(
     return asyncio.run(make())
 
 
-def _finish_fake_job(nats: str | NatsSettings, spec: schemas.JobSpec, indices) -> int:
+def _finish_fake_job(server: str | NatsSettings, spec: schemas.JobSpec, indices) -> int:
     """Land the markers of `indices`, then record the plan published: the job is done once all
     landed. The stream sequence of the last marker."""
 
     async def finish() -> int:
-        nc = await connect(_settings_of(nats), name="test-fake-job")
+        nc = await connect(_settings_of(server), name="test-fake-job")
         try:
             last = await _land(nc, spec, indices)
             kv = await nc.jetstream().key_value(topology.JOBS_BUCKET)
@@ -413,11 +413,11 @@ def _finish_fake_job(nats: str | NatsSettings, spec: schemas.JobSpec, indices) -
     return asyncio.run(finish())
 
 
-def _marker_sequences(nats_url: str, job: str) -> list[int]:
+def _marker_sequences(server: str | NatsSettings, job: str) -> list[int]:
     """The stream sequence of each of the job's `uploaded` markers, in order."""
 
     async def read() -> list[int]:
-        nc = await nats.connect(nats_url)
+        nc = await connect(_settings_of(server), name="test-markers")
         try:
             js, seqs = nc.jetstream(), [0]
             while True:
@@ -429,7 +429,7 @@ def _marker_sequences(nats_url: str, job: str) -> list[int]:
                     return seqs[1:]
                 seqs.append(msg.seq)
         finally:
-            await nc.close()
+            await close_connection(nc)
 
     return asyncio.run(read())
 
@@ -440,9 +440,9 @@ def _end_record(spec: schemas.JobSpec, stream: str, **fields) -> schemas.EpochEn
     return schemas.EpochEndRecord(**{**given, "total_samples": spec.total_samples, **fields})
 
 
-def _publish_records(nats: str | NatsSettings, *records: schemas.EpochEndRecord) -> None:
+def _publish_records(server: str | NatsSettings, *records: schemas.EpochEndRecord) -> None:
     async def publish() -> None:
-        nc = await connect(_settings_of(nats), name="test-records")
+        nc = await connect(_settings_of(server), name="test-records")
         try:
             js = nc.jetstream()
             for record in records:
@@ -455,11 +455,11 @@ def _publish_records(nats: str | NatsSettings, *records: schemas.EpochEndRecord)
     asyncio.run(publish())
 
 
-def _records_on(nats_url: str, spec: schemas.JobSpec, stream: str) -> list[schemas.EpochEndRecord]:
+def _records_on(server: str | NatsSettings, spec: schemas.JobSpec, stream: str) -> list[schemas.EpochEndRecord]:
     """Every record on `stream`'s subject, in order."""
 
     async def read() -> list[schemas.EpochEndRecord]:
-        nc = await nats.connect(nats_url)
+        nc = await connect(_settings_of(server), name="test-records")
         try:
             js, seq, found = nc.jetstream(), 0, []
             subject = topology.epoch_end_subject(spec.job, spec.plan_tag, stream)
@@ -471,7 +471,7 @@ def _records_on(nats_url: str, spec: schemas.JobSpec, stream: str) -> list[schem
                 seq = msg.seq
                 found.append(schemas.epoch_end_decoder.decode(msg.data))
         finally:
-            await nc.close()
+            await close_connection(nc)
 
     return asyncio.run(read())
 
@@ -479,8 +479,8 @@ def _records_on(nats_url: str, spec: schemas.JobSpec, stream: str) -> list[schem
 class _Following:
     """A `LandingFeed` of the job (no end known), iterated on a thread of its own."""
 
-    def __init__(self, nats: str | NatsSettings, spec: schemas.JobSpec, name: str) -> None:
-        settings = _settings_of(nats)
+    def __init__(self, server: str | NatsSettings, spec: schemas.JobSpec, name: str) -> None:
+        settings = _settings_of(server)
         self.feed = LandingFeed(
             settings, spec.job, name=name, plan=spec.plan_tag, created_at=spec.created_at, check_s=0.2
         ).start()
