@@ -37,6 +37,7 @@ from hsx.commands.natsconfig import AUTH_FILE, env_file, write_nats_config
 from hsx.errors import HsxError
 from hsx.storage.reader import JobStream
 from hsx.wire import permissions, schemas, topology
+from hsx.wire.denials import PermissionDenied
 from hsx.wire.events import EventPublisher
 from hsx.wire.exhausted import dead_letter_exhausted
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
@@ -311,7 +312,8 @@ def stream_roles(tmp_path_factory):
 
 def test_a_trainer_user_per_stream_may_not_record_another_streams_end(stream_roles):
     """Stream b's trainer forges stream a's end: the server refuses the publish and stores
-    nothing; stream a's ranks end where the job does, and stream b records its own end."""
+    nothing (and a rank of stream a run with b's user stops in one line); stream a's ranks end
+    where the job does, and stream b records its own end."""
     server, envs, log_path = stream_roles
     admin = _settings(envs["admin"])
     spec, last = _fake_job(admin, STREAM_JOB, 8)
@@ -324,6 +326,11 @@ def test_a_trainer_user_per_stream_may_not_record_another_streams_end(stream_rol
         "\n".join(denied).lower()
     ), denied
     assert _records_on(admin, spec, "a") == []
+    # A rank of stream a run with b's user: its own record is refused too, and it says so.
+    with pytest.raises(
+        PermissionDenied, match=f'stream a of job {STREAM_JOB}: permissions violation for publish to "{subject}"'
+    ):
+        _Following(_settings(envs["trainer-b"]), spec, "a").result()
     violations_before = len(_violations(log_path))
     for stream in ("a", "b"):
         indices, end = _Following(_settings(envs[f"trainer-{stream}"]), spec, stream).result()

@@ -1,6 +1,6 @@
-"""Where a trainer stream's first epoch ends, agreed among the stream's own ranks (`EpochEndAgreement`,
-used by hsx/wire/landed.py's `LandingFeed`): the rule of docs/reliability/index.md, "A stream's
-epoch end".
+"""Where a trainer stream's first epoch ends, agreed among the stream's own ranks
+(`EpochEndAgreement`, used by hsx/wire/landed.py's `LandingFeed`): the rule of
+docs/reliability/index.md, "A trainer stream's epoch end".
 
 Every rank of a stream (the `JobStream`s of one name over one job) must end its first epoch at the
 same stream sequence, or samples would reach one rank and miss another. A rank that finds the job
