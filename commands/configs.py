@@ -243,6 +243,15 @@ class NatsConfigConfig:
         repeat=True,
         help="allow consumers' files and uploaders' durables on this node only (repeatable; default: every node)",
     )
+    trainer_streams: tuple[str, ...] | None = option(
+        "--trainer-stream",
+        default=None,
+        parse=lambda text: check_name(text, "--trainer-stream"),
+        repeat=True,
+        metavar="NAME",
+        help="a trainer user per JobStream name instead of one for every trainer, each allowed to record "
+        "the epoch's end of its own stream only (repeatable; default: one hsx-trainer user)",
+    )
     url: str | None = option(
         "--url",
         default=None,

@@ -3,7 +3,9 @@ only what that role does (hsx/wire/permissions.py), and each role's credentials 
 
 It writes into --out: `nats-auth.conf`, the `authorization { users = [...] }` block (passwords as
 bcrypt hashes, which nats-server checks), and `<role>.env` per role, the HSX_NATS_* variables its
-services run with (user, password, inbox prefix, and the URL when --url is given). Passwords are
+services run with (user, password, inbox prefix, and the URL when --url is given). With
+--trainer-stream NAME the trainer role is one user per stream name instead (`hsx-trainer-NAME`,
+`trainer-NAME.env`), each allowed to record its own stream's epoch end only. Passwords are
 random, written once into the env files (0600, in a 0700 folder) and nowhere else: never printed
 or logged. A second run replaces the files only with --force, which gives every role a new
 password. How to run hsx with them: docs/operations/roles.md, "Least privilege: one NATS user per role".
@@ -23,17 +25,26 @@ from hsx.wire.permissions import ANY, ROLES, Permissions, inbox_prefix, role_per
 AUTH_FILE = "nats-auth.conf"
 
 
-def user_of(role: str) -> str:
-    return f"hsx-{role}"
+def user_of(role: str, stream: str = ANY) -> str:
+    """The NATS user of `role` (of one trainer stream's, with `stream`)."""
+    return f"hsx-{role}" if stream == ANY else f"hsx-{role}-{stream}"
 
 
-def env_file(role: str) -> str:
-    return f"{role}.env"
+def env_file(role: str, stream: str = ANY) -> str:
+    return f"{role}.env" if stream == ANY else f"{role}-{stream}.env"
+
+
+def _users_of(streams: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(role, stream) per user: every role once, or the trainer once per stream name."""
+    if not streams:
+        return [(role, ANY) for role in ROLES]
+    return [(role, ANY) for role in ROLES if role != "trainer"] + [("trainer", stream) for stream in streams]
 
 
 @dataclass(frozen=True, kw_only=True)
 class RoleUser:
     role: str
+    stream: str  # ANY, or the one trainer stream the user is of
     user: str
     password: str
     permissions: Permissions
@@ -56,7 +67,7 @@ def authorization_block(users: list[RoleUser], *, scope: str, cost: int) -> str:
     for one in users:
         entries.append(
             f"""    {{
-      # role {one.role}
+      # role {one.role}{"" if one.stream == ANY else f", stream {one.stream}"}
       user: {json.dumps(one.user)}
       password: {json.dumps(_bcrypt(one.password, cost))}
       permissions: {{
@@ -78,8 +89,9 @@ def authorization_block(users: list[RoleUser], *, scope: str, cost: int) -> str:
 
 
 def role_env(one: RoleUser, *, url: str | None) -> str:
+    of = "" if one.stream == ANY else f" (JobStream name {one.stream})"
     lines = [
-        f"# hsx role {one.role}: NATS user {one.user} (hsx nats-config). Secret: keep it 0600.",
+        f"# hsx role {one.role}{of}: NATS user {one.user} (hsx nats-config). Secret: keep it 0600.",
         f"HSX_NATS_USER={one.user}",
         f"HSX_NATS_PASSWORD={one.password}",
         f"HSX_NATS_INBOX_PREFIX={inbox_prefix(one.user)}",
@@ -89,8 +101,11 @@ def role_env(one: RoleUser, *, url: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _kept_password(path: Path) -> str:
-    """The password an earlier run wrote into `path` (--update)."""
+def _kept_password(path: Path, *, new_stream: bool) -> str:
+    """The password an earlier run wrote into `path` (--update); a trainer stream the earlier run
+    did not have (`new_stream`, its file missing) gets its first."""
+    if new_stream and not path.exists():
+        return secrets.token_urlsafe(24)
     try:
         text = path.read_text()
     except OSError as exc:
@@ -102,10 +117,11 @@ def _kept_password(path: Path) -> str:
     raise HsxError(f"--update: {path} has no HSX_NATS_PASSWORD line (not written by hsx nats-config?)")
 
 
-def _scope(jobs: tuple[str, ...], nodes: tuple[str, ...]) -> str:
+def _scope(jobs: tuple[str, ...], nodes: tuple[str, ...], streams: tuple[str, ...] = ()) -> str:
     on_jobs = "every job" if jobs == (ANY,) else "jobs " + ", ".join(jobs)
     on_nodes = "every node" if nodes == (ANY,) else "nodes " + ", ".join(nodes)
-    return f"{on_jobs}; {on_nodes}"
+    on_streams = "; a trainer user per stream: " + ", ".join(streams) if streams else ""
+    return f"{on_jobs}; {on_nodes}{on_streams}"
 
 
 def write_nats_config(cfg: NatsConfigConfig) -> list[Path]:
@@ -113,7 +129,9 @@ def write_nats_config(cfg: NatsConfigConfig) -> list[Path]:
     out = cfg.out
     if out.exists() and not out.is_dir():
         raise HsxError(f"--out {out}: not a directory")
-    targets = [out / AUTH_FILE, *(out / env_file(role) for role in ROLES)]
+    streams = cfg.trainer_streams or ()
+    users_of = _users_of(streams)
+    targets = [out / AUTH_FILE, *(out / env_file(role, stream) for role, stream in users_of)]
     existing = [str(path) for path in targets if path.exists()]
     if existing and not (cfg.force or cfg.keep_passwords):
         raise HsxError(
@@ -125,13 +143,17 @@ def write_nats_config(cfg: NatsConfigConfig) -> list[Path]:
     users = [
         RoleUser(
             role=role,
-            user=user_of(role),
-            password=_kept_password(out / env_file(role)) if cfg.keep_passwords else secrets.token_urlsafe(24),
-            permissions=role_permissions(role, user=user_of(role), jobs=jobs, nodes=nodes),
+            stream=stream,
+            user=user_of(role, stream),
+            password=_kept_password(out / env_file(role, stream), new_stream=stream != ANY)
+            if cfg.keep_passwords
+            else secrets.token_urlsafe(24),
+            permissions=role_permissions(role, user=user_of(role, stream), jobs=jobs, nodes=nodes, stream=stream),
         )
-        for role in ROLES
+        for role, stream in users_of
     ]
-    atomic_write_bytes(targets[0], authorization_block(users, scope=_scope(jobs, nodes), cost=cfg.bcrypt_cost).encode())
+    scope = _scope(jobs, nodes, streams)
+    atomic_write_bytes(targets[0], authorization_block(users, scope=scope, cost=cfg.bcrypt_cost).encode())
     for one, path in zip(users, targets[1:]):
         atomic_write_bytes(path, role_env(one, url=cfg.url).encode())
     return targets
@@ -140,8 +162,9 @@ def write_nats_config(cfg: NatsConfigConfig) -> list[Path]:
 def run_nats_config(cfg: NatsConfigConfig) -> int:
     written = write_nats_config(cfg)
     auth, envs = written[0], written[1:]
-    jobs, nodes = cfg.jobs or (ANY,), cfg.nodes or (ANY,)
-    print(f"wrote {auth}: users {', '.join(user_of(role) for role in ROLES)} ({_scope(jobs, nodes)})")
+    jobs, nodes, streams = cfg.jobs or (ANY,), cfg.nodes or (ANY,), cfg.trainer_streams or ()
+    users = ", ".join(user_of(role, stream) for role, stream in _users_of(streams))
+    print(f"wrote {auth}: users {users} ({_scope(jobs, nodes, streams)})")
     print(f"wrote each role's credentials (mode 0600): {', '.join(str(path) for path in envs)}")
     print(f"start the server with it: nats-server -js -c {auth} (or include it from the server's configuration)")
     print(

@@ -25,7 +25,9 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import nats
+import nats.js.errors
 import numpy as np
 import pytest
 import torch
@@ -40,7 +42,7 @@ from hsx.storage.streambatches import LandingBatcher, deal, shuffled_batches, sp
 from hsx.wire import schemas, topology
 from hsx.wire.counts import last_sequence
 from hsx.wire.landed import EpochEnd, Landed, LandingFeed
-from hsx.wire.natsconn import NatsSettings
+from hsx.wire.natsconn import NatsSettings, close_connection, connect
 
 BUDGET = 256
 STREAM_TIMEOUT_S = 240.0
@@ -331,12 +333,41 @@ def test_a_job_deleted_under_a_stream_stops_it_in_one_line(tmp_path, hsx, tiny_m
         _Reading(again).result(timeout=30)
 
 
-def _fake_job(nats_url: str, job: str, count: int) -> tuple[schemas.JobSpec, int]:
-    """A job's spec and `count` uploaded markers as the uploader stores them (no files): the spec
-    and the stream sequence of the last marker."""
+def _settings_of(server: str | NatsSettings) -> NatsSettings:
+    return server if isinstance(server, NatsSettings) else NatsSettings(url=server)
+
+
+async def _land(nc, spec: schemas.JobSpec, indices) -> int:
+    """`uploaded` markers of `indices` as the uploader stores them (no files), once each; the
+    stream sequence of the job's last marker once the stream holds them all."""
+    js, job, indices = nc.jetstream(), spec.job, list(indices)
+    markers = topology.marker_filter(job, "uploaded")
+    before = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=markers)
+    held = sum((before.state.subjects or {}).values())
+    for i in indices:
+        event = schemas.FileUploaded(
+            job=job, node="n", uploader="u", sample_index=i, key=f"{job}/{i}", size=1, tokens=10, plan=spec.plan_tag
+        )
+        subject = topology.uploaded_subject(job, spec.plan_tag, i)
+        await nc.publish(subject, schemas.encode(event), headers=topology.ONCE_HEADERS)
+    await nc.flush()
+    for _ in range(100):  # published without waiting for each: until the stream holds them all
+        info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=markers)
+        if sum((info.state.subjects or {}).values()) == held + len(indices):
+            break
+        await asyncio.sleep(0.1)
+    return await last_sequence(js, topology.EVENTS_STREAM, markers)
+
+
+def _fake_job(
+    server: str | NatsSettings, job: str, count: int, *, landed=None, published: bool = True
+) -> tuple[schemas.JobSpec, int]:
+    """A job's spec of `count` samples and the `uploaded` markers of `landed` (default: all) as the
+    uploader stores them (no files): the spec and the stream sequence of the last marker. Not
+    `published`: the producer has not recorded the whole plan yet, so the job is not over."""
 
     async def make() -> tuple[schemas.JobSpec, int]:
-        nc = await nats.connect(nats_url)
+        nc = await connect(_settings_of(server), name="test-fake-job")
         try:
             js = nc.jetstream()
             kv = await topology.ensure_topology(js)
@@ -355,34 +386,192 @@ def _fake_job(nats_url: str, job: str, count: int) -> tuple[schemas.JobSpec, int
                 total_tokens=count * 10,
                 total_batches=1,
                 created_at=time.time(),
-                published=True,
+                published=published,
             )
             await kv.put(job, schemas.encode(spec))
-            for i in range(count):
-                event = schemas.FileUploaded(
-                    job=job,
-                    node="n",
-                    uploader="u",
-                    sample_index=i,
-                    key=f"{job}/{i}",
-                    size=1,
-                    tokens=10,
-                    plan=spec.plan_tag,
-                )
-                subject = topology.uploaded_subject(job, spec.plan_tag, i)
-                await nc.publish(subject, schemas.encode(event), headers=topology.ONCE_HEADERS)
-            await nc.flush()
-            markers = topology.marker_filter(job, "uploaded")
-            for _ in range(100):  # published without waiting for each: until the stream holds them all
-                info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=markers)
-                if sum((info.state.subjects or {}).values()) == count:
-                    break
-                await asyncio.sleep(0.1)
-            return spec, await last_sequence(js, topology.EVENTS_STREAM, markers)
+            return spec, await _land(nc, spec, range(count) if landed is None else landed)
         finally:
-            await nc.close()
+            await close_connection(nc)
 
     return asyncio.run(make())
+
+
+def _finish_fake_job(server: str | NatsSettings, spec: schemas.JobSpec, indices) -> int:
+    """Land the markers of `indices`, then record the plan published: the job is done once all
+    landed. The stream sequence of the last marker."""
+
+    async def finish() -> int:
+        nc = await connect(_settings_of(server), name="test-fake-job")
+        try:
+            last = await _land(nc, spec, indices)
+            kv = await nc.jetstream().key_value(topology.JOBS_BUCKET)
+            await kv.put(spec.job, schemas.encode(msgspec.structs.replace(spec, published=True)))
+            return last
+        finally:
+            await close_connection(nc)
+
+    return asyncio.run(finish())
+
+
+def _marker_sequences(server: str | NatsSettings, job: str) -> list[int]:
+    """The stream sequence of each of the job's `uploaded` markers, in order."""
+
+    async def read() -> list[int]:
+        nc = await connect(_settings_of(server), name="test-markers")
+        try:
+            js, seqs = nc.jetstream(), [0]
+            while True:
+                try:
+                    msg = await js.get_msg(
+                        topology.EVENTS_STREAM, seqs[-1] + 1, subject=topology.marker_filter(job, "uploaded"), next=True
+                    )
+                except nats.js.errors.NotFoundError:
+                    return seqs[1:]
+                seqs.append(msg.seq)
+        finally:
+            await close_connection(nc)
+
+    return asyncio.run(read())
+
+
+def _end_record(spec: schemas.JobSpec, stream: str, **fields) -> schemas.EpochEndRecord:
+    """An epoch-end record of `stream` of the job, every field public: what anyone can write."""
+    given = {"job": spec.job, "plan": spec.plan_tag, "stream": stream, "created_at": spec.created_at}
+    return schemas.EpochEndRecord(**{**given, "total_samples": spec.total_samples, **fields})
+
+
+def _publish_records(server: str | NatsSettings, *records: schemas.EpochEndRecord) -> None:
+    async def publish() -> None:
+        nc = await connect(_settings_of(server), name="test-records")
+        try:
+            js = nc.jetstream()
+            for record in records:
+                await js.publish(
+                    topology.epoch_end_subject(record.job, record.plan, record.stream), schemas.encode(record)
+                )
+        finally:
+            await close_connection(nc)
+
+    asyncio.run(publish())
+
+
+def _records_on(server: str | NatsSettings, spec: schemas.JobSpec, stream: str) -> list[schemas.EpochEndRecord]:
+    """Every record on `stream`'s subject, in order."""
+
+    async def read() -> list[schemas.EpochEndRecord]:
+        nc = await connect(_settings_of(server), name="test-records")
+        try:
+            js, seq, found = nc.jetstream(), 0, []
+            subject = topology.epoch_end_subject(spec.job, spec.plan_tag, stream)
+            while True:
+                try:
+                    msg = await js.get_msg(topology.EVENTS_STREAM, seq + 1, subject=subject, next=True)
+                except nats.js.errors.NotFoundError:
+                    return found
+                seq = msg.seq
+                found.append(schemas.epoch_end_decoder.decode(msg.data))
+        finally:
+            await close_connection(nc)
+
+    return asyncio.run(read())
+
+
+class _Following:
+    """A `LandingFeed` of the job (no end known), iterated on a thread of its own."""
+
+    def __init__(self, server: str | NatsSettings, spec: schemas.JobSpec, name: str) -> None:
+        settings = _settings_of(server)
+        self.feed = LandingFeed(
+            settings, spec.job, name=name, plan=spec.plan_tag, created_at=spec.created_at, check_s=0.2
+        ).start()
+        self.taken, self.error = [], None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for item in self.feed:
+                self.taken.append(item)
+        except BaseException as exc:  # the test raises it
+            self.error = exc
+
+    def result(self, timeout: float = 60.0) -> tuple[list[int], EpochEnd]:
+        """The indices of the samples handed over, and the end."""
+        self.thread.join(timeout)
+        try:
+            assert not self.thread.is_alive(), f"feed still reading after {timeout:.0f} s: {self.taken}"
+            if self.error is not None:
+                raise self.error
+        finally:
+            self.feed.close()
+        assert self.taken and isinstance(self.taken[-1], EpochEnd), self.taken
+        return [landed.index for landed in self.taken[:-1]], self.taken[-1]
+
+
+def _refused(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.getMessage().startswith("epoch_end_refused")]
+
+
+def _wait_for(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+def test_a_forged_epoch_end_cuts_no_epoch_and_shadows_no_real_one(nats_server, job_name, caplog):
+    """The forgery: a record of the stream with every field public (job, plan, stream name,
+    production), its end at the 2nd of 8 markers, published after all 8 landed. Every rank of the
+    stream reads the 8 samples and the job's real end, which the first rank to find the job over
+    recorded; the next rank records nothing more."""
+    caplog.set_level("WARNING", logger="hsx.stream")
+    spec, last = _fake_job(nats_server.url, job_name, 8)
+    seqs = _marker_sequences(nats_server.url, job_name)
+    forged = _end_record(spec, "ddp", end_seq=seqs[1], done=True)
+    _publish_records(nats_server.url, forged)
+    real = EpochEnd(end_seq=last, done=True, total_samples=8)
+    for rank in range(2):
+        indices, end = _Following(nats_server.url, spec, "ddp").result()
+        assert indices == list(range(8)) and end == real, (rank, indices, end)
+    assert _records_on(nats_server.url, spec, "ddp") == [forged, _end_record(spec, "ddp", end_seq=last, done=True)]
+    refused = _refused(caplog)
+    assert len(refused) == 2 and all("written after a marker its end leaves out" in line for line in refused), refused
+
+
+def test_an_early_or_stale_epoch_end_is_refused_and_the_job_ends_the_epoch(nats_server, job_name, caplog):
+    """While the job runs (5 of 8 samples landed, the plan not all published), two records: one
+    written just after the 5th marker that says the job is done, and one of another production
+    of the job. Neither ends the epoch; the job's own end does, once it is over."""
+    caplog.set_level("WARNING", logger="hsx.stream")
+    spec, fifth = _fake_job(nats_server.url, job_name, 8, landed=range(5), published=False)
+    early = _end_record(spec, "early", end_seq=fifth, done=True)
+    stale = _end_record(spec, "early", end_seq=fifth, done=False, missing_count=3, created_at=spec.created_at - 60)
+    _publish_records(nats_server.url, early, stale)
+    following = _Following(nats_server.url, spec, "early")
+    _wait_for(lambda: len(_refused(caplog)) == 2, "both records refused")
+    assert following.thread.is_alive() and following.feed.fetched == 5  # the job runs: no end yet
+    refused = _refused(caplog)
+    assert any("5 samples landed by its end and 0 missing, not the plan's 8" in line for line in refused), refused
+    assert any("of another production of the job" in line for line in refused), refused
+    last = _finish_fake_job(nats_server.url, spec, range(5, 8))
+    indices, end = following.result()
+    assert indices == list(range(8)) and end == EpochEnd(end_seq=last, done=True, total_samples=8), (indices, end)
+
+
+def test_an_early_record_consistent_with_the_stream_is_believed_only_once_the_job_is_over(nats_server, job_name):
+    """What the checks cannot refuse (permissions must: docs/reliability/index.md): a record
+    written while the job runs that agrees with the stream then (5 landed, 3 missing). The stream
+    reads nothing past its end while the job runs, and ends there only once the job is over."""
+    spec, fifth = _fake_job(nats_server.url, job_name, 8, landed=range(5), published=False)
+    early = _end_record(spec, "early", end_seq=fifth, done=False, missing_count=3, reason="forged")
+    _publish_records(nats_server.url, early)
+    following = _Following(nats_server.url, spec, "early")
+    _wait_for(lambda: following.feed.fetched == 5, "the markers up to the record's end read")
+    _finish_fake_job(nats_server.url, spec, range(5, 8))
+    indices, end = following.result()
+    assert indices == list(range(5)) and end == EpochEnd(
+        end_seq=fifth, done=False, total_samples=8, reason="forged", missing_count=3
+    ), (indices, end)
 
 
 def test_a_trainer_that_takes_nothing_holds_the_markers_back_not_memory(nats_server, job_name):

@@ -5,7 +5,9 @@ credentials: produce, a batch dead-lettered by the consumer's own reaper and sen
 a trainer's JobStream, `hsx jobs delete`; none of it meets a permission violation. A consumer's
 credentials cannot purge a stream, write the jobs bucket or publish another job's batch (the
 server refuses, the data stays), and a worker run with another role's credentials stops with one
-line naming what was refused."""
+line naming what was refused. A trainer may record any stream's epoch end of its job, and a
+forged one is refused by the stream's ranks; with a trainer user per stream (`--trainer-stream`)
+the server refuses it, and the stream it aimed at ends where the job does."""
 
 import asyncio
 import json
@@ -18,7 +20,16 @@ import nats.errors
 import pytest
 from test_cli_errors import assert_one_line_error
 from test_e2e_s3 import check_outputs, read_dir_objects, write_dataset
-from test_jobstream import _Reading, _samples_of
+from test_jobstream import (
+    _end_record,
+    _fake_job,
+    _Following,
+    _marker_sequences,
+    _publish_records,
+    _Reading,
+    _records_on,
+    _samples_of,
+)
 
 from hsx.commands.configs import NatsConfigConfig
 from hsx.commands.embedded import start_nats_server
@@ -26,6 +37,7 @@ from hsx.commands.natsconfig import AUTH_FILE, env_file, write_nats_config
 from hsx.errors import HsxError
 from hsx.storage.reader import JobStream
 from hsx.wire import permissions, schemas, topology
+from hsx.wire.denials import PermissionDenied
 from hsx.wire.events import EventPublisher
 from hsx.wire.exhausted import dead_letter_exhausted
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
@@ -33,7 +45,8 @@ from hsx.wire.natsconn import NatsSettings, close_connection, connect
 NODE = "rolenode"
 # The jobs the configuration allows; another job's subjects are refused to every role. Each test
 # produces its own: xdist may run a module's tests on different workers, each with its own server.
-RUN_JOB, REFUSED_JOB, WRONG_ROLE_JOB, OTHER_JOB = (f"r{uuid.uuid4().hex[:8]}" for _ in range(4))
+RUN_JOB, REFUSED_JOB, WRONG_ROLE_JOB, OTHER_JOB, FORGED_JOB = (f"r{uuid.uuid4().hex[:8]}" for _ in range(5))
+STREAM_JOB = f"r{uuid.uuid4().hex[:8]}"
 
 
 def _read_env(path) -> dict[str, str]:
@@ -46,7 +59,7 @@ def roles(tmp_path_factory):
     root = tmp_path_factory.mktemp("roles")
     out = root / "nats-config"
     write_nats_config(
-        NatsConfigConfig(out=out, jobs=(RUN_JOB, REFUSED_JOB, WRONG_ROLE_JOB), nodes=(NODE,), bcrypt_cost=4)
+        NatsConfigConfig(out=out, jobs=(RUN_JOB, REFUSED_JOB, WRONG_ROLE_JOB, FORGED_JOB), nodes=(NODE,), bcrypt_cost=4)
     )
     server = start_nats_server(root / "server", log_file=root / "server.log", extra_args=("-c", str(out / AUTH_FILE)))
     envs = {role: {**_read_env(out / env_file(role)), "HSX_NATS_URL": server.url} for role in permissions.ROLES}
@@ -258,6 +271,74 @@ def test_a_worker_with_another_roles_credentials_stops_in_one_line(roles, hsx, t
     assert envs["monitor"]["HSX_NATS_PASSWORD"] not in result.stdout + result.stderr
 
 
+def test_any_trainer_may_record_an_end_and_the_streams_ranks_refuse_a_forged_one(roles):
+    """One trainer user for every stream: the server takes another stream's forged end (its
+    end at the 2nd of 8 markers, published after all 8); the stream's ranks refuse it and end
+    where the job does."""
+    server, envs, log_path = roles
+    admin, trainer = _settings(envs["admin"]), _settings(envs["trainer"])
+    spec, last = _fake_job(admin, FORGED_JOB, 8)
+    forged = _end_record(spec, "victim", end_seq=_marker_sequences(admin, FORGED_JOB)[1], done=True)
+    violations_before = len(_violations(log_path))
+    _publish_records(trainer, forged)
+    assert _records_on(admin, spec, "victim") == [forged]
+    indices, end = _Following(trainer, spec, "victim").result()
+    assert indices == list(range(8)) and (end.end_seq, end.done) == (last, True), (indices, end)
+    assert _violations(log_path)[violations_before:] == []
+
+
+@pytest.fixture(scope="module")
+def stream_roles(tmp_path_factory):
+    """A server with a trainer user per stream (`--trainer-stream a --trainer-stream b`)."""
+    root = tmp_path_factory.mktemp("stream-roles")
+    out = root / "nats-config"
+    write_nats_config(NatsConfigConfig(out=out, jobs=(STREAM_JOB,), trainer_streams=("a", "b"), bcrypt_cost=4))
+    server = start_nats_server(root / "server", log_file=root / "server.log", extra_args=("-c", str(out / AUTH_FILE)))
+    users = [(role, permissions.ANY) for role in permissions.ROLES if role != "trainer"] + [
+        ("trainer", "a"),
+        ("trainer", "b"),
+    ]
+    envs = {
+        (role if stream == permissions.ANY else f"{role}-{stream}"): {
+            **_read_env(out / env_file(role, stream)),
+            "HSX_NATS_URL": server.url,
+        }
+        for role, stream in users
+    }
+    assert not (out / env_file("trainer")).exists()
+    yield server, envs, root / "server.log"
+    server.stop()
+
+
+def test_a_trainer_user_per_stream_may_not_record_another_streams_end(stream_roles):
+    """Stream b's trainer forges stream a's end: the server refuses the publish and stores
+    nothing (and a rank of stream a run with b's user stops in one line); stream a's ranks end
+    where the job does, and stream b records its own end."""
+    server, envs, log_path = stream_roles
+    admin = _settings(envs["admin"])
+    spec, last = _fake_job(admin, STREAM_JOB, 8)
+    forged = _end_record(spec, "a", end_seq=_marker_sequences(admin, STREAM_JOB)[1], done=True)
+    subject = topology.epoch_end_subject(STREAM_JOB, spec.plan_tag, "a")
+    denied, raised = asyncio.run(
+        _try_as(envs["trainer-b"], [("forge", lambda js, kv: js.publish(subject, schemas.encode(forged)))])
+    )
+    assert raised["forge"] is not None and f'permissions violation for publish to "{subject.lower()}"' in (
+        "\n".join(denied).lower()
+    ), denied
+    assert _records_on(admin, spec, "a") == []
+    # A rank of stream a run with b's user: its own record is refused too, and it says so.
+    with pytest.raises(
+        PermissionDenied, match=f'stream a of job {STREAM_JOB}: permissions violation for publish to "{subject}"'
+    ):
+        _Following(_settings(envs["trainer-b"]), spec, "a").result()
+    violations_before = len(_violations(log_path))
+    for stream in ("a", "b"):
+        indices, end = _Following(_settings(envs[f"trainer-{stream}"]), spec, stream).result()
+        assert indices == list(range(8)) and (end.end_seq, end.done) == (last, True), (stream, indices, end)
+        assert [record.end_seq for record in _records_on(admin, spec, stream)] == [last]
+    assert _violations(log_path)[violations_before:] == []
+
+
 def test_nats_config_writes_secrets_once_and_never_shows_them(cli, tmp_path):
     out = tmp_path / "nc"
     first = cli("nats-config", "--out", str(out), "--job", "j1", "--bcrypt-cost", "4")
@@ -282,12 +363,41 @@ def test_nats_config_writes_secrets_once_and_never_shows_them(cli, tmp_path):
     )
 
 
+def test_nats_config_makes_a_trainer_user_per_stream(cli, tmp_path):
+    """--trainer-stream: `hsx-trainer-<name>` per stream, in place of `hsx-trainer`, each allowed
+    its own stream's epoch end only; --update keeps their passwords and gives a new stream its first."""
+    out = tmp_path / "nc"
+    first = cli("nats-config", "--out", str(out), "--job", "j1", "--trainer-stream", "a", "--trainer-stream", "b-2")
+    assert first.returncode == 0, first.stderr
+    assert "hsx-trainer-a" in first.stdout and "hsx-trainer," not in first.stdout
+    assert not (out / env_file("trainer")).exists()
+    conf = (out / AUTH_FILE).read_text()
+    assert 'user: "hsx-trainer"' not in conf
+    for stream in ("a", "b-2"):
+        env = _read_env(out / env_file("trainer", stream))
+        assert env["HSX_NATS_USER"] == f"hsx-trainer-{stream}"
+        assert env["HSX_NATS_INBOX_PREFIX"] == f"_INBOX.hsx-trainer-{stream}"
+        allowed = permissions.role_permissions("trainer", user=env["HSX_NATS_USER"], jobs=("j1",), stream=stream)
+        assert [p for p in allowed.publish if ".epoch." in p] == [f"hsx.events.j1.epoch.*.{stream}"]
+        assert f'"hsx.events.j1.epoch.*.{stream}"' in conf
+    # The admin keeps every stream's (it runs every role); no trainer user has every stream's.
+    assert conf.count('"hsx.events.j1.epoch.>"') == 1
+    password = _read_env(out / env_file("trainer", "a"))["HSX_NATS_PASSWORD"]
+    updated = cli("nats-config", "--out", str(out), "--update", "--trainer-stream", "a", "--trainer-stream", "c")
+    assert updated.returncode == 0, updated.stderr
+    assert _read_env(out / env_file("trainer", "a"))["HSX_NATS_PASSWORD"] == password
+    assert _read_env(out / env_file("trainer", "c"))["HSX_NATS_PASSWORD"] not in (password, "")
+    bad = cli("nats-config", "--out", str(tmp_path / "bad"), "--trainer-stream", "a.b")
+    assert_one_line_error(bad, "--trainer-stream", "a.b")
+
+
 @pytest.mark.parametrize("jobs,nodes", [((permissions.ANY,), (permissions.ANY,)), (("j1", "j-2"), ("n1",))])
 def test_every_permission_is_a_subject_nats_server_matches(jobs, nodes):
     """Wildcards only as whole tokens (`gpu-*` would match nothing), `>` only last, and no role
     but the admin may purge, delete a durable it does not own, or write the jobs bucket."""
-    for role in permissions.ROLES:
-        allowed = permissions.role_permissions(role, user=f"hsx-{role}", jobs=jobs, nodes=nodes)
+    users = [(role, permissions.ANY) for role in permissions.ROLES] + [("trainer", "s-1")]
+    for role, stream in users:
+        allowed = permissions.role_permissions(role, user=f"hsx-{role}", jobs=jobs, nodes=nodes, stream=stream)
         for subject in allowed.publish + allowed.subscribe:
             tokens = subject.split(".")
             assert all(token in ("*", ">") or not {"*", ">"} & set(token) for token in tokens), subject
@@ -302,3 +412,5 @@ def test_every_permission_is_a_subject_nats_server_matches(jobs, nodes):
             assert not [subject for subject in allowed.publish if ".STREAM.CREATE." in subject], role
     with pytest.raises(HsxError):
         permissions.role_permissions("consumer", user="u", jobs=("a.b",))
+    with pytest.raises(HsxError):
+        permissions.role_permissions("trainer", user="u", stream="a.b")

@@ -10,8 +10,9 @@ same order, which is what lets it skip what it already took without reading a fi
 
 The epoch ends when the job is over as `hsx monitor --until-done` reads it (hsx/wire/worker.py
 `JobVerdict`): done, every planned sample landed; or failed, its missing samples named. Its end
-is the stream sequence of the last marker there was then (`EpochEnd.end_seq`), so a replay stops
-where the first reading stopped, even when a retried sample lands later.
+is the stream sequence of the last marker there was then (`EpochEnd.end_seq`), agreed among the
+stream's ranks (hsx/wire/epochend.py), so every rank, and a replay, stops where the first reading
+stopped, even when a retried sample lands later.
 
 The NATS client runs on its own thread with its own event loop; the trainer's thread takes from
 a bounded queue, and markers are pulled only while it has room: a slow trainer leaves them on the
@@ -23,7 +24,6 @@ messages arrive, not as they are handled, so a stalled trainer let it buffer som
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import queue
 import threading
@@ -31,17 +31,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import msgspec
-import nats.js.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 
 from hsx.errors import HsxError
 from hsx.logs import get_logger
 from hsx.wire import denials, schemas, topology
-from hsx.wire.counts import last_sequence
+from hsx.wire.epochend import EpochEnd, EpochEndAgreement, LandedAt
 from hsx.wire.events import read_marker
 from hsx.wire.jobs import read_job_spec, wait_for_job
 from hsx.wire.natsconn import NatsSettings, close_connection, connect, redact_url
+from hsx.wire.statusview import StatusView
 from hsx.wire.worker import JobVerdict, JobWatch
 
 log = get_logger("hsx.stream")
@@ -67,20 +66,6 @@ class Landed:
     index: int
     tokens: int
     sample_digest: str = ""
-
-
-@dataclass(frozen=True)
-class EpochEnd:
-    """The end of the job's first epoch: the stream sequence of its last marker, and whether the
-    job was done (every planned sample landed) or failed (`reason`, the dead-lettered samples
-    that never landed in `missing`, and how many planned samples did not land in all)."""
-
-    end_seq: int
-    done: bool
-    total_samples: int
-    reason: str | None = None
-    missing: tuple[int, ...] = ()
-    missing_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -250,7 +235,10 @@ class LandingFeed:
         subject = topology.marker_filter(self.job, "uploaded", spec.plan_tag or "none")
         watch = JobWatch(kv, spec, asyncio.Event())
         verdict = JobVerdict(js, watch) if self.end is None else None
-        markers = self._markers = _MarkerReader(js, subject, name=self.name, job=self.job)
+        agreement = None if self.end is not None else EpochEndAgreement(js, spec, stream=self.name, markers=subject)
+        markers = self._markers = _MarkerReader(
+            js, subject, name=self.name, job=self.job, landed=None if agreement is None else agreement.landed
+        )
         end = self.end
         try:
             checked = 0.0
@@ -259,19 +247,19 @@ class LandingFeed:
                     checked = time.monotonic()
                     await self._still_the_job(watch)
                     if end is None:
-                        end = await self._agreed_end(js, spec, await self._over(js, verdict, subject))
-                        if end is not None and markers.delivered > end.end_seq:
-                            raise HsxError(
-                                f"stream {self.name}: this rank read past the epoch's end another rank recorded "
-                                f"(stream sequence {end.end_seq}); restart every rank of the stream"
-                            )
+                        end = await self._agreed_end(js, verdict, agreement, markers.delivered)
                 if end is not None and markers.delivered >= end.end_seq:
                     await self._put(end)
                     return
+                up_to = end.end_seq if end is not None else agreement.holding_at()
+                if up_to is not None and markers.delivered >= up_to:
+                    # At a record's end: nothing past it is read until the record is judged.
+                    await self._sleep(max(0.0, self.check_s - (time.monotonic() - checked)))
+                    continue
                 if self._queue.full():  # the trainer has not taken what it has: nothing is fetched
                     await self._sleep(0.05)
                     continue
-                landed = await markers.next_chunk(up_to=None if end is None else end.end_seq)
+                landed = await markers.next_chunk(up_to=up_to)
                 if landed:
                     await self._put(landed)
         finally:
@@ -286,68 +274,41 @@ class LandingFeed:
         if lost:
             raise HsxError(f"stream {self.name}: {lost.removesuffix('; stopped')}")
 
-    async def _agreed_end(self, js, spec: schemas.JobSpec, found: EpochEnd | None) -> EpochEnd | None:
-        """The epoch's end every rank of the stream takes: the one recorded on its subject, if a rank
-        recorded one; else `found` (this rank's reading: None while the job runs), recorded now,
-        once: the first rank to find the job over sets where every rank's first epoch ends, so
-        that samples retried or landed after it never reach one rank and miss another."""
-        subject = topology.epoch_end_subject(self.job, spec.plan_tag, self.name)
-        try:
-            if found is not None:
-                record = schemas.EpochEndRecord(
-                    job=self.job,
-                    plan=spec.plan_tag,
-                    stream=self.name,
-                    created_at=spec.created_at,
-                    **{**dataclasses.asdict(found), "missing": list(found.missing)},
-                )
-                try:
-                    await js.publish(subject, schemas.encode(record), headers=topology.ONCE_HEADERS)
-                except nats.js.errors.APIError as exc:
-                    if exc.err_code != topology.WRONG_LAST_SEQUENCE:
-                        raise
-            try:
-                msg = await js.get_last_msg(topology.EVENTS_STREAM, subject)
-            except nats.js.errors.NotFoundError:
-                return None
-        except Exception as exc:  # NATS reconnecting: read again at the next check
-            log.warning("epoch_end_unavailable", job=self.job, error=str(exc) or type(exc).__name__)
-            return None
-        try:
-            agreed = schemas.epoch_end_decoder.decode(msg.data)
-        except msgspec.DecodeError:
-            agreed = None
-        if agreed is None or (agreed.job, agreed.plan, agreed.stream) != (self.job, spec.plan_tag, self.name):
-            raise HsxError(f"stream {self.name}: the epoch's end recorded on {subject} is not one hsx wrote")
-        if agreed.created_at != spec.created_at:
-            raise HsxError(
-                f"stream {self.name}: the epoch's end recorded on {subject} is of an earlier production of job "
-                f"{self.job}; delete the job's events (hsx jobs delete) or use another stream name"
-            )
-        fields = {field.name: getattr(agreed, field.name) for field in dataclasses.fields(EpochEnd)}
-        return EpochEnd(**{**fields, "missing": tuple(agreed.missing)})
-
-    async def _over(self, js, verdict: JobVerdict, subject: str) -> EpochEnd | None:
-        """The epoch's end once the job is over; None while it runs."""
+    async def _agreed_end(
+        self, js, verdict: JobVerdict, agreement: EpochEndAgreement, delivered: int
+    ) -> EpochEnd | None:
+        """The epoch's end every rank of the stream takes (hsx/wire/epochend.py): the first valid
+        record on its subject, once this rank finds the job over; None until then. A rank that
+        finds the job over and no record left to judge records its own reading, then reads again:
+        the first valid record wins, whoever wrote it."""
+        view = await self._over(verdict)
+        if view is not None:
+            agreement.over = True
         started = time.monotonic()
         try:
-            view = await verdict.read()
-            if view is None:
-                return None
-            end_seq = await last_sequence(js, topology.EVENTS_STREAM, subject)
+            await agreement.read_records()
+            end = agreement.settle(delivered)
+            if end is None and view is not None and await agreement.record(view, delivered):
+                await agreement.read_records()
+                end = agreement.settle(delivered)
+        except HsxError:
+            raise
+        except Exception as exc:  # NATS reconnecting: read again at the next check
+            # A record this user may not publish (another stream's trainer user) times out.
+            denials.raise_if_denied(started, what=f"stream {self.name}: recording its epoch's end")
+            log.warning("epoch_end_unavailable", job=self.job, error=str(exc) or type(exc).__name__)
+            return None
+        return end
+
+    async def _over(self, verdict: JobVerdict) -> StatusView | None:
+        """The job's reading once it is over; None while it runs."""
+        started = time.monotonic()
+        try:
+            return await verdict.read()
         except Exception as exc:  # NATS reconnecting: read again at the next check
             denials.raise_if_denied(started, what=f"stream {self.name}: whether job {self.job} is over")
             log.warning("job_state_unavailable", job=self.job, error=str(exc) or type(exc).__name__)
             return None
-        missing = tuple(i for i in view.dead_samples if 0 <= i < view.total_samples)
-        return EpochEnd(
-            end_seq=end_seq,
-            done=view.done,
-            total_samples=view.total_samples,
-            reason=view.failure_reason,
-            missing=missing,
-            missing_count=max(0, view.total_samples - view.samples_uploaded),
-        )
 
 
 def read_job_spec_waiting(settings: NatsSettings, job: str, *, name: str, poll_s: float = CHECK_S) -> schemas.JobSpec:
@@ -376,8 +337,9 @@ class _MarkerReader:
     count is replaced by a new consumer starting after the last marker handed over: none is
     skipped and none handed over twice."""
 
-    def __init__(self, js, subject: str, *, name: str, job: str) -> None:
+    def __init__(self, js, subject: str, *, name: str, job: str, landed: LandedAt | None = None) -> None:
         self.js, self.nc, self.subject, self.name, self.job = js, js._nc, subject, name, job
+        self.landed = landed  # where each sample's marker was read, for the epoch's end (epochend.py)
         self.delivered = 0  # the stream sequence of the last marker handed over
         self.fetched = 0  # markers received, in all
         self._consumer: str | None = None
@@ -450,14 +412,19 @@ class _MarkerReader:
                 log.warning("stream_markers_gap", after_seq=self.delivered, consumer_seq=meta.sequence.consumer)
                 await self._drop()
                 break
-            self._consumer_seq = meta.sequence.consumer
             if up_to is not None and meta.sequence.stream > up_to:
+                # Not handed over: read again after `up_to` if the reading goes on (a record
+                # refused at its end), by a new consumer from the last marker handed over.
+                await self._drop()
                 break
+            self._consumer_seq = meta.sequence.consumer
             event = read_marker(msg.data, subject=msg.subject, job=self.job)
             if event is None:
                 log.warning("marker_refused", subject=msg.subject, reason="not what its subject names")
             if isinstance(event, schemas.FileUploaded):
                 landed.append(Landed(index=event.sample_index, tokens=event.tokens, sample_digest=event.sample_digest))
+                if self.landed is not None:
+                    self.landed.mark(event.sample_index, meta.sequence.stream)
             self.delivered = meta.sequence.stream
         return landed
 

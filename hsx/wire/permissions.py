@@ -15,6 +15,7 @@ module knows names and roles, not users, passwords or files.
 """
 
 import base64
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -227,7 +228,7 @@ def _monitor(job: str, nodes: Sequence[str]) -> list[str]:
     return [*_base(job), *_datasets_read(), *_follow(job)]
 
 
-def _trainer(job: str, nodes: Sequence[str]) -> list[str]:
+def _trainer(job: str, nodes: Sequence[str], *, stream: str = ANY) -> list[str]:
     return [
         *_base(job),
         *_verdict(job),
@@ -235,8 +236,9 @@ def _trainer(job: str, nodes: Sequence[str]) -> list[str]:
         _create(topology.EVENTS_STREAM, ANY, f"hsx.events.{job}.uploaded.>"),
         _api("CONSUMER", "MSG", "NEXT", topology.EVENTS_STREAM, ANY),
         _api("CONSUMER", "DELETE", topology.EVENTS_STREAM, ANY),
-        # The first epoch's end, recorded once for every rank of a stream (topology.epoch_end_subject).
-        f"hsx.events.{job}.epoch.>",
+        # The first epoch's end of a stream, recorded by its ranks (topology.epoch_end_subject):
+        # of every stream of the job, or of `stream` alone (its own trainer user), whatever the plan.
+        f"hsx.events.{job}.epoch.>" if stream == ANY else topology.epoch_end_subject(job, ANY, stream),
     ]
 
 
@@ -273,14 +275,20 @@ def _unique(subjects: Iterable[str]) -> tuple[str, ...]:
 
 
 def role_permissions(
-    role: str, *, user: str, jobs: Sequence[str] = (ANY,), nodes: Sequence[str] = (ANY,)
+    role: str, *, user: str, jobs: Sequence[str] = (ANY,), nodes: Sequence[str] = (ANY,), stream: str = ANY
 ) -> Permissions:
     """What `role` may publish and subscribe to for `jobs` (ANY: every job) on `nodes` (ANY:
     every node; it scopes the consumers' file subjects and the uploaders' durables), connecting
-    as `user` (whose inboxes it subscribes to)."""
+    as `user` (whose inboxes it subscribes to). `stream` (trainer only): the one JobStream name
+    whose epoch's end the user may record (ANY: every stream's)."""
     if role not in _BUILDERS:
         raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+    if stream != ANY and role != "trainer":
+        raise ValueError(f"a stream scopes the trainer role only, not {role!r}")
     jobs = [ANY] if ANY in jobs or not jobs else [topology.check_name(job, "--job") for job in jobs]
     nodes = [ANY] if ANY in nodes or not nodes else [topology.check_name(node, "--node") for node in nodes]
-    publish = _unique(permission for job in jobs for permission in _BUILDERS[role](job, nodes))
+    build = _BUILDERS[role]
+    if stream != ANY:
+        build = functools.partial(_trainer, stream=topology.check_name(stream, "--trainer-stream"))
+    publish = _unique(permission for job in jobs for permission in build(job, nodes))
     return Permissions(publish=publish, subscribe=(f"{inbox_prefix(user)}.>",))

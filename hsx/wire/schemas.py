@@ -372,9 +372,10 @@ class ProgressCheckpoint(_Wire, tag="progress.v1"):
 
 
 class EpochEndRecord(_Wire, tag="epoch.v1"):
-    """The end of a trainer stream's first epoch (hsx/wire/landed.py `EpochEnd`), recorded once on
-    `hsx.events.<job>.epoch.<plan>.<stream>` by the first rank that found the job over: the stream
-    sequence of its last marker, and whether the job was done or failed then."""
+    """The end of a trainer stream's first epoch (hsx/wire/epochend.py `EpochEnd`), appended to
+    `hsx.events.<job>.epoch.<plan>.<stream>` by a rank that found the job over: the stream
+    sequence of its last marker, and whether the job was done or failed then. Every rank takes
+    the first record there that the stream bears out (hsx/wire/epochend.py)."""
 
     job: Name
     plan: PlanTag

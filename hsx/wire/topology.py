@@ -181,8 +181,8 @@ def digests_object_name(job: str) -> str:
 
 
 def epoch_end_subject(job: str, plan: str, stream: str) -> str:
-    """Where the first epoch's end of a trainer's stream of `plan` is recorded, once: every rank
-    of the stream, whenever it starts, ends the epoch there (hsx/wire/landed.py)."""
+    """Where the ranks of a trainer's stream of `plan` record the first epoch's end: every rank,
+    whenever it starts, ends the epoch at the first valid record there (hsx/wire/epochend.py)."""
     return f"hsx.events.{job}.epoch.{plan or 'none'}.{stream}"
 
 
