@@ -24,12 +24,14 @@ from types import SimpleNamespace
 
 import msgspec
 import pytest
+import torch
 from conftest import _env
 from test_e2e_s3 import run_pipeline
 
 from hsx import cli
 from hsx.commands.verify import VerifyReport, format_report
 from hsx.storage.layout import sample_key
+from hsx.storage.reader import load_sample
 
 COUNT = 12
 
@@ -148,12 +150,17 @@ def test_verify_passes_and_recomputes(file_job, services):
         # of layers 0, 2, 5 stay under |0.2|, and two float32 forwards of them differ by at most
         # tests/tolerance.py's float32 bound at depth 6, 3.2e-5 of (median |ref| + |ref|): < 1e-5.
         assert r["ok"] and r["max_abs_error"] <= 1e-4 and r["relative_error"] < 1e-4, r
-        # Each error beside the limit and the scale it is measured against.
-        assert r["tolerance"] == {"max_abs_error": 1e-4} and r["reference_max_abs"] > 0 < r["reference_norm"], r
+        # Each error beside the limit and the scale it is measured against: the sample's relative
+        # error (hsx/storage/encodings/float32.py), which a bfloat16 round trip exceeds.
+        assert r["tolerance"] == {"relative_error": 1e-3} and r["reference_max_abs"] > 0 < r["reference_norm"], r
+    states = load_sample((file_job.out / sample_key(file_job.job, recompute["indices"][0])).read_bytes())[0]
+    hidden = states["hidden_states"].float()
+    rounded = hidden.to(torch.bfloat16).float()
+    assert ((rounded - hidden).norm() / hidden.norm()).item() > 1e-3
     text = format_report(msgspec.convert(report, VerifyReport), as_json=False)
     first = recompute["results"][0]
     line = next(line for line in text.splitlines() if f"sample {first['sample_index']}: ok" in line)
-    assert "limit: max abs error <= 0.0001" in line and f"max |reference| {first['reference_max_abs']:.3g}" in line, (
+    assert "limit: relative error <= 0.001" in line and f"max |reference| {first['reference_max_abs']:.3g}" in line, (
         text
     )
     # Progress goes to the log stream, the report alone to stdout.
