@@ -18,6 +18,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from hsx.exitcodes import JOB_FAILED, STOPPED
 from hsx.gpu_consumer import compiling
 from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
 from hsx.gpu_consumer.device_thread import DeviceThread
@@ -33,7 +34,7 @@ from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plan
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.exhausted import reap_exhausted
-from hsx.wire.worker import JobEnd, JobWatch, heartbeats, job_session, until_done, watching
+from hsx.wire.worker import JobEnd, JobWatch, heartbeats, job_session, until_done, watching, worker_exit_code
 
 log = structlog.get_logger("hsx.gpu_consumer")
 
@@ -174,7 +175,7 @@ async def run(cfg: ConsumerConfig) -> int:
         consumer=cfg.instance,
     ) as session:
         if session is None:
-            return 0
+            return STOPPED  # a signal came before the job's spec
         js, spec, stopping = session.js, session.spec, session.stopping
         warn_spool_room(cfg.spool, spec, high_water=cfg.spool_high_water_bytes)
         events = EventPublisher(session.nc, js, cfg.job)
@@ -213,7 +214,7 @@ async def run(cfg: ConsumerConfig) -> int:
             if orphans:
                 log.info("spool_temp_files_removed", count=orphans, reason="left by a writer that was killed")
             if await watch.check():
-                return 1  # deleted while the model loaded (JobLost on leaving `watching`)
+                return JOB_FAILED  # deleted while the model loaded (JobLost on leaving `watching`)
             await asyncio.to_thread(remove_stale_plans, cfg.spool, spec)
             log.info(
                 "consumer_ready",
@@ -247,4 +248,4 @@ async def run(cfg: ConsumerConfig) -> int:
                 if watch.lost:
                     await asyncio.to_thread(remove_plan_folder, folder, reason="the job was lost")
         log.info("consumer_stopped", **({"verdict": end.verdict} if end is not None and end.verdict else {}))
-        return end.exit_code if end is not None else 0
+        return worker_exit_code(end)

@@ -19,11 +19,23 @@ class MonitorConfig:
     # No flag: `hsx up` runs its monitor with False and prints the result itself, once.
     leave_bar: bool = True
     job: str = option(
-        "--job", parse=job_name, job=True, file_key="name", example="qwen27b-l5", help="the job to follow"
+        "--job",
+        parse=job_name,
+        job=True,
+        file_key="name",
+        example="qwen27b-l5",
+        help="the job to follow",
     )
-    until_done: bool = option("--until-done", default=False, help="exit 0 when done, 1 when it cannot finish")
+    until_done: bool = option(
+        "--until-done",
+        default=False,
+        help="exit 0 when the job is done, 65 when it cannot finish (everything left is dead-lettered)",
+    )
     interval_s: float = option(
-        "--interval", default=5.0, parse=positive_float("--interval"), help="seconds between readings (default 5)"
+        "--interval",
+        default=5.0,
+        parse=positive_float("--interval"),
+        help="seconds between readings (default 5)",
     )
     # "bar": one line redrawn in place on stdout (a terminal); "json": one JSON object per line on stdout.
     output: Literal["bar", "json"] = option(

@@ -27,6 +27,7 @@ from hsx.commands.cli import build_parser
 from hsx.commands.up import UpConfig
 from hsx.config.configfile import Place
 from hsx.config.settings import file_layout, resolve
+from hsx.exitcodes import STOPPED
 from hsx.storage import encodings
 
 SECRETS = {  # each one a distinct string, so a leak names its source
@@ -396,7 +397,7 @@ def test_a_consumer_with_only_a_job_file_binds_to_the_files_job(nats_server, job
         assert waiting[0]["consumer"].startswith("filenode-")
         assert spool.is_dir()
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0, log.read_text()
+        assert process.wait(timeout=60) == STOPPED, log.read_text()
     finally:
         if process.poll() is None:
             process.kill()

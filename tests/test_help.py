@@ -26,8 +26,10 @@ PARSERS = _parsers()
 
 
 def _sections(text: str) -> list[str]:
-    """The titles of a help's groups, in order ("options", "NATS connection (...)"), not the examples."""
-    return [title for title in re.findall(r"^(\S[^\n]*):\n  ", text, re.MULTILINE) if not title.startswith("example")]
+    """The titles of a help's groups, in order ("options", "NATS connection (...)"), not the epilog's
+    (the examples, the exit codes)."""
+    epilog = ("example", "exit codes")
+    return [title for title in re.findall(r"^(\S[^\n]*):\n  ", text, re.MULTILINE) if not title.startswith(epilog)]
 
 
 def test_hsx_help_says_where_to_start():

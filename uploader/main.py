@@ -5,6 +5,7 @@ import asyncio
 
 import structlog
 
+from hsx.exitcodes import STOPPED
 from hsx.storage.destinations import open_destination
 from hsx.storage.fsutil import make_private_dirs
 from hsx.storage.location import spec_location
@@ -13,7 +14,7 @@ from hsx.uploader.config import UploaderConfig
 from hsx.uploader.service import SERVICE, FileMover, pull_loop
 from hsx.wire import topology
 from hsx.wire.events import EventPublisher
-from hsx.wire.worker import JobEnd, JobWatch, heartbeats, job_session, until_done, watching
+from hsx.wire.worker import JobEnd, JobWatch, heartbeats, job_session, until_done, watching, worker_exit_code
 
 log = structlog.get_logger("hsx.uploader")
 
@@ -24,7 +25,7 @@ async def run(cfg: UploaderConfig) -> int:
         cfg.nats, cfg.job, name=f"hsx-upload-{cfg.job}-{cfg.instance}", wait_s=cfg.wait_for_job_s, uploader=cfg.instance
     ) as session:
         if session is None:
-            return 0
+            return STOPPED  # a signal came before the job's spec
         js, spec, stopping = session.js, session.spec, session.stopping
         dest = open_destination(spec_location(spec.dest), max_connections=cfg.max_inflight)
         events = EventPublisher(session.nc, js, cfg.job)
@@ -63,4 +64,4 @@ async def run(cfg: UploaderConfig) -> int:
             if files:
                 log.warning("spool_files_left", files=files, bytes=used, spool=str(cfg.spool), reason="job done")
         log.info("uploader_stopped", **({"verdict": end.verdict} if end is not None and end.verdict else {}))
-        return end.exit_code if end is not None else 0
+        return worker_exit_code(end)

@@ -4,8 +4,8 @@ asked after), heartbeats from the moment it exists to its goodbye (`heartbeats`)
 job spec it serves (`JobWatch`, `watching`), whether the job is over (`JobVerdict`: done or failed
 as `hsx monitor --until-done` reads it; a trainer's stream ends its first epoch on it too), the end
 of a worker run with --until-done (`JobEnd`, `until_done`: the job over, the worker's own work
-settled), and the spooling workers' shared settings (`WorkerConfig`). The pull loop itself is
-hsx/wire/pull.py.
+settled), the code a worker exits with once its loop ends (`worker_exit_code`), and the spooling
+workers' shared settings (`WorkerConfig`). The pull loop itself is hsx/wire/pull.py.
 """
 
 import asyncio
@@ -23,6 +23,7 @@ from nats.js.kv import KeyValue
 from hsx.config.fields import option
 from hsx.config.values import positive_float
 from hsx.errors import JobFailed
+from hsx.exitcodes import DONE, JOB_FAILED, STOPPED, ExitCode
 from hsx.logs import get_logger
 from hsx.wire import schemas, topology
 from hsx.wire.events import (
@@ -54,7 +55,12 @@ class WorkerConfig:
     nats: NatsSettings
     instance: str  # unique per process across machines: named by the process itself (commands/services.py)
     job: str = option(
-        "--job", parse=job_name, job=True, file_key="name", example="qwen27b-l5", help="the job to work on"
+        "--job",
+        parse=job_name,
+        job=True,
+        file_key="name",
+        example="qwen27b-l5",
+        help="the job to work on",
     )
     # The entry point makes it absolute.
     spool: Path = option(
@@ -84,8 +90,9 @@ class WorkerConfig:
     until_done: bool = option(
         "--until-done",
         default=False,
-        help="exit 0 once the job is done and this worker's own work is settled, 1 once the job "
-        "cannot finish (everything left is dead-lettered), as hsx monitor --until-done decides",
+        help="exit 0 once the job is done and this worker's own work is settled, 65 once the job "
+        "cannot finish (everything left is dead-lettered), as hsx monitor --until-done decides; "
+        "stopped before either (SIGTERM), 75",
     )
     # None: wait for the job's spec for as long as it takes (workers may start before the producer).
     # Not given, the entry point makes it UNTIL_DONE_WAIT_FOR_JOB_S under --until-done
@@ -321,7 +328,8 @@ class JobEnd:
     """--until-done: whether the job is over (`JobVerdict`), and whether this worker's own work is
     `settled()` (nothing in hand). `check()` is the reading; `watch()` checks every `every_s` and,
     once the job is over and the worker settled, logs the verdict and sets the stop event: the
-    worker then stops as on a signal, and exits `exit_code`."""
+    worker then stops as on a signal, and exits `exit_code` (DONE or JOB_FAILED; STOPPED until a
+    verdict)."""
 
     def __init__(
         self,
@@ -335,7 +343,7 @@ class JobEnd:
         self.watch, self.stopping, self.settled, self.every_s = watch, stopping, settled, every_s
         self.verdict_of_job = JobVerdict(js, watch)
         self.verdict = ""  # "done" or "failed", once over
-        self.exit_code = 0
+        self.exit_code: ExitCode = STOPPED
 
     async def check(self) -> str:
         """The verdict once the job is over and this worker settled, else ""."""
@@ -346,7 +354,7 @@ class JobEnd:
             return ""
         if view.done:
             log.info("job_done", samples_uploaded=view.samples_uploaded, samples_total=view.total_samples)
-            self.verdict, self.exit_code = "done", 0
+            self.verdict, self.exit_code = "done", DONE
         else:
             log.error(
                 "job_failed",
@@ -356,7 +364,7 @@ class JobEnd:
                 samples_uploaded=view.samples_uploaded,
                 samples_total=view.total_samples,
             )
-            self.verdict, self.exit_code = "failed", 1
+            self.verdict, self.exit_code = "failed", JOB_FAILED
         return self.verdict
 
     async def watch_until_over(self) -> None:
@@ -375,6 +383,13 @@ class JobEnd:
                     log.warning("job_state_unavailable", error=str(exc) or type(exc).__name__)
         finally:
             await self.verdict_of_job.stop()
+
+
+def worker_exit_code(end: JobEnd | None) -> ExitCode:
+    """A worker's exit code once its loop has ended without an error: the job's verdict under
+    --until-done (DONE or JOB_FAILED), else STOPPED: a signal stopped it before it was told that
+    the job is over, so running it again is safe and may be needed."""
+    return end.exit_code if end is not None and end.verdict else STOPPED
 
 
 @contextlib.asynccontextmanager
