@@ -24,6 +24,8 @@ is imported (an import hook, so an uploader never imports the consumer's torch m
   and kills itself before acking (a crash at the worst moment); later ones see PATH and run on.
 - HSX_TEST_HOLD_DEAD_LETTER=DIR: before storing a dead letter the process creates DIR/holding and
   waits until DIR/release appears.
+- HSX_TEST_MISSING_MODULE=NAME: importing module NAME raises ModuleNotFoundError, as a module
+  left out of an install would (a service that dies at its start while the others work).
 """
 
 import asyncio
@@ -51,6 +53,7 @@ SWITCHES = (
     "HSX_TEST_CRASH_ON_SAMPLE",
     "HSX_TEST_CRASH_BEFORE_ACK",
     "HSX_TEST_HOLD_DEAD_LETTER",
+    "HSX_TEST_MISSING_MODULE",
 )
 
 
@@ -232,6 +235,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self.environ = dict(environ)
 
     def find_spec(self, name, path, target=None):
+        if name == self.environ.get("HSX_TEST_MISSING_MODULE"):
+            raise ModuleNotFoundError(f"No module named {name!r} (test fault)", name=name)
         if name not in _SEAMS:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
