@@ -73,6 +73,7 @@ class ConsumerConfig(WorkerConfig):
     no_compile: bool = option(
         "--no-compile",
         default=False,
+        env="HSX_NO_COMPILE",
         help="never torch.compile: the eager forward, whatever --compile or HSX_COMPILE say",
     )
     # On a GPU, a hybrid model whose linear-attention layers would run transformers' torch
@@ -94,6 +95,7 @@ class ConsumerConfig(WorkerConfig):
         "--stall-after",
         default=300.0,
         parse=positive_float("--stall-after"),
+        env="HSX_STALL_AFTER",
         help="a forward running 10x longer than its batch should take at this consumer's pace, "
         "and at least this many seconds, is stalled: its batch is released to another "
         "consumer and the heartbeat says so (default 300)",

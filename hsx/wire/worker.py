@@ -59,6 +59,7 @@ class WorkerConfig:
         parse=job_name,
         job=True,
         file_key="name",
+        env="HSX_JOB",
         example="qwen27b-l5",
         help="the job to work on",
     )
@@ -85,11 +86,13 @@ class WorkerConfig:
         "--ack-wait",
         default=60.0,
         parse=positive_float("--ack-wait"),
+        env="HSX_ACK_WAIT",
         help="seconds without a sign of life before JetStream redelivers a message (default 60)",
     )
     until_done: bool = option(
         "--until-done",
         default=False,
+        env="HSX_UNTIL_DONE",
         help="exit 0 once the job is done and this worker's own work is settled, 65 once the job "
         "cannot finish (everything left is dead-lettered), as hsx monitor --until-done decides; "
         "stopped before either (SIGTERM), 75",
@@ -101,6 +104,7 @@ class WorkerConfig:
         "--wait-for-job",
         default=None,
         parse=positive_float("--wait-for-job"),
+        env="HSX_WAIT_FOR_JOB",
         example=600.0,
         help="give up (exit 2, naming the jobs there are) when the job has not been produced within "
         "this many seconds (default: 600 with --until-done, else wait as long as it takes; either way "
