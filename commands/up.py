@@ -39,7 +39,7 @@ from hsx.commands.services import BUILDERS
 from hsx.config.fields import Flag, flag_fields, option
 from hsx.config.settings import build_config, resolve
 from hsx.config.values import positive_float, positive_int
-from hsx.errors import HsxError, JobFailed
+from hsx.errors import HsxError, JobFailed, Unavailable
 from hsx.exitcodes import BAD_INPUT, DONE, JOB_FAILED, STOPPED, of_child
 from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
 from hsx.model.devices import auto_device, child_visible_devices, node_devices, node_gpus, torch_sees_cuda
@@ -253,12 +253,6 @@ class ChildFailed(HsxError):
     def __init__(self, message: str, *, code: int | None) -> None:
         super().__init__(message)
         self.exit_code = of_child(code)
-
-
-class NotDoneInTime(HsxError):
-    """--timeout passed with the job still running: stopped, safe to run again (it resumes)."""
-
-    exit_code = STOPPED
 
 
 class Child:
@@ -552,7 +546,7 @@ def run_up(cfg: UpConfig) -> int:
             if check_monitor(monitor) is not None:
                 break
             if time.monotonic() - started > cfg.timeout_s:
-                raise NotDoneInTime(
+                raise Unavailable(  # stopped: a rerun resumes
                     f"job {cfg.producer.job} not done after --timeout {cfg.timeout_s:.0f} s; run hsx up again to resume"
                 )
             restart_crashed(workers)

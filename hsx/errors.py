@@ -6,7 +6,7 @@ subclass says otherwise), without a traceback. Everything else that escapes is a
 traceback (exit 1, CRASHED).
 """
 
-from hsx.exitcodes import BAD_INPUT, JOB_FAILED
+from hsx.exitcodes import BAD_INPUT, JOB_FAILED, STOPPED
 
 
 class HsxError(Exception):
@@ -24,3 +24,11 @@ class JobFailed(HsxError):
     the user must correct before running."""
 
     exit_code = JOB_FAILED
+
+
+class Unavailable(HsxError):
+    """Something the command needs did not answer within its retries (NATS unreachable or not
+    answering, JetStream electing a leader) or its --timeout passed: it stopped before its work was
+    done, and running it again is safe and may succeed. STOPPED (75, sysexits' EX_TEMPFAIL)."""
+
+    exit_code = STOPPED

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 import structlog
 
-from hsx.errors import HsxError
+from hsx.errors import HsxError, Unavailable
 from hsx.exitcodes import DONE, STOPPED
 from hsx.model.layers import preset_of, resolve_layers
 from hsx.model.modelinfo import ModelInfo, load_model_info
@@ -204,7 +204,7 @@ async def _run(cfg: ProducerConfig, *, measure: Measure | None) -> int:
         return await _produce(cfg, nc, info, layers, started=started)
     except NATS_OUTAGE_ERRORS as exc:
         # Each step rides out an outage for OUTAGE_RETRY_S (through_outage); past that, one line.
-        raise HsxError(
+        raise Unavailable(
             f"NATS at {redact_url(cfg.nats.url)} did not answer for {OUTAGE_RETRY_S:g} s "
             f"({type(exc).__name__}: {exc or 'no reply'}); job {cfg.job} is not fully published: run hsx "
             "produce again once NATS is back, and it resumes (nothing published is published twice)"

@@ -22,7 +22,7 @@ from nats.aio.client import Client as NATS
 
 from hsx.config.fields import flag_fields, option
 from hsx.config.values import hide, path_not_contents
-from hsx.errors import HsxError
+from hsx.errors import HsxError, Unavailable
 from hsx.logs import get_logger
 from hsx.wire import denials
 
@@ -227,7 +227,7 @@ async def connect(settings: NatsSettings, *, name: str) -> NATS:
             ) from None
         cause = last_error[-1] if last_error else exc
         reason = getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
-        raise HsxError(
+        raise Unavailable(
             f"cannot connect to NATS at {redact_url(settings.url)} ({reason}); "
             "start a nats-server with JetStream (-js) or pass --nats URL / set HSX_NATS_URL"
         ) from None
