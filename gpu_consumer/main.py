@@ -22,6 +22,7 @@ from hsx.exitcodes import JOB_FAILED, STOPPED
 from hsx.gpu_consumer import compiling
 from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
 from hsx.gpu_consumer.device_thread import DeviceThread
+from hsx.gpu_consumer.grace import REAPER_STOP_S
 from hsx.gpu_consumer.kernels import check_kernels, kernel_report, report_fields
 from hsx.gpu_consumer.model import LoadedModel, load_model, usable_device
 from hsx.gpu_consumer.scheduler import pull_loop
@@ -34,6 +35,7 @@ from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plan
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.exhausted import reap_exhausted
+from hsx.wire.lifecycle import exit_now
 from hsx.wire.worker import JobEnd, JobWatch, heartbeats, job_session, until_done, watching, worker_exit_code
 
 log = structlog.get_logger("hsx.gpu_consumer")
@@ -128,13 +130,13 @@ async def model_for(
 
 
 # The reaper's steps are each idempotent, so one cut short at shutdown is redone by whoever reads
-# the advisory next; a NATS outage must not hold the consumer's exit for its retry budget.
-_REAPER_STOP_S = 5.0
+# the advisory next; a NATS outage must not hold the consumer's exit for its retry budget
+# (REAPER_STOP_S, part of the consumer's grace period: gpu_consumer/grace.py).
 
 
 async def _stop_reaper(reaper: asyncio.Task, stopping: asyncio.Event) -> None:
     if stopping.is_set():
-        await asyncio.wait({reaper}, timeout=_REAPER_STOP_S)
+        await asyncio.wait({reaper}, timeout=REAPER_STOP_S)
     if not reaper.done():  # the pull loop failed, or the reaper is waiting out an outage
         reaper.cancel()
     outcome = (await asyncio.gather(reaper, return_exceptions=True))[0]
@@ -161,6 +163,7 @@ async def run(cfg: ConsumerConfig) -> int:
     # Loaded, warmed up and run on one thread bound to the device; started before the spec is
     # read when the model is known (hsx up: while its producer plans).
     forwards = DeviceThread(device)
+    abandoned: list[str] = []  # the worker's stalled stages left running at the stop
     early = None
     if cfg.expected_model is not None:
         early = asyncio.ensure_future(
@@ -235,6 +238,7 @@ async def run(cfg: ConsumerConfig) -> int:
             durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
             sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
             worker = BatchWorker(cfg, js, events, spec, loaded, stopping, watch=watch, forwards=forwards)
+            worker.abandoned = abandoned
             end = JobEnd(js, watch, stopping, settled=worker.settled) if cfg.until_done else None
             reaper = asyncio.create_task(reap_exhausted(js, events, stopping))
             try:
@@ -248,4 +252,10 @@ async def run(cfg: ConsumerConfig) -> int:
                 if watch.lost:
                     await asyncio.to_thread(remove_plan_folder, folder, reason="the job was lost")
         log.info("consumer_stopped", **({"verdict": end.verdict} if end is not None and end.verdict else {}))
-        return worker_exit_code(end)
+        code = worker_exit_code(end)
+    if abandoned:
+        # A hung forward or write cannot be joined, and the interpreter would wait for it at exit:
+        # end here, everything else done (the goodbye sent, the connection drained).
+        log.warning("exiting_past_hung_stages", stages=abandoned)
+        exit_now(code)
+    return code

@@ -33,6 +33,9 @@ _STARTUP_ATTEMPTS = 3
 # How long finishing a message (announce, report, ack) keeps trying through a NATS outage before
 # leaving the message to its redelivery.
 OUTAGE_RETRY_S = 120.0
+# How long closing a connection may wait for what is in flight to flush (nats-py's own default,
+# stated here: a worker's grace period after SIGTERM counts it; gpu_consumer/grace.py).
+DRAIN_TIMEOUT_S = 30.0
 
 
 def redact_url(url: str) -> str:
@@ -210,6 +213,7 @@ async def connect(settings: NatsSettings, *, name: str) -> NATS:
             servers=servers,
             name=name,
             connect_timeout=settings.connect_timeout_s,
+            drain_timeout=DRAIN_TIMEOUT_S,
             allow_reconnect=True,
             max_reconnect_attempts=_STARTUP_ATTEMPTS,
             reconnect_time_wait=0.5,
