@@ -104,7 +104,7 @@ class UpConfig:
         "--device",
         default="auto",
         help="where the consumers run: auto (default: cuda when torch sees a GPU, else cpu; "
-        "hsx consume's default is cuda:0), cpu, cuda:N, or cuda for every visible GPU "
+        "hsx consume's default is cuda, its first GPU), cpu, cuda:N, or cuda for every visible GPU "
         "(CUDA_VISIBLE_DEVICES honoured), one consumer per GPU",
     )
     gpus: str | None = option(
