@@ -195,6 +195,7 @@ class UpConfig:
                 job=args.job,
                 device=devices[0],
                 spool=spool,
+                health_port=None,  # many processes here: one port (HSX_HEALTH_PORT) cannot serve them all
                 # Given to up: passed on; not given: the consumer's own layers (HSX_COMPILE, ...) decide.
                 **{
                     name: value
@@ -206,7 +207,7 @@ class UpConfig:
                     if value is not None
                 },
             ),
-            uploader=child("upload", job=args.job, spool=spool),
+            uploader=child("upload", job=args.job, spool=spool, health_port=None),
             monitor=replace(child("monitor", job=args.job, until_done=True, interval_s=2.0), leave_bar=False),
             make_model=args.model is None,
             make_dataset=args.dataset is None,

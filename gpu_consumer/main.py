@@ -22,7 +22,7 @@ from hsx.exitcodes import JOB_FAILED, STOPPED
 from hsx.gpu_consumer import compiling
 from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
 from hsx.gpu_consumer.device_thread import DeviceThread
-from hsx.gpu_consumer.grace import REAPER_STOP_S
+from hsx.gpu_consumer.grace import REAPER_STOP_S, turn_bound_s
 from hsx.gpu_consumer.kernels import check_kernels, kernel_report, report_fields
 from hsx.gpu_consumer.model import LoadedModel, load_model, usable_device
 from hsx.gpu_consumer.scheduler import pull_loop
@@ -35,6 +35,7 @@ from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plan
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.exhausted import reap_exhausted
+from hsx.wire.health import Health, serving
 from hsx.wire.lifecycle import exit_now
 from hsx.wire.worker import JobEnd, JobWatch, heartbeats, job_session, until_done, watching, worker_exit_code
 
@@ -155,9 +156,22 @@ def limit_host_threads(device) -> None:
         torch.set_num_threads(1)
 
 
+def _stalled(worker: BatchWorker | None) -> str | None:
+    stall = worker.stall if worker is not None else None
+    if stall is None:
+        return None
+    return f"{stall.stage} of batch {stall.batch_id} running {stall.running_s():.0f} s, past its {stall.bound_s:.0f} s bound"
+
+
 async def run(cfg: ConsumerConfig) -> int:
+    device = usable_device(cfg.device)  # refused here, before a connection, a heartbeat or a probe
+    health = Health(turn_bound_s=lambda: turn_bound_s(cfg))
+    with serving(health, cfg.health_listen):
+        return await _run(cfg, device, health)
+
+
+async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int:
     started_at = time.time()
-    device = usable_device(cfg.device)  # refused here, before a connection or a heartbeat
     make_private_dirs(cfg.spool)
     compile_layers = cfg.compiles(device.type)
     # Loaded, warmed up and run on one thread bound to the device; started before the spec is
@@ -180,6 +194,7 @@ async def run(cfg: ConsumerConfig) -> int:
         if session is None:
             return STOPPED  # a signal came before the job's spec
         js, spec, stopping = session.js, session.spec, session.stopping
+        health.watch_stop(stopping)
         warn_spool_room(cfg.spool, spec, high_water=cfg.spool_high_water_bytes)
         events = EventPublisher(session.nc, js, cfg.job)
         worker: BatchWorker | None = None
@@ -241,9 +256,16 @@ async def run(cfg: ConsumerConfig) -> int:
             worker.abandoned = abandoned
             end = JobEnd(js, watch, stopping, settled=worker.settled) if cfg.until_done else None
             reaper = asyncio.create_task(reap_exhausted(js, events, stopping))
+            # Live while a turn of the loop keeps within its bound at this consumer's pace, for
+            # the job's largest batch (its token budget), and nothing is stalled.
+            health.turn_bound_s = lambda: turn_bound_s(
+                cfg, forward_bound_s=worker.pace.bound_for_tokens(spec.token_budget)
+            )
+            health.stalled = lambda: _stalled(worker)
+            health.ready()
             try:
                 async with until_done(end):
-                    await pull_loop(worker, sub, cfg, stopping)
+                    await pull_loop(worker, sub, cfg, stopping, health)
             finally:
                 await _stop_reaper(reaper, stopping)
                 await sub.unsubscribe()

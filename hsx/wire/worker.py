@@ -32,6 +32,7 @@ from hsx.wire.events import (
     goodbye_heartbeat,
     heartbeat_loop,
 )
+from hsx.wire.health import DEFAULT_ADDR, listen_address, parse_listen
 from hsx.wire.jobs import read_job_spec, wait_for_job
 from hsx.wire.lifecycle import StopEvent, stop_event_on_signals
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
@@ -110,8 +111,32 @@ class WorkerConfig:
         "this many seconds (default: 600 with --until-done, else wait as long as it takes; either way "
         "saying so every 30 s)",
     )
+    # Probes for a scheduler (hsx/wire/health.py): off unless a port is given.
+    health_port: str | None = option(
+        "--health-port",
+        default=None,
+        parse=parse_listen("--health-port"),
+        env="HSX_HEALTH_PORT",
+        metavar="[ADDR:]PORT",
+        example="9200",
+        help="serve GET /readyz (200 once it takes work) and GET /livez (200 while its loop turns) on "
+        "this port, on --health-addr unless ADDR:PORT is given (default: off)",
+    )
+    health_addr: str = option(
+        "--health-addr",
+        default=DEFAULT_ADDR,
+        env="HSX_HEALTH_ADDR",
+        metavar="ADDR",
+        help="address the health port listens on (default %(default)s; 0.0.0.0 for a Kubernetes "
+        "httpGet probe, which comes to the pod's address)",
+    )
     heartbeat_s: float = 5.0
     idle_fetch_timeout_s: float = 1.0
+
+    @property
+    def health_listen(self) -> tuple[str, int] | None:
+        """(address, port) of the health probes; None: off."""
+        return None if self.health_port is None else listen_address(self.health_port, self.health_addr)
 
     @property
     def in_progress_s(self) -> float:
