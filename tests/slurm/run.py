@@ -21,18 +21,22 @@ HSX_LAYERS, HSX_DEST, HSX_PRODUCE_ARGS, HSX_LOG_LEVEL) and sbatch's own options:
 
 1. hsx-produce.sbatch publishes the job; hsx-array.sbatch, `--array=0-1 --ntasks=2
    --cpus-per-task=1`, runs two node-jobs of two consumers ("GPUs") each, once the producer runs;
-2. mid-job a job in `urgent` asking for two GPUs preempts one node-job: its consumers finish
-   their batches (exit 75), its uploaders empty the spool, it requeues itself and comes back once
-   the urgent job is done;
-3. the job ends done; both node-jobs COMPLETED with exit code 0, the preempted one restarted
-   once; each step's exit codes are the contract's (the scripts' `hsx-node:` lines);
+2. once both run and a tenth of the batches are done, a job in `urgent` asking for two GPUs
+   preempts one node-job (SIGTERM to its steps), and the other is sent `scancel --batch
+   --signal=TERM` (SIGTERM to its script alone, as `--signal=B:TERM@N` before a time limit): in
+   each, the consumers finish their batches (exit 75), the uploaders empty the spool (exit 75),
+   the script requeues the job (exit 75); both come back once the urgent job is done;
+3. the job ends done; both node-jobs COMPLETED 0:0 with Restarts=1 (`scontrol show job`); each
+   run's exit codes, consumers' and uploaders', are the contract's (the scripts' `hsx-node:`
+   lines), and only the second script passed the signal on;
 4. every sample is in the bucket once: read back with boto3 (each file's checksum, job and
-   index), one PUT each in the S3 server's log, one `file_uploaded` each in the uploaders' lines,
-   each batch computed once (`batch_done`), and `hsx verify` passes.
+   sample index), one PUT each in the S3 server's log, one `file_uploaded` each in the uploaders'
+   lines, each batch computed once (`batch_done`), and `hsx verify` passes.
 
 It needs root (slurmd runs jobs as their users). A cluster that cannot start is one line and exit
 1, never a skip. Everything it started is stopped at the end: the jobs cancelled and gone, then the
-daemons by their pid files.
+daemons by their pid files, then NATS and S3; HSX_SLURM_TEST_DIR is removed after a pass and kept
+after a failure (work/out: the jobs' output files; log: the daemons' logs and jobcomp.txt).
 """
 
 from __future__ import annotations
@@ -572,10 +576,15 @@ class Run:
             summaries = [run_summary(chunk) for chunk in runs]
             for number, (chunk, summary) in enumerate(zip(runs, summaries)):
                 gpus = ",".join(sorted(str(e.get("cuda_visible_devices")) for e in hsx_events(chunk, "consumer_ready")))
+                # The files of the batches the consumers finished after SIGTERM, uploaded before the
+                # job ended (the drain; how many depends on what each consumer held).
+                stops = [e["timestamp"] for e in hsx_events(chunk, "stopping") if "finishing" in e]
+                drained = [e for e in hsx_events(chunk, "file_uploaded") if stops and e["timestamp"] > min(stops)]
                 say(
                     f"{self.ids[i]} run {number}: consumers on CUDA_VISIBLE_DEVICES {gpus} computed "
                     f"{len(hsx_events(chunk, 'batch_done'))} batches, exit codes {summary.get('consumers_ended')}; "
-                    f"spool left {summary.get('files_left')}; uploaders {summary.get('uploaders_ended')}; "
+                    + (f"{len(drained)} files uploaded after their SIGTERM; " if stops else "")
+                    + f"spool left {summary.get('files_left')}; uploaders {summary.get('uploaders_ended')}; "
                     f"job exit {summary.get('exit')}" + (", requeued" if summary.get("requeued") else "")
                 )
             if len(summaries) != 2:
@@ -712,6 +721,7 @@ def test() -> int:
             s3.stop()
         if nats is not None:
             nats.stop()
+    shutil.rmtree(STATE, ignore_errors=True)  # kept after a failure, to read
     for number, line in enumerate(results, 1):
         print(f"check {number} ok: {line}", flush=True)
     print(f"slurm-test: passed in {time.monotonic() - T0:.0f} s", flush=True)
