@@ -205,7 +205,7 @@ def run_in_process(args, environ: dict, monkeypatch, *, timeout: float) -> subpr
     """`hsx ARGS` through `hsx.commands.cli.main` in this process, with exactly `environ` as its
     environment, in the test's working directory; what it printed and its exit code,
     as a subprocess would give them. An exception that escapes main() is printed as its traceback,
-    as the interpreter would; past `timeout` the run is interrupted (exit 130)."""
+    as the interpreter would; past `timeout` the run is interrupted (exit 75, STOPPED)."""
     from hsx.commands.cli import main
 
     out, err = io.StringIO(), io.StringIO()

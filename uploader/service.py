@@ -30,6 +30,7 @@ from hsx.wire.backoff import jittered, retry_delay
 from hsx.wire.counts import has_uploaded_marker
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.headers import message_headers
+from hsx.wire.health import Health
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
 from hsx.wire.pull import PullLoop, Taken
 from hsx.wire.worker import JobWatch
@@ -522,8 +523,12 @@ class FilePuller(PullLoop[list[Msg]]):
     event handled on a task of its own; while the destination refuses, only one event is fetched,
     to probe it; stopping, the uploads in hand get `stop_deadline_s` to finish."""
 
-    def __init__(self, mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
-        super().__init__(sub, stopping=stopping, watch=mover.watch, fetch_timeout_s=cfg.idle_fetch_timeout_s)
+    def __init__(
+        self, mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event, health: Health | None = None
+    ) -> None:
+        super().__init__(
+            sub, stopping=stopping, watch=mover.watch, fetch_timeout_s=cfg.idle_fetch_timeout_s, health=health
+        )
         self.mover = mover
         self.cfg = cfg
         self.tasks: set[asyncio.Task] = set()
@@ -553,5 +558,7 @@ class FilePuller(PullLoop[list[Msg]]):
                 log.warning("uploads_left_unacked", count=len(tasks), waited_s=round(time.monotonic() - started, 1))
 
 
-async def pull_loop(mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
-    await FilePuller(mover, sub, cfg, stopping).run()
+async def pull_loop(
+    mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event, health: Health | None = None
+) -> None:
+    await FilePuller(mover, sub, cfg, stopping, health).run()
