@@ -27,8 +27,10 @@ Fingerprint = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
 Digest = Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{64})?$")]  # a sha256; "" from older senders
 # hsx.storage.sampledigest: what a sample is (its tokens, mask, source id); "" from older senders.
 SampleDigest = Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{32})?$")]
-Count = Annotated[int, Meta(ge=0)]
-Positive = Annotated[int, Meta(ge=1)]
+# Counts, sizes and indices fit a signed 64-bit integer, as readers store them (numpy int64
+# arrays, the index's columns): msgspec alone would decode any integer JSON can write.
+Count = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+Positive = Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
 Seconds = Annotated[float, Meta(ge=0, le=1e12)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 
