@@ -146,6 +146,12 @@ class FileMover:
             raise _OutdatedEvent(
                 f"{local}: the spool file's digest is {local_digest[:12]}, the event announced {ready.digest[:12]}"
             )
+        if checked.st_size != ready.size:
+            # The digest (of the header, which sizes the data) is the file's: the event's size is
+            # wrong, not the file; stored, it would fail its check as a destination's error.
+            raise _PermanentFailure(
+                f"{local}: the event announces {ready.size} bytes, the file it names by its digest has {checked.st_size}"
+            )
         try:
             # A file:// destination on the spool's file system takes the checked file by a rename.
             if self.dest.move_verified(local, ready.key, size=ready.size, checked=checked):
