@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from hsx.errors import HsxError
+from hsx.gpu_consumer.compiling import compile_decoder_layers
+from hsx.gpu_consumer.kernels import bind_fla_conv
 from hsx.gpu_consumer.staging import HostStaging
 from hsx.gpu_consumer.trunk import LoadReport, decoder_stack, load_trunk, peak_host_rss_bytes
-from hsx.gpu_consumer.trunk import decoder_layers as decoder_layers  # kept importable from here
 from hsx.logs import route_transformers_logging
 from hsx.model.devices import visible_text
 from hsx.model.layers import FINAL
@@ -176,12 +177,8 @@ def load_model(
         "model_loaded", model=path, device=str(target), **report.fields(), host_peak_rss_bytes=peak_host_rss_bytes()
     )
     if target.type == "cuda":
-        from hsx.gpu_consumer.kernels import bind_fla_conv  # it imports this module
-
         bind_fla_conv(model)  # fla's causal conv where causal-conv1d is missing
     if compile_layers:
-        from hsx.gpu_consumer.compiling import compile_decoder_layers  # it imports this module
-
         compile_decoder_layers(model)
     config = model.config.get_text_config()
     pad = getattr(config, "pad_token_id", None)

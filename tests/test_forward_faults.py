@@ -31,8 +31,9 @@ from tolerance import assert_within, float32_states_bound
 import hsx.gpu_consumer.extract as extract
 from devkit.faults import NonFiniteFault
 from hsx.gpu_consumer.config import ConsumerConfig
-from hsx.gpu_consumer.model import decoder_layers, load_model
+from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.service import BatchWorker
+from hsx.gpu_consumer.trunk import decoder_layers
 from hsx.storage.encodings.float8 import FLOAT8
 from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology

@@ -91,7 +91,7 @@ def test_each_oom_retry_starts_at_the_device_memory_held_before_the_failed_forwa
     more than 2 samples (after allocating 64 MiB that only its frame holds); when each retry of a
     half begins, torch.cuda.memory_allocated() is back at what it was before the batch."""
     import hsx.gpu_consumer.extract as extract
-    from hsx.gpu_consumer.model import decoder_layers
+    from hsx.gpu_consumer.trunk import decoder_layers
 
     loaded = load_model(str(tiny_model("qwen3")), layers=[1, 3], dtype="float32", device="cuda:0")
     samples = _samples([40] * 8)
@@ -440,7 +440,7 @@ def test_the_copy_to_the_host_is_queued_on_its_own_stream_after_the_forward(tiny
     pinned leased buffers, done at an event; the compute stream meanwhile reuses no memory the
     copy still reads (record_stream): NaN-filled tensors asked for there do not reach the states."""
     import hsx.gpu_consumer.extract as extract
-    from hsx.gpu_consumer.model import decoder_layers
+    from hsx.gpu_consumer.trunk import decoder_layers
 
     loaded = load_model(str(tiny_model("qwen3")), layers=[1, 3], dtype="float32", device="cuda:0")
     samples = _samples([7, 33, 64])
@@ -469,7 +469,7 @@ def test_non_finite_flags_come_back_with_the_states_on_cuda(tiny_model, monkeypa
     wait names the sample and gives its lease's buffers back."""
     import hsx.gpu_consumer.extract as extract
     from devkit.faults import NonFiniteFault
-    from hsx.gpu_consumer.model import decoder_layers
+    from hsx.gpu_consumer.trunk import decoder_layers
 
     loaded = load_model(str(tiny_model("qwen3")), layers=[1, 3], dtype="bfloat16", device="cuda:0")
     bad = NonFiniteFault(1, "inf")

@@ -25,7 +25,8 @@ from test_families import FAMILIES
 from transformers import AutoModelForCausalLM
 
 from hsx.errors import HsxError
-from hsx.gpu_consumer.model import decoder_stack, load_model
+from hsx.gpu_consumer.model import load_model
+from hsx.gpu_consumer.trunk import decoder_stack
 from hsx.model.layers import FINAL
 from hsx.model.modelinfo import remote_code_refused
 
