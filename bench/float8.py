@@ -28,12 +28,13 @@ from hsx.commands.smollm2 import build_smollm2, smollm2_gguf  # noqa: E402
 from hsx.gpu_consumer.extract import extract_samples  # noqa: E402
 from hsx.gpu_consumer.model import load_model  # noqa: E402
 from hsx.gpu_consumer.writer import write_sample_file  # noqa: E402
+from hsx.job import JobSpec  # noqa: E402
 from hsx.storage.encodings.float8 import (
     FLOAT8,  # noqa: E402
     dequantize_float8,  # noqa: E402
 )
 from hsx.storage.spool import spool_file
-from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
+from hsx.wire.schemas import Sample
 
 TINY = dict(
     hidden_size=64,

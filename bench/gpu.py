@@ -76,9 +76,10 @@ from hsx.gpu_consumer.extract import extract_samples, pad_batch
 from hsx.gpu_consumer.model import LayerTap, LoadedModel, choose_attention
 from hsx.gpu_consumer.staging import HostStaging
 from hsx.gpu_consumer.trunk import decoder_layers
+from hsx.job import JobSpec
 from hsx.packing import plan_batches
 from hsx.storage.encodings.float8 import FLOAT8
-from hsx.wire.schemas import JobSpec, Sample
+from hsx.wire.schemas import Sample
 
 QWEN3_8B = dict(
     model_type="qwen3",

@@ -75,6 +75,7 @@ from hsx.errors import HsxError  # noqa: E402
 from hsx.gpu_consumer.extract import pad_batch  # noqa: E402
 from hsx.gpu_consumer.model import load_model  # noqa: E402
 from hsx.gpu_consumer.service import SERVICE as CONSUMER_SERVICE  # noqa: E402
+from hsx.job import JobSpec
 from hsx.uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 from hsx.wire import schemas, topology  # noqa: E402
 from hsx.wire.jobs import require_job_spec  # noqa: E402
@@ -238,7 +239,7 @@ class JobInput:
 class Started:
     """One job's processes, started together and ready."""
 
-    spec: schemas.JobSpec
+    spec: JobSpec
     consumers: list[Child]
     uploaders: list[Child]
     producer_s: float
@@ -474,7 +475,7 @@ def _bare_forward_main(args) -> int:
 
 
 async def _with_startup(
-    args, bench: Bench, inp: JobInput, spec: schemas.JobSpec, batches: list[schemas.BatchDescriptor]
+    args, bench: Bench, inp: JobInput, spec: JobSpec, batches: list[schemas.BatchDescriptor]
 ) -> dict:
     """Start-up included on both sides: the pipeline from launching its processes (nothing
     paused) to the last upload, against the bare loop as a fresh process (imports, model load,
@@ -529,7 +530,7 @@ def _raw(passes: list[dict]) -> list[float]:
     return [round(p["seconds"], 2) for p in passes]
 
 
-async def _efficiency(args, bench: Bench, inp: JobInput) -> tuple[dict, schemas.JobSpec, list]:
+async def _efficiency(args, bench: Bench, inp: JobInput) -> tuple[dict, JobSpec, list]:
     forward, forward_main, pipeline = [], [], []
     loaded = batches = None
     for i in range(args.repeats):

@@ -66,6 +66,7 @@ from hsx.commands.embedded import start_nats_server, synthetic_lengths  # noqa: 
 from hsx.commands.up import Child, hsx_argv, stop_all  # noqa: E402
 from hsx.errors import HsxError  # noqa: E402
 from hsx.gpu_consumer.writer import write_sample_file  # noqa: E402
+from hsx.job import JobSpec
 from hsx.uploader.config import UploaderConfig  # noqa: E402
 from hsx.uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 from hsx.wire import schemas, topology  # noqa: E402
@@ -133,8 +134,8 @@ def _start_moto(log_path: Path) -> tuple[subprocess.Popen, str]:
     raise HsxError("moto server did not start within 30 s")
 
 
-def _spec(args, dest: str) -> schemas.JobSpec:
-    return schemas.JobSpec(
+def _spec(args, dest: str) -> JobSpec:
+    return JobSpec(
         job=JOB,
         model="bench",
         model_revision="none",

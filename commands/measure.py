@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.producer.measure import SAMPLE_TOKENS, Measured, NotMeasured, pick_samples
 from hsx.storage import encodings
 from hsx.storage.encodings.compressed import COMPRESSED, CompressedEncoding
@@ -72,7 +73,7 @@ def available_memory(device) -> int | None:
     return free
 
 
-def measure_states(spec: schemas.JobSpec, rows: SampleTable, device: str) -> Measured:
+def measure_states(spec: JobSpec, rows: SampleTable, device: str) -> Measured:
     """The compressed over uncompressed bytes of the states of `pick_samples` of the job's
     samples, computed on `device` as a consumer computes them; NotMeasured saying why not."""
     encoding = encodings.of_spec(spec.dtype)

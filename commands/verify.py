@@ -20,6 +20,7 @@ import msgspec
 import structlog
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec, Layer
 from hsx.storage import encodings
 from hsx.storage.destinations import open_job_folder
 from hsx.storage.expected import ExpectedSamples, is_missing, mismatches
@@ -29,7 +30,7 @@ from hsx.storage.location import spec_location
 from hsx.storage.reader import dequantize, load_sample
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.tokens import load_table
-from hsx.wire import schemas, topology
+from hsx.wire import topology
 from hsx.wire.jobs import require_job_spec
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
 
@@ -38,7 +39,7 @@ log = structlog.get_logger("hsx.verify")
 PROGRESS_EVERY = 5000
 
 
-async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, Sequence[list[int]] | None]:
+async def fetch_job(settings: NatsSettings, job: str) -> tuple[JobSpec, Sequence[list[int]] | None]:
     """The job spec, and every sample's token ids as the producer planned them (from the tokenized
     dataset stored with the job; for jobs made before it was stored, from the dataset file):
     `token_ids[i]` reads sample i's from a temp file (hsx/storage/tokens.py), so a job of any size fits."""
@@ -54,7 +55,7 @@ async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, 
     return spec, expected_token_ids_from_dataset(spec)
 
 
-def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> Sequence[list[int]] | None:
+def expected_token_ids_from_dataset(spec: JobSpec) -> Sequence[list[int]] | None:
     """Every sample's token ids in index order, from the dataset the spec names; None when that
     dataset cannot be read on this machine (the comparison is then skipped and reported so)."""
     from hsx.producer.inputs import read_pretokenized
@@ -75,7 +76,7 @@ def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> Sequence[list[int]
     return rows.token_ids
 
 
-def expected_hidden_size(spec: schemas.JobSpec) -> int | None:
+def expected_hidden_size(spec: JobSpec) -> int | None:
     """The model's hidden size: the spec's, or for a job from before the spec recorded it, the
     model config's when it is readable here, else None (then every file must agree with the
     most common size among the files)."""
@@ -132,7 +133,7 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
     job: str
     dest: str
     dtype: str
-    layers: list[schemas.Layer]
+    layers: list[Layer]
     total_samples: int
     samples_checked: int
     samples_ok: int
@@ -215,7 +216,7 @@ def _read_and_check(dest, expected, index, expected_ids, hidden_size, indexed_di
     )
 
 
-def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[list[int]] | None) -> list[dict]:
+def _recompute(spec: JobSpec, dest, indices: list[int], token_ids: list[list[int]] | None) -> list[dict]:
     from hsx.gpu_consumer.extract import extract_samples
     from hsx.gpu_consumer.model import load_model
     from hsx.wire.schemas import Sample
@@ -275,7 +276,7 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
 
 
 def verify(
-    spec: schemas.JobSpec,
+    spec: JobSpec,
     token_ids: list[list[int]] | None,
     *,
     recompute: int = 0,

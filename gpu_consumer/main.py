@@ -28,6 +28,7 @@ from hsx.gpu_consumer.model import LoadedModel, load_model, usable_device
 from hsx.gpu_consumer.scheduler import pull_loop
 from hsx.gpu_consumer.service import SERVICE, BatchWorker
 from hsx.gpu_consumer.writer import remove_orphaned_temp_files
+from hsx.job import JobSpec, Layer
 from hsx.model.layers import resolve_layers
 from hsx.model.modelinfo import load_model_info
 from hsx.storage.fsutil import make_private_dirs
@@ -62,12 +63,12 @@ class ModelKey:
 
     model: str
     revision: str  # as the spec records it: "local" for a folder
-    layers: tuple[schemas.Layer, ...]
+    layers: tuple[Layer, ...]
     dtype: str
     trust_remote_code: bool
 
     @classmethod
-    def of(cls, spec: schemas.JobSpec) -> "ModelKey":
+    def of(cls, spec: JobSpec) -> "ModelKey":
         return cls(spec.model, spec.model_revision, tuple(spec.layers), spec.dtype, spec.trust_remote_code)
 
 
@@ -107,7 +108,7 @@ async def load_early(
 
 
 async def model_for(
-    spec: schemas.JobSpec, early: asyncio.Future | None, forwards: DeviceThread, *, device: str, compile_layers: bool
+    spec: JobSpec, early: asyncio.Future | None, forwards: DeviceThread, *, device: str, compile_layers: bool
 ) -> LoadedModel:
     """The spec's model: the one loaded before the spec was read if it is that one, else loaded now."""
     wanted = ModelKey.of(spec)

@@ -24,11 +24,10 @@ from hsx.gpu_consumer.compiling import compile_decoder_layers
 from hsx.gpu_consumer.kernels import bind_fla_conv
 from hsx.gpu_consumer.staging import HostStaging
 from hsx.gpu_consumer.trunk import LoadReport, decoder_stack, load_trunk, peak_host_rss_bytes
+from hsx.job import FINAL, Layer
 from hsx.logs import route_transformers_logging
 from hsx.model.devices import visible_text
-from hsx.model.layers import FINAL
 from hsx.storage import encodings
-from hsx.wire.schemas import Layer
 
 log = structlog.get_logger("hsx.gpu_consumer.model")
 

@@ -41,6 +41,7 @@ from hsx.gpu_consumer.plansamples import PlanSamples, PlanSamplesUnavailable, ba
 from hsx.gpu_consumer.staging import StagingLease
 from hsx.gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
 from hsx.gpu_consumer.writer import write_sample_file
+from hsx.job import JobSpec
 from hsx.storage import encodings
 from hsx.storage.fsutil import fsync_dir
 from hsx.storage.spool import SpoolMeter, plan_folder, spool_file
@@ -101,7 +102,7 @@ class BatchWorker:
         cfg: ConsumerConfig,
         js: JetStreamContext,
         events: EventPublisher,
-        spec: schemas.JobSpec,
+        spec: JobSpec,
         loaded: LoadedModel,
         stopping: asyncio.Event,
         *,
@@ -685,7 +686,7 @@ class BatchWorker:
         # Only the plan's own batches count toward it; a re-queued sample's batch, a poisoned
         # batch's retry, a dead letter's half, or one with samples outside the plan (a descriptor
         # published by hand) is set aside, so batches_done never passes batches_total.
-        def in_plan(spec: schemas.JobSpec) -> bool:
+        def in_plan(spec: JobSpec) -> bool:
             return spec.is_plan_batch(batch.batch_id) and all(0 <= f.sample_index < spec.total_samples for f in files)
 
         # The spec as it is now: a plan published in rounds grows (its next round is recorded
@@ -757,7 +758,7 @@ async def _ends_within(running: asyncio.Future, seconds: float) -> bool:
     return bool(done)
 
 
-def _full_batch_bytes(spec: schemas.JobSpec, loaded: LoadedModel) -> int:
+def _full_batch_bytes(spec: JobSpec, loaded: LoadedModel) -> int:
     """About the most a batch adds to the spool: the token budget's states at the compute dtype
     (float8 files are smaller). 0 when the model does not say its hidden size."""
     try:

@@ -5,12 +5,13 @@ from pathlib import Path
 
 import torch
 
+from hsx.job import JobSpec
 from hsx.storage import encodings, samplefile
 from hsx.storage.encodings.float8 import Float8States
 from hsx.storage.layout import sample_key, sample_metadata
 from hsx.storage.sampledigest import sample_digest
 from hsx.storage.spool import spool_file
-from hsx.wire.schemas import FileReady, JobSpec, Sample
+from hsx.wire.schemas import FileReady, Sample
 
 # hsx.storage.fsutil.atomic_write writes `.<name>.<hex>.tmp` next to the file, then renames it.
 _TEMP_NAME = re.compile(r"^\..+\.safetensors\.[0-9a-f]+\.tmp$")

@@ -22,6 +22,7 @@ import time
 import structlog
 
 from hsx.exitcodes import DONE, JOB_FAILED, STOPPED
+from hsx.job import JobSpec
 from hsx.logs import configure_logging
 from hsx.monitor.bar import TerminalBar, render_bar
 from hsx.monitor.config import MonitorConfig
@@ -36,7 +37,6 @@ from hsx.monitor.report import (
     take_reading,
 )
 from hsx.storage.index import build_job_index
-from hsx.wire import schemas
 from hsx.wire.counts import marker_times
 from hsx.wire.statusview import status_view
 from hsx.wire.tracker import ProgressTracker
@@ -76,7 +76,7 @@ async def run(cfg: MonitorConfig) -> int:
             server.server_close()
 
 
-async def _write_index(js, spec: schemas.JobSpec) -> None:
+async def _write_index(js, spec: JobSpec) -> None:
     """A job without its index is still whole (readers list it instead), so a failure here is a
     warning naming the command that redoes it, not the monitor's failure."""
     try:

@@ -20,6 +20,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from nats.js import JetStreamContext
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec, plan_batch_id
 from hsx.packing import PlannedBatch
 from hsx.storage.destinations import VerificationError, open_destination
 from hsx.storage.index import INDEX_FILE
@@ -41,7 +42,7 @@ REPLACED_FILES = (INDEX_FILE, PLAN_FILE, TOKENS_FILE, REPORT_FILE)
 _WRITE_ERRORS = (OSError, VerificationError, BotoCoreError, ClientError)
 
 
-def plan_document(spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_batch_size: int | None) -> dict:
+def plan_document(spec: JobSpec, batches: list[PlannedBatch], *, max_batch_size: int | None) -> dict:
     return {
         "format": PLAN_FORMAT,
         "job": spec.job,
@@ -51,7 +52,7 @@ def plan_document(spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_bat
         "total_samples": spec.total_samples,
         "batches": [
             {
-                "batch_id": schemas.plan_batch_id(spec.job, spec.plan_fingerprint, seq),
+                "batch_id": plan_batch_id(spec.job, spec.plan_fingerprint, seq),
                 "padded_len": batch.padded_len,
                 "sample_indices": list(batch.sample_indices),
             }
@@ -61,7 +62,7 @@ def plan_document(spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_bat
 
 
 async def _bundle_files(
-    js: JetStreamContext, spec: schemas.JobSpec, batches: list[PlannedBatch], max_batch_size: int | None, folder: Path
+    js: JetStreamContext, spec: JobSpec, batches: list[PlannedBatch], max_batch_size: int | None, folder: Path
 ) -> dict[str, Path]:
     """Every bundle file, as a file in `folder`: the stored objects are copied there from the
     object store (streamed; the samples object of a large job is gigabytes)."""
@@ -105,7 +106,7 @@ def _put_missing(location: Location, job: str, files: dict[str, Path]) -> tuple[
 
 
 async def write_bundle(
-    js: JetStreamContext, spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_batch_size: int | None
+    js: JetStreamContext, spec: JobSpec, batches: list[PlannedBatch], *, max_batch_size: int | None
 ) -> None:
     with tempfile.TemporaryDirectory(prefix="hsx-bundle-") as folder:
         files = await _bundle_files(js, spec, batches, max_batch_size, Path(folder))
@@ -127,7 +128,7 @@ async def write_bundle(
     )
 
 
-def claim_folder(spec: schemas.JobSpec) -> None:
+def claim_folder(spec: JobSpec) -> None:
     """Put `spec` as the bundle's job.json unless it is there already: before the first descriptor."""
     data = schemas.encode(spec)
     key = bundle_key(spec.job, SPEC_FILE)

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.packing import PlannedBatch
 from hsx.producer.bundle import PLAN_FILE, REPORT_FILE, SPEC_FILE, plan_document
 from hsx.producer.measure import Measured
@@ -42,7 +43,7 @@ from hsx.wire import schemas
 IGNORE_FREE_SPACE_FLAG = "--ignore-free-space"
 
 
-def sample_file_sizes(rows: SampleTable, spec: schemas.JobSpec, *, first_index: int = 0) -> np.ndarray:
+def sample_file_sizes(rows: SampleTable, spec: JobSpec, *, first_index: int = 0) -> np.ndarray:
     """Each sample's file size (int64, by sample index), as the consumer's writer will make it;
     `rows` are the job's samples from `first_index` on (a round of them).
 
@@ -108,7 +109,7 @@ def _json_lengths(names: pa.Array) -> np.ndarray:
     return lengths
 
 
-def estimated_bytes(spec: schemas.JobSpec, rows: SampleTable, *, bound: int, ratio: float) -> int:
+def estimated_bytes(spec: JobSpec, rows: SampleTable, *, bound: int, ratio: float) -> int:
     """A compressed job's sample files, `bound` bytes at most (`sample_file_sizes`' sum), with its
     states at `ratio` of their uncompressed bytes: each file's bound on its compressed states is
     replaced by its states' bytes x `ratio`; headers and other tensors stay as sized."""
@@ -139,7 +140,7 @@ class _Counter(io.RawIOBase):
 
 
 def bundle_sizes(
-    spec: schemas.JobSpec,
+    spec: JobSpec,
     rows: SampleTable,
     batches: list[PlannedBatch],
     *,
@@ -276,7 +277,7 @@ def largest_batch(batches: list[PlannedBatch], rows: SampleTable, file_sizes: np
 
 
 def estimate_job(
-    spec: schemas.JobSpec,
+    spec: JobSpec,
     rows: SampleTable,
     batches: list[PlannedBatch],
     *,

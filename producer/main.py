@@ -20,6 +20,7 @@ import structlog
 
 from hsx.errors import HsxError, Unavailable
 from hsx.exitcodes import DONE, STOPPED
+from hsx.job import JobSpec, Layer, plan_batch_id, plan_tag_of
 from hsx.model.layers import preset_of, resolve_layers
 from hsx.model.modelinfo import ModelInfo, load_model_info
 from hsx.packing import PlannedBatch, plan_batches, plan_in_rounds
@@ -49,7 +50,6 @@ from hsx.wire.jetstream import publish_all
 from hsx.wire.jobs import count_messages, live_workers
 from hsx.wire.lifecycle import exit_now
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, OUTAGE_RETRY_S, close_connection, connect, redact_url, through_outage
-from hsx.wire.schemas import Layer, plan_batch_id
 
 log = structlog.get_logger("hsx.producer")
 
@@ -90,7 +90,7 @@ def _descriptor(
         batch_id=batch_id,
         padded_len=batch.padded_len,
         samples=[samples.sample(i) for i in batch.sample_indices],
-        plan=schemas.plan_tag_of(fingerprint),
+        plan=plan_tag_of(fingerprint),
     )
 
 
@@ -224,7 +224,7 @@ class Sizing:
     rows: SampleTable
     batches: list[PlannedBatch]
     inputs: Inputs | None
-    existing: schemas.JobSpec | None
+    existing: JobSpec | None
 
 
 def _estimate(cfg: ProducerConfig, job: Sizing, *, max_payload: int, measure: Measure | None = None) -> JobEstimate:
@@ -323,11 +323,11 @@ async def _dry_run(cfg: ProducerConfig, info, layers: list[Layer], measure: Meas
     return DONE
 
 
-def _no_measure(spec: schemas.JobSpec, rows: SampleTable, device: str):
+def _no_measure(spec: JobSpec, rows: SampleTable, device: str):
     raise NotMeasured("this producer was started without a measurement (hsx produce hands it one)")
 
 
-def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
+def _check_same_inputs(cfg: ProducerConfig, existing: JobSpec) -> None:
     """A re-run uses the stored samples; refuse it when it asks for different ones."""
     if (existing.max_seq_len, existing.on_long) != (cfg.max_seq_len, cfg.on_long):
         raise HsxError(
@@ -367,7 +367,7 @@ def _check_same_inputs(cfg: ProducerConfig, existing: schemas.JobSpec) -> None:
         )
 
 
-async def _stored_rows(cfg: ProducerConfig, js, info, existing: schemas.JobSpec | None) -> SampleTable | None:
+async def _stored_rows(cfg: ProducerConfig, js, info, existing: JobSpec | None) -> SampleTable | None:
     """The job's samples from its stored copy (a re-run), or None when the dataset is to be read."""
     if existing is not None and existing.tokenized_object:
         try:
@@ -475,7 +475,7 @@ async def _plan(
     *,
     from_store: bool,
     round_starts: list[int] | None = None,
-    rounds_of: schemas.JobSpec | None = None,
+    rounds_of: JobSpec | None = None,
 ) -> tuple[list[PlannedBatch], str]:
     """The plan and its fingerprint: one plan over `rows`, or, with more than one of
     `round_starts` (a dry run's rounds) or for `rounds_of`, a stored job published in rounds,
@@ -533,7 +533,7 @@ async def _plan_and_publish(
         cfg, layers, rows, from_store=inputs is None, rounds_of=existing if inputs is None else None
     )
     replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != str(cfg.dest))
-    plan = schemas.plan_tag_of(fingerprint)
+    plan = plan_tag_of(fingerprint)
     if existing is not None and existing.published:
         if replaces:
             await asyncio.to_thread(_refuse_published, cfg, existing, info, layers)
@@ -625,7 +625,7 @@ async def _plan_and_publish(
     return DONE
 
 
-def _say_published(cfg: ProducerConfig, spec: schemas.JobSpec, *, new: int) -> None:
+def _say_published(cfg: ProducerConfig, spec: JobSpec, *, new: int) -> None:
     """The run's result for a person, on stdout (the log is on stderr): what is queued and what
     to start next."""
     sent = f"{new:,} published now" if new else "nothing new to publish"
@@ -638,7 +638,7 @@ def _say_published(cfg: ProducerConfig, spec: schemas.JobSpec, *, new: int) -> N
     )
 
 
-async def _write_bundle(js, spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_batch_size) -> None:
+async def _write_bundle(js, spec: JobSpec, batches: list[PlannedBatch], *, max_batch_size) -> None:
     """The job's bundle (producer/bundle.py), written again whole after an outage (it skips what
     the destination holds already)."""
     await through_outage(
@@ -665,7 +665,7 @@ _UNRECORDED = "--max-batch-size, --chat-field, --on-bad-row, --max-bad-rows"
 
 
 def _refuse_published(
-    cfg: ProducerConfig, existing: schemas.JobSpec, info, layers: list[Layer], *, digest: str | None = None
+    cfg: ProducerConfig, existing: JobSpec, info, layers: list[Layer], *, digest: str | None = None
 ) -> None:
     """One line naming each setting of this run that differs from the published job's (`digest`:
     the dataset's, when the caller has it; read here otherwise)."""
@@ -711,7 +711,7 @@ async def _publish_rounds(
     record: SpecRecord,
     info,
     layers: list[Layer],
-    existing: schemas.JobSpec | None,
+    existing: JobSpec | None,
     reader: RoundReader,
     first,
     *,
@@ -729,7 +729,7 @@ async def _publish_rounds(
     fingerprint = round_fingerprint(
         cfg, layers, model_revision=info.revision, dataset_digest=digest, round_rows=cfg.round_rows
     )
-    plan = schemas.plan_tag_of(fingerprint)
+    plan = plan_tag_of(fingerprint)
     replaces = existing is not None and (existing.plan_fingerprint != fingerprint or existing.dest != str(cfg.dest))
     if existing is not None and existing.published and replaces:
         _refuse_published(cfg, existing, info, layers, digest=digest)
@@ -780,7 +780,7 @@ async def _publish_rounds(
             await asyncio.to_thread(check_room, new, first_index)
         return checked
 
-    def round_spec(**final) -> schemas.JobSpec:
+    def round_spec(**final) -> JobSpec:
         counts = final.pop("counts", None) or {
             "samples_truncated": sum(1 for e in long if e.action == "truncated"),
             "samples_skipped": sum(1 for e in long if e.action == "skipped"),
@@ -816,7 +816,7 @@ async def _publish_rounds(
     spec = round_spec()
     await asyncio.to_thread(bundle.claim_folder, spec)
 
-    async def record_grown(grown: schemas.JobSpec) -> None:
+    async def record_grown(grown: JobSpec) -> None:
         """The spec written over the one this run read or wrote last, and only over it: a job
         deleted (or produced again) meanwhile is not brought back by the next round."""
         recorded = record.spec
@@ -945,7 +945,7 @@ async def _publish_rounds(
         raise
 
 
-async def _record(record: SpecRecord, spec: schemas.JobSpec) -> schemas.JobSpec:
+async def _record(record: SpecRecord, spec: JobSpec) -> JobSpec:
     """The job's spec written by compare-and-set over what this run read; the spec written. A
     producer of the same plan that recorded it first (two started together) is joined: its
     `created_at` is kept, the job's identity. Anything else recorded meanwhile (a job deleted,
@@ -982,7 +982,7 @@ async def _record(record: SpecRecord, spec: schemas.JobSpec) -> schemas.JobSpec:
 _RECORD_ATTEMPTS = 5
 
 
-async def _stop(record, spec: schemas.JobSpec, reason: str) -> None:
+async def _stop(record, spec: JobSpec, reason: str) -> None:
     """Record in the job's spec (with `record`) why its producer stopped before publishing the
     whole plan; a job deleted meanwhile is left deleted."""
     log.error("job_stopped", job=spec.job, rounds=len(spec.round_starts), samples=spec.total_samples, reason=reason)
@@ -992,7 +992,7 @@ async def _stop(record, spec: schemas.JobSpec, reason: str) -> None:
         log.warning("job_stop_not_recorded", job=spec.job, reason=str(exc))
 
 
-def _input_counts(cfg: ProducerConfig, inputs: Inputs | None, existing: schemas.JobSpec | None) -> dict:
+def _input_counts(cfg: ProducerConfig, inputs: Inputs | None, existing: JobSpec | None) -> dict:
     """The job spec's fields that count what reading the dataset set aside: this run's, or the
     stored job's when its samples come from the store (`inputs` None)."""
     if inputs is not None:
@@ -1027,8 +1027,8 @@ def _job_spec(
     report_object: str,
     dataset_digest: str,
     **input_counts,
-) -> schemas.JobSpec:
-    return schemas.JobSpec(
+) -> JobSpec:
+    return JobSpec(
         job=cfg.job,
         model=cfg.model,
         model_revision=info.revision,
@@ -1058,7 +1058,7 @@ def _job_spec(
 
 
 async def _republish_forgotten(
-    js, cfg: ProducerConfig, spec: schemas.JobSpec, batches: list[PlannedBatch], rows, duplicates: list[int]
+    js, cfg: ProducerConfig, spec: JobSpec, batches: list[PlannedBatch], rows, duplicates: list[int]
 ) -> int:
     """Publish again the batches the stream called duplicates but holds nowhere: their ids are
     remembered (for the duplicate window) from a job of this name that was deleted or replaced
@@ -1089,7 +1089,7 @@ async def _republish_forgotten(
 
 
 async def _check_folder(
-    cfg: ProducerConfig, plan: str, total_samples: int, existing: schemas.JobSpec | None
+    cfg: ProducerConfig, plan: str, total_samples: int, existing: JobSpec | None
 ) -> preflight.FolderOwner | None:
     return await asyncio.to_thread(
         preflight.check_folder,
@@ -1118,7 +1118,7 @@ async def _remove_replaced(cfg: ProducerConfig, owner: preflight.FolderOwner, pl
     )
 
 
-async def _replace_unpublished(js, cfg: ProducerConfig, existing: schemas.JobSpec, fingerprint: str) -> None:
+async def _replace_unpublished(js, cfg: ProducerConfig, existing: JobSpec, fingerprint: str) -> None:
     """A job never fully published takes other settings on a re-run, as long as nothing has worked
     on the old ones: no worker alive (it read the old spec at start), nothing written, dead or
     waiting for upload. Its orphan batches are dropped from the queue first."""
@@ -1148,7 +1148,7 @@ async def _replace_unpublished(js, cfg: ProducerConfig, existing: schemas.JobSpe
         "job_spec_replaced",
         job=cfg.job,
         old_plan=existing.plan_fingerprint[:12],
-        plan=schemas.plan_tag_of(fingerprint),
+        plan=plan_tag_of(fingerprint),
         old_dest=existing.dest,
         dest=str(cfg.dest),
         orphan_batches_dropped=orphans,

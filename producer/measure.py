@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hsx.job import JobSpec
 from hsx.storage.tokens import SampleTable
-from hsx.wire import schemas
 
 NO_MEASURE = "none"  # --estimate-device none: the bound alone
 SAMPLE_TOKENS = 2048  # the most tokens measured: seconds of a forward on a CPU for a small model
@@ -39,7 +39,7 @@ class NotMeasured(Exception):
 
 
 # (the job's spec, its samples, the device) -> Measured, or NotMeasured.
-Measure = Callable[[schemas.JobSpec, SampleTable, str], Measured]
+Measure = Callable[[JobSpec, SampleTable, str], Measured]
 
 
 def pick_samples(lengths: np.ndarray, *, tokens: int = SAMPLE_TOKENS, seed: int = SEED) -> np.ndarray:

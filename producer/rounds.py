@@ -17,9 +17,9 @@ import threading
 
 import msgspec
 
+from hsx.job import Layer
 from hsx.producer.config import ProducerConfig
 from hsx.producer.inputs import Inputs, Round, RoundsCancelled, tokenized_rows
-from hsx.wire.schemas import Layer
 
 
 def round_fingerprint(

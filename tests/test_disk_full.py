@@ -21,11 +21,11 @@ from test_e2e_s3 import (
     write_dataset,
 )
 
+from hsx.job import JobSpec
 from hsx.storage.encodings.float8 import FLOAT8
 from hsx.storage.layout import sample_metadata, sample_tensor_shapes
 from hsx.storage.samplefile import file_size
 from hsx.storage.spool import batch_bytes
-from hsx.wire import schemas
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def test_consumer_waits_out_a_full_spool_disk_and_recovers(
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", FLOAT8])
 def test_one_batch_of_spool_bytes_bounds_what_a_full_batch_writes(dtype):
-    spec = schemas.JobSpec(
+    spec = JobSpec(
         job="j",
         model="m",
         model_revision="r",

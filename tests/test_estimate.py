@@ -38,12 +38,12 @@ from hsx.commands import measure as measuring
 from hsx.gpu_consumer.extract import extract_samples
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.writer import write_sample_file
+from hsx.job import JobSpec
 from hsx.producer import estimate, measure
 from hsx.storage import encodings
 from hsx.storage.layout import BUNDLE_DIR
 from hsx.storage.location import Location
 from hsx.storage.tokens import SampleTableBuilder, TokenRow
-from hsx.wire import schemas
 
 HIDDEN = 64  # tests/conftest.py TINY
 
@@ -66,8 +66,8 @@ def _table(count: int):
     return builder.finish()
 
 
-def _spec(dtype: str, rows) -> schemas.JobSpec:
-    return schemas.JobSpec(
+def _spec(dtype: str, rows) -> JobSpec:
+    return JobSpec(
         job="sizes",
         model="/models/tiny",
         model_revision="0123abcd",

@@ -47,7 +47,7 @@ from hsx.commands.embedded import build_tiny_model
 from hsx.gpu_consumer.extract import extract_samples
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.trunk import decoder_stack
-from hsx.model.layers import FINAL
+from hsx.job import FINAL
 from hsx.wire.schemas import Sample
 
 VOCAB = 512

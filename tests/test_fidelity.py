@@ -35,9 +35,10 @@ from transformers import AutoModelForCausalLM
 from hsx.gpu_consumer.extract import extract_samples
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.writer import write_sample_file
+from hsx.job import JobSpec
 from hsx.storage.layout import LAYER_CONVENTION, sample_key
 from hsx.storage.spool import spool_file
-from hsx.wire.schemas import FileReady, JobSpec, Sample
+from hsx.wire.schemas import FileReady, Sample
 
 FAMILIES = ["qwen3", "llama"]
 NUM_LAYERS = 6  # tests/conftest.py TINY

@@ -27,6 +27,7 @@ from hsx.commands.export import _Failed
 from hsx.commands.export import _read as export_read
 from hsx.commands.verify import check_sample
 from hsx.gpu_consumer.writer import write_sample_file
+from hsx.job import JobSpec
 from hsx.storage import encodings
 from hsx.storage.destinations import FileDestination
 from hsx.storage.expected import ExpectedSamples, ids_digest, mismatches, read_header
@@ -42,8 +43,8 @@ SAMPLE = schemas.Sample(index=2, source_id="row-2", input_ids=[5, 7, 11, 13], lo
 LAYERS, HIDDEN = [1, 3], 8
 
 
-def _spec(dtype: str) -> schemas.JobSpec:
-    return schemas.JobSpec(
+def _spec(dtype: str) -> JobSpec:
+    return JobSpec(
         job=JOB,
         model="tiny/qwen3",
         model_revision="main",

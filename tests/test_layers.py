@@ -20,10 +20,11 @@ from hsx.errors import HsxError
 from hsx.gpu_consumer.extract import extract_samples
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.writer import write_sample_file
-from hsx.model.layers import FINAL, parse_layers, resolve_layers
+from hsx.job import FINAL, JobSpec
+from hsx.model.layers import parse_layers, resolve_layers
 from hsx.storage.encodings.float8 import FLOAT8, dequantize_float8
 from hsx.storage.spool import spool_file
-from hsx.wire.schemas import JobSpec, Sample
+from hsx.wire.schemas import Sample
 
 
 def test_negative_indices_and_final_resolve_in_the_order_given():

@@ -236,7 +236,7 @@ def test_smollm2_states_hold_in_other_batches_and_thread_counts(smollm2, referen
 
     from hsx.gpu_consumer.extract import extract_samples
     from hsx.gpu_consumer.model import load_model
-    from hsx.model.layers import FINAL
+    from hsx.job import FINAL
     from hsx.wire.schemas import Sample
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2, local_files_only=True)

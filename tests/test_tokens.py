@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.producer.inputs import tokenized_rows
 from hsx.producer.sources import read_source
 from hsx.storage.tokens import TokenRow, load_samples, loss_spans, read_tokens, tokens_object_name, write_tokens
@@ -189,7 +190,7 @@ def test_loss_spans_round_trip_and_old_messages_still_read():
 def test_files_from_spans_and_from_the_list_are_identical(tmp_path):
     from hsx.gpu_consumer.writer import write_sample_file
 
-    spec = schemas.JobSpec(
+    spec = JobSpec(
         job="j",
         model="m",
         model_revision="r",
@@ -236,7 +237,7 @@ def test_load_samples_reads_a_few_by_index(nats_server, tmp_path):
             store = await topology.ensure_datasets_store(js)
             job = f"tokens-{random.randrange(1 << 30)}"
             await store.put(tokens_object_name(job), OLD_OBJECT.read_bytes())
-            spec = schemas.JobSpec(
+            spec = JobSpec(
                 job=job,
                 model="m",
                 model_revision="r",

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 from hsx.errors import HsxError
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.trunk import decoder_stack
-from hsx.model.layers import FINAL
+from hsx.job import FINAL
 from hsx.model.modelinfo import remote_code_refused
 
 NUM_LAYERS = 6  # tests/conftest.py TINY

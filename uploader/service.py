@@ -19,6 +19,7 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
+from hsx.job import JobSpec
 from hsx.storage.destinations import Destination
 from hsx.storage.layout import sample_key
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
@@ -72,7 +73,7 @@ class FileMover:
         cfg: UploaderConfig,
         dest: Destination,
         events: EventPublisher,
-        spec: schemas.JobSpec,
+        spec: JobSpec,
         *,
         watch: JobWatch | None = None,
     ) -> None:
@@ -322,7 +323,7 @@ class FileMover:
         each round before its batches go out); one outside the whole plan is removed unhandled."""
         index = ready.sample_index
 
-        def covers(spec: schemas.JobSpec) -> bool:
+        def covers(spec: JobSpec) -> bool:
             return 0 <= index < spec.total_samples
 
         placed = covers(self.spec) if self.watch is None else await self.watch.placed(covers)

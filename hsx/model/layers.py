@@ -12,7 +12,7 @@ from typing import Literal
 import msgspec
 
 from hsx.errors import HsxError
-from hsx.wire.schemas import FINAL, Layer
+from hsx.job import FINAL, Layer
 
 PRESETS = ("dflash:N", "eagle3", "speculators")
 _DFLASH = re.compile(r"dflash:(\d+)")

@@ -18,13 +18,13 @@ import numpy as np
 import pyarrow as pa
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec, Layer
 from hsx.logs import get_logger
 from hsx.storage import encodings
 from hsx.storage.destinations import Destination
 from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE
 from hsx.storage.samplefile import SampleFileCorrupt, json_or, parse_header
 from hsx.storage.tokens import SampleTable, record_batches
-from hsx.wire import schemas
 
 log = get_logger("hsx.expected")
 
@@ -74,7 +74,7 @@ class ExpectedSamples:
     plan: str | None = None
     model: str | None = None
     model_revision: str | None = None
-    layers: list[schemas.Layer] | None = None
+    layers: list[Layer] | None = None
     dtype: str | None = None
     hidden_size: int = 0  # 0: not known (a job from before the spec recorded it)
     total: int | None = None
@@ -82,7 +82,7 @@ class ExpectedSamples:
     digests: np.ndarray | None = None  # uint8 [total, 16]: ids_digest of sample i's input ids
 
     @classmethod
-    def of_spec(cls, spec: schemas.JobSpec, *, where: str) -> ExpectedSamples:
+    def of_spec(cls, spec: JobSpec, *, where: str) -> ExpectedSamples:
         """The job-wide expectations of a spec, its values checked (`where` names it in errors)."""
         for name in ("total_samples", "hidden_size", "num_layers"):
             if getattr(spec, name) < 0:
@@ -119,7 +119,7 @@ class ExpectedSamples:
         return self.digests[index].tobytes()
 
 
-def load_expected(folder: Destination, url: str, spec: schemas.JobSpec, *, input_ids: bool = True) -> ExpectedSamples:
+def load_expected(folder: Destination, url: str, spec: JobSpec, *, input_ids: bool = True) -> ExpectedSamples:
     """The expectations of the job whose folder is `folder` (at `url`, for errors) and whose
     bundle spec is `spec`: with `input_ids`, each sample's token count and ids digest from the
     bundle's tokens.arrow, whose row count must be the spec's total_samples (one-line HsxError
@@ -153,7 +153,7 @@ def load_expected(folder: Destination, url: str, spec: schemas.JobSpec, *, input
         stream.close()
 
 
-def expected_of_table(spec: schemas.JobSpec, table: SampleTable, url: str) -> ExpectedSamples:
+def expected_of_table(spec: JobSpec, table: SampleTable, url: str) -> ExpectedSamples:
     """As `load_expected`, from the bundle's tokenized samples already read into `table` (export
     to speculators needs the table itself: the tokens file is downloaded once)."""
     spec_key = f"{url}/{BUNDLE_SPEC_KEY}"

@@ -13,8 +13,8 @@ the file self-describing.
 import json
 import re
 
+from hsx.job import Layer
 from hsx.storage import encodings
-from hsx.wire.schemas import Layer
 
 FORMAT_VERSION = "2"  # 2: `checksum` is the sha256 of the data section (hsx.storage.samplefile)
 SHARD_SIZE = 1000

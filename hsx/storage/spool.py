@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.logs import get_logger
 from hsx.storage.fsutil import free_bytes, human_bytes
 from hsx.storage.layout import relative_sample_key, sample_tensor_shapes
 from hsx.storage.samplefile import file_size
-from hsx.wire.schemas import JobSpec
 
 log = get_logger("hsx.spool")
 

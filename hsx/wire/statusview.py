@@ -10,6 +10,7 @@ import time
 
 import msgspec
 
+from hsx.job import JobSpec, Layer
 from hsx.wire import schemas, topology
 from hsx.wire.counts import ProgressCounts, QueueState
 from hsx.wire.fold import ProgressFold
@@ -92,7 +93,7 @@ class StatusView(msgspec.Struct, frozen=True, kw_only=True):
     samples_per_s: float | None = None  # samples uploaded per second, over a recent window
     eta_s: float | None = None  # seconds to done at samples_per_s; None while no rate is known
     model: str = ""
-    layers: list[schemas.Layer] = []
+    layers: list[Layer] = []
     started_at: float | None = None  # the job's first `written` marker (server time)
     finished_at: float | None = None  # once done: its last `uploaded` marker
     elapsed_s: float | None = None  # from started_at to finished_at (done) or to now
@@ -182,7 +183,7 @@ def job_state(
 
 
 def status_view(
-    spec: schemas.JobSpec | None,
+    spec: JobSpec | None,
     fold: ProgressFold,
     queues: QueueState,
     counts: ProgressCounts,
