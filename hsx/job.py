@@ -119,6 +119,17 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag="
         one; the same 12 characters as in the plan's batch ids (`plan_batch_id`)."""
         return plan_tag_of(self.plan_fingerprint)
 
+    @property
+    def last_decoder_layer(self) -> int | None:
+        """The model's last decoder layer, where the spec tells it: from `num_layers`, or in a spec
+        from before `num_layers` was recorded, from its `speculators` preset, whose layers end with
+        it (hsx/model/layers.py); None otherwise."""
+        if self.num_layers:
+            return self.num_layers - 1
+        if self.layer_preset == "speculators" and isinstance(self.layers[-1], int):
+            return self.layers[-1]
+        return None
+
     def owns(self, plan: str) -> bool:
         """Whether a message naming `plan` is of this spec's plan (messages from before they
         carried their plan name none, and are taken as the job's)."""

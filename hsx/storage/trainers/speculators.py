@@ -24,10 +24,7 @@ class Speculators(TrainerFormat):
     reads_tokens = True  # its table comes from the job's tokenized samples: a rerun reads no file it wrote
 
     def trainer_layer_ids(self, spec: JobSpec) -> dict[str, list[int]]:
-        layers = list(spec.layers)
-        last = spec.num_layers - 1 if spec.num_layers else None
-        if spec.layer_preset == "speculators" and last is None:
-            last = layers[-1]
+        layers, last = list(spec.layers), spec.last_decoder_layer
         if FINAL in layers or len(layers) < 2 or last is None or layers[-1] != last:
             raise HsxError(
                 f"job {spec.job} has layers {layers}: speculators reads its layers then the last decoder "
