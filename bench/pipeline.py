@@ -76,6 +76,7 @@ from hsx.gpu_consumer.extract import pad_batch  # noqa: E402
 from hsx.gpu_consumer.model import load_model  # noqa: E402
 from hsx.gpu_consumer.service import SERVICE as CONSUMER_SERVICE  # noqa: E402
 from hsx.job import JobSpec
+from hsx.storage import encodings
 from hsx.uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 from hsx.wire import schemas, topology  # noqa: E402
 from hsx.wire.jobs import require_job_spec  # noqa: E402
@@ -467,7 +468,12 @@ def _bare_forward_main(args) -> int:
     torch.set_num_threads(args.threads)
     decoder = msgspec.json.Decoder(schemas.BatchDescriptor)
     batches = [decoder.decode(line) for line in Path(args.batches).read_bytes().splitlines() if line]
-    loaded = load_model(args.model, layers=[int(x) for x in args.layers.split(",")], dtype=args.dtype, device="cpu")
+    loaded = load_model(
+        args.model,
+        layers=[int(x) for x in args.layers.split(",")],
+        encoding=encodings.of_spec(args.dtype),
+        device="cpu",
+    )
     _forward_one(loaded, batches[-1])  # warm-up, as the consumer does
     for batch in batches:
         _forward_one(loaded, batch)
@@ -538,7 +544,9 @@ async def _efficiency(args, bench: Bench, inp: JobInput) -> tuple[dict, JobSpec,
         if loaded is None:
             spec, batches = pipeline[0]["spec"], pipeline[0]["batches"]
             torch.set_num_threads(args.threads)
-            loaded = load_model(str(inp.model), layers=spec.layers, dtype=spec.dtype, device="cpu")
+            loaded = load_model(
+                str(inp.model), layers=spec.layers, encoding=encodings.of_spec(spec.dtype), device="cpu"
+            )
             await asyncio.to_thread(_forward_one, loaded, batches[-1])  # warm-up, as the consumer does
         forward.append(await _forward_pass(loaded, batches))
         if args.also_main_thread:

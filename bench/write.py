@@ -39,6 +39,7 @@ from hsx.commands.embedded import synthetic_lengths  # noqa: E402
 from hsx.gpu_consumer.config import ConsumerConfig  # noqa: E402
 from hsx.gpu_consumer.writer import write_sample_file  # noqa: E402
 from hsx.job import JobSpec  # noqa: E402
+from hsx.storage.layout import SampleFiles
 from hsx.wire.schemas import Sample
 
 
@@ -95,7 +96,12 @@ def main() -> int:
             files = list(
                 pool.map(
                     lambda i: write_sample_file(
-                        spool=spool, spec=spec, node="n", batch_id="b", sample=samples[i], hidden_states=hidden[i]
+                        spool=spool,
+                        files=SampleFiles.of(spec),
+                        node="n",
+                        batch_id="b",
+                        sample=samples[i],
+                        hidden_states=hidden[i],
                     ),
                     range(len(samples)),
                 )

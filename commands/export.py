@@ -198,7 +198,8 @@ def run_export(cfg: ExportConfig) -> ExportReport:
     note = fmt.convention_note(spec.chat_convention)
     if note:
         print(f"hsx export: note: {note}", file=sys.stderr)
-    dtype_name = trainers.export_dtype(cfg.dtype, spec.dtype)
+    job_expected = ExpectedSamples.of_bundle(spec, url)
+    dtype_name = trainers.export_dtype(cfg.dtype, job_expected.encoding)
     dtype = getattr(torch, dtype_name)
     cfg.out.mkdir(parents=True, exist_ok=True)
     _claim(cfg.out, ExportIdentity(job=job, plan=spec.plan_tag, format=cfg.to, dtype=dtype_name))
@@ -207,7 +208,9 @@ def run_export(cfg: ExportConfig) -> ExportReport:
     # checked (total_samples against its tokens) before anything is sized by them.
     tokens = _bundle_tokens(folder, url) if fmt.reads_tokens else None
     try:
-        expected = load_expected(folder, url, spec) if tokens is None else expected_of_table(spec, tokens, url)
+        expected = (
+            load_expected(folder, url, job_expected) if tokens is None else expected_of_table(job_expected, tokens, url)
+        )
     except HsxError:
         if tokens is not None:
             tokens.close()

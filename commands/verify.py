@@ -21,8 +21,9 @@ import structlog
 
 from hsx.errors import HsxError
 from hsx.job import JobSpec, Layer
-from hsx.storage import encodings
 from hsx.storage.destinations import open_job_folder
+from hsx.storage.encodings import Tolerance
+from hsx.storage.encodings.float32 import FLOAT32
 from hsx.storage.expected import ExpectedSamples, is_missing, mismatches
 from hsx.storage.index import INDEX_KEY, read_index
 from hsx.storage.layout import BUNDLE_DIR, relative_sample_key, sample_key
@@ -216,14 +217,18 @@ def _read_and_check(dest, expected, index, expected_ids, hidden_size, indexed_di
     )
 
 
-def _recompute(spec: JobSpec, dest, indices: list[int], token_ids: list[list[int]] | None) -> list[dict]:
+def _recompute(
+    spec: JobSpec, allowed: Tolerance, dest, indices: list[int], token_ids: list[list[int]] | None
+) -> list[dict]:
+    """Recompute `indices` in float32 on the CPU and compare each with its stored states by the
+    job's encoding's `allowed` measure."""
     from hsx.gpu_consumer.extract import extract_samples
     from hsx.gpu_consumer.model import load_model
     from hsx.wire.schemas import Sample
 
     started = time.monotonic()
     kwargs = {"trust_remote_code": True} if spec.trust_remote_code else {}
-    loaded = load_model(spec.model, layers=list(spec.layers), dtype="float32", device="cpu", **kwargs)
+    loaded = load_model(spec.model, layers=list(spec.layers), encoding=FLOAT32, device="cpu", **kwargs)
     log.info("verify_model_loaded", model=spec.model, seconds=round(time.monotonic() - started, 2))
     results = []
     for index in indices:
@@ -248,8 +253,6 @@ def _recompute(spec: JobSpec, dest, indices: list[int], token_ids: list[list[int
         ref_max_abs = reference.abs().max().item() if reference.numel() else 0.0
         ref_norm = reference.norm().item()
         relative = diff.norm().item() / ref_norm if ref_norm > 0 else (0.0 if max_abs == 0 else float("inf"))
-        # Recomputed (float32, CPU) vs stored, by the measure the job's encoding names.
-        allowed = encodings.of_spec(spec.dtype).tolerance
         measured = {"max_abs_error": max_abs, "relative_error": relative}[allowed.measure]
         ok, tolerance = measured <= allowed.limit, {allowed.measure: allowed.limit}
         results.append(
@@ -287,7 +290,6 @@ def verify(
     """Check the job's destination against its spec; the report (see `format_report`)."""
     started = time.monotonic()
     job, total = spec.job, spec.total_samples
-    encodings.of_spec(spec.dtype, where=f"job {job}'s spec")
     expected = ExpectedSamples.of_spec(spec, where=f"job {job}'s spec")
     dest = open_job_folder(spec_location(spec.dest), job, max_connections=workers)
     log.info("verify_started", job=job, dest=spec.dest, total_samples=total, workers=workers)
@@ -368,7 +370,7 @@ def verify(
     readable = [o.index for o in outcomes if o.status in ("ok", "mismatching")]
     seed = secrets.randbelow(2**31) if seed is None else seed
     chosen = sorted(random.Random(seed).sample(readable, min(recompute, len(readable)))) if recompute else []
-    recomputed = _recompute(spec, dest, chosen, token_ids) if chosen else []
+    recomputed = _recompute(spec, expected.encoding.tolerance, dest, chosen, token_ids) if chosen else []
 
     missing = [o.index for o in outcomes if o.status == "missing"]
     corrupt = [

@@ -28,10 +28,13 @@ from hsx.gpu_consumer.model import LoadedModel, load_model, usable_device
 from hsx.gpu_consumer.scheduler import pull_loop
 from hsx.gpu_consumer.service import SERVICE, BatchWorker
 from hsx.gpu_consumer.writer import remove_orphaned_temp_files
-from hsx.job import JobSpec, Layer
+from hsx.job import Layer
 from hsx.model.layers import resolve_layers
 from hsx.model.modelinfo import load_model_info
+from hsx.storage import encodings
+from hsx.storage.encodings import Encoding
 from hsx.storage.fsutil import make_private_dirs
+from hsx.storage.layout import SampleFiles
 from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans, warn_spool_room
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
@@ -64,12 +67,19 @@ class ModelKey:
     model: str
     revision: str  # as the spec records it: "local" for a folder
     layers: tuple[Layer, ...]
-    dtype: str
+    encoding: Encoding  # its compute dtype, and what its forward hands over (extract.py)
     trust_remote_code: bool
 
     @classmethod
-    def of(cls, spec: JobSpec) -> "ModelKey":
-        return cls(spec.model, spec.model_revision, tuple(spec.layers), spec.dtype, spec.trust_remote_code)
+    def of(cls, files: SampleFiles) -> "ModelKey":
+        spec = files.spec
+        return cls(spec.model, spec.model_revision, tuple(spec.layers), files.encoding, spec.trust_remote_code)
+
+    def __str__(self) -> str:
+        return (
+            f"ModelKey(model={self.model!r}, revision={self.revision!r}, layers={self.layers!r}, "
+            f"dtype={self.encoding.stored!r}, trust_remote_code={self.trust_remote_code!r})"
+        )
 
 
 def _load_ready(key: ModelKey, *, device: str, compile_layers: bool) -> LoadedModel:
@@ -77,7 +87,7 @@ def _load_ready(key: ModelKey, *, device: str, compile_layers: bool) -> LoadedMo
     loaded = load_model(
         key.model,
         layers=list(key.layers),
-        dtype=key.dtype,
+        encoding=key.encoding,
         device=device,
         trust_remote_code=key.trust_remote_code,
         revision=None if key.revision == "local" else key.revision,
@@ -91,7 +101,9 @@ def load_expected(expected: ExpectedModel, *, device: str, compile_layers: bool)
     """The model `hsx up` expects the job to name, its layers resolved as the producer resolves them."""
     info = load_model_info(expected.model, trust_remote_code=expected.trust_remote_code)
     layers = resolve_layers(expected.layers, info.num_layers, model=expected.model)
-    key = ModelKey(expected.model, info.revision, tuple(layers), expected.dtype, expected.trust_remote_code)
+    # The dtype hsx up expects the spec to name, looked up before there is a spec.
+    encoding = encodings.of_spec(expected.dtype)
+    key = ModelKey(expected.model, info.revision, tuple(layers), encoding, expected.trust_remote_code)
     return key, _load_ready(key, device=device, compile_layers=compile_layers)
 
 
@@ -108,10 +120,11 @@ async def load_early(
 
 
 async def model_for(
-    spec: JobSpec, early: asyncio.Future | None, forwards: DeviceThread, *, device: str, compile_layers: bool
+    files: SampleFiles, early: asyncio.Future | None, forwards: DeviceThread, *, device: str, compile_layers: bool
 ) -> LoadedModel:
-    """The spec's model: the one loaded before the spec was read if it is that one, else loaded now."""
-    wanted = ModelKey.of(spec)
+    """The model the spec's files are made with: the one loaded before the spec was read if it is
+    that one, else loaded now."""
+    spec, wanted = files.spec, ModelKey.of(files)
     if early is not None:
         spec_read = time.monotonic()
         try:
@@ -196,7 +209,9 @@ async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int
             return STOPPED  # a signal came before the job's spec
         js, spec, stopping = session.js, session.spec, session.stopping
         health.watch_stop(stopping)
-        warn_spool_room(cfg.spool, spec, high_water=cfg.spool_high_water_bytes)
+        # The job's files, its encoding looked up once: the model is loaded for it.
+        files = SampleFiles.of(spec)
+        warn_spool_room(cfg.spool, files, high_water=cfg.spool_high_water_bytes)
         events = EventPublisher(session.nc, js, cfg.job)
         worker: BatchWorker | None = None
         kernels: schemas.Kernels | None = None  # known once the model is loaded
@@ -218,7 +233,7 @@ async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int
             watching(watch),
             heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state),
         ):
-            loaded = await model_for(spec, early, forwards, device=cfg.device, compile_layers=compile_layers)
+            loaded = await model_for(files, early, forwards, device=cfg.device, compile_layers=compile_layers)
             kernels = kernel_report(
                 loaded.model,
                 compiled=compiling.compiled(loaded.model),

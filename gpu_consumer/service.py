@@ -42,8 +42,8 @@ from hsx.gpu_consumer.staging import StagingLease
 from hsx.gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
 from hsx.gpu_consumer.writer import write_sample_file
 from hsx.job import JobSpec
-from hsx.storage import encodings
 from hsx.storage.fsutil import fsync_dir
+from hsx.storage.layout import SampleFiles
 from hsx.storage.spool import SpoolMeter, plan_folder, spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
@@ -114,6 +114,9 @@ class BatchWorker:
         self.events = events
         self.spec = spec
         self.loaded = loaded
+        # The files the spec makes, in the encoding the model was loaded for: the spec's
+        # (gpu_consumer/main.py loads the model for the spec it serves).
+        self.files = SampleFiles(spec, loaded.encoding)
         self.stopping = stopping
         # Whether the job is still the one this worker started for (None: not watched, in tests).
         self.watch = watch
@@ -157,7 +160,7 @@ class BatchWorker:
             replaced = None
         ready = write_sample_file(
             spool=self.cfg.spool,
-            spec=self.spec,
+            files=self.files,
             node=self.cfg.node,
             batch_id=batch_id,
             sample=sample,
@@ -460,13 +463,13 @@ class BatchWorker:
         return False
 
     async def _launch_and_land(
-        self, samples: list[schemas.Sample], lease: StagingLease | None, float8: bool, launched: asyncio.Event | None
+        self, samples: list[schemas.Sample], lease: StagingLease | None, launched: asyncio.Event | None
     ) -> list:
         """The batch's forward queued on the forwards thread, then its copy to the host waited for
         on the landing thread (not at all when it is there already: off CUDA)."""
 
         def launch() -> InFlight:
-            return launch_samples(self.loaded, samples, lease=lease, float8=float8)
+            return launch_samples(self.loaded, samples, lease=lease)
 
         inflight: InFlight = await self.forwards.run(compiling.eager_on_failure, self.loaded.model, launch)
         if launched is not None:
@@ -500,7 +503,6 @@ class BatchWorker:
         self._in_hand[id(taken)] = batch.batch_id
         log_ = log.bind(batch=batch.batch_id, attempt=attempt)
         started = time.perf_counter()
-        float8 = encodings.of_spec(self.spec.dtype).quantized_on_device  # before the copy to the host
 
         def forward(work: Awaitable) -> Awaitable:
             return self._watched(
@@ -513,7 +515,7 @@ class BatchWorker:
             )
 
         try:
-            outputs = await forward(self._launch_and_land(batch.samples, lease, float8, launched))
+            outputs = await forward(self._launch_and_land(batch.samples, lease, launched))
             return Computed(taken, batch, attempt, started, list(zip(batch.samples, outputs)))
         except ReleasedBatch:
             return None
@@ -532,7 +534,7 @@ class BatchWorker:
         # Last delivery (or samples found non-finite): give up only the samples that fail on their own.
         try:
             extracted, failed = await forward(
-                self.forwards.run(extract_isolating, self.loaded, batch.samples, lease=lease, float8=float8)
+                self.forwards.run(extract_isolating, self.loaded, batch.samples, lease=lease)
             )
         except ReleasedBatch:
             return None

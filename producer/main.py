@@ -40,7 +40,7 @@ from hsx.producer.measure import NO_MEASURE, Measure, NotMeasured
 from hsx.producer.rounds import RoundReader, read_inputs, round_fingerprint
 from hsx.producer.sources import dataset_digest
 from hsx.producer.specrecord import SpecChanged, SpecRecord
-from hsx.storage import encodings
+from hsx.storage.layout import SampleFiles
 from hsx.storage.sampledigest import table_digests
 from hsx.storage.tokens import SampleTable, report_object_name, tokens_object_name
 from hsx.wire import schemas, topology
@@ -245,18 +245,19 @@ def _estimate(cfg: ProducerConfig, job: Sizing, *, max_payload: int, measure: Me
         dataset_digest="0" * 64,
         **_input_counts(cfg, job.inputs, job.existing),
     )
+    files = SampleFiles.of(spec)
     measured = not_measured = None
     if measure is not None and cfg.estimate_device == NO_MEASURE:
         not_measured = f"--estimate-device {NO_MEASURE}"
-    elif measure is not None and not encodings.of_spec(spec.dtype).exact_size:
+    elif measure is not None and not files.encoding.exact_size:
         try:
-            measured = measure(spec, job.rows, cfg.estimate_device)
+            measured = measure(files, job.rows, cfg.estimate_device)
             log.info("states_measured", job=cfg.job, **asdict(measured))
         except NotMeasured as exc:
             not_measured = str(exc)
             log.warning("states_not_measured", job=cfg.job, reason=not_measured)
     return estimate_job(
-        spec,
+        files,
         job.rows,
         job.batches,
         max_batch_size=cfg.max_batch_size,
@@ -763,7 +764,8 @@ async def _publish_rounds(
             room["bundle_per_token"] = estimate.bundle_bytes / max(1, rows.total_tokens)
             free = estimate.free_space
         else:
-            room["files"] += int(sample_file_sizes(new, round_spec(), first_index=first_index).sum())
+            files = SampleFiles.of(round_spec())
+            room["files"] += int(sample_file_sizes(new, files, first_index=first_index).sum())
             bundle = int(room["bundle_per_token"] * rows.total_tokens)
             free = free_space(cfg.dest, cfg.job, job_bytes=room["files"] + bundle)
         _refuse_without_room(cfg, free, round=len(starts) - 1)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hsx.job import JobSpec
+from hsx.storage.layout import SampleFiles
 from hsx.storage.tokens import SampleTable
 
 NO_MEASURE = "none"  # --estimate-device none: the bound alone
@@ -38,8 +38,8 @@ class NotMeasured(Exception):
     """Why the states were not measured, in one line."""
 
 
-# (the job's spec, its samples, the device) -> Measured, or NotMeasured.
-Measure = Callable[[JobSpec, SampleTable, str], Measured]
+# (the job's files, its samples, the device) -> Measured, or NotMeasured.
+Measure = Callable[[SampleFiles, SampleTable, str], Measured]
 
 
 def pick_samples(lengths: np.ndarray, *, tokens: int = SAMPLE_TOKENS, seed: int = SEED) -> np.ndarray:

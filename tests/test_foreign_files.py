@@ -36,7 +36,7 @@ from hsx.exitcodes import JOB_FAILED
 from hsx.gpu_consumer.writer import write_sample_file
 from hsx.job import JobSpec
 from hsx.logs import configure_logging
-from hsx.storage.layout import sample_key
+from hsx.storage.layout import SampleFiles, sample_key
 from hsx.storage.reader import HiddenStateDataset, pack_collate, pad_collate, prefetched
 from hsx.wire import schemas
 
@@ -152,7 +152,12 @@ def _foreign_file(tmp_path: Path, index: int) -> bytes:
     sample = schemas.Sample(index=index, source_id="x", input_ids=list(range(40)))
     spool = tmp_path / "foreign-spool"
     ready = write_sample_file(
-        spool=spool, spec=other, node="n", batch_id="b", sample=sample, hidden_states=torch.randn(40, 2, 32)
+        spool=spool,
+        files=SampleFiles.of(other),
+        node="n",
+        batch_id="b",
+        sample=sample,
+        hidden_states=torch.randn(40, 2, 32),
     )
     return (spool / ready.spool_path).read_bytes()
 

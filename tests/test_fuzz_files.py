@@ -31,7 +31,7 @@ from hsx.job import JobSpec
 from hsx.storage import encodings
 from hsx.storage.destinations import FileDestination
 from hsx.storage.expected import ExpectedSamples, ids_digest, mismatches, read_header
-from hsx.storage.layout import relative_sample_key
+from hsx.storage.layout import SampleFiles, relative_sample_key
 from hsx.storage.reader import BadSampleFile, _read_checked, load_sample
 from hsx.storage.sampledigest import sample_digest
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
@@ -139,7 +139,9 @@ def real_files(tmp_path_factory) -> dict[str, bytes]:
     for encoding in encodings.ENCODINGS.values():
         spec = _spec(encoding.stored)
         states = torch.randn(len(SAMPLE.input_ids), len(LAYERS), HIDDEN).to(getattr(torch, encoding.compute))
-        ready = write_sample_file(spool=spool, spec=spec, node="n", batch_id="b", sample=SAMPLE, hidden_states=states)
+        ready = write_sample_file(
+            spool=spool, files=SampleFiles.of(spec), node="n", batch_id="b", sample=SAMPLE, hidden_states=states
+        )
         files[encoding.name] = (spool / ready.spool_path).read_bytes()
     return files
 

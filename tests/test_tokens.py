@@ -29,6 +29,7 @@ from hsx.errors import HsxError
 from hsx.job import JobSpec
 from hsx.producer.inputs import tokenized_rows
 from hsx.producer.sources import read_source
+from hsx.storage.layout import SampleFiles
 from hsx.storage.tokens import TokenRow, load_samples, loss_spans, read_tokens, tokens_object_name, write_tokens
 from hsx.wire import schemas
 
@@ -216,7 +217,12 @@ def test_files_from_spans_and_from_the_list_are_identical(tmp_path):
         ),
     }.items():
         ready = write_sample_file(
-            spool=tmp_path / form, spec=spec, node="n", batch_id="b", sample=sample, hidden_states=hidden
+            spool=tmp_path / form,
+            files=SampleFiles.of(spec),
+            node="n",
+            batch_id="b",
+            sample=sample,
+            hidden_states=hidden,
         )
         files[form] = (tmp_path / form / ready.spool_path).read_bytes()
     assert files["list"] == files["spans"]

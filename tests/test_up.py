@@ -140,6 +140,7 @@ def test_a_model_loaded_early_is_kept_only_for_the_spec_it_serves(tiny_model):
     from hsx.gpu_consumer.device_thread import DeviceThread
     from hsx.gpu_consumer.main import load_expected, model_for
     from hsx.model.layers import parse_layers
+    from hsx.storage.layout import SampleFiles
 
     model = str(tiny_model())
     expected = ExpectedModel(model=model, layers=parse_layers("1,-1"), dtype="float32")
@@ -155,7 +156,7 @@ def test_a_model_loaded_early_is_kept_only_for_the_spec_it_serves(tiny_model):
         forwards = DeviceThread("cpu")
         early = asyncio.ensure_future(forwards.run(load_expected, expected, device="cpu", compile_layers=False))
         _, early_model = await asyncio.shield(early)
-        loaded = await model_for(spec(layers), early, forwards, device="cpu", compile_layers=False)
+        loaded = await model_for(SampleFiles.of(spec(layers)), early, forwards, device="cpu", compile_layers=False)
         forwards.close()
         return loaded, early_model
 

@@ -22,7 +22,8 @@ from hsx.job import JobSpec, Layer
 from hsx.logs import get_logger
 from hsx.storage import encodings
 from hsx.storage.destinations import Destination
-from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE
+from hsx.storage.encodings import Encoding
+from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, SampleFiles
 from hsx.storage.samplefile import SampleFileCorrupt, json_or, parse_header
 from hsx.storage.tokens import SampleTable, record_batches
 
@@ -75,7 +76,7 @@ class ExpectedSamples:
     model: str | None = None
     model_revision: str | None = None
     layers: list[Layer] | None = None
-    dtype: str | None = None
+    encoding: Encoding | None = None  # the job's, its `stored` name the spec's dtype
     hidden_size: int = 0  # 0: not known (a job from before the spec recorded it)
     total: int | None = None
     lengths: np.ndarray | None = None  # int64 [total]: sample i's token count
@@ -87,7 +88,7 @@ class ExpectedSamples:
         for name in ("total_samples", "hidden_size", "num_layers"):
             if getattr(spec, name) < 0:
                 raise HsxError(f"{where}: {name} is {getattr(spec, name)}, not a count")
-        encodings.of_spec(spec.dtype, where=where)
+        files = SampleFiles.of(spec, where=where)
         if not spec.layers:
             raise HsxError(f"{where}: the job names no layers")
         return cls(
@@ -96,10 +97,15 @@ class ExpectedSamples:
             model=spec.model,
             model_revision=spec.model_revision,
             layers=list(spec.layers),
-            dtype=spec.dtype,
+            encoding=files.encoding,
             hidden_size=spec.hidden_size,
             total=spec.total_samples,
         )
+
+    @classmethod
+    def of_bundle(cls, spec: JobSpec, url: str) -> ExpectedSamples:
+        """`of_spec` for the spec of the bundle in the job folder at `url`."""
+        return cls.of_spec(spec, where=f"{url}/{BUNDLE_SPEC_KEY}")
 
     def with_lengths(self, lengths: Sequence[int] | np.ndarray) -> ExpectedSamples:
         return dataclasses.replace(self, lengths=np.asarray(lengths, dtype=np.int64))
@@ -119,13 +125,14 @@ class ExpectedSamples:
         return self.digests[index].tobytes()
 
 
-def load_expected(folder: Destination, url: str, spec: JobSpec, *, input_ids: bool = True) -> ExpectedSamples:
-    """The expectations of the job whose folder is `folder` (at `url`, for errors) and whose
-    bundle spec is `spec`: with `input_ids`, each sample's token count and ids digest from the
-    bundle's tokens.arrow, whose row count must be the spec's total_samples (one-line HsxError
-    otherwise); without, the spec's alone (no download)."""
+def load_expected(
+    folder: Destination, url: str, expected: ExpectedSamples, *, input_ids: bool = True
+) -> ExpectedSamples:
+    """The expectations of the job whose folder is `folder` (at `url`, for errors), `expected`
+    its bundle spec's (`ExpectedSamples.of_bundle`): with `input_ids`, each sample's token count
+    and ids digest from the bundle's tokens.arrow, whose row count must be the spec's
+    total_samples (one-line HsxError otherwise); without, the spec's alone (no download)."""
     spec_key = f"{url}/{BUNDLE_SPEC_KEY}"
-    expected = ExpectedSamples.of_spec(spec, where=spec_key)
     if not input_ids:
         return expected
     what = f"{url}/{BUNDLE_TOKENS_KEY}"
@@ -153,11 +160,10 @@ def load_expected(folder: Destination, url: str, spec: JobSpec, *, input_ids: bo
         stream.close()
 
 
-def expected_of_table(spec: JobSpec, table: SampleTable, url: str) -> ExpectedSamples:
+def expected_of_table(expected: ExpectedSamples, table: SampleTable, url: str) -> ExpectedSamples:
     """As `load_expected`, from the bundle's tokenized samples already read into `table` (export
     to speculators needs the table itself: the tokens file is downloaded once)."""
     spec_key = f"{url}/{BUNDLE_SPEC_KEY}"
-    expected = ExpectedSamples.of_spec(spec, where=spec_key)
     runs = ((offsets, tokens) for _first, offsets, tokens, _masks in table.runs())
     return _with_input_ids(expected, runs, claimed_by=spec_key)
 
@@ -272,11 +278,11 @@ def mismatches(
     if expected.layers is not None:
         layers = json_or(metadata.get("layers", "null"), metadata.get("layers"))
         expect("layers", layers == expected.layers, f"metadata layers {layers!r}, the job has {expected.layers}")
-    if expected.dtype is not None:
+    if expected.encoding is not None:
         expect(
             "dtype",
-            metadata.get("dtype") == expected.dtype,
-            f"metadata dtype {metadata.get('dtype')!r}, the job has {expected.dtype!r}",
+            metadata.get("dtype") == expected.encoding.stored,
+            f"metadata dtype {metadata.get('dtype')!r}, the job has {expected.encoding.stored!r}",
         )
 
     ids = header.get("input_ids")
@@ -311,7 +317,7 @@ def mismatches(
     )
 
     # The job's encoding when the bundle says it, else the one the file names (or is inferred).
-    encoding = encodings.of_spec(expected.dtype) if expected.dtype is not None else None
+    encoding = expected.encoding
     try:
         named = encodings.of_file(metadata, header)
     except encodings.UnknownEncoding as exc:
@@ -323,7 +329,7 @@ def mismatches(
             expect(
                 "encoding",
                 named is encoding,
-                f"metadata encoding {named.name!r}, the job stores {expected.dtype!r}",
+                f"metadata encoding {named.name!r}, the job stores {encoding.stored!r}",
             )
     hidden = encoding.header_states(header, metadata) if encoding is not None else header.get("hidden_states")
     width = hidden_size if hidden_size is not None else (expected.hidden_size or None)
@@ -340,14 +346,14 @@ def mismatches(
         )
         want = f"[{tokens if tokens is not None else 'T'}, {layers_count or 'k'}, {width or 'H'}]"
         expect("hidden_states", shape_ok, f"hidden_states shape {hidden.get('shape')}, expected {want}")
-        if expected.dtype is not None:
+        if expected.encoding is not None:
             stored = encoding.header_dtype()
             expect(
                 "hidden_states",
                 hidden.get("dtype") == stored,
                 f"hidden_states dtype {hidden.get('dtype')}, the job stores {stored}",
             )
-    if encoding is not None and (expected.dtype is not None or "dtype" in metadata):
+    if encoding is not None and (expected.encoding is not None or "dtype" in metadata):
         for check, detail in encoding.header_problems(header, hidden).items():
             expect(check, False, detail)
     mask = header.get("loss_mask")

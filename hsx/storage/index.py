@@ -391,7 +391,7 @@ def rebuild_job_index(folder_url: Location, *, workers: int = 32) -> StoredIndex
             raise HsxError(f"{folder_url}: its bundle is job {spec.job}'s, not {job}'s")
         # The bundle's claims are checked (total_samples against its tokens file) before the
         # listing is bounded by them; each header is then checked against its sample.
-        expected = load_expected(folder, str(folder_url), spec)
+        expected = load_expected(folder, str(folder_url), ExpectedSamples.of_bundle(spec, str(folder_url)))
         index, left_out = index_from_destination(folder, spec, expected=expected, workers=workers)
         written = write_index(folder, index)
     log.info(

@@ -143,7 +143,9 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             self.expected = ExpectedSamples(job=self.job)
         else:
             # Before the listing: the listing is bounded by total_samples, which this checks.
-            self.expected = load_expected(folder, self.url, spec, input_ids=check_input_ids)
+            self.expected = load_expected(
+                folder, self.url, ExpectedSamples.of_bundle(spec, self.url), input_ids=check_input_ids
+            )
         self.sample_indices, index, why_not = stored_samples(folder, self.job, spec=spec)
         self.sample_tokens: list[int] | None = None
         if index is not None:
