@@ -15,7 +15,7 @@ from hsx.config.fields import option
 from hsx.config.settings import build_config
 from hsx.config.values import count, duration, positive_int
 from hsx.errors import HsxError
-from hsx.storage import trainers
+from hsx.storage import destinations, trainers
 from hsx.storage.location import Location, job_folder_argument
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.topology import check_name, job_name
@@ -140,9 +140,7 @@ class SyncConfig:
     source: Path = option("PATH", parse=Path, help="the directory whose files are uploaded")
     # As given ("/backups", shown so by hsx config show); `from_args` makes it the Location with
     # --prefix joined, which is what the sync uploads to.
-    dest: Location = option(
-        "--dest", example="s3://bucket/checkpoints", help="s3://bucket/prefix, file:///dir or a path"
-    )
+    dest: Location = option("--dest", example="s3://bucket/checkpoints", help=destinations.forms())
     prefix: str = option("--prefix", default="", help="key prefix under --dest (default: none)")
     # Seconds from one pass's start to the next; None: one pass (--once).
     every_s: float | None = option(

@@ -9,8 +9,11 @@ import pytest
 
 from hsx.errors import HsxError
 from hsx.model.layers import Preset, parse_layers
-from hsx.storage.destinations import FileDestination, S3Destination, open_destination, open_job_folder
-from hsx.storage.location import Location, spec_location
+from hsx.storage.destinations import SCHEMES, forms
+from hsx.storage.destinations.file import FileDestination
+from hsx.storage.destinations.s3 import S3Destination
+from hsx.storage.location import Location, open_destination, open_job_folder, spec_location
+from hsx.wire.jobs import _dest_form
 
 
 @pytest.mark.parametrize(
@@ -26,6 +29,21 @@ def test_each_form_is_parsed_once_into_its_parts(text, bucket, path, url):
     location = Location.parse(text)
     assert (location.bucket, location.path, str(location)) == (bucket, path, url)
     assert Location.parse(str(location)) == location  # the canonical URL parses to itself
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_each_registered_scheme_parses_its_own_form_and_its_job_folder_passes_the_spec_check(name):
+    """The registry is the one list: what a scheme's form parses to, its canonical URL parses
+    back to; a job folder under it is what a job spec may carry, and comes back from the spec."""
+    location = Location.parse(SCHEMES[name].form)
+    assert location.scheme == name and Location.parse(str(location)) == location
+    folder = location.child("job-1")
+    assert folder.name == "job-1" and _dest_form(str(folder)) and spec_location(str(folder)) == folder
+
+
+def test_only_a_local_folder_has_one(tmp_path):
+    assert Location.parse(tmp_path).local_folder == tmp_path
+    assert Location.parse("s3://bucket/p").local_folder is None
 
 
 def test_a_plain_path_is_made_absolute(tmp_path, monkeypatch):
@@ -51,8 +69,7 @@ def test_a_plain_path_is_made_absolute(tmp_path, monkeypatch):
         ("file:/abs", "--dest 'file:/abs': not a URL hsx reads; did you mean file:///abs?"),
         (
             "run:2/out",
-            "--dest 'run:2/out': not a URL hsx reads; use s3://bucket/prefix, file:///dir or a path"
-            " (./run:2/out for a local folder so named)",
+            f"--dest 'run:2/out': not a URL hsx reads; use {forms()} (./run:2/out for a local folder so named)",
         ),
     ],
 )
