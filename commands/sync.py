@@ -14,35 +14,12 @@ import structlog
 
 from hsx.commands.configs import SyncConfig
 from hsx.config.values import parse_duration  # noqa: F401 - `hsx sync --every`'s, named here too
-from hsx.errors import HsxError
 from hsx.exitcodes import DONE, JOB_FAILED, STOPPED
 from hsx.storage.destinations import Destination, error_line, file_sha256, store_errors
-from hsx.storage.location import Location, open_destination
+from hsx.storage.location import open_destination
 from hsx.wire.lifecycle import stop_flag_on_signals
 
 log = structlog.get_logger("hsx.sync")
-
-
-def check_source(path: Path) -> Path:
-    """The directory to sync, resolved; a one-line error when it is not one."""
-    if not path.exists():
-        raise HsxError(f"PATH {str(path)!r}: no such directory")
-    if not path.is_dir():
-        raise HsxError(f"PATH {str(path)!r}: not a directory (hsx sync uploads the files under a directory)")
-    if not os.access(path, os.R_OK | os.X_OK):
-        raise HsxError(f"PATH {str(path)!r}: not readable")
-    return path.resolve()
-
-
-def dest_url(dest: Location, prefix: str, *, source: Path) -> Location:
-    """--dest with --prefix appended; a local destination inside PATH is refused (every pass would
-    upload the previous pass's copies)."""
-    prefix = prefix.strip("/")
-    location = dest.child(prefix) if prefix else dest
-    folder = location.local_folder
-    if folder is not None and folder.resolve().is_relative_to(source):
-        raise HsxError(f"--dest {dest.path!r} is inside PATH {str(source)!r}; choose a destination outside it")
-    return location
 
 
 @dataclass(frozen=True, slots=True)
