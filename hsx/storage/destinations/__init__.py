@@ -6,6 +6,7 @@ SCHEMES below. Also here: `probe`, the producer's write test of any destination,
 """
 
 from hsx.errors import HsxError
+from hsx.storage.destinations.azure import AZURE
 from hsx.storage.destinations.base import (
     Destination,
     Scheme,
@@ -35,6 +36,7 @@ SCHEMES: dict[str, Scheme] = {
     for one in (
         S3,
         FILE,
+        AZURE,
     )
 }
 
