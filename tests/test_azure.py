@@ -38,6 +38,9 @@ DEV_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFP
 START_TIMEOUT_S = 120  # a bound on a cold node start on a loaded machine, not a measurement
 COUNT = 6
 LAYERS = [1, 3]
+# The first test that needs Azurite installs it (npm: a minute or two on a clean machine), inside
+# its own set-up: the suite's 300 s per test would count the download.
+pytestmark = pytest.mark.timeout(900)
 
 
 def _azurite_binary() -> Path:
