@@ -205,7 +205,7 @@ def test_sums_go_on_from_the_checkpoint_and_a_short_reading_says_so(nats_server,
     async def from_nothing() -> ProgressFold:
         nc = await nats.connect(nats_server.url)
         js = nc.jetstream()
-        await js.purge_stream(topology.EVENTS_STREAM, subject=topology.checkpoint_subject(job_name))
+        await js.purge_stream(topology.STATE_STREAM, subject=topology.checkpoint_subject(job_name))
         tracker = ProgressTracker(js, job_name, plan=PLAN)
         await tracker.start()
         await tracker.wait_caught_up(30)

@@ -3,8 +3,9 @@
 Samples, tokens and bytes written and uploaded, and the deliveries each batch and file needed,
 are the markers' own numbers added up in stream order, each marker once (`ProgressFold`, a pure
 fold). A reader that folds them saves what it reached as a `ProgressCheckpoint` on
-`hsx.events.<job>.checkpoint` (`save_checkpoint`), and the next reader starts from there
-(`load_checkpoint`), so the markers are read once between readers, not at every reading.
+`hsx.state.<job>.checkpoint` (`save_checkpoint`; HSX_STATE keeps the last save), and the next
+reader starts from there (`load_checkpoint`), so the markers are read once between readers, not
+at every reading.
 """
 
 import time
@@ -16,7 +17,6 @@ from nats.js import JetStreamContext
 
 from hsx.logs import get_logger
 from hsx.wire import schemas, topology
-from hsx.wire.events import HEARTBEAT_ROLLUP
 from hsx.wire.headers import message_headers
 
 log = get_logger("hsx.progress")
@@ -116,11 +116,11 @@ def _letter_of_plan(letter: schemas.DeadLetter, plan: str) -> bool:
 
 
 async def load_checkpoint(js: JetStreamContext, job: str, plan: str) -> tuple[schemas.ProgressCheckpoint | None, int]:
-    """(the job's saved checkpoint if it is of `plan`, the stream sequence of the message holding
-    any checkpoint, 0 when there is none)."""
+    """(the job's saved checkpoint if it is of `plan`, the HSX_STATE sequence of the message
+    holding any checkpoint, 0 when there is none)."""
     try:
-        msg = await js.get_last_msg(topology.EVENTS_STREAM, topology.checkpoint_subject(job))
-    except nats.js.errors.NotFoundError:
+        msg = await js.get_last_msg(topology.STATE_STREAM, topology.checkpoint_subject(job))
+    except nats.js.errors.NotFoundError:  # none saved, or no HSX_STATE yet (streams of an older hsx)
         return None, 0
     try:
         checkpoint = schemas.checkpoint_decoder.decode(msg.data)
@@ -158,11 +158,8 @@ async def save_checkpoint(js: JetStreamContext, checkpoint: schemas.ProgressChec
             theirs.uploaded_seq,
         ):
             return
-        headers = {
-            **message_headers(checkpoint.job),
-            **HEARTBEAT_ROLLUP,
-            "Nats-Expected-Last-Subject-Sequence": str(last_seq),
-        }
+        # HSX_STATE keeps the subject's last message; the expected sequence serializes savers.
+        headers = {**message_headers(checkpoint.job), "Nats-Expected-Last-Subject-Sequence": str(last_seq)}
         try:
             await js.publish(subject, schemas.encode(merged), headers=headers)
             return
