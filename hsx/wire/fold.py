@@ -5,7 +5,8 @@ are the markers' own numbers added up in stream order, each marker once (`Progre
 fold). A reader that folds them saves what it reached as a `ProgressCheckpoint` on
 `hsx.state.<job>.checkpoint` (`save_checkpoint`; HSX_STATE keeps the last save), and the next
 reader starts from there (`load_checkpoint`), so the markers are read once between readers, not
-at every reading.
+at every reading. A checkpoint whose markers are no longer in HSX_EVENTS is not used: the sums
+are folded again from the first marker.
 """
 
 import time
@@ -116,8 +117,8 @@ def _letter_of_plan(letter: schemas.DeadLetter, plan: str) -> bool:
 
 
 async def load_checkpoint(js: JetStreamContext, job: str, plan: str) -> tuple[schemas.ProgressCheckpoint | None, int]:
-    """(the job's saved checkpoint if it is of `plan`, the HSX_STATE sequence of the message
-    holding any checkpoint, 0 when there is none)."""
+    """(the job's saved checkpoint if it is of `plan` and its markers are there, the HSX_STATE
+    sequence of the message holding any checkpoint, 0 when there is none)."""
     try:
         msg = await js.get_last_msg(topology.STATE_STREAM, topology.checkpoint_subject(job))
     except nats.js.errors.NotFoundError:  # none saved, or no HSX_STATE yet (streams of an older hsx)
@@ -127,7 +128,32 @@ async def load_checkpoint(js: JetStreamContext, job: str, plan: str) -> tuple[sc
     except msgspec.DecodeError:
         log.warning("undecodable_checkpoint", job=job)
         return None, msg.seq
-    return (checkpoint if checkpoint.plan == plan else None), msg.seq
+    if checkpoint.plan != plan:
+        return None, msg.seq
+    if not await _markers_there(js, checkpoint):
+        log.warning(
+            "checkpoint_stale", job=job, written_seq=checkpoint.written_seq, uploaded_seq=checkpoint.uploaded_seq
+        )
+        return None, msg.seq
+    return checkpoint, msg.seq
+
+
+async def _markers_there(js: JetStreamContext, checkpoint: schemas.ProgressCheckpoint) -> bool:
+    """Whether the markers a checkpoint's sums end at are still in HSX_EVENTS. The checkpoint
+    lives in another stream: the job's markers purged (an older hsx's `jobs delete`, which knew
+    only HSX_EVENTS) or HSX_EVENTS made anew would leave sums over markers that are gone, and a
+    new marker at or below their sequence would be skipped. A marker is removed only with its
+    job's, so the one at each sequence is there exactly while the sums are."""
+    for kind, seq in (("written", checkpoint.written_seq), ("uploaded", checkpoint.uploaded_seq)):
+        if not seq:
+            continue
+        try:
+            msg = await js.get_msg(topology.EVENTS_STREAM, seq=seq)
+        except nats.js.errors.NotFoundError:
+            return False
+        if not msg.subject.startswith(topology.markers_all(checkpoint.job, kind, checkpoint.plan or "none")[:-1]):
+            return False
+    return True
 
 
 def _merged(mine: schemas.ProgressCheckpoint, theirs: schemas.ProgressCheckpoint | None) -> schemas.ProgressCheckpoint:
