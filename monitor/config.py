@@ -19,11 +19,26 @@ class MonitorConfig:
     # No flag: `hsx up` runs its monitor with False and prints the result itself, once.
     leave_bar: bool = True
     job: str = option(
-        "--job", parse=job_name, job=True, file_key="name", example="qwen27b-l5", help="the job to follow"
+        "--job",
+        parse=job_name,
+        job=True,
+        file_key="name",
+        env="HSX_JOB",
+        example="qwen27b-l5",
+        help="the job to follow",
     )
-    until_done: bool = option("--until-done", default=False, help="exit 0 when done, 1 when it cannot finish")
+    until_done: bool = option(
+        "--until-done",
+        default=False,
+        env="HSX_UNTIL_DONE",
+        help="exit 0 when the job is done, 65 when it cannot finish (everything left is dead-lettered)",
+    )
     interval_s: float = option(
-        "--interval", default=5.0, parse=positive_float("--interval"), help="seconds between readings (default 5)"
+        "--interval",
+        default=5.0,
+        parse=positive_float("--interval"),
+        env="HSX_MONITOR_INTERVAL",
+        help="seconds between readings (default 5)",
     )
     # "bar": one line redrawn in place on stdout (a terminal); "json": one JSON object per line on stdout.
     output: Literal["bar", "json"] = option(
@@ -40,6 +55,7 @@ class MonitorConfig:
         "--silent-after",
         default=30.0,
         parse=positive_float("--silent-after"),
+        env="HSX_SILENT_AFTER",
         help="report a worker whose last heartbeat is older than this many seconds (default 30)",
     )
     metrics_port: int = option(

@@ -10,6 +10,7 @@ are folded again from the first marker.
 """
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -117,41 +118,63 @@ def _letter_of_plan(letter: schemas.DeadLetter, plan: str) -> bool:
 
 
 async def load_checkpoint(js: JetStreamContext, job: str, plan: str) -> tuple[schemas.ProgressCheckpoint | None, int]:
-    """(the job's saved checkpoint if it is of `plan` and its markers are there, the HSX_STATE
-    sequence of the message holding any checkpoint, 0 when there is none)."""
+    """(the job's saved checkpoint if it is of `plan` and its sums end at markers HSX_EVENTS
+    holds, the HSX_STATE sequence of the message holding any checkpoint, 0 when there is none)."""
     try:
         msg = await js.get_last_msg(topology.STATE_STREAM, topology.checkpoint_subject(job))
     except nats.js.errors.NotFoundError:  # none saved, or no HSX_STATE yet (streams of an older hsx)
         return None, 0
-    try:
-        checkpoint = schemas.checkpoint_decoder.decode(msg.data)
-    except msgspec.DecodeError:
-        log.warning("undecodable_checkpoint", job=job)
+    checkpoint = checkpoint_of(msg.data, job=job, plan=plan)
+    if checkpoint is None:
         return None, msg.seq
-    if checkpoint.plan != plan:
-        return None, msg.seq
-    if not await _markers_there(js, checkpoint):
+    subjects = {}
+    for seq in {checkpoint.written_seq, checkpoint.uploaded_seq} - {0}:
+        try:
+            subjects[seq] = (await js.get_msg(topology.EVENTS_STREAM, seq=seq)).subject
+        except nats.js.errors.NotFoundError:
+            pass
+    if not ends_at_markers(checkpoint, subjects):
         log.warning(
-            "checkpoint_stale", job=job, written_seq=checkpoint.written_seq, uploaded_seq=checkpoint.uploaded_seq
+            "checkpoint_refused",
+            job=job,
+            seq=msg.seq,
+            reason=f"sums to sequences {checkpoint.written_seq} and {checkpoint.uploaded_seq} of "
+            f"{topology.EVENTS_STREAM}, which hold no marker of its kind, job and plan",
         )
         return None, msg.seq
     return checkpoint, msg.seq
 
 
-async def _markers_there(js: JetStreamContext, checkpoint: schemas.ProgressCheckpoint) -> bool:
-    """Whether the markers a checkpoint's sums end at are still in HSX_EVENTS. The checkpoint
-    lives in another stream: the job's markers purged (an older hsx's `jobs delete`, which knew
-    only HSX_EVENTS) or HSX_EVENTS made anew would leave sums over markers that are gone, and a
-    new marker at or below their sequence would be skipped. A marker is removed only with its
-    job's, so the one at each sequence is there exactly while the sums are."""
+def checkpoint_of(data: bytes, *, job: str, plan: str) -> schemas.ProgressCheckpoint | None:
+    """The checkpoint in `data` (the last message on `job`'s checkpoint subject) if it is one of
+    `job` and `plan`; None otherwise (one warning line when it is not a checkpoint of `job`): the
+    sums are folded from the markers again. Where its sums end is checked by `ends_at_markers`."""
+    try:
+        checkpoint = schemas.checkpoint_decoder.decode(data)
+    except msgspec.DecodeError:
+        log.warning("undecodable_checkpoint", job=job)
+        return None
+    if checkpoint.job != job:
+        log.warning(
+            "checkpoint_refused",
+            job=job,
+            reason=f"names job {checkpoint.job!r}; a checkpoint is its own job's",
+        )
+        return None
+    return checkpoint if checkpoint.plan == plan else None
+
+
+def ends_at_markers(checkpoint: schemas.ProgressCheckpoint, subjects: Mapping[int, str]) -> bool:
+    """Whether each of a checkpoint's sums ends at a marker of its kind, job and plan in
+    HSX_EVENTS; `subjects` maps a sequence of HSX_EVENTS to the subject of the message there (a
+    sequence missing: no message). The checkpoint lives in HSX_STATE, apart from the markers: one
+    whose sums reach past them (crafted; or the job's markers purged on their own, as an older
+    hsx's `jobs delete` did, or HSX_EVENTS made anew) would have every later marker at or below
+    its sequences skipped. A marker is removed only with its job's, so one is there at each sum's
+    end exactly while the sums hold."""
     for kind, seq in (("written", checkpoint.written_seq), ("uploaded", checkpoint.uploaded_seq)):
-        if not seq:
-            continue
-        try:
-            msg = await js.get_msg(topology.EVENTS_STREAM, seq=seq)
-        except nats.js.errors.NotFoundError:
-            return False
-        if not msg.subject.startswith(topology.markers_all(checkpoint.job, kind, checkpoint.plan or "none")[:-1]):
+        prefix = topology.markers_all(checkpoint.job, kind, checkpoint.plan or "none")[: -len(">")]
+        if seq and not subjects.get(seq, "").startswith(prefix):
             return False
     return True
 
