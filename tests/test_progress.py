@@ -16,6 +16,7 @@ from hsx.wire import schemas, topology
 from hsx.wire.counts import ProgressCounts, QueueState, count_stored
 from hsx.wire.events import EventPublisher
 from hsx.wire.fold import ProgressFold
+from hsx.wire.jobs import last_heartbeats
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.statusview import status_view
 from hsx.wire.tracker import ProgressTracker
@@ -396,3 +397,30 @@ def test_rate_window_and_eta():
     assert window.per_second() == 100.0
     assert eta_seconds(1000, 100.0) == 10.0
     assert eta_seconds(10, 0.0) is None
+
+
+def test_streams_of_an_older_hsx_without_hsx_state_are_read_without_heartbeats_or_a_checkpoint(nats_server, job_name):
+    """Until a producer of this version adds HSX_STATE, a reader finds no heartbeat and no
+    checkpoint and saves none, and its sums are folded from the markers: no error."""
+
+    async def run() -> tuple:
+        nc, js, events, spec = await _publisher(nats_server.url, job_name)
+        try:
+            await events.mark(
+                _written("b0", [0, 1], job=job_name), subject=topology.written_subject(job_name, PLAN, "b0")
+            )
+            await js.delete_stream(topology.STATE_STREAM)
+            try:
+                assert await topology.jobs_bucket(js) is not None
+                tracker = ProgressTracker(js, job_name, plan=PLAN, heartbeats=True)
+                await tracker.start()
+                await tracker.wait_caught_up(30)
+                await tracker.save_checkpoint()
+                await tracker.stop()
+                return tracker.fold.samples_written, tracker.fold.heartbeats, await last_heartbeats(js, job_name)
+            finally:
+                await topology.ensure_topology(js)  # the server is the session's: HSX_STATE back
+        finally:
+            await nc.drain()
+
+    assert asyncio.run(run()) == (2, {}, [])

@@ -70,6 +70,14 @@ class _Replay:
             self.sub = None
 
 
+async def _stream_exists(js: JetStreamContext, stream: str) -> bool:
+    try:
+        await js.stream_info(stream)
+    except nats.js.errors.NotFoundError:
+        return False
+    return True
+
+
 class ProgressTracker:
     """Follows a job: its sums from the checkpoint on, its dead letters, optionally its heartbeats;
     `refresh_counts` and `refresh_queues` read JetStream's counts and queue state."""
@@ -221,8 +229,15 @@ class ProgressTracker:
             await replay.stop()
 
     async def save_checkpoint(self) -> None:
-        if self.fold.written_seq or self.fold.uploaded_seq:
+        if not (self.fold.written_seq or self.fold.uploaded_seq):
+            return
+        try:
             await save_checkpoint(self.js, self.fold.checkpoint())
+        except nats.js.errors.NoStreamResponseError:
+            if await _stream_exists(self.js, topology.STATE_STREAM):
+                raise
+            # Streams of an older hsx, without HSX_STATE (the lookup said so, `stream_missing`):
+            # nothing is saved, and the next reader folds from the markers, as this one did.
 
     async def refresh_counts(self) -> ProgressCounts:
         counts = await read_counts(self.js, self.job, self.plan or "none")
