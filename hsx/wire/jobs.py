@@ -253,13 +253,13 @@ async def last_heartbeats(js: JetStreamContext, job: str) -> list[schemas.Heartb
     """The last heartbeat of each of the job's workers (one subject each), oldest worker first."""
     subject = topology.heartbeats_subject_all(job)
     try:
-        info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=subject)
-    except nats.js.errors.NotFoundError:
+        info = await js.stream_info(topology.STATE_STREAM, subjects_filter=subject)
+    except nats.js.errors.NotFoundError:  # streams of an older hsx: no heartbeat of this one is stored
         return []
     beats = []
     for beat_subject in sorted(info.state.subjects or {}):
         try:
-            msg = await js.get_last_msg(topology.EVENTS_STREAM, beat_subject)
+            msg = await js.get_last_msg(topology.STATE_STREAM, beat_subject)
         except nats.js.errors.NotFoundError:
             continue
         beat = heard_heartbeat(
