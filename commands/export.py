@@ -65,7 +65,7 @@ def _claim(out: Path, identity: ExportIdentity) -> None:
     if path.exists():
         try:
             found = msgspec.json.decode(path.read_bytes(), type=ExportIdentity)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise HsxError(f"{path}: not an export's identity ({exc}); remove it if OUT is yours to reuse") from None
         if found != identity:
             raise HsxError(

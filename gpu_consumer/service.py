@@ -37,7 +37,7 @@ from hsx.gpu_consumer.extract import (
     launch_samples,
 )
 from hsx.gpu_consumer.model import LoadedModel
-from hsx.gpu_consumer.plansamples import PlanSamples, PlanSamplesUnavailable
+from hsx.gpu_consumer.plansamples import PlanSamples, PlanSamplesUnavailable, batch_placed
 from hsx.gpu_consumer.staging import StagingLease
 from hsx.gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
 from hsx.gpu_consumer.writer import write_sample_file
@@ -54,7 +54,7 @@ from hsx.wire.worker import JobWatch
 
 log = structlog.get_logger("hsx.gpu_consumer")
 
-SERVICE = "gpu_consumer"
+SERVICE = topology.CONSUMER_SERVICE
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # How long a batch of a round whose spec is not recorded yet waits before it is looked at again.
 _ROUND_WAIT_S = 10.0
@@ -417,15 +417,13 @@ class BatchWorker:
         (gpu_consumer/plansamples.py). A batch of a round not yet recorded waits (handed back with
         a delay: a plan published in rounds records each round, and its samples' digests, before
         its batches go out); anything else is removed, never extracted (`_refuse`)."""
-
-        def covers(spec: schemas.JobSpec) -> bool:
-            seq = spec.plan_batch_seq(batch.batch_id)
-            in_range = all(0 <= sample.index < spec.total_samples for sample in batch.samples)
-            return in_range and (seq is None or seq < spec.total_batches)
-
         if batch.job != self.spec.job:
             return await self._refuse(msg, batch, f"it names job {batch.job!r}")
-        placed = covers(self.spec) if self.watch is None else await self.watch.placed(covers)
+        placed = (
+            batch_placed(self.spec, batch)
+            if self.watch is None
+            else await self.watch.placed(lambda spec: batch_placed(spec, batch))
+        )
         if placed is None:
             return await self._wait_for_round(msg, batch, "its round is not recorded in the job's spec yet")
         if not placed:

@@ -37,7 +37,7 @@ from hsx.wire.worker import JobWatch
 
 log = structlog.get_logger("hsx.uploader")
 
-SERVICE = "uploader"
+SERVICE = topology.UPLOADER_SERVICE
 # How long a lost file's event waits before it asks again for the job's stored samples, while its
 # plan is still being published in rounds.
 _STORED_SAMPLES_WAIT_S = 10.0
@@ -145,6 +145,12 @@ class FileMover:
         if local_digest != ready.digest:
             raise _OutdatedEvent(
                 f"{local}: the spool file's digest is {local_digest[:12]}, the event announced {ready.digest[:12]}"
+            )
+        if checked.st_size != ready.size:
+            # The digest (of the header, which sizes the data) is the file's: the event's size is
+            # wrong, not the file; stored, it would fail its check as a destination's error.
+            raise _PermanentFailure(
+                f"{local}: the event announces {ready.size} bytes, the file it names by its digest has {checked.st_size}"
             )
         try:
             # A file:// destination on the spool's file system takes the checked file by a rename.

@@ -12,7 +12,7 @@ import difflib
 import logging
 import re
 import time
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 import nats.js.errors
@@ -59,9 +59,15 @@ def _dest_form(dest: str) -> bool:
     schemes there are and each one's own rules are the destination registry's
     (hsx/storage/destinations/), below this floor: a spec naming a scheme this hsx has none of is
     refused, in one line, where its `dest` is opened (`spec_location`)."""
-    split = urlsplit(dest)
-    segments = split.path.strip("/").split("/") if split.path.strip("/") else []
-    if any(segment in ("", ".", "..") for segment in segments) or split.query or split.fragment:
+    try:
+        split = urlsplit(dest)
+    except ValueError:  # a bracket that opens no IPv6 host: no URL the producer writes
+        return False
+    # A local path is read percent-decoded (hsx.storage.location): the segments are checked as
+    # they would be used, so that `%2E%2E` is a `..` and `%00` a NUL, whatever the store.
+    path = unquote(split.path)
+    segments = path.strip("/").split("/") if path.strip("/") else []
+    if any(segment in ("", ".", "..") for segment in segments) or split.query or split.fragment or "\x00" in path:
         return False
     if not _SCHEME.fullmatch(split.scheme) or not dest.startswith(f"{split.scheme}://"):
         return False
@@ -255,13 +261,13 @@ async def last_heartbeats(js: JetStreamContext, job: str) -> list[schemas.Heartb
     """The last heartbeat of each of the job's workers (one subject each), oldest worker first."""
     subject = topology.heartbeats_subject_all(job)
     try:
-        info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=subject)
-    except nats.js.errors.NotFoundError:
+        info = await js.stream_info(topology.STATE_STREAM, subjects_filter=subject)
+    except nats.js.errors.NotFoundError:  # streams of an older hsx: no heartbeat of this one is stored
         return []
     beats = []
     for beat_subject in sorted(info.state.subjects or {}):
         try:
-            msg = await js.get_last_msg(topology.EVENTS_STREAM, beat_subject)
+            msg = await js.get_last_msg(topology.STATE_STREAM, beat_subject)
         except nats.js.errors.NotFoundError:
             continue
         beat = heard_heartbeat(
