@@ -59,6 +59,7 @@ def test_a_plain_path_is_made_absolute(tmp_path, monkeypatch):
         ("file://host/x", "--dest 'file://host/x': file:// URLs must be local"),
         ("ftp://x/y", "--dest 'ftp://x/y': unsupported scheme"),
         ("", "--dest is empty"),
+        ("s3://[b/p", "--dest 's3://[b/p': not a URL hsx reads (Invalid IPv6 URL)"),
         (
             "s3:/hidden-states/runs",
             "--dest 's3:/hidden-states/runs': not a URL hsx reads; did you mean s3://hidden-states/runs?",

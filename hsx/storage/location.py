@@ -38,7 +38,10 @@ class Location(msgspec.Struct, frozen=True, kw_only=True):
         if isinstance(text, Path):
             return cls(path=str(text.expanduser().resolve()))
         url = str(text)
-        split = urlsplit(url)
+        try:
+            split = urlsplit(url)
+        except ValueError as exc:  # "s3://[b": a bracket that opens no IPv6 host
+            raise HsxError(f"{what} {url!r}: not a URL hsx reads ({exc}); use {forms()}") from None
         if url.startswith(tuple(f"{name}://" for name in SCHEMES)):
             bucket, path = SCHEMES[split.scheme].parse(url, split, what=what)
             return cls(scheme=split.scheme, bucket=bucket, path=path)
