@@ -262,7 +262,7 @@ def test_a_spec_naming_a_path_outside_the_spool_is_refused_and_nothing_is_remove
     assert uploader.poll() is None and (victim / "keep.txt").read_text() == "not the job's"
     for field, value, named in (
         ("job", "other", "not its key"),
-        ("dest", "../../elsewhere", "not an s3://bucket/prefix or file:///absolute/dir URL"),
+        ("dest", "../../elsewhere", "is not a destination URL"),
         ("dtype", "../int8", "`dtype`"),
         ("layers", [1, 1], "names a layer twice"),
         ("round_starts", [0, 5, 3], "round_starts"),

@@ -29,7 +29,7 @@ from hsx.errors import HsxError
 from hsx.gpu_consumer.plansamples import PlanSamples, PlanSamplesUnavailable, batch_placed
 from hsx.gpu_consumer.writer import write_sample_file
 from hsx.monitor import report
-from hsx.storage.destinations import FileDestination
+from hsx.storage.destinations.file import FileDestination
 from hsx.storage.expected import ExpectedSamples
 from hsx.storage.layout import sample_key
 from hsx.storage.location import spec_location
@@ -358,7 +358,7 @@ def test_a_fuzzed_job_spec_is_refused_in_one_line_or_names_only_its_own_paths(tm
         numbers = [getattr(spec, name) for name in spec.__struct_fields__ if type(getattr(spec, name)) is int]
         assert all(0 <= n < 2**63 for n in numbers + spec.round_starts), spec
         location = _only((HsxError,), spec_location, spec.dest)
-        if location is not None and not location.is_s3:
+        if location is not None and location.local_folder is not None:
             path = Path(location.path)
             assert path.is_absolute() and ".." not in path.parts and "\x00" not in location.path, location
         assert plan_folder(spool, spec.job, spec.plan_tag).parent == spool / job_name
