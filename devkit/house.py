@@ -7,7 +7,7 @@ What it counts, exactly:
 
 - **a file's imports**: every `import` and `from ... import` in it, at the top or inside a
   function, resolved to the product file it names: `from hsx.wire import schemas` is
-  hsx/wire/schemas.py, `from hsx.wire.schemas import JobSpec` is the same file, and a name a
+  hsx/wire/schemas.py, `from hsx.wire.schemas import Sample` is the same file, and a name a
   package's `__init__.py` defines is that `__init__.py`. A package's `__init__.py` that Python
   runs on the way to a submodule is not counted: only the file named.
 - **import circles**: the strongly connected components of more than one file in that graph.

@@ -33,7 +33,7 @@ from hsx.errors import HsxError
 from hsx.exitcodes import STOPPED
 from hsx.job import JobSpec
 from hsx.storage import samplefile
-from hsx.storage.destinations import FileDestination
+from hsx.storage.destinations.file import FileDestination
 from hsx.storage.layout import bundle_key, sample_key
 from hsx.storage.location import Location
 from hsx.wire import schemas
