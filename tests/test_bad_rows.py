@@ -258,7 +258,7 @@ def test_a_rerun_counts_bad_rows_against_rows_read_not_samples(tmp_path):
     """Under `--chat-as speculators` a row makes several samples: the re-run's cap is checked
     against the rows the job read (1 bad of 4 is 25%), not samples plus bad rows (1 of 10)."""
     from hsx.producer.config import ProducerConfig, parse_max_bad_rows
-    from hsx.producer.main import _check_same_inputs
+    from hsx.producer.rerun import check_same_inputs as _check_same_inputs
     from hsx.wire.natsconn import NatsSettings
 
     existing = JobSpec(

@@ -1,4 +1,4 @@
-"""A plan published in rounds (--round-rows; producer/rounds.py, producer/main.py `_publish_rounds`).
+"""A plan published in rounds (--round-rows; producer/rounds.py, producer/publishing.py `Publisher`).
 
 - Read in rounds, a dataset gives exactly the samples, report entries and counts it gives read
   whole (chat rows among token rows, bad rows, cut rows, empty masks set aside), and each round

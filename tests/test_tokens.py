@@ -103,7 +103,7 @@ def _rows(count: int, seed: int) -> list[dict]:
 @pytest.mark.parametrize("form", ["parquet", "jsonl"])
 def test_the_plan_fingerprint_is_the_old_formula(form, tiny_model, tmp_path):
     from hsx.producer.config import ProducerConfig
-    from hsx.producer.main import plan_fingerprint
+    from hsx.producer.planning import plan_fingerprint
     from hsx.wire.natsconn import NatsSettings
 
     rows = _rows(20000, seed=3)  # several record batches and chunks
