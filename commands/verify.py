@@ -277,48 +277,52 @@ def _recompute(
     return results
 
 
-def verify(
-    spec: JobSpec,
-    token_ids: list[list[int]] | None,
-    *,
-    recompute: int = 0,
-    seed: int | None = None,
-    workers: int = 16,
-    list_folder: bool = False,
-) -> VerifyReport:
-    """Check the job's destination against its spec; the report (see `format_report`)."""
-    started = time.monotonic()
+@dataclass
+class _Stored:
+    """What the job's folder holds, as the index says or a listing finds: the keys, the indexed
+    digests (None from a listing, or for a row an uploader left without one) and the keys that
+    are no sample of the job's."""
+
+    keys: set[str]
+    digests: list[str | None] | None
+    extra: list[str]
+    from_index: bool
+
+
+def _stored(dest, spec: JobSpec, *, list_folder: bool) -> _Stored:
     job, total = spec.job, spec.total_samples
-    expected = ExpectedSamples.of_spec(spec, where=f"job {job}'s spec")
-    dest = open_job_folder(spec_location(spec.dest), job, max_connections=workers)
-    log.info("verify_started", job=job, dest=spec.dest, total_samples=total, workers=workers)
-
-    if token_ids is not None:
-        token_note = "compared with the job's tokenized dataset"
-    else:
-        token_note = f"not compared: dataset {spec.dataset} is not readable on this machine (see log)"
-    hidden_size = expected_hidden_size(spec)
-
     job_index, why_not = (None, "--list given") if list_folder else read_index(dest, job, spec=spec)
-    expected_keys = {relative_sample_key(job, i): i for i in range(total)}
     if job_index is not None:
         # A complete index names every sample's key: nothing to list, and no stray keys looked for.
         listed = {relative_sample_key(job, i) for i in job_index.sample_indices.tolist()}
         # Complete: row i is sample i. Null digests (from uploaders before events carried them) skip the check.
-        indexed_digests = [d.hex() if d else None for d in job_index.table.column("digest").to_pylist()]
-        extra: list[str] = []
-    else:
-        log.info("verify_listing", job=job, reason=why_not)
-        indexed_digests = None
-        listed = set(dest.keys())
-        # The job bundle under `_hsx/` belongs to the job (producer/bundle.py); it is not a stray key.
-        extra = sorted(f"{job}/{key}" for key in listed - expected_keys.keys() if not key.startswith(f"{BUNDLE_DIR}/"))
+        digests = [d.hex() if d else None for d in job_index.table.column("digest").to_pylist()]
+        return _Stored(keys=listed, digests=digests, extra=[], from_index=True)
+    log.info("verify_listing", job=job, reason=why_not)
+    listed = set(dest.keys())
+    expected_keys = {relative_sample_key(job, i) for i in range(total)}
+    # The job bundle under `_hsx/` belongs to the job (producer/bundle.py); it is not a stray key.
+    extra = sorted(f"{job}/{key}" for key in listed - expected_keys if not key.startswith(f"{BUNDLE_DIR}/"))
+    return _Stored(keys=listed, digests=None, extra=extra, from_index=False)
 
-    outcomes: list[_Outcome] = []
-    absent = [i for key, i in expected_keys.items() if key not in listed]
-    outcomes += [_Outcome(i, "missing") for i in absent]
-    to_read = iter(i for key, i in expected_keys.items() if key in listed)
-    done = len(absent)
+
+def _check_all(
+    dest,
+    expected: ExpectedSamples,
+    stored: _Stored,
+    token_ids: list[list[int]] | None,
+    hidden_size: int | None,
+    *,
+    workers: int,
+    started: float,
+) -> list[_Outcome]:
+    """Every sample of the plan: missing, or read and checked on `workers` threads (a bounded
+    number in flight), progress logged every PROGRESS_EVERY; sorted by sample."""
+    job, total = expected.job, expected.total
+    keys = {relative_sample_key(job, i): i for i in range(total)}
+    outcomes = [_Outcome(i, "missing") for key, i in keys.items() if key not in stored.keys]
+    to_read = iter(i for key, i in keys.items() if key in stored.keys)
+    done = len(outcomes)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hsx-verify") as pool:
         pending: set = set()
         while True:
@@ -331,7 +335,7 @@ def verify(
                         index,
                         None if token_ids is None else token_ids[index],
                         hidden_size,
-                        indexed_digests[index] if indexed_digests else None,
+                        stored.digests[index] if stored.digests else None,
                     )
                 )
                 if len(pending) >= workers * 4:
@@ -351,20 +355,48 @@ def verify(
                         problems=sum(o.status != "ok" for o in outcomes),
                         seconds=round(time.monotonic() - started, 1),
                     )
-
     if hidden_size is None:
-        # No model config here: every file must agree with the most common hidden size.
-        sizes = Counter(o.hidden_size for o in outcomes if o.status == "ok" and o.hidden_size is not None)
-        if sizes:
-            common = sizes.most_common(1)[0][0]
-            for o in outcomes:
-                if o.status == "ok" and o.hidden_size != common:
-                    o.status, o.checks, o.details = (
-                        "mismatching",
-                        ["hidden_states"],
-                        [f"hidden size {o.hidden_size}, the other files have {common}"],
-                    )
-    outcomes.sort(key=lambda o: o.index)
+        _agree_on_hidden_size(outcomes)
+    return sorted(outcomes, key=lambda o: o.index)
+
+
+def _agree_on_hidden_size(outcomes: list[_Outcome]) -> None:
+    """No model config here: every file must agree with the most common hidden size."""
+    sizes = Counter(o.hidden_size for o in outcomes if o.status == "ok" and o.hidden_size is not None)
+    if not sizes:
+        return
+    common = sizes.most_common(1)[0][0]
+    for o in outcomes:
+        if o.status == "ok" and o.hidden_size != common:
+            o.status, o.checks, o.details = (
+                "mismatching",
+                ["hidden_states"],
+                [f"hidden size {o.hidden_size}, the other files have {common}"],
+            )
+
+
+def verify(
+    spec: JobSpec,
+    token_ids: list[list[int]] | None,
+    *,
+    recompute: int = 0,
+    seed: int | None = None,
+    workers: int = 16,
+    list_folder: bool = False,
+) -> VerifyReport:
+    """Check the job's destination against its spec; the report (see `format_report`)."""
+    started = time.monotonic()
+    job, total = spec.job, spec.total_samples
+    expected = ExpectedSamples.of_spec(spec, where=f"job {job}'s spec")
+    dest = open_job_folder(spec_location(spec.dest), job, max_connections=workers)
+    log.info("verify_started", job=job, dest=spec.dest, total_samples=total, workers=workers)
+    if token_ids is not None:
+        token_note = "compared with the job's tokenized dataset"
+    else:
+        token_note = f"not compared: dataset {spec.dataset} is not readable on this machine (see log)"
+    hidden_size = expected_hidden_size(spec)
+    stored = _stored(dest, spec, list_folder=list_folder)
+    outcomes = _check_all(dest, expected, stored, token_ids, hidden_size, workers=workers, started=started)
 
     readable = [o.index for o in outcomes if o.status in ("ok", "mismatching")]
     seed = secrets.randbelow(2**31) if seed is None else seed
@@ -384,6 +416,7 @@ def verify(
         for o in outcomes
         if o.status == "mismatching"
     ]
+    extra = stored.extra
     ok = not missing and not corrupt and not mismatching and not extra and all(r.ok for r in recomputed)
     report = VerifyReport(
         job=job,
@@ -397,7 +430,7 @@ def verify(
         corrupt=corrupt,
         mismatching=mismatching,
         extra_keys=extra,
-        stored_from="index" if job_index is not None else "listing",
+        stored_from="index" if stored.from_index else "listing",
         token_ids=token_note,
         token_ids_checked=token_ids is not None,
         hidden_size=hidden_size,
