@@ -226,6 +226,17 @@ def _shape(entry: object, rank: int) -> list[int] | None:
     return None
 
 
+class _Findings:
+    """What disagrees so far, check -> detail: each check's first finding, in the order checked."""
+
+    def __init__(self) -> None:
+        self.failed: dict[str, str] = {}
+
+    def expect(self, check: str, good: bool, detail: str) -> None:
+        if not good and check not in self.failed:
+            self.failed[check] = detail
+
+
 def mismatches(
     data: bytes | memoryview,
     expected: ExpectedSamples,
@@ -245,12 +256,32 @@ def mismatches(
     metadata = header.get("__metadata__", {})
     if expected.total is not None and not 0 <= index < expected.total:
         return {"sample_index": f"sample {index} is past the plan's {expected.total} samples"}
-    failed: dict[str, str] = {}
+    found = _Findings()
+    _check_identity(found, metadata, expected, index)
+    tokens = _check_input_ids(
+        found, header, memoryview(data)[start:], expected, index, input_ids=input_ids, header_only=header_only
+    )
+    found.expect(
+        "num_tokens",
+        tokens is not None and metadata.get("num_tokens") == str(tokens),
+        f"metadata num_tokens {metadata.get('num_tokens')!r}, the sample has {tokens} tokens",
+    )
+    _check_states(found, header, metadata, expected, tokens=tokens, hidden_size=hidden_size)
+    mask = header.get("loss_mask")
+    if mask is not None:
+        mask_shape = _shape(mask, 1)
+        found.expect(
+            "loss_mask",
+            mask_shape is not None and (tokens is None or mask_shape[0] == tokens),
+            f"loss_mask shape {mask.get('shape') if isinstance(mask, dict) else mask}, expected [{tokens}]",
+        )
+    return found.failed
 
-    def expect(check: str, good: bool, detail: str) -> None:
-        if not good and check not in failed:
-            failed[check] = detail
 
+def _check_identity(found: _Findings, metadata: dict, expected: ExpectedSamples, index: int) -> None:
+    """Whose sample the metadata says the file is: the job, its plan, the sample, the model, the
+    layers and the dtype."""
+    expect = found.expect
     expect("job", metadata.get("job") == expected.job, f"metadata job is {metadata.get('job')!r}, not {expected.job!r}")
     if expected.plan is not None:
         plan = metadata.get("plan")
@@ -266,11 +297,11 @@ def mismatches(
         f"metadata sample_index is {metadata.get('sample_index')!r}, the key is sample {index}'s",
     )
     if expected.model is not None:
-        found = (metadata.get("model"), metadata.get("model_revision"))
+        model = (metadata.get("model"), metadata.get("model_revision"))
         expect(
             "model",
-            found == (expected.model, expected.model_revision),
-            f"metadata model {found[0]!r} at {found[1]!r}, the job's is {expected.model!r} at {expected.model_revision!r}",
+            model == (expected.model, expected.model_revision),
+            f"metadata model {model[0]!r} at {model[1]!r}, the job's is {expected.model!r} at {expected.model_revision!r}",
         )
     if expected.layers is not None:
         layers = json_or(metadata.get("layers", "null"), metadata.get("layers"))
@@ -282,38 +313,59 @@ def mismatches(
             f"metadata dtype {metadata.get('dtype')!r}, the job has {expected.encoding.stored!r}",
         )
 
+
+def _check_input_ids(
+    found: _Findings,
+    header: dict,
+    body: memoryview,
+    expected: ExpectedSamples,
+    index: int,
+    *,
+    input_ids: Sequence[int] | None,
+    header_only: bool,
+) -> int | None:
+    """The file's input ids against the sample's (their count, and their digest from the bytes
+    in `body`, the data section, unless `header_only`); the sample's token count, the file's when
+    the job's is not known, None when neither is."""
     ids = header.get("input_ids")
     ids_shape = _shape(ids, 1)
-    expect(
+    found.expect(
         "input_ids",
         ids_shape is not None and ids.get("dtype") == "I64",
         "no input_ids tensor" if ids is None else f"input_ids {_describe(ids)}, expected I64 [T]",
     )
     want_tokens = len(input_ids) if input_ids is not None else expected.tokens(index)
     want_digest = ids_digest(input_ids) if input_ids is not None else expected.ids_digest(index)
-    if "input_ids" not in failed and want_tokens is not None:
-        expect(
+    if "input_ids" not in found.failed and want_tokens is not None:
+        found.expect(
             "input_ids",
             ids_shape[0] == want_tokens,
             f"{ids_shape[0]} input ids, the job's sample {index} has {want_tokens} tokens",
         )
-    if "input_ids" not in failed and want_digest is not None and not header_only:
+    if "input_ids" not in found.failed and want_digest is not None and not header_only:
         low, high = ids.get("data_offsets", (0, -1))
-        body = memoryview(data)[start:]
         sound = 0 <= low <= high <= len(body) and (high - low) % 8 == 0
-        expect(
+        found.expect(
             "input_ids",
             sound and ids_digest(np.frombuffer(body[low:high], dtype="<i8")) == want_digest,
             f"input_ids differ from the job's tokenized sample {index}",
         )
-    tokens = want_tokens if want_tokens is not None else (ids_shape[0] if ids_shape is not None else None)
-    expect(
-        "num_tokens",
-        tokens is not None and metadata.get("num_tokens") == str(tokens),
-        f"metadata num_tokens {metadata.get('num_tokens')!r}, the sample has {tokens} tokens",
-    )
+    return want_tokens if want_tokens is not None else (ids_shape[0] if ids_shape is not None else None)
 
-    # The job's encoding when the bundle says it, else the one the file names (or is inferred).
+
+def _check_states(
+    found: _Findings,
+    header: dict,
+    metadata: dict,
+    expected: ExpectedSamples,
+    *,
+    tokens: int | None,
+    hidden_size: int | None,
+) -> None:
+    """The hidden states as the file's encoding holds them: the job's encoding when the bundle
+    says it, else the one the file names (or is inferred); their shape [T, k, H] and dtype, and
+    what else the encoding's header must hold."""
+    expect = found.expect
     encoding = expected.encoding
     try:
         named = encodings.of_file(metadata, header)
@@ -353,15 +405,6 @@ def mismatches(
     if encoding is not None and (expected.encoding is not None or "dtype" in metadata):
         for check, detail in encoding.header_problems(header, hidden).items():
             expect(check, False, detail)
-    mask = header.get("loss_mask")
-    if mask is not None:
-        mask_shape = _shape(mask, 1)
-        expect(
-            "loss_mask",
-            mask_shape is not None and (tokens is None or mask_shape[0] == tokens),
-            f"loss_mask shape {mask.get('shape') if isinstance(mask, dict) else mask}, expected [{tokens}]",
-        )
-    return failed
 
 
 def describe(failed: dict[str, str]) -> str:
