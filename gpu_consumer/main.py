@@ -28,7 +28,7 @@ from hsx.gpu_consumer.model import LoadedModel, load_model, usable_device
 from hsx.gpu_consumer.scheduler import pull_loop
 from hsx.gpu_consumer.service import SERVICE, BatchWorker
 from hsx.gpu_consumer.writer import remove_orphaned_temp_files
-from hsx.job import Layer
+from hsx.job import JobSpec, Layer
 from hsx.model.layers import resolve_layers
 from hsx.model.modelinfo import load_model_info
 from hsx.storage import encodings
@@ -184,6 +184,37 @@ async def run(cfg: ConsumerConfig) -> int:
         return await _run(cfg, device, health)
 
 
+def _checked_kernels(cfg: ConsumerConfig, loaded: LoadedModel) -> schemas.Kernels:
+    """The kernels the loaded model runs (gpu_consumer/kernels.py); refused in one line when they
+    are the slow ones and --allow-slow-kernels was not given."""
+    kernels = kernel_report(
+        loaded.model,
+        compiled=compiling.compiled(loaded.model),
+        compile_error=compiling.fallback_reason(loaded.model),
+    )
+    check_kernels(kernels, loaded.device.type, allow_slow=cfg.allow_slow_kernels)
+    return kernels
+
+
+def _log_ready(cfg: ConsumerConfig, spec: JobSpec, loaded: LoadedModel, kernels: schemas.Kernels) -> None:
+    log.info(
+        "consumer_ready",
+        model=spec.model,
+        layers=spec.layers,
+        dtype=spec.dtype,
+        device=str(loaded.device),
+        # Which GPU cuda:0 is: hsx up shows each consumer its own alone.
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        attention=loaded.attention,
+        compile_layers=kernels.compiled,
+        kernels=report_fields(kernels),
+        torch_threads=torch.get_num_threads(),
+        node=cfg.node,
+        spool=str(cfg.spool),
+        until_done=cfg.until_done,
+    )
+
+
 async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int:
     started_at = time.time()
     make_private_dirs(cfg.spool)
@@ -234,13 +265,8 @@ async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int
             heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state),
         ):
             loaded = await model_for(files, early, forwards, device=cfg.device, compile_layers=compile_layers)
-            kernels = kernel_report(
-                loaded.model,
-                compiled=compiling.compiled(loaded.model),
-                compile_error=compiling.fallback_reason(loaded.model),
-            )
             # Refused here, before any batch is taken: the goodbye leaves no live worker.
-            check_kernels(kernels, loaded.device.type, allow_slow=cfg.allow_slow_kernels)
+            kernels = _checked_kernels(cfg, loaded)
             # After the load, which may convert a checkpoint's dtype on the CPU with every core.
             limit_host_threads(device)
             folder = plan_folder(cfg.spool, spec.job, spec.plan_tag)
@@ -250,22 +276,7 @@ async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int
             if await watch.check():
                 return JOB_FAILED  # deleted while the model loaded (JobLost on leaving `watching`)
             await asyncio.to_thread(remove_stale_plans, cfg.spool, spec)
-            log.info(
-                "consumer_ready",
-                model=spec.model,
-                layers=spec.layers,
-                dtype=spec.dtype,
-                device=str(loaded.device),
-                # Which GPU cuda:0 is: hsx up shows each consumer its own alone.
-                cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                attention=loaded.attention,
-                compile_layers=kernels.compiled,
-                kernels=report_fields(kernels),
-                torch_threads=torch.get_num_threads(),
-                node=cfg.node,
-                spool=str(cfg.spool),
-                until_done=cfg.until_done,
-            )
+            _log_ready(cfg, spec, loaded, kernels)
             durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
             sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
             worker = BatchWorker(cfg, js, events, spec, loaded, stopping, watch=watch, forwards=forwards)
