@@ -152,6 +152,27 @@ def test_a_circle_between_files_is_caught_through_an_import_inside_a_function(tm
     assert house.circles(graph) == [["hsx.a", "hsx.b", "hsx.c"]]
 
 
+def test_no_function_of_the_product_is_over_100_lines():
+    """Each function, method and nested function, from its `def` to its last line."""
+    found = [f"{f.file}:{f.line} {f.name} ({f.lines} lines)" for f in house.long_functions(REPO)]
+    assert found == []
+
+
+def test_a_long_function_is_found_nested_or_in_a_class(tmp_path):
+    fake = tmp_path / "repo"
+    (fake / "monitor").mkdir(parents=True)
+
+    def body(indent: str) -> str:
+        return "".join(f"{indent}x{i} = {i}\n" for i in range(100))
+
+    nested = "class Loop:\n    def run(self):\n        def inner():\n" + body(" " * 12) + "        return inner\n"
+    (fake / "monitor" / "long.py").write_text(
+        nested + "\n\ndef short():\n    return 1\n\n\ndef long():\n" + body("    ") + "    return x0\n"
+    )
+    found = {(f.name, f.lines) for f in house.long_functions(fake)}
+    assert found == {("Loop.run", 103), ("Loop.run.inner", 101), ("long", 102)}
+
+
 def test_the_rule_catches_each_kind_of_violation(tmp_path, monkeypatch):
     """The check itself can fail: a core module importing a service or a command, a service
     importing another service or devkit, and an import by a folder name are each reported."""
