@@ -183,6 +183,18 @@ def job_state(
     return STALLED, None if newest is None else round(max(0.0, now - newest), 1)
 
 
+def human_duration(seconds: float | None) -> str:
+    """A duration as `hsx status` and the monitor's bar show it: 1h05m, 3m07s, 42s; "?" unknown."""
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
 @dataclass(frozen=True)
 class _Verdict:
     done: bool
