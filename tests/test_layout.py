@@ -11,6 +11,7 @@ torch (an uploader or monitor node installs no torch; `pip install -e .` without
 """
 
 import ast
+import re
 import subprocess
 import sys
 from graphlib import TopologicalSorter
@@ -171,6 +172,17 @@ def test_a_long_function_is_found_nested_or_in_a_class(tmp_path):
     )
     found = {(f.name, f.lines) for f in house.long_functions(fake)}
     assert found == {("Loop.run", 103), ("Loop.run.inner", 101), ("long", 102)}
+
+
+def test_the_producer_package_names_its_modules_and_no_other():
+    """producer/__init__.py's "Modules" paragraph names each module and subpackage of the
+    producer (in backticks, a subpackage with its slash), and nothing that is not one."""
+    folder = REPO / "producer"
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+    listed = re.findall(r"`([a-z_]+/?)`", doc[doc.index("Modules") :])
+    present = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    present |= {f"{p.name}/" for p in folder.iterdir() if (p / "__init__.py").exists()}
+    assert sorted(listed) == sorted(present)
 
 
 def test_the_rule_catches_each_kind_of_violation(tmp_path, monkeypatch):
