@@ -33,6 +33,7 @@ from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plan
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.exhausted import reap_exhausted
+from hsx.wire.load import spool_free
 from hsx.wire.worker import JobEnd, JobWatch, heartbeats, job_session, until_done, watching
 
 log = structlog.get_logger("hsx.gpu_consumer")
@@ -183,8 +184,12 @@ async def run(cfg: ConsumerConfig) -> int:
         watch = JobWatch(session.kv, spec, stopping)
 
         def state() -> WorkerState:
-            now = WorkerState(state="starting") if worker is None else worker.heartbeat_state()
-            return dataclasses.replace(now, kernels=kernels)
+            if worker is None:  # loading its model: the device is not asked yet (no CUDA context of ours)
+                starting = schemas.WorkerLoad(
+                    device=cfg.device, spool_free=spool_free(cfg.spool), spool_high_water=cfg.spool_high_water_bytes
+                )
+                return WorkerState(state="starting", kernels=kernels, load=starting)
+            return dataclasses.replace(worker.heartbeat_state(), kernels=kernels)
 
         def in_hand() -> dict:
             if worker is None:
