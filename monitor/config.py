@@ -5,8 +5,36 @@ from typing import Literal
 
 from hsx.config.fields import option
 from hsx.config.values import port_or_off, positive_float
+from hsx.errors import HsxError
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.topology import job_name
+
+# --http without an address: the page is for this machine unless told otherwise.
+HTTP_DEFAULT_ADDR = "127.0.0.1"
+
+
+def parse_listen(text: str) -> str:
+    """`PORT` or `ADDR:PORT` (`[::1]:PORT` for IPv6), checked and returned as given; one line
+    naming --http otherwise."""
+    text = text.strip()
+    addr, colon, port = text.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) <= 65535:
+        raise HsxError(f"--http {text!r}: expected PORT or ADDR:PORT with a port from 1 to 65535")
+    if colon and not addr.strip("[]"):
+        raise HsxError(f"--http {text!r}: the address before the port is empty")
+    return text
+
+
+def listen_address(text: str) -> tuple[str, int]:
+    """(address, port) of a `parse_listen` value; the address HTTP_DEFAULT_ADDR when it has none."""
+    addr, _, port = text.rpartition(":")
+    return (addr.strip("[]") or HTTP_DEFAULT_ADDR), int(port)
+
+
+def http_url(addr: str, port: int) -> str:
+    """The page's address as a browser takes it (an IPv6 address in brackets)."""
+    return f"http://[{addr}]:{port}/" if ":" in addr else f"http://{addr}:{port}/"
+
 
 # --format: auto is resolved by the entry point, from whether stdout is a terminal.
 MONITOR_FORMATS = ("auto", "bar", "json")
@@ -55,3 +83,18 @@ class MonitorConfig:
         env="HSX_METRICS_HOST",
         help="address /metrics listens on (env HSX_METRICS_HOST, default %(default)s)",
     )
+    # The job's page (monitor/web.py): off unless given.
+    http: str | None = option(
+        "--http",
+        default=None,
+        parse=parse_listen,
+        env="HSX_HTTP_PORT",
+        metavar="[ADDR:]PORT",
+        example="8080",
+        help="serve the job's live page at http://ADDR:PORT/ (GET /api/status: what hsx status --json prints); "
+        "ADDR is 127.0.0.1 unless given, e.g. 0.0.0.0:8080 (env HSX_HTTP_PORT, default: off)",
+    )
+
+    @property
+    def http_listen(self) -> tuple[str, int] | None:
+        return None if self.http is None else listen_address(self.http)
