@@ -23,6 +23,7 @@ function bytes(n) {
 
 function duration(s) {
   if (s == null) return "–";
+  if (s < 10) return (Math.round(s * 10) / 10) + "s";
   s = Math.round(s);
   const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = s % 60;
   if (h) return h + "h" + String(m).padStart(2, "0") + "m";
@@ -175,10 +176,11 @@ function plot(svg, rows, series, label, digits) {
     svgEl("line", { x1: left, x2: width - right, y1: y(v), y2: y(v), class: "grid-line" }, svg);
     svgEl("text", { x: left - 6, y: y(v) + 4, class: "tick", "text-anchor": "end" }, svg).textContent = rate(v, digits);
   }
-  for (const t of [t0, (t0 + t1) / 2, t1]) {
+  const anchors = ["start", "middle", "end"];
+  [t0, (t0 + t1) / 2, t1].forEach((t, i) => {
     const at = new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
-    svgEl("text", { x: x(t), y: height - 8, class: "tick", "text-anchor": "middle" }, svg).textContent = at;
-  }
+    svgEl("text", { x: x(t), y: height - 8, class: "tick", "text-anchor": anchors[i] }, svg).textContent = at;
+  });
   for (const s of series) {
     const points = rows.map((r) => x(r[0]).toFixed(1) + "," + y(r[s.col]).toFixed(1)).join(" ");
     svgEl("polyline", { points, class: "line " + s.cls }, svg);
