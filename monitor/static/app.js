@@ -210,6 +210,7 @@ function jobs(data) {
 }
 
 function draw(data) {
+  const began = performance.now();
   document.title = "hsx " + data.job + ": " + data.state + " " + data.progress.percent.toFixed(1) + "%";
   document.getElementById("job").textContent = data.job;
   const state = document.getElementById("state");
@@ -233,6 +234,9 @@ function draw(data) {
   jobs(data);
   document.body.dataset.asOf = String(data.as_of);
   document.body.dataset.readings = String(Number(document.body.dataset.readings || 0) + 1);
+  // For bench/web.py: how long a draw takes, and when the first one ended (since navigation).
+  window.hsxDrawMs = performance.now() - began;
+  if (window.hsxFirstDrawnAt === undefined) window.hsxFirstDrawnAt = performance.now();
 }
 
 function connect() {
