@@ -6,6 +6,9 @@
 # make compose-test: after setup, `docker compose up` of compose.yaml for real (its own dockerd, stand-in
 #             images where no registry is reachable; needs root; tests/compose/run.py); compose-test-clean
 #             deletes its image cache (/var/lib/hsx-compose-test)
+# make slurm-test: after setup, deploy/slurm/'s templates run as written on a one-node Slurm cluster
+#             (Debian's slurm-wlm and munge, installed when missing; fake GPUs; needs root;
+#             tests/slurm/run.py): a job array preempted, requeued and done, each sample stored once
 # make device-bundle [DEVICE_PYTHON=3.12] [BUNDLE=.whl]: after setup, the wheels the GPU machine's
 #             image lacks, hsx's own included, pinned to this venv's versions (bench/device_bundle.py)
 VENV ?= .venv
@@ -16,7 +19,7 @@ TEST_WORKERS ?= 2
 DEVICE_PYTHON ?= 3.12
 BUNDLE ?= .whl
 
-.PHONY: setup run test lint docs clean device-bundle compose-test compose-test-clean
+.PHONY: setup run test lint docs clean device-bundle compose-test compose-test-clean slurm-test
 
 setup: $(STAMP)
 
@@ -56,6 +59,10 @@ compose-test: setup
 
 compose-test-clean:
 	rm -rf $${HSX_COMPOSE_TEST_DIR:-/var/lib/hsx-compose-test}
+
+# Not in `make test`: it installs and starts a Slurm cluster and runs a job on it (about 4 min).
+slurm-test: setup
+	$(PY) tests/slurm/run.py
 
 # Not on setup: a test (tests/test_device_rehearsal.py) builds one while the suite runs.
 device-bundle:

@@ -18,6 +18,7 @@ import msgspec  # noqa: E402
 
 from hsx.commands.services import COMMANDS, ServiceConfig, in_this_process, run_service  # noqa: E402
 from hsx.errors import HsxError  # noqa: E402
+from hsx.exitcodes import STOPPED  # noqa: E402
 from hsx.logs import configure_logging  # noqa: E402
 
 
@@ -60,7 +61,7 @@ def main() -> int:
         print(f"hsx: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        return 130
+        return STOPPED
 
 
 if __name__ == "__main__":

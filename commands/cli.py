@@ -1,7 +1,8 @@
 """The `hsx` command line: the parser of every command, built from the command's config class
 (hsx/config/fields.py), and what each command runs. Each value comes from the flag, the
 environment, the job file (`--config`) or the default (hsx/config/settings.py); a user error
-(`HsxError`) prints one line, `hsx: error: ...`, and exits 2, with no traceback.
+(`HsxError`) prints one line, `hsx: error: ...`, and exits with its code (2, BAD_INPUT, unless
+it is a failed job or device), with no traceback. Every code is hsx/exitcodes.py's.
 """
 
 import argparse
@@ -44,6 +45,7 @@ from hsx.config.settings import (
 )
 from hsx.config.values import hide
 from hsx.errors import HsxError
+from hsx.exitcodes import DONE, JOB_FAILED, STOPPED
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.logs import configure_logging
 from hsx.monitor.config import MonitorConfig
@@ -58,7 +60,7 @@ def _run_status(cfg: StatusConfig) -> int:
 
     view = asyncio.run(read_status(cfg.nats, cfg.job, timeout_s=cfg.timeout_s, sums_budget_s=cfg.sums_budget_s))
     print(format_status(view, as_json=cfg.as_json))
-    return 0
+    return DONE
 
 
 def _run_verify(cfg: VerifyConfig) -> int:
@@ -69,7 +71,7 @@ def _run_verify(cfg: VerifyConfig) -> int:
         spec, token_ids, recompute=cfg.recompute, seed=cfg.seed, workers=cfg.workers, list_folder=cfg.list_folder
     )
     print(format_report(report, as_json=cfg.as_json))
-    return 0 if report.ok else 1
+    return DONE if report.ok else JOB_FAILED
 
 
 def _run_index_build(cfg: IndexBuildConfig) -> int:
@@ -77,7 +79,7 @@ def _run_index_build(cfg: IndexBuildConfig) -> int:
 
     built = asyncio.run(run_build(cfg.nats, cfg.job))
     print(format_summary(built, as_json=cfg.as_json))
-    return 0 if built.complete else 1
+    return DONE if built.complete else JOB_FAILED
 
 
 def _run_index_rebuild(cfg: IndexRebuildConfig) -> int:
@@ -85,7 +87,7 @@ def _run_index_rebuild(cfg: IndexRebuildConfig) -> int:
 
     built = rebuild_job_index(cfg.job_url, workers=cfg.workers)
     print(format_summary(built, as_json=cfg.as_json))
-    return 0 if built.complete else 1
+    return DONE if built.complete else JOB_FAILED
 
 
 def _run_export(cfg: ExportConfig) -> int:
@@ -159,7 +161,7 @@ _SERVICES = (
 # Commands with actions (`hsx dead list`): what the command itself says.
 _GROUPS = {
     "index": "write a job's index of stored samples (<job>/_hsx/index.arrow), "
-    "which readers use instead of listing; exit 1 if it is incomplete",
+    "which readers use instead of listing; exit 65 if it is incomplete",
     "dead": "list or retry a job's dead letters (HSX_DEAD)",
     "jobs": "list the jobs NATS holds, or delete one so that its name can be reused",
     "demo": "build inputs to try hsx with, here, with nothing downloaded",
@@ -369,7 +371,7 @@ def _show_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         build_command_config(parser, inner, prepare=False)
     environment = {name: shown(os.environ[name]) for name, shown in _S3_ENVIRONMENT.items() if os.environ.get(name)}
     print(describe(resolution, environment, as_json=as_json))
-    return 0
+    return DONE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "config" and args.config_command == "example":
             print(example_file(parser), end="")
-            return 0
+            return DONE
         if args.command == "config":
             return _show_config(parser, args)
         resolve(parser, args, os.environ)
@@ -392,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     except HsxError as exc:
         print(f"hsx: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C where no handler of the command's own took it
+        return STOPPED
     except Exception:
         # A request the NATS user may not make times out somewhere no one expected it: the
         # server's refusal, not the timeout's traceback, is what the operator must see.

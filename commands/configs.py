@@ -30,7 +30,9 @@ DEFAULT_SUMS_BUDGET_S = 0.5
 
 def job_flag() -> str:
     """--job of a command that reads a job's state: [job] name in a file."""
-    return option("--job", parse=job_name, job=True, file_key="name", example="qwen27b-l5", help="the job's name")
+    return option(
+        "--job", parse=job_name, job=True, file_key="name", env="HSX_JOB", example="qwen27b-l5", help="the job's name"
+    )
 
 
 def json_flag() -> bool:

@@ -27,6 +27,7 @@ import msgspec
 import structlog
 
 from hsx.errors import HsxError
+from hsx.exitcodes import DONE, JOB_FAILED
 from hsx.wire import schemas, topology
 from hsx.wire.counts import find_marker, has_uploaded_marker
 from hsx.wire.deadletter import resendable
@@ -245,16 +246,16 @@ def format_letters(letters: list[dict], *, as_json: bool) -> str:
 
 def run_list(settings: NatsSettings, job: str, *, as_json: bool) -> int:
     print(format_letters(asyncio.run(list_dead(settings, job)), as_json=as_json))
-    return 0
+    return DONE
 
 
 def run_retry(settings: NatsSettings, job: str, *, seqs: list[int] | None, as_json: bool) -> int:
-    """Exit 0 when every chosen letter was sent back or skipped as resolved; 1 when some were
-    refused (they are listed, and stay in HSX_DEAD)."""
+    """Exit 0 when every chosen letter was sent back or skipped as resolved; JOB_FAILED (65) when
+    some were refused (they are listed, and stay in HSX_DEAD)."""
     retried, skipped, refused = asyncio.run(retry_dead(settings, job, seqs))
     if as_json:  # the letters sent back and those refused; the resolved ones skipped are in the log
         print(format_letters(retried + refused, as_json=True))
-        return 1 if refused else 0
+        return JOB_FAILED if refused else DONE
     print(format_letters(retried, as_json=False) if retried else "nothing to retry")
     if skipped:
         print(
@@ -264,4 +265,4 @@ def run_retry(settings: NatsSettings, job: str, *, seqs: list[int] | None, as_js
     if refused:
         print(f"refused {len(refused)} letters (left in {topology.DEAD_STREAM}):")
         print(format_letters(refused, as_json=False))
-    return 1 if refused else 0
+    return JOB_FAILED if refused else DONE

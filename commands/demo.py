@@ -25,6 +25,7 @@ import structlog
 from hsx.config.settings import argparse_type
 from hsx.config.values import positive_int
 from hsx.errors import HsxError
+from hsx.exitcodes import DONE
 from hsx.logs import configure_logging
 
 log = structlog.get_logger("hsx.demo")
@@ -79,7 +80,7 @@ def run_demo_model(cfg) -> int:
 
     if holds_model(cfg.folder):
         print(f"{cfg.folder}: a model is there already, kept")
-        return 0
+        return DONE
     if cfg.chat:
         from hsx.commands.smollm2 import NAME, build_smollm2
 
@@ -90,7 +91,7 @@ def run_demo_model(cfg) -> int:
 
         build_tiny_model(cfg.folder)
         print(f"{cfg.folder}: hsx up's tiny random model, float32, no tokenizer (input_ids rows only)")
-    return 0
+    return DONE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     except HsxError as exc:
         print(f"hsx: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    return 0
+    return DONE
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch
 
 from hsx.commands.configs import ExportConfig
 from hsx.errors import HsxError, JobFailed
+from hsx.exitcodes import DONE
 from hsx.storage import trainers
 from hsx.storage.destinations import Destination, open_destination
 from hsx.storage.expected import (
@@ -63,7 +64,7 @@ def _claim(out: Path, identity: ExportIdentity) -> None:
     if path.exists():
         try:
             found = msgspec.json.decode(path.read_bytes(), type=ExportIdentity)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise HsxError(f"{path}: not an export's identity ({exc}); remove it if OUT is yours to reuse") from None
         if found != identity:
             raise HsxError(
@@ -316,7 +317,7 @@ def format_report(report: ExportReport, *, as_json: bool) -> str:
 
 def export_exit_code(report: ExportReport) -> int:
     if report.ok:
-        return 0
+        return DONE
     raise JobFailed(
         f"export of job {report.job} failed {report.samples_failed} samples (first: "
         f"{report.failed[0].sample_index}, {report.failed[0].reason}); see {REPORT}"

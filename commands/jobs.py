@@ -14,6 +14,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from hsx.errors import HsxError
+from hsx.exitcodes import DONE
 from hsx.storage.spool import plan_folder
 from hsx.wire import schemas, topology
 from hsx.wire.jobs import count_messages, job_durables, last_heartbeats, live_workers, read_job_spec, waiting_files
@@ -223,7 +224,7 @@ async def _with_jetstream(settings: NatsSettings, name: str, action):
 def run_list(settings: NatsSettings, *, as_json: bool) -> int:
     jobs = asyncio.run(_with_jetstream(settings, "hsx-jobs-list", list_jobs))
     print(format_jobs(jobs, as_json=as_json))
-    return 0
+    return DONE
 
 
 def run_delete(settings: NatsSettings, job: str, *, force: bool, as_json: bool) -> int:
@@ -231,4 +232,4 @@ def run_delete(settings: NatsSettings, job: str, *, force: bool, as_json: bool) 
         _with_jetstream(settings, f"hsx-jobs-delete-{job}", lambda js, kv: delete_job(js, kv, job, force=force))
     )
     print(format_deleted(summary, as_json=as_json))
-    return 0
+    return DONE

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hsx.commands.configs import NatsConfigConfig
 from hsx.errors import HsxError
+from hsx.exitcodes import DONE
 from hsx.storage.fsutil import atomic_write_bytes
 from hsx.wire.permissions import ANY, ROLES, Permissions, inbox_prefix, role_permissions
 
@@ -170,4 +171,4 @@ def run_nats_config(cfg: NatsConfigConfig) -> int:
     print(
         f"run each service with its role's file, e.g.: set -a; . {cfg.out / env_file('consumer')}; set +a; hsx consume ..."
     )
-    return 0
+    return DONE

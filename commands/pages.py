@@ -1,11 +1,14 @@
 """What each command's --help says around its flags: a paragraph on what it does (`description`)
 and how it is run (`epilog`, the examples, their line breaks kept), by the command's words on the
 command line. `hsx --help` says where to start: `hsx up` on one machine; on a cluster, produce,
-then consume and upload on each node, then monitor. This module knows no flag; the parser
-(commands/cli.py) checks that every command it builds has a page.
+then consume and upload on each node, then monitor; it and each long-running command's help end
+with the exit codes (hsx/exitcodes.py). This module knows no flag; the parser (commands/cli.py)
+checks that every command it builds has a page.
 """
 
 import textwrap
+
+from hsx.exitcodes import epilog as exit_codes
 
 START = """\
 where to start:
@@ -16,7 +19,12 @@ where to start:
                    hsx upload           on each node with consumers, beside them
                 3. hsx monitor          follow it until done (or hsx status once)
 
-run hsx COMMAND --help for a command's flags and an example"""
+run hsx COMMAND --help for a command's flags and an example
+
+""" + exit_codes()
+
+# The commands that run until a job is done or they are stopped: their help lists the exit codes.
+LONG_RUNNING = {("up",), ("produce",), ("consume",), ("upload",), ("monitor",), ("sync",)}
 
 # words -> (what it does, examples); the examples are command lines, as a person types them.
 PAGES: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
@@ -149,7 +157,7 @@ def page(words: tuple[str, ...]) -> dict[str, str]:
     """add_parser's `description` (the paragraph, filled) and `epilog` (the examples) of a command."""
     about, examples = PAGES[words]
     lead = "example:" if len(examples) == 1 else "examples:"
-    return {
-        "description": textwrap.fill(about, 79),
-        "epilog": "\n".join([lead, *(f"  {example}" for example in examples)]),
-    }
+    lines = [lead, *(f"  {example}" for example in examples)]
+    if words in LONG_RUNNING:
+        lines += ["", exit_codes()]
+    return {"description": textwrap.fill(about, 79), "epilog": "\n".join(lines)}

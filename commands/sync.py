@@ -16,6 +16,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from hsx.commands.configs import SyncConfig
 from hsx.config.values import parse_duration  # noqa: F401 - `hsx sync --every`'s, named here too
 from hsx.errors import HsxError
+from hsx.exitcodes import DONE, JOB_FAILED, STOPPED
 from hsx.storage.destinations import (
     Destination,
     VerificationError,
@@ -182,7 +183,8 @@ class Syncer:
 
 
 def run_sync(cfg: SyncConfig) -> int:
-    """Pass after pass until a signal (exit 0); with --once, one pass (exit 1 if a file failed)."""
+    """Pass after pass until a signal (STOPPED: it never finishes on its own, and running it again
+    is safe); with --once, one pass: DONE, or JOB_FAILED if a file failed its retries."""
     stopping = stop_flag_on_signals()
     syncer = Syncer(cfg, open_destination(cfg.dest, max_connections=8), stopping)
     log.info("sync_started", source=str(cfg.source), dest=syncer.dest.url, every_s=cfg.every_s)
@@ -190,7 +192,10 @@ def run_sync(cfg: SyncConfig) -> int:
         started = time.monotonic()
         result = syncer.run_pass()
         if cfg.every_s is None:
-            return 1 if result.failed else 0
+            if stopping.is_set():  # the pass was cut short: the rest is synced by the next run
+                log.info("sync_stopped", source=str(cfg.source), dest=syncer.dest.url)
+                return STOPPED
+            return JOB_FAILED if result.failed else DONE
         if stopping.wait(max(0.0, started + cfg.every_s - time.monotonic())):
             log.info("sync_stopped", source=str(cfg.source), dest=syncer.dest.url)
-            return 0
+            return STOPPED

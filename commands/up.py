@@ -6,10 +6,14 @@ consumers per device (`--device cuda`: every visible GPU, or those of `--devices
 `auto`, is `cuda` when torch sees a GPU, else `cpu`; hsx/model/devices.py), each its own process
 shown only its own GPU and loading the model while the producer plans, `--uploaders` uploaders
 sharing the consumers' spool, and the monitor, then makes what the demo needs and runs the
-producer; it restarts a worker that crashes, and returns 0 when every sample is in the
-destination. Everything lives in the workdir, so running it again resumes: the producer publishes
-nothing twice and only unfinished work runs. Ctrl-C (or SIGTERM) stops every process cleanly:
-workers finish their batch, then exit.
+producer; it restarts a worker that crashes (a few times), and returns 0 when every sample is in
+the destination. Everything lives in the workdir, so running it again resumes: the producer
+publishes nothing twice and only unfinished work runs. Ctrl-C (or SIGTERM) stops every process
+cleanly: workers finish their batch, then exit; up exits 75 (STOPPED). A process that ends in a
+way up cannot go on from (a refused setting, the monitor or the producer dying, a worker that
+keeps crashing) is named with its last error line; up stops the others and exits with the
+contract's code for it (hsx/exitcodes.py `of_child`): 2 for bad input, 65 for a failed job, 1
+for a crash.
 """
 
 import argparse
@@ -35,17 +39,20 @@ from hsx.commands.services import BUILDERS
 from hsx.config.fields import Flag, flag_fields, option
 from hsx.config.settings import build_config, resolve
 from hsx.config.values import positive_float, positive_int
-from hsx.errors import HsxError, JobFailed
+from hsx.errors import HsxError, JobFailed, Unavailable
+from hsx.exitcodes import BAD_INPUT, DONE, JOB_FAILED, STOPPED, of_child
 from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
 from hsx.model.devices import auto_device, child_visible_devices, node_devices, node_gpus, torch_sees_cuda
-from hsx.monitor.config import MonitorConfig, http_url, parse_listen
+from hsx.monitor.config import MonitorConfig, http_url
 from hsx.producer.config import ProducerConfig
 from hsx.storage.location import Location
 from hsx.uploader.config import UploaderConfig
+from hsx.wire.health import parse_listen
 from hsx.wire.natsconn import NatsSettings, redact_url
 
 log = structlog.get_logger("hsx.up")
 
+# How often a worker that crashed (or whose device failed) is started again before up gives up.
 _MAX_RESTARTS = 5
 # How long a consumer waits for the demo model up makes while the consumers start: a random
 # model of a few MB takes seconds; past it the consumer loads the model once the spec is read.
@@ -98,7 +105,7 @@ class UpConfig:
         "--device",
         default="auto",
         help="where the consumers run: auto (default: cuda when torch sees a GPU, else cpu; "
-        "hsx consume's default is cuda:0), cpu, cuda:N, or cuda for every visible GPU "
+        "hsx consume's default is cuda, its first GPU), cpu, cuda:N, or cuda for every visible GPU "
         "(CUDA_VISIBLE_DEVICES honoured), one consumer per GPU",
     )
     gpus: str | None = option(
@@ -126,7 +133,7 @@ class UpConfig:
     http: str | None = option(
         "--http",
         default=None,
-        parse=parse_listen,
+        parse=parse_listen("--http"),
         env="HSX_HTTP_PORT",
         metavar="[ADDR:]PORT",
         example="8080",
@@ -199,6 +206,7 @@ class UpConfig:
                 job=args.job,
                 device=devices[0],
                 spool=spool,
+                health_port=None,  # many processes here: one port (HSX_HEALTH_PORT) cannot serve them all
                 # Given to up: passed on; not given: the consumer's own layers (HSX_COMPILE, ...) decide.
                 **{
                     name: value
@@ -210,7 +218,7 @@ class UpConfig:
                     if value is not None
                 },
             ),
-            uploader=child("upload", job=args.job, spool=spool),
+            uploader=child("upload", job=args.job, spool=spool, health_port=None),
             monitor=replace(
                 child(
                     "monitor",
@@ -259,21 +267,41 @@ def consumer_configs(cfg: UpConfig) -> list[tuple[str, ConsumerConfig, dict[str,
     return [(f"consumer-{i}", consumer, env) for i, (consumer, env) in enumerate(consumers)]
 
 
+class ChildFailed(HsxError):
+    """A process up started ended so that up cannot go on: up exits with the contract's code for
+    the child's (hsx/exitcodes.py `of_child`)."""
+
+    def __init__(self, message: str, *, code: int | None) -> None:
+        super().__init__(message)
+        self.exit_code = of_child(code)
+
+
 class Child:
-    """One service process, its log file, and how often it was restarted."""
+    """One service process, its log file, and how often it was restarted. With `log_stdout`
+    False only its stderr goes to the log (the monitor: its stdout is up's own output)."""
 
     def __init__(
-        self, name: str, argv: list[str], env: dict[str, str], log_path: Path | None, *, stdin: bytes | None = None
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log_path: Path | None,
+        *,
+        stdin: bytes | None = None,
+        log_stdout: bool = True,
     ) -> None:
         self.name, self.argv, self.env, self.log_path, self.stdin = name, argv, env, log_path, stdin
+        self.log_stdout = log_stdout
         self.restarts = 0
         self.process: subprocess.Popen | None = None
 
     @classmethod
-    def of(cls, name: str, cfg, *, log_level: str, env: dict[str, str], log_path: Path | None) -> "Child":
+    def of(
+        cls, name: str, cfg, *, log_level: str, env: dict[str, str], log_path: Path | None, log_stdout: bool = True
+    ) -> "Child":
         """The service of `cfg`, in its own process, given the config whole (commands/child.py)."""
         argv = [sys.executable, "-m", "hsx.commands.child"]
-        return cls(name, argv, env, log_path, stdin=order(cfg, log_level=log_level))
+        return cls(name, argv, env, log_path, stdin=order(cfg, log_level=log_level), log_stdout=log_stdout)
 
     def start(self) -> None:
         out = open(self.log_path, "ab") if self.log_path else None
@@ -281,7 +309,7 @@ class Child:
             self.argv,
             env=self.env,
             stdin=subprocess.PIPE if self.stdin is not None else None,
-            stdout=out,
+            stdout=out if self.log_stdout else None,
             stderr=out or None,
             start_new_session=True,
         )
@@ -321,6 +349,7 @@ class Child:
             self.process.wait()
 
     def last_error(self) -> str:
+        """Its `hsx: error:` line, else its log's last line (a traceback's names the exception)."""
         if not self.log_path or not self.log_path.exists():
             return ""
         lines = self.log_path.read_text(errors="replace").strip().splitlines()
@@ -328,6 +357,13 @@ class Child:
             if line.startswith("hsx: error:"):
                 return line.removeprefix("hsx: error:").strip()
         return lines[-1][-300:] if lines else ""
+
+    def failed(self, code: int | None, *, what: str = "exited") -> ChildFailed:
+        """The error that ends up for this child's exit `code`, naming it, its last error and its
+        log; logged at once, while up stops the others."""
+        error = self.last_error() or "no error line in its log"
+        log.error("child_failed", child=self.name, exit_code=code, error=error, log=str(self.log_path))
+        return ChildFailed(f"{self.name} {what} with code {code}: {error} (log: {self.log_path})", code=code)
 
 
 def hsx_argv(*args: str) -> list[str]:
@@ -379,17 +415,33 @@ def _stop_line(nats: NatsSettings, job: str) -> str:
 
 
 def restart_crashed(workers: list[Child]) -> None:
-    """Start again a worker that exited; one refused (exit 2: its settings, its device) or
-    restarted too often ends the run with its last error."""
+    """Start again a worker that exited: a crash, a failed device, a signal from elsewhere (a worker
+    up started runs until up stops it). One refused (BAD_INPUT: its settings, its device), one
+    whose job failed under it (JOB_FAILED: the job deleted), or one restarted _MAX_RESTARTS times
+    ends the run with its last error (ChildFailed)."""
     for child in workers:
         code = child.poll()
         if code is None:
             continue
-        if code == 2 or child.restarts >= _MAX_RESTARTS:
-            raise HsxError(f"{child.name} exited with code {code}: {child.last_error()} (log: {child.log_path})")
+        if code in (BAD_INPUT, JOB_FAILED):
+            raise child.failed(code)
+        if child.restarts >= _MAX_RESTARTS:
+            raise child.failed(code, what=f"was restarted {child.restarts} times and exited again")
         child.restarts += 1
-        log.warning("worker_restarted", worker=child.name, exit_code=code, restarts=child.restarts)
+        log.warning(
+            "worker_restarted", worker=child.name, exit_code=code, restarts=child.restarts, error=child.last_error()
+        )
         child.start()
+
+
+def check_monitor(monitor: Child) -> int | None:
+    """The monitor's exit code once it ended with the job's verdict (DONE or JOB_FAILED), None
+    while it runs; any other end (a crash, a signal not from up) is ChildFailed: up cannot tell
+    whether the job is done without it."""
+    code = monitor.poll()
+    if code is None or code in (DONE, JOB_FAILED):
+        return code
+    raise monitor.failed(code)
 
 
 def _interrupted(signum: int, monitor: Child, nats: NatsSettings, job: str) -> int:
@@ -399,7 +451,7 @@ def _interrupted(signum: int, monitor: Child, nats: NatsSettings, job: str) -> i
     monitor.wait(time.monotonic() + 10)
     log.info("stopping", signal=signal.Signals(signum).name)
     print(_stop_line(nats, job), file=sys.stderr, flush=True)
-    return 130
+    return STOPPED
 
 
 def run_up(cfg: UpConfig) -> int:
@@ -453,8 +505,16 @@ def run_up(cfg: UpConfig) -> int:
             service(f"uploader-{i}", cfg.uploader, logs / f"uploader-{i}.log") for i in range(cfg.uploaders)
         ]
         # The monitor starts once the job is recorded: before, it would only say it waits for a
-        # job that up is producing itself.
-        monitor = service("monitor", cfg.monitor, None)
+        # job that up is producing itself. Its stdout (the bar, or JSON lines) is up's; its
+        # stderr (an error line, a traceback) goes to its log, which names it if it dies.
+        monitor = Child.of(
+            "monitor",
+            replace(cfg.monitor, nats=nats),
+            log_level=cfg.log_level,
+            env=env,
+            log_path=logs / "monitor.log",
+            log_stdout=False,
+        )
 
         def start_monitor() -> None:
             monitor.start()
@@ -489,8 +549,10 @@ def run_up(cfg: UpConfig) -> int:
                 if asyncio.run(_job_recorded(nats, producer_cfg.job)):
                     start_monitor()
             restart_crashed(workers)
+            if monitor.started():
+                check_monitor(monitor)
             time.sleep(0.1)
-        if producer.poll() != 0:
+        if producer.poll() != DONE:
             error = producer.last_error()
             if server is not None and "already exists" in error:
                 # Its advice (`hsx jobs delete`) needs this server, which stops with up.
@@ -498,7 +560,8 @@ def run_up(cfg: UpConfig) -> int:
                     f"; hsx up keeps its jobs in {cfg.workdir / 'nats'}: give another --job, or remove that "
                     "folder and pass --replace-output to make the job anew"
                 )
-            raise HsxError(f"producer failed: {error} (log: {producer.log_path})")
+            log.error("child_failed", child=producer.name, exit_code=producer.poll(), error=error)
+            raise ChildFailed(f"producer failed: {error} (log: {producer.log_path})", code=producer.poll())
         log.info("job_published", job=producer_cfg.job, dest=str(producer_cfg.dest))
         if not monitor.started():
             start_monitor()
@@ -507,11 +570,10 @@ def run_up(cfg: UpConfig) -> int:
         while True:
             if interrupted:
                 return _interrupted(interrupted[0], monitor, nats, producer_cfg.job)
-            code = monitor.poll()
-            if code is not None:
+            if check_monitor(monitor) is not None:
                 break
             if time.monotonic() - started > cfg.timeout_s:
-                raise HsxError(
+                raise Unavailable(  # stopped: a rerun resumes
                     f"job {cfg.producer.job} not done after --timeout {cfg.timeout_s:.0f} s; run hsx up again to resume"
                 )
             restart_crashed(workers)
@@ -524,7 +586,7 @@ def run_up(cfg: UpConfig) -> int:
         print(
             f"hsx up took {time.monotonic() - up_started:.0f} s in all: start-up, producing and extracting", flush=True
         )
-        if monitor.poll() != 0 or not view.done:
+        if monitor.poll() != DONE or not view.done:
             if view.destination_refusals:
                 # Stopping the uploaders leaves their files in the spool: a run after the fix resumes.
                 raise JobFailed(
@@ -535,7 +597,7 @@ def run_up(cfg: UpConfig) -> int:
                 f"job {cfg.producer.job} finished without {view.total_samples - view.samples_uploaded} samples; "
                 f"dead samples: {view.dead_samples[:50]} (hsx status --job {cfg.producer.job})"
             )
-        return 0
+        return DONE
     finally:
         stop_all(children, interrupted[0] if interrupted else signal.SIGTERM)
         if server is not None:

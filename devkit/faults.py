@@ -24,6 +24,10 @@ is imported (an import hook, so an uploader never imports the consumer's torch m
   and kills itself before acking (a crash at the worst moment); later ones see PATH and run on.
 - HSX_TEST_HOLD_DEAD_LETTER=DIR: before storing a dead letter the process creates DIR/holding and
   waits until DIR/release appears.
+- HSX_TEST_HOLD_PUBLISH=DIR: before a producer publishes its first batch it creates DIR/holding
+  and waits until DIR/release appears (a producer stopped mid-run, its spec recorded).
+- HSX_TEST_MISSING_MODULE=NAME: importing module NAME raises ModuleNotFoundError, as a module
+  left out of an install would (a service that dies at its start while the others work).
 """
 
 import asyncio
@@ -51,6 +55,8 @@ SWITCHES = (
     "HSX_TEST_CRASH_ON_SAMPLE",
     "HSX_TEST_CRASH_BEFORE_ACK",
     "HSX_TEST_HOLD_DEAD_LETTER",
+    "HSX_TEST_MISSING_MODULE",
+    "HSX_TEST_HOLD_PUBLISH",
 )
 
 
@@ -217,11 +223,28 @@ def _dead_letters(module, environ: Mapping[str, str]) -> None:
     module.before_store = before_store
 
 
+def _producer(module, environ: Mapping[str, str]) -> None:
+    """The producer has no seam of its own: its publishing function is wrapped."""
+    hold = environ.get("HSX_TEST_HOLD_PUBLISH")
+    if not hold:
+        return
+    publish = module._publish_batches
+
+    async def held(*args, **kwargs):
+        if _first_to_create(str(Path(hold, "holding"))):
+            while not Path(hold, "release").exists():
+                await asyncio.sleep(0.05)
+        return await publish(*args, **kwargs)
+
+    module._publish_batches = held
+
+
 _SEAMS: dict[str, Callable] = {
     "hsx.gpu_consumer.extract": _consumer_extract,
     "hsx.gpu_consumer.service": _consumer_service,
     "hsx.gpu_consumer.writer": _consumer_writer,
     "hsx.wire.deadletter": _dead_letters,
+    "hsx.producer.main": _producer,
 }
 
 
@@ -232,6 +255,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         self.environ = dict(environ)
 
     def find_spec(self, name, path, target=None):
+        if name == self.environ.get("HSX_TEST_MISSING_MODULE"):
+            raise ModuleNotFoundError(f"No module named {name!r} (test fault)", name=name)
         if name not in _SEAMS:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)

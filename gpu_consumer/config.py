@@ -28,13 +28,16 @@ class ExpectedModel:
 
 @dataclass(frozen=True, kw_only=True)
 class ConsumerConfig(WorkerConfig):
+    # "cuda" is made "cuda:0", the first GPU this process sees: under Slurm's --gpus-per-task or
+    # Kubernetes' device plugin, the one allocated to it (CUDA_VISIBLE_DEVICES).
     device: str = option(
         "--device",
-        default="cuda:0",
+        default="cuda",
         parse=check_consumer_device,
         env="HSX_DEVICE",
-        help="cpu or cuda:N, one device (env HSX_DEVICE, default cuda:0; hsx up's default is auto: every GPU torch "
-        "sees, else cpu)",
+        help="cpu, cuda:N, or cuda: the first GPU this process sees, cuda:0, which under Slurm or Kubernetes is "
+        "the one allocated to it (CUDA_VISIBLE_DEVICES); one device (env HSX_DEVICE, default cuda; hsx up's "
+        "default is auto: every GPU torch sees, else cpu)",
     )
     # As given ("auto", "200G"), made a byte count by the entry point (commands/services.py):
     # auto is half the spool disk's free space.
@@ -73,6 +76,7 @@ class ConsumerConfig(WorkerConfig):
     no_compile: bool = option(
         "--no-compile",
         default=False,
+        env="HSX_NO_COMPILE",
         help="never torch.compile: the eager forward, whatever --compile or HSX_COMPILE say",
     )
     # On a GPU, a hybrid model whose linear-attention layers would run transformers' torch
@@ -94,6 +98,7 @@ class ConsumerConfig(WorkerConfig):
         "--stall-after",
         default=300.0,
         parse=positive_float("--stall-after"),
+        env="HSX_STALL_AFTER",
         help="a forward running 10x longer than its batch should take at this consumer's pace, "
         "and at least this many seconds, is stalled: its batch is released to another "
         "consumer and the heartbeat says so (default 300)",

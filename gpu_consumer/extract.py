@@ -42,6 +42,7 @@ import structlog
 import torch
 
 from hsx.errors import HsxError
+from hsx.exitcodes import DEVICE_FAILED
 from hsx.gpu_consumer.model import LoadedModel
 from hsx.gpu_consumer.staging import StagingLease
 from hsx.storage.encodings.float8 import Float8States, quantize_float8
@@ -76,10 +77,10 @@ def device_failed(exc: BaseException) -> bool:
 
 
 class DeviceFailed(HsxError):
-    """The consumer's device failed (`device_failed`): the process exits with code 3 and its
+    """The consumer's device failed (`device_failed`): the process exits DEVICE_FAILED (3) and its
     supervisor (`hsx up`, Slurm, Kubernetes) restarts it; the batch is left unacked."""
 
-    exit_code = 3
+    exit_code = DEVICE_FAILED
 
 
 class NonFiniteStates(Exception):

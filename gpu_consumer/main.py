@@ -18,9 +18,11 @@ from pathlib import Path
 import structlog
 import torch
 
+from hsx.exitcodes import JOB_FAILED, STOPPED
 from hsx.gpu_consumer import compiling
 from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
 from hsx.gpu_consumer.device_thread import DeviceThread
+from hsx.gpu_consumer.grace import REAPER_STOP_S, turn_bound_s
 from hsx.gpu_consumer.kernels import check_kernels, kernel_report, report_fields
 from hsx.gpu_consumer.model import LoadedModel, load_model, usable_device
 from hsx.gpu_consumer.scheduler import pull_loop
@@ -33,8 +35,10 @@ from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plan
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.exhausted import reap_exhausted
+from hsx.wire.health import Health, serving
+from hsx.wire.lifecycle import exit_now
 from hsx.wire.load import spool_free
-from hsx.wire.worker import JobEnd, JobWatch, heartbeats, job_session, until_done, watching
+from hsx.wire.worker import JobEnd, JobWatch, heartbeats, job_session, until_done, watching, worker_exit_code
 
 log = structlog.get_logger("hsx.gpu_consumer")
 
@@ -128,13 +132,13 @@ async def model_for(
 
 
 # The reaper's steps are each idempotent, so one cut short at shutdown is redone by whoever reads
-# the advisory next; a NATS outage must not hold the consumer's exit for its retry budget.
-_REAPER_STOP_S = 5.0
+# the advisory next; a NATS outage must not hold the consumer's exit for its retry budget
+# (REAPER_STOP_S, part of the consumer's grace period: gpu_consumer/grace.py).
 
 
 async def _stop_reaper(reaper: asyncio.Task, stopping: asyncio.Event) -> None:
     if stopping.is_set():
-        await asyncio.wait({reaper}, timeout=_REAPER_STOP_S)
+        await asyncio.wait({reaper}, timeout=REAPER_STOP_S)
     if not reaper.done():  # the pull loop failed, or the reaper is waiting out an outage
         reaper.cancel()
     outcome = (await asyncio.gather(reaper, return_exceptions=True))[0]
@@ -153,14 +157,28 @@ def limit_host_threads(device) -> None:
         torch.set_num_threads(1)
 
 
+def _stalled(worker: BatchWorker | None) -> str | None:
+    stall = worker.stall if worker is not None else None
+    if stall is None:
+        return None
+    return f"{stall.stage} of batch {stall.batch_id} running {stall.running_s():.0f} s, past its {stall.bound_s:.0f} s bound"
+
+
 async def run(cfg: ConsumerConfig) -> int:
+    device = usable_device(cfg.device)  # refused here, before a connection, a heartbeat or a probe
+    health = Health(turn_bound_s=lambda: turn_bound_s(cfg))
+    with serving(health, cfg.health_listen):
+        return await _run(cfg, device, health)
+
+
+async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int:
     started_at = time.time()
-    device = usable_device(cfg.device)  # refused here, before a connection or a heartbeat
     make_private_dirs(cfg.spool)
     compile_layers = cfg.compiles(device.type)
     # Loaded, warmed up and run on one thread bound to the device; started before the spec is
     # read when the model is known (hsx up: while its producer plans).
     forwards = DeviceThread(device)
+    abandoned: list[str] = []  # the worker's stalled stages left running at the stop
     early = None
     if cfg.expected_model is not None:
         early = asyncio.ensure_future(
@@ -175,8 +193,9 @@ async def run(cfg: ConsumerConfig) -> int:
         consumer=cfg.instance,
     ) as session:
         if session is None:
-            return 0
+            return STOPPED  # a signal came before the job's spec
         js, spec, stopping = session.js, session.spec, session.stopping
+        health.watch_stop(stopping)
         warn_spool_room(cfg.spool, spec, high_water=cfg.spool_high_water_bytes)
         events = EventPublisher(session.nc, js, cfg.job)
         worker: BatchWorker | None = None
@@ -218,7 +237,7 @@ async def run(cfg: ConsumerConfig) -> int:
             if orphans:
                 log.info("spool_temp_files_removed", count=orphans, reason="left by a writer that was killed")
             if await watch.check():
-                return 1  # deleted while the model loaded (JobLost on leaving `watching`)
+                return JOB_FAILED  # deleted while the model loaded (JobLost on leaving `watching`)
             await asyncio.to_thread(remove_stale_plans, cfg.spool, spec)
             log.info(
                 "consumer_ready",
@@ -239,11 +258,19 @@ async def run(cfg: ConsumerConfig) -> int:
             durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
             sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
             worker = BatchWorker(cfg, js, events, spec, loaded, stopping, watch=watch, forwards=forwards)
+            worker.abandoned = abandoned
             end = JobEnd(js, watch, stopping, settled=worker.settled) if cfg.until_done else None
             reaper = asyncio.create_task(reap_exhausted(js, events, stopping))
+            # Live while a turn of the loop keeps within its bound at this consumer's pace, for
+            # the job's largest batch (its token budget), and nothing is stalled.
+            health.turn_bound_s = lambda: turn_bound_s(
+                cfg, forward_bound_s=worker.pace.bound_for_tokens(spec.token_budget)
+            )
+            health.stalled = lambda: _stalled(worker)
+            health.ready()
             try:
                 async with until_done(end):
-                    await pull_loop(worker, sub, cfg, stopping)
+                    await pull_loop(worker, sub, cfg, stopping, health)
             finally:
                 await _stop_reaper(reaper, stopping)
                 await sub.unsubscribe()
@@ -252,4 +279,10 @@ async def run(cfg: ConsumerConfig) -> int:
                 if watch.lost:
                     await asyncio.to_thread(remove_plan_folder, folder, reason="the job was lost")
         log.info("consumer_stopped", **({"verdict": end.verdict} if end is not None and end.verdict else {}))
-        return end.exit_code if end is not None else 0
+        code = worker_exit_code(end)
+    if abandoned:
+        # A hung forward or write cannot be joined, and the interpreter would wait for it at exit:
+        # end here, everything else done (the goodbye sent, the connection drained).
+        log.warning("exiting_past_hung_stages", stages=abandoned)
+        exit_now(code)
+    return code

@@ -123,7 +123,9 @@ def usable_device(device: str) -> torch.device:
             f"--device {device!r} is not a torch device (use cpu, cuda:N, or another torch device)"
         ) from None
     if target.type == "cuda" and not torch.cuda.is_available():
-        raise HsxError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+        listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = "" if listed is None else f" (CUDA_VISIBLE_DEVICES={listed!r}: what this process was allocated)"
+        raise HsxError(f"--device {device}: CUDA is not available on this machine{shown}; use --device cpu")
     if target.type == "cuda" and target.index is not None and target.index >= torch.cuda.device_count():
         raise HsxError(
             f"--device {device}: there is no GPU {target.index}: "

@@ -26,6 +26,15 @@ from hsx.wire import schemas, topology
 _READ_S = 10.0
 
 
+def batch_placed(spec: schemas.JobSpec, batch: schemas.BatchDescriptor) -> bool:
+    """Whether `batch` lies inside `spec`'s plan: every sample index below its total, and a batch
+    id of the plan's form one of its batches (a re-queued sample's batch or a poisoned batch's
+    retry has an id of another form, and samples of the plan)."""
+    seq = spec.plan_batch_seq(batch.batch_id)
+    in_range = all(0 <= sample.index < spec.total_samples for sample in batch.samples)
+    return in_range and (seq is None or seq < spec.total_batches)
+
+
 class PlanSamplesUnavailable(HsxError):
     """A round's digests are not in the object store (yet, or any more)."""
 

@@ -28,6 +28,7 @@ from nats.js import JetStreamContext
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.extract import DeviceFailed
 from hsx.gpu_consumer.service import BatchWorker, Computed, Running
+from hsx.wire.health import Health
 from hsx.wire.jetstream import give_back
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS
 from hsx.wire.pull import PullLoop, Taken
@@ -89,8 +90,12 @@ class BatchScheduler(PullLoop[Taken]):
     the current batch computes, taken up once the one before it is queued on the device; a pause
     at the spool's high-water mark; nothing fetched while a batch being finished is stalled."""
 
-    def __init__(self, worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asyncio.Event) -> None:
-        super().__init__(sub, stopping=stopping, watch=worker.watch, fetch_timeout_s=cfg.idle_fetch_timeout_s)
+    def __init__(
+        self, worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asyncio.Event, health: Health | None = None
+    ) -> None:
+        super().__init__(
+            sub, stopping=stopping, watch=worker.watch, fetch_timeout_s=cfg.idle_fetch_timeout_s, health=health
+        )
         self.worker = worker
         self.cfg = cfg
         # The batches in hand, in the order taken: each one's chain (first stage, then finish).
@@ -242,5 +247,7 @@ class BatchScheduler(PullLoop[Taken]):
         await asyncio.gather(*self.chains, return_exceptions=True)
 
 
-async def pull_loop(worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asyncio.Event) -> None:
-    await BatchScheduler(worker, sub, cfg, stopping).run()
+async def pull_loop(
+    worker: BatchWorker, sub, cfg: ConsumerConfig, stopping: asyncio.Event, health: Health | None = None
+) -> None:
+    await BatchScheduler(worker, sub, cfg, stopping, health).run()

@@ -38,7 +38,7 @@ from hsx.gpu_consumer.extract import (
 )
 from hsx.gpu_consumer.gpuuse import GpuReader
 from hsx.gpu_consumer.model import LoadedModel
-from hsx.gpu_consumer.plansamples import PlanSamples, PlanSamplesUnavailable
+from hsx.gpu_consumer.plansamples import PlanSamples, PlanSamplesUnavailable, batch_placed
 from hsx.gpu_consumer.staging import StagingLease
 from hsx.gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
 from hsx.gpu_consumer.writer import write_sample_file
@@ -147,6 +147,9 @@ class BatchWorker:
         # When the device last finished a forward (monotonic): a batch queued behind another
         # starts computing then, not when it was queued (its pace, gpu_consumer/stall.py).
         self._device_free_at = 0.0
+        # Stalled stages left running at a stop, "<stage> of <batch>": their threads cannot be
+        # joined, so the consumer's process ends without waiting for them (gpu_consumer/main.py).
+        self.abandoned: list[str] = []
 
     @property
     def job_lost(self) -> bool:
@@ -292,7 +295,21 @@ class BatchWorker:
             if on_stall is not None:
                 await on_stall()
             try:
-                result = await running
+                if not await self._ends_unless_stopped(running):
+                    # Its batch is released already (redelivered after the ack wait): a stop does
+                    # not wait out a stage past its bound, so it takes at most the stages' bounds.
+                    self.abandoned.append(f"{stage} of {batch.batch_id}")
+                    log.warning(
+                        "stalled_stage_abandoned",
+                        stage=stage,
+                        batch=batch.batch_id,
+                        reason="stopping",
+                        seconds=round(time.monotonic() - began, 1),
+                    )
+                    raise ReleasedBatch(batch.batch_id)
+                result = running.result()
+            except ReleasedBatch:
+                raise
             except Exception as exc:
                 if device_failed(exc):
                     raise  # not the batch's failure: the consumer must end (_compute_batch)
@@ -314,6 +331,18 @@ class BatchWorker:
         # Kept alive again for the rest of its way (a stalled stage may have taken its ack wait).
         taken.renew(interval_s=self.cfg.in_progress_s)
         return result
+
+    async def _ends_unless_stopped(self, running: asyncio.Future) -> bool:
+        """Wait for a stalled stage to end; False if the worker is stopping first (or already)."""
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({running, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if running.done():
+            return True
+        running.add_done_callback(lambda task: task.cancelled() or task.exception())  # read, never awaited
+        return False
 
     async def _still_queued(self, msg: Msg) -> bool:
         """Whether the message is still in the work queue: not acked by another consumer, not
@@ -395,15 +424,13 @@ class BatchWorker:
         (gpu_consumer/plansamples.py). A batch of a round not yet recorded waits (handed back with
         a delay: a plan published in rounds records each round, and its samples' digests, before
         its batches go out); anything else is removed, never extracted (`_refuse`)."""
-
-        def covers(spec: schemas.JobSpec) -> bool:
-            seq = spec.plan_batch_seq(batch.batch_id)
-            in_range = all(0 <= sample.index < spec.total_samples for sample in batch.samples)
-            return in_range and (seq is None or seq < spec.total_batches)
-
         if batch.job != self.spec.job:
             return await self._refuse(msg, batch, f"it names job {batch.job!r}")
-        placed = covers(self.spec) if self.watch is None else await self.watch.placed(covers)
+        placed = (
+            batch_placed(self.spec, batch)
+            if self.watch is None
+            else await self.watch.placed(lambda spec: batch_placed(spec, batch))
+        )
         if placed is None:
             return await self._wait_for_round(msg, batch, "its round is not recorded in the job's spec yet")
         if not placed:
@@ -748,7 +775,8 @@ class BatchWorker:
         return used + batches * self.batch_bytes < self.cfg.spool_high_water_bytes
 
     def close(self) -> None:
-        self._writers.shutdown(wait=True)
+        # A write left hung at a stop (`abandoned`) is not waited for: the process is going down.
+        self._writers.shutdown(wait=not self.abandoned)
         self.spool_meter.close()
         self.landing.close()
         if self._owns_forwards:

@@ -78,6 +78,10 @@ class ForwardPace:
     def bound_s(self, batch: BatchDescriptor) -> float:
         """Seconds a forward of `batch` may run before it counts as stalled. Before anything was
         measured only the floor applies (it must cover a first forward's compiling and tuning)."""
+        return self.bound_for_tokens(self.padded_tokens(batch))
+
+    def bound_for_tokens(self, padded_tokens: int) -> float:
+        """`bound_s` of a batch of `padded_tokens` (a job's largest: its token budget)."""
         if self.s_per_token is None:
             return self.stall_after_s
-        return max(self.stall_after_s, self.stall_factor * self.s_per_token * self.padded_tokens(batch))
+        return max(self.stall_after_s, self.stall_factor * self.s_per_token * padded_tokens)

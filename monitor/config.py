@@ -5,30 +5,12 @@ from typing import Literal
 
 from hsx.config.fields import option
 from hsx.config.values import port_or_off, positive_float
-from hsx.errors import HsxError
+from hsx.wire.health import listen_address, parse_listen
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.topology import job_name
 
 # --http without an address: the page is for this machine unless told otherwise.
 HTTP_DEFAULT_ADDR = "127.0.0.1"
-
-
-def parse_listen(text: str) -> str:
-    """`PORT` or `ADDR:PORT` (`[::1]:PORT` for IPv6), checked and returned as given; one line
-    naming --http otherwise."""
-    text = text.strip()
-    addr, colon, port = text.rpartition(":")
-    if not port.isdigit() or not 0 < int(port) <= 65535:
-        raise HsxError(f"--http {text!r}: expected PORT or ADDR:PORT with a port from 1 to 65535")
-    if colon and not addr.strip("[]"):
-        raise HsxError(f"--http {text!r}: the address before the port is empty")
-    return text
-
-
-def listen_address(text: str) -> tuple[str, int]:
-    """(address, port) of a `parse_listen` value; the address HTTP_DEFAULT_ADDR when it has none."""
-    addr, _, port = text.rpartition(":")
-    return (addr.strip("[]") or HTTP_DEFAULT_ADDR), int(port)
 
 
 def http_url(addr: str, port: int) -> str:
@@ -47,11 +29,26 @@ class MonitorConfig:
     # No flag: `hsx up` runs its monitor with False and prints the result itself, once.
     leave_bar: bool = True
     job: str = option(
-        "--job", parse=job_name, job=True, file_key="name", example="qwen27b-l5", help="the job to follow"
+        "--job",
+        parse=job_name,
+        job=True,
+        file_key="name",
+        env="HSX_JOB",
+        example="qwen27b-l5",
+        help="the job to follow",
     )
-    until_done: bool = option("--until-done", default=False, help="exit 0 when done, 1 when it cannot finish")
+    until_done: bool = option(
+        "--until-done",
+        default=False,
+        env="HSX_UNTIL_DONE",
+        help="exit 0 when the job is done, 65 when it cannot finish (everything left is dead-lettered)",
+    )
     interval_s: float = option(
-        "--interval", default=5.0, parse=positive_float("--interval"), help="seconds between readings (default 5)"
+        "--interval",
+        default=5.0,
+        parse=positive_float("--interval"),
+        env="HSX_MONITOR_INTERVAL",
+        help="seconds between readings (default 5)",
     )
     # "bar": one line redrawn in place on stdout (a terminal); "json": one JSON object per line on stdout.
     output: Literal["bar", "json"] = option(
@@ -68,6 +65,7 @@ class MonitorConfig:
         "--silent-after",
         default=30.0,
         parse=positive_float("--silent-after"),
+        env="HSX_SILENT_AFTER",
         help="report a worker whose last heartbeat is older than this many seconds (default 30)",
     )
     metrics_port: int = option(
@@ -87,7 +85,7 @@ class MonitorConfig:
     http: str | None = option(
         "--http",
         default=None,
-        parse=parse_listen,
+        parse=parse_listen("--http"),
         env="HSX_HTTP_PORT",
         metavar="[ADDR:]PORT",
         example="8080",
@@ -97,4 +95,4 @@ class MonitorConfig:
 
     @property
     def http_listen(self) -> tuple[str, int] | None:
-        return None if self.http is None else listen_address(self.http)
+        return None if self.http is None else listen_address(self.http, HTTP_DEFAULT_ADDR)

@@ -9,8 +9,10 @@ open the job without listing it.
 
 Its log is its product, so it goes to stdout (`hsx: error:` lines stay on stderr). With
 --http it serves the job's live page (monitor/web.py) from the same readings. With
---until-done it exits 0 once the job is done, and 1 once it cannot finish (everything left is
-dead-lettered, or the destination refuses uploads), naming why.
+--until-done it exits 0 (DONE) once the job is done, and 65 (JOB_FAILED) once it cannot finish
+(everything left is dead-lettered, or the destination refuses uploads), naming why. Stopped by a
+signal before the job was done, it exits 75 (STOPPED); after (without --until-done), 0.
+hsx/exitcodes.py has the contract.
 """
 
 import asyncio
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from hsx.exitcodes import DONE, JOB_FAILED, STOPPED
 from hsx.logs import configure_logging
 from hsx.monitor.bar import TerminalBar, render_bar
 from hsx.monitor.config import MonitorConfig
@@ -107,7 +110,7 @@ async def _follow(
 ) -> int:
     async with job_session(cfg.nats, cfg.job, name=f"hsx-monitor-{cfg.job}") as session:
         if session is None:
-            return 0
+            return STOPPED  # a signal came before the job's spec
         js, kv, spec, stopping = session.js, session.kv, session.spec, session.stopping
         maker = None
         if page is not None:
@@ -220,7 +223,7 @@ async def _follow(
                     summarised = True
                     await _write_index(js, spec)
                     if cfg.until_done:
-                        return 0
+                        return DONE
                 if view.failed and cfg.until_done:
                     log.error(
                         "job_failed",
@@ -230,7 +233,7 @@ async def _follow(
                         samples_uploaded=view.samples_uploaded,
                         samples_total=view.total_samples,
                     )
-                    return 1
+                    return JOB_FAILED
                 try:
                     await asyncio.wait_for(stopping.wait(), timeout=cfg.interval_s)
                 except TimeoutError:
@@ -242,4 +245,5 @@ async def _follow(
             except Exception as exc:  # the next reader folds from the last checkpoint: nothing lost
                 log.warning("checkpoint_not_saved", error=str(exc) or type(exc).__name__)
         watch.raise_if_lost()
-        return 0
+        # Stopped by a signal: without --until-done a monitor that saw the job done says so.
+        return DONE if summarised else STOPPED

@@ -70,6 +70,7 @@ class ProducerConfig:
     nats: NatsSettings
     job: str = option(
         "--job",
+        env="HSX_JOB",
         parse=job_name,
         job=True,
         file_key="name",
@@ -78,12 +79,14 @@ class ProducerConfig:
     )
     model: str = option(
         "--model",
+        env="HSX_MODEL",
         job=True,
         example="/models/Qwen3-27B",
         help="a local model folder or an id in the local Hugging Face cache",
     )
     dataset: Path = option(
         "--dataset",
+        env="HSX_DATASET",
         parse=Path,
         job=True,
         example="data.parquet",
@@ -92,6 +95,7 @@ class ProducerConfig:
     # As given: resolved against the model's depth by the producer.
     layers: LayerRequest = option(
         "--layers",
+        env="HSX_LAYERS",
         parse=parse_layers,
         job=True,
         example="1,16,31,46,61",
@@ -100,6 +104,7 @@ class ProducerConfig:
     )
     dest: Location = option(
         "--dest",
+        env="HSX_DEST",
         parse=Location.parse,
         job=True,
         example="s3://bucket/hidden-states",
@@ -107,6 +112,7 @@ class ProducerConfig:
     )
     dtype: str = option(
         "--dtype",
+        env="HSX_DTYPE",
         default="bfloat16",
         parse=stored_dtype,
         job=True,
@@ -116,16 +122,23 @@ class ProducerConfig:
     )
     token_budget: int = option(
         "--token-budget",
+        env="HSX_TOKEN_BUDGET",
         default=16384,
         parse=positive_int("--token-budget"),
         job=True,
         help="tokens per batch, batch size x padded length (default %(default)s)",
     )
     max_seq_len: int = option(
-        "--max-seq-len", default=4096, parse=positive_int("--max-seq-len"), job=True, help="default %(default)s"
+        "--max-seq-len",
+        env="HSX_MAX_SEQ_LEN",
+        default=4096,
+        parse=positive_int("--max-seq-len"),
+        job=True,
+        help="default %(default)s",
     )
     max_batch_size: int | None = option(
         "--max-batch-size",
+        env="HSX_MAX_BATCH_SIZE",
         default=None,
         parse=positive_int("--max-batch-size"),
         job=True,
@@ -136,6 +149,7 @@ class ProducerConfig:
     # little packing (each round is sorted by length on its own; bench/packing.py --rounds).
     round_rows: int = option(
         "--round-rows",
+        env="HSX_ROUND_ROWS",
         default=100_000,
         parse=count("--round-rows"),
         job=True,
@@ -145,6 +159,7 @@ class ProducerConfig:
     )
     on_long: str = option(
         "--on-long",
+        env="HSX_ON_LONG",
         default="error",
         choices=ON_LONG,
         job=True,
@@ -153,6 +168,7 @@ class ProducerConfig:
     )
     on_bad_row: str = option(
         "--on-bad-row",
+        env="HSX_ON_BAD_ROW",
         default="error",
         choices=ON_BAD_ROW,
         job=True,
@@ -162,6 +178,7 @@ class ProducerConfig:
     )
     on_empty_mask: str = option(
         "--on-empty-mask",
+        env="HSX_ON_EMPTY_MASK",
         default="keep",
         choices=ON_EMPTY_MASK,
         job=True,
@@ -172,6 +189,7 @@ class ProducerConfig:
     )
     max_bad_rows: BadRowCap | None = option(
         "--max-bad-rows",
+        env="HSX_MAX_BAD_ROWS",
         default=None,
         parse=parse_max_bad_rows,
         job=True,
@@ -181,12 +199,14 @@ class ProducerConfig:
     )
     trust_remote_code: bool = option(
         "--trust-remote-code",
+        env="HSX_TRUST_REMOTE_CODE",
         default=False,
         job=True,
         help="allow a model that ships its own Python code (it runs on every consumer)",
     )
     chat_field: str | None = option(
         "--chat-field",
+        env="HSX_CHAT_FIELD",
         default=None,
         parse=parse_chat_field,
         job=True,
@@ -196,6 +216,7 @@ class ProducerConfig:
     )
     chat_as: ChatConvention = option(
         "--chat-as",
+        env="HSX_CHAT_AS",
         default=HSX,
         parse=parse_chat_as,
         job=True,

@@ -3,11 +3,14 @@ batch. `run` checks everything that can refuse the job before anything is writte
 (producer/preflight.py), then stores the samples, claims the destination folder, publishes the
 batches under ids derived from the plan's fingerprint, and writes the bundle (producer/bundle.py).
 With --dry-run it stops after planning: the job is sized (producer/estimate.py) and printed,
-with no NATS server and nothing published, stored or written.
+with no NATS server and nothing published, stored or written. SIGTERM or Ctrl-C stops it where it
+is (exit 75, STOPPED): what it published stays, and a rerun resumes.
 Re-runs, replacement and resume: docs/architecture/producer.md."""
 
 import asyncio
+import contextlib
 import hashlib
+import signal
 import time
 from dataclasses import asdict, dataclass
 
@@ -15,7 +18,8 @@ import msgspec
 import numpy as np
 import structlog
 
-from hsx.errors import HsxError
+from hsx.errors import HsxError, Unavailable
+from hsx.exitcodes import DONE, STOPPED
 from hsx.model.layers import preset_of, resolve_layers
 from hsx.model.modelinfo import ModelInfo, load_model_info
 from hsx.packing import PlannedBatch, plan_batches, plan_in_rounds
@@ -43,6 +47,7 @@ from hsx.wire.counts import count_stored
 from hsx.wire.headers import message_headers
 from hsx.wire.jetstream import publish_all
 from hsx.wire.jobs import count_messages, live_workers
+from hsx.wire.lifecycle import exit_now
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, OUTAGE_RETRY_S, close_connection, connect, redact_url, through_outage
 from hsx.wire.schemas import Layer, plan_batch_id
 
@@ -141,7 +146,53 @@ async def _publish_batches(
 
 
 async def run(cfg: ProducerConfig, *, measure: Measure | None = None) -> int:
-    """`measure`: how a dry run measures a compressed job's states (hsx/commands/measure.py)."""
+    """`measure`: how a dry run measures a compressed job's states (hsx/commands/measure.py).
+    DONE once every batch is published (or the dry run printed); STOPPED when SIGTERM or SIGINT
+    stopped it first (`_stopped_by_signals`)."""
+    with _stopped_by_signals() as stopped:
+        try:
+            return await _run(cfg, measure=measure)
+        except asyncio.CancelledError:
+            if not stopped:
+                raise
+    # Everything published stays published and a rerun publishes only what is neither queued nor
+    # done, so the job is safe to produce again; no `stopped` is recorded in its spec (that would
+    # end it failed once what was published has run).
+    log.warning(
+        "producer_stopped",
+        job=cfg.job,
+        signal=signal.Signals(stopped[0]).name,
+        then="run hsx produce again with the same settings: it resumes, publishing nothing twice",
+    )
+    return STOPPED
+
+
+@contextlib.contextmanager
+def _stopped_by_signals():
+    """The first SIGTERM or SIGINT cancels the running task (its `finally` blocks close the
+    connection and the spill files); a second ends the process at once, STOPPED. Yields the
+    signals received."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            log.info("stopping", signal=signal.Signals(signum).name, then="a second signal stops now")
+            task.cancel()
+        else:
+            exit_now(STOPPED)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        yield received
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def _run(cfg: ProducerConfig, *, measure: Measure | None) -> int:
     started = time.monotonic()
     info = load_model_info(cfg.model, trust_remote_code=cfg.trust_remote_code)
     layers = resolve_layers(cfg.layers, info.num_layers, model=cfg.model)
@@ -153,7 +204,7 @@ async def run(cfg: ProducerConfig, *, measure: Measure | None = None) -> int:
         return await _produce(cfg, nc, info, layers, started=started)
     except NATS_OUTAGE_ERRORS as exc:
         # Each step rides out an outage for OUTAGE_RETRY_S (through_outage); past that, one line.
-        raise HsxError(
+        raise Unavailable(
             f"NATS at {redact_url(cfg.nats.url)} did not answer for {OUTAGE_RETRY_S:g} s "
             f"({type(exc).__name__}: {exc or 'no reply'}); job {cfg.job} is not fully published: run hsx "
             "produce again once NATS is back, and it resumes (nothing published is published twice)"
@@ -269,7 +320,7 @@ async def _dry_run(cfg: ProducerConfig, info, layers: list[Layer], measure: Meas
     finally:
         rows.close()
     print(format_estimate(estimate, as_json=cfg.as_json), flush=True)
-    return 0
+    return DONE
 
 
 def _no_measure(spec: schemas.JobSpec, rows: SampleTable, device: str):
@@ -497,7 +548,7 @@ async def _plan_and_publish(
             await _remove_replaced(cfg, owner, plan)
         await _write_bundle(js, existing, batches, max_batch_size=cfg.max_batch_size)
         _say_published(cfg, existing, new=0)
-        return 0
+        return DONE
     # Everything that can refuse the job, before anything of it is written.
     checked = await asyncio.to_thread(
         preflight.check_payloads,
@@ -571,7 +622,7 @@ async def _plan_and_publish(
     )
     await _write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
     _say_published(cfg, spec, new=published + republished)
-    return 0
+    return DONE
 
 
 def _say_published(cfg: ProducerConfig, spec: schemas.JobSpec, *, new: int) -> None:
@@ -882,7 +933,7 @@ async def _publish_rounds(
         )
         await _write_bundle(js, spec, batches, max_batch_size=cfg.max_batch_size)
         _say_published(cfg, spec, new=totals["new"])
-        return 0
+        return DONE
     except NATS_OUTAGE_ERRORS as exc:
         # Past the outage budget of a step: the spec says why the producer stopped, if NATS answers
         # within a few seconds more (a rerun resumes and clears it).

@@ -88,13 +88,17 @@ async def load_report(js: JetStreamContext, job: str, *, spec: schemas.JobSpec |
     if not spec.report_object:
         raise HsxError(f"job {job} has no input report (it was produced by an older hsx)")
     store = await topology.datasets_store(js)
+    where = f"job {job}: object {spec.report_object} in bucket {topology.DATASETS_BUCKET}"
     buffer = io.BytesIO()  # writeinto: get() otherwise grows one bytes object chunk by chunk
     try:
         if store is None:
             raise nats.js.errors.ObjectNotFoundError
         await store.get(spec.report_object, writeinto=buffer)
-        return msgspec.json.decode(buffer.getvalue())
+        report = msgspec.json.decode(buffer.getvalue())
     except nats.js.errors.ObjectNotFoundError:
-        raise HsxError(
-            f"job {job}: object {spec.report_object} in bucket {topology.DATASETS_BUCKET} is missing"
-        ) from None
+        raise HsxError(f"{where} is missing") from None
+    except (msgspec.DecodeError, RecursionError):  # msgspec recurses into nested values
+        report = None
+    if not isinstance(report, dict):
+        raise HsxError(f"{where} is not an input report")
+    return report

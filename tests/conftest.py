@@ -220,7 +220,7 @@ def run_in_process(args, environ: dict, monkeypatch, *, timeout: float) -> subpr
     """`hsx ARGS` through `hsx.commands.cli.main` in this process, with exactly `environ` as its
     environment, in the test's working directory; what it printed and its exit code,
     as a subprocess would give them. An exception that escapes main() is printed as its traceback,
-    as the interpreter would; past `timeout` the run is interrupted (exit 130)."""
+    as the interpreter would; past `timeout` the run is interrupted (exit 75, STOPPED)."""
     from hsx.commands.cli import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -325,3 +325,24 @@ def cli(monkeypatch, capsys):
         return Run(code, out, err)
 
     return run
+
+
+# The fuzz tests' cases, per fuzzed type (tests/fuzzing.py `Cases`): summed from every test's
+# report (on the controller, with xdist) and printed at the end of the run.
+_FUZZ_CASES: dict[str, int] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "call":
+        return
+    for name, value in report.user_properties:
+        if isinstance(name, str) and name.startswith("fuzz_cases:"):
+            kind = name.removeprefix("fuzz_cases:")
+            _FUZZ_CASES[kind] = _FUZZ_CASES.get(kind, 0) + int(value)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FUZZ_CASES:
+        terminalreporter.write_sep("-", f"fuzz cases run per type ({sum(_FUZZ_CASES.values())} in all)")
+        for kind, count in sorted(_FUZZ_CASES.items()):
+            terminalreporter.write_line(f"{kind}: {count}")

@@ -304,3 +304,17 @@ def test_a_rerun_counts_bad_rows_against_rows_read_not_samples(tmp_path):
     older = msgspec.structs.replace(existing, rows_read=0, total_samples=3)
     with pytest.raises(HsxError, match="1 of 4 rows set aside"):
         _check_same_inputs(cfg("20%"), older)
+
+
+@pytest.mark.parametrize("nested", ["input_ids", "id", "unknown"])
+def test_a_row_nested_past_the_recursion_limit_is_a_bad_row(nested):
+    """JSON nested thousands deep (a few KiB of brackets, also in a field hsx does not read) is
+    one bad row naming its line, not a RecursionError out of the JSON decoder."""
+    from hsx.producer.rows import BadRow
+    from hsx.producer.rows.forms import RowForms
+
+    deep = "[" * 5000 + "]" * 5000
+    line = json.dumps({"input_ids": [1, 2, 3], "id": "r"})[:-1] + f', "{nested}": {deep}}}'
+    with pytest.raises(BadRow) as caught:
+        RowForms().from_json(line.encode(), where="data.jsonl:7", default_id="6")
+    assert caught.value.where == "data.jsonl:7" and "\n" not in str(caught.value)

@@ -20,6 +20,7 @@ import boto3
 from test_e2e_s3 import check_ok, logs_of, start_monitor, wait_until_done, write_dataset
 
 from hsx.commands.embedded import start_nats_server
+from hsx.exitcodes import JOB_FAILED
 from hsx.producer.stored import decode_rows
 from hsx.wire import schemas, topology
 from hsx.wire.natsconn import NatsSettings, connect
@@ -168,7 +169,7 @@ def test_s3_bundle_matches_the_job_and_verify_ignores_it(
     # Control: a stray key beside the bundle is still reported by a verify that lists.
     s3.put_object(Bucket=bucket, Key=f"hs/{job_name}/stray.bin", Body=b"x")
     result = hsx("verify", "--job", job_name, "--json", "--list", env=env)
-    assert result.returncode == 1 and json.loads(result.stdout)["extra_keys"] == [f"{job_name}/stray.bin"], (
+    assert result.returncode == JOB_FAILED and json.loads(result.stdout)["extra_keys"] == [f"{job_name}/stray.bin"], (
         result.stdout
     )
 

@@ -26,7 +26,9 @@ from hsx.commands.child import order, read_order
 from hsx.commands.cli import build_parser
 from hsx.commands.up import UpConfig
 from hsx.config.configfile import Place
+from hsx.config.fields import key_of
 from hsx.config.settings import file_layout, resolve
+from hsx.exitcodes import STOPPED
 from hsx.storage import encodings
 from hsx.wire.natsconn import redact_url, split_servers
 
@@ -424,7 +426,7 @@ def test_a_consumer_with_only_a_job_file_binds_to_the_files_job(nats_server, job
         assert waiting[0]["consumer"].startswith("filenode-")
         assert spool.is_dir()
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0, log.read_text()
+        assert process.wait(timeout=60) == STOPPED, log.read_text()
     finally:
         if process.poll() is None:
             process.kill()
@@ -448,3 +450,40 @@ def test_the_example_file_shows_every_key_with_a_valid_value(cli, tmp_path):
     for command in (["consume"], ["produce"], ["up"], ["monitor"], ["sync", str(tmp_path)], ["dead", "list"]):
         result = cli("--config", str(file), "config", "show", *command)
         assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("command", ["produce", "consume", "upload", "monitor"])
+def test_every_setting_of_a_service_has_its_variable_and_config_show_lists_it(cli, command):
+    """A batch scheduler configures a worker by its environment alone: every setting of produce,
+    consume, upload and monitor that a job file may set has an HSX_* variable, which `--help`
+    and `hsx config show` name; a variable set is the setting's value and its source."""
+    parser = build_parser()
+    command_line_only = {
+        key_of(max(action.option_strings, key=len))
+        for action in parser.hsx_commands[command].hsx_flags
+        if not getattr(action, "hsx_in_file", True)
+    }
+    settings = _show(cli, "--", command, "--job", "j1")
+    text = cli("config", "show", command, "--job", "j1")
+    assert text.returncode == 0, text.stderr
+    lines = {line.split()[0]: line for line in text.stdout.splitlines()[1:]}
+    missing = []
+    for name, setting in settings.items():
+        if name.rpartition(".")[2] in command_line_only:
+            assert setting["env"] is None, (name, setting)
+            continue
+        if setting["env"] is None or not setting["env"].startswith("HSX_"):
+            missing.append(name)
+            continue
+        assert f"(env {setting['env']})" in lines[name], lines[name]
+    assert not missing, f"hsx {command}: settings without an environment variable: {missing}"
+    help_text = parser.hsx_commands[command].format_help()
+    unnamed = [s["env"] for name, s in settings.items() if "." in name and s["env"] and s["env"] not in help_text]
+    assert not unnamed, f"hsx {command} --help does not name {unnamed}"  # the global flags' are in hsx --help
+
+    # Set by the environment alone, and said so.
+    variables = {"HSX_JOB": "from-env"} | ({"HSX_UNTIL_DONE": "1"} if command != "produce" else {})
+    shown = _show(cli, "--", command, env=variables)
+    assert shown["job.name"] == {"value": "from-env", "source": "env", "flag": "--job", "env": "HSX_JOB"}
+    if command != "produce":
+        assert shown[f"{command}.until_done"]["value"] is True and shown[f"{command}.until_done"]["source"] == "env"

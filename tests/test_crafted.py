@@ -24,6 +24,7 @@ from test_e2e_s3 import (
     write_dataset,
 )
 
+from hsx.exitcodes import JOB_FAILED, STOPPED
 from hsx.wire import schemas, topology
 from hsx.wire.events import HEARTBEAT_CLOCK_SKEW_S, heard_heartbeat
 from hsx.wire.jobs import live_workers
@@ -205,7 +206,7 @@ def test_dead_retry_sends_only_to_the_jobs_own_subjects_and_lists_the_rest_refus
     assert listed[0]["subject"] == f"$KV.{topology.JOBS_BUCKET}.{other}" and "names subject" in listed[0]["refused"]
     assert "does not decode as a batch" in listed[1]["refused"] and f"job {other!r}" in listed[2]["refused"]
     retried = hsx("dead", "retry", "--job", job_name, "--all")
-    assert retried.returncode == 1 and "Traceback" not in retried.stderr, retried
+    assert retried.returncode == JOB_FAILED and "Traceback" not in retried.stderr, retried
     assert "refused 3 letters" in retried.stdout, retried.stdout
     left = json.loads(check_ok(hsx("dead", "list", "--job", job_name, "--json"), "dead list").stdout)
     assert len(left) == 3 and all(letter["refused"] for letter in left), left
@@ -268,7 +269,7 @@ def test_a_spec_naming_a_path_outside_the_spool_is_refused_and_nothing_is_remove
         assert shown.returncode == 2 and named in shown.stderr, (field, shown.stderr)
     _put_spec(nats_server.url, job_name, spec)
     uploader.terminate()
-    assert uploader.wait(timeout=30) == 0, logs_of(uploader)
+    assert uploader.wait(timeout=30) == STOPPED, logs_of(uploader)
     assert (victim / "keep.txt").exists()
 
 

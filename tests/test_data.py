@@ -27,6 +27,7 @@ from test_e2e_s3 import check_ok, start_monitor, wait_until_done, write_dataset
 from test_verify import Services, data_offset, run_cli
 
 from hsx.errors import HsxError
+from hsx.exitcodes import JOB_FAILED
 from hsx.packing import plan_batches
 from hsx.storage.layout import sample_key
 from hsx.storage.reader import (
@@ -225,7 +226,7 @@ def test_verify_over_s3_float8(s3_job, monkeypatch):
     finally:
         client.put_object(Bucket=s3_job.bucket, Key=key, Body=original)
     report = json.loads(out)
-    assert code == 1, report
+    assert code == JOB_FAILED, report
     assert [(c["sample_index"], c["reason"]) for c in report["corrupt"]] == [(index, "checksum")], report
     assert report["missing"] == [] and report["mismatching"] == [], report
 

@@ -1,7 +1,7 @@
 """A destination that refuses uploads: a missing bucket, wrong credentials, a denied permission, a
 file where a directory of a file:// destination belongs. Each is reported within a minute as the
 job's failure (`hsx status --json` `failed` with `failure_reason`, the monitor's
-`destination_failed` and `job_failed` with exit 1, `hsx up` exit 1 naming it); the files stay in
+`destination_failed` and `job_failed` with exit 65, `hsx up` exit 65 naming it); the files stay in
 the spool, no event is redelivered, and the uploader resumes by itself once the destination is
 fixed: every sample uploaded exactly once.
 
@@ -42,6 +42,7 @@ from test_e2e_s3 import (
     write_dataset,
 )
 
+from hsx.exitcodes import JOB_FAILED
 from hsx.storage.destinations import FileDestination, S3Destination
 from hsx.wire import schemas
 from hsx.wire.backoff import jittered, retry_delay
@@ -354,7 +355,7 @@ def test_missing_bucket_fails_the_job_within_a_minute_and_the_uploader_resumes_o
         alive=[consumer, uploader],
     )
     reported_s = time.monotonic() - started
-    assert monitor.returncode == 1, logs_of(*services)
+    assert monitor.returncode == JOB_FAILED, logs_of(*services)
     failed = log_events(monitor, "job_failed")
     assert failed and bucket in failed[-1]["reason"] and "NoSuchBucket" in failed[-1]["reason"], logs_of(monitor)
     said = log_events(monitor, "destination_failed")
@@ -569,7 +570,7 @@ def test_hsx_up_exits_1_naming_a_refusing_destination_and_leaves_no_stale_failur
     env = {**clean_environ(), "PYTHONUNBUFFERED": "1", "HSX_PROBE_EVERY": "1"}
 
     run = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env)
-    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.returncode == JOB_FAILED, run.stderr[-3000:]
     error = [line for line in run.stderr.splitlines() if line.startswith("hsx: error:")]
     assert error and "the destination refuses uploads" in error[-1] and str(blocker) in error[-1], run.stderr[-3000:]
     assert "Not a directory" in error[-1] and "run hsx up again" in error[-1], error

@@ -93,10 +93,19 @@ def test_cuda_visible_devices_is_named_when_set():
         plan_devices("cuda", None, visible=0, cuda_visible_devices="")
 
 
-def test_consume_takes_one_device():
+def test_consume_takes_one_device_and_cuda_is_the_first_it_sees():
+    """`hsx consume`'s default, `cuda`, is `cuda:0`: the first GPU of CUDA_VISIBLE_DEVICES, which
+    Slurm (--gpus-per-task) and Kubernetes' device plugin set to the GPU they allocate."""
     assert check_consumer_device("cuda:1") == "cuda:1" and check_consumer_device("cpu") == "cpu"
-    with pytest.raises(HsxError, match=r"use --device cuda:0 .* hsx up --device cuda"):
-        check_consumer_device("cuda")
+    assert check_consumer_device("cuda") == "cuda:0" == check_consumer_device(" cuda ")
+    parser = build_parser()
+    for given, environ in (([], {}), (["--device", "cuda"], {}), ([], {"HSX_DEVICE": "cuda"})):
+        args = parser.parse_args(["consume", "--job", "j", *given])
+        resolve(parser, args, environ)
+        assert args.device == "cuda:0", (given, environ)
+    # With an allocation of GPU 5 alone (Slurm's CUDA_VISIBLE_DEVICES=5), that GPU is cuda:0 for
+    # the consumer, and hsx up shows its consumer of cuda:0 the same one.
+    assert visible_gpus(1, "5") == ["5"] and child_visible_devices("cuda:0", visible_gpus(1, "5")) == "5"
 
 
 def _up_config(
@@ -212,9 +221,9 @@ def test_the_cli_refuses_with_one_line(tmp_path, subtests):
     """The real `hsx`, no GPU visible; nothing is started (NATS points nowhere, no workdir made)."""
     workdir = tmp_path / "never"
     cases = {
-        "consume --device cuda": (
-            ["consume", "--job", "j", "--device", "cuda", "--spool", str(tmp_path / "s")],
-            ("--device cuda", "--device cuda:0", "hsx up --device cuda"),
+        "consume (cuda, the default), none allocated": (
+            ["consume", "--job", "j", "--spool", str(tmp_path / "s")],
+            ("--device cuda:0", "CUDA is not available", "CUDA_VISIBLE_DEVICES=''"),
         ),
         "up --device cuda, none visible": (
             ["up", "--workdir", str(workdir), "--device", "cuda"],

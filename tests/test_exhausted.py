@@ -25,6 +25,7 @@ from conftest import _free_port
 from test_e2e_s3 import check_ok, check_outputs, job_plan, logs_of, produce, read_dir_objects, write_dataset
 
 from hsx.commands.embedded import start_nats_server
+from hsx.exitcodes import JOB_FAILED
 from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
@@ -83,7 +84,7 @@ def _wait_exit(proc, *, timeout: float, others=()) -> int:
 def _monitor_fails_naming(hsx_service, job: str, samples: list[int], env: dict | None, others) -> dict:
     monitor = hsx_service("monitor", "--job", job, "--until-done", "--interval", "0.5", env=env, name="monitor")
     code = _wait_exit(monitor, timeout=TIMEOUT_S, others=others)
-    assert code == 1, f"monitor --until-done exited {code}, expected 1 (failed)\n{logs_of(monitor, *others)}"
+    assert code == JOB_FAILED, f"monitor --until-done exited {code}, expected {JOB_FAILED}\n{logs_of(monitor, *others)}"
     lines = [json.loads(line) for line in Path(monitor.log_path).read_text().splitlines() if line.startswith("{")]
     failed = [line for line in lines if line.get("event") == "job_failed"]
     assert failed and failed[-1]["dead_samples"] == samples, f"job_failed names {failed[-1:]} not {samples}"
@@ -166,7 +167,7 @@ def test_a_batch_that_kills_its_consumer_every_time_is_dead_lettered_then_retrie
                 name="consume-crashing",
             )
         time.sleep(0.2)
-    assert monitor.returncode == 1, logs_of(monitor, consumer, uploader)
+    assert monitor.returncode == JOB_FAILED, logs_of(monitor, consumer, uploader)
     assert kills == topology.BATCH_MAX_DELIVER, f"{kills} kills"
     failed = [json.loads(line) for line in Path(monitor.log_path).read_text().splitlines() if '"job_failed"' in line]
     assert failed and failed[-1]["dead_samples"] == samples, failed

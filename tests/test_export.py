@@ -24,6 +24,7 @@ from conftest import TINY, _env, run_in_process
 from tolerance import U_BFLOAT16, assert_within, bfloat16_bound, depth, error, float8_bound
 
 from hsx.commands.embedded import build_tiny_model
+from hsx.exitcodes import JOB_FAILED
 from hsx.model.layers import FINAL
 from hsx.storage.reader import HiddenStateDataset
 
@@ -311,7 +312,7 @@ def test_a_damaged_source_file_is_named_and_the_rest_exported(jobs, tmp_path):
     victim.write_bytes(bytes(data))
     out = tmp_path / "speculators"
     result = _export(copy, "speculators", out)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == JOB_FAILED, result.stderr
     report = json.loads((out / "hsx-export.json").read_text())
     assert [entry["sample_index"] for entry in report["failed"]] == [2] and "damaged" in report["failed"][0]["reason"]
     assert "failed 1 samples (first: 2, damaged: " in result.stderr

@@ -32,6 +32,7 @@ from test_e2e_s3 import check_ok, write_dataset
 from test_verify import restored, verify_in_process
 
 from hsx.errors import HsxError
+from hsx.exitcodes import JOB_FAILED
 from hsx.gpu_consumer.writer import write_sample_file
 from hsx.logs import configure_logging
 from hsx.storage.layout import sample_key
@@ -220,7 +221,7 @@ def test_a_reused_name_reads_only_this_plans_samples(reused, tmp_path):
 def test_another_jobs_file_over_a_sample_is_named_and_the_rest_read(reused, tmp_path):
     """Another job's file (sound checksum, other layers and width, 40 token ids) over sample 1:
     export exited 0 and wrote it as sample 1; the dataset yielded it. Now export lists it with
-    what disagrees and exits 1 after writing the rest; the dataset raises one line naming the key,
+    what disagrees and exits 65 after writing the rest; the dataset raises one line naming the key,
     or, asked to, skips it and says so; index rebuild leaves it out; verify calls it mismatching."""
     copy = _copy(reused, tmp_path)
     key = sample_key(reused.job, 1)
@@ -228,7 +229,7 @@ def test_another_jobs_file_over_a_sample_is_named_and_the_rest_read(reused, tmp_
 
     out = tmp_path / "dflash"
     result = _export(copy, "specforge-dflash", out)
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == JOB_FAILED, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     report = _report(out)
     assert [entry["sample_index"] for entry in report["failed"]] == [1], report
@@ -255,13 +256,15 @@ def test_another_jobs_file_over_a_sample_is_named_and_the_rest_read(reused, tmp_
     assert pack_collate(batch)["sample_index"].tolist() == [0, 2]
 
     rebuilt = _hsx(["index", "rebuild", str(copy)], None)
-    assert rebuilt.returncode == 1 and f"index of {NEW - 1}/{NEW} samples" in rebuilt.stdout, rebuilt.stderr[-3000:]
+    assert rebuilt.returncode == JOB_FAILED and f"index of {NEW - 1}/{NEW} samples" in rebuilt.stdout, rebuilt.stderr[
+        -3000:
+    ]
     assert key in rebuilt.stderr, rebuilt.stderr[-3000:]  # the file left out is named in its log
 
     with restored(reused.out / key):
         (reused.out / key).write_bytes(_foreign_file(tmp_path, 1))
         code, verified = verify_in_process(reused.job, reused.nats_url)
-    assert code == 1, verified
+    assert code == JOB_FAILED, verified
     [entry] = verified["mismatching"]
     assert entry["sample_index"] == 1 and {"job", "plan", "layers", "hidden_states"} <= set(entry["checks"]), entry
 
@@ -273,13 +276,15 @@ def test_a_file_of_the_names_earlier_plan_is_refused(reused, tmp_path):
     (copy.parent / key).write_bytes(reused.stale_3)
     out = tmp_path / "dflash"
     result = _export(copy, "specforge-dflash", out)
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == JOB_FAILED, result.stderr[-3000:]
     [entry] = _report(out)["failed"]
     assert entry["sample_index"] == 3 and "plan" in entry["reason"] and key in entry["reason"], entry
     error = _dataset_error(str(copy), 3)
     assert key in error and "plan" in error, error
     rebuilt = _hsx(["index", "rebuild", str(copy)], None)
-    assert rebuilt.returncode == 1 and f"index of {NEW - 1}/{NEW} samples" in rebuilt.stdout, rebuilt.stderr[-3000:]
+    assert rebuilt.returncode == JOB_FAILED and f"index of {NEW - 1}/{NEW} samples" in rebuilt.stdout, rebuilt.stderr[
+        -3000:
+    ]
 
 
 def test_a_file_from_before_plan_tags_is_taken_by_its_contents(reused, tmp_path):
@@ -302,7 +307,7 @@ def test_a_file_from_before_plan_tags_is_taken_by_its_contents(reused, tmp_path)
 def test_a_missing_file_is_listed_by_export_and_one_line_in_the_reader(reused, tmp_path, s3_server):
     """Sample 4 deleted after the index was made (so the readers expect it): export raised
     FileNotFoundError with a traceback and wrote no report, the reader a raw FileNotFoundError
-    (or botocore's NoSuchKey). Now export lists it, writes the rest and the report, exits 1; the
+    (or botocore's NoSuchKey). Now export lists it, writes the rest and the report, exits 65; the
     reader says in one line which key is missing, over file:// and S3."""
     copy = _copy(reused, tmp_path)
     assert _hsx(["index", "rebuild", str(copy)], None).returncode == 0
@@ -311,7 +316,7 @@ def test_a_missing_file_is_listed_by_export_and_one_line_in_the_reader(reused, t
 
     out = tmp_path / "dflash"
     result = _export(copy, "specforge-dflash", out)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == JOB_FAILED and "Traceback" not in result.stderr, result.stderr[-3000:]
     report = _report(out)
     assert report["failed"] == [{"sample_index": 4, "reason": f"missing: {key}"}], report
     assert report["samples_exported"] + len(report["left_out"]) == NEW - 1, report
@@ -367,7 +372,7 @@ def test_a_bundle_without_its_tokens_file_is_checked_by_its_spec(reused, tmp_pat
     spec_path.write_text(json.dumps({**json.loads(spec_path.read_text()), "total_samples": 1_000_000_000}))
     out = tmp_path / "dflash"
     result = _export(copy, "specforge-dflash", out)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == JOB_FAILED and "Traceback" not in result.stderr, result.stderr[-3000:]
     failed = _report(out)["failed"]
     # Sample 1 (another job's), 10..23 (the deleted job's plan), then one entry for the rest.
     assert [entry["sample_index"] for entry in failed] == [1, *range(NEW, OLD), OLD], failed

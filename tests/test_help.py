@@ -26,8 +26,10 @@ PARSERS = _parsers()
 
 
 def _sections(text: str) -> list[str]:
-    """The titles of a help's groups, in order ("options", "NATS connection (...)"), not the examples."""
-    return [title for title in re.findall(r"^(\S[^\n]*):\n  ", text, re.MULTILINE) if not title.startswith("example")]
+    """The titles of a help's groups, in order ("options", "NATS connection (...)"), not the epilog's
+    (the examples, the exit codes)."""
+    epilog = ("example", "exit codes")
+    return [title for title in re.findall(r"^(\S[^\n]*):\n  ", text, re.MULTILINE) if not title.startswith(epilog)]
 
 
 def test_hsx_help_says_where_to_start():
@@ -91,5 +93,7 @@ def test_the_usage_line_shows_required_flags_bare_and_the_others_in_brackets(com
 def test_device_defaults_differ_between_up_and_consume_and_say_so():
     up, consume = PARSERS["up"].format_help(), PARSERS["consume"].format_help()
     flat = " ".join(up.split()), " ".join(consume.split())
-    assert "auto (default: cuda when torch sees a GPU, else cpu; hsx consume's default is cuda:0)" in flat[0]
-    assert "default cuda:0; hsx up's default is auto" in flat[1]
+    assert (
+        "auto (default: cuda when torch sees a GPU, else cpu; hsx consume's default is cuda, its first GPU)" in flat[0]
+    )
+    assert "default cuda; hsx up's default is auto" in flat[1]

@@ -26,6 +26,7 @@ from test_e2e_s3 import check_ok, logs_of, spooled, start_monitor, wait_until_do
 from test_verify import Services, run_cli
 
 from hsx.commands.verify import fetch_job, verify
+from hsx.exitcodes import JOB_FAILED
 from hsx.storage.destinations import S3Destination, open_destination
 from hsx.storage.index import INDEX_KEY, StoredIndex, read_index
 from hsx.storage.layout import sample_key
@@ -223,7 +224,10 @@ def test_rebuild_leaves_out_a_damaged_file_and_says_the_index_is_incomplete(s3_j
     s3.put_object(Bucket=s3_job.bucket, Key=key, Body=b"\xff" * 16)
     try:
         code, out, err = run_cli("index", "rebuild", s3_job.url)
-        assert code == 1 and f"index of {COUNT - 1}/{COUNT} samples" in out and "INCOMPLETE" in out, (out, err[-2000:])
+        assert code == JOB_FAILED and f"index of {COUNT - 1}/{COUNT} samples" in out and "INCOMPLETE" in out, (
+            out,
+            err[-2000:],
+        )
         assert 2 not in stored_index(s3_job).sample_indices.tolist()
     finally:
         s3.put_object(Bucket=s3_job.bucket, Key=key, Body=original)

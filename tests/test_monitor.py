@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_chaos import log_events, sigkill
 from test_e2e_s3 import check_ok, job_plan, logs_of, produce, status, write_dataset
 
+from hsx.exitcodes import DONE, STOPPED
 from hsx.monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS
 from hsx.storage.spool import spool_usage
 from hsx.wire import schemas, topology
@@ -251,9 +252,9 @@ def test_metrics_and_json_lines_agree_with_status_and_a_terminal_gets_the_bar(
     assert '{"' not in drawn, drawn[-2000:]
     assert "job_summary" in drawn  # the log line, printed above the bar
 
-    # Not a terminal: JSON lines on stdout, nothing on stderr.
+    # Not a terminal: JSON lines on stdout, nothing on stderr. It saw the job done: exit 0.
     monitor.terminate()
-    assert monitor.wait(timeout=30) == 0, logs_of(monitor)
+    assert monitor.wait(timeout=30) == DONE, logs_of(monitor)
     assert Path(monitor.err_path).read_text() == ""
     records = json_lines(monitor)
     progress = [r for r in records if r["event"] == "progress"]
@@ -428,7 +429,8 @@ def test_two_monitors_of_a_running_job_keep_up_with_status(tmp_path, hsx, spawn,
     time.sleep(3 * interval)  # readings after the last status, for the comparison below
     for monitor in procs:
         monitor.terminate()
-        assert monitor.wait(timeout=30) == 0, logs_of(monitor)
+        # Its batches are still queued (no consumer ran): the job is not done, the monitor stopped.
+        assert monitor.wait(timeout=30) == STOPPED, logs_of(monitor)
     running = [(t0, t1, value) for t0, t1, value in truth if value < total]
     # Only a job that moved while both monitors watched can show one of them behind.
     assert len({value for _, _, value in running}) >= 10, truth

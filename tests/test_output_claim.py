@@ -30,6 +30,7 @@ from test_e2e_s3 import _metadata, check_ok, logs_of, start_monitor, wait_until_
 from test_producer_checks import _produce_args, assert_nothing_written, log_events_of, state
 
 from hsx.errors import HsxError
+from hsx.exitcodes import STOPPED
 from hsx.storage import samplefile
 from hsx.storage.destinations import FileDestination
 from hsx.storage.layout import bundle_key, sample_key
@@ -153,7 +154,7 @@ def _run_to_done(hsx_service, job: str, spool: Path) -> None:
     for worker in workers:
         worker.send_signal(signal.SIGTERM)
     for worker in workers:
-        assert worker.wait(timeout=60) == 0, logs_of(worker)
+        assert worker.wait(timeout=60) == STOPPED, logs_of(worker)
 
 
 def test_replace_output_takes_the_folder_and_every_sample_file_ends_with_the_new_plan(

@@ -2,7 +2,7 @@
 HSX_TEST_FAIL_SAMPLE: its forward raises an IndexError, as an embedding given a token id past its
 table does): after max_deliver attempts only that sample is dead-lettered, with its error; the
 batch's other samples are written and uploaded; status counts it and the job is `failed` naming
-the dead sample (`monitor --until-done` exits 1); `hsx dead list` shows it and `hsx dead retry`
+the dead sample (`monitor --until-done` exits 65); `hsx dead list` shows it and `hsx dead retry`
 sends back a batch of that sample alone, which fails again and comes back.
 
 The poison sample is one the producer planned: a descriptor with samples the producer did not
@@ -15,6 +15,7 @@ from conftest import clean_environ
 from test_e2e_s3 import produce, read_dir_objects, write_dataset
 
 from devkit.faults import faults_env
+from hsx.exitcodes import JOB_FAILED
 from hsx.wire import topology
 
 POISON = 3
@@ -44,7 +45,7 @@ def test_a_poison_sample_is_isolated_dead_lettered_listed_and_retried(
     uploader = hsx_service("upload", "--job", job_name, "--spool", spool, name="uploader")
     monitor = hsx("monitor", "--job", job_name, "--until-done", "--interval", "0.5", timeout=120)
     # Failed: every planned sample but the poisoned one is uploaded, and that one is dead.
-    assert monitor.returncode == 1, (monitor.stdout + monitor.stderr)[-3000:]
+    assert monitor.returncode == JOB_FAILED, (monitor.stdout + monitor.stderr)[-3000:]
     [failed] = [
         record
         for line in (monitor.stdout + monitor.stderr).splitlines()

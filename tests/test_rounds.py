@@ -9,7 +9,7 @@
   `published` with its rounds, and the dry run plans the same batches.
 - A refusal found in a later round (a row longer than --max-seq-len) stops the producer in one
   line naming the row; what it published runs; the job ends failed with that reason, and workers
-  with --until-done exit 1.
+  with --until-done exit 65 (JOB_FAILED).
 - A producer that dies between rounds leaves the job unpublished; run again, it resumes: no batch
   goes out twice, and the job finishes. A spool file lost meanwhile waits for the samples the
   plan stores after its last round, then is extracted again; a job deleted between rounds stays
@@ -45,6 +45,7 @@ from test_inputs import CONVERSATIONS, chat_models, chat_tokenizer_files  # noqa
 from test_producer_checks import log_events_of
 
 from hsx.commands.embedded import start_nats_server
+from hsx.exitcodes import JOB_FAILED
 from hsx.packing import plan_in_rounds
 from hsx.producer import estimate
 from hsx.producer.config import BadRowCap
@@ -274,7 +275,7 @@ def test_a_refusal_in_a_later_round_stops_the_job_named_and_failed(
     # What was published runs; then the workers' verdict is failed, naming why.
     workers = _workers(hsx_service, job_name, spool, "--until-done")
     for worker in workers:
-        assert worker.wait(timeout=180) == 1, logs_of(*workers)
+        assert worker.wait(timeout=180) == JOB_FAILED, logs_of(*workers)
     view = status(hsx, job_name, None)
     assert view["state"] == "failed" and not view["plan_complete"]
     assert "the producer stopped before publishing the whole plan" in view["failure_reason"]

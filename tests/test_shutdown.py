@@ -1,5 +1,6 @@
-"""Every service stops on SIGTERM within a deadline, finishing or returning its in-flight work;
-restarting is the resume and nothing is lost or duplicated."""
+"""Every service stops on SIGTERM within a deadline, finishing or returning its in-flight work,
+and exits 75 (STOPPED: it was not told that the job is done); restarting is the resume and
+nothing is lost or duplicated."""
 
 import json
 import signal
@@ -16,6 +17,8 @@ from test_e2e_s3 import (
     wait_until_done,
     write_dataset,
 )
+
+from hsx.exitcodes import STOPPED
 
 DEADLINE_S = 30
 
@@ -58,7 +61,7 @@ def test_sigterm_mid_run_then_restart_completes_exactly_once(hsx, hsx_service, t
 
     for process, stopped in [(consumer, '"consumer_stopped"'), (uploader, '"uploader_stopped"'), (monitor, None)]:
         seconds = _stop(process)
-        assert process.returncode == 0, Path(process.log_path).read_text()[-3000:]
+        assert process.returncode == STOPPED, Path(process.log_path).read_text()[-3000:]
         assert seconds < DEADLINE_S
         if stopped:
             assert stopped in Path(process.log_path).read_text()

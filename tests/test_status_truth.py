@@ -25,6 +25,7 @@ from test_chaos import log_events
 from test_e2e_s3 import check_ok, logs_of, produce, status, write_dataset
 from test_monitor import wait_for
 
+from hsx.exitcodes import STOPPED
 from hsx.monitor.bar import TerminalBar
 from hsx.monitor.rates import RateWindow, eta_seconds
 from hsx.wire import schemas, topology
@@ -126,7 +127,7 @@ def test_waiting_then_running_then_stalled_then_done_and_no_ghosts(
     assert "  kernels  attention sdpa (1 consumer)" in text, text
     # A clean stop: its goodbye says `stopping`, so it is not alive, and work is left: stalled.
     consumer.send_signal(signal.SIGTERM)
-    assert consumer.wait(timeout=60) == 0, logs_of(consumer)
+    assert consumer.wait(timeout=60) == STOPPED, logs_of(consumer)
     ready = log_events(consumer, "consumer_ready")
     assert [event["kernels"] for event in ready] == [{k: v for k, v in kernels.items() if k != "type"}], ready
     view = status(hsx, job, None)
@@ -164,7 +165,7 @@ def test_waiting_then_running_then_stalled_then_done_and_no_ghosts(
     assert f"job {job}: done, " in text and "from the first sample written to the last stored (" in text, text
     for uploader in uploaders:
         uploader.send_signal(signal.SIGTERM)
-        assert uploader.wait(timeout=60) == 0, logs_of(uploader)
+        assert uploader.wait(timeout=60) == STOPPED, logs_of(uploader)  # never told the job is done
 
     # A worker of the finished job that falls silent is no problem: the monitor names none, and
     # its summary says how long the job took.

@@ -14,6 +14,8 @@ from pathlib import Path
 from conftest import clean_environ
 from safetensors import safe_open
 
+from hsx.exitcodes import STOPPED
+
 SMALL = ["--samples", "24", "--layers", "1,3", "--token-budget", "1024", "--max-seq-len", "256"]
 
 
@@ -85,7 +87,7 @@ def test_up_runs_the_embedded_demo_then_resumes_without_redoing(tmp_path):
     assert _outputs(workdir) == files
 
 
-def test_ctrl_c_stops_everything_and_a_rerun_completes(tmp_path):
+def test_sigterm_stops_everything_exits_75_and_a_rerun_completes(tmp_path):
     workdir = tmp_path / "work"
     # The batch the consumer fetched ahead is handed back (a nak) as it stops, but the embedded
     # nats-server stops with up, and a restarted server keeps no nak: the batch comes back after
@@ -106,9 +108,10 @@ def test_ctrl_c_stops_everything_and_a_rerun_completes(tmp_path):
         assert process.poll() is None, process.communicate()[1][-3000:]
         time.sleep(0.2)
     assert consumer_log.exists() and "batch_done" in consumer_log.read_text(), "no batch finished within 120 s"
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGTERM)  # a scheduler's stop (Slurm's --signal, Kubernetes' pod deletion)
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130, stderr[-3000:]
+    assert process.returncode == STOPPED, stderr[-3000:]
+    assert "child_failed" not in stderr, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-6000:]
     assert _log_events(consumer_log, "consumer_stopped"), "the consumer did not stop cleanly"
     assert _log_events(workdir / "logs" / "uploader-0.log", "uploader_stopped")
@@ -210,7 +213,7 @@ def test_ctrl_c_in_a_terminal_leaves_a_readable_screen_saying_where_it_stopped(t
     stream.feed(bytes(output))
     lines = [line.rstrip() for line in screen.display if line.strip()]
     text = "\n".join(lines)
-    assert os.waitstatus_to_exitcode(status) == 130, text
+    assert os.waitstatus_to_exitcode(status) == STOPPED, text
     assert "SIGTERM" not in text and "signal=SIGINT" in text, text
     # No log line shares its row with the bar's remains ("| batches 3/65").
     assert not [line for line in lines if "[info" in line and "| batches" in line], text

@@ -30,6 +30,7 @@ from test_e2e_s3 import run_pipeline
 
 from hsx import cli
 from hsx.commands.verify import VerifyReport, format_report
+from hsx.exitcodes import JOB_FAILED
 from hsx.storage.layout import sample_key
 from hsx.storage.reader import load_sample
 
@@ -176,7 +177,7 @@ def test_flipped_data_byte_is_corrupt(file_job):
     with restored(path):
         path.write_bytes(bytes(data))
         code, report = verify_in_process(file_job.job, file_job.nats_url)
-    assert code == 1 and report["ok"] is False, report
+    assert code == JOB_FAILED and report["ok"] is False, report
     assert [(c["sample_index"], c["reason"]) for c in report["corrupt"]] == [(index, "checksum")], report
     assert report["missing"] == [] and report["mismatching"] == [] and report["samples_ok"] == COUNT - 1, report
 
@@ -189,7 +190,7 @@ def test_flipped_header_byte_is_corrupt(file_job):
     with restored(path):
         path.write_bytes(bytes(data))
         code, report = verify_in_process(file_job.job, file_job.nats_url)
-    assert code == 1, report
+    assert code == JOB_FAILED, report
     assert [(c["sample_index"], c["reason"]) for c in report["corrupt"]] == [(index, "load")], report
     assert report["missing"] == [] and report["mismatching"] == [], report
 
@@ -200,7 +201,7 @@ def test_deleted_file_is_missing(file_job):
     with restored(path):
         path.unlink()
         code, report = verify_in_process(file_job.job, file_job.nats_url)
-    assert code == 1, report
+    assert code == JOB_FAILED, report
     assert problems(report) == {"missing": [index], "corrupt": [], "mismatching": [], "extra_keys": []}, report
 
 
@@ -210,7 +211,7 @@ def test_other_samples_file_under_a_key_is_mismatching(file_job):
     with restored(target_path):
         shutil.copyfile(file_job.out / sample_key(file_job.job, source), target_path)
         code, report = verify_in_process(file_job.job, file_job.nats_url)
-    assert code == 1, report
+    assert code == JOB_FAILED, report
     assert report["missing"] == [] and report["corrupt"] == [], report
     [entry] = report["mismatching"]
     assert entry["sample_index"] == target and "sample_index" in entry["checks"], entry
@@ -228,7 +229,7 @@ def test_stray_sample_file_is_an_extra_key(file_job):
         # Only a listing finds keys that are not the job's samples; the index names those that are.
         code, report = verify_in_process(file_job.job, file_job.nats_url, "--list")
     assert from_index["ok"] and from_index["stored_from"] == "index", from_index
-    assert code == 1 and report["stored_from"] == "listing", report
+    assert code == JOB_FAILED and report["stored_from"] == "listing", report
     assert problems(report) == {
         "missing": [],
         "corrupt": [],
@@ -251,7 +252,7 @@ def test_token_ids_come_from_the_job_not_the_dataset_file(file_job, tmp_path):
             code, report = verify_in_process(file_job.job, file_job.nats_url)
         finally:
             shutil.move(moved, dataset)
-    assert code == 1 and report["token_ids_checked"] is True, report
+    assert code == JOB_FAILED and report["token_ids_checked"] is True, report
     assert "tokenized dataset" in report["token_ids"], report
     assert [
         (m["sample_index"], "sample_index" in m["checks"], "input_ids" in m["checks"]) for m in report["mismatching"]

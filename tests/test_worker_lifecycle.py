@@ -25,6 +25,7 @@ from test_exhausted import _batch_of, _block_sample_path
 from hsx.commands.cli import build_command_config, build_parser
 from hsx.commands.embedded import start_nats_server
 from hsx.config.settings import resolve
+from hsx.exitcodes import JOB_FAILED, STOPPED
 from hsx.wire import topology
 from hsx.wire.jobs import last_heartbeats
 from hsx.wire.worker import UNTIL_DONE_WAIT_FOR_JOB_S
@@ -140,7 +141,7 @@ def test_until_done_workers_exit_1_when_the_job_cannot_finish(
     uploader = hsx_service("upload", "--job", job_name, "--spool", str(spool), "--until-done", name="upload")
     for proc in (consumer, uploader):
         code = _wait_exit(proc, timeout=EXIT_TIMEOUT_S, others=[consumer, uploader])
-        assert code == 1, f"exited {code}, expected 1 (failed)\n{logs_of(consumer, uploader)}"
+        assert code == JOB_FAILED, f"exited {code}, expected {JOB_FAILED} (failed)\n{logs_of(consumer, uploader)}"
         failed = _events(proc, "job_failed")
         assert failed and failed[-1]["dead_samples"] == samples, logs_of(proc)
 
@@ -168,13 +169,13 @@ def test_ctrl_c_says_stopping_at_once_and_a_second_stops_now(
     _wait_for_event(consumer, "test_forward_hanging")
     _wait_for_event(uploader, "uploader_ready")
 
-    # The uploader: stopping is said at once, with the uploads it is finishing, and it exits 0.
+    # The uploader: stopping is said at once, with the uploads it is finishing, and it exits 75.
     uploader.send_signal(signal.SIGINT)
     sent = time.monotonic()
     stopping = _wait_for_event(uploader, "stopping", timeout=10)
     assert time.monotonic() - sent < 1.0, "the uploader said nothing within 1 s of Ctrl-C"
     assert stopping["signal"] == "SIGINT" and isinstance(stopping["uploads_in_hand"], int), stopping
-    assert _wait_exit(uploader, timeout=30) == 0, logs_of(uploader)
+    assert _wait_exit(uploader, timeout=30) == STOPPED, logs_of(uploader)
 
     # The consumer, its forward hung: stopping names the batch it is finishing, within 1 s.
     consumer.send_signal(signal.SIGINT)
@@ -190,7 +191,7 @@ def test_ctrl_c_says_stopping_at_once_and_a_second_stops_now(
     sent = time.monotonic()
     code = _wait_exit(consumer, timeout=10)
     assert time.monotonic() - sent < 5.0, logs_of(consumer)
-    assert code == 128 + signal.SIGINT, logs_of(consumer)
+    assert code == STOPPED, logs_of(consumer)  # stopped now, but as safe to run again as after the first
     assert _events(consumer, "stopping_now"), logs_of(consumer)
     assert _queued_batches(nats_server.url, job_name) >= 1
     states = {beat.instance: beat.state for beat in _heartbeats(nats_server.url, job_name)}

@@ -30,6 +30,7 @@ from test_chaos import log_events, wait_for
 from test_cli_errors import assert_one_line_error
 from test_e2e_s3 import check_ok, logs_of, produce, read_dir_objects, spool_files, status, write_dataset
 
+from hsx.exitcodes import JOB_FAILED, STOPPED
 from hsx.wire import schemas, topology
 
 ZOMBIE_STOP_S = 30.0
@@ -117,7 +118,9 @@ def test_a_deleted_jobs_workers_stop_and_never_serve_the_next_job_of_its_name(
     )
     print(f"\nZOMBIES stopped {time.monotonic() - deleted_at:.1f} s after the delete")
     for zombie in zombies:
-        assert zombie.returncode != 0, f"a worker whose job was deleted exited 0\n{logs_of(zombie)}"
+        assert zombie.returncode == JOB_FAILED, (
+            f"a worker whose job was deleted exited {zombie.returncode}\n{logs_of(zombie)}"
+        )
         line = _error_line(zombie)
         assert job in line and ("deleted" in line or "replaced" in line), line
     view = _wait_done(hsx, job, workers + zombies)
@@ -153,7 +156,7 @@ def test_delete_refuses_while_files_wait_and_their_leftovers_never_gate_the_next
         period=0.3,
     )
     first.send_signal(signal.SIGTERM)
-    assert first.wait(timeout=30) == 0, logs_of(first)
+    assert first.wait(timeout=30) == STOPPED, logs_of(first)
 
     # No worker is alive, but files wait for upload: refused; forced, the delete says where they lie.
     refused = hsx("jobs", "delete", job)

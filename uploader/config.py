@@ -14,6 +14,7 @@ class UploaderConfig(WorkerConfig):
         "--max-inflight",
         default=100,
         parse=positive_int("--max-inflight"),
+        env="HSX_MAX_INFLIGHT",
         help="uploads in flight at once (default 100)",
     )
     stop_deadline_s: float = 60.0

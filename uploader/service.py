@@ -30,6 +30,7 @@ from hsx.wire.backoff import jittered, retry_delay
 from hsx.wire.counts import has_uploaded_marker
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.headers import message_headers
+from hsx.wire.health import Health
 from hsx.wire.load import RecentRate, spool_free
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
 from hsx.wire.pull import PullLoop, Taken
@@ -146,6 +147,12 @@ class FileMover:
         if local_digest != ready.digest:
             raise _OutdatedEvent(
                 f"{local}: the spool file's digest is {local_digest[:12]}, the event announced {ready.digest[:12]}"
+            )
+        if checked.st_size != ready.size:
+            # The digest (of the header, which sizes the data) is the file's: the event's size is
+            # wrong, not the file; stored, it would fail its check as a destination's error.
+            raise _PermanentFailure(
+                f"{local}: the event announces {ready.size} bytes, the file it names by its digest has {checked.st_size}"
             )
         try:
             # A file:// destination on the spool's file system takes the checked file by a rename.
@@ -529,8 +536,12 @@ class FilePuller(PullLoop[list[Msg]]):
     event handled on a task of its own; while the destination refuses, only one event is fetched,
     to probe it; stopping, the uploads in hand get `stop_deadline_s` to finish."""
 
-    def __init__(self, mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
-        super().__init__(sub, stopping=stopping, watch=mover.watch, fetch_timeout_s=cfg.idle_fetch_timeout_s)
+    def __init__(
+        self, mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event, health: Health | None = None
+    ) -> None:
+        super().__init__(
+            sub, stopping=stopping, watch=mover.watch, fetch_timeout_s=cfg.idle_fetch_timeout_s, health=health
+        )
         self.mover = mover
         self.cfg = cfg
         self.tasks: set[asyncio.Task] = set()
@@ -560,5 +571,7 @@ class FilePuller(PullLoop[list[Msg]]):
                 log.warning("uploads_left_unacked", count=len(tasks), waited_s=round(time.monotonic() - started, 1))
 
 
-async def pull_loop(mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event) -> None:
-    await FilePuller(mover, sub, cfg, stopping).run()
+async def pull_loop(
+    mover: FileMover, sub, cfg: UploaderConfig, stopping: asyncio.Event, health: Health | None = None
+) -> None:
+    await FilePuller(mover, sub, cfg, stopping, health).run()

@@ -92,6 +92,8 @@ def add_config_flags(
         action.hsx_key = flag.key
         if flag.env:
             action.hsx_env = flag.env
+            if isinstance(action.help, str) and flag.env not in action.help:  # --help names every variable
+                action.help = f"{action.help} (env {flag.env})"
         if flag.secret:
             action.hsx_redact = flag.secret
         if flag.command_line_only or flag.repeat:
@@ -334,7 +336,8 @@ def resolve(
 
 
 def describe(resolution: Resolution, environment: Mapping[str, str | None], *, as_json: bool) -> str:
-    """`hsx config show`: every setting, its (redacted) value and its source; `environment` is
+    """`hsx config show`: every setting, its (redacted) value, its source and the environment
+    variable that sets it; `environment` is
     what other libraries read themselves (AWS_*), already redacted by the caller."""
     if as_json:
         return json.dumps(
@@ -355,7 +358,8 @@ def describe(resolution: Resolution, environment: Mapping[str, str | None], *, a
     for s in sorted(resolution.settings, key=_table_first):
         origin = {"flag": s.flag, "env": s.env, "file": "file", "default": "default"}[s.source]
         source = s.source if origin == s.source else f"{s.source} {origin}"
-        lines.append(f"  {s.name:<{width}}{_text(s.shown):<32} {source}")
+        variable = f"  (env {s.env})" if s.env and s.source != "env" else ""  # where else it may come from
+        lines.append(f"  {s.name:<{width}}{_text(s.shown):<32} {source}{variable}")
     if environment:
         lines.append("read by the S3 client itself (AWS_*):")
         lines += [f"  {name:<{width}}{_text(value)}" for name, value in environment.items()]

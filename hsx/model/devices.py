@@ -6,8 +6,10 @@ CUDA_VISIBLE_DEVICES: `cuda:0` .. `cuda:N-1`), `--devices 0,2` picks some of the
 cuda:N` is one GPU, and `--device cpu` (or any other torch device) is itself. `plan_devices` is
 pure: it is given how many GPUs are visible and returns the device of each consumer, or a one-line
 HsxError naming the flag and what is visible. `node_devices` asks torch, and only when a GPU is
-asked for. `check_consumer_device` refuses `hsx consume --device cuda`: one consumer is one
-process on one device.
+asked for. `check_consumer_device` makes `hsx consume --device cuda` (its default) `cuda:0`, the
+first GPU the process sees: one consumer is one process on one device, and a scheduler that
+allocates a GPU (Slurm's --gpus-per-task, Kubernetes' device plugin) shows the process that one
+first (CUDA_VISIBLE_DEVICES).
 
 Each consumer process is shown only its own GPU: `visible_gpus` says which CUDA_VISIBLE_DEVICES
 entry is each visible GPU, and `hsx up` starts the consumer of `cuda:i` with
@@ -183,10 +185,6 @@ def node_devices(device: str, devices: str | None, *, gpus: list[str] | None = N
 
 
 def check_consumer_device(device: str) -> str:
-    """`hsx consume`'s one device: `cuda` alone is refused with where to go instead."""
-    if device.strip() == "cuda":
-        raise HsxError(
-            "--device cuda: hsx consume runs on one GPU; use --device cuda:0 (one consumer per GPU: "
-            "cuda:0, cuda:1, ...), or hsx up --device cuda for a consumer on every GPU of this node"
-        )
-    return device
+    """`hsx consume`'s one device: `cuda` is `cuda:0`, the first GPU this process sees (a consumer
+    runs on one GPU: `hsx up --device cuda` starts one on every GPU)."""
+    return "cuda:0" if device.strip() == "cuda" else device

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ from hsx.logs import get_logger
 from hsx.storage import encodings
 from hsx.storage.destinations import Destination
 from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE
-from hsx.storage.samplefile import SampleFileCorrupt
+from hsx.storage.samplefile import SampleFileCorrupt, json_or, parse_header
 from hsx.storage.tokens import SampleTable, record_batches
 from hsx.wire import schemas
 
@@ -194,20 +193,15 @@ def _with_input_ids(
 
 
 def read_header(data: bytes | memoryview) -> tuple[dict, int]:
-    """A safetensors file's header (its `__metadata__` and one entry per tensor) and where its
-    data section starts; `data` may be the file or any prefix that holds the header."""
+    """A safetensors file's header (its `__metadata__` and one entry per tensor, their forms
+    checked: hsx.storage.samplefile.parse_header) and where its data section starts; `data` may
+    be the file or any prefix that holds the header. SampleFileCorrupt when it is not one."""
     if len(data) < 8:
         raise SampleFileCorrupt(f"{len(data)} bytes is too short for a safetensors file")
     end = 8 + int.from_bytes(data[:8], "little")
     if end > len(data):
         raise SampleFileCorrupt(f"header length {end - 8} runs past the end of the file ({len(data)} bytes)")
-    try:
-        header = json.loads(bytes(data[8:end]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SampleFileCorrupt(f"header is not JSON ({exc})") from None
-    if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
-        raise SampleFileCorrupt("header has no metadata object")
-    return header, end
+    return parse_header(bytes(data[8:end])), end
 
 
 def read_metadata(data: bytes | memoryview) -> dict[str, str]:
@@ -276,10 +270,7 @@ def mismatches(
             f"metadata model {found[0]!r} at {found[1]!r}, the job's is {expected.model!r} at {expected.model_revision!r}",
         )
     if expected.layers is not None:
-        try:
-            layers = json.loads(metadata.get("layers", "null"))
-        except json.JSONDecodeError:
-            layers = metadata.get("layers")
+        layers = json_or(metadata.get("layers", "null"), metadata.get("layers"))
         expect("layers", layers == expected.layers, f"metadata layers {layers!r}, the job has {expected.layers}")
     if expected.dtype is not None:
         expect(

@@ -1,7 +1,8 @@
 """The bytes of one sample file, and their digest: `write` (one pass, straight from the tensors'
 memory), `checked_digest` and `checked_file_digest` (the data checked against the checksum in the
-header, and the file's digest), `SampleFileCorrupt`. A sample file is a standard safetensors file
-with a sorted header and a checksum inside (docs/reference/data.md, "Output"). No torch import here.
+header, and the file's digest), `parse_header` (a header's JSON, its form checked before any
+reader looks into it), `SampleFileCorrupt`. A sample file is a standard safetensors file with a
+sorted header and a checksum inside (docs/reference/data.md, "Output"). No torch import here.
 
 Why it is written this way: docs/architecture/storage.md.
 """
@@ -10,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,6 +66,61 @@ def element_size(dtype: str) -> int:
 class SampleFileCorrupt(ValueError):
     """The bytes are not a sound sample file: truncated, a damaged header, or data that does not
     match the checksum in the header."""
+
+
+def json_or(text: str, default: object) -> object:
+    """`text` parsed as JSON, or `default` when it is not JSON. json raises ValueError (not its
+    JSONDecodeError) for an integer literal past Python's 4300 digits, and RecursionError for
+    nesting past the recursion limit: a file's text is not trusted to be either."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return default
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and value >= 0  # not a bool, which JSON's true would be
+
+
+# A safetensors dtype's name (F32, BF16, F8_E4M3, U8, ...): what a reader quotes in a one-line error.
+_DTYPE_NAME = re.compile(r"[A-Z][A-Z0-9_]{0,15}")
+
+
+def _tensor_entry(entry: object) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        return False
+    if not _DTYPE_NAME.fullmatch(entry["dtype"]):
+        return False
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    return (
+        isinstance(shape, list)
+        and all(_count(n) for n in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_count(n) for n in offsets)
+        and offsets[0] <= offsets[1]
+    )
+
+
+def parse_header(text: bytes) -> dict:
+    """A safetensors header's JSON (the bytes after its length prefix), checked to be what the
+    format says before anything reads it: an object whose `__metadata__`, when present, maps
+    strings to strings, and whose every other entry is a tensor's `dtype` (a dtype's name, such
+    as BF16), `shape` (counts) and `data_offsets` ([begin, end], 0 <= begin <= end);
+    SampleFileCorrupt naming the first thing that is not."""
+    try:
+        header = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # as in `json_or`; UnicodeDecodeError is a ValueError
+        raise SampleFileCorrupt(f"header is not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+    if not isinstance(header, dict):
+        raise SampleFileCorrupt("header is not a JSON object")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
+        raise SampleFileCorrupt("header has no metadata object of strings")
+    for name, entry in header.items():
+        if name != "__metadata__" and not _tensor_entry(entry):
+            raise SampleFileCorrupt(f"header entry {name[:80]!r} is not a tensor's dtype, shape and data_offsets")
+    return header
 
 
 def _header(entries: dict[str, dict], metadata: dict[str, str]) -> bytes:
@@ -189,14 +246,14 @@ class DigestCheck:
 
     def _read_header(self, header: bytes) -> None:
         try:
-            parsed = json.loads(header[8:])
-            metadata = parsed.pop("__metadata__")
-            self._expected_checksum = metadata[CHECKSUM_KEY]
-            self._data_len = max((entry["data_offsets"][1] for entry in parsed.values()), default=0)
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-            raise SampleFileCorrupt(
-                f"the header does not parse as a sample file's ({type(exc).__name__}: {exc})"
-            ) from None
+            parsed = parse_header(header[8:])
+        except SampleFileCorrupt as exc:
+            raise SampleFileCorrupt(f"the header does not parse as a sample file's ({exc})") from None
+        metadata = parsed.pop("__metadata__", {})
+        if CHECKSUM_KEY not in metadata:
+            raise SampleFileCorrupt(f"the header does not parse as a sample file's (no {CHECKSUM_KEY} in its metadata)")
+        self._expected_checksum = metadata[CHECKSUM_KEY]
+        self._data_len = max((entry["data_offsets"][1] for entry in parsed.values()), default=0)
         self._digest = hashlib.sha256(header).hexdigest()
 
     def result(self) -> str:

@@ -79,14 +79,26 @@ async def sweep(js: JetStreamContext, events: EventPublisher) -> int:
         seq = raw.seq
 
 
-async def _on_advisory(js: JetStreamContext, events: EventPublisher, msg) -> None:
+def advisory_of(data: bytes) -> tuple[int, int] | None:
+    """(stream sequence, deliveries) of a MAX_DELIVERIES advisory's JSON; None when it is not
+    one (a sequence is a positive integer, deliveries a count)."""
     try:
-        advisory = json.loads(msg.data)
-        seq, deliveries = int(advisory["stream_seq"]), int(advisory.get("deliveries", topology.BATCH_MAX_DELIVER))
-    except (ValueError, KeyError, TypeError):
+        advisory = json.loads(data)
+        seq, deliveries = advisory["stream_seq"], advisory.get("deliveries", topology.BATCH_MAX_DELIVER)
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return None  # json's errors (RecursionError: nested too deep), or not an object with a stream_seq
+    if type(seq) is not int or type(deliveries) is not int or seq < 1 or deliveries < 0:
+        return None
+    return seq, deliveries
+
+
+async def _on_advisory(js: JetStreamContext, events: EventPublisher, msg) -> None:
+    read = advisory_of(msg.data)
+    if read is None:
         log.warning("advisory_unreadable", subject=msg.subject)
         await msg.term()
         return
+    seq, deliveries = read
     if await dead_letter_exhausted(js, events, seq=seq, deliveries=deliveries):
         log.warning("exhausted_batch_dead_lettered", seq=seq, deliveries=deliveries)
     await msg.ack_sync()

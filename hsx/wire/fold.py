@@ -132,12 +132,29 @@ async def load_checkpoint(js: JetStreamContext, job: str, plan: str) -> tuple[sc
         msg = await js.get_last_msg(topology.EVENTS_STREAM, topology.checkpoint_subject(job))
     except nats.js.errors.NotFoundError:
         return None, 0
+    return checkpoint_of(msg.data, seq=msg.seq, job=job, plan=plan), msg.seq
+
+
+def checkpoint_of(data: bytes, *, seq: int, job: str, plan: str) -> schemas.ProgressCheckpoint | None:
+    """The checkpoint stored at stream sequence `seq` on `job`'s checkpoint subject, if it is one
+    of `job` and `plan` that a reader could have saved there: its sums reach markers stored
+    before it (both sequences below its own), in the same stream. None otherwise (one warning
+    line when it is not a checkpoint hsx wrote): the sums are folded from the markers again."""
     try:
-        checkpoint = schemas.checkpoint_decoder.decode(msg.data)
+        checkpoint = schemas.checkpoint_decoder.decode(data)
     except msgspec.DecodeError:
         log.warning("undecodable_checkpoint", job=job)
-        return None, msg.seq
-    return (checkpoint if checkpoint.plan == plan else None), msg.seq
+        return None
+    if checkpoint.job != job or not checkpoint.written_seq < seq or not checkpoint.uploaded_seq < seq:
+        log.warning(
+            "checkpoint_refused",
+            job=job,
+            seq=seq,
+            reason=f"names job {checkpoint.job!r} and sums to sequences {checkpoint.written_seq} and "
+            f"{checkpoint.uploaded_seq}; a checkpoint is its own job's and sums markers stored before it",
+        )
+        return None
+    return checkpoint if checkpoint.plan == plan else None
 
 
 def _merged(mine: schemas.ProgressCheckpoint, theirs: schemas.ProgressCheckpoint | None) -> schemas.ProgressCheckpoint:

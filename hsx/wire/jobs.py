@@ -12,7 +12,7 @@ import difflib
 import logging
 import re
 import time
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 import nats.js.errors
@@ -53,9 +53,15 @@ def _dest_form(dest: str) -> bool:
     """Whether `dest` is a destination URL as the producer writes one (hsx.storage.location's
     canonical form): a bucket and a prefix without empty or dot segments, or an absolute,
     normalised local path."""
-    split = urlsplit(dest)
-    segments = split.path.strip("/").split("/") if split.path.strip("/") else []
-    if any(segment in ("", ".", "..") for segment in segments) or split.query or split.fragment:
+    try:
+        split = urlsplit(dest)
+    except ValueError:  # a bracket that opens no IPv6 host: no URL the producer writes
+        return False
+    # A local path is read percent-decoded (hsx.storage.location): its segments are checked as
+    # it will be used, so that `%2E%2E` is a `..` and `%00` a NUL.
+    path = unquote(split.path) if split.scheme == "file" else split.path
+    segments = path.strip("/").split("/") if path.strip("/") else []
+    if any(segment in ("", ".", "..") for segment in segments) or split.query or split.fragment or "\x00" in path:
         return False
     if split.scheme == "s3":
         return bool(split.netloc) and not split.path.endswith("/")

@@ -3,8 +3,9 @@ within their deadline, then drain their NATS connection.
 
 The first SIGTERM or SIGINT is said at once (`stopping`, with what the worker is finishing: its
 `in_hand()`), since finishing may take seconds; a second one stops now (`stopping_now`): the
-worker's last words (its goodbye heartbeat) get a second, then the process exits 128 + the
-signal's number, its work in hand unacked, which JetStream redelivers after the ack wait.
+worker's last words (its goodbye heartbeat) get a second, then the process exits STOPPED (75,
+hsx/exitcodes.py), its work in hand unacked, which JetStream redelivers after the ack wait: safe
+to run again, as after the first.
 """
 
 import asyncio
@@ -14,6 +15,7 @@ import signal
 import threading
 from collections.abc import Awaitable, Callable
 
+from hsx.exitcodes import STOPPED
 from hsx.logs import get_logger
 
 log = get_logger("hsx.lifecycle")
@@ -51,9 +53,9 @@ class StopEvent(asyncio.Event):
             return
         if self.signals == 2:
             log.warning("stopping_now", signal=name, **self._said(), left="unacked, redelivered after the ack wait")
-            asyncio.get_running_loop().create_task(self._exit(128 + signum))
+            asyncio.get_running_loop().create_task(self._exit(STOPPED))
             return
-        _exit_now(128 + signum)  # a third: the last words took too long
+        exit_now(STOPPED)  # a third: the last words took too long
 
     async def _exit(self, code: int) -> None:
         if self.last_words is not None:
@@ -61,10 +63,10 @@ class StopEvent(asyncio.Event):
                 await asyncio.wait_for(self.last_words(), timeout=LAST_WORDS_S)
             except Exception:  # noqa: BLE001 - the process ends anyway
                 pass
-        _exit_now(code)
+        exit_now(code)
 
 
-def _exit_now(code: int) -> None:
+def exit_now(code: int) -> None:
     """End the process at once: no thread (a forward, a file write) is waited for."""
     for handler in logging.getLogger().handlers:
         try:

@@ -22,7 +22,7 @@ from nats.aio.client import Client as NATS
 
 from hsx.config.fields import flag_fields, option
 from hsx.config.values import hide, path_not_contents
-from hsx.errors import HsxError
+from hsx.errors import HsxError, Unavailable
 from hsx.logs import get_logger
 from hsx.wire import denials
 
@@ -33,6 +33,9 @@ _STARTUP_ATTEMPTS = 3
 # How long finishing a message (announce, report, ack) keeps trying through a NATS outage before
 # leaving the message to its redelivery.
 OUTAGE_RETRY_S = 120.0
+# How long closing a connection may wait for what is in flight to flush (nats-py's own default,
+# stated here: a worker's grace period after SIGTERM counts it; gpu_consumer/grace.py).
+DRAIN_TIMEOUT_S = 30.0
 
 
 def _userinfo_spans(text: str) -> list[tuple[int, int]]:
@@ -244,6 +247,7 @@ async def connect(settings: NatsSettings, *, name: str) -> NATS:
             servers=servers,
             name=name,
             connect_timeout=settings.connect_timeout_s,
+            drain_timeout=DRAIN_TIMEOUT_S,
             allow_reconnect=True,
             max_reconnect_attempts=_STARTUP_ATTEMPTS,
             reconnect_time_wait=0.5,
@@ -261,7 +265,7 @@ async def connect(settings: NatsSettings, *, name: str) -> NATS:
             ) from None
         cause = last_error[-1] if last_error else exc
         reason = getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
-        raise HsxError(
+        raise Unavailable(
             f"cannot connect to NATS at {redact_url(settings.url)} ({reason}); "
             "start a nats-server with JetStream (-js) or pass --nats URL / set HSX_NATS_URL"
         ) from None

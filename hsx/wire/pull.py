@@ -5,7 +5,9 @@ While not stopping: the service says how many messages it can take now (`room`, 
 it has none), they are fetched with a short timeout (none came: `idle`) and handed to the
 service (`take`); a failed fetch is logged, the job checked (`JobWatch`) and tried again a second
 later. An in-flight fetch is never cancelled to stop. However the loop ends, `wind_down` deals
-with what is in hand. `Taken` is a message kept in progress from its fetch until it is settled.
+with what is in hand. Each turn ticks the worker's `Health` (hsx/wire/health.py), if it has one;
+`idle_turn_bound_s` is how long a turn takes at most with nothing in hand. `Taken` is a message
+kept in progress from its fetch until it is settled.
 """
 
 import asyncio
@@ -18,6 +20,7 @@ from nats.aio.msg import Msg
 from hsx.logs import get_logger
 from hsx.wire import denials
 from hsx.wire.events import keep_in_progress
+from hsx.wire.health import Health
 from hsx.wire.worker import JobWatch
 
 log = get_logger("hsx.pull")
@@ -26,6 +29,15 @@ T = TypeVar("T")
 
 # How long the loop waits after a failed fetch before it fetches again.
 _FETCH_RETRY_S = 1.0
+# A JetStream API request's timeout (nats-py's): the read of the job's spec after a failed fetch.
+_REQUEST_S = 5.0
+
+
+def idle_turn_bound_s(fetch_timeout_s: float) -> float:
+    """The longest turn of the loop with nothing in hand: a wait for room (up to a fetch timeout),
+    a fetch (one more), its failure's check of the job's spec and the pause before the next, and
+    a fetch timeout to spare."""
+    return 3 * fetch_timeout_s + _REQUEST_S + _FETCH_RETRY_S
 
 
 @dataclass
@@ -59,9 +71,18 @@ class PullLoop(Generic[T]):
     `wind_down` where its policy needs them). `T` is what `next` hands to `take`: by default the
     fetched messages."""
 
-    def __init__(self, sub, *, stopping: asyncio.Event, watch: JobWatch | None, fetch_timeout_s: float) -> None:
+    def __init__(
+        self,
+        sub,
+        *,
+        stopping: asyncio.Event,
+        watch: JobWatch | None,
+        fetch_timeout_s: float,
+        health: Health | None = None,
+    ) -> None:
         self.sub = sub
         self.stopping = stopping
+        self.health = health
         # Whether the job is still the one the worker started for (None: not watched, in tests).
         self.watch = watch
         self.fetch_timeout_s = fetch_timeout_s
@@ -70,6 +91,8 @@ class PullLoop(Generic[T]):
         started = time.monotonic()
         try:
             while not self.stopping.is_set():
+                if self.health is not None:
+                    self.health.tick()
                 count = await self.room()
                 if not count:
                     continue

@@ -8,7 +8,7 @@ A payload that does not decode is poison: the receiver terminates it and dead-le
 does not crash.
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Generic, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -27,8 +27,10 @@ Fingerprint = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
 Digest = Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{64})?$")]  # a sha256; "" from older senders
 # hsx.storage.sampledigest: what a sample is (its tokens, mask, source id); "" from older senders.
 SampleDigest = Annotated[str, Meta(pattern=r"^(?:[0-9a-f]{32})?$")]
-Count = Annotated[int, Meta(ge=0)]
-Positive = Annotated[int, Meta(ge=1)]
+# Counts, sizes and indices fit a signed 64-bit integer, as readers store them (numpy int64
+# arrays, the index's columns): msgspec alone would decode any integer JSON can write.
+Count = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+Positive = Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
 Seconds = Annotated[float, Meta(ge=0, le=1e12)]
 TokenId = Annotated[int, Meta(ge=0, lt=1 << 31)]
 
@@ -436,13 +438,32 @@ EVENT_KINDS: dict[type, str] = {
 }
 
 _encoder = msgspec.json.Encoder()
-batch_decoder = msgspec.json.Decoder(BatchDescriptor)
-file_decoder = msgspec.json.Decoder(FileReady)
-job_decoder = msgspec.json.Decoder(JobSpec)
-event_decoder = msgspec.json.Decoder(Event)
-dead_decoder = msgspec.json.Decoder(DeadLetter)
-checkpoint_decoder = msgspec.json.Decoder(ProgressCheckpoint)
-epoch_end_decoder = msgspec.json.Decoder(EpochEndRecord)
+T = TypeVar("T")
+
+
+class Decoder(Generic[T]):
+    """A msgspec JSON decoder of one message type whose every refusal is a msgspec.DecodeError.
+    msgspec raises RecursionError for JSON nested past Python's recursion limit (a few KiB of
+    brackets, also inside an unknown field, which it skips by recursing): every receiver catches
+    DecodeError as poison, so a payload nested that deep is made one too."""
+
+    def __init__(self, type: type[T]) -> None:
+        self._decoder = msgspec.json.Decoder(type)
+
+    def decode(self, data: bytes | bytearray | memoryview | str) -> T:
+        try:
+            return self._decoder.decode(data)
+        except RecursionError:
+            raise msgspec.DecodeError("JSON is malformed: nested deeper than a message is") from None
+
+
+batch_decoder = Decoder(BatchDescriptor)
+file_decoder = Decoder(FileReady)
+job_decoder = Decoder(JobSpec)
+event_decoder = Decoder(Event)
+dead_decoder = Decoder(DeadLetter)
+checkpoint_decoder = Decoder(ProgressCheckpoint)
+epoch_end_decoder = Decoder(EpochEndRecord)
 
 
 def encode(message: _Wire) -> bytes:

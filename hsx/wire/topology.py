@@ -32,7 +32,7 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from hsx.errors import HsxError
+from hsx.errors import HsxError, Unavailable
 from hsx.logs import get_logger
 from hsx.wire import denials
 from hsx.wire.natsconn import OUTAGE_RETRY_S
@@ -338,7 +338,7 @@ async def while_unavailable(operation: Callable[[], Awaitable[T]], *, what: str)
                     "and enable it for the account hsx uses"
                 ) from None
             if time.monotonic() - started >= OUTAGE_RETRY_S:
-                raise HsxError(
+                raise Unavailable(
                     f"JetStream did not answer for {OUTAGE_RETRY_S:.0f} s while setting up {what} "
                     f"({exc}); in a cluster, check that a majority of the servers are up"
                 ) from None

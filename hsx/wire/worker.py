@@ -4,8 +4,8 @@ asked after), heartbeats from the moment it exists to its goodbye (`heartbeats`)
 job spec it serves (`JobWatch`, `watching`), whether the job is over (`JobVerdict`: done or failed
 as `hsx monitor --until-done` reads it; a trainer's stream ends its first epoch on it too), the end
 of a worker run with --until-done (`JobEnd`, `until_done`: the job over, the worker's own work
-settled), and the spooling workers' shared settings (`WorkerConfig`). The pull loop itself is
-hsx/wire/pull.py.
+settled), the code a worker exits with once its loop ends (`worker_exit_code`), and the spooling
+workers' shared settings (`WorkerConfig`). The pull loop itself is hsx/wire/pull.py.
 """
 
 import asyncio
@@ -23,6 +23,7 @@ from nats.js.kv import KeyValue
 from hsx.config.fields import option
 from hsx.config.values import positive_float
 from hsx.errors import JobFailed
+from hsx.exitcodes import DONE, JOB_FAILED, STOPPED, ExitCode
 from hsx.logs import get_logger
 from hsx.wire import schemas, topology
 from hsx.wire.events import (
@@ -31,6 +32,7 @@ from hsx.wire.events import (
     goodbye_heartbeat,
     heartbeat_loop,
 )
+from hsx.wire.health import DEFAULT_ADDR, listen_address, parse_listen
 from hsx.wire.jobs import read_job_spec, wait_for_job
 from hsx.wire.lifecycle import StopEvent, stop_event_on_signals
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
@@ -55,7 +57,13 @@ class WorkerConfig:
     nats: NatsSettings
     instance: str  # unique per process across machines: named by the process itself (commands/services.py)
     job: str = option(
-        "--job", parse=job_name, job=True, file_key="name", example="qwen27b-l5", help="the job to work on"
+        "--job",
+        parse=job_name,
+        job=True,
+        file_key="name",
+        env="HSX_JOB",
+        example="qwen27b-l5",
+        help="the job to work on",
     )
     # The entry point makes it absolute.
     spool: Path = option(
@@ -80,13 +88,16 @@ class WorkerConfig:
         "--ack-wait",
         default=60.0,
         parse=positive_float("--ack-wait"),
+        env="HSX_ACK_WAIT",
         help="seconds without a sign of life before JetStream redelivers a message (default 60)",
     )
     until_done: bool = option(
         "--until-done",
         default=False,
-        help="exit 0 once the job is done and this worker's own work is settled, 1 once the job "
-        "cannot finish (everything left is dead-lettered), as hsx monitor --until-done decides",
+        env="HSX_UNTIL_DONE",
+        help="exit 0 once the job is done and this worker's own work is settled, 65 once the job "
+        "cannot finish (everything left is dead-lettered), as hsx monitor --until-done decides; "
+        "stopped before either (SIGTERM), 75",
     )
     # None: wait for the job's spec for as long as it takes (workers may start before the producer).
     # Not given, the entry point makes it UNTIL_DONE_WAIT_FOR_JOB_S under --until-done
@@ -95,13 +106,38 @@ class WorkerConfig:
         "--wait-for-job",
         default=None,
         parse=positive_float("--wait-for-job"),
+        env="HSX_WAIT_FOR_JOB",
         example=600.0,
         help="give up (exit 2, naming the jobs there are) when the job has not been produced within "
         "this many seconds (default: 600 with --until-done, else wait as long as it takes; either way "
         "saying so every 30 s)",
     )
+    # Probes for a scheduler (hsx/wire/health.py): off unless a port is given.
+    health_port: str | None = option(
+        "--health-port",
+        default=None,
+        parse=parse_listen("--health-port"),
+        env="HSX_HEALTH_PORT",
+        metavar="[ADDR:]PORT",
+        example="9200",
+        help="serve GET /readyz (200 once it takes work) and GET /livez (200 while its loop turns) on "
+        "this port, on --health-addr unless ADDR:PORT is given (default: off)",
+    )
+    health_addr: str = option(
+        "--health-addr",
+        default=DEFAULT_ADDR,
+        env="HSX_HEALTH_ADDR",
+        metavar="ADDR",
+        help="address the health port listens on (default %(default)s; 0.0.0.0 for a Kubernetes "
+        "httpGet probe, which comes to the pod's address)",
+    )
     heartbeat_s: float = 5.0
     idle_fetch_timeout_s: float = 1.0
+
+    @property
+    def health_listen(self) -> tuple[str, int] | None:
+        """(address, port) of the health probes; None: off."""
+        return None if self.health_port is None else listen_address(self.health_port, self.health_addr)
 
     @property
     def in_progress_s(self) -> float:
@@ -334,7 +370,8 @@ class JobEnd:
     """--until-done: whether the job is over (`JobVerdict`), and whether this worker's own work is
     `settled()` (nothing in hand). `check()` is the reading; `watch()` checks every `every_s` and,
     once the job is over and the worker settled, logs the verdict and sets the stop event: the
-    worker then stops as on a signal, and exits `exit_code`."""
+    worker then stops as on a signal, and exits `exit_code` (DONE or JOB_FAILED; STOPPED until a
+    verdict)."""
 
     def __init__(
         self,
@@ -348,7 +385,7 @@ class JobEnd:
         self.watch, self.stopping, self.settled, self.every_s = watch, stopping, settled, every_s
         self.verdict_of_job = JobVerdict(js, watch)
         self.verdict = ""  # "done" or "failed", once over
-        self.exit_code = 0
+        self.exit_code: ExitCode = STOPPED
 
     async def check(self) -> str:
         """The verdict once the job is over and this worker settled, else ""."""
@@ -359,7 +396,7 @@ class JobEnd:
             return ""
         if view.done:
             log.info("job_done", samples_uploaded=view.samples_uploaded, samples_total=view.total_samples)
-            self.verdict, self.exit_code = "done", 0
+            self.verdict, self.exit_code = "done", DONE
         else:
             log.error(
                 "job_failed",
@@ -369,7 +406,7 @@ class JobEnd:
                 samples_uploaded=view.samples_uploaded,
                 samples_total=view.total_samples,
             )
-            self.verdict, self.exit_code = "failed", 1
+            self.verdict, self.exit_code = "failed", JOB_FAILED
         return self.verdict
 
     async def watch_until_over(self) -> None:
@@ -388,6 +425,13 @@ class JobEnd:
                     log.warning("job_state_unavailable", error=str(exc) or type(exc).__name__)
         finally:
             await self.verdict_of_job.stop()
+
+
+def worker_exit_code(end: JobEnd | None) -> ExitCode:
+    """A worker's exit code once its loop has ended without an error: the job's verdict under
+    --until-done (DONE or JOB_FAILED), else STOPPED: a signal stopped it before it was told that
+    the job is over, so running it again is safe and may be needed."""
+    return end.exit_code if end is not None and end.verdict else STOPPED
 
 
 @contextlib.asynccontextmanager

@@ -57,7 +57,7 @@ def _id_of(data: object) -> str | None:
 def _loose_json(line: bytes) -> object:
     try:
         return msgspec.json.decode(line)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
 
 
@@ -81,6 +81,8 @@ class RowForms:
             raise BadRow(where, str(exc), source_id=_id_of(_loose_json(line))) from None
         except msgspec.DecodeError as exc:
             raise BadRow(where, f"not a JSON object ({exc})") from None
+        except RecursionError:  # msgspec recurses into nested values, read or skipped alike
+            raise BadRow(where, "JSON nested deeper than a row is") from None
         return self._checked(row, where, default_id)
 
     def from_record(self, record: dict, *, where: str, default_id: str) -> SourceRow:

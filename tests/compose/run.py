@@ -24,7 +24,7 @@ The five checks, against compose.yaml plus the override, each printed as `check 
 3. `docker kill` of the consumer mid-job: the restart policy brings it back, the job completes,
    each sample uploaded once;
 4. `docker compose stop` mid-job, then `up -d`: every worker ends within its stop_grace_period
-   (exit 0 on SIGTERM), the job resumes and completes, no batch computed twice, no sample
+   (exit 75, STOPPED, on SIGTERM), the job resumes and completes, no batch computed twice, no sample
    uploaded twice, none lost;
 5. the services run as the unprivileged user hsx (uid 1000) and write their volumes;
    `docker compose down -v` leaves no container, volume or network.
@@ -63,6 +63,7 @@ import msgspec
 
 from hsx.commands.status import read_status
 from hsx.errors import HsxError
+from hsx.exitcodes import STOPPED
 from hsx.storage.index import INDEX_KEY, StoredIndex
 from hsx.storage.layout import bundle_key, sample_key
 from hsx.wire.natsconn import NatsSettings
@@ -699,7 +700,7 @@ def check_stop_and_resume(stack: Stack) -> str:
     for name, ids in workers.items():
         for container in ids:
             state = stack.inspect(container)["State"]
-            if state["Running"] or state["ExitCode"] != 0:
+            if state["Running"] or state["ExitCode"] != STOPPED:  # stopped before the job was done
                 raise Failed(f"{name} after docker compose stop: running {state['Running']}, exit {state['ExitCode']}")
             if not stack.events(container, "stopping"):
                 raise Failed(f"{name} did not log stopping on SIGTERM")
@@ -720,7 +721,7 @@ def check_stop_and_resume(stack: Stack) -> str:
     return (
         f"docker compose stop ({len(services)} services, NATS too) at batch {before.batches_done}/"
         f"{before.batches_total}: {len(ended)} workers ended "
-        f"on SIGTERM with exit 0 in {took:.1f} s (stop_grace_period {grace['consumer']} s), up -d resumed "
+        f"on SIGTERM with exit {int(STOPPED)} in {took:.1f} s (stop_grace_period {grace['consumer']} s), up -d resumed "
         f"from {resumed_from} batches done; job {job} done, {view.batches_total} batches each computed once, "
         f"{view.total_samples} samples each uploaded once, {view.batch_redeliveries} batch redeliveries"
     )

@@ -103,10 +103,7 @@ def decompress(data: np.ndarray, out: np.ndarray) -> None:
 
 
 def _shape(metadata: dict[str, str]) -> list[int] | None:
-    try:
-        shape = json.loads(metadata.get(SHAPE_KEY, "null"))
-    except json.JSONDecodeError:
-        return None
+    shape = samplefile.json_or(metadata.get(SHAPE_KEY, "null"), None)
     ok = isinstance(shape, list) and len(shape) == 3 and all(isinstance(n, int) and n >= 0 for n in shape)
     return shape if ok else None
 
