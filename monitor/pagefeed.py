@@ -173,7 +173,11 @@ class JobFollower:
     async def _run(self) -> None:
         job = self.spec.job
         try:
-            await self.tracker.start()
+            try:
+                await self.tracker.start()
+            except Exception as exc:  # NATS away, or the job's streams gone: the page says no reading
+                log.warning("page_reading_unavailable", job=job, error=str(exc) or type(exc).__name__)
+                return
             while not self._stopping.is_set():
                 try:
                     spec = await read_job_spec(self.kv, job)
