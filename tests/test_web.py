@@ -271,7 +271,8 @@ def test_a_stalled_job_and_a_failed_one_each_say_so_and_why(tmp_path, hsx, hsx_s
     assert {stalled, failed} <= set(options), options
     browser.call(lambda page: page.select_option("#jobs", failed))
     wait_for(
-        lambda: browser.call(lambda page: page.url).endswith(f"/jobs/{failed}"),
+        # location.href, not page.url: Playwright's sync API updates page.url only while a call runs.
+        lambda: browser.call(lambda page: page.evaluate("() => location.href")).endswith(f"/jobs/{failed}"),
         timeout=15,
         what="the failed job's page",
         procs=procs,

@@ -251,10 +251,7 @@ function connect() {
 document.addEventListener("DOMContentLoaded", () => {
   document.getElementById("status-link").href = "/api/status" + Q;
   document.getElementById("jobs").addEventListener("change", (event) => {
-    const name = event.target.value;
-    fetch("/api/jobs").then((r) => r.json()).then((j) => {
-      location.href = name === j.followed ? "/" : "/jobs/" + encodeURIComponent(name);
-    });
+    location.href = "/jobs/" + encodeURIComponent(event.target.value);
   });
   connect();
 });
