@@ -100,6 +100,19 @@ class Browser(threading.Thread):
         self._calls.put((fn, future))
         return future.result(timeout=timeout)
 
+    def evaluate(self, script: str, *, tries: int = 20):
+        """`script`'s value in the page; asked again while a navigation replaces the page (its
+        old document's context is gone before the new one exists)."""
+        from playwright.sync_api import Error
+
+        for attempt in range(tries):
+            try:
+                return self.call(lambda page: page.evaluate(script))
+            except Error as exc:
+                if "context was destroyed" not in str(exc) and "navigat" not in str(exc) or attempt == tries - 1:
+                    raise
+                self.call(lambda page: page.wait_for_load_state())
+
     def close(self) -> None:
         self._calls.put(None)
         self.join(timeout=30)

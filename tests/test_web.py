@@ -69,8 +69,8 @@ def wait_for(condition, *, timeout: float, what: str, procs=(), period: float = 
 
 def shown(browser: Browser) -> dict:
     """The page's numbers now, with the time of the reading they come from."""
-    fields = browser.call(lambda page: page.evaluate(READ_FIELDS))
-    fields["as_of"] = float(browser.call(lambda page: page.evaluate("() => document.body.dataset.asOf || '0'")))
+    fields = browser.evaluate(READ_FIELDS)
+    fields["as_of"] = float(browser.evaluate("() => document.body.dataset.asOf || '0'"))
     return fields
 
 
@@ -131,7 +131,7 @@ def test_the_page_follows_a_running_job_and_agrees_with_status(
         assert (before[field] if key == "state" else number(before[field])) == expected, (field, before, planned)
     assert before["state"] == "waiting for workers", before
     # A mark the page keeps until it is loaded again: it must survive every update.
-    browser.call(lambda page: page.evaluate("() => { window.loadedOnce = 'yes'; }"))
+    browser.evaluate("() => { window.loadedOnce = 'yes'; }")
 
     spool = str(tmp_path / "spool")
     procs += [
@@ -158,7 +158,7 @@ def test_the_page_follows_a_running_job_and_agrees_with_status(
             break
         assert all(p.poll() is None for p in procs), logs_of(*procs)
     assert compared >= 2 and len(seen_uploaded) >= 2, (compared, seen_uploaded)
-    assert browser.call(lambda page: page.evaluate("() => window.loadedOnce")) == "yes"  # never reloaded
+    assert browser.evaluate("() => window.loadedOnce") == "yes"  # never reloaded
 
     # Done: every number equals `hsx status --json`; /api/status is what it prints.
     final = status(hsx, job, None)
@@ -182,11 +182,9 @@ def test_the_page_follows_a_running_job_and_agrees_with_status(
     differ = {key for key in printed if printed[key] not in (api_before[key], api_after[key])}
     assert differ <= OWN_WINDOW, {key: (api_before[key], printed[key], api_after[key]) for key in differ}
     # The workers' rows: a consumer on the CPU and an uploader, from node testnode, alive.
-    rows = browser.call(
-        lambda page: page.evaluate(
-            "() => [...document.querySelectorAll('#workers tbody tr')]"
-            ".map(r => [r.dataset.state, r.cells[1].textContent, r.cells[2].textContent])"
-        )
+    rows = browser.evaluate(
+        "() => [...document.querySelectorAll('#workers tbody tr')]"
+        ".map(r => [r.dataset.state, r.cells[1].textContent, r.cells[2].textContent])"
     )
     assert sorted(device for _, _, device in rows) == ["cpu", "uploader"], rows
     assert all(node == NODE and state != "silent" for state, node, _ in rows), rows
@@ -264,25 +262,19 @@ def test_a_stalled_job_and_a_failed_one_each_say_so_and_why(tmp_path, hsx, hsx_s
         procs=procs,
     )
     assert "no worker alive" in page["reason"], page
-    rows = browser.call(
-        lambda page: page.evaluate(
-            "() => [...document.querySelectorAll('#workers tbody tr')].map(r => r.dataset.state)"
-        )
-    )
+    rows = browser.evaluate("() => [...document.querySelectorAll('#workers tbody tr')].map(r => r.dataset.state)")
     # (`hsx status` says so too, once its own window, 30 s, has passed: the page follows the
     # monitor's --silent-after.)
     assert rows == ["silent"], rows
 
     # The failed job, one click away: the list of the jobs NATS holds.
     wait_for(lambda: status(hsx, failed, None)["failed"], timeout=120, what="the poisoned job failed", procs=procs)
-    options = browser.call(
-        lambda page: page.evaluate("() => [...document.querySelectorAll('#jobs option')].map(o => o.value)")
-    )
+    options = browser.evaluate("() => [...document.querySelectorAll('#jobs option')].map(o => o.value)")
     assert {stalled, failed} <= set(options), options
     browser.call(lambda page: page.select_option("#jobs", failed))
     wait_for(
         # location.href, not page.url: Playwright's sync API updates page.url only while a call runs.
-        lambda: browser.call(lambda page: page.evaluate("() => location.href")).endswith(f"/jobs/{failed}"),
+        lambda: browser.evaluate("() => location.href").endswith(f"/jobs/{failed}"),
         timeout=15,
         what="the failed job's page",
         procs=procs,
@@ -298,6 +290,6 @@ def test_a_stalled_job_and_a_failed_one_each_say_so_and_why(tmp_path, hsx, hsx_s
     assert number(page["dead.letters"]) == view["dead_letters"] == 1, page
     assert page["dead.retry"] == f"hsx dead retry --job {failed}", page
     assert number(page["progress.samples_uploaded"]) == view["samples_uploaded"] == 5, page
-    errors = browser.call(lambda page: page.evaluate("() => document.getElementById('dead-errors').textContent"))
+    errors = browser.evaluate("() => document.getElementById('dead-errors').textContent")
     assert "sample 3" in errors, errors
     assert get_json(f"{base}/api/status?job={failed}")["failed"] is True
