@@ -275,7 +275,7 @@ def page_data(
                 {"error": error, "letters": count}
                 for error, count in sorted(dead_errors.items(), key=lambda item: -item[1])[:10]
             ],
-            "retry": f"hsx dead retry --job {view.job}" if view.dead_letters else None,
+            "retry": f"hsx dead retry --job {view.job} --all" if view.dead_letters else None,
             "list": f"hsx dead list --job {view.job}",
         },
         "settings": {

@@ -19,6 +19,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 from browser import ensure_installed
 from conftest import REPO, _free_port
@@ -65,6 +66,7 @@ def evaluate(base: str, expr: str, job: str) -> list:
     return prom_get(base, "/api/v1/query", query=expr)["result"]
 
 
+@pytest.mark.timeout(600)  # the first run on a machine installs prometheus (apt-get), maybe after chromium
 def test_every_dashboard_query_returns_the_jobs_data_through_prometheus(
     tmp_path, hsx, hsx_service, tiny_model, job_name
 ):

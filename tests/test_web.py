@@ -288,7 +288,7 @@ def test_a_stalled_job_and_a_failed_one_each_say_so_and_why(tmp_path, hsx, hsx_s
     view = status(hsx, failed, None)
     assert page["reason"] == view["failure_reason"] and "dead-lettered" in page["reason"], (page, view)
     assert number(page["dead.letters"]) == view["dead_letters"] == 1, page
-    assert page["dead.retry"] == f"hsx dead retry --job {failed}", page
+    assert page["dead.retry"] == f"hsx dead retry --job {failed} --all", page
     assert number(page["progress.samples_uploaded"]) == view["samples_uploaded"] == 5, page
     errors = browser.evaluate("() => document.getElementById('dead-errors').textContent")
     assert "sample 3" in errors, errors
