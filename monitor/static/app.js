@@ -178,7 +178,9 @@ function plot(svg, rows, series, label, digits) {
   }
   const anchors = ["start", "middle", "end"];
   [t0, (t0 + t1) / 2, t1].forEach((t, i) => {
-    const at = new Date(t * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+    const short = t1 - t0 < 600;  // a short span: its seconds tell the ticks apart
+    const at = new Date(t * 1000).toLocaleTimeString([], short
+      ? { hour: "2-digit", minute: "2-digit", second: "2-digit" } : { hour: "2-digit", minute: "2-digit" });
     svgEl("text", { x: x(t), y: height - 8, class: "tick", "text-anchor": anchors[i] }, svg).textContent = at;
   });
   for (const s of series) {
