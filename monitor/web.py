@@ -154,14 +154,16 @@ class WebServer:
         except (HsxError, ValueError) as exc:
             raise web.HTTPBadRequest(text=f"{exc}\n") from None
 
-    async def _feed(self, request: web.Request) -> Feed:
+    async def _feed(self, request: web.Request, *, first: bool = True) -> Feed:
         """The feed of the job the request names (the monitor's own by default), following it
-        when it is another; its first reading waited for."""
+        when it is another; with `first`, its first reading waited for (503 past the wait)."""
         job = self._job_of(request.query.get("job"))
         if job != self.job:
             await self._follow(job)
         feed = self.feeds[job]
         feed.looked_at = time.monotonic()
+        if not first:
+            return feed
         if feed.page is None:
             await feed.wait_next(FIRST_READING_WAIT_S)
         if feed.page is None:
@@ -219,13 +221,16 @@ class WebServer:
         return web.json_response({"followed": self.job, "jobs": names})
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
-        """One `data:` event per reading, the first at once; a comment line every KEEPALIVE_S."""
-        feed = await self._feed(request)
+        """One `data:` event per reading, the last one at once (or the first once there is one:
+        a browser that opened the page before the job exists stays connected, as EventSource does
+        not reconnect after an error status); a comment line every KEEPALIVE_S."""
+        feed = await self._feed(request, first=False)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         feed.readers += 1
         try:
-            await response.write(b"data: " + feed.page + b"\n\n")
+            if feed.page is not None:
+                await response.write(b"data: " + feed.page + b"\n\n")
             while not self.closing.is_set():
                 if await feed.wait_next(KEEPALIVE_S):
                     if self.closing.is_set():

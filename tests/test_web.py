@@ -1,6 +1,7 @@
 """`hsx monitor --http`: the job's page in a real browser (Debian's chromium, headless, driven by
-Playwright) while a real job runs: the numbers it shows equal `hsx status --json` read at the same
-moment (within one update of the page), it updates without a reload as samples land, `/api/status`
+Playwright) while a real job runs: opened before the job exists (as compose starts the monitor
+first), it shows the job once it is produced; the numbers it shows equal `hsx status --json` read
+at the same moment (within one update of the page), it updates without a reload as samples land, `/api/status`
 is what `hsx status --json` prints, and a screenshot of it at the job's end is written
 (`page-done.png` in the test's folder). A stalled job (its only worker killed) and a failed job
 (its poison sample dead-lettered) each show their state and why, the failed one reached from the
@@ -105,6 +106,15 @@ def test_the_page_follows_a_running_job_and_agrees_with_status(
     tmp_path, hsx, hsx_service, browser, tiny_model, job_name
 ):
     job = job_name
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    # The monitor and its page come first, as in compose: the job is not produced yet.
+    monitor = spawn_monitor(hsx_service, job, port)
+    procs = [monitor]
+    wait_for(lambda: _answers(f"{base}/static/app.js"), timeout=30, what="the page's server", procs=procs)
+    browser.call(lambda page: page.goto(f"{base}/"))
+    # A mark the page keeps until it is loaded again: it must survive every update.
+    browser.evaluate("() => { window.loadedOnce = 'yes'; }")
     write_dataset(tmp_path / "data.jsonl", 24, min_len=4, max_len=120, seed=5)
     produce(
         hsx,
@@ -116,12 +126,7 @@ def test_the_page_follows_a_running_job_and_agrees_with_status(
         max_seq_len=128,
         env=None,
     )
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    monitor = spawn_monitor(hsx_service, job, port)
-    procs = [monitor]
-    wait_for(lambda: _answers(f"{base}/api/page"), timeout=30, what="the page's first reading", procs=procs)
-    open_page(browser, f"{base}/", procs=procs)
+    wait_for(lambda: shown(browser)["as_of"] > 0, timeout=30, what="the page's first reading", procs=procs)
 
     # Before any worker: the plan, nothing done, and no worker alive.
     before = shown(browser)
@@ -130,8 +135,6 @@ def test_the_page_follows_a_running_job_and_agrees_with_status(
         expected = planned[key]
         assert (before[field] if key == "state" else number(before[field])) == expected, (field, before, planned)
     assert before["state"] == "waiting for workers", before
-    # A mark the page keeps until it is loaded again: it must survive every update.
-    browser.evaluate("() => { window.loadedOnce = 'yes'; }")
 
     spool = str(tmp_path / "spool")
     procs += [
@@ -204,9 +207,9 @@ def test_the_page_follows_a_running_job_and_agrees_with_status(
 
 def _answers(url: str) -> bool:
     try:
-        get_json(url)
-        return True
-    except (OSError, ValueError):
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status == 200
+    except OSError:
         return False
 
 
