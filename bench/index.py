@@ -36,10 +36,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hsx.storage.destinations import open_destination  # noqa: E402
 from hsx.storage.index import BUNDLE_SPEC_KEY, make_index, write_index  # noqa: E402
 from hsx.storage.layout import sample_key  # noqa: E402
-from hsx.storage.location import Location  # noqa: E402
+from hsx.storage.location import Location, open_destination  # noqa: E402
 from hsx.storage.reader import HiddenStateDataset  # noqa: E402
 from hsx.wire import schemas  # noqa: E402
 

@@ -138,7 +138,8 @@ class CpuWindow:
 
 
 class JobEvents:
-    """A job's `hsx.events.<job>.>` as they arrive, with their arrival times (time.monotonic)."""
+    """A job's `hsx.events.<job>.>` and heartbeats as they arrive, with their arrival times
+    (time.monotonic)."""
 
     def __init__(self) -> None:
         self.ready: dict[str, str] = {}  # instance -> service, once it heartbeats past start-up
@@ -146,13 +147,17 @@ class JobEvents:
         self.bytes_written = 0
         self.uploaded: dict[int, float] = {}  # sample -> arrival
         self.bytes_uploaded = 0
-        self._sub = None
+        self._subs = []
 
     async def start(self, nc, job: str) -> None:
-        self._sub = await nc.subscribe(topology.event_subject(job, ">"), cb=self._on_msg)
+        self._subs = [
+            await nc.subscribe(subject, cb=self._on_msg)
+            for subject in (topology.event_subject(job, ">"), topology.heartbeats_subject_all(job))
+        ]
 
     async def stop(self) -> None:
-        await self._sub.unsubscribe()
+        for sub in self._subs:
+            await sub.unsubscribe()
 
     async def _on_msg(self, msg) -> None:
         now = time.monotonic()

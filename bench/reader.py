@@ -47,9 +47,8 @@ from botocore.config import Config
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.upload import JOB, _start_moto, _write_pristine, isolate_aws  # noqa: E402
-from hsx.storage.destinations import open_destination  # noqa: E402
 from hsx.storage.index import make_index, write_index  # noqa: E402
-from hsx.storage.location import Location  # noqa: E402
+from hsx.storage.location import Location, open_destination  # noqa: E402
 from hsx.storage.reader import HiddenStateDataset, PrefetchedBatches, TokenBudgetSampler, pack_collate  # noqa: E402
 from hsx.wire import schemas  # noqa: E402
 

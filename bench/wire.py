@@ -34,10 +34,11 @@ JOB = "benchwire"
 
 
 def _group(subject: str) -> str:
-    """`hsx.batches.J` -> batches; `hsx.events.J.heartbeat.I` -> events.heartbeat; ..."""
+    """`hsx.batches.J` -> batches; `hsx.events.J.written.P.B` -> events.written;
+    `hsx.state.J.heartbeat.S.I` -> state.heartbeat; ..."""
     parts = subject.split(".")
-    if parts[1] == "events":
-        return f"events.{parts[3]}"
+    if parts[1] in ("events", "state"):
+        return f"{parts[1]}.{parts[3]}"
     return parts[1]
 
 

@@ -50,6 +50,7 @@ from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.logs import configure_logging
 from hsx.monitor.config import MonitorConfig
 from hsx.producer.config import ProducerConfig
+from hsx.storage.destinations import SCHEMES
 from hsx.uploader.config import UploaderConfig
 from hsx.wire import denials
 from hsx.wire.natsconn import NatsSettings, redact_url
@@ -338,17 +339,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return command_of(args).run(cfg)
 
 
-# Read by the S3 client itself (hsx/storage/destinations.py, boto3), not by a flag; shown by `hsx config
-# show` so that one command answers "what will this process use".
-_S3_ENVIRONMENT = {
-    "AWS_ENDPOINT_URL_S3": redact_url,
-    "AWS_ENDPOINT_URL": redact_url,
-    "AWS_DEFAULT_REGION": str,
-    "AWS_ACCESS_KEY_ID": str,
-    "AWS_SECRET_ACCESS_KEY": hide,
-    "AWS_SESSION_TOKEN": hide,
-    "AWS_PROFILE": str,
-}
+_SHOWN = {"secret": hide, "url": redact_url, "text": str}  # a Scheme's environment, as config show prints it
 
 
 def _show_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -369,7 +360,14 @@ def _show_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     resolution = resolve(parser, inner, os.environ, require=False)
     if not resolution.missing:  # the config's own checks (a flag against another), as the command has them
         build_command_config(parser, inner, prepare=False)
-    environment = {name: shown(os.environ[name]) for name, shown in _S3_ENVIRONMENT.items() if os.environ.get(name)}
+    # Read by the destinations' clients themselves (hsx/storage/destinations/), not by a flag; shown
+    # so that one command answers "what will this process use".
+    environment = {
+        name: _SHOWN[kind](os.environ[name])
+        for one in SCHEMES.values()
+        for name, kind in one.environment.items()
+        if os.environ.get(name)
+    }
     print(describe(resolution, environment, as_json=as_json))
     return DONE
 

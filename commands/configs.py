@@ -8,6 +8,7 @@ job file meet it too; what needs the filesystem is checked when the config is bu
 """
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from hsx.config.fields import option
 from hsx.config.settings import build_config
 from hsx.config.values import count, duration, positive_int
 from hsx.errors import HsxError
-from hsx.storage import trainers
+from hsx.storage import destinations, trainers
 from hsx.storage.location import Location, job_folder_argument
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.topology import check_name, job_name
@@ -140,9 +141,7 @@ class SyncConfig:
     source: Path = option("PATH", parse=Path, help="the directory whose files are uploaded")
     # As given ("/backups", shown so by hsx config show); `from_args` makes it the Location with
     # --prefix joined, which is what the sync uploads to.
-    dest: Location = option(
-        "--dest", example="s3://bucket/checkpoints", help="s3://bucket/prefix, file:///dir or a path"
-    )
+    dest: Location = option("--dest", example="s3://bucket/checkpoints", help=destinations.forms())
     prefix: str = option("--prefix", default="", help="key prefix under --dest (default: none)")
     # Seconds from one pass's start to the next; None: one pass (--once).
     every_s: float | None = option(
@@ -169,11 +168,31 @@ class SyncConfig:
     def from_args(cls, args: argparse.Namespace, *, nats: NatsSettings | None = None) -> "SyncConfig":
         """From `hsx sync`'s resolved flags: PATH must be a readable directory, and a local
         --dest must not lie inside it (every pass would upload the previous pass's copies)."""
-        from hsx.commands.sync import check_source, dest_url
-
-        source = check_source(args.source)
-        dest = dest_url(Location.parse(args.dest), args.prefix, source=source)
+        source = _sync_source(args.source)
+        dest = _sync_dest(Location.parse(args.dest), args.prefix, source=source)
         return build_config(cls, args, source=source, dest=dest, every_s=None if args.once else args.every_s)
+
+
+def _sync_source(path: Path) -> Path:
+    """The directory to sync, resolved; a one-line error when it is not one."""
+    if not path.exists():
+        raise HsxError(f"PATH {str(path)!r}: no such directory")
+    if not path.is_dir():
+        raise HsxError(f"PATH {str(path)!r}: not a directory (hsx sync uploads the files under a directory)")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise HsxError(f"PATH {str(path)!r}: not readable")
+    return path.resolve()
+
+
+def _sync_dest(dest: Location, prefix: str, *, source: Path) -> Location:
+    """--dest with --prefix appended; a local destination inside PATH is refused (every pass would
+    upload the previous pass's copies)."""
+    prefix = prefix.strip("/")
+    location = dest.child(prefix) if prefix else dest
+    folder = location.local_folder
+    if folder is not None and folder.resolve().is_relative_to(source):
+        raise HsxError(f"--dest {dest.path!r} is inside PATH {str(source)!r}; choose a destination outside it")
+    return location
 
 
 @dataclass(frozen=True, kw_only=True)

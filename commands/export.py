@@ -23,7 +23,7 @@ from hsx.commands.configs import ExportConfig
 from hsx.errors import HsxError, JobFailed
 from hsx.exitcodes import DONE
 from hsx.storage import trainers
-from hsx.storage.destinations import Destination, open_destination
+from hsx.storage.destinations import Destination
 from hsx.storage.expected import (
     BUNDLE_SPEC_KEY,
     ExpectedSamples,
@@ -35,6 +35,7 @@ from hsx.storage.expected import (
 )
 from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, relative_sample_key, sample_key
+from hsx.storage.location import open_destination
 from hsx.storage.reader import dequantize, load_sample, ordered_map
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.tokens import SampleTable, read_tokens

@@ -1,5 +1,5 @@
 """`hsx sync`: upload a directory (training checkpoints, logs) to a destination, pass after pass,
-each file whose bytes the destination does not hold yet, verified (hsx/storage/destinations.py).
+each file whose bytes the destination does not hold yet, verified (hsx/storage/destinations/).
 Upload only: a file deleted here stays there. This module knows directories and the destination
 interface; not NATS, not jobs.
 """
@@ -11,45 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
-from botocore.exceptions import BotoCoreError, ClientError
 
 from hsx.commands.configs import SyncConfig
 from hsx.config.values import parse_duration  # noqa: F401 - `hsx sync --every`'s, named here too
-from hsx.errors import HsxError
 from hsx.exitcodes import DONE, JOB_FAILED, STOPPED
-from hsx.storage.destinations import (
-    Destination,
-    VerificationError,
-    file_sha256,
-    open_destination,
-)
-from hsx.storage.location import Location
+from hsx.storage.destinations import Destination, error_line, file_sha256, store_errors
+from hsx.storage.location import open_destination
 from hsx.wire.lifecycle import stop_flag_on_signals
 
 log = structlog.get_logger("hsx.sync")
-
-_UPLOAD_ERRORS = (OSError, VerificationError, BotoCoreError, ClientError)
-
-
-def check_source(path: Path) -> Path:
-    """The directory to sync, resolved; a one-line error when it is not one."""
-    if not path.exists():
-        raise HsxError(f"PATH {str(path)!r}: no such directory")
-    if not path.is_dir():
-        raise HsxError(f"PATH {str(path)!r}: not a directory (hsx sync uploads the files under a directory)")
-    if not os.access(path, os.R_OK | os.X_OK):
-        raise HsxError(f"PATH {str(path)!r}: not readable")
-    return path.resolve()
-
-
-def dest_url(dest: Location, prefix: str, *, source: Path) -> Location:
-    """--dest with --prefix appended; a local destination inside PATH is refused (every pass would
-    upload the previous pass's copies)."""
-    prefix = prefix.strip("/")
-    location = dest.child(prefix) if prefix else dest
-    if not location.is_s3 and Path(location.path).resolve().is_relative_to(source):
-        raise HsxError(f"--dest {dest.path!r} is inside PATH {str(source)!r}; choose a destination outside it")
-    return location
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +113,8 @@ class Syncer:
                 return self._attempt(key, path, known)
             except FileNotFoundError:
                 raise
-            except (*_UPLOAD_ERRORS, _FileChanged) as exc:
-                error = f"{type(exc).__name__}: {exc}"
+            except (*store_errors(), _FileChanged) as exc:
+                error = error_line(exc)
                 if attempt == self.cfg.retries or self.stopping.is_set():
                     log.error("sync_file_failed", key=key, attempts=attempt, error=error)
                     return "failed", size

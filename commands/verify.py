@@ -21,11 +21,10 @@ import structlog
 
 from hsx.errors import HsxError
 from hsx.storage import encodings
-from hsx.storage.destinations import open_job_folder
 from hsx.storage.expected import ExpectedSamples, is_missing, mismatches
 from hsx.storage.index import INDEX_KEY, read_index
 from hsx.storage.layout import BUNDLE_DIR, relative_sample_key, sample_key
-from hsx.storage.location import spec_location
+from hsx.storage.location import open_job_folder, spec_location
 from hsx.storage.reader import dequantize, load_sample
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.tokens import load_table

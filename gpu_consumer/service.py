@@ -56,7 +56,7 @@ from hsx.wire.worker import JobWatch
 
 log = structlog.get_logger("hsx.gpu_consumer")
 
-SERVICE = "gpu_consumer"
+SERVICE = topology.CONSUMER_SERVICE
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 # How long a batch of a round whose spec is not recorded yet waits before it is looked at again.
 _ROUND_WAIT_S = 10.0

@@ -16,7 +16,7 @@ sends it to stdout instead (or above its progress bar).
 
 Everything then goes out through one stdlib `logging` handler with structlog's
 ProcessorFormatter: the services' events, the library modules' records, and the records of the
-libraries underneath (nats-py, botocore, transformers), which thereby come out as the same JSON
+libraries underneath (nats-py, a destination's client, transformers), which thereby come out as the same JSON
 lines with the same fields (timestamp, level, job, ...) instead of bare text in between. An
 exception logged with `exc_info` carries its traceback (`exception` field).
 """
@@ -30,10 +30,11 @@ import structlog
 
 # The handler configure_logging installed on the root logger, replaced when it is called again.
 _handler: logging.Handler | None = None
-_CHATTY_LIBRARIES = ("botocore", "boto3", "s3transfer", "urllib3", "asyncio", "filelock", "fsspec", "httpx", "httpcore")
-# Loggers whose info says nothing a user needs, on every run: warnings only, whatever --log-level
-# ("Found credentials in environment variables." on every S3 command).
-_WARNINGS_ONLY = ("botocore.credentials",)
+_level = logging.INFO  # the level configure_logging set last
+# Loggers of libraries that narrate every request at debug level (kept at info whatever --log-level),
+# or whose info says nothing a user needs on every run (kept at warning): name -> the least level.
+# A library's module names its own with quiet_library (the destinations name their clients').
+_QUIET = {name: logging.INFO for name in ("urllib3", "asyncio", "filelock", "fsspec", "httpx", "httpcore")}
 
 
 def configure_logging(*, json: bool | None = None, level: str = "info", file: TextIO | None = None) -> None:
@@ -77,13 +78,23 @@ def configure_logging(*, json: bool | None = None, level: str = "info", file: Te
         root.removeHandler(_handler)
     root.addHandler(handler)
     root.setLevel(numeric_level)
-    _handler = handler
-    # Libraries that narrate every request at debug level stay at info even with --log-level debug.
-    for chatty in _CHATTY_LIBRARIES:
-        logging.getLogger(chatty).setLevel(max(numeric_level, logging.INFO))
-    for quiet in _WARNINGS_ONLY:
-        logging.getLogger(quiet).setLevel(max(numeric_level, logging.WARNING))
+    global _level
+    _handler, _level = handler, numeric_level
+    for name, least in _QUIET.items():
+        logging.getLogger(name).setLevel(max(numeric_level, least))
     logging.captureWarnings(True)
+
+
+def quiet_library(*names: str, warnings_only: bool = False) -> None:
+    """Loggers of a library that narrate every request at debug level: at info at least, whatever
+    --log-level; `warnings_only`: ones whose info says nothing a user needs ("Found credentials in
+    environment variables." on every command), at warning at least. Applied by configure_logging,
+    at once if it ran already; a program using hsx as a library keeps its own levels."""
+    least = logging.WARNING if warnings_only else logging.INFO
+    for name in names:
+        _QUIET[name] = least
+        if _handler is not None:
+            logging.getLogger(name).setLevel(max(_level, least))
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

@@ -12,7 +12,6 @@ own loop (monitor/main.py), which calls `PageMaker.make` after each of its readi
 import asyncio
 import shutil
 import time
-from pathlib import Path
 
 import msgspec
 from nats.js import JetStreamContext
@@ -22,7 +21,7 @@ from hsx.logs import get_logger
 from hsx.monitor.page import DestinationRoom, RateHistory, Rates, page_data
 from hsx.monitor.rates import RateWindow
 from hsx.monitor.report import take_reading
-from hsx.storage.location import Location
+from hsx.storage.location import spec_location
 from hsx.wire import schemas
 from hsx.wire.counts import marker_times
 from hsx.wire.jobs import job_names, read_job_spec, waiting_files
@@ -41,15 +40,14 @@ def status_json(view: StatusView) -> bytes:
 
 
 def destination_room(dest: str) -> DestinationRoom | None:
-    """The free bytes at a local destination (its nearest existing folder); None for S3 or when
-    the path cannot be read from here."""
+    """The free bytes at a local destination (its nearest existing folder); None for a remote
+    store (S3, ...) or when the path cannot be read from here."""
     try:
-        location = Location.parse(dest)
+        measured = spec_location(dest).local_folder
     except Exception:  # noqa: BLE001 - a spec's dest was checked where it was decoded; nothing to show
         return None
-    if location.is_s3:
+    if measured is None:
         return None
-    measured = Path(location.path)
     while not measured.exists() and measured != measured.parent:
         measured = measured.parent
     try:

@@ -16,15 +16,14 @@ import tempfile
 from pathlib import Path
 
 import structlog
-from botocore.exceptions import BotoCoreError, ClientError
 from nats.js import JetStreamContext
 
 from hsx.errors import HsxError
 from hsx.packing import PlannedBatch
-from hsx.storage.destinations import VerificationError, open_destination
+from hsx.storage.destinations import error_line, store_errors
 from hsx.storage.index import INDEX_FILE
 from hsx.storage.layout import TOKENS_FILE, bundle_key
-from hsx.storage.location import Location, spec_location
+from hsx.storage.location import Location, open_destination, spec_location
 from hsx.storage.tokens import download
 from hsx.wire import schemas
 
@@ -37,8 +36,6 @@ REPORT_FILE = "report.json"
 # What removing a replaced plan's bundle deletes, the index first: no reader may take it for the
 # new job. job.json is not deleted but overwritten, by the new job's claim.
 REPLACED_FILES = (INDEX_FILE, PLAN_FILE, TOKENS_FILE, REPORT_FILE)
-# What writing to the destination raises after the S3 client's own retries.
-_WRITE_ERRORS = (OSError, VerificationError, BotoCoreError, ClientError)
 
 
 def plan_document(spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_batch_size: int | None) -> dict:
@@ -111,10 +108,10 @@ async def write_bundle(
         files = await _bundle_files(js, spec, batches, max_batch_size, Path(folder))
         try:
             written, size = await asyncio.to_thread(_put_missing, spec_location(spec.dest), spec.job, files)
-        except _WRITE_ERRORS as exc:
+        except store_errors() as exc:
             raise HsxError(
                 f"job {spec.job} is published, but writing its bundle to {spec.dest}/{bundle_key(spec.job, '')} "
-                f"failed ({type(exc).__name__}: {exc}); run hsx produce again to retry"
+                f"failed ({error_line(exc)}); run hsx produce again to retry"
             ) from exc
     log.info(
         "bundle_written",
@@ -135,9 +132,9 @@ def claim_folder(spec: schemas.JobSpec) -> None:
         dest = open_destination(spec_location(spec.dest), max_connections=1)
         if not dest.has_sha256(key, size=len(data), sha256=hashlib.sha256(data).hexdigest()):
             dest.put_bytes_verified(data, key)
-    except _WRITE_ERRORS as exc:
+    except store_errors() as exc:
         raise HsxError(
-            f"job {spec.job}: writing its spec to {spec.dest}/{key} failed ({type(exc).__name__}: {exc}); "
+            f"job {spec.job}: writing its spec to {spec.dest}/{key} failed ({error_line(exc)}); "
             "no batch was published; run hsx produce again to retry"
         ) from exc
 
@@ -150,9 +147,9 @@ def remove_replaced(location: Location, job: str) -> list[str]:
         dest = open_destination(location, max_connections=1)
         for key in keys:
             dest.delete(key)
-    except _WRITE_ERRORS as exc:
+    except store_errors() as exc:
         raise HsxError(
             f"job {job}: removing the replaced plan's bundle from {location}/{bundle_key(job, '')} failed "
-            f"({type(exc).__name__}: {exc}); nothing was published; run hsx produce again to retry"
+            f"({error_line(exc)}); nothing was published; run hsx produce again to retry"
         ) from exc
     return keys

@@ -10,7 +10,7 @@ from hsx.config.values import count, parse_size, positive_float, positive_int
 from hsx.errors import HsxError
 from hsx.model.layers import LayerRequest, parse_layers
 from hsx.producer.conventions import HSX, ChatConvention, parse_chat_as
-from hsx.storage import encodings
+from hsx.storage import destinations, encodings
 from hsx.storage.layout import stored_dtype
 from hsx.storage.location import Location
 from hsx.wire.natsconn import NatsSettings
@@ -108,7 +108,7 @@ class ProducerConfig:
         parse=Location.parse,
         job=True,
         example="s3://bucket/hidden-states",
-        help="where the sample files go: s3://bucket/prefix, file:///dir or a path",
+        help=f"where the sample files go: {destinations.forms()}",
     )
     dtype: str = option(
         "--dtype",

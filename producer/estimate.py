@@ -190,14 +190,15 @@ class FreeSpace:
 
 
 def free_space(dest: Location, job: str, *, job_bytes: int) -> FreeSpace | None:
-    """None for an S3 destination (no free space to ask)."""
-    if dest.is_s3:
+    """None for a remote store (S3, ...): it has no free space to ask."""
+    folder = dest.local_folder
+    if folder is None:
         return None
-    measured = Path(dest.path)
+    measured = folder
     while not measured.exists() and measured != measured.parent:
         measured = measured.parent
     # Files a stopped run of the job (or a replaced plan) left are overwritten, not added to.
-    held = _bytes_under(Path(dest.path, job))
+    held = _bytes_under(folder / job)
     return FreeSpace(dest=str(dest), measured=str(measured), free=free_bytes(measured), needed=max(0, job_bytes - held))
 
 

@@ -271,9 +271,9 @@ def _estimate(cfg: ProducerConfig, job: Sizing, *, max_payload: int, measure: Me
 
 
 def _check_free_space(cfg: ProducerConfig, job: Sizing, *, max_payload: int) -> None:
-    """Refuse a local destination without room for the job's files (an S3 bucket has no free
+    """Refuse a local destination without room for the job's files (a remote store has no free
     space to ask)."""
-    if cfg.dest.is_s3:
+    if cfg.dest.local_folder is None:
         return
     _refuse_without_room(cfg, _estimate(cfg, job, max_payload=max_payload).free_space)
 
@@ -776,7 +776,7 @@ async def _publish_rounds(
             token_budget=cfg.token_budget,
             max_seq_len=cfg.max_seq_len,
         )
-        if not cfg.ignore_free_space and not cfg.dest.is_s3:
+        if not cfg.ignore_free_space and cfg.dest.local_folder is not None:
             await asyncio.to_thread(check_room, new, first_index)
         return checked
 

@@ -13,11 +13,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hsx.errors import HsxError
-from hsx.storage.destinations import Destination, open_destination, open_job_folder, probe
+from hsx.storage.destinations import Destination, probe
 from hsx.storage.expected import read_metadata
 from hsx.storage.index import BUNDLE_SPEC_KEY, HEADER_PROBE_BYTES, bundle_spec
 from hsx.storage.layout import bundle_key, sample_index_of
-from hsx.storage.location import Location
+from hsx.storage.location import Location, open_destination, open_job_folder
 from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.wire import schemas
 

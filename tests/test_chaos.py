@@ -55,7 +55,7 @@ from test_e2e_s3 import (
 )
 
 from hsx.commands.embedded import start_nats_server
-from hsx.storage.destinations import DIGEST_METADATA
+from hsx.storage.destinations.s3 import DIGEST_METADATA
 from hsx.wire import schemas, topology
 from hsx.wire.counts import count_stored
 

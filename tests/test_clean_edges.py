@@ -1,6 +1,6 @@
 """Clean edges (docs/reliability/faults-processes.md): a status that cannot read its events in time says so in one
 line; a service stopped while NATS is down exits 0 without a traceback; events are kept as long
-as the job (no age limit) while heartbeats stay one per worker; the stdlib logging of the
+as the job (no age limit) while heartbeats stay one per worker and no rollup erases anything; the stdlib logging of the
 libraries underneath comes out in hsx's JSON stream, and an exception keeps its traceback; an
 uploader stopped with uploads in hand while NATS is down leaves them to their redelivery in one
 line each, without a traceback."""
@@ -14,6 +14,8 @@ import time
 
 import msgspec
 import nats
+import nats.js.errors
+import pytest
 from conftest import REPO, _free_port
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 from test_chaos import log_events, stoppable_s3, wait_for  # noqa: F401 (stoppable_s3: a fixture)
@@ -24,8 +26,10 @@ from hsx.commands.embedded import start_nats_server
 from hsx.exitcodes import DONE, STOPPED
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
+from hsx.wire.jobs import last_heartbeats
 
 DAY = 24 * 3600.0
+ROLLUP_NOT_PERMITTED = 10111  # JetStream's error code for a rollup on a stream that allows none
 
 
 def _spec_json(job: str) -> bytes:
@@ -133,18 +137,20 @@ def test_services_stopped_while_nats_is_down_exit_0_without_a_traceback(
         server.stop()
 
 
-def test_events_are_kept_as_long_as_the_job_and_heartbeats_stay_one_per_worker(tmp_path, job_name):
-    """An existing HSX_EVENTS (30 days) and HSX_DEAD (90 days) are updated in place: no age limit,
-    nothing lost; heartbeats roll up to the last one per worker; the docs say the same."""
+def test_streams_of_an_older_hsx_are_updated_in_place_and_no_rollup_erases_anything(tmp_path, job_name):
+    """An existing HSX_EVENTS (30 days, rollups allowed for the heartbeats it held) and HSX_DEAD
+    (90 days) are updated in place: no age limit, no rollups, nothing lost. HSX_STATE is made and
+    keeps one heartbeat per worker without any header; a `Nats-Rollup` publish on either stream is
+    refused; the heartbeats an older hsx left in HSX_EVENTS are not read. The docs say the same."""
     server = start_nats_server(tmp_path / "nats", log_file=tmp_path / "nats-server.log")
 
     async def run() -> None:
         nc = await nats.connect(server.url)
         js = nc.jetstream()
         # The streams as an earlier hsx created them.
-        for name, subject, age in (
-            (topology.EVENTS_STREAM, "hsx.events.>", 30 * DAY),
-            (topology.DEAD_STREAM, "hsx.dead.>", 90 * DAY),
+        for name, subject, age, rollup in (
+            (topology.EVENTS_STREAM, "hsx.events.>", 30 * DAY, True),
+            (topology.DEAD_STREAM, "hsx.dead.>", 90 * DAY, False),
         ):
             await js.add_stream(
                 StreamConfig(
@@ -153,18 +159,38 @@ def test_events_are_kept_as_long_as_the_job_and_heartbeats_stay_one_per_worker(t
                     retention=RetentionPolicy.LIMITS,
                     storage=StorageType.FILE,
                     max_age=age,
+                    allow_rollup_hdrs=rollup,
                 )
             )
         events = EventPublisher(nc, js, job_name)
         early = schemas.FileUploaded(job=job_name, node="n", uploader="u", sample_index=0, key="k", size=1, tokens=1)
         await events.emit(early)
+        # An older hsx's last heartbeat, on its subject of HSX_EVENTS, rolled up as it sent them.
+        old = schemas.Heartbeat(
+            job=job_name, service="uploader", instance="node-0-100", node="node-0", state="idle", sent_at=time.time()
+        )
+        old_subject = f"hsx.events.{job_name}.heartbeat.node-0-100"
+        await js.publish(old_subject, schemas.encode(old), headers={"Nats-Rollup": "sub"})
 
         await topology.ensure_topology(js)
         for name in (topology.EVENTS_STREAM, topology.DEAD_STREAM):
             info = await js.stream_info(name)
             assert not info.config.max_age, f"{name} still drops messages after {info.config.max_age} s"
         info = await js.stream_info(topology.EVENTS_STREAM)
-        assert info.config.allow_rollup_hdrs and info.state.messages == 1, info
+        assert not info.config.allow_rollup_hdrs and info.state.messages == 2, info
+        state = await js.stream_info(topology.STATE_STREAM)
+        assert state.config.max_msgs_per_subject == 1 and not state.config.allow_rollup_hdrs, state.config
+
+        # A rollup is refused by the server on both streams, a marker's subject and a heartbeat's.
+        for subject in (
+            topology.event_subject(job_name, "uploaded"),
+            topology.heartbeat_subject(job_name, "uploader", "node-1-101"),
+        ):
+            for value in ("all", "sub"):
+                with pytest.raises(nats.js.errors.APIError) as refused:
+                    await js.publish(subject, schemas.encode(early), headers={"Nats-Rollup": value})
+                assert refused.value.err_code == ROLLUP_NOT_PERMITTED, refused.value
+        assert (await js.stream_info(topology.EVENTS_STREAM)).state.messages == 2
 
         for beat in range(25):
             for instance in ("node-1-101", "node-1-102"):
@@ -172,24 +198,39 @@ def test_events_are_kept_as_long_as_the_job_and_heartbeats_stay_one_per_worker(t
                     service="uploader", instance=instance, node="node-1", state="idle", detail=f"beat {beat}"
                 )
             await events.emit(msgspec.structs.replace(early, sample_index=beat + 1))
-        await nc.flush()
+        # Heartbeats are sent without an ack; a stream stores what one connection sends in order,
+        # so once a later message of HSX_STATE is acked every beat before it is stored.
+        await js.publish(f"hsx.state.{job_name}.fence", b"")
         info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=f"hsx.events.{job_name}.>")
+        assert info.state.subjects == {topology.event_subject(job_name, "uploaded"): 26, old_subject: 1}, (
+            info.state.subjects
+        )
+        info = await js.stream_info(topology.STATE_STREAM, subjects_filter=topology.heartbeats_subject_all(job_name))
         assert info.state.subjects == {
-            topology.event_subject(job_name, "uploaded"): 26,
-            topology.heartbeat_subject(job_name, "node-1-101"): 1,
-            topology.heartbeat_subject(job_name, "node-1-102"): 1,
+            topology.heartbeat_subject(job_name, "uploader", "node-1-101"): 1,
+            topology.heartbeat_subject(job_name, "uploader", "node-1-102"): 1,
         }, info.state.subjects
-        last = await js.get_last_msg(topology.EVENTS_STREAM, topology.heartbeat_subject(job_name, "node-1-102"))
+        last = await js.get_last_msg(
+            topology.STATE_STREAM, topology.heartbeat_subject(job_name, "uploader", "node-1-102")
+        )
         assert schemas.event_decoder.decode(last.data).detail == "beat 24"
+        beats = await last_heartbeats(js, job_name)
+        assert [(beat.instance, beat.detail) for beat in beats] == [
+            ("node-1-101", "beat 24"),
+            ("node-1-102", "beat 24"),
+        ]
         await nc.drain()
 
     try:
         asyncio.run(run())
     finally:
         server.stop()
+    names = documented_names(job="j", node="n")
     for stream in (topology.EVENTS_STREAM, topology.DEAD_STREAM):
-        kind = documented_names(job="j", node="n")[stream]["kind"]
+        kind = names[stream]["kind"]
         assert "days" not in kind and "no age limit" in kind, f"docs/operations/nats.md: {stream}: {kind}"
+    for stream in (topology.EVENTS_STREAM, topology.STATE_STREAM):
+        assert "no rollups" in names[stream]["kind"], f"docs/operations/nats.md: {stream}: {names[stream]['kind']}"
     readme = (REPO / "README.md").read_text()
     assert "| Limits, 30 days |" not in readme and "| Limits, 90 days |" not in readme
 

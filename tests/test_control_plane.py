@@ -11,7 +11,8 @@ import torch
 from test_fidelity import _spec as fidelity_spec
 
 from hsx.storage import samplefile
-from hsx.storage.destinations import FileDestination, FolderSync, VerificationError
+from hsx.storage.destinations import VerificationError
+from hsx.storage.destinations.file import FileDestination, FolderSync
 from hsx.storage.layout import sample_key
 from hsx.storage.spool import spool_file
 from hsx.uploader.config import UploaderConfig

@@ -36,17 +36,20 @@ def _beat(job: str, **fields) -> schemas.Heartbeat:
 
 def test_a_heartbeat_is_believed_only_within_its_clock_skew_and_only_for_its_own_subject():
     stored = 1_000_000.0
-    subject = topology.heartbeat_subject("j", "intruder")
+    subject = topology.heartbeat_subject("j", "uploader", "intruder")
     future = schemas.encode(_beat("j", sent_at=stored + 1e9, detail="bucket gone"))
     assert heard_heartbeat(future, subject=subject, stored_at=stored, job="j").sent_at == stored
     near = schemas.encode(_beat("j", sent_at=stored - HEARTBEAT_CLOCK_SKEW_S + 1))
     assert (
         heard_heartbeat(near, subject=subject, stored_at=stored, job="j").sent_at == stored - HEARTBEAT_CLOCK_SKEW_S + 1
     )
-    # Another job's beat, a beat on another instance's subject, a payload of another kind: not heard.
+    # Another job's beat, a beat on another instance's or service's subject, a payload of another
+    # kind: not heard.
     assert heard_heartbeat(future, subject=subject, stored_at=stored, job="k") is None
-    other = topology.heartbeat_subject("j", "someone-else")
+    other = topology.heartbeat_subject("j", "uploader", "someone-else")
     assert heard_heartbeat(future, subject=other, stored_at=stored, job="j") is None
+    consumers = topology.heartbeat_subject("j", topology.CONSUMER_SERVICE, "intruder")
+    assert heard_heartbeat(future, subject=consumers, stored_at=stored, job="j") is None
     assert heard_heartbeat(b'{"type": "heartbeat.v1"}', subject=subject, stored_at=stored, job="j") is None
     assert heard_heartbeat(b"\xff", subject=subject, stored_at=stored, job="j") is None
 
@@ -72,9 +75,9 @@ def test_a_crafted_refusal_from_the_future_neither_fails_a_healthy_job_nor_keeps
         nc = await nats.connect(nats_server.url)
         try:
             ack = await nc.jetstream().publish(
-                topology.heartbeat_subject(job_name, "intruder"), msgspec.json.encode(crafted)
+                topology.heartbeat_subject(job_name, "uploader", "intruder"), msgspec.json.encode(crafted)
             )
-            stored = await nc.jetstream().get_msg(topology.EVENTS_STREAM, ack.seq)
+            stored = await nc.jetstream().get_msg(topology.STATE_STREAM, ack.seq)
             return stored.time.timestamp()
         finally:
             await nc.drain()
@@ -259,7 +262,7 @@ def test_a_spec_naming_a_path_outside_the_spool_is_refused_and_nothing_is_remove
     assert uploader.poll() is None and (victim / "keep.txt").read_text() == "not the job's"
     for field, value, named in (
         ("job", "other", "not its key"),
-        ("dest", "../../elsewhere", "not an s3://bucket/prefix or file:///absolute/dir URL"),
+        ("dest", "../../elsewhere", "is not a destination URL"),
         ("dtype", "../int8", "`dtype`"),
         ("layers", [1, 1], "names a layer twice"),
         ("round_starts", [0, 5, 3], "round_starts"),

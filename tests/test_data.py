@@ -448,8 +448,7 @@ def test_the_jobs_tokenized_samples_stream_from_s3(s3_job):
     """What the speculators export builds its table from: the bundle's tokens.arrow, read as a
     stream from the bucket (not held whole in memory), equal to the dataset's rows."""
     from hsx.commands.export import _bundle_tokens
-    from hsx.storage.destinations import open_destination
-    from hsx.storage.location import Location
+    from hsx.storage.location import Location, open_destination
 
     table = _bundle_tokens(open_destination(Location.parse(s3_job.url)), s3_job.url)
     try:

@@ -43,7 +43,8 @@ from test_e2e_s3 import (
 )
 
 from hsx.exitcodes import JOB_FAILED
-from hsx.storage.destinations import FileDestination, S3Destination
+from hsx.storage.destinations.file import FileDestination
+from hsx.storage.destinations.s3 import S3Destination
 from hsx.wire import schemas
 from hsx.wire.backoff import jittered, retry_delay
 from hsx.wire.counts import ProgressCounts, QueueState

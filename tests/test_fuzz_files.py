@@ -28,7 +28,7 @@ from hsx.commands.export import _read as export_read
 from hsx.commands.verify import check_sample
 from hsx.gpu_consumer.writer import write_sample_file
 from hsx.storage import encodings
-from hsx.storage.destinations import FileDestination
+from hsx.storage.destinations.file import FileDestination
 from hsx.storage.expected import ExpectedSamples, ids_digest, mismatches, read_header
 from hsx.storage.layout import relative_sample_key
 from hsx.storage.reader import BadSampleFile, _read_checked, load_sample

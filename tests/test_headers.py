@@ -227,16 +227,18 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
         [again] = stored(url, topology.DEAD_STREAM, topology.dead_subject_all(job))
         assert [entry["resolved_by"] for entry in _dead_list(hsx, job)] == ["uploaded"]
 
-        # Progress events and heartbeats, read back.
+        # Progress events, heartbeats and the checkpoint, read back.
         events = stored(url, topology.EVENTS_STREAM, f"hsx.events.{job}.>")
+        state = stored(url, topology.STATE_STREAM, f"hsx.state.{job}.>")
     kinds = {}
-    for message in events:
+    for message in events + state:
         kinds.setdefault(message.subject.split(".")[3], []).append(message)
     # `checkpoint`: the sums saved by a status reading or the monitor, if one read markers (hsx/wire/fold.py).
     assert set(kinds) - {"checkpoint"} == {"written", "uploaded", "requeued", "heartbeat"}, sorted(kinds)
-    for message in kinds.get("checkpoint", []):  # rolled up, saved only over the checkpoint its saver read
+    assert {message.subject.split(".")[3] for message in state} <= {"checkpoint", "heartbeat"}
+    for message in kinds.get("checkpoint", []):  # saved only over the checkpoint its saver read
         assert message.headers.pop("Nats-Expected-Last-Subject-Sequence").isdigit()
-        assert message.headers == {H.JOB: job, "Nats-Rollup": "sub"}, message.headers
+        assert message.headers == {H.JOB: job}, message.headers
 
     (requeued,) = kinds["requeued"]
     redo_batch = requeued.headers[H.BATCH]
@@ -264,8 +266,8 @@ def test_every_message_names_its_job_batch_and_sample(tmp_path, hsx, hsx_service
         uploaded_samples.add(uploaded.sample_index)
     assert uploaded_samples == set(range(len(rows)))
 
-    for message in kinds["heartbeat"]:  # rolled up: the stream keeps each worker's last beat
-        assert message.headers == {H.JOB: job, "Nats-Rollup": "sub"}, message.headers
+    for message in kinds["heartbeat"]:  # HSX_STATE keeps each worker's last beat: no header says so
+        assert message.headers == {H.JOB: job}, message.headers
 
     # Everything hsx published for the job, as published: the re-queued descriptor (acked and gone
     # from HSX_BATCHES by now), the retried dead letter, every event and heartbeat.

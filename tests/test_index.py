@@ -27,10 +27,10 @@ from test_verify import Services, run_cli
 
 from hsx.commands.verify import fetch_job, verify
 from hsx.exitcodes import JOB_FAILED
-from hsx.storage.destinations import S3Destination, open_destination
+from hsx.storage.destinations.s3 import S3Destination
 from hsx.storage.index import INDEX_KEY, StoredIndex, read_index
 from hsx.storage.layout import sample_key
-from hsx.storage.location import Location
+from hsx.storage.location import Location, open_destination
 from hsx.storage.reader import HiddenStateDataset
 from hsx.storage.samplefile import checked_file_digest
 from hsx.wire.natsconn import NatsSettings

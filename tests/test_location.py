@@ -9,8 +9,11 @@ import pytest
 
 from hsx.errors import HsxError
 from hsx.model.layers import Preset, parse_layers
-from hsx.storage.destinations import FileDestination, S3Destination, open_destination, open_job_folder
-from hsx.storage.location import Location, spec_location
+from hsx.storage.destinations import SCHEMES, forms
+from hsx.storage.destinations.file import FileDestination
+from hsx.storage.destinations.s3 import S3Destination
+from hsx.storage.location import Location, open_destination, open_job_folder, spec_location
+from hsx.wire.jobs import _dest_form
 
 
 @pytest.mark.parametrize(
@@ -28,6 +31,21 @@ def test_each_form_is_parsed_once_into_its_parts(text, bucket, path, url):
     assert Location.parse(str(location)) == location  # the canonical URL parses to itself
 
 
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_each_registered_scheme_parses_its_own_form_and_its_job_folder_passes_the_spec_check(name):
+    """The registry is the one list: what a scheme's form parses to, its canonical URL parses
+    back to; a job folder under it is what a job spec may carry, and comes back from the spec."""
+    location = Location.parse(SCHEMES[name].form)
+    assert location.scheme == name and Location.parse(str(location)) == location
+    folder = location.child("job-1")
+    assert folder.name == "job-1" and _dest_form(str(folder)) and spec_location(str(folder)) == folder
+
+
+def test_only_a_local_folder_has_one(tmp_path):
+    assert Location.parse(tmp_path).local_folder == tmp_path
+    assert Location.parse("s3://bucket/p").local_folder is None
+
+
 def test_a_plain_path_is_made_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert Location.parse("out/run1") == Location(path=str(tmp_path / "out" / "run1"))
@@ -41,6 +59,7 @@ def test_a_plain_path_is_made_absolute(tmp_path, monkeypatch):
         ("file://host/x", "--dest 'file://host/x': file:// URLs must be local"),
         ("ftp://x/y", "--dest 'ftp://x/y': unsupported scheme"),
         ("", "--dest is empty"),
+        ("s3://[b/p", "--dest 's3://[b/p': not a URL hsx reads (Invalid IPv6 URL)"),
         (
             "s3:/hidden-states/runs",
             "--dest 's3:/hidden-states/runs': not a URL hsx reads; did you mean s3://hidden-states/runs?",
@@ -51,8 +70,7 @@ def test_a_plain_path_is_made_absolute(tmp_path, monkeypatch):
         ("file:/abs", "--dest 'file:/abs': not a URL hsx reads; did you mean file:///abs?"),
         (
             "run:2/out",
-            "--dest 'run:2/out': not a URL hsx reads; use s3://bucket/prefix, file:///dir or a path"
-            " (./run:2/out for a local folder so named)",
+            f"--dest 'run:2/out': not a URL hsx reads; use {forms()} (./run:2/out for a local folder so named)",
         ),
     ],
 )

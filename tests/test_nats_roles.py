@@ -5,7 +5,8 @@ credentials: produce, a batch dead-lettered by the consumer's own reaper and sen
 a trainer's JobStream, `hsx jobs delete`; none of it meets a permission violation. A consumer's
 credentials cannot purge a stream, write the jobs bucket or publish another job's batch (the
 server refuses, the data stays), and a worker run with another role's credentials stops with one
-line naming what was refused. A trainer may record any stream's epoch end of its job, and a
+line naming what was refused. No role can erase a message with a `Nats-Rollup` header on any
+subject it may publish. A trainer may record any stream's epoch end of its job, and a
 forged one is refused by the stream's ranks; with a trainer user per stream (`--trainer-stream`)
 the server refuses it, and the stream it aimed at ends where the job does."""
 
@@ -17,6 +18,7 @@ import uuid
 
 import nats
 import nats.errors
+import nats.js.errors
 import pytest
 from test_cli_errors import assert_one_line_error
 from test_e2e_s3 import check_outputs, read_dir_objects, write_dataset
@@ -45,7 +47,7 @@ from hsx.wire.natsconn import NatsSettings, close_connection, connect
 NODE = "rolenode"
 # The jobs the configuration allows; another job's subjects are refused to every role. Each test
 # produces its own: xdist may run a module's tests on different workers, each with its own server.
-RUN_JOB, REFUSED_JOB, WRONG_ROLE_JOB, OTHER_JOB, FORGED_JOB = (f"r{uuid.uuid4().hex[:8]}" for _ in range(5))
+RUN_JOB, REFUSED_JOB, WRONG_ROLE_JOB, OTHER_JOB, FORGED_JOB, ROLLUP_JOB = (f"r{uuid.uuid4().hex[:8]}" for _ in range(6))
 STREAM_JOB = f"r{uuid.uuid4().hex[:8]}"
 
 
@@ -59,7 +61,9 @@ def roles(tmp_path_factory):
     root = tmp_path_factory.mktemp("roles")
     out = root / "nats-config"
     write_nats_config(
-        NatsConfigConfig(out=out, jobs=(RUN_JOB, REFUSED_JOB, WRONG_ROLE_JOB, FORGED_JOB), nodes=(NODE,), bcrypt_cost=4)
+        NatsConfigConfig(
+            out=out, jobs=(RUN_JOB, REFUSED_JOB, WRONG_ROLE_JOB, FORGED_JOB, ROLLUP_JOB), nodes=(NODE,), bcrypt_cost=4
+        )
     )
     server = start_nats_server(root / "server", log_file=root / "server.log", extra_args=("-c", str(out / AUTH_FILE)))
     envs = {role: {**_read_env(out / env_file(role)), "HSX_NATS_URL": server.url} for role in permissions.ROLES}
@@ -284,6 +288,129 @@ def test_any_trainer_may_record_an_end_and_the_streams_ranks_refuse_a_forged_one
     assert _records_on(admin, spec, "victim") == [forged]
     indices, end = _Following(trainer, spec, "victim").result()
     assert indices == list(range(8)) and (end.end_seq, end.done) == (last, True), (indices, end)
+    assert _violations(log_path)[violations_before:] == []
+
+
+ROLLUP_NOT_PERMITTED = 10111  # JetStream's error code for a rollup on a stream that allows none
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """Whether a NATS subject permission (`*` one token, `>` the rest) covers `subject`."""
+    tokens, wanted = pattern.split("."), subject.split(".")
+    for i, token in enumerate(tokens):
+        if token == ">":
+            return len(wanted) > i
+        if i >= len(wanted) or token not in ("*", wanted[i]):
+            return False
+    return len(tokens) == len(wanted)
+
+
+def _job_messages(settings: NatsSettings, job: str) -> dict[str, dict[str, int]]:
+    """Stream -> subject -> messages stored, of every subject of `job` in every hsx stream."""
+
+    async def read() -> dict[str, dict[str, int]]:
+        nc = await connect(settings, name="test-job-messages")
+        try:
+            js = nc.jetstream()
+            found = {}
+            for stream, subject in topology.job_subjects(job).items():
+                info = await js.stream_info(stream, subjects_filter=subject)
+                found[stream] = dict(info.state.subjects or {})
+            return found
+        finally:
+            await close_connection(nc)
+
+    return asyncio.run(read())
+
+
+def _store_one_of_each(settings: NatsSettings, spec: schemas.JobSpec) -> None:
+    """Beside the job's markers, a message on every other kind of subject a role may publish: a
+    `written` marker, a re-queue, a heartbeat of each service, the checkpoint, an epoch end, a
+    dead letter of each kind, a file event and a batch (nothing consumes this job)."""
+    job, plan = spec.job, spec.plan_tag
+
+    async def store() -> None:
+        nc = await connect(settings, name="test-one-of-each")
+        try:
+            js, events = nc.jetstream(), EventPublisher(nc, nc.jetstream(), job)
+            written = schemas.BatchWritten(
+                job=job,
+                batch_id="b0",
+                consumer="c",
+                node=NODE,
+                sample_indices=[0],
+                tokens=10,
+                bytes=1,
+                seconds=0.1,
+                plan=plan,
+            )
+            await events.mark(written, subject=topology.written_subject(job, plan, "b0"))
+            await js.publish(topology.event_subject(job, "requeued"), b"{}")
+            for service in (topology.CONSUMER_SERVICE, topology.UPLOADER_SERVICE):
+                await js.publish(topology.heartbeat_subject(job, service, "probe-1"), b"{}")
+            await js.publish(topology.checkpoint_subject(job), b"{}")
+            await js.publish(topology.epoch_end_subject(job, plan, "s"), b"{}")
+            for what in ("batch", "file"):
+                await js.publish(topology.dead_subject(job, what), b"{}")
+            await js.publish(topology.file_subject(job, NODE), b"{}")
+            await js.publish(topology.batch_subject(job), b"{}")
+        finally:
+            await close_connection(nc)
+
+    asyncio.run(store())
+
+
+def _rollups_as(env: dict[str, str], subjects: list[str]) -> dict[tuple[str, str], object]:
+    """Publish on each subject with `Nats-Rollup: all` and `sub` as the role's user; per (subject,
+    value) the error code the server answered with, or the ack if it stored the message."""
+
+    async def publish() -> dict[tuple[str, str], object]:
+        nc = await connect(_settings(env), name="test-rollups")
+        try:
+            js, answers = nc.jetstream(timeout=5.0), {}
+            for subject in subjects:
+                for value in ("all", "sub"):
+                    try:
+                        answers[subject, value] = await js.publish(subject, b"{}", headers={"Nats-Rollup": value})
+                    except nats.js.errors.APIError as exc:
+                        answers[subject, value] = exc.err_code
+            return answers
+        finally:
+            await close_connection(nc)
+
+    return asyncio.run(publish())
+
+
+def test_no_role_can_erase_messages_with_a_rollup(roles):
+    """Every message subject each role may publish, with that role's own credentials, published
+    with `Nats-Rollup: all` and with `sub`: the server refuses every one (no hsx stream allows
+    rollups), and every message of the job in every stream is still there. Where a subject holds
+    messages of the job (its markers, heartbeats, checkpoint, epoch end, letters, queues) it is
+    tried on each; elsewhere on one subject it covers. Not tried: the producer's and admin's
+    `$KV.` and `$O.` subjects (the bucket and object store allow rollups for nats-py's own use;
+    those two roles may update and purge any stream anyway)."""
+    server, envs, log_path = roles
+    admin = _settings(envs["admin"])
+    spec, _ = _fake_job(admin, ROLLUP_JOB, 8)
+    _store_one_of_each(admin, spec)
+    before = _job_messages(admin, ROLLUP_JOB)
+    stored = [subject for subjects in before.values() for subject in subjects]
+    assert len(stored) == 8 + 10, before
+    violations_before = len(_violations(log_path))
+    tried: set[str] = set()
+    for role in permissions.ROLES:
+        allowed = permissions.role_permissions(role, user=f"hsx-{role}", jobs=(ROLLUP_JOB,), nodes=(NODE,))
+        patterns = [subject for subject in allowed.publish if subject.startswith("hsx.")]
+        assert patterns, role
+        subjects = []
+        for pattern in patterns:
+            held = [subject for subject in stored if _matches(pattern, subject)]
+            subjects += held or [pattern.replace(">", "probe").replace("*", "probe")]
+        answers = _rollups_as(envs[role], subjects)
+        assert answers == dict.fromkeys(answers, ROLLUP_NOT_PERMITTED), (role, answers)
+        tried.update(subjects)
+    assert set(stored) <= tried, set(stored) - tried  # every message was aimed at by some role
+    assert _job_messages(admin, ROLLUP_JOB) == before
     assert _violations(log_path)[violations_before:] == []
 
 

@@ -32,7 +32,7 @@ from test_producer_checks import _produce_args, assert_nothing_written, log_even
 from hsx.errors import HsxError
 from hsx.exitcodes import STOPPED
 from hsx.storage import samplefile
-from hsx.storage.destinations import FileDestination
+from hsx.storage.destinations.file import FileDestination
 from hsx.storage.layout import bundle_key, sample_key
 from hsx.storage.location import Location
 from hsx.wire import schemas

@@ -16,6 +16,7 @@ from hsx.wire import schemas, topology
 from hsx.wire.counts import ProgressCounts, QueueState, count_stored
 from hsx.wire.events import EventPublisher
 from hsx.wire.fold import ProgressFold
+from hsx.wire.jobs import last_heartbeats
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.statusview import status_view
 from hsx.wire.tracker import ProgressTracker
@@ -205,7 +206,7 @@ def test_sums_go_on_from_the_checkpoint_and_a_short_reading_says_so(nats_server,
     async def from_nothing() -> ProgressFold:
         nc = await nats.connect(nats_server.url)
         js = nc.jetstream()
-        await js.purge_stream(topology.EVENTS_STREAM, subject=topology.checkpoint_subject(job_name))
+        await js.purge_stream(topology.STATE_STREAM, subject=topology.checkpoint_subject(job_name))
         tracker = ProgressTracker(js, job_name, plan=PLAN)
         await tracker.start()
         await tracker.wait_caught_up(30)
@@ -225,29 +226,110 @@ def test_sums_go_on_from_the_checkpoint_and_a_short_reading_says_so(nats_server,
 def test_concurrent_checkpoints_merge_to_the_furthest_of_each_kind(nats_server, job_name):
     from hsx.wire.fold import load_checkpoint, save_checkpoint
 
-    async def run() -> schemas.ProgressCheckpoint:
-        nc = await nats.connect(nats_server.url)
-        js = nc.jetstream()
-        await topology.ensure_topology(js)
+    async def run() -> tuple[schemas.ProgressCheckpoint, list[int], list[int]]:
+        nc, js, events, spec = await _publisher(nats_server.url, job_name)
         try:
+            # The markers the checkpoints' sums end at: a checkpoint is used only while they are there.
+            written = [
+                (
+                    await js.publish(
+                        topology.written_subject(job_name, PLAN, f"b{i}"),
+                        schemas.encode(_written(f"b{i}", [i], job=job_name)),
+                    )
+                ).seq
+                for i in range(6)
+            ]
+            uploaded = [
+                (
+                    await js.publish(
+                        topology.uploaded_subject(job_name, PLAN, i), schemas.encode(_uploaded(i, job=job_name))
+                    )
+                ).seq
+                for i in range(10)
+            ]
             ahead_in_written = schemas.ProgressCheckpoint(
-                job=job_name, plan=PLAN, written_seq=50, tokens_written=500, uploaded_seq=10, tokens_uploaded=10
+                job=job_name,
+                plan=PLAN,
+                written_seq=written[5],
+                tokens_written=500,
+                uploaded_seq=uploaded[1],
+                tokens_uploaded=10,
             )
             ahead_in_uploaded = schemas.ProgressCheckpoint(
-                job=job_name, plan=PLAN, written_seq=20, tokens_written=200, uploaded_seq=90, tokens_uploaded=90
+                job=job_name,
+                plan=PLAN,
+                written_seq=written[2],
+                tokens_written=200,
+                uploaded_seq=uploaded[9],
+                tokens_uploaded=90,
             )
             await asyncio.gather(save_checkpoint(js, ahead_in_written), save_checkpoint(js, ahead_in_uploaded))
-            behind = schemas.ProgressCheckpoint(job=job_name, plan=PLAN, written_seq=5, uploaded_seq=5)
+            behind = schemas.ProgressCheckpoint(
+                job=job_name, plan=PLAN, written_seq=written[0], uploaded_seq=uploaded[0]
+            )
             await save_checkpoint(js, behind)
             saved, _ = await load_checkpoint(js, job_name, PLAN)
             other_plan, _ = await load_checkpoint(js, job_name, "0123456789ab")
             assert other_plan is None
-            return saved
+            # HSX_STATE keeps the last save only, whatever number of saves.
+            info = await js.stream_info(topology.STATE_STREAM, subjects_filter=topology.checkpoint_subject(job_name))
+            assert info.state.subjects == {topology.checkpoint_subject(job_name): 1}, info.state.subjects
+            return saved, written, uploaded
         finally:
             await nc.drain()
 
-    saved = asyncio.run(run())
-    assert (saved.written_seq, saved.tokens_written, saved.uploaded_seq, saved.tokens_uploaded) == (50, 500, 90, 90)
+    saved, written, uploaded = asyncio.run(run())
+    assert (saved.written_seq, saved.tokens_written, saved.uploaded_seq, saved.tokens_uploaded) == (
+        written[5],
+        500,
+        uploaded[9],
+        90,
+    )
+
+
+def test_a_checkpoint_whose_markers_are_gone_or_left_in_hsx_events_is_not_used(nats_server, job_name):
+    """The sums are folded again from the markers when the checkpoint's markers were purged
+    (HSX_STATE and HSX_EVENTS are purged apart: an older hsx's `jobs delete` knew only HSX_EVENTS),
+    and a checkpoint an older hsx left on `hsx.events.<job>.checkpoint` is not read at all."""
+    from hsx.wire.fold import load_checkpoint, save_checkpoint
+
+    async def run() -> tuple:
+        nc, js, events, spec = await _publisher(nats_server.url, job_name)
+        try:
+            for batch in range(3):
+                await events.mark(
+                    _written(f"b{batch}", [batch], job=job_name),
+                    subject=topology.written_subject(job_name, PLAN, f"b{batch}"),
+                )
+            last = (await js.stream_info(topology.EVENTS_STREAM)).state.last_seq
+            # Sums far above what the markers say, as an older hsx's checkpoint (its own subject).
+            inflated = schemas.ProgressCheckpoint(job=job_name, plan=PLAN, written_seq=last, samples_written=1000)
+            await js.publish(f"hsx.events.{job_name}.checkpoint", schemas.encode(inflated))
+            tracker = ProgressTracker(js, job_name, plan=PLAN)
+            await tracker.start()
+            await tracker.wait_caught_up(30)
+            await tracker.stop()
+            from_markers = tracker.fold.samples_written
+            # The same checkpoint where this hsx keeps it: used while its markers are there ...
+            await save_checkpoint(js, inflated)
+            kept, _ = await load_checkpoint(js, job_name, PLAN)
+            # ... and not once they are purged; markers stored again after it are all counted.
+            await js.purge_stream(topology.EVENTS_STREAM, subject=f"hsx.events.{job_name}.>")
+            await events.mark(_written("b9", [9], job=job_name), subject=topology.written_subject(job_name, PLAN, "b9"))
+            stale, seq = await load_checkpoint(js, job_name, PLAN)
+            again = ProgressTracker(js, job_name, plan=PLAN)
+            await again.start()
+            await again.wait_caught_up(30)
+            await again.stop()
+            return from_markers, kept, stale, seq, again.fold.samples_written
+        finally:
+            await nc.drain()
+
+    from_markers, kept, stale, seq, after_purge = asyncio.run(run())
+    assert from_markers == 3
+    assert kept is not None and kept.samples_written == 1000
+    assert stale is None and seq > 0  # the save's sequence still serializes the next saver
+    assert after_purge == 1
 
 
 def test_a_dead_sample_uploaded_after_all_is_not_holding_the_job_back(nats_server, job_name):
@@ -315,3 +397,30 @@ def test_rate_window_and_eta():
     assert window.per_second() == 100.0
     assert eta_seconds(1000, 100.0) == 10.0
     assert eta_seconds(10, 0.0) is None
+
+
+def test_streams_of_an_older_hsx_without_hsx_state_are_read_without_heartbeats_or_a_checkpoint(nats_server, job_name):
+    """Until a producer of this version adds HSX_STATE, a reader finds no heartbeat and no
+    checkpoint and saves none, and its sums are folded from the markers: no error."""
+
+    async def run() -> tuple:
+        nc, js, events, spec = await _publisher(nats_server.url, job_name)
+        try:
+            await events.mark(
+                _written("b0", [0, 1], job=job_name), subject=topology.written_subject(job_name, PLAN, "b0")
+            )
+            await js.delete_stream(topology.STATE_STREAM)
+            try:
+                assert await topology.jobs_bucket(js) is not None
+                tracker = ProgressTracker(js, job_name, plan=PLAN, heartbeats=True)
+                await tracker.start()
+                await tracker.wait_caught_up(30)
+                await tracker.save_checkpoint()
+                await tracker.stop()
+                return tracker.fold.samples_written, tracker.fold.heartbeats, await last_heartbeats(js, job_name)
+            finally:
+                await topology.ensure_topology(js)  # the server is the session's: HSX_STATE back
+        finally:
+            await nc.drain()
+
+    assert asyncio.run(run()) == (2, {}, [])

@@ -12,7 +12,7 @@ import nats
 import pytest
 
 from hsx.producer.stored import store_tokenized
-from hsx.storage.destinations import FileDestination
+from hsx.storage.destinations.file import FileDestination
 from hsx.storage.layout import sample_key
 from hsx.storage.tokens import SampleTableBuilder, TokenRow, tokens_object_name
 from hsx.uploader.config import UploaderConfig

@@ -29,12 +29,11 @@ from hsx.exitcodes import STOPPED
 from hsx.monitor.bar import TerminalBar
 from hsx.monitor.rates import RateWindow, eta_seconds
 from hsx.wire import schemas, topology
-from hsx.wire.events import HEARTBEAT_ROLLUP
 from hsx.wire.headers import message_headers
 
 
 def publish_heartbeat(url: str, job: str, *, instance: str, service: str, state: str, age_s: float) -> None:
-    """The heartbeat a worker sends (EventPublisher.heartbeat: same subject, headers, rollup), sent
+    """The heartbeat a worker sends (EventPublisher.heartbeat: same subject and headers), sent
     `age_s` seconds ago by its own clock (the server stores it now, and that is its age)."""
 
     async def run() -> None:
@@ -49,9 +48,9 @@ def publish_heartbeat(url: str, job: str, *, instance: str, service: str, state:
                 sent_at=time.time() - age_s,
             )
             await nc.publish(
-                topology.heartbeat_subject(job, instance),
+                topology.heartbeat_subject(job, service, instance),
                 schemas.encode(beat),
-                headers={**message_headers(job), **HEARTBEAT_ROLLUP},
+                headers=message_headers(job),
             )
             await nc.flush()
         finally:

@@ -24,9 +24,8 @@ from conftest import clean_environ
 from hsx import cli
 from hsx.commands.sync import SyncConfig, Syncer
 from hsx.exitcodes import STOPPED
-from hsx.storage import destinations
-from hsx.storage.destinations import VerificationError, open_destination
-from hsx.storage.location import Location
+from hsx.storage.destinations import VerificationError, s3
+from hsx.storage.location import Location, open_destination
 from hsx.wire.lifecycle import stop_flag_on_signals
 
 
@@ -162,8 +161,8 @@ def test_every_to_s3_reuploads_only_the_changed_file_and_stops_on_sigterm(tmp_pa
 
 def test_multipart_upload_is_verified_by_sha256(tmp_path, s3_env, monkeypatch):
     bucket, _ = s3_env
-    monkeypatch.setattr(destinations, "MULTIPART_THRESHOLD", 5 << 20)
-    monkeypatch.setattr(destinations, "MULTIPART_CHUNK", 5 << 20)
+    monkeypatch.setattr(s3, "MULTIPART_THRESHOLD", 5 << 20)
+    monkeypatch.setattr(s3, "MULTIPART_CHUNK", 5 << 20)
     source = tmp_path / "ckpt"
     big = os.urandom(11 << 20)  # three parts
     _write(source, {"big.bin": big})

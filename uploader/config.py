@@ -20,7 +20,7 @@ class UploaderConfig(WorkerConfig):
     stop_deadline_s: float = 60.0
     retry_base_s: float = 1.0  # a transient failure's retries wait up to 1, 2, 4, ... s (jittered)
     retry_max_s: float = 30.0
-    # While the destination refuses (hsx.storage.destinations: a missing bucket, bad credentials, ...),
+    # While the destination refuses (hsx/storage/destinations/: a missing bucket, bad credentials, ...),
     # one upload in hand tries again this often (jittered) and the others wait for it.
     probe_every_s: float = option(
         "--probe-every",

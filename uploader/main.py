@@ -6,9 +6,8 @@ import asyncio
 import structlog
 
 from hsx.exitcodes import STOPPED
-from hsx.storage.destinations import open_destination
 from hsx.storage.fsutil import make_private_dirs
-from hsx.storage.location import spec_location
+from hsx.storage.location import open_destination, spec_location
 from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans, spool_usage
 from hsx.uploader.config import UploaderConfig
 from hsx.uploader.service import SERVICE, FileMover, pull_loop

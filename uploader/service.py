@@ -38,7 +38,7 @@ from hsx.wire.worker import JobWatch
 
 log = structlog.get_logger("hsx.uploader")
 
-SERVICE = "uploader"
+SERVICE = topology.UPLOADER_SERVICE
 # How long a lost file's event waits before it asks again for the job's stored samples, while its
 # plan is still being published in rounds.
 _STORED_SAMPLES_WAIT_S = 10.0

@@ -34,12 +34,9 @@ IDS_DIGEST_BYTES = 16
 
 
 def is_missing(exc: BaseException) -> bool:
-    """Whether a destination's read failed because the key holds no object (file or S3)."""
-    if isinstance(exc, FileNotFoundError):
-        return True
-    response = getattr(exc, "response", None)
-    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
-    return code in ("404", "NoSuchKey", "NotFound")
+    """Whether a destination's read failed because the key holds no object: every destination
+    raises FileNotFoundError then (the Destination protocol, hsx/storage/destinations/base.py)."""
+    return isinstance(exc, FileNotFoundError)
 
 
 _INT32 = np.iinfo(np.int32)

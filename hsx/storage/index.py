@@ -25,11 +25,7 @@ import pyarrow as pa
 
 from hsx.errors import HsxError
 from hsx.logs import get_logger
-from hsx.storage.destinations import (
-    Destination,
-    open_destination,
-    open_job_folder,
-)
+from hsx.storage.destinations import Destination, error_line, store_errors
 from hsx.storage.expected import (
     BUNDLE_SPEC_KEY,
     ExpectedSamples,
@@ -40,7 +36,7 @@ from hsx.storage.expected import (
     read_metadata,
 )
 from hsx.storage.layout import BUNDLE_DIR, sample_index_of, sample_key
-from hsx.storage.location import Location, spec_location
+from hsx.storage.location import Location, open_destination, open_job_folder, spec_location
 from hsx.wire import schemas
 from hsx.wire.events import read_marker
 
@@ -49,7 +45,7 @@ log = get_logger("hsx.index")
 INDEX_FORMAT = "hsx.index.v1"
 INDEX_FILE = "index.arrow"
 METADATA_KEY = b"hsx.index"
-# Relative to the job's folder (hsx.storage.destinations.open_job_folder), beside the bundle's
+# Relative to the job's folder (hsx.storage.location.open_job_folder), beside the bundle's
 # job spec (BUNDLE_SPEC_KEY, producer/bundle.py).
 INDEX_KEY = f"{BUNDLE_DIR}/{INDEX_FILE}"
 DIGEST_BYTES = 32
@@ -346,15 +342,11 @@ def index_from_destination(
 
 @contextlib.contextmanager
 def _destination_errors(where: str) -> Iterator[None]:
-    """What the destination raised, after the S3 client's own retries, as one line naming it."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    from hsx.storage.destinations import VerificationError
-
+    """What the destination raised, after its client's own retries, as one line naming it."""
     try:
         yield
-    except (OSError, VerificationError, BotoCoreError, ClientError) as exc:
-        raise HsxError(f"{where}: {type(exc).__name__}: {exc}") from exc
+    except store_errors() as exc:
+        raise HsxError(f"{where}: {error_line(exc)}") from exc
 
 
 async def build_job_index(js, spec: schemas.JobSpec) -> StoredIndex:

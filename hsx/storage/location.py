@@ -1,7 +1,9 @@
-"""Where a destination is: `Location`, an S3 bucket and key prefix or a local directory, parsed and
-checked once (`Location.parse`) from what a user wrote (`--dest`, a job folder URL, a path).
-`str()` gives the canonical URL that job specs, logs and errors carry; `open_destination`
-(hsx/storage/destinations.py) opens a Location without parsing it again."""
+"""Where a destination is: `Location`, a folder of one store (a local directory, an S3 bucket's key
+prefix, ...), parsed and checked once (`Location.parse`) from what a user wrote (`--dest`, a job
+folder URL, a path) through the destination registry (hsx/storage/destinations/), which knows
+each URL scheme. `str()` gives the canonical URL that job specs, logs and errors carry;
+`open_destination` opens a Location without parsing it again.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +11,13 @@ import difflib
 import re
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import msgspec
 
 from hsx.errors import HsxError
+from hsx.storage.destinations import SCHEMES, Destination, Scheme, by_scheme, forms
 
-_FORMS = "s3://bucket/prefix, file:///dir or a path"
-_SCHEMES = ("s3", "file")
 # What a user meant as a URL: a scheme and its colon ("s3:/b", "S3://b", "s4://b"), or one of
 # ours with the colon left out ("file//out"). A local folder whose name holds a colon is `./a:b`.
 _SCHEME_COLON = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
@@ -26,41 +27,32 @@ _SCHEME_NO_COLON = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)//")
 # A msgspec Struct, not a dataclass: a config that holds one crosses `hsx up`'s pipe to a child
 # (commands/child.py) as JSON and comes back a Location.
 class Location(msgspec.Struct, frozen=True, kw_only=True):
-    bucket: str = ""  # the S3 bucket; "" for a local directory
-    path: str  # S3: the key prefix, no slash at either end ("" for the bucket's root); local: absolute
+    scheme: str = "file"  # a key of the destination registry
+    bucket: str = ""  # the URL's host part: an S3 bucket, an Azure container; "" for a local directory
+    path: str  # an object store's key prefix, no slash at either end ("" for its root); local: absolute
 
     @classmethod
     def parse(cls, text: str | Path, *, what: str = "--dest") -> Location:
         """`text` as a Location, or a one-line HsxError naming `what` (the flag or argument). A
-        `Path` is a path; text that looks like a URL is one of ours (`s3://`, `file://`) or refused."""
+        `Path` is a path; text that looks like a URL is one of the registry's or refused."""
         if isinstance(text, Path):
             return cls(path=str(text.expanduser().resolve()))
         url = str(text)
-        split = urlsplit(url)
-        if url.startswith("s3://"):
-            if not split.netloc:
-                raise HsxError(f"{what} {url!r}: an S3 destination needs a bucket, e.g. s3://bucket/prefix")
-            return cls(bucket=split.netloc, path=split.path.strip("/"))
-        if url.startswith("file://"):
-            if split.netloc not in ("", "localhost"):
-                raise HsxError(f"{what} {url!r}: file:// URLs must be local (file:///absolute/dir)")
-            if not split.path.startswith("/"):
-                raise HsxError(f"{what} {url!r}: a file:// URL needs an absolute path (file:///absolute/dir)")
-            return cls(path=str(Path(unquote(split.path))))
+        try:
+            split = urlsplit(url)
+        except ValueError as exc:  # "s3://[b": a bracket that opens no IPv6 host
+            raise HsxError(f"{what} {url!r}: not a URL hsx reads ({exc}); use {forms()}") from None
+        if url.startswith(tuple(f"{name}://" for name in SCHEMES)):
+            bucket, path = SCHEMES[split.scheme].parse(url, split, what=what)
+            return cls(scheme=split.scheme, bucket=bucket, path=path)
         _refuse_url_like(url, what)
         if not url.strip():
-            raise HsxError(f"{what} is empty: give {_FORMS}")
+            raise HsxError(f"{what} is empty: give {forms()}")
         return cls(path=str(Path(url).expanduser().resolve()))
 
     @property
-    def is_s3(self) -> bool:
-        return bool(self.bucket)
-
-    @property
     def url(self) -> str:
-        if self.is_s3:
-            return f"s3://{self.bucket}/{self.path}" if self.path else f"s3://{self.bucket}"
-        return Path(self.path).as_uri()
+        return self._scheme().url(self.bucket, self.path)
 
     def __str__(self) -> str:
         return self.url
@@ -72,9 +64,16 @@ class Location(msgspec.Struct, frozen=True, kw_only=True):
 
     def child(self, name: str) -> Location:
         """`<self>/<name>`: e.g. a job's folder under its destination."""
-        if self.is_s3:
-            return Location(bucket=self.bucket, path=f"{self.path}/{name}" if self.path else name)
-        return Location(path=str(Path(self.path, name)))
+        return Location(scheme=self.scheme, bucket=self.bucket, path=self._scheme().child(self.path, name))
+
+    @property
+    def local_folder(self) -> Path | None:
+        """The folder on this machine that holds the files (file://): its file system has a free
+        space to ask. None for a remote store (S3, ...), which has none."""
+        return self._scheme().local_folder(self.path)
+
+    def _scheme(self) -> Scheme:
+        return by_scheme(self.scheme)
 
     @classmethod
     def parse_job_folder(cls, text: str | Path, *, what: str) -> Location:
@@ -87,25 +86,37 @@ class Location(msgspec.Struct, frozen=True, kw_only=True):
         return folder
 
 
+def open_destination(location: Location, *, max_connections: int = 100) -> Destination:
+    """The destination at `location`, with a client for up to `max_connections` requests at once."""
+    return location._scheme().open(location.bucket, location.path, max_connections=max_connections)
+
+
+def open_job_folder(dest: Location, job: str, *, max_connections: int = 16) -> Destination:
+    """The destination rooted at `<dest>/<job>`: listing it lists only this job's objects (a
+    prefix shared by many jobs is not walked whole). Its keys are `sample_key(job, i)` without
+    the leading `<job>/` (see `relative_sample_key`)."""
+    return open_destination(dest.child(job), max_connections=max_connections)
+
+
 def _refuse_url_like(url: str, what: str) -> None:
-    """A one-line HsxError for text that looks like a URL but is not `s3://` or `file://` (called
-    after those two): a typo is refused, never taken as a local folder named after it."""
+    """A one-line HsxError for text that looks like a URL but is none of the registry's (called
+    after those): a typo is refused, never taken as a local folder named after it."""
     match = _SCHEME_COLON.match(url) or _SCHEME_NO_COLON.match(url)
     if not match:
         return
-    scheme = match.group(1)
-    near = difflib.get_close_matches(scheme.lower(), _SCHEMES, n=1, cutoff=0.5)
+    written = match.group(1)
+    near = difflib.get_close_matches(written.lower(), list(SCHEMES), n=1, cutoff=0.5)
     well_formed = url[match.end() :].startswith("//") and match.group(0).endswith(":")
     if not near and not match.group(0).endswith(":"):
         return  # "data//out": a path with a doubled slash, no scheme meant
-    rest = url[len(scheme) :].lstrip(":/")
+    rest = url[len(written) :].lstrip(":/")
     if near and rest:
-        advice = f"did you mean {near[0]}://{'/' if near[0] == 'file' else ''}{rest}? use {_FORMS}"
+        advice = f"did you mean {SCHEMES[near[0]].suggestion(rest)}? use {forms()}"
     elif near or well_formed:
-        advice = f"use {_FORMS}"
+        advice = f"use {forms()}"
     else:
-        advice = f"use {_FORMS} (./{url} for a local folder so named)"
-    problem = f"unsupported scheme {scheme}://" if well_formed else "not a URL hsx reads"
+        advice = f"use {forms()} (./{url} for a local folder so named)"
+    problem = f"unsupported scheme {written}://" if well_formed else "not a URL hsx reads"
     raise HsxError(f"{what} {url!r}: {problem}; {advice}")
 
 

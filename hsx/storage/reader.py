@@ -33,7 +33,7 @@ from hsx.errors import HsxError
 from hsx.logs import get_logger
 from hsx.packing import plan_batches, shuffled_epoch
 from hsx.storage import encodings
-from hsx.storage.destinations import Destination, open_destination
+from hsx.storage.destinations import Destination
 from hsx.storage.expected import (
     BUNDLE_SPEC_KEY,
     ExpectedSamples,
@@ -45,7 +45,7 @@ from hsx.storage.expected import (
 )
 from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import relative_sample_key
-from hsx.storage.location import Location
+from hsx.storage.location import Location, open_destination
 from hsx.storage.sampledigest import file_digest
 from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.storage.streambatches import LandingBatcher, check_rank, deal, shuffled_batches

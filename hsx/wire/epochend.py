@@ -46,7 +46,8 @@ from hsx.wire.statusview import StatusView
 
 log = get_logger("hsx.stream")
 
-# hsx never sends a record with it; a rollup would have erased the records before it.
+# hsx never sends a record with it, and HSX_EVENTS refuses it; one stored while the stream still
+# allowed rollups (made by an older hsx) may have erased the records before it.
 _ROLLUP = "Nats-Rollup"
 
 

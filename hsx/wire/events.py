@@ -1,8 +1,9 @@
 """Publishing progress events, heartbeats and dead letters.
 
 Progress events (`written`, `uploaded`) are published through JetStream and awaited: `hsx status`
-is computed from them. Heartbeats are fire-and-forget: losing one is harmless. Dead letters keep
-the original payload and the error, and leave the work queue only after they are stored.
+is computed from them. Heartbeats are fire-and-forget (losing one is harmless), on HSX_STATE,
+which keeps each worker's last one. Dead letters keep the original payload and the error, and
+leave the work queue only after they are stored.
 """
 
 import asyncio
@@ -23,10 +24,6 @@ from hsx.wire.headers import message_headers
 from hsx.wire.natsconn import through_outage
 
 log = get_logger("hsx.events")
-
-# Sent with each heartbeat: JetStream then removes the subject's earlier messages (the stream
-# allows it: topology.STREAMS, allow_rollup_hdrs).
-HEARTBEAT_ROLLUP = {"Nats-Rollup": "sub"}
 
 
 class EventPublisher:
@@ -100,12 +97,12 @@ class EventPublisher:
             load=load,
         )
         if self.nc.is_connected:
-            # Rollup: the stream keeps only this instance's last beat (HSX_EVENTS has no age limit,
-            # and a long job sends millions of beats); the monitor reads only the last one anyway.
+            # HSX_STATE keeps only this instance's last beat (a long job sends millions); the
+            # monitor reads only the last one anyway.
             await self.nc.publish(
-                topology.heartbeat_subject(self.job, instance),
+                topology.heartbeat_subject(self.job, service, instance),
                 schemas.encode(beat),
-                headers={**message_headers(self.job), **HEARTBEAT_ROLLUP},
+                headers=message_headers(self.job),
             )
 
     async def store_dead_letter(
@@ -273,8 +270,8 @@ HEARTBEAT_CLOCK_SKEW_S = 30.0
 
 
 def heard_heartbeat(data: bytes, *, subject: str, stored_at: float | None, job: str) -> schemas.Heartbeat | None:
-    """A heartbeat as read from the events stream, or None when it is not one of `job`'s own: it
-    must decode as a heartbeat, name the job and the instance of its subject. Its `sent_at` is the
+    """A heartbeat as read from HSX_STATE, or None when it is not one of `job`'s own: it must
+    decode as a heartbeat, name the job, and the service and instance of its subject. Its `sent_at` is the
     sender's clock, which anyone who can publish may set: more than HEARTBEAT_CLOCK_SKEW_S from
     `stored_at` (when the server stored it) it is taken as `stored_at`, so that no beat, crafted or
     from a machine with a wrong clock, keeps a worker alive past its time or reads as newer."""
@@ -284,7 +281,7 @@ def heard_heartbeat(data: bytes, *, subject: str, stored_at: float | None, job: 
         return None
     if not isinstance(beat, schemas.Heartbeat) or beat.job != job:
         return None
-    if subject != topology.heartbeat_subject(job, beat.instance):
+    if subject != topology.heartbeat_subject(job, beat.service, beat.instance):
         return None
     if stored_at is not None and abs(beat.sent_at - stored_at) > HEARTBEAT_CLOCK_SKEW_S:
         beat = msgspec.structs.replace(beat, sent_at=stored_at)

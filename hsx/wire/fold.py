@@ -3,11 +3,14 @@
 Samples, tokens and bytes written and uploaded, and the deliveries each batch and file needed,
 are the markers' own numbers added up in stream order, each marker once (`ProgressFold`, a pure
 fold). A reader that folds them saves what it reached as a `ProgressCheckpoint` on
-`hsx.events.<job>.checkpoint` (`save_checkpoint`), and the next reader starts from there
-(`load_checkpoint`), so the markers are read once between readers, not at every reading.
+`hsx.state.<job>.checkpoint` (`save_checkpoint`; HSX_STATE keeps the last save), and the next
+reader starts from there (`load_checkpoint`), so the markers are read once between readers, not
+at every reading. A checkpoint whose markers are no longer in HSX_EVENTS is not used: the sums
+are folded again from the first marker.
 """
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -16,7 +19,6 @@ from nats.js import JetStreamContext
 
 from hsx.logs import get_logger
 from hsx.wire import schemas, topology
-from hsx.wire.events import HEARTBEAT_ROLLUP
 from hsx.wire.headers import message_headers
 
 log = get_logger("hsx.progress")
@@ -126,35 +128,65 @@ def _letter_of_plan(letter: schemas.DeadLetter, plan: str) -> bool:
 
 
 async def load_checkpoint(js: JetStreamContext, job: str, plan: str) -> tuple[schemas.ProgressCheckpoint | None, int]:
-    """(the job's saved checkpoint if it is of `plan`, the stream sequence of the message holding
-    any checkpoint, 0 when there is none)."""
+    """(the job's saved checkpoint if it is of `plan` and its sums end at markers HSX_EVENTS
+    holds, the HSX_STATE sequence of the message holding any checkpoint, 0 when there is none)."""
     try:
-        msg = await js.get_last_msg(topology.EVENTS_STREAM, topology.checkpoint_subject(job))
-    except nats.js.errors.NotFoundError:
+        msg = await js.get_last_msg(topology.STATE_STREAM, topology.checkpoint_subject(job))
+    except nats.js.errors.NotFoundError:  # none saved, or no HSX_STATE yet (streams of an older hsx)
         return None, 0
-    return checkpoint_of(msg.data, seq=msg.seq, job=job, plan=plan), msg.seq
+    checkpoint = checkpoint_of(msg.data, job=job, plan=plan)
+    if checkpoint is None:
+        return None, msg.seq
+    subjects = {}
+    for seq in {checkpoint.written_seq, checkpoint.uploaded_seq} - {0}:
+        try:
+            subjects[seq] = (await js.get_msg(topology.EVENTS_STREAM, seq=seq)).subject
+        except nats.js.errors.NotFoundError:
+            pass
+    if not ends_at_markers(checkpoint, subjects):
+        log.warning(
+            "checkpoint_refused",
+            job=job,
+            seq=msg.seq,
+            reason=f"sums to sequences {checkpoint.written_seq} and {checkpoint.uploaded_seq} of "
+            f"{topology.EVENTS_STREAM}, which hold no marker of its kind, job and plan",
+        )
+        return None, msg.seq
+    return checkpoint, msg.seq
 
 
-def checkpoint_of(data: bytes, *, seq: int, job: str, plan: str) -> schemas.ProgressCheckpoint | None:
-    """The checkpoint stored at stream sequence `seq` on `job`'s checkpoint subject, if it is one
-    of `job` and `plan` that a reader could have saved there: its sums reach markers stored
-    before it (both sequences below its own), in the same stream. None otherwise (one warning
-    line when it is not a checkpoint hsx wrote): the sums are folded from the markers again."""
+def checkpoint_of(data: bytes, *, job: str, plan: str) -> schemas.ProgressCheckpoint | None:
+    """The checkpoint in `data` (the last message on `job`'s checkpoint subject) if it is one of
+    `job` and `plan`; None otherwise (one warning line when it is not a checkpoint of `job`): the
+    sums are folded from the markers again. Where its sums end is checked by `ends_at_markers`."""
     try:
         checkpoint = schemas.checkpoint_decoder.decode(data)
     except msgspec.DecodeError:
         log.warning("undecodable_checkpoint", job=job)
         return None
-    if checkpoint.job != job or not checkpoint.written_seq < seq or not checkpoint.uploaded_seq < seq:
+    if checkpoint.job != job:
         log.warning(
             "checkpoint_refused",
             job=job,
-            seq=seq,
-            reason=f"names job {checkpoint.job!r} and sums to sequences {checkpoint.written_seq} and "
-            f"{checkpoint.uploaded_seq}; a checkpoint is its own job's and sums markers stored before it",
+            reason=f"names job {checkpoint.job!r}; a checkpoint is its own job's",
         )
         return None
     return checkpoint if checkpoint.plan == plan else None
+
+
+def ends_at_markers(checkpoint: schemas.ProgressCheckpoint, subjects: Mapping[int, str]) -> bool:
+    """Whether each of a checkpoint's sums ends at a marker of its kind, job and plan in
+    HSX_EVENTS; `subjects` maps a sequence of HSX_EVENTS to the subject of the message there (a
+    sequence missing: no message). The checkpoint lives in HSX_STATE, apart from the markers: one
+    whose sums reach past them (crafted; or the job's markers purged on their own, as an older
+    hsx's `jobs delete` did, or HSX_EVENTS made anew) would have every later marker at or below
+    its sequences skipped. A marker is removed only with its job's, so one is there at each sum's
+    end exactly while the sums hold."""
+    for kind, seq in (("written", checkpoint.written_seq), ("uploaded", checkpoint.uploaded_seq)):
+        prefix = topology.markers_all(checkpoint.job, kind, checkpoint.plan or "none")[: -len(">")]
+        if seq and not subjects.get(seq, "").startswith(prefix):
+            return False
+    return True
 
 
 def _merged(mine: schemas.ProgressCheckpoint, theirs: schemas.ProgressCheckpoint | None) -> schemas.ProgressCheckpoint:
@@ -185,11 +217,8 @@ async def save_checkpoint(js: JetStreamContext, checkpoint: schemas.ProgressChec
             theirs.uploaded_seq,
         ):
             return
-        headers = {
-            **message_headers(checkpoint.job),
-            **HEARTBEAT_ROLLUP,
-            "Nats-Expected-Last-Subject-Sequence": str(last_seq),
-        }
+        # HSX_STATE keeps the subject's last message; the expected sequence serializes savers.
+        headers = {**message_headers(checkpoint.job), "Nats-Expected-Last-Subject-Sequence": str(last_seq)}
         try:
             await js.publish(subject, schemas.encode(merged), headers=headers)
             return

@@ -49,23 +49,31 @@ def decode_job_spec(data: bytes, *, job: str) -> schemas.JobSpec:
     return spec
 
 
+_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
+
+
 def _dest_form(dest: str) -> bool:
-    """Whether `dest` is a destination URL as the producer writes one (hsx.storage.location's
-    canonical form): a bucket and a prefix without empty or dot segments, or an absolute,
-    normalised local path."""
+    """Whether `dest` has the shape of a destination URL as the producer writes one (a Location's
+    canonical form, hsx/storage/location.py): `scheme://bucket/prefix`, or `scheme:///absolute/dir`
+    with no host, with no empty or dot segment, no trailing slash, query or fragment. Which
+    schemes there are and each one's own rules are the destination registry's
+    (hsx/storage/destinations/), below this floor: a spec naming a scheme this hsx has none of is
+    refused, in one line, where its `dest` is opened (`spec_location`)."""
     try:
         split = urlsplit(dest)
     except ValueError:  # a bracket that opens no IPv6 host: no URL the producer writes
         return False
-    # A local path is read percent-decoded (hsx.storage.location): its segments are checked as
-    # it will be used, so that `%2E%2E` is a `..` and `%00` a NUL.
-    path = unquote(split.path) if split.scheme == "file" else split.path
+    # A local path is read percent-decoded (hsx.storage.location): the segments are checked as
+    # they would be used, so that `%2E%2E` is a `..` and `%00` a NUL, whatever the store.
+    path = unquote(split.path)
     segments = path.strip("/").split("/") if path.strip("/") else []
     if any(segment in ("", ".", "..") for segment in segments) or split.query or split.fragment or "\x00" in path:
         return False
-    if split.scheme == "s3":
-        return bool(split.netloc) and not split.path.endswith("/")
-    return split.scheme == "file" and split.netloc == "" and split.path.startswith("/")
+    if not _SCHEME.fullmatch(split.scheme) or not dest.startswith(f"{split.scheme}://"):
+        return False
+    if split.netloc:
+        return not split.path.endswith("/")
+    return split.path.startswith("/")
 
 
 def _spec_problem(spec: schemas.JobSpec, key: str) -> str:
@@ -74,7 +82,7 @@ def _spec_problem(spec: schemas.JobSpec, key: str) -> str:
     if not re.fullmatch(schemas.STORED_DTYPE_FORM, spec.dtype):
         return f"`dtype` {spec.dtype!r} is not an encoding's name"
     if not _dest_form(spec.dest):
-        return f"`dest` {spec.dest!r} is not an s3://bucket/prefix or file:///absolute/dir URL"
+        return f"`dest` {spec.dest!r} is not a destination URL (scheme://bucket/prefix or file:///absolute/dir)"
     layers = [layer for layer in spec.layers if layer != schemas.FINAL]
     if len(set(spec.layers)) != len(spec.layers):
         return f"`layers` {spec.layers} names a layer twice"
@@ -253,13 +261,13 @@ async def last_heartbeats(js: JetStreamContext, job: str) -> list[schemas.Heartb
     """The last heartbeat of each of the job's workers (one subject each), oldest worker first."""
     subject = topology.heartbeats_subject_all(job)
     try:
-        info = await js.stream_info(topology.EVENTS_STREAM, subjects_filter=subject)
-    except nats.js.errors.NotFoundError:
+        info = await js.stream_info(topology.STATE_STREAM, subjects_filter=subject)
+    except nats.js.errors.NotFoundError:  # streams of an older hsx: no heartbeat of this one is stored
         return []
     beats = []
     for beat_subject in sorted(info.state.subjects or {}):
         try:
-            msg = await js.get_last_msg(topology.EVENTS_STREAM, beat_subject)
+            msg = await js.get_last_msg(topology.STATE_STREAM, beat_subject)
         except nats.js.errors.NotFoundError:
             continue
         beat = heard_heartbeat(

@@ -28,6 +28,7 @@ _HSX_STREAMS = (
     topology.BATCHES_STREAM,
     topology.FILES_STREAM,
     topology.EVENTS_STREAM,
+    topology.STATE_STREAM,
     topology.DEAD_STREAM,
     topology.ADVISORIES_STREAM,
 )
@@ -136,12 +137,15 @@ def _verdict(job: str) -> list[str]:
 
 def _follow(job: str) -> list[str]:
     """A reading of the job's sums and heartbeats (`hsx monitor`, `hsx status`, `hsx index
-    build`): replays of its markers, a count over a window, the checkpoint it saves."""
+    build`): replays of its markers, a count over a window; the heartbeats and the checkpoint it
+    reads and saves on HSX_STATE."""
     return [
         *_verdict(job),
         *_ordered(topology.EVENTS_STREAM),
         _create(topology.EVENTS_STREAM, ANY, f"hsx.events.{job}.>"),  # counts.count_stored
         _api("CONSUMER", "DELETE", topology.EVENTS_STREAM, ANY),  # its consumer, when read
+        *_ordered(topology.STATE_STREAM),
+        _api("STREAM", "MSG", "GET", topology.STATE_STREAM),
         topology.checkpoint_subject(job),
     ]
 
@@ -151,6 +155,7 @@ def _live_workers(job: str) -> list[str]:
     return [
         _api("CONSUMER", "INFO", topology.ADVISORIES_STREAM, _named(topology.exhausted_durable(job), job)),
         _api("CONSUMER", "INFO", topology.FILES_STREAM, ANY),
+        _api("STREAM", "MSG", "GET", topology.STATE_STREAM),  # the workers' last heartbeats
     ]
 
 
@@ -192,7 +197,7 @@ def _consumer(job: str, nodes: Sequence[str]) -> list[str]:
         _api("STREAM", "MSG", "DELETE", topology.BATCHES_STREAM),
         *(topology.file_subject(job, node) for node in nodes),
         f"hsx.events.{job}.written.>",
-        topology.heartbeat_subject(job, ANY),
+        topology.heartbeat_subject(job, topology.CONSUMER_SERVICE, ANY),
         topology.dead_subject(job, "batch"),
         # A batch handed back on its last delivery goes back as a fresh copy (hsx/wire/jetstream.py give_back).
         topology.batch_subject(job),
@@ -217,7 +222,7 @@ def _uploader(job: str, nodes: Sequence[str]) -> list[str]:
         f"hsx.events.{job}.uploaded.>",
         f"hsx.events.{job}.replaced.>",
         topology.event_subject(job, "requeued"),
-        topology.heartbeat_subject(job, ANY),
+        topology.heartbeat_subject(job, topology.UPLOADER_SERVICE, ANY),
         topology.dead_subject(job, "file"),
         # A sample lost from the spool goes back for extraction as a batch of its own.
         topology.batch_subject(job),

@@ -381,8 +381,8 @@ class DeadLetter(_Wire, tag="dead.v1"):
 
 class ProgressCheckpoint(_Wire, tag="progress.v1"):
     """What a reader folded of a job's markers (hsx/wire/fold.py), saved for the next reader on
-    `hsx.events.<job>.checkpoint`: each kind's sums over every marker of `plan` at or below its
-    stream sequence, so the next fold reads only the markers after it."""
+    `hsx.state.<job>.checkpoint`: each kind's sums over every marker of `plan` at or below its
+    sequence of HSX_EVENTS, so the next fold reads only the markers after it."""
 
     job: Name
     plan: PlanTag

@@ -44,6 +44,8 @@ T = TypeVar("T")
 BATCHES_STREAM = "HSX_BATCHES"
 FILES_STREAM = "HSX_FILES"
 EVENTS_STREAM = "HSX_EVENTS"
+# What only its last message of a subject matters for: workers' heartbeats, the progress checkpoint.
+STATE_STREAM = "HSX_STATE"
 DEAD_STREAM = "HSX_DEAD"
 # JetStream's own advisories for messages that used up max_deliver, kept so none is lost while no
 # hsx process listens (hsx/wire/exhausted.py acts on them).
@@ -187,8 +189,8 @@ def epoch_end_subject(job: str, plan: str, stream: str) -> str:
 
 
 def checkpoint_subject(job: str) -> str:
-    """The job's progress checkpoint (hsx/wire/fold.py): one message, rolled up on each save."""
-    return f"hsx.events.{job}.checkpoint"
+    """The job's progress checkpoint (hsx/wire/fold.py): HSX_STATE keeps its last save only."""
+    return f"hsx.state.{job}.checkpoint"
 
 
 # A marker is published only if its subject holds no message yet: a redelivered batch or a
@@ -197,12 +199,19 @@ ONCE_HEADERS = {"Nats-Expected-Last-Subject-Sequence": "0"}
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code when that expectation fails
 
 
-def heartbeat_subject(job: str, instance: str) -> str:
-    return f"hsx.events.{job}.heartbeat.{instance}"
+# The services that send heartbeats, as their heartbeats' subjects name them: a role may then beat
+# for its own service only (hsx/wire/permissions.py).
+CONSUMER_SERVICE = "gpu_consumer"
+UPLOADER_SERVICE = "uploader"
+
+
+def heartbeat_subject(job: str, service: str, instance: str) -> str:
+    """One worker's heartbeats: HSX_STATE keeps its last one only."""
+    return f"hsx.state.{job}.heartbeat.{service}.{instance}"
 
 
 def heartbeats_subject_all(job: str) -> str:
-    return f"hsx.events.{job}.heartbeat.>"
+    return f"hsx.state.{job}.heartbeat.>"
 
 
 def dead_subject(job: str, what: str) -> str:
@@ -220,6 +229,7 @@ def job_subjects(job: str) -> dict[str, str]:
         BATCHES_STREAM: batch_subject(job),
         FILES_STREAM: f"hsx.files.{job}.>",
         EVENTS_STREAM: f"hsx.events.{job}.>",
+        STATE_STREAM: f"hsx.state.{job}.>",
         DEAD_STREAM: f"hsx.dead.{job}.>",
         ADVISORIES_STREAM: max_deliveries_subject(BATCHES_STREAM, gpu_durable(job)),
     }
@@ -264,17 +274,30 @@ STREAMS: tuple[StreamConfig, ...] = (
     ),
     StreamConfig(
         name=EVENTS_STREAM,
-        description="hsx progress events and heartbeats, folded by the monitor and `hsx status`",
+        description="hsx progress markers and events, folded by the monitor and `hsx status`",
         subjects=["hsx.events.>"],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
         # No age limit: `done` is folded from every `written`/`uploaded` event since the job began,
         # so a long job, or one paused for weeks and resumed, must not lose its early events.
-        # Retention follows the job: `hsx jobs delete` purges its subjects. Heartbeats, the only
-        # events sent forever, are published with `Nats-Rollup: sub` (hsx/wire/events.py), so each
-        # worker's subject keeps only its last beat.
+        # Retention follows the job: `hsx jobs delete` purges its subjects.
         max_age=0,
-        allow_rollup_hdrs=True,
+        # No rollups: a message with `Nats-Rollup: all` would erase every job's markers, and a
+        # subject permission cannot refuse a header. Set on a stream an older hsx made too (the
+        # server takes the update in place; it had rollups for heartbeats, now in HSX_STATE).
+        allow_rollup_hdrs=False,
+    ),
+    StreamConfig(
+        name=STATE_STREAM,
+        description="hsx heartbeats and progress checkpoints: the last message of each subject",
+        subjects=["hsx.state.>"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        # Heartbeats are sent for as long as a worker runs: the per-subject limit keeps each
+        # worker's last one, and the checkpoint's last save, with no header needed to say so.
+        max_msgs_per_subject=1,
+        max_age=0,
+        allow_rollup_hdrs=False,
     ),
     StreamConfig(
         name=DEAD_STREAM,
@@ -388,8 +411,8 @@ async def jobs_bucket(js: JetStreamContext) -> KeyValue | None:
     for config in STREAMS:
         try:
             await while_unavailable(lambda name=config.name: js.stream_info(name), what=f"stream {config.name}")
-        except nats.js.errors.NotFoundError:
-            pass  # made by an older producer: its next run adds it
+        except nats.js.errors.NotFoundError:  # made by an older producer: the next run of this one adds it
+            log.warning("stream_missing", stream=config.name, fix="run hsx produce of this version once")
     return kv
 
 

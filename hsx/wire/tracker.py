@@ -70,6 +70,14 @@ class _Replay:
             self.sub = None
 
 
+async def _stream_exists(js: JetStreamContext, stream: str) -> bool:
+    try:
+        await js.stream_info(stream)
+    except nats.js.errors.NotFoundError:
+        return False
+    return True
+
+
 class ProgressTracker:
     """Follows a job: its sums from the checkpoint on, its dead letters, optionally its heartbeats;
     `refresh_counts` and `refresh_queues` read JetStream's counts and queue state."""
@@ -92,9 +100,10 @@ class ProgressTracker:
         self._uploaded_known: set[int] = set()  # dead samples whose marker was found: it stays
 
     async def start(self) -> None:
-        checkpoint, _ = await load_checkpoint(self.js, self.job, self.plan)
-        if checkpoint is not None:
-            self.fold = ProgressFold.from_checkpoint(checkpoint)
+        if self.sums:  # without them the checkpoint is of no use: not read
+            checkpoint, _ = await load_checkpoint(self.js, self.job, self.plan)
+            if checkpoint is not None:
+                self.fold = ProgressFold.from_checkpoint(checkpoint)
         events, plan = topology.EVENTS_STREAM, self.plan or "none"
         replayed = (("written", self.fold.written_seq), ("uploaded", self.fold.uploaded_seq)) if self.sums else ()
         self._sums = [
@@ -121,7 +130,7 @@ class ProgressTracker:
             self._others.append(
                 _Replay(
                     self.js,
-                    events,
+                    topology.STATE_STREAM,
                     topology.heartbeats_subject_all(self.job),
                     self._apply_heartbeat,
                     DeliverPolicy.LAST_PER_SUBJECT,
@@ -129,8 +138,15 @@ class ProgressTracker:
             )
         # Dead letters and heartbeats first: once the sums' replays run, their markers (a whole
         # job's, on a first reading) would queue ahead of them on the connection.
-        for replay in self._others:
-            await self._start(replay)
+        for replay in list(self._others):
+            try:
+                await self._start(replay)
+            except nats.js.errors.NotFoundError:
+                if replay.stream != topology.STATE_STREAM:
+                    raise
+                # Streams of an older hsx, which had no HSX_STATE (the lookup said so,
+                # `stream_missing`): no heartbeat is stored until a producer of this version adds it.
+                self._others.remove(replay)
         try:
             await self._all_caught_up_within(self._others, _OTHERS_FIRST_S)
         except TimeoutError:
@@ -213,8 +229,15 @@ class ProgressTracker:
             await replay.stop()
 
     async def save_checkpoint(self) -> None:
-        if self.fold.written_seq or self.fold.uploaded_seq:
+        if not (self.fold.written_seq or self.fold.uploaded_seq):
+            return
+        try:
             await save_checkpoint(self.js, self.fold.checkpoint())
+        except nats.js.errors.NoStreamResponseError:
+            if await _stream_exists(self.js, topology.STATE_STREAM):
+                raise
+            # Streams of an older hsx, without HSX_STATE (the lookup said so, `stream_missing`):
+            # nothing is saved, and the next reader folds from the markers, as this one did.
 
     async def refresh_counts(self) -> ProgressCounts:
         counts = await read_counts(self.js, self.job, self.plan or "none")
