@@ -172,16 +172,25 @@ class WebServer:
             )
         return feed
 
+    def _following(self, job: str) -> bool:
+        follower = self.followers.get(job)
+        return follower is not None and (follower.task is None or not follower.task.done())
+
     async def _follow(self, job: str) -> None:
-        if job in self.followers and (self.followers[job].task is None or not self.followers[job].task.done()):
+        if self._following(job):
             return
         if self.js is None or self.kv is None:
             raise web.HTTPServiceUnavailable(text="not connected to NATS yet\n")
-        if len([f for f in self.followers.values() if not f.task.done()]) >= MAX_FOLLOWED:
+        if sum(self._following(name) for name in self.followers) >= MAX_FOLLOWED:
             raise web.HTTPServiceUnavailable(text=f"already following {MAX_FOLLOWED} other jobs; try again later\n")
-        spec = await read_job_spec(self.kv, job)
+        try:
+            spec = await read_job_spec(self.kv, job)
+        except HsxError as exc:  # a spec that does not decode: said, not a server error
+            raise web.HTTPBadGateway(text=f"{exc}\n") from None
         if spec is None:
             raise web.HTTPNotFound(text=f"job {job} not found in KV bucket hsx_jobs\n")
+        if self._following(job):  # another request started it meanwhile
+            return
         self.feeds[job] = Feed()
         follower = JobFollower(
             self.js,
