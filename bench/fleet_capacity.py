@@ -1103,6 +1103,7 @@ def run_step(args, rate: int, *, server, probe: Probe, model: Path, workdir: Pat
             _stop(proc)
         _stop(monitor, 30)
         reader.join(5)
+    cold = cold_fold(args, server, probe, job, env, stepdir) if args.cold_fold else None
 
     seconds = last["time"] - first["time"]
     uploaded = last["uploaded"] - first["uploaded"]
@@ -1179,9 +1180,66 @@ def run_step(args, rate: int, *, server, probe: Probe, model: Path, workdir: Pat
             "samples_behind_last": round(behind[-1][1]) if behind else None,
             "fold_samples_per_s": None if fold_rate is None else round(fold_rate, 1),
             "caught_up_s_after_window": caught_up_after,
+            "cold_start": cold,
             "warnings": reader.other[:5],
         },
         "load_average": [round(x, 2) for x in (*load_start[:1], *load_end[:1])],
+    }
+
+
+async def _drop_checkpoint(js, job: str) -> None:
+    from hsx.wire import topology
+
+    await js.purge_stream(topology.EVENTS_STREAM, subject=topology.checkpoint_subject(job))
+
+
+def cold_fold(args, server, probe: Probe, job: str, env: dict, stepdir: Path) -> dict:
+    """A monitor started on the step's job with no checkpoint folds every marker from the first:
+    how fast it catches up is the most it folds (one process, one core at most)."""
+    probe.call(_drop_checkpoint(probe.js, job))
+    began = time.time()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hsx.cli", "monitor", "--nats", server.url, "--job", job, "--format", "json"]
+        + ["--interval", "0.5"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=open(stepdir / "cold-monitor.err", "w"),
+        text=True,
+    )
+    reader = MonitorReader(proc)
+    reader.start()
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            readings = list(reader.readings)
+            if (
+                readings
+                and readings[-1][1]["tokens_uploaded"] >= readings[-1][1]["samples_uploaded"] * args.sample_tokens
+            ):
+                break
+            time.sleep(0.2)
+        cpu = _cpu_s(proc.pid)
+    finally:
+        _stop(proc, 30)
+        reader.join(5)
+    readings = reader.readings
+    if not readings:
+        return {"error": "no reading"}
+    total = readings[-1][1]["samples_uploaded"]
+    moving = [(t, e["tokens_uploaded"] / args.sample_tokens) for t, e in readings]
+    first = next(((t, v) for t, v in moving if v > 0), None)
+    last = next(((t, v) for t, v in moving if v >= total), None)
+    rate = None
+    if first is not None and last is not None and last[0] > first[0]:
+        rate = round((last[1] - first[1]) / (last[0] - first[0]))
+    return {
+        "samples": total,
+        "caught_up_s_from_start": None if last is None else round(last[0] - began, 1),
+        "fold_samples_per_s": rate,  # between its first reading with sums and the one that held them all
+        # From the process's start (imports, connection and first reading included): a floor.
+        "fold_samples_per_s_at_least": None if last is None else round(total / (last[0] - began)),
+        "cpu_s": None if cpu is None else round(cpu, 2),
     }
 
 
@@ -1208,6 +1266,12 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=20.0, help="seconds measured")
     parser.add_argument(
         "--idle", type=float, default=5.0, help="seconds the fleet is measured idle, before the release"
+    )
+    parser.add_argument(
+        "--no-cold-fold",
+        dest="cold_fold",
+        action="store_false",
+        help="skip the monitor started cold on each step's job (its fold rate from the first marker)",
     )
     parser.add_argument("--sim-procs", type=int, default=2, help="processes the simulated workers run in")
     parser.add_argument(
