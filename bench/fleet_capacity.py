@@ -273,7 +273,8 @@ async def _sim_consumer(cfg: dict, node: str, index: int, stopping: asyncio.Even
             worker = sim_worker(ccfg, js, events, spec, sim_loaded(), stopping, watch=watch)
             # A consumer reads the job's sample digests (16 bytes a sample) at its first batch:
             # read here, before the release, so that the fleet's start is not in the window.
-            worker.plan_samples._digests = await worker.plan_samples._read(spec)
+            if spec.sample_digests:
+                worker.plan_samples._digests = await worker.plan_samples._read(spec)
             reaper = asyncio.create_task(reap_exhausted(js, events, stopping))
             ready.set()
             try:
