@@ -504,6 +504,7 @@ class WireUploader(_WireWorker):
         self.marking: dict[str, tuple] = {}
         self.acking: dict[str, tuple] = {}
         self.tokens = 0
+        self.acked = 0
 
     def room(self) -> int:
         return self.max_inflight - self.inflight
@@ -568,7 +569,8 @@ class WireUploader(_WireWorker):
     async def on_acked(self, reply) -> None:
         msg, began = self.acking.pop(reply.subject.rsplit(".", 1)[1])
         self.rec.add("file_ack", time.perf_counter() - began)
-        if self.tokens % 4 == 0:  # one file in four: reading the stored time parses the ack subject
+        self.acked += 1
+        if self.acked % 4 == 0:  # one file in four: reading the stored time parses the ack subject
             self.rec.add("file_announced_to_acked", time.time() - msg.metadata.timestamp.timestamp())
         self.inflight -= 1
         if self.room() >= min(32, self.max_inflight):
