@@ -45,7 +45,9 @@ backlog; since the generator shares the cores, NATS is also judged by its CPU pe
 Run: .venv/bin/python bench/fleet_capacity.py [--rates 500,1000,2000,4000] [--workers real|wire]
      [--gpu-rate 40] [--gpus-per-node 8] [--uploaders-per-node 2] [--sample-tokens 64]
      [--batch-samples 32] [--idle 5] [--warmup 10] [--window 20] [--sim-procs 2]
-     [--hsx-root DIR] [--keep]
+     [--quiet-cores C [--quiet-wait S]] [--hsx-root DIR] [--keep]
+`--quiet-cores`: on a shared machine, each step is released once the other processes keep at
+most C cores busy (waiting up to S seconds, the fleet idle meanwhile).
 `--hsx-root`: run the producer, the monitor and the simulated workers on the hsx of another
 checkout (a git worktree of an older commit), for a before/after. Linux only (reads /proc).
 Prints one JSON object (and a line per step on stderr).
@@ -935,6 +937,27 @@ def _stop(proc: subprocess.Popen, wait_s: float = 90.0) -> None:
             proc.wait(10)
 
 
+def _others_cores(pids: list[int], seconds: float) -> float:
+    """Cores the rest of the machine kept busy over `seconds` (everything but `pids`)."""
+    before = sum(_cpu_s(pid) or 0.0 for pid in pids), _machine_busy_s()
+    time.sleep(seconds)
+    after = sum(_cpu_s(pid) or 0.0 for pid in pids), _machine_busy_s()
+    return ((after[1] - before[1]) - (after[0] - before[0])) / seconds
+
+
+def _wait_for_quiet(args, pids: list[int]) -> float | None:
+    """On a shared machine, hold the release (the fleet waiting, idle) until the other processes
+    keep at most --quiet-cores busy, for at most --quiet-wait seconds; how long it waited (None:
+    not asked, or it never got quiet)."""
+    if args.quiet_cores is None:
+        return None
+    began = time.monotonic()
+    while time.monotonic() - began < args.quiet_wait:
+        if _others_cores(pids, 3.0) <= args.quiet_cores:
+            return round(time.monotonic() - began, 1)
+    return None
+
+
 def run_step(args, rate: int, *, server, probe: Probe, model: Path, workdir: Path, env: dict, step: int) -> dict:
     job = f"cap{step}-{rate}"
     gpus = max(1, math.ceil(rate / args.gpu_rate))
@@ -1056,14 +1079,15 @@ def run_step(args, rate: int, *, server, probe: Probe, model: Path, workdir: Pat
             "nats_out_mb": round((varz_ready["out_bytes"] - varz_started["out_bytes"]) / 1e6, 1),
             "nats_in_msgs": varz_ready["in_msgs"] - varz_started["in_msgs"],
         }
+        pids = {"nats_server": server.process.pid, "monitor": monitor.pid, "bench": os.getpid()}
+        pids.update({f"sim{k}": proc.pid for k, proc in sims})
+        waited_for_quiet = _wait_for_quiet(args, list(pids.values()))
         released = probe.call(_pause(probe.js, probe.nc, job, _RELEASE_S))
         t0 = released + args.warmup
         t1 = t0 + args.window
         (stepdir / "window.json").write_text(json.dumps({"t0": t0, "t1": t1}))
         backlog = BacklogSampler(probe, job)
         backlog.start()
-        pids = {"nats_server": server.process.pid, "monitor": monitor.pid, "bench": os.getpid()}
-        pids.update({f"sim{k}": proc.pid for k, proc in sims})
 
         def reading() -> dict:
             return {
@@ -1143,6 +1167,7 @@ def run_step(args, rate: int, *, server, probe: Probe, model: Path, workdir: Pat
         "produce_s": round(produce_s, 1),
         "startup": startup,
         "idle_fleet": idle,
+        "waited_for_quiet_s": waited_for_quiet,
         "window_s": round(seconds, 2),
         "samples_in_window": uploaded,
         "sim_counts": counts,
@@ -1277,6 +1302,13 @@ def main() -> int:
         action="store_false",
         help="skip the monitor started cold on each step's job (its fold rate from the first marker)",
     )
+    parser.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=None,
+        help="release each step only once the machine's other processes keep at most this many cores busy",
+    )
+    parser.add_argument("--quiet-wait", type=float, default=600.0, help="seconds --quiet-cores waits at most")
     parser.add_argument("--sim-procs", type=int, default=2, help="processes the simulated workers run in")
     parser.add_argument(
         "--workers",
