@@ -714,6 +714,9 @@ async def _sim_main(cfg: dict) -> int:
         window = json.loads(window_file.read_text())
         await asyncio.sleep(max(0.0, window["t1"] + 0.5 - time.time()))
         result = rec.window(window["t0"], window["t1"])
+        import hsx.wire.schemas
+
+        result["hsx"] = str(Path(hsx.wire.schemas.__file__).resolve().parent.parent)  # which checkout ran
         tmp = Path(cfg["result_file"] + ".partial")
         tmp.write_text(json.dumps(result))
         os.replace(tmp, cfg["result_file"])
@@ -751,14 +754,14 @@ def _http_json(url: str) -> dict:
         return json.loads(reply.read())
 
 
-def _hsx_env(hsx_root: Path | None) -> dict:
-    """The environment a child runs hsx in: this checkout's, or `hsx_root`'s through a folder of
-    links named as the installed packages (found on PYTHONPATH before the editable install)."""
+def _hsx_env(hsx_root: Path | None, farm: Path) -> dict:
+    """The environment a child runs hsx in: this checkout's, or `hsx_root`'s through `farm`, a
+    folder of links named as the installed packages (found on PYTHONPATH before the editable
+    install)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if hsx_root is None:
         return env
-    farm = Path(tempfile.mkdtemp(prefix="hsx-old-"))
-    (farm / "hsx").mkdir()
+    (farm / "hsx").mkdir(parents=True)
     for entry in (hsx_root / "hsx").iterdir():
         (farm / "hsx" / entry.name).symlink_to(entry)
     for package in ("producer", "gpu_consumer", "uploader", "monitor", "commands"):
@@ -993,7 +996,7 @@ def run_step(args, rate: int, *, server, probe: Probe, model: Path, workdir: Pat
             str(args.sample_tokens),
             "--ignore-free-space",
         ],
-        cwd=REPO,
+        cwd=args.child_cwd,
         env=env,
         capture_output=True,
         text=True,
@@ -1007,7 +1010,7 @@ def run_step(args, rate: int, *, server, probe: Probe, model: Path, workdir: Pat
 
     monitor = subprocess.Popen(
         [sys.executable, "-m", "hsx.cli", "monitor", "--nats", server.url, "--job", job, "--format", "json"],
-        cwd=REPO,
+        cwd=args.child_cwd,
         env=env,
         stdout=subprocess.PIPE,
         stderr=open(stepdir / "monitor.err", "w"),
@@ -1040,7 +1043,7 @@ def run_step(args, rate: int, *, server, probe: Probe, model: Path, workdir: Pat
                 k,
                 subprocess.Popen(
                     [sys.executable, str(Path(__file__).resolve()), "--sim", str(stepdir / f"sim{k}.json")],
-                    cwd=REPO,
+                    cwd=args.child_cwd,
                     env=env,
                     stdout=open(stepdir / f"sim{k}.out", "w"),
                     stderr=subprocess.STDOUT,
@@ -1170,6 +1173,7 @@ def run_step(args, rate: int, *, server, probe: Probe, model: Path, workdir: Pat
         "window_s": round(seconds, 2),
         "samples_in_window": uploaded,
         "sim_counts": counts,
+        "sim_hsx": sorted({result["hsx"] for result in results}),
         "cpu_s": cpu,
         "cores": {name: round(value / seconds, 2) for name, value in cpu.items()},
         "cores_sims": round(sims_cpu / seconds, 2),
@@ -1229,7 +1233,7 @@ def cold_fold(args, server, probe: Probe, job: str, env: dict, stepdir: Path) ->
     proc = subprocess.Popen(
         [sys.executable, "-m", "hsx.cli", "monitor", "--nats", server.url, "--job", job, "--format", "json"]
         + ["--interval", "0.5"],
-        cwd=REPO,
+        cwd=args.child_cwd,
         env=env,
         stdout=subprocess.PIPE,
         stderr=open(stepdir / "cold-monitor.err", "w"),
@@ -1271,10 +1275,10 @@ def cold_fold(args, server, probe: Probe, job: str, env: dict, stepdir: Path) ->
     }
 
 
-def _delete_job(server_url: str, job: str, env: dict) -> None:
+def _delete_job(server_url: str, job: str, env: dict, cwd: Path) -> None:
     subprocess.run(
         [sys.executable, "-m", "hsx.cli", "jobs", "delete", job, "--force", "--nats", server_url],
-        cwd=REPO,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
@@ -1328,7 +1332,9 @@ def main() -> int:
     rates = [int(r) for r in args.rates.split(",") if r.strip()]
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="hsx-bench-capacity-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    env = _hsx_env(args.hsx_root)
+    env = _hsx_env(args.hsx_root.resolve() if args.hsx_root else None, workdir / "hsx-root")
+    # A child started in a checkout imports that checkout's hsx first (its folder is on sys.path).
+    args.child_cwd = workdir if args.hsx_root else REPO
     server = start_nats_server(workdir / "nats", log_file=workdir / "nats-server.log")
     probe = None
     steps = []
@@ -1360,7 +1366,7 @@ def main() -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            _delete_job(server.url, result["job"], env)
+            _delete_job(server.url, result["job"], env, args.child_cwd)
     finally:
         if probe is not None:
             probe.close()
