@@ -292,8 +292,12 @@ async def _sim_consumer(cfg: dict, node: str, index: int, stopping: asyncio.Even
 
 async def _sim_uploader(cfg: dict, node: str, index: int, stopping: asyncio.Event, ready: asyncio.Event, classes):
     """uploader/main.py's `run` with the simulated mover."""
-    from hsx.storage.destinations import open_destination
     from hsx.storage.location import spec_location
+
+    try:
+        from hsx.storage.location import open_destination
+    except ImportError:  # an hsx from before it moved there (--hsx-root)
+        from hsx.storage.destinations import open_destination
     from hsx.uploader.config import UploaderConfig
     from hsx.uploader.service import SERVICE, pull_loop
     from hsx.wire import topology
