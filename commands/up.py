@@ -43,10 +43,11 @@ from hsx.errors import HsxError, JobFailed, Unavailable
 from hsx.exitcodes import BAD_INPUT, DONE, JOB_FAILED, STOPPED, of_child
 from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
 from hsx.model.devices import auto_device, child_visible_devices, node_devices, node_gpus, torch_sees_cuda
-from hsx.monitor.config import MonitorConfig
+from hsx.monitor.config import MonitorConfig, http_url
 from hsx.producer.config import ProducerConfig
 from hsx.storage.location import Location
 from hsx.uploader.config import UploaderConfig
+from hsx.wire.health import parse_listen
 from hsx.wire.natsconn import NatsSettings, redact_url
 
 log = structlog.get_logger("hsx.up")
@@ -129,6 +130,16 @@ class UpConfig:
         help="consumers on a GPU run a hybrid model on the torch fallback instead of refusing it "
         "(hsx consume --allow-slow-kernels)",
     )
+    http: str | None = option(
+        "--http",
+        default=None,
+        parse=parse_listen("--http"),
+        env="HSX_HTTP_PORT",
+        metavar="[ADDR:]PORT",
+        example="8080",
+        help="the monitor serves the job's live page on this port (hsx monitor --http) and up prints its "
+        "address; ADDR is 127.0.0.1 unless given (env HSX_HTTP_PORT, default: off)",
+    )
     timeout_s: float = option(
         "--timeout", default=3600.0, parse=positive_float("--timeout"), help="give up after this many seconds"
     )
@@ -208,7 +219,16 @@ class UpConfig:
                 },
             ),
             uploader=child("upload", job=args.job, spool=spool, health_port=None),
-            monitor=replace(child("monitor", job=args.job, until_done=True, interval_s=2.0), leave_bar=False),
+            monitor=replace(
+                child(
+                    "monitor",
+                    job=args.job,
+                    until_done=True,
+                    interval_s=2.0,
+                    **({"http": args.http} if args.http else {}),
+                ),
+                leave_bar=False,
+            ),
             make_model=args.model is None,
             make_dataset=args.dataset is None,
             devices=devices,
@@ -472,7 +492,7 @@ def run_up(cfg: UpConfig) -> int:
         children.insert(0, producer)
         producer.start()
         log.info("producing", job=producer_cfg.job, dataset=str(producer_cfg.dataset), log=str(producer.log_path))
-        if _await_producer(producer, monitor, workers, interrupted, nats, embedded=server is not None, cfg=cfg):
+        if _await_producer(producer, monitor, workers, interrupted, launch, embedded=server is not None):
             return _interrupted(interrupted[0], monitor, nats, producer_cfg.job)
         if _await_monitor(monitor, workers, interrupted, cfg):
             return _interrupted(interrupted[0], monitor, nats, producer_cfg.job)
@@ -531,6 +551,12 @@ class _Launcher:
             log_stdout=False,
         )
 
+    def start_monitor(self, monitor: Child) -> None:
+        """The monitor started; with --http, up says where its page is."""
+        monitor.start()
+        if self.cfg.monitor.http_listen is not None:
+            log.info("page", job=self.cfg.producer.job, url=http_url(*self.cfg.monitor.http_listen))
+
 
 def _make_inputs(cfg: UpConfig, producer_cfg) -> None:
     """The embedded demo's model and dataset, where none was given."""
@@ -553,14 +579,14 @@ def _await_producer(
     monitor: Child,
     workers: list[Child],
     interrupted: list[int],
-    nats: NatsSettings,
+    launch: _Launcher,
     *,
     embedded: bool,
-    cfg: UpConfig,
 ) -> bool:
     """Until the producer ends, the workers restarted as they crash and the monitor started once
     the job is recorded; True when a signal came first. A producer that fails ends the run
     (ChildFailed, its last error)."""
+    cfg, nats = launch.cfg, launch.nats
     job = cfg.producer.job
     looked = 0.0
     while producer.poll() is None:
@@ -569,7 +595,7 @@ def _await_producer(
         if not monitor.started() and time.monotonic() - looked > 1.0:
             looked = time.monotonic()
             if asyncio.run(_job_recorded(nats, job)):
-                monitor.start()
+                launch.start_monitor(monitor)
         restart_crashed(workers)
         if monitor.started():
             check_monitor(monitor)
@@ -586,7 +612,7 @@ def _await_producer(
         raise ChildFailed(f"producer failed: {error} (log: {producer.log_path})", code=producer.poll())
     log.info("job_published", job=job, dest=str(cfg.producer.dest))
     if not monitor.started():
-        monitor.start()
+        launch.start_monitor(monitor)
     return False
 
 

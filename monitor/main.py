@@ -8,6 +8,7 @@ job's index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) from the `uploaded`
 open the job without listing it.
 
 Its log is its product, so it goes to stdout (`hsx: error:` lines stay on stderr). With
+--http it serves the job's live page (monitor/web.py) from the same readings. With
 --until-done it exits 0 (DONE) once the job is done, and 65 (JOB_FAILED) once it cannot finish
 (everything left is dead-lettered, or the destination refuses uploads), naming why. Stopped by a
 signal before the job was done, it exits 75 (STOPPED); after (without --until-done), 0.
@@ -18,6 +19,7 @@ import asyncio
 import shutil
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -27,6 +29,7 @@ from hsx.logs import configure_logging
 from hsx.monitor.bar import TerminalBar, render_bar
 from hsx.monitor.config import MonitorConfig
 from hsx.monitor.metrics import JobCollector, serve_metrics
+from hsx.monitor.pagefeed import PageMaker
 from hsx.monitor.rates import RateWindow
 from hsx.monitor.report import (
     degraded_workers,
@@ -41,6 +44,9 @@ from hsx.wire.counts import marker_times
 from hsx.wire.statusview import status_view
 from hsx.wire.tracker import ProgressTracker
 from hsx.wire.worker import JobWatch, job_session
+
+if TYPE_CHECKING:
+    from hsx.monitor.web import WebServer
 
 log = structlog.get_logger("hsx.monitor")
 
@@ -66,9 +72,18 @@ async def run(cfg: MonitorConfig) -> int:
     server = serve_metrics(collector, host=cfg.metrics_host, port=cfg.metrics_port) if collector else None
     if server is not None:
         log.info("metrics_serving", url=f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics")
+    page = None
     try:
-        return await _follow(cfg, bar, collector)
+        if cfg.http_listen is not None:
+            # Imported only when asked for: a monitor without a page loads no web server.
+            from hsx.monitor.web import WebServer
+
+            page = WebServer(job=cfg.job, interval_s=cfg.interval_s, silent_after_s=cfg.silent_after_s)
+            log.info("page_serving", url=await page.start(*cfg.http_listen))
+        return await _follow(cfg, bar, collector, page)
     finally:
+        if page is not None:
+            await page.close()
         if bar is not None:
             bar.finish() if cfg.leave_bar else bar.clear()
         if server is not None:
@@ -90,17 +105,23 @@ async def _write_index(js, spec: JobSpec) -> None:
         )
 
 
-async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCollector | None) -> int:
+async def _follow(
+    cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCollector | None, page: "WebServer | None"
+) -> int:
     async with job_session(cfg.nats, cfg.job, name=f"hsx-monitor-{cfg.job}") as session:
         if session is None:
             return STOPPED  # a signal came before the job's spec
         js, kv, spec, stopping = session.js, session.kv, session.spec, session.stopping
+        maker = None
+        if page is not None:
+            page.attach(js, kv)
+            maker = PageMaker(js, kv, job=cfg.job, silent_after_s=cfg.silent_after_s)
         # A job deleted (or produced again with another plan) under the monitor ends it: the
         # counts it follows are the old plan's.
         watch = JobWatch(kv, spec, stopping)
         tracker = ProgressTracker(js, cfg.job, plan=spec.plan_tag, heartbeats=True)
         await tracker.start()
-        readings = _Readings(cfg, tracker, bar, collector)
+        readings = _Readings(cfg, tracker, bar, collector, page=page, maker=maker)
         reported = _Reported(cfg)
         summarised = False
         try:
@@ -143,12 +164,20 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
 class _Readings:
     """One reading per interval: the tracker refreshed (its checkpoint saved every
     CHECKPOINT_EVERY_S), the job's status view and the reading with its rates, shown on the bar,
-    as a `progress` log line and as metrics."""
+    as a `progress` log line, as metrics and on the page (--http)."""
 
     def __init__(
-        self, cfg: MonitorConfig, tracker: ProgressTracker, bar: TerminalBar | None, collector: JobCollector | None
+        self,
+        cfg: MonitorConfig,
+        tracker: ProgressTracker,
+        bar: TerminalBar | None,
+        collector: JobCollector | None,
+        *,
+        page: "WebServer | None",
+        maker: PageMaker | None,
     ) -> None:
         self.cfg, self.tracker, self.bar, self.collector = cfg, tracker, bar, collector
+        self.page, self.maker = page, maker
         self.started = self.saved = time.monotonic()
         self.token_rate, self.sample_rate = RateWindow(), RateWindow()
 
@@ -188,6 +217,11 @@ class _Readings:
         )
         if self.collector is not None:
             self.collector.update(reading)
+        if self.maker is not None:
+            try:
+                self.page.publish(cfg.job, *await self.maker.make(spec, tracker))
+            except Exception as exc:  # NATS reconnecting: the page keeps its last reading
+                log.warning("page_not_updated", error=str(exc) or type(exc).__name__)
         if self.bar is not None:
             self.bar.draw(render_bar(reading, job=cfg.job, width=shutil.get_terminal_size().columns))
         else:

@@ -34,15 +34,18 @@ import pytest
 import yaml
 
 from hsx import exitcodes
-from hsx.commands.cli import _S3_ENVIRONMENT, build_command_config, build_parser
+from hsx.commands.cli import build_command_config, build_parser
 from hsx.config.settings import Resolution, resolve
 from hsx.errors import HsxError
 from hsx.gpu_consumer.grace import stop_bound_s
+from hsx.storage.destinations import SCHEMES
 from hsx.wire import topology
 from hsx.wire.lifecycle import LAST_WORDS_S
 from hsx.wire.natsconn import DRAIN_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[1]
+# Variables a destination's own client reads (hsx/storage/destinations/), not a flag of hsx.
+STORE_ENVIRONMENT = {name for scheme in SCHEMES.values() for name in scheme.environment}
 K8S = REPO / "deploy" / "k8s"
 KEDA_SCHEMA = Path(__file__).parent / "data" / "keda-scaledjob-v1alpha1.schema.json"
 # The oldest Kubernetes with native sidecars (an init container's restartPolicy: Always) and
@@ -275,8 +278,8 @@ def test_each_hsx_container_is_a_command_hsx_accepts_reading_only_what_hsx_reads
         assert found.resolution.config_file == found.job_file, where
         reads = {s.env: s for s in found.resolution.settings if s.env}
         for variable in sorted(set(found.env) - found.helpers - {"HSX_CONFIG"}):
-            if variable in _S3_ENVIRONMENT:
-                continue  # read by the S3 client (hsx config show lists them)
+            if variable in STORE_ENVIRONMENT:
+                continue  # read by a destination's client (hsx config show lists them)
             assert variable in reads, f"{where}: {variable} is not read by hsx {found.container['args'][0]}"
             assert reads[variable].source == "env", f"{where}: {variable} overridden ({reads[variable]})"
 

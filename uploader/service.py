@@ -32,6 +32,7 @@ from hsx.wire.counts import has_uploaded_marker
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.headers import message_headers
 from hsx.wire.health import Health
+from hsx.wire.load import RecentRate, spool_free
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
 from hsx.wire.pull import PullLoop, Taken
 from hsx.wire.worker import JobWatch
@@ -88,6 +89,7 @@ class FileMover:
         self.plan = spec.plan_tag
         self.total_samples = spec.total_samples
         self.inflight = 0
+        self.rate = RecentRate()  # samples stored over the last minute, for the heartbeat's `load`
         # Uploads in hand whose last attempt failed (waiting to retry or trying again): the
         # heartbeat says `retrying` with the error until each succeeds, not only between attempts.
         self.retrying = 0
@@ -181,7 +183,10 @@ class FileMover:
             state, detail = "retrying", f"{self.retrying} uploads waiting to retry: {self.last_error[:200]}"
         else:
             state, detail = ("working" if self.inflight else "idle"), f"inflight={self.inflight}"
-        return WorkerState(state=state, detail=detail, spool_files=files, spool_bytes=used)
+        load = schemas.WorkerLoad(
+            samples_per_s=round(self.rate.per_second(), 3), in_hand=self.inflight, spool_free=spool_free(self.cfg.spool)
+        )
+        return WorkerState(state=state, detail=detail, spool_files=files, spool_bytes=used, load=load)
 
     async def handle(self, msg: Msg, stopping: asyncio.Event) -> None:
         try:
@@ -264,28 +269,7 @@ class FileMover:
                 await self._destination_accepts()
             if self.job_lost:
                 return
-            # The object is stored and verified: a NATS outage from here on is waited out rather
-            # than left to the ack wait (reporting twice is harmless: progress counts samples).
-            uploaded = schemas.FileUploaded(
-                job=ready.job,
-                node=ready.node,
-                uploader=self.cfg.instance,
-                sample_index=ready.sample_index,
-                key=ready.key,
-                size=ready.size,
-                tokens=ready.num_tokens,
-                already_present=already,
-                attempt=msg.metadata.num_delivered,
-                plan=ready.plan,
-                digest=ready.digest,
-                sample_digest=ready.sample_digest,
-            )
-            # The sample's marker (stored once): what `hsx status` counts and the index is built from.
-            await through_outage(
-                lambda: self._report_uploaded(uploaded, ready), what="report_uploaded", stopping=stopping
-            )
-            await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
-            log.debug("file_uploaded", key=ready.key, bytes=ready.size, already_present=already)
+            await self._report_and_ack(msg, ready, already=already, stopping=stopping)
         finally:
             if failing:
                 self.retrying -= 1
@@ -299,6 +283,32 @@ class FileMover:
                     self._unreachable_since = None
             taken.release()
             self.inflight -= 1
+
+    async def _report_and_ack(
+        self, msg: Msg, ready: schemas.FileReady, *, already: bool, stopping: asyncio.Event
+    ) -> None:
+        """The object is stored and verified: its `uploaded` marker, then the ack. A NATS outage
+        from here on is waited out rather than left to the ack wait (reporting twice is harmless:
+        progress counts samples)."""
+        uploaded = schemas.FileUploaded(
+            job=ready.job,
+            node=ready.node,
+            uploader=self.cfg.instance,
+            sample_index=ready.sample_index,
+            key=ready.key,
+            size=ready.size,
+            tokens=ready.num_tokens,
+            already_present=already,
+            attempt=msg.metadata.num_delivered,
+            plan=ready.plan,
+            digest=ready.digest,
+            sample_digest=ready.sample_digest,
+        )
+        # The sample's marker (stored once): what `hsx status` counts and the index is built from.
+        await through_outage(lambda: self._report_uploaded(uploaded, ready), what="report_uploaded", stopping=stopping)
+        await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
+        self.rate.add(1)
+        log.debug("file_uploaded", key=ready.key, bytes=ready.size, already_present=already)
 
     async def _not_this_plan(self, msg: Msg, ready: schemas.FileReady, stopping: asyncio.Event) -> None:
         """An event of another plan than this uploader's. While this uploader's job is current, it
@@ -471,6 +481,7 @@ class FileMover:
                 spool_files=report.spool_files,
                 spool_bytes=report.spool_bytes,
                 spool=str(self.cfg.spool),
+                load=report.load,
             )
         except Exception as exc:  # the heartbeat loop says it again within its interval
             log.warning("heartbeat_failed", error=str(exc))
