@@ -7,10 +7,13 @@ pages themselves quote as plain text (`docs/operations/nats.md, "Headers"`), and
 """
 
 import re
+import shutil
 import subprocess
 
 import pytest
 from conftest import REPO
+
+from devkit import docs as site
 
 DOCS = REPO / "docs"
 # About 4,000 words: read in one sitting (issue 38). The longest page today, training.md, is about 23,400.
@@ -85,3 +88,20 @@ def test_the_nav_holds_every_page_once():
     """mkdocs --strict fails on a page left out (validation.omitted_files); twice is checked here."""
     nav = re.findall(r":\s*([\w/.-]+\.md)\s*$", (REPO / "mkdocs.yml").read_text(), re.M)
     assert sorted(nav) == sorted(str(p.relative_to(DOCS)) for p in pages())
+
+
+def test_the_command_reference_is_what_the_flags_declare():
+    """docs/reference/commands.md and hsx-*.md are made from the flags' declarations (`make
+    reference`, devkit/docs.py); `make docs` runs the same check first."""
+    assert site.reference_problems() == []
+
+
+def test_a_flag_left_out_of_the_reference_fails_the_check_naming_it(tmp_path):
+    reference = tmp_path / "reference"
+    shutil.copytree(site.REFERENCE, reference)
+    page = reference / "hsx-consume.md"
+    page.write_text("".join(line for line in page.read_text().splitlines(True) if "`--stall-after" not in line))
+    problems = site.reference_problems(reference)
+    assert f"{page}: hsx consume --stall-after is declared but not in the reference" in problems, problems
+    (reference / "hsx-gone.md").write_text("# hsx gone\n")
+    assert f"{reference / 'hsx-gone.md'}: a page of no command" in site.reference_problems(reference)
