@@ -26,7 +26,7 @@ REFERENCE = DOCS / "reference"
 PAGE_LIMIT = 15_000
 TOTAL_LIMIT = 200_000
 MEAN_WORDS = 30
-HISTORY = "bench-results"  # the dated benchmark pages: kept, out of the nav, not counted
+HISTORY = "bench-results"  # the benchmark history: dated pages out of the nav, not counted
 
 # ----------------------------------------------------------------------------- the reading checks
 
@@ -98,7 +98,8 @@ def pages(docs: Path = DOCS) -> list[Path]:
 
 
 def counted(docs: Path = DOCS) -> list[Path]:
-    """The pages a reader is given: every page but the dated benchmark pages."""
+    """The pages counted against the limits: every page but the benchmark history (its dated pages
+    out of the nav, and the page that lists them)."""
     return [page for page in pages(docs) if page.relative_to(docs).parts[0] != HISTORY]
 
 
@@ -151,7 +152,6 @@ GENERATED = (
 
 # What a command exits with, and when: the codes are hsx/exitcodes.py's (checked), the situations
 # the commands' own (commands/cli.py, commands/*.py, the services' main modules).
-_NATS = [(75, "NATS cannot be reached, or does not answer past the retries"), (2, "NATS refuses the credentials")]
 EXIT_CODES: dict[tuple[str, ...], list[tuple[int, str]]] = {
     ("up",): [
         (0, "every sample is in the destination"),
@@ -185,9 +185,9 @@ EXIT_CODES: dict[tuple[str, ...], list[tuple[int, str]]] = {
         (75, "SIGTERM or SIGINT before the job was done"),
         (2, "a bad flag, a metrics port already in use"),
     ],
-    ("status",): [(0, "printed"), (2, "a bad flag, or its events not read within `--timeout`"), *_NATS],
-    ("verify",): [(0, "every sample is sound"), (65, "a sample missing, damaged or not this job's"), *_NATS],
-    ("index", "build"): [(0, "the index holds every sample of the job"), (65, "the index is incomplete"), *_NATS],
+    ("status",): [(0, "printed"), (2, "a bad flag, or its events not read within `--timeout`")],
+    ("verify",): [(0, "every sample is sound"), (65, "a sample missing, damaged or not this job's")],
+    ("index", "build"): [(0, "the index holds every sample of the job"), (65, "the index is incomplete")],
     ("index", "rebuild"): [
         (0, "the index holds every sample of the job"),
         (65, "the index is incomplete"),
@@ -204,18 +204,16 @@ EXIT_CODES: dict[tuple[str, ...], list[tuple[int, str]]] = {
         (75, "SIGTERM or SIGINT: the file in hand finished (`--every` ends only so)"),
         (2, "a bad flag, PATH or destination"),
     ],
-    ("dead", "list"): [(0, "listed"), (2, "a job with neither a spec nor dead letters (a typo)"), *_NATS],
+    ("dead", "list"): [(0, "listed"), (2, "a job with neither a spec nor dead letters (a typo)")],
     ("dead", "retry"): [
         (0, "every chosen letter sent back, or skipped as resolved"),
         (65, "a letter refused (not this job's), left in HSX_DEAD"),
         (2, "a job with neither a spec nor dead letters; an unknown sequence"),
-        *_NATS,
     ],
-    ("jobs", "list"): [(0, "listed"), *_NATS],
+    ("jobs", "list"): [(0, "listed")],
     ("jobs", "delete"): [
         (0, "deleted"),
         (2, "refused: workers alive, or files waiting for upload (without `--force`)"),
-        *_NATS,
     ],
     ("demo", "model"): [
         (0, "written, or a model already there kept"),
@@ -235,12 +233,12 @@ MORE: dict[str, str] = {
     "produce": "[Plan a big job](../operations/planning.md), [Input, output, layers](data.md)",
     "consume": "[Run on several machines](../operations/multi-node.md)",
     "upload": "[Run on several machines](../operations/multi-node.md)",
-    "monitor": "[Monitor a job](../operations/monitoring.md)",
-    "status": "[Monitor a job](../operations/monitoring.md#hsx-status)",
+    "monitor": "[Monitor a job](../operations/monitoring.md), [Progress fields and metrics](progress.md)",
+    "status": "[Monitor a job](../operations/monitoring.md#hsx-status), [its fields](progress.md#hsx-status)",
     "verify": "[Fidelity](../fidelity.md#hsx-verify)",
-    "index": "[The index of stored samples](data.md#the-index-of-stored-samples)",
+    "index": "[The index of stored samples](../operations/resume.md#the-index-of-stored-samples)",
     "export": "[Train a drafter](../training.md)",
-    "sync": "[Resume, move and sync](../operations/resume.md#hsx-sync)",
+    "sync": "[Resume and sync](../operations/resume.md#hsx-sync)",
     "dead": "[Dead letters](../operations/monitoring.md#dead-letters)",
     "jobs": "[Re-runs and reusing a name](../operations/planning.md#re-runs-and-reusing-a-name)",
     "demo": "[Your first job](../get-started/first-job.md)",
@@ -286,21 +284,27 @@ def _cell(text: str) -> str:
 
 
 def _about(action) -> str:
+    """A flag's help without what the table's other columns say: its variable, its default."""
     text = action.help if isinstance(action.help, str) else ""
     variable = getattr(action, "hsx_env", None)
-    if variable:  # the table has a column for it
-        text = re.sub(rf"\s*\(env {variable}\)", "", text)
-        text = re.sub(rf"^env {variable}$", "", text)
-        text = re.sub(
-            rf"(, |; |\()env {variable}(, |; |\))", lambda m: m.group(1) if m.group(2) == ")" else m.group(1), text
-        )
-        text = re.sub(rf",? ?env {variable}(,|$)", r"\1", text).strip().strip(",").strip()
-        text = text.replace("()", "").replace("( ", "(").strip()
     default = getattr(action, "hsx_default", None)
-    if default not in (None, "", False, True):  # the table has a column for it too
-        text = re.sub(rf"\s*\(default {re.escape(str(default))}\)", "", text)
-    if action.__class__.__name__ == "_AppendAction":
-        text = f"{text} (repeatable)" if "repeatable" not in text else text
+    said = set()
+    if variable:
+        said.add(f"env {variable}")
+    if default not in (None, "", False, True):
+        shown = str(default)
+        if isinstance(default, float) and default.is_integer():
+            shown = str(int(default))
+        said |= {f"default {value}" for value in (shown, f"./{shown}")} | {f"default: {shown}"}
+
+    def without(inner: str) -> str:
+        parts = [part for part in re.split(r"(?:, |; )", inner) if part.strip() not in said]
+        return ", ".join(parts) if len(parts) != len(re.split(r"(?:, |; )", inner)) else inner
+
+    text = re.sub(r"\(([^()]*)\)", lambda m: f"({without(m.group(1))})" if without(m.group(1)) else "", text)
+    text = without(text).replace("  ", " ").strip()
+    if action.__class__.__name__ == "_AppendAction" and "repeatable" not in text:
+        text = f"{text} (repeatable)"
     return _cell(text)
 
 
@@ -323,7 +327,8 @@ def _flag_text(action) -> str:
     flag = max(action.option_strings, key=len)
     if action.choices:
         return f"`{flag} {'|'.join(map(str, action.choices))}`".replace("|", "\\|")
-    if action.nargs == 0:
+    # The value's name only where it says more than the flag's own name does ([ADDR:]PORT, K).
+    if action.nargs == 0 or action.metavar == flag.removeprefix("--").replace("-", "_").upper():
         return f"`{flag}`"
     return f"`{flag} {action.metavar}`"
 
@@ -397,6 +402,16 @@ def _example(words: tuple[str, ...]) -> list[str]:
     return [_cell(about), "", "```", *examples, "```"]
 
 
+WORKERS = ("consume", "upload")  # the spooling workers: the flags they share are listed once
+
+
+def worker_rows(parser) -> list[Row]:
+    """The rows `hsx consume` and `hsx upload` share: the same flag, variable, default and help."""
+    consume, upload = (rows(parser.hsx_commands[name], (name,)) for name in WORKERS)
+    same = {(r.flag, r.env, r.default, r.about) for r in upload}
+    return [row for row in consume if (row.flag, row.env, row.default, row.about) in same]
+
+
 def command_page(parser, top: str) -> str:
     """docs/reference/hsx-<top>.md: the command, or each of its actions, with a paragraph, an
     example, its flags and its exit codes. `hsx up`'s job flags are `hsx produce`'s: listed with
@@ -413,6 +428,9 @@ def command_page(parser, top: str) -> str:
             lines += [f"## hsx {' '.join(words)}", ""]
         lines += [*_example(words), ""]
         found = rows(sub, words)
+        if top in WORKERS:
+            common = {row.names for row in worker_rows(parser)}
+            found = [row for row in found if row.names not in common]
         shared = [row for row in found if top == "up" and row.names in produce]
         own = [row for row in found if row not in shared]
         lines += [f"{level} Flags{of}", "", *(_table(own) if own else ["No flags of its own."]), ""]
@@ -425,8 +443,10 @@ def command_page(parser, top: str) -> str:
                 *(f"| {row.flag} | {row.default} |" for row in shared),
                 "",
             ]
+        if top in WORKERS:
+            lines += ["And the [worker flags](commands.md#worker-flags) of `hsx consume` and `hsx upload`.", ""]
         if any(_is_nats(a) for a in sub.hsx_flags):
-            lines += ["And the flags of the [NATS connection](commands.md#nats-connection).", ""]
+            lines += ["And the flags and exit codes of the [NATS connection](commands.md#nats-connection).", ""]
         lines += [f"{level} Exit codes{of}", "", *_exit_table(words), ""]
     lines += [f"More: {MORE[top]}.", ""]
     return "\n".join(lines)
@@ -478,10 +498,23 @@ def commands_page(parser) -> str:
     status = leaves[("status",)]
     nats_rows = [a for a in status.hsx_flags if _is_nats(a)]
     without = sorted(" ".join(w) for w, sub in leaves.items() if not any(_is_nats(a) for a in sub.hsx_flags))
+    lines += [
+        "",
+        "## Worker flags",
+        "",
+        "`hsx consume` and `hsx upload` both take these.",
+        "",
+    ]
+    lines += ["| flag | environment | job file | default | what it sets |", "| --- | --- | --- | --- | --- |"]
+    for r in worker_rows(parser):
+        key = f"{r.key}, {r.key.replace('[consume]', '[upload]')}" if "[consume]" in r.key else r.key
+        lines.append(f"| {r.flag} | {r.env} | {key} | {r.default} | {r.about} |")
     lines += ["", "## NATS connection", ""]
     lines += [
         "Every command that talks to NATS takes these; " + ", ".join(f"`{w}`" for w in without) + " do not.",
-        "Keep secrets in the environment: flags show in `ps`. No secret is ever printed.",
+        "Keep secrets in the environment: flags show in `ps`. No secret is ever printed. Such a command",
+        "exits 75 when NATS cannot be reached or does not answer past its retries, 2 when NATS refuses",
+        "its credentials.",
         "",
         "| flag | environment | job file | default | what it sets |",
         "| --- | --- | --- | --- | --- |",
@@ -567,7 +600,11 @@ def reference_problems(reference: Path = REFERENCE) -> list[str]:
         for words, sub in _leaves(parser).items():
             if path.stem != "commands" and words[0] != top:
                 continue
-            declared = [row for row in rows(sub, words)] if path.stem != "commands" else []
+            if path.stem == "commands":
+                declared = worker_rows(parser) if words == (WORKERS[0],) else []
+            else:
+                common = {row.names for row in worker_rows(parser)} if words[0] in WORKERS else set()
+                declared = [row for row in rows(sub, words) if row.names not in common]
             for row in declared:
                 if row.flag not in committed:
                     problems.append(
@@ -607,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = reference_problems()
     if problems:
         problems.append("the command reference is not the code's: run make reference")
+    problems += reading_problems()
     for problem in problems:
         print(f"docs: {problem}", file=sys.stderr)
     return 1 if problems else 0
