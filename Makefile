@@ -2,7 +2,8 @@
 # make run:   setup + `hsx up` (embedded demo: nats-server, tiny model, synthetic data, local dest)
 # make lint:  ruff check + ruff format --check (configured in pyproject.toml)
 # make docs:  the site of docs/ (mkdocs.yml) built with --strict into site/: a broken link fails it; first
-#             devkit/docs.py checks that the command reference is what the flags declare
+#             devkit/docs.py checks that the command reference is what the flags declare, and that
+#             every page reads in one sitting (15,000 characters, 30 words a sentence; 200,000 in all)
 # make reference: docs/reference/commands.md and hsx-*.md written again from the flags' declarations
 # make test:  setup + lint + docs + the whole pytest suite, on TEST_WORKERS pytest-xdist workers (default 2)
 # make compose-test: after setup, `docker compose up` of compose.yaml for real (its own dockerd, stand-in
