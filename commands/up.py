@@ -43,10 +43,11 @@ from hsx.errors import HsxError, JobFailed, Unavailable
 from hsx.exitcodes import BAD_INPUT, DONE, JOB_FAILED, STOPPED, of_child
 from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
 from hsx.model.devices import auto_device, child_visible_devices, node_devices, node_gpus, torch_sees_cuda
-from hsx.monitor.config import MonitorConfig
+from hsx.monitor.config import MonitorConfig, http_url
 from hsx.producer.config import ProducerConfig
 from hsx.storage.location import Location
 from hsx.uploader.config import UploaderConfig
+from hsx.wire.health import parse_listen
 from hsx.wire.natsconn import NatsSettings, redact_url
 
 log = structlog.get_logger("hsx.up")
@@ -129,6 +130,16 @@ class UpConfig:
         help="consumers on a GPU run a hybrid model on the torch fallback instead of refusing it "
         "(hsx consume --allow-slow-kernels)",
     )
+    http: str | None = option(
+        "--http",
+        default=None,
+        parse=parse_listen("--http"),
+        env="HSX_HTTP_PORT",
+        metavar="[ADDR:]PORT",
+        example="8080",
+        help="the monitor serves the job's live page on this port (hsx monitor --http) and up prints its "
+        "address; ADDR is 127.0.0.1 unless given (env HSX_HTTP_PORT, default: off)",
+    )
     timeout_s: float = option(
         "--timeout", default=3600.0, parse=positive_float("--timeout"), help="give up after this many seconds"
     )
@@ -208,7 +219,16 @@ class UpConfig:
                 },
             ),
             uploader=child("upload", job=args.job, spool=spool, health_port=None),
-            monitor=replace(child("monitor", job=args.job, until_done=True, interval_s=2.0), leave_bar=False),
+            monitor=replace(
+                child(
+                    "monitor",
+                    job=args.job,
+                    until_done=True,
+                    interval_s=2.0,
+                    **({"http": args.http} if args.http else {}),
+                ),
+                leave_bar=False,
+            ),
             make_model=args.model is None,
             make_dataset=args.dataset is None,
             devices=devices,
@@ -495,6 +515,12 @@ def run_up(cfg: UpConfig) -> int:
             log_path=logs / "monitor.log",
             log_stdout=False,
         )
+
+        def start_monitor() -> None:
+            monitor.start()
+            if cfg.monitor.http_listen is not None:
+                log.info("page", job=producer_cfg.job, url=http_url(*cfg.monitor.http_listen))
+
         children = [*workers, monitor]
         for process in workers:
             process.start()
@@ -521,7 +547,7 @@ def run_up(cfg: UpConfig) -> int:
             if not monitor.started() and time.monotonic() - looked > 1.0:
                 looked = time.monotonic()
                 if asyncio.run(_job_recorded(nats, producer_cfg.job)):
-                    monitor.start()
+                    start_monitor()
             restart_crashed(workers)
             if monitor.started():
                 check_monitor(monitor)
@@ -538,7 +564,7 @@ def run_up(cfg: UpConfig) -> int:
             raise ChildFailed(f"producer failed: {error} (log: {producer.log_path})", code=producer.poll())
         log.info("job_published", job=producer_cfg.job, dest=str(producer_cfg.dest))
         if not monitor.started():
-            monitor.start()
+            start_monitor()
 
         started = time.monotonic()
         while True:

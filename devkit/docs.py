@@ -464,8 +464,11 @@ def _job_file(parser) -> list[str]:
         tables.setdefault(place.table, []).append(key)
     lines = ["| table | keys |", "| --- | --- |"]
     for table, keys in tables.items():
-        name = f"`[{table}]`" if table else "top level"
-        lines.append(f"| {name} | {_cell(', '.join(keys))} |")
+        if table in ("", "nats", "job"):  # the shared tables; a command's table holds its flags' names
+            name = f"`[{table}]`" if table else "top level"
+            lines.append(f"| {name} | {_cell(', '.join(keys))} |")
+    commands = sorted(table for table in tables if table not in ("", "nats", "job"))
+    lines += ["", "Each command's own table: " + ", ".join(f"`[{name}]`" for name in commands) + "."]
     return lines
 
 

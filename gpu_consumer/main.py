@@ -37,6 +37,7 @@ from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.exhausted import reap_exhausted
 from hsx.wire.health import Health, serving
 from hsx.wire.lifecycle import exit_now
+from hsx.wire.load import spool_free
 from hsx.wire.worker import JobEnd, JobWatch, heartbeats, job_session, until_done, watching, worker_exit_code
 
 log = structlog.get_logger("hsx.gpu_consumer")
@@ -202,8 +203,12 @@ async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int
         watch = JobWatch(session.kv, spec, stopping)
 
         def state() -> WorkerState:
-            now = WorkerState(state="starting") if worker is None else worker.heartbeat_state()
-            return dataclasses.replace(now, kernels=kernels)
+            if worker is None:  # loading its model: the device is not asked yet (no CUDA context of ours)
+                starting = schemas.WorkerLoad(
+                    device=cfg.device, spool_free=spool_free(cfg.spool), spool_high_water=cfg.spool_high_water_bytes
+                )
+                return WorkerState(state="starting", kernels=kernels, load=starting)
+            return dataclasses.replace(worker.heartbeat_state(), kernels=kernels)
 
         def in_hand() -> dict:
             if worker is None:

@@ -36,6 +36,7 @@ from hsx.gpu_consumer.extract import (
     extract_isolating,
     launch_samples,
 )
+from hsx.gpu_consumer.gpuuse import GpuReader
 from hsx.gpu_consumer.model import LoadedModel
 from hsx.gpu_consumer.plansamples import PlanSamples, PlanSamplesUnavailable, batch_placed
 from hsx.gpu_consumer.staging import StagingLease
@@ -48,6 +49,7 @@ from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.headers import message_headers
 from hsx.wire.jetstream import give_back, publish_all
+from hsx.wire.load import BusyMeter, RecentRate, spool_free
 from hsx.wire.natsconn import through_outage
 from hsx.wire.pull import Taken
 from hsx.wire.worker import JobWatch
@@ -123,6 +125,11 @@ class BatchWorker:
         self.detail = ""  # why the worker is not working, when it is paused or waiting
         self.pace = ForwardPace(stall_after_s=cfg.stall_after_s, stall_factor=cfg.stall_factor)
         self.stall: Stall | None = None  # the stage past its bound, while it runs
+        # What the heartbeat's `load` says (hsx/wire/load.py): samples written over the last
+        # minute, the share of time in the forward, the device's utilization and memory.
+        self.rate = RecentRate()
+        self.busy = BusyMeter()
+        self.gpu = GpuReader(loaded.device)
         self.batch_bytes = _full_batch_bytes(spec, loaded)
         # The batches taken up and not yet settled, by their Taken: what a stop is finishing.
         self._in_hand: dict[int, str] = {}
@@ -467,12 +474,13 @@ class BatchWorker:
         def launch() -> InFlight:
             return launch_samples(self.loaded, samples, lease=lease, float8=float8)
 
-        inflight: InFlight = await self.forwards.run(compiling.eager_on_failure, self.loaded.model, launch)
-        if launched is not None:
-            launched.set()
-        if inflight.landed():
-            return inflight.wait()
-        return await self.landing.run(inflight.wait)
+        with self.busy.running():
+            inflight: InFlight = await self.forwards.run(compiling.eager_on_failure, self.loaded.model, launch)
+            if launched is not None:
+                launched.set()
+            if inflight.landed():
+                return inflight.wait()
+            return await self.landing.run(inflight.wait)
 
     async def _compute_batch(
         self,
@@ -530,9 +538,10 @@ class BatchWorker:
                 return None
         # Last delivery (or samples found non-finite): give up only the samples that fail on their own.
         try:
-            extracted, failed = await forward(
-                self.forwards.run(extract_isolating, self.loaded, batch.samples, lease=lease, float8=float8)
-            )
+            with self.busy.running():
+                extracted, failed = await forward(
+                    self.forwards.run(extract_isolating, self.loaded, batch.samples, lease=lease, float8=float8)
+                )
         except ReleasedBatch:
             return None
         except Exception as exc:
@@ -699,6 +708,7 @@ class BatchWorker:
         if before_ack is not None:
             before_ack()
         await through_outage(msg.ack_sync, what="ack_batch", stopping=self.stopping)
+        self.rate.add(len(files))
         log_.info(
             "batch_done",
             samples=len(files),
@@ -721,9 +731,31 @@ class BatchWorker:
                 stalled_s=round(running, 1),
                 detail=f"{STAGES[stall.stage].name} of batch {stall.batch_id} running {running:.0f} s, bound "
                 f"{stall.bound_s:.0f} s; batch released to other consumers",
+                load=self.load(),
             )
         return WorkerState(
-            state=self.state, detail=self.detail, last_batch=self.last_batch, spool_files=files, spool_bytes=used
+            state=self.state,
+            detail=self.detail,
+            last_batch=self.last_batch,
+            spool_files=files,
+            spool_bytes=used,
+            load=self.load(),
+        )
+
+    def load(self) -> schemas.WorkerLoad:
+        """The heartbeat's `load`: read on the heartbeat's thread (the device's figures through
+        NVML and the CUDA runtime, the spool's file system)."""
+        utilization, used, total = self.gpu.read() or (-1.0, -1, -1)
+        return schemas.WorkerLoad(
+            device=str(self.loaded.device),
+            samples_per_s=round(self.rate.per_second(), 3),
+            in_hand=len(self._in_hand),
+            busy=round(self.busy.share(), 3),
+            gpu_utilization=utilization,
+            gpu_memory_used=used,
+            gpu_memory_total=total,
+            spool_free=spool_free(self.cfg.spool),
+            spool_high_water=self.cfg.spool_high_water_bytes,
         )
 
     def batches_in_hand(self) -> list[str]:

@@ -5,8 +5,18 @@ from typing import Literal
 
 from hsx.config.fields import option
 from hsx.config.values import port_or_off, positive_float
+from hsx.wire.health import listen_address, parse_listen
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.topology import job_name
+
+# --http without an address: the page is for this machine unless told otherwise.
+HTTP_DEFAULT_ADDR = "127.0.0.1"
+
+
+def http_url(addr: str, port: int) -> str:
+    """The page's address as a browser takes it (an IPv6 address in brackets)."""
+    return f"http://[{addr}]:{port}/" if ":" in addr else f"http://{addr}:{port}/"
+
 
 # --format: auto is resolved by the entry point, from whether stdout is a terminal.
 MONITOR_FORMATS = ("auto", "bar", "json")
@@ -71,3 +81,18 @@ class MonitorConfig:
         env="HSX_METRICS_HOST",
         help="address /metrics listens on (env HSX_METRICS_HOST, default %(default)s)",
     )
+    # The job's page (monitor/web.py): off unless given.
+    http: str | None = option(
+        "--http",
+        default=None,
+        parse=parse_listen("--http"),
+        env="HSX_HTTP_PORT",
+        metavar="[ADDR:]PORT",
+        example="8080",
+        help="serve the job's live page at http://ADDR:PORT/ (GET /api/status: what hsx status --json prints); "
+        "ADDR is 127.0.0.1 unless given, e.g. 0.0.0.0:8080 (env HSX_HTTP_PORT, default: off)",
+    )
+
+    @property
+    def http_listen(self) -> tuple[str, int] | None:
+        return None if self.http is None else listen_address(self.http, HTTP_DEFAULT_ADDR)

@@ -8,6 +8,7 @@ job's index (`<job>/_hsx/index.arrow`, hsx/storage/index.py) from the `uploaded`
 open the job without listing it.
 
 Its log is its product, so it goes to stdout (`hsx: error:` lines stay on stderr). With
+--http it serves the job's live page (monitor/web.py) from the same readings. With
 --until-done it exits 0 (DONE) once the job is done, and 65 (JOB_FAILED) once it cannot finish
 (everything left is dead-lettered, or the destination refuses uploads), naming why. Stopped by a
 signal before the job was done, it exits 75 (STOPPED); after (without --until-done), 0.
@@ -18,6 +19,7 @@ import asyncio
 import shutil
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -26,6 +28,7 @@ from hsx.logs import configure_logging
 from hsx.monitor.bar import TerminalBar, render_bar
 from hsx.monitor.config import MonitorConfig
 from hsx.monitor.metrics import JobCollector, serve_metrics
+from hsx.monitor.pagefeed import PageMaker
 from hsx.monitor.rates import RateWindow
 from hsx.monitor.report import (
     degraded_workers,
@@ -41,6 +44,9 @@ from hsx.wire.counts import marker_times
 from hsx.wire.statusview import status_view
 from hsx.wire.tracker import ProgressTracker
 from hsx.wire.worker import JobWatch, job_session
+
+if TYPE_CHECKING:
+    from hsx.monitor.web import WebServer
 
 log = structlog.get_logger("hsx.monitor")
 
@@ -66,9 +72,18 @@ async def run(cfg: MonitorConfig) -> int:
     server = serve_metrics(collector, host=cfg.metrics_host, port=cfg.metrics_port) if collector else None
     if server is not None:
         log.info("metrics_serving", url=f"http://{cfg.metrics_host}:{cfg.metrics_port}/metrics")
+    page = None
     try:
-        return await _follow(cfg, bar, collector)
+        if cfg.http_listen is not None:
+            # Imported only when asked for: a monitor without a page loads no web server.
+            from hsx.monitor.web import WebServer
+
+            page = WebServer(job=cfg.job, interval_s=cfg.interval_s, silent_after_s=cfg.silent_after_s)
+            log.info("page_serving", url=await page.start(*cfg.http_listen))
+        return await _follow(cfg, bar, collector, page)
     finally:
+        if page is not None:
+            await page.close()
         if bar is not None:
             bar.finish() if cfg.leave_bar else bar.clear()
         if server is not None:
@@ -90,11 +105,17 @@ async def _write_index(js, spec: schemas.JobSpec) -> None:
         )
 
 
-async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCollector | None) -> int:
+async def _follow(
+    cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCollector | None, page: "WebServer | None"
+) -> int:
     async with job_session(cfg.nats, cfg.job, name=f"hsx-monitor-{cfg.job}") as session:
         if session is None:
             return STOPPED  # a signal came before the job's spec
         js, kv, spec, stopping = session.js, session.kv, session.spec, session.stopping
+        maker = None
+        if page is not None:
+            page.attach(js, kv)
+            maker = PageMaker(js, kv, job=cfg.job, silent_after_s=cfg.silent_after_s)
         # A job deleted (or produced again with another plan) under the monitor ends it: the
         # counts it follows are the old plan's.
         watch = JobWatch(kv, spec, stopping)
@@ -147,6 +168,11 @@ async def _follow(cfg: MonitorConfig, bar: TerminalBar | None, collector: JobCol
                 )
                 if collector is not None:
                     collector.update(reading)
+                if maker is not None:
+                    try:
+                        page.publish(cfg.job, *await maker.make(spec, tracker))
+                    except Exception as exc:  # NATS reconnecting: the page keeps its last reading
+                        log.warning("page_not_updated", error=str(exc) or type(exc).__name__)
                 if bar is not None:
                     bar.draw(render_bar(reading, job=cfg.job, width=shutil.get_terminal_size().columns))
                 else:

@@ -487,3 +487,26 @@ def test_every_setting_of_a_service_has_its_variable_and_config_show_lists_it(cl
     assert shown["job.name"] == {"value": "from-env", "source": "env", "flag": "--job", "env": "HSX_JOB"}
     if command != "produce":
         assert shown[f"{command}.until_done"]["value"] is True and shown[f"{command}.until_done"]["source"] == "env"
+
+
+def test_hsx_up_http_gives_its_monitor_the_page_on_localhost(tmp_path):
+    """`hsx up --http PORT` (or HSX_HTTP_PORT) is its monitor's --http; the page is on 127.0.0.1
+    unless an address is given; a bad value is the flag's one-line error."""
+    parser = build_parser()
+    for argv, environ, listen in (
+        (["up", "--workdir", str(tmp_path), "--http", "8080"], {}, ("127.0.0.1", 8080)),
+        (["up", "--workdir", str(tmp_path)], {"HSX_HTTP_PORT": "0.0.0.0:9090"}, ("0.0.0.0", 9090)),
+        (["up", "--workdir", str(tmp_path)], {}, None),
+    ):
+        args = parser.parse_args(argv)
+        resolve(parser, args, environ)
+        cfg = UpConfig.from_args(parser, args, nats=None, environ=environ)
+        assert cfg.monitor.http_listen == listen, argv
+        assert read_order(order(cfg.monitor, log_level="info"))[0].http_listen == listen
+
+
+def test_a_bad_http_port_is_one_line(cli):
+    for value, why in (("0", "a port from 1 to 65535"), (":80", "the address before the port is empty")):
+        result = cli("monitor", "--job", "j", "--http", value)
+        assert_one_line_error(result, f"--http {value!r}: ")
+        assert why in result.stderr

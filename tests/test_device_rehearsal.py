@@ -192,3 +192,7 @@ def test_the_wheel_holds_every_package_of_the_tree(bundle):
     names = zipfile.ZipFile(wheel).namelist()
     packed = {name.rsplit("/", 1)[0].replace("/", ".") for name in names if name.endswith("/__init__.py")}
     assert tree == packed, (sorted(tree - packed), sorted(packed - tree))
+    # The monitor's page works with no network: its files are package data.
+    assets = {path.name for path in (REPO / "monitor" / "static").iterdir()}
+    assert {"index.html", "app.js", "style.css"} <= assets
+    assert {f"hsx/monitor/static/{name}" for name in assets} <= set(names), sorted(assets)

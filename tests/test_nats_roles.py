@@ -20,6 +20,7 @@ import nats
 import nats.errors
 import nats.js.errors
 import pytest
+from conftest import _free_port
 from test_cli_errors import assert_one_line_error
 from test_e2e_s3 import check_outputs, read_dir_objects, write_dataset
 from test_jobstream import (
@@ -143,8 +144,14 @@ def test_a_job_runs_end_to_end_with_each_roles_own_credentials(roles, hsx, hsx_s
         env={**envs["uploader"], **worker_env},
         name="uploader",
     )
-    monitor = run("monitor", "monitor", "--job", job, "--until-done", "--interval", "0.5", timeout=180)
+    # With its page too: every reading the page makes (marker times, files per node, the jobs
+    # bucket's names) is the monitor role's to make.
+    monitor = run(
+        *("monitor", "monitor", "--job", job, "--until-done", "--interval", "0.5", "--http", str(_free_port())),
+        timeout=180,
+    )
     assert monitor.returncode == 0, (monitor.stdout + monitor.stderr)[-3000:]
+    assert '"page_serving"' in monitor.stdout and '"page_not_updated"' not in monitor.stdout, monitor.stdout[-3000:]
     for worker in (consumer, uploader):
         assert worker.wait(timeout=60) == 0, worker.log_path.read_text()[-3000:]
     check_outputs(read_dir_objects(tmp_path / "out"), job=job, rows=rows)

