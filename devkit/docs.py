@@ -74,6 +74,7 @@ def _prose_units(text: str) -> list[str]:
 def _plain(unit: str) -> str:
     unit = re.sub(r"`[^`]*`", "CODE", unit)  # a code span reads as one word
     unit = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", unit)  # a link reads as its text
+    unit = re.sub(r"<[^>]+>", " ", unit)  # a tag (<br>) is no word
     return _ABBREVIATIONS.sub(r"\1", unit.replace("**", ""))
 
 
@@ -303,6 +304,8 @@ def _about(action) -> str:
 
     text = re.sub(r"\(([^()]*)\)", lambda m: f"({without(m.group(1))})" if without(m.group(1)) else "", text)
     text = without(text).replace("  ", " ").strip()
+    if action.choices and not all(re.search(rf"\b{re.escape(str(c))}\b", text) for c in action.choices):
+        text = f"{text}: " + ", ".join(str(c) for c in action.choices) if text else ", ".join(map(str, action.choices))
     if action.__class__.__name__ == "_AppendAction" and "repeatable" not in text:
         text = f"{text} (repeatable)"
     return _cell(text)
@@ -325,8 +328,8 @@ def _default(parser, action) -> str:
 
 def _flag_text(action) -> str:
     flag = max(action.option_strings, key=len)
-    if action.choices:
-        return f"`{flag} {'|'.join(map(str, action.choices))}`".replace("|", "\\|")
+    if action.choices:  # its values are in the help (`_about`): a `|` in a code span shows its escape
+        return f"`{flag}`"
     # The value's name only where it says more than the flag's own name does ([ADDR:]PORT, K).
     if action.nargs == 0 or action.metavar == flag.removeprefix("--").replace("-", "_").upper():
         return f"`{flag}`"
@@ -377,10 +380,17 @@ def _is_nats(action) -> bool:
     return getattr(action.container, "title", None) == NATS_GROUP
 
 
+# The variable and the job-file key share a column, one above the other: code in a table keeps
+# to one line (docs/css/extra.css), and five columns of it left the help too narrow to read.
+HEADER, RULE = "| flag | variable, job file | default | what it sets |", "| --- | --- | --- | --- |"
+
+
+def _where(env: str, *keys: str) -> str:
+    return "<br>".join(part for part in (env, *keys) if part)
+
+
 def _table(found: list[Row]) -> list[str]:
-    lines = ["| flag | environment | job file | default | what it sets |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {r.flag} | {r.env} | {r.key} | {r.default} | {r.about} |" for r in found]
-    return lines
+    return [HEADER, RULE, *(f"| {r.flag} | {_where(r.env, r.key)} | {r.default} | {r.about} |" for r in found)]
 
 
 def _exit_table(words: tuple[str, ...]) -> list[str]:
@@ -508,10 +518,10 @@ def commands_page(parser) -> str:
         "`hsx consume` and `hsx upload` both take these.",
         "",
     ]
-    lines += ["| flag | environment | job file | default | what it sets |", "| --- | --- | --- | --- | --- |"]
+    lines += [HEADER, RULE]
     for r in worker_rows(parser):
-        key = f"{r.key}, {r.key.replace('[consume]', '[upload]')}" if "[consume]" in r.key else r.key
-        lines.append(f"| {r.flag} | {r.env} | {key} | {r.default} | {r.about} |")
+        keys = (r.key, r.key.replace("[consume]", "[upload]")) if "[consume]" in r.key else (r.key,)
+        lines.append(f"| {r.flag} | {_where(r.env, *keys)} | {r.default} | {r.about} |")
     lines += ["", "## NATS connection", ""]
     lines += [
         "Every command that talks to NATS takes these; " + ", ".join(f"`{w}`" for w in without) + " do not.",
@@ -519,15 +529,17 @@ def commands_page(parser) -> str:
         "exits 75 when NATS cannot be reached or does not answer past its retries, 2 when NATS refuses",
         "its credentials.",
         "",
-        "| flag | environment | job file | default | what it sets |",
-        "| --- | --- | --- | --- | --- |",
+        HEADER,
+        RULE,
     ]
     from hsx.config.configfile import place_of
 
     for action in nats_rows:
         place = place_of("status", action.hsx_key, job_key=None)
         env = getattr(action, "hsx_env", None)
-        lines.append(f"| {_flag_text(action)} | `{env}` | `{place}` | {_default(status, action)} | {_about(action)} |")
+        lines.append(
+            f"| {_flag_text(action)} | {_where(f'`{env}`', f'`{place}`')} | {_default(status, action)} | {_about(action)} |"
+        )
     lines += ["", "## Job file", ""]
     lines += [
         "`hsx --config job.toml COMMAND` reads a TOML file; `hsx config example` prints every key with its",
