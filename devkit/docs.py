@@ -422,6 +422,11 @@ def worker_rows(parser) -> list[Row]:
     return [row for row in consume if (row.flag, row.env, row.default, row.about) in same]
 
 
+def _up_default(parser, names: tuple[str, ...]) -> str | None:
+    """`hsx up`'s default of the flag named `names`, as its page shows it."""
+    return next((row.default for row in rows(parser.hsx_commands["up"], ("up",)) if row.names == names), None)
+
+
 def command_page(parser, top: str) -> str:
     """docs/reference/hsx-<top>.md: the command, or each of its actions, with a paragraph, an
     example, its flags and its exit codes. `hsx up`'s job flags are `hsx produce`'s: listed with
@@ -445,12 +450,13 @@ def command_page(parser, top: str) -> str:
         own = [row for row in found if row not in shared]
         lines += [f"{level} Flags{of}", "", *(_table(own) if own else ["No flags of its own."]), ""]
         if shared:
+            other = [row for row in shared if row.default != produce[row.names].default]
             lines += [
-                "The job's flags are [hsx produce](hsx-produce.md)'s, with up's own defaults:",
+                "It takes every job flag of [hsx produce](hsx-produce.md), with these defaults of its own:",
                 "",
                 "| flag | default in hsx up |",
                 "| --- | --- |",
-                *(f"| {row.flag} | {row.default} |" for row in shared),
+                *(f"| {row.flag} | {row.default} |" for row in other),
                 "",
             ]
         if top in WORKERS:
@@ -619,6 +625,9 @@ def reference_problems(reference: Path = REFERENCE) -> list[str]:
                 declared = worker_rows(parser) if words == (WORKERS[0],) else []
             else:
                 common = {row.names for row in worker_rows(parser)} if words[0] in WORKERS else set()
+                if words == ("up",):  # its job flags are produce's: only those of other defaults are listed
+                    produce = {row.names: row for row in rows(parser.hsx_commands["produce"], ("produce",))}
+                    common = {n for n, row in produce.items() if row.default == _up_default(parser, n)}
                 declared = [row for row in rows(sub, words) if row.names not in common]
             for row in declared:
                 if row.flag not in committed:
