@@ -120,28 +120,21 @@ def reading_problems(docs: Path = DOCS) -> list[str]:
 
 
 def sizes(docs: Path = DOCS) -> str:
-    """Characters per section (a folder of docs/, or the top-level pages) and per page, with each
-    page's mean sentence length."""
-    by_section: dict[str, int] = {}
+    """Characters and pages per section (a folder of docs/, or the top-level pages), then each page
+    with its mean sentence length."""
+    by_section: dict[str, list[int]] = {}
     lines = []
     for page in pages(docs):
-        name = page.relative_to(docs)
+        name, text = page.relative_to(docs), page.read_text()
         section = name.parts[0] if len(name.parts) > 1 else "(top level)"
-        text = page.read_text()
-        by_section[section] = by_section.get(section, 0) + len(text)
+        by_section.setdefault(section, []).append(len(text))
         lines.append(f"  {str(name):<52} {len(text):>8,}  {mean_sentence(text):5.1f} words a sentence")
     out = [f"{'section':<20} {'characters':>10}  pages"]
-    for section, size in sorted(by_section.items(), key=lambda item: -item[1]):
-        count = sum(
-            1
-            for page in pages(docs)
-            if (page.relative_to(docs).parts + ("",))[0] == section
-            or (section == "(top level)" and len(page.relative_to(docs).parts) == 1)
-        )
-        out.append(f"{section:<20} {size:>10,}  {count}")
-    everything = sum(by_section.values())
-    out.append(f"{'all':<20} {everything:>10,}  {len(pages(docs))}")
-    out.append(f"{'all but ' + HISTORY:<20} {everything - by_section.get(HISTORY, 0):>10,}")
+    for section, found in sorted(by_section.items(), key=lambda item: -sum(item[1])):
+        out.append(f"{section:<20} {sum(found):>10,}  {len(found)}")
+    counted_total = sum(len(page.read_text()) for page in counted(docs))
+    out.append(f"{'all':<20} {sum(map(sum, by_section.values())):>10,}  {len(lines)}")
+    out.append(f"{'all but ' + HISTORY:<20} {counted_total:>10,}  (the limit: {TOTAL_LIMIT:,})")
     return "\n".join(out + ["", *lines])
 
 
