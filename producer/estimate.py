@@ -11,8 +11,8 @@ of the job's own states, `estimated_bytes` scales the states by it, the rest of 
 exact. The free space is checked against the bound, the safe side.
 
 `hsx produce --dry-run` prints the estimate (`format_estimate`); a real run refuses a local
-destination too small for the job with `check_free_space`. docs/operations/planning.md, "Planning a big
-job: the dry run".
+destination too small for the job with `check_free_space`. docs/operations/planning.md, "The dry
+run".
 """
 
 import io
