@@ -1,7 +1,10 @@
 # make setup: .venv with hsx and everything the demos and tests need (idempotent, fast when done)
 # make run:   setup + `hsx up` (embedded demo: nats-server, tiny model, synthetic data, local dest)
 # make lint:  ruff check + ruff format --check (configured in pyproject.toml)
-# make docs:  the site of docs/ (mkdocs.yml) built with --strict into site/: a broken link fails it
+# make docs:  the site of docs/ (mkdocs.yml) built with --strict into site/: a broken link fails it; first
+#             devkit/docs.py checks that the command reference is what the flags declare, and that
+#             every page reads in one sitting (15,000 characters, 30 words a sentence; 200,000 in all)
+# make reference: docs/reference/commands.md and hsx-*.md written again from the flags' declarations
 # make test:  setup + lint + docs + the whole pytest suite, on TEST_WORKERS pytest-xdist workers (default 2)
 # make compose-test: after setup, `docker compose up` of compose.yaml for real (its own dockerd, stand-in
 #             images where no registry is reachable; needs root; tests/compose/run.py); compose-test-clean
@@ -19,7 +22,7 @@ TEST_WORKERS ?= 2
 DEVICE_PYTHON ?= 3.12
 BUNDLE ?= .whl
 
-.PHONY: setup run test lint docs clean device-bundle compose-test compose-test-clean slurm-test
+.PHONY: setup run test lint docs reference clean device-bundle compose-test compose-test-clean slurm-test
 
 setup: $(STAMP)
 
@@ -50,7 +53,11 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 docs: setup
+	$(PY) -m devkit.docs check
 	$(VENV)/bin/mkdocs build --strict --quiet
+
+reference: setup
+	$(PY) -m devkit.docs write
 
 test: setup lint docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)

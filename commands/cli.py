@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
-        help="env HSX_LOG_LEVEL, default info",
+        help="the lowest level logged (env HSX_LOG_LEVEL, default info)",
     )
     parser.add_argument("--version", action="version", version=f"hsx {__version__}")
     declare_env(parser, config="HSX_CONFIG", log_level="HSX_LOG_LEVEL")

@@ -153,7 +153,7 @@ class SyncConfig:
         help="time from one pass's start to the next, e.g. 30m, 2h, 90s",
     )
     once: bool = option(
-        "--once", default=False, one_of="passes", help="one pass, then exit (1 if a file could not be uploaded)"
+        "--once", default=False, one_of="passes", help="one pass, then exit (65 if a file could not be uploaded)"
     )
     retries: int = option(
         "--retries",

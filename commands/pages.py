@@ -55,7 +55,7 @@ PAGES: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ("monitor",): (
         "Follow a job's progress: a bar on a terminal, JSON lines otherwise, with silent and degraded "
         "workers named and Prometheus /metrics on --metrics-port; with --until-done it exits 0 when "
-        "the job is done and 1 when it cannot finish.",
+        "the job is done and 65 when it cannot finish.",
         ("hsx monitor --job j1 --until-done",),
     ),
     ("status",): (
@@ -65,7 +65,7 @@ PAGES: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ),
     ("verify",): (
         "Check every sample file of a job in its destination: present, loads, shape, token ids, "
-        "checksum; --recompute K also recomputes K random samples on the CPU. Exit 1 on any problem.",
+        "checksum; --recompute K also recomputes K random samples on the CPU. Exit 65 on any problem.",
         ("hsx verify --job j1 --recompute 4",),
     ),
     ("index",): (
@@ -75,12 +75,12 @@ PAGES: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {
     ),
     ("index", "build"): (
         "Write the job's index from its uploaded events in NATS, as the monitor does when the job is "
-        "done; exit 1 if it is incomplete.",
+        "done; exit 65 if it is incomplete.",
         ("hsx index build --job j1",),
     ),
     ("index", "rebuild"): (
         "Write the job's index from the destination alone, listing its folder and reading each file's "
-        "header: after a crash, or with the job gone from NATS; exit 1 if it is incomplete.",
+        "header: after a crash, or with the job gone from NATS; exit 65 if it is incomplete.",
         ("hsx index rebuild s3://bucket/hs/j1",),
     ),
     ("export",): (

@@ -96,7 +96,12 @@ class UpConfig:
         parse=positive_int("--consumers"),
         help="consumers per device (default 1): --device cuda --consumers 2 on 4 GPUs starts 8",
     )
-    uploaders: int = option("--uploaders", default=1, parse=positive_int("--uploaders"), help="default 1")
+    uploaders: int = option(
+        "--uploaders",
+        default=1,
+        parse=positive_int("--uploaders"),
+        help="uploader processes, sharing the consumers' spool (default 1)",
+    )
     samples: int = option(
         "--samples", default=256, parse=positive_int("--samples"), help="synthetic dataset size (default 256)"
     )

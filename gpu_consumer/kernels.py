@@ -15,7 +15,7 @@ convolution and fla imports, `bind_fla_conv` puts fla's in its place. The forwar
 `causal_conv1d_fn` in its modeling module's namespace at each call (transformers 5.17 to 5.25; 5.25
 calls it from its `causal_conv1d_forward` helper),
 so that is where it is bound; only the prefill path (a whole sequence, no cache: what extraction
-runs) is replaced, never the one-step decode update. docs/performance/gpu-pipeline.md, "fla's causal conv".
+runs) is replaced, never the one-step decode update. docs/architecture/consumer.md, "fla's causal conv".
 """
 
 import importlib

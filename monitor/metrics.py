@@ -4,7 +4,7 @@ A collector on a private registry exposes the monitor's latest reading; nothing 
 Totals that only grow (samples, tokens and bytes written and uploaded, batches done, samples
 requeued) are counters; the rest are gauges. Readings from JetStream that can go down (a
 redelivered message acked, a dead letter retried) are gauges even where they look like counts.
-docs/operations/monitoring.md lists every metric.
+docs/reference/progress.md lists every metric.
 """
 
 import math

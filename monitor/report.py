@@ -12,7 +12,7 @@ from hsx.monitor.rates import eta_seconds
 from hsx.wire import schemas
 from hsx.wire.statusview import StatusView
 
-# The keys of every `progress` line (docs/operations/monitoring.md describes each one).
+# The keys of every `progress` line (docs/reference/progress.md describes each one).
 PROGRESS_FIELDS = (
     "samples_total",
     "samples_written",

@@ -139,7 +139,7 @@ class ProducerConfig:
         default=4096,
         parse=positive_int("--max-seq-len"),
         job=True,
-        help="default %(default)s",
+        help="the longest sample, in tokens; a longer one is --on-long's (default %(default)s)",
     )
     max_batch_size: int | None = option(
         "--max-batch-size",

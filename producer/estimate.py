@@ -12,8 +12,8 @@ encoding says (`Encoding.under_bound`), the rest of each file kept exact. Nothin
 which encoding the job's is: its files (hsx/storage/layout.py `SampleFiles`) say. The free space is checked against the bound, the safe side.
 
 `hsx produce --dry-run` prints the estimate (`format_estimate`); a real run refuses a local
-destination too small for the job with `check_free_space`. docs/operations/planning.md, "Planning a big
-job: the dry run".
+destination too small for the job with `check_free_space`. docs/operations/planning.md, "The dry
+run".
 """
 
 import io

@@ -3,8 +3,8 @@ NATS server's max_payload with room for its dead letter (`check_payloads`), the 
 takes a write (`check_destination`), and the job's folder there holds no other plan's files
 (`check_folder`, `folder_owner`). A refusal leaves nothing behind.
 
-The checks and their messages: docs/operations/planning.md, "Jobs: what the producer checks, re-runs, and
-reusing a name"; why: docs/architecture/producer.md.
+The checks and their messages: docs/operations/planning.md, "What the producer checks"; why:
+docs/architecture/producer.md.
 """
 
 import math

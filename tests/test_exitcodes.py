@@ -212,7 +212,7 @@ def test_the_reference_table_is_the_module():
     """docs/reference/commands.md's table of exit codes lists each of hsx/exitcodes.py's, by name
     and number, and no other."""
     text = (REPO / "docs" / "reference" / "commands.md").read_text()
-    section = text[text.index("### Exit codes") :]
+    section = text[text.index("## Exit codes") :]
     section = section[: section.index("\n#", 1)] if "\n#" in section[1:] else section
     rows = re.findall(r"^\| (\d+) \| `(\w+)` \|", section, re.MULTILINE)
     assert sorted((int(number), name) for number, name in rows) == sorted((int(c), c.name) for c in ExitCode)

@@ -237,10 +237,10 @@ def test_metrics_expose_the_reading_with_job_node_service_labels():
     assert ("hsx_job_samples", job) in samples
 
 
-def test_operations_doc_describes_every_progress_field_and_metric():
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "operations" / "monitoring.md").read_text()
+def test_the_reference_describes_every_progress_field_and_metric():
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "progress.md").read_text()
     collector = JobCollector("j")
     collector.update(_reading())
     names = {name for name, _labels in _scrape(collector)}
     missing = [f"`{name}`" for name in [*PROGRESS_FIELDS, *SUMMARY_FIELDS, *names] if f"`{name}`" not in doc]
-    assert not missing, f"docs/operations/monitoring.md does not describe {missing}"
+    assert not missing, f"docs/reference/progress.md does not describe {missing}"

@@ -9,7 +9,7 @@
 - "Reading the output for training": the snippet runs as shown on the job the recipe made.
 - The command table: every command it names exists, every command of `hsx --help` is in it, and
   every flag a row names is in its command's `--help`; the sentence on which commands take
-  `--nats` matches their help. docs/reference/commands.md's table gives every flag of every command.
+  `--nats` matches their help. (The command reference is made from the flags: tests/test_docs.py.)
 - Install lines install this checkout (the registry's `hsx` is another project), the distribution
   is `hsx-extract` and `hsx --version` reads its metadata; README stays at most 12,000 characters
   and names only docs and sections that exist.
@@ -200,15 +200,12 @@ def _leaf_parsers() -> dict[str, object]:
     return leaves
 
 
-def _table_rows(text: str | None = None) -> list[tuple[list[str], list[str]]]:
-    """(commands, flags) of each row of a command table (README's unless `text` is given); the
-    flags are those of the row's first cell only when `text` is given (the reference's usage)."""
+def _table_rows() -> list[tuple[list[str], list[str]]]:
+    """(commands, flags) of each row of README's command table."""
     rows = []
-    for line in (text if text is not None else section(README.read_text(), COMMANDS_HEADING)).splitlines():
+    for line in section(README.read_text(), COMMANDS_HEADING).splitlines():
         if not line.startswith("| `hsx"):
             continue
-        if text is not None:
-            line = line.split(" | ")[0]
         commands = []
         for usage in re.findall(r"`hsx ([^`]*)`", line.split(" | ")[0]):
             words = []
@@ -231,24 +228,6 @@ def test_the_command_table_agrees_with_help():
         helps = "\n".join(leaves[command].format_help() for command in commands)
         for flag in flags:
             assert re.search(rf"{flag}\b", helps), f"README gives {flag} to {commands}; their --help has none"
-
-
-# Described once, in the reference's paragraph on the settings every command shares.
-SHARED_FLAGS = {"--help", "--nats", "--nats-user", "--nats-password", "--nats-token", "--nats-creds"}
-SHARED_FLAGS |= {"--nats-tls-ca", "--nats-tls-cert", "--nats-tls-key", "--nats-inbox-prefix"}
-
-
-def test_the_reference_table_gives_every_flag_of_every_command():
-    leaves = _leaf_parsers()
-    rows = _table_rows(section((REPO / "docs" / "reference" / "commands.md").read_text(), "## Commands"))
-    assert {command for commands, _ in rows for command in commands} == set(leaves)
-    for commands, flags in rows:
-        for command in commands:
-            declared = {flag for action in leaves[command]._actions for flag in action.option_strings}
-            missing = {flag for flag in declared if flag.startswith("--")} - SHARED_FLAGS - set(flags)
-            assert not missing, f"docs/reference/commands.md's row of hsx {command} lacks {sorted(missing)}"
-        every = {flag for command in commands for action in leaves[command]._actions for flag in action.option_strings}
-        assert set(flags) <= every, f"docs/reference/commands.md gives {sorted(set(flags) - every)} to {commands}"
 
 
 def test_the_readme_says_which_commands_take_nats():

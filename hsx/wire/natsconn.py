@@ -125,12 +125,12 @@ class NatsSettings:
         secret=lambda url: redact_url(url),
         help="NATS server URL(s), comma-separated (env HSX_NATS_URL, default %(default)s)",
     )
-    user: str | None = option("--nats-user", default=None, env="HSX_NATS_USER", example="hsx", help="env HSX_NATS_USER")
+    user: str | None = option("--nats-user", default=None, env="HSX_NATS_USER", example="hsx", help="user name")
     password: str | None = option(
-        "--nats-password", default=None, env="HSX_NATS_PASSWORD", secret=hide, example="", help="env HSX_NATS_PASSWORD"
+        "--nats-password", default=None, env="HSX_NATS_PASSWORD", secret=hide, example="", help="password"
     )
     token: str | None = option(
-        "--nats-token", default=None, env="HSX_NATS_TOKEN", secret=hide, example="", help="env HSX_NATS_TOKEN"
+        "--nats-token", default=None, env="HSX_NATS_TOKEN", secret=hide, example="", help="token"
     )
     creds_file: str | None = option(
         "--nats-creds",

@@ -45,7 +45,7 @@ class ConsumerView(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StatusView(msgspec.Struct, frozen=True, kw_only=True):
-    """One reading of a job: what `hsx status --json` prints (docs/reference/commands.md, "Commands"),
+    """One reading of a job: what `hsx status --json` prints (docs/reference/progress.md, "hsx status"),
     field for field, and what the monitor reports from."""
 
     job: str
