@@ -28,12 +28,15 @@ from hsx.commands.smollm2 import build_smollm2, smollm2_gguf  # noqa: E402
 from hsx.gpu_consumer.extract import extract_samples  # noqa: E402
 from hsx.gpu_consumer.model import load_model  # noqa: E402
 from hsx.gpu_consumer.writer import write_sample_file  # noqa: E402
+from hsx.job import JobSpec  # noqa: E402
+from hsx.storage import encodings
 from hsx.storage.encodings.float8 import (
     FLOAT8,  # noqa: E402
     dequantize_float8,  # noqa: E402
 )
+from hsx.storage.layout import SampleFiles
 from hsx.storage.spool import spool_file
-from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
+from hsx.wire.schemas import Sample
 
 TINY = dict(
     hidden_size=64,
@@ -47,12 +50,14 @@ TINY = dict(
 
 
 def measure(path: Path, layers: list[int], samples: list[Sample], work: Path) -> dict:
-    reference = extract_samples(load_model(str(path), layers=layers, dtype="float32", device="cpu"), samples)
+    reference = extract_samples(
+        load_model(str(path), layers=layers, encoding=encodings.of_spec("float32"), device="cpu"), samples
+    )
     result = {}
     bf16_states: dict[int, torch.Tensor] = {}
     quantization_errors: list[float] = []
     for dtype in ("bfloat16", FLOAT8):
-        loaded = load_model(str(path), layers=layers, dtype=dtype, device="cpu")
+        loaded = load_model(str(path), layers=layers, encoding=encodings.of_spec(dtype), device="cpu")
         spec = JobSpec(
             job="bench",
             model=str(path),
@@ -73,7 +78,7 @@ def measure(path: Path, layers: list[int], samples: list[Sample], work: Path) ->
         size, errors = 0, []
         for sample, hidden in zip(samples, extract_samples(loaded, samples)):
             size += write_sample_file(
-                spool=spool, spec=spec, node="n", batch_id="b", sample=sample, hidden_states=hidden
+                spool=spool, files=SampleFiles.of(spec), node="n", batch_id="b", sample=sample, hidden_states=hidden
             ).size
             tensors = load_file(str(spool_file(spool, "bench", spec.plan_tag, sample.index)))
             stored = (

@@ -73,11 +73,14 @@ import torch
 
 from hsx.commands.embedded import synthetic_lengths
 from hsx.gpu_consumer.extract import extract_samples, pad_batch
-from hsx.gpu_consumer.model import LayerTap, LoadedModel, choose_attention, decoder_layers
+from hsx.gpu_consumer.model import LayerTap, LoadedModel, choose_attention
 from hsx.gpu_consumer.staging import HostStaging
+from hsx.gpu_consumer.trunk import decoder_layers
+from hsx.job import JobSpec
 from hsx.packing import plan_batches
+from hsx.storage import encodings
 from hsx.storage.encodings.float8 import FLOAT8
-from hsx.wire.schemas import JobSpec, Sample
+from hsx.wire.schemas import Sample
 
 QWEN3_8B = dict(
     model_type="qwen3",
@@ -644,6 +647,7 @@ def main() -> int:
             dtype=torch.bfloat16,
             pad_token_id=0,
             attention=args.attn,
+            encoding=encodings.by_name(args.dtype),
             staging=staging,
         )
 
@@ -678,8 +682,8 @@ def main() -> int:
 
     warm_start = time.perf_counter()
     float8 = args.dtype == "float8"
-    extract_samples(loaded, batches[0][:2], float8=float8)  # warm-up (and compiling, with --compile)
-    extract_samples(loaded, batches[0], float8=float8)  # fla autotunes per shape: the full batch's too
+    extract_samples(loaded, batches[0][:2])  # warm-up (and compiling, with --compile)
+    extract_samples(loaded, batches[0])  # fla autotunes per shape: the full batch's too
     sync()
     emit("warm_up", seconds=round(time.perf_counter() - warm_start, 1))
 
@@ -723,7 +727,7 @@ def main() -> int:
         for batch in batches:
             # As the consumer does: the copy goes into pinned buffers leased to the batch.
             lease = staging.lease() if staging is not None else None
-            extract_samples(loaded, batch, lease=lease, float8=float8)
+            extract_samples(loaded, batch, lease=lease)
             if lease is not None:
                 lease.release()
 

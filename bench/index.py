@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hsx.job import JobSpec
 from hsx.storage.index import BUNDLE_SPEC_KEY, make_index, write_index  # noqa: E402
 from hsx.storage.layout import sample_key  # noqa: E402
 from hsx.storage.location import Location, open_destination  # noqa: E402
@@ -48,7 +49,7 @@ JOB = "bench-index"
 def synthetic_job(samples: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(16, 4096, samples)
-    spec = schemas.JobSpec(
+    spec = JobSpec(
         job=JOB,
         model="bench",
         model_revision="",

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hsx.storage import encodings
+
 SHAPE = dict(
     model_type="llama",
     hidden_size=2048,
@@ -91,7 +93,7 @@ def child(kind: str, model: str, device: str) -> None:
         loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, local_files_only=True)
         loaded.to(torch.device(device)).eval()
     else:
-        loaded = load_model(model, layers=LAYERS, dtype="bfloat16", device=device).model
+        loaded = load_model(model, layers=LAYERS, encoding=encodings.of_spec("bfloat16"), device=device).model
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.monotonic() - started

@@ -75,6 +75,8 @@ from hsx.errors import HsxError  # noqa: E402
 from hsx.gpu_consumer.extract import pad_batch  # noqa: E402
 from hsx.gpu_consumer.model import load_model  # noqa: E402
 from hsx.gpu_consumer.service import SERVICE as CONSUMER_SERVICE  # noqa: E402
+from hsx.job import JobSpec
+from hsx.storage import encodings
 from hsx.uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 from hsx.wire import schemas, topology  # noqa: E402
 from hsx.wire.jobs import require_job_spec  # noqa: E402
@@ -243,7 +245,7 @@ class JobInput:
 class Started:
     """One job's processes, started together and ready."""
 
-    spec: schemas.JobSpec
+    spec: JobSpec
     consumers: list[Child]
     uploaders: list[Child]
     producer_s: float
@@ -471,7 +473,12 @@ def _bare_forward_main(args) -> int:
     torch.set_num_threads(args.threads)
     decoder = msgspec.json.Decoder(schemas.BatchDescriptor)
     batches = [decoder.decode(line) for line in Path(args.batches).read_bytes().splitlines() if line]
-    loaded = load_model(args.model, layers=[int(x) for x in args.layers.split(",")], dtype=args.dtype, device="cpu")
+    loaded = load_model(
+        args.model,
+        layers=[int(x) for x in args.layers.split(",")],
+        encoding=encodings.of_spec(args.dtype),
+        device="cpu",
+    )
     _forward_one(loaded, batches[-1])  # warm-up, as the consumer does
     for batch in batches:
         _forward_one(loaded, batch)
@@ -479,7 +486,7 @@ def _bare_forward_main(args) -> int:
 
 
 async def _with_startup(
-    args, bench: Bench, inp: JobInput, spec: schemas.JobSpec, batches: list[schemas.BatchDescriptor]
+    args, bench: Bench, inp: JobInput, spec: JobSpec, batches: list[schemas.BatchDescriptor]
 ) -> dict:
     """Start-up included on both sides: the pipeline from launching its processes (nothing
     paused) to the last upload, against the bare loop as a fresh process (imports, model load,
@@ -534,7 +541,7 @@ def _raw(passes: list[dict]) -> list[float]:
     return [round(p["seconds"], 2) for p in passes]
 
 
-async def _efficiency(args, bench: Bench, inp: JobInput) -> tuple[dict, schemas.JobSpec, list]:
+async def _efficiency(args, bench: Bench, inp: JobInput) -> tuple[dict, JobSpec, list]:
     forward, forward_main, pipeline = [], [], []
     loaded = batches = None
     for i in range(args.repeats):
@@ -542,7 +549,9 @@ async def _efficiency(args, bench: Bench, inp: JobInput) -> tuple[dict, schemas.
         if loaded is None:
             spec, batches = pipeline[0]["spec"], pipeline[0]["batches"]
             torch.set_num_threads(args.threads)
-            loaded = load_model(str(inp.model), layers=spec.layers, dtype=spec.dtype, device="cpu")
+            loaded = load_model(
+                str(inp.model), layers=spec.layers, encoding=encodings.of_spec(spec.dtype), device="cpu"
+            )
             await asyncio.to_thread(_forward_one, loaded, batches[-1])  # warm-up, as the consumer does
         forward.append(await _forward_pass(loaded, batches))
         if args.also_main_thread:

@@ -34,6 +34,7 @@ import nats  # noqa: E402
 
 from hsx.commands.embedded import start_nats_server  # noqa: E402
 from hsx.commands.status import read_status  # noqa: E402
+from hsx.job import JobSpec
 from hsx.wire import schemas, topology  # noqa: E402
 from hsx.wire.headers import message_headers  # noqa: E402
 from hsx.wire.natsconn import NatsSettings  # noqa: E402
@@ -45,8 +46,8 @@ BYTES_PER_SAMPLE = TOKENS_PER_SAMPLE * 3 * 1024 * 2
 WINDOW = 2000  # publishes in flight at once
 
 
-def _spec(samples: int, batch_size: int) -> schemas.JobSpec:
-    return schemas.JobSpec(
+def _spec(samples: int, batch_size: int) -> JobSpec:
+    return JobSpec(
         job=JOB,
         model="bench",
         model_revision="local",
@@ -65,7 +66,7 @@ def _spec(samples: int, batch_size: int) -> schemas.JobSpec:
     )
 
 
-def _events(spec: schemas.JobSpec, batch_size: int):
+def _events(spec: JobSpec, batch_size: int):
     plan = spec.plan_tag
     for batch, start in enumerate(range(0, spec.total_samples, batch_size)):
         indices = list(range(start, min(start + batch_size, spec.total_samples)))

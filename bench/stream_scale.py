@@ -51,6 +51,7 @@ import nats  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hsx.commands.embedded import start_nats_server  # noqa: E402
+from hsx.job import JobSpec
 from hsx.packing import plan_batches, plan_in_rounds  # noqa: E402
 from hsx.storage.streambatches import Batch, LandingBatcher, deal, shuffled_batches  # noqa: E402
 from hsx.wire import schemas, topology  # noqa: E402
@@ -73,8 +74,8 @@ def peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
-def job_spec(lengths: np.ndarray) -> schemas.JobSpec:
-    return schemas.JobSpec(
+def job_spec(lengths: np.ndarray) -> JobSpec:
+    return JobSpec(
         job=JOB,
         model="Qwen/Qwen3-8B",
         model_revision="b968826d9c46dd6066d109eabc6255188de91218",
@@ -101,7 +102,7 @@ def landing_order(lengths: np.ndarray) -> np.ndarray:
     return np.fromiter((i for batch in batches for i in batch.sample_indices), dtype=np.int64, count=len(lengths))
 
 
-async def publish(url: str, spec: schemas.JobSpec, lengths: np.ndarray) -> dict:
+async def publish(url: str, spec: JobSpec, lengths: np.ndarray) -> dict:
     """Record the job and publish its markers; the rate counts until JetStream holds them all.
     `end_seq`: the stream sequence of the last marker."""
     nc = await nats.connect(url)

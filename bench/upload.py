@@ -66,6 +66,8 @@ from hsx.commands.embedded import start_nats_server, synthetic_lengths  # noqa: 
 from hsx.commands.up import Child, hsx_argv, stop_all  # noqa: E402
 from hsx.errors import HsxError  # noqa: E402
 from hsx.gpu_consumer.writer import write_sample_file  # noqa: E402
+from hsx.job import JobSpec
+from hsx.storage.layout import SampleFiles
 from hsx.uploader.config import UploaderConfig  # noqa: E402
 from hsx.uploader.service import SERVICE as UPLOADER_SERVICE  # noqa: E402
 from hsx.wire import schemas, topology  # noqa: E402
@@ -133,8 +135,8 @@ def _start_moto(log_path: Path) -> tuple[subprocess.Popen, str]:
     raise HsxError("moto server did not start within 30 s")
 
 
-def _spec(args, dest: str) -> schemas.JobSpec:
-    return schemas.JobSpec(
+def _spec(args, dest: str) -> JobSpec:
+    return JobSpec(
         job=JOB,
         model="bench",
         model_revision="none",
@@ -161,7 +163,12 @@ def _write_pristine(args, root: Path) -> list[schemas.FileReady]:
         sample = schemas.Sample(index=i, source_id=str(i), input_ids=ids)
         hidden = torch.randn(lengths[i], args.layers, args.hidden, generator=torch.Generator().manual_seed(i))
         return write_sample_file(
-            spool=root, spec=spec, node=NODE, batch_id="b0", sample=sample, hidden_states=hidden.to(torch.bfloat16)
+            spool=root,
+            files=SampleFiles.of(spec),
+            node=NODE,
+            batch_id="b0",
+            sample=sample,
+            hidden_states=hidden.to(torch.bfloat16),
         )
 
     with ThreadPoolExecutor(max_workers=2) as pool:

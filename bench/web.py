@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import nats  # noqa: E402
 
 from hsx.commands.embedded import start_nats_server  # noqa: E402
+from hsx.job import JobSpec, plan_batch_id
 from hsx.wire import schemas, topology  # noqa: E402
 from hsx.wire.events import EventPublisher  # noqa: E402
 from hsx.wire.headers import message_headers  # noqa: E402
@@ -62,8 +63,8 @@ CHROMIUM_ARGS = [
 ]
 
 
-def _spec(samples: int, batch_size: int) -> schemas.JobSpec:
-    return schemas.JobSpec(
+def _spec(samples: int, batch_size: int) -> JobSpec:
+    return JobSpec(
         job=JOB,
         model="Qwen/Qwen3-27B",
         model_revision="local",
@@ -82,11 +83,11 @@ def _spec(samples: int, batch_size: int) -> schemas.JobSpec:
     )
 
 
-def _batch_events(spec: schemas.JobSpec, batch: int, batch_size: int):
+def _batch_events(spec: JobSpec, batch: int, batch_size: int):
     plan = spec.plan_tag
     start = batch * batch_size
     indices = list(range(start, min(start + batch_size, spec.total_samples)))
-    batch_id = schemas.plan_batch_id(JOB, spec.plan_fingerprint, batch)
+    batch_id = plan_batch_id(JOB, spec.plan_fingerprint, batch)
     yield (
         topology.written_subject(JOB, plan, batch_id),
         schemas.BatchWritten(
@@ -163,7 +164,7 @@ class Fleet(threading.Thread):
     """The workers' heartbeats every 5 s and the job's progress at `pace` samples/s, from a loop
     of its own, from batch `first_batch` on."""
 
-    def __init__(self, url: str, spec: schemas.JobSpec, args, first_batch: int) -> None:
+    def __init__(self, url: str, spec: JobSpec, args, first_batch: int) -> None:
         super().__init__(daemon=True)
         self.url, self.spec, self.args, self.next_batch = url, spec, args, first_batch
         self.stopping = threading.Event()

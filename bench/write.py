@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hsx.commands.embedded import synthetic_lengths  # noqa: E402
 from hsx.gpu_consumer.config import ConsumerConfig  # noqa: E402
 from hsx.gpu_consumer.writer import write_sample_file  # noqa: E402
-from hsx.wire.schemas import JobSpec, Sample  # noqa: E402
+from hsx.job import JobSpec  # noqa: E402
+from hsx.storage.layout import SampleFiles
+from hsx.wire.schemas import Sample
 
 
 def _spec(layers: int, samples: int) -> JobSpec:
@@ -94,7 +96,12 @@ def main() -> int:
             files = list(
                 pool.map(
                     lambda i: write_sample_file(
-                        spool=spool, spec=spec, node="n", batch_id="b", sample=samples[i], hidden_states=hidden[i]
+                        spool=spool,
+                        files=SampleFiles.of(spec),
+                        node="n",
+                        batch_id="b",
+                        sample=samples[i],
+                        hidden_states=hidden[i],
                     ),
                     range(len(samples)),
                 )

@@ -28,6 +28,7 @@ import structlog
 
 from hsx.errors import HsxError
 from hsx.exitcodes import DONE, JOB_FAILED
+from hsx.job import JobSpec
 from hsx.wire import schemas, topology
 from hsx.wire.counts import find_marker, has_uploaded_marker
 from hsx.wire.deadletter import resendable
@@ -73,7 +74,7 @@ def _payload_batch_id(letter: schemas.DeadLetter) -> str:
         return letter.batch_id
 
 
-def _target(letter: schemas.DeadLetter, job: str, spec: schemas.JobSpec | None) -> tuple[str, bytes, str]:
+def _target(letter: schemas.DeadLetter, job: str, spec: JobSpec | None) -> tuple[str, bytes, str]:
     """(the subject the letter's payload would go back to, the payload, "") or ("", b"", why it
     is refused). The subject is derived from the payload, never taken from the letter."""
     if letter.job != job:
@@ -149,7 +150,7 @@ async def _resolution(js, job: str, plan: str, letter: schemas.DeadLetter) -> st
 
 async def _letters_and_resolutions(
     js, kv, job: str
-) -> tuple[schemas.JobSpec | None, list[tuple[int, schemas.DeadLetter, str]]]:
+) -> tuple[JobSpec | None, list[tuple[int, schemas.DeadLetter, str]]]:
     spec = await read_job_spec(kv, job)
     plan = spec.plan_tag if spec else ""
     letters = await _read_letters(js, job)

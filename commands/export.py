@@ -22,6 +22,7 @@ import torch
 from hsx.commands.configs import ExportConfig
 from hsx.errors import HsxError, JobFailed
 from hsx.exitcodes import DONE
+from hsx.job import JobSpec
 from hsx.storage import trainers
 from hsx.storage.destinations import Destination
 from hsx.storage.expected import (
@@ -35,7 +36,7 @@ from hsx.storage.expected import (
 )
 from hsx.storage.index import bundle_spec, stored_samples
 from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, relative_sample_key, sample_key
-from hsx.storage.location import open_destination
+from hsx.storage.location import Location, open_destination
 from hsx.storage.reader import dequantize, load_sample, ordered_map
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.tokens import SampleTable, read_tokens
@@ -182,24 +183,32 @@ class _Progress:
             print(file=sys.stderr)
 
 
-def run_export(cfg: ExportConfig) -> ExportReport:
-    started = time.monotonic()
-    url = cfg.source
-    job = url.name
-    folder = open_destination(url, max_connections=cfg.workers)
+def _job_spec(folder: Destination, url: Location) -> JobSpec:
+    """The spec of the job whose folder `url` is, from its bundle; one line when there is none,
+    or when it is another job's."""
     spec = bundle_spec(folder)
     if spec is None:
         raise HsxError(
             f"{url}: no job bundle (_hsx/job.json) there: is this a job's folder? (e.g. s3://bucket/prefix/JOB)"
         )
-    if spec.job != job:
-        raise HsxError(f"{url}/{BUNDLE_SPEC_KEY} is job {spec.job}'s, not {job}'s")
+    if spec.job != url.name:
+        raise HsxError(f"{url}/{BUNDLE_SPEC_KEY} is job {spec.job}'s, not {url.name}'s")
+    return spec
+
+
+def run_export(cfg: ExportConfig) -> ExportReport:
+    started = time.monotonic()
+    url = cfg.source
+    job = url.name
+    folder = open_destination(url, max_connections=cfg.workers)
+    spec = _job_spec(folder, url)
     fmt = trainers.by_name(cfg.to)
     trainer_ids = fmt.trainer_layer_ids(spec)
     note = fmt.convention_note(spec.chat_convention)
     if note:
         print(f"hsx export: note: {note}", file=sys.stderr)
-    dtype_name = trainers.export_dtype(cfg.dtype, spec.dtype)
+    job_expected = ExpectedSamples.of_bundle(spec, url)
+    dtype_name = trainers.export_dtype(cfg.dtype, job_expected.encoding)
     dtype = getattr(torch, dtype_name)
     cfg.out.mkdir(parents=True, exist_ok=True)
     _claim(cfg.out, ExportIdentity(job=job, plan=spec.plan_tag, format=cfg.to, dtype=dtype_name))
@@ -208,7 +217,9 @@ def run_export(cfg: ExportConfig) -> ExportReport:
     # checked (total_samples against its tokens) before anything is sized by them.
     tokens = _bundle_tokens(folder, url) if fmt.reads_tokens else None
     try:
-        expected = load_expected(folder, url, spec) if tokens is None else expected_of_table(spec, tokens, url)
+        expected = (
+            load_expected(folder, url, job_expected) if tokens is None else expected_of_table(job_expected, tokens, url)
+        )
     except HsxError:
         if tokens is not None:
             tokens.close()

@@ -15,15 +15,16 @@ from nats.js.kv import KeyValue
 
 from hsx.errors import HsxError
 from hsx.exitcodes import DONE
+from hsx.job import JobSpec
 from hsx.storage.spool import plan_folder
-from hsx.wire import schemas, topology
+from hsx.wire import topology
 from hsx.wire.jobs import count_messages, job_durables, last_heartbeats, live_workers, read_job_spec, waiting_files
 from hsx.wire.natsconn import NatsSettings, connect
 
 log = structlog.get_logger("hsx.jobs")
 
 
-def _created(spec: schemas.JobSpec) -> str:
+def _created(spec: JobSpec) -> str:
     return datetime.fromtimestamp(spec.created_at, UTC).isoformat(timespec="seconds")
 
 
@@ -170,7 +171,7 @@ def _per_node(counts: dict[str, int]) -> str:
     return ", ".join(f"node {node} ({count})" for node, count in counts.items())
 
 
-async def _spool_folders(js: JetStreamContext, job: str, spec: schemas.JobSpec | None) -> dict[str, list[str]]:
+async def _spool_folders(js: JetStreamContext, job: str, spec: JobSpec | None) -> dict[str, list[str]]:
     """Per node, the folders holding the job's spooled files, from its workers' last heartbeats."""
     folders: dict[str, set[str]] = {}
     for beat in await last_heartbeats(js, job):

@@ -20,9 +20,9 @@ import msgspec
 
 from hsx.errors import HsxError
 from hsx.producer.measure import SAMPLE_TOKENS, Measured, NotMeasured, pick_samples
-from hsx.storage import encodings
 from hsx.storage.encodings.compressed import COMPRESSED, CompressedEncoding
 from hsx.storage.fsutil import human_bytes
+from hsx.storage.layout import SampleFiles
 from hsx.storage.tokens import SampleTable
 from hsx.wire import schemas
 
@@ -72,10 +72,10 @@ def available_memory(device) -> int | None:
     return free
 
 
-def measure_states(spec: schemas.JobSpec, rows: SampleTable, device: str) -> Measured:
+def measure_states(files: SampleFiles, rows: SampleTable, device: str) -> Measured:
     """The compressed over uncompressed bytes of the states of `pick_samples` of the job's
     samples, computed on `device` as a consumer computes them; NotMeasured saying why not."""
-    encoding = encodings.of_spec(spec.dtype)
+    spec, encoding = files.spec, files.encoding
     if not isinstance(encoding, CompressedEncoding):
         raise ValueError(f"{spec.dtype} is not a compressed encoding: its size is exact")
     if len(rows) == 0:
@@ -99,7 +99,7 @@ def measure_states(spec: schemas.JobSpec, rows: SampleTable, device: str) -> Mea
                 f"the model's trunk for these layers is {human_bytes(weights)} of weights, more than "
                 f"{MEMORY_FRACTION:.0%} of the {human_bytes(free)} free on {target} (--estimate-device)"
             )
-        loaded = load_model(spec.model, dtype=spec.dtype, device=device, **model)
+        loaded = load_model(spec.model, encoding=encoding, device=device, **model)
     except HsxError as exc:
         raise NotMeasured(str(exc).replace("--device", "--estimate-device")) from None
     picked = pick_samples(rows.lengths)
@@ -108,7 +108,7 @@ def measure_states(spec: schemas.JobSpec, rows: SampleTable, device: str) -> Mea
     raw = packed = 0
     try:
         for batch in _batches(samples, spec.token_budget):
-            states = extract_samples(loaded, batch, float8=encoding.quantized_on_device)
+            states = extract_samples(loaded, batch)
             for sample, sample_states in zip(batch, states):
                 packed += encoding.encode(sample_states)[COMPRESSED].numel()
                 raw += encoding.states_bytes(len(sample.input_ids), len(spec.layers), spec.hidden_size)

@@ -21,7 +21,7 @@ from hsx.wire import topology
 from hsx.wire.counts import marker_times, recent_upload_rate
 from hsx.wire.jobs import require_job_spec
 from hsx.wire.natsconn import NatsSettings, close_connection, connect, redact_url
-from hsx.wire.statusview import STALLED, StatusView, status_view
+from hsx.wire.statusview import STALLED, StatusView, human_duration, status_view
 from hsx.wire.tracker import ProgressTracker
 
 log = structlog.get_logger("hsx.status")
@@ -160,7 +160,7 @@ def format_status(view: StatusView, *, as_json: bool) -> str:
             f" for {view.no_worker_alive_s:.0f} s" if view.no_worker_alive_s is not None else ""
         )
     if view.done and view.elapsed_s is not None:
-        state += f", {_duration(view.elapsed_s)} from the first sample written to the last stored"
+        state += f", {human_duration(view.elapsed_s)} from the first sample written to the last stored"
         if view.average_samples_per_s:
             state += f" ({view.average_samples_per_s:.2f} samples/s)"
     workers = ", ".join(
@@ -180,7 +180,7 @@ def format_status(view: StatusView, *, as_json: bool) -> str:
     if not view.done:
         rate = "?" if view.samples_per_s is None else f"{view.samples_per_s:.2f}"
         lines.append(
-            f"  rate     {rate} samples/s over the last {RATE_WINDOW_S / 60:.0f} min, ETA {_duration(view.eta_s)}"
+            f"  rate     {rate} samples/s over the last {RATE_WINDOW_S / 60:.0f} min, ETA {human_duration(view.eta_s)}"
         )
     lines += [
         f"  spool    {view.files_waiting_upload} files waiting for upload",
@@ -229,14 +229,3 @@ def _kernel_lines(view: StatusView) -> list[str]:
 
 
 _SERVICE_WORDS = {"gpu_consumer": "consumers", "uploader": "uploaders", "producer": "producers"}
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

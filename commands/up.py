@@ -480,22 +480,58 @@ def run_up(cfg: UpConfig) -> int:
             nats = NatsSettings(url=server.url)
         log.info("nats_ready", url=redact_url(nats.url), embedded=server is not None)
         producer_cfg = replace(cfg.producer, nats=nats)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if cfg.device == "cpu":
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.consumers)))
-
-        def service(name: str, service_cfg, log_path: Path | None, own_env: dict[str, str] | None = None) -> Child:
-            return Child.of(
-                name,
-                replace(service_cfg, nats=nats),
-                log_level=cfg.log_level,
-                env={**env, **(own_env or {})},
-                log_path=log_path,
-            )
-
+        launch = _Launcher(cfg, nats, logs)
         # The workers start first and wait for the job's spec, the consumers loading the model
         # meanwhile (once up has made it, for the demo), so that the first batch waits for the
         # slower of the producer and a consumer's start, not their sum.
+        workers = launch.workers()
+        # The monitor starts once the job is recorded: before, it would only say it waits for a
+        # job that up is producing itself. Its stdout (the bar, or JSON lines) is up's; its
+        # stderr (an error line, a traceback) goes to its log, which names it if it dies.
+        monitor = launch.monitor()
+        children = [*workers, monitor]
+        for process in workers:
+            process.start()
+        _make_inputs(cfg, producer_cfg)
+        producer = launch.service("producer", producer_cfg, logs / "producer.log")
+        children.insert(0, producer)
+        producer.start()
+        log.info("producing", job=producer_cfg.job, dataset=str(producer_cfg.dataset), log=str(producer.log_path))
+        if _await_producer(producer, monitor, workers, interrupted, launch, embedded=server is not None):
+            return _interrupted(interrupted[0], monitor, nats, producer_cfg.job)
+        if _await_monitor(monitor, workers, interrupted, cfg):
+            return _interrupted(interrupted[0], monitor, nats, producer_cfg.job)
+        return _verdict(cfg, nats, monitor, up_started=up_started)
+    finally:
+        stop_all(children, interrupted[0] if interrupted else signal.SIGTERM)
+        if server is not None:
+            server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+class _Launcher:
+    """The children of one `hsx up` as Child processes: each service's config with the run's NATS,
+    its log in the run's logs folder, the run's environment."""
+
+    def __init__(self, cfg: UpConfig, nats: NatsSettings, logs: Path) -> None:
+        self.cfg, self.nats, self.logs = cfg, nats, logs
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if cfg.device == "cpu":
+            self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.consumers)))
+
+    def service(self, name: str, service_cfg, log_path: Path | None, own_env: dict[str, str] | None = None) -> Child:
+        return Child.of(
+            name,
+            replace(service_cfg, nats=self.nats),
+            log_level=self.cfg.log_level,
+            env={**self.env, **(own_env or {})},
+            log_path=log_path,
+        )
+
+    def workers(self) -> list[Child]:
+        """A consumer per device (and per --consumers), then the uploaders."""
+        cfg, logs = self.cfg, self.logs
         consumers = consumer_configs(cfg)
         log.info(
             "consumers_planned",
@@ -506,106 +542,119 @@ def run_up(cfg: UpConfig) -> int:
             consumers={name: consumer.device for name, consumer, _ in consumers},
             visible_gpus={name: own["CUDA_VISIBLE_DEVICES"] for name, _, own in consumers if own},
         )
-        workers = [service(name, consumer, logs / f"{name}.log", own) for name, consumer, own in consumers] + [
-            service(f"uploader-{i}", cfg.uploader, logs / f"uploader-{i}.log") for i in range(cfg.uploaders)
+        return [self.service(name, consumer, logs / f"{name}.log", own) for name, consumer, own in consumers] + [
+            self.service(f"uploader-{i}", cfg.uploader, logs / f"uploader-{i}.log") for i in range(cfg.uploaders)
         ]
-        # The monitor starts once the job is recorded: before, it would only say it waits for a
-        # job that up is producing itself. Its stdout (the bar, or JSON lines) is up's; its
-        # stderr (an error line, a traceback) goes to its log, which names it if it dies.
-        monitor = Child.of(
+
+    def monitor(self) -> Child:
+        return Child.of(
             "monitor",
-            replace(cfg.monitor, nats=nats),
-            log_level=cfg.log_level,
-            env=env,
-            log_path=logs / "monitor.log",
+            replace(self.cfg.monitor, nats=self.nats),
+            log_level=self.cfg.log_level,
+            env=self.env,
+            log_path=self.logs / "monitor.log",
             log_stdout=False,
         )
 
-        def start_monitor() -> None:
-            monitor.start()
-            if cfg.monitor.http_listen is not None:
-                log.info("page", job=producer_cfg.job, url=http_url(*cfg.monitor.http_listen))
+    def start_monitor(self, monitor: Child) -> None:
+        """The monitor started; with --http, up says where its page is."""
+        monitor.start()
+        if self.cfg.monitor.http_listen is not None:
+            log.info("page", job=self.cfg.producer.job, url=http_url(*self.cfg.monitor.http_listen))
 
-        children = [*workers, monitor]
-        for process in workers:
-            process.start()
-        if cfg.make_model:
-            build_tiny_model(Path(producer_cfg.model))
-        if cfg.make_dataset:
-            from hsx.model.modelinfo import load_model_info
 
-            info = load_model_info(producer_cfg.model, trust_remote_code=producer_cfg.trust_remote_code)
-            write_synthetic_dataset(
-                producer_cfg.dataset,
-                count=cfg.samples,
-                vocab_size=info.vocab_size,
-                max_len=min(512, producer_cfg.max_seq_len),
-            )
-        producer = service("producer", producer_cfg, logs / "producer.log")
-        children.insert(0, producer)
-        producer.start()
-        log.info("producing", job=producer_cfg.job, dataset=str(producer_cfg.dataset), log=str(producer.log_path))
-        looked = 0.0
-        while producer.poll() is None:
-            if interrupted:
-                return _interrupted(interrupted[0], monitor, nats, producer_cfg.job)
-            if not monitor.started() and time.monotonic() - looked > 1.0:
-                looked = time.monotonic()
-                if asyncio.run(_job_recorded(nats, producer_cfg.job)):
-                    start_monitor()
-            restart_crashed(workers)
-            if monitor.started():
-                check_monitor(monitor)
-            time.sleep(0.1)
-        if producer.poll() != DONE:
-            error = producer.last_error()
-            if server is not None and "already exists" in error:
-                # Its advice (`hsx jobs delete`) needs this server, which stops with up.
-                error += (
-                    f"; hsx up keeps its jobs in {cfg.workdir / 'nats'}: give another --job, or remove that "
-                    "folder and pass --replace-output to make the job anew"
-                )
-            log.error("child_failed", child=producer.name, exit_code=producer.poll(), error=error)
-            raise ChildFailed(f"producer failed: {error} (log: {producer.log_path})", code=producer.poll())
-        log.info("job_published", job=producer_cfg.job, dest=str(producer_cfg.dest))
-        if not monitor.started():
-            start_monitor()
+def _make_inputs(cfg: UpConfig, producer_cfg) -> None:
+    """The embedded demo's model and dataset, where none was given."""
+    if cfg.make_model:
+        build_tiny_model(Path(producer_cfg.model))
+    if cfg.make_dataset:
+        from hsx.model.modelinfo import load_model_info
 
-        started = time.monotonic()
-        while True:
-            if interrupted:
-                return _interrupted(interrupted[0], monitor, nats, producer_cfg.job)
-            if check_monitor(monitor) is not None:
-                break
-            if time.monotonic() - started > cfg.timeout_s:
-                raise Unavailable(  # stopped: a rerun resumes
-                    f"job {cfg.producer.job} not done after --timeout {cfg.timeout_s:.0f} s; run hsx up again to resume"
-                )
-            restart_crashed(workers)
-            time.sleep(0.2)
-
-        from hsx.commands.status import format_status, read_status
-
-        view = asyncio.run(read_status(nats, cfg.producer.job))
-        print(format_status(view, as_json=False), flush=True)
-        print(
-            f"hsx up took {time.monotonic() - up_started:.0f} s in all: start-up, producing and extracting", flush=True
+        info = load_model_info(producer_cfg.model, trust_remote_code=producer_cfg.trust_remote_code)
+        write_synthetic_dataset(
+            producer_cfg.dataset,
+            count=cfg.samples,
+            vocab_size=info.vocab_size,
+            max_len=min(512, producer_cfg.max_seq_len),
         )
-        if monitor.poll() != DONE or not view.done:
-            if view.destination_refusals:
-                # Stopping the uploaders leaves their files in the spool: a run after the fix resumes.
-                raise JobFailed(
-                    f"job {cfg.producer.job} stopped with {view.total_samples - view.samples_uploaded} samples not "
-                    f"uploaded: {view.failure_reason}; fix it and run hsx up again to resume"
-                )
-            raise JobFailed(
-                f"job {cfg.producer.job} finished without {view.total_samples - view.samples_uploaded} samples; "
-                f"dead samples: {view.dead_samples[:50]} (hsx status --job {cfg.producer.job})"
+
+
+def _await_producer(
+    producer: Child,
+    monitor: Child,
+    workers: list[Child],
+    interrupted: list[int],
+    launch: _Launcher,
+    *,
+    embedded: bool,
+) -> bool:
+    """Until the producer ends, the workers restarted as they crash and the monitor started once
+    the job is recorded; True when a signal came first. A producer that fails ends the run
+    (ChildFailed, its last error)."""
+    cfg, nats = launch.cfg, launch.nats
+    job = cfg.producer.job
+    looked = 0.0
+    while producer.poll() is None:
+        if interrupted:
+            return True
+        if not monitor.started() and time.monotonic() - looked > 1.0:
+            looked = time.monotonic()
+            if asyncio.run(_job_recorded(nats, job)):
+                launch.start_monitor(monitor)
+        restart_crashed(workers)
+        if monitor.started():
+            check_monitor(monitor)
+        time.sleep(0.1)
+    if producer.poll() != DONE:
+        error = producer.last_error()
+        if embedded and "already exists" in error:
+            # Its advice (`hsx jobs delete`) needs this server, which stops with up.
+            error += (
+                f"; hsx up keeps its jobs in {cfg.workdir / 'nats'}: give another --job, or remove that "
+                "folder and pass --replace-output to make the job anew"
             )
-        return DONE
-    finally:
-        stop_all(children, interrupted[0] if interrupted else signal.SIGTERM)
-        if server is not None:
-            server.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        log.error("child_failed", child=producer.name, exit_code=producer.poll(), error=error)
+        raise ChildFailed(f"producer failed: {error} (log: {producer.log_path})", code=producer.poll())
+    log.info("job_published", job=job, dest=str(cfg.producer.dest))
+    if not monitor.started():
+        launch.start_monitor(monitor)
+    return False
+
+
+def _await_monitor(monitor: Child, workers: list[Child], interrupted: list[int], cfg: UpConfig) -> bool:
+    """Until the monitor ends with the job's verdict, the workers restarted as they crash; True
+    when a signal came first. Past --timeout the run stops (Unavailable: a rerun resumes)."""
+    started = time.monotonic()
+    while True:
+        if interrupted:
+            return True
+        if check_monitor(monitor) is not None:
+            return False
+        if time.monotonic() - started > cfg.timeout_s:
+            raise Unavailable(  # stopped: a rerun resumes
+                f"job {cfg.producer.job} not done after --timeout {cfg.timeout_s:.0f} s; run hsx up again to resume"
+            )
+        restart_crashed(workers)
+        time.sleep(0.2)
+
+
+def _verdict(cfg: UpConfig, nats: NatsSettings, monitor: Child, *, up_started: float) -> int:
+    """The job's status printed; DONE when every sample is stored, else JobFailed saying why."""
+    from hsx.commands.status import format_status, read_status
+
+    job = cfg.producer.job
+    view = asyncio.run(read_status(nats, job))
+    print(format_status(view, as_json=False), flush=True)
+    print(f"hsx up took {time.monotonic() - up_started:.0f} s in all: start-up, producing and extracting", flush=True)
+    if monitor.poll() != DONE or not view.done:
+        if view.destination_refusals:
+            # Stopping the uploaders leaves their files in the spool: a run after the fix resumes.
+            raise JobFailed(
+                f"job {job} stopped with {view.total_samples - view.samples_uploaded} samples not "
+                f"uploaded: {view.failure_reason}; fix it and run hsx up again to resume"
+            )
+        raise JobFailed(
+            f"job {job} finished without {view.total_samples - view.samples_uploaded} samples; "
+            f"dead samples: {view.dead_samples[:50]} (hsx status --job {job})"
+        )
+    return DONE

@@ -20,7 +20,9 @@ import msgspec
 import structlog
 
 from hsx.errors import HsxError
-from hsx.storage import encodings
+from hsx.job import JobSpec, Layer
+from hsx.storage.encodings import Tolerance
+from hsx.storage.encodings.float32 import FLOAT32
 from hsx.storage.expected import ExpectedSamples, is_missing, mismatches
 from hsx.storage.index import INDEX_KEY, read_index
 from hsx.storage.layout import BUNDLE_DIR, relative_sample_key, sample_key
@@ -28,7 +30,7 @@ from hsx.storage.location import open_job_folder, spec_location
 from hsx.storage.reader import dequantize, load_sample
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
 from hsx.storage.tokens import load_table
-from hsx.wire import schemas, topology
+from hsx.wire import topology
 from hsx.wire.jobs import require_job_spec
 from hsx.wire.natsconn import NatsSettings, close_connection, connect
 
@@ -37,7 +39,7 @@ log = structlog.get_logger("hsx.verify")
 PROGRESS_EVERY = 5000
 
 
-async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, Sequence[list[int]] | None]:
+async def fetch_job(settings: NatsSettings, job: str) -> tuple[JobSpec, Sequence[list[int]] | None]:
     """The job spec, and every sample's token ids as the producer planned them (from the tokenized
     dataset stored with the job; for jobs made before it was stored, from the dataset file):
     `token_ids[i]` reads sample i's from a temp file (hsx/storage/tokens.py), so a job of any size fits."""
@@ -53,7 +55,7 @@ async def fetch_job(settings: NatsSettings, job: str) -> tuple[schemas.JobSpec, 
     return spec, expected_token_ids_from_dataset(spec)
 
 
-def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> Sequence[list[int]] | None:
+def expected_token_ids_from_dataset(spec: JobSpec) -> Sequence[list[int]] | None:
     """Every sample's token ids in index order, from the dataset the spec names; None when that
     dataset cannot be read on this machine (the comparison is then skipped and reported so)."""
     from hsx.producer.inputs import read_pretokenized
@@ -74,7 +76,7 @@ def expected_token_ids_from_dataset(spec: schemas.JobSpec) -> Sequence[list[int]
     return rows.token_ids
 
 
-def expected_hidden_size(spec: schemas.JobSpec) -> int | None:
+def expected_hidden_size(spec: JobSpec) -> int | None:
     """The model's hidden size: the spec's, or for a job from before the spec recorded it, the
     model config's when it is readable here, else None (then every file must agree with the
     most common size among the files)."""
@@ -131,7 +133,7 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
     job: str
     dest: str
     dtype: str
-    layers: list[schemas.Layer]
+    layers: list[Layer]
     total_samples: int
     samples_checked: int
     samples_ok: int
@@ -214,14 +216,18 @@ def _read_and_check(dest, expected, index, expected_ids, hidden_size, indexed_di
     )
 
 
-def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[list[int]] | None) -> list[dict]:
+def _recompute(
+    spec: JobSpec, allowed: Tolerance, dest, indices: list[int], token_ids: list[list[int]] | None
+) -> list[dict]:
+    """Recompute `indices` in float32 on the CPU and compare each with its stored states by the
+    job's encoding's `allowed` measure."""
     from hsx.gpu_consumer.extract import extract_samples
     from hsx.gpu_consumer.model import load_model
     from hsx.wire.schemas import Sample
 
     started = time.monotonic()
     kwargs = {"trust_remote_code": True} if spec.trust_remote_code else {}
-    loaded = load_model(spec.model, layers=list(spec.layers), dtype="float32", device="cpu", **kwargs)
+    loaded = load_model(spec.model, layers=list(spec.layers), encoding=FLOAT32, device="cpu", **kwargs)
     log.info("verify_model_loaded", model=spec.model, seconds=round(time.monotonic() - started, 2))
     results = []
     for index in indices:
@@ -246,8 +252,6 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
         ref_max_abs = reference.abs().max().item() if reference.numel() else 0.0
         ref_norm = reference.norm().item()
         relative = diff.norm().item() / ref_norm if ref_norm > 0 else (0.0 if max_abs == 0 else float("inf"))
-        # Recomputed (float32, CPU) vs stored, by the measure the job's encoding names.
-        allowed = encodings.of_spec(spec.dtype).tolerance
         measured = {"max_abs_error": max_abs, "relative_error": relative}[allowed.measure]
         ok, tolerance = measured <= allowed.limit, {allowed.measure: allowed.limit}
         results.append(
@@ -273,49 +277,52 @@ def _recompute(spec: schemas.JobSpec, dest, indices: list[int], token_ids: list[
     return results
 
 
-def verify(
-    spec: schemas.JobSpec,
-    token_ids: list[list[int]] | None,
-    *,
-    recompute: int = 0,
-    seed: int | None = None,
-    workers: int = 16,
-    list_folder: bool = False,
-) -> VerifyReport:
-    """Check the job's destination against its spec; the report (see `format_report`)."""
-    started = time.monotonic()
+@dataclass
+class _Stored:
+    """What the job's folder holds, as the index says or a listing finds: the keys, the indexed
+    digests (None from a listing, or for a row an uploader left without one) and the keys that
+    are no sample of the job's."""
+
+    keys: set[str]
+    digests: list[str | None] | None
+    extra: list[str]
+    from_index: bool
+
+
+def _stored(dest, spec: JobSpec, *, list_folder: bool) -> _Stored:
     job, total = spec.job, spec.total_samples
-    encodings.of_spec(spec.dtype, where=f"job {job}'s spec")
-    expected = ExpectedSamples.of_spec(spec, where=f"job {job}'s spec")
-    dest = open_job_folder(spec_location(spec.dest), job, max_connections=workers)
-    log.info("verify_started", job=job, dest=spec.dest, total_samples=total, workers=workers)
-
-    if token_ids is not None:
-        token_note = "compared with the job's tokenized dataset"
-    else:
-        token_note = f"not compared: dataset {spec.dataset} is not readable on this machine (see log)"
-    hidden_size = expected_hidden_size(spec)
-
     job_index, why_not = (None, "--list given") if list_folder else read_index(dest, job, spec=spec)
-    expected_keys = {relative_sample_key(job, i): i for i in range(total)}
     if job_index is not None:
         # A complete index names every sample's key: nothing to list, and no stray keys looked for.
         listed = {relative_sample_key(job, i) for i in job_index.sample_indices.tolist()}
         # Complete: row i is sample i. Null digests (from uploaders before events carried them) skip the check.
-        indexed_digests = [d.hex() if d else None for d in job_index.table.column("digest").to_pylist()]
-        extra: list[str] = []
-    else:
-        log.info("verify_listing", job=job, reason=why_not)
-        indexed_digests = None
-        listed = set(dest.keys())
-        # The job bundle under `_hsx/` belongs to the job (producer/bundle.py); it is not a stray key.
-        extra = sorted(f"{job}/{key}" for key in listed - expected_keys.keys() if not key.startswith(f"{BUNDLE_DIR}/"))
+        digests = [d.hex() if d else None for d in job_index.table.column("digest").to_pylist()]
+        return _Stored(keys=listed, digests=digests, extra=[], from_index=True)
+    log.info("verify_listing", job=job, reason=why_not)
+    listed = set(dest.keys())
+    expected_keys = {relative_sample_key(job, i) for i in range(total)}
+    # The job bundle under `_hsx/` belongs to the job (producer/bundle.py); it is not a stray key.
+    extra = sorted(f"{job}/{key}" for key in listed - expected_keys if not key.startswith(f"{BUNDLE_DIR}/"))
+    return _Stored(keys=listed, digests=None, extra=extra, from_index=False)
 
-    outcomes: list[_Outcome] = []
-    absent = [i for key, i in expected_keys.items() if key not in listed]
-    outcomes += [_Outcome(i, "missing") for i in absent]
-    to_read = iter(i for key, i in expected_keys.items() if key in listed)
-    done = len(absent)
+
+def _check_all(
+    dest,
+    expected: ExpectedSamples,
+    stored: _Stored,
+    token_ids: list[list[int]] | None,
+    hidden_size: int | None,
+    *,
+    workers: int,
+    started: float,
+) -> list[_Outcome]:
+    """Every sample of the plan: missing, or read and checked on `workers` threads (a bounded
+    number in flight), progress logged every PROGRESS_EVERY; sorted by sample."""
+    job, total = expected.job, expected.total
+    keys = {relative_sample_key(job, i): i for i in range(total)}
+    outcomes = [_Outcome(i, "missing") for key, i in keys.items() if key not in stored.keys]
+    to_read = iter(i for key, i in keys.items() if key in stored.keys)
+    done = len(outcomes)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hsx-verify") as pool:
         pending: set = set()
         while True:
@@ -328,7 +335,7 @@ def verify(
                         index,
                         None if token_ids is None else token_ids[index],
                         hidden_size,
-                        indexed_digests[index] if indexed_digests else None,
+                        stored.digests[index] if stored.digests else None,
                     )
                 )
                 if len(pending) >= workers * 4:
@@ -348,25 +355,53 @@ def verify(
                         problems=sum(o.status != "ok" for o in outcomes),
                         seconds=round(time.monotonic() - started, 1),
                     )
-
     if hidden_size is None:
-        # No model config here: every file must agree with the most common hidden size.
-        sizes = Counter(o.hidden_size for o in outcomes if o.status == "ok" and o.hidden_size is not None)
-        if sizes:
-            common = sizes.most_common(1)[0][0]
-            for o in outcomes:
-                if o.status == "ok" and o.hidden_size != common:
-                    o.status, o.checks, o.details = (
-                        "mismatching",
-                        ["hidden_states"],
-                        [f"hidden size {o.hidden_size}, the other files have {common}"],
-                    )
-    outcomes.sort(key=lambda o: o.index)
+        _agree_on_hidden_size(outcomes)
+    return sorted(outcomes, key=lambda o: o.index)
+
+
+def _agree_on_hidden_size(outcomes: list[_Outcome]) -> None:
+    """No model config here: every file must agree with the most common hidden size."""
+    sizes = Counter(o.hidden_size for o in outcomes if o.status == "ok" and o.hidden_size is not None)
+    if not sizes:
+        return
+    common = sizes.most_common(1)[0][0]
+    for o in outcomes:
+        if o.status == "ok" and o.hidden_size != common:
+            o.status, o.checks, o.details = (
+                "mismatching",
+                ["hidden_states"],
+                [f"hidden size {o.hidden_size}, the other files have {common}"],
+            )
+
+
+def verify(
+    spec: JobSpec,
+    token_ids: list[list[int]] | None,
+    *,
+    recompute: int = 0,
+    seed: int | None = None,
+    workers: int = 16,
+    list_folder: bool = False,
+) -> VerifyReport:
+    """Check the job's destination against its spec; the report (see `format_report`)."""
+    started = time.monotonic()
+    job, total = spec.job, spec.total_samples
+    expected = ExpectedSamples.of_spec(spec, where=f"job {job}'s spec")
+    dest = open_job_folder(spec_location(spec.dest), job, max_connections=workers)
+    log.info("verify_started", job=job, dest=spec.dest, total_samples=total, workers=workers)
+    if token_ids is not None:
+        token_note = "compared with the job's tokenized dataset"
+    else:
+        token_note = f"not compared: dataset {spec.dataset} is not readable on this machine (see log)"
+    hidden_size = expected_hidden_size(spec)
+    stored = _stored(dest, spec, list_folder=list_folder)
+    outcomes = _check_all(dest, expected, stored, token_ids, hidden_size, workers=workers, started=started)
 
     readable = [o.index for o in outcomes if o.status in ("ok", "mismatching")]
     seed = secrets.randbelow(2**31) if seed is None else seed
     chosen = sorted(random.Random(seed).sample(readable, min(recompute, len(readable)))) if recompute else []
-    recomputed = _recompute(spec, dest, chosen, token_ids) if chosen else []
+    recomputed = _recompute(spec, expected.encoding.tolerance, dest, chosen, token_ids) if chosen else []
 
     missing = [o.index for o in outcomes if o.status == "missing"]
     corrupt = [
@@ -381,6 +416,7 @@ def verify(
         for o in outcomes
         if o.status == "mismatching"
     ]
+    extra = stored.extra
     ok = not missing and not corrupt and not mismatching and not extra and all(r.ok for r in recomputed)
     report = VerifyReport(
         job=job,
@@ -394,7 +430,7 @@ def verify(
         corrupt=corrupt,
         mismatching=mismatching,
         extra_keys=extra,
-        stored_from="index" if job_index is not None else "listing",
+        stored_from="index" if stored.from_index else "listing",
         token_ids=token_note,
         token_ids_checked=token_ids is not None,
         hidden_size=hidden_size,

@@ -228,7 +228,7 @@ def _producer(module, environ: Mapping[str, str]) -> None:
     hold = environ.get("HSX_TEST_HOLD_PUBLISH")
     if not hold:
         return
-    publish = module._publish_batches
+    publish = module.publish_batches
 
     async def held(*args, **kwargs):
         if _first_to_create(str(Path(hold, "holding"))):
@@ -236,7 +236,7 @@ def _producer(module, environ: Mapping[str, str]) -> None:
                 await asyncio.sleep(0.05)
         return await publish(*args, **kwargs)
 
-    module._publish_batches = held
+    module.publish_batches = held
 
 
 _SEAMS: dict[str, Callable] = {
@@ -244,7 +244,7 @@ _SEAMS: dict[str, Callable] = {
     "hsx.gpu_consumer.service": _consumer_service,
     "hsx.gpu_consumer.writer": _consumer_writer,
     "hsx.wire.deadletter": _dead_letters,
-    "hsx.producer.main": _producer,
+    "hsx.producer.publishing": _producer,
 }
 
 

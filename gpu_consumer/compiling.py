@@ -21,7 +21,7 @@ from collections.abc import Callable
 import structlog
 from torch import nn
 
-from hsx.gpu_consumer.model import decoder_layers
+from hsx.gpu_consumer.trunk import decoder_layers
 
 log = structlog.get_logger("hsx.gpu_consumer.compiling")
 

@@ -29,14 +29,17 @@ only once the copy is done, though nothing here holds them. The lease's buffers 
 copy's event, so none goes back to the pool while a copy into it may still run. Off CUDA the
 forward is done when it returns, and so is the copy.
 
-With `float8`, the batch is quantized where it was computed, before the copy
-(`hsx.storage.encodings.float8.quantize_float8`: the same bytes as quantizing on the host): one byte per
-value and a scale per token and layer cross to the host instead of bfloat16's two bytes, and the
-writer threads have no arithmetic left to do. Each sample's states are then `Float8States`.
+What crosses to the host is the job's encoding's to say (`loaded.encoding.on_device`, and
+`landed` for each sample's states): the states as computed, or, for float8, quantized where they
+were computed, before the copy (`hsx.storage.encodings.float8.quantize_float8`: the same bytes as
+quantizing on the host): one byte per value and a scale per token and layer cross to the host
+instead of bfloat16's two bytes, and the writer threads have no arithmetic left to do. Nothing
+here knows which encoding it is.
 """
 
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 import torch
@@ -45,7 +48,6 @@ from hsx.errors import HsxError
 from hsx.exitcodes import DEVICE_FAILED
 from hsx.gpu_consumer.model import LoadedModel
 from hsx.gpu_consumer.staging import StagingLease
-from hsx.storage.encodings.float8 import Float8States, quantize_float8
 from hsx.wire.schemas import Sample
 
 log = structlog.get_logger("hsx.gpu_consumer.extract")
@@ -142,31 +144,24 @@ def pad_batch(samples: list[Sample], pad_token_id: int) -> tuple[torch.Tensor, t
     return ids, mask
 
 
-States = torch.Tensor | Float8States  # one sample's [T, k, H], as computed or quantized
+# One sample's [T, k, H] states as the job's encoding hands them over (`Encoding.landed`): a
+# tensor as computed, or float8's Float8States; the writer gives them to the same encoding.
+States = Any
 
 
 class Landing:
     """One forward's states on their way to the host: the host tensors (valid once `done` has
-    happened: a CUDA event of the copy stream, None when the copy was synchronous) and the
-    non-finite flags copied with them."""
+    happened: a CUDA event of the copy stream, None when the copy was synchronous), the
+    non-finite flags copied with them, and the encoding that made them."""
 
-    def __init__(
-        self, samples: list[Sample], hosts: list[torch.Tensor], flags: torch.Tensor, done, float8: bool
-    ) -> None:
-        self.samples, self.hosts, self.flags, self.done, self.float8 = samples, hosts, flags, done, float8
+    def __init__(self, samples: list[Sample], hosts: list[torch.Tensor], flags: torch.Tensor, done, encoding) -> None:
+        self.samples, self.hosts, self.flags, self.done, self.encoding = samples, hosts, flags, done, encoding
 
     def landed(self) -> bool:
         return self.done is None or self.done.query()
 
     def states(self) -> list["States"]:
-        if self.float8:
-            values, scale = self.hosts
-            return [
-                Float8States(values[row, : len(sample.input_ids)], scale[row, : len(sample.input_ids)])
-                for row, sample in enumerate(self.samples)
-            ]
-        [host] = self.hosts
-        return [host[row, : len(sample.input_ids)] for row, sample in enumerate(self.samples)]
+        return [self.encoding.landed(self.hosts, row, len(sample.input_ids)) for row, sample in enumerate(self.samples)]
 
 
 class InFlight:
@@ -243,7 +238,7 @@ def _copy_out(
     return hosts, host_flags, done
 
 
-def _launch(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | None, float8: bool) -> Landing:
+def _launch(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | None) -> Landing:
     if before_forward is not None:
         before_forward(samples, len(samples) * max(len(s.input_ids) for s in samples))
     ids, mask = pad_batch(samples, loaded.pad_token_id)
@@ -258,28 +253,27 @@ def _launch(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | No
         stacked = torch.stack(captured, dim=2).to(loaded.dtype)
         del captured
         flags = _non_finite(stacked, mask)
-        # float8: [B, P, k, H] e4m3 and [B, P, k] float32 scales cross to the host.
-        tensors = list(quantize_float8(stacked)) if float8 else [stacked]
+        tensors = list(loaded.encoding.on_device(stacked))
         del stacked
         if loaded.device.type == "cuda":
             hosts, host_flags, done = _copy_out(loaded.device, tensors, flags, lease)
-            return Landing(samples, hosts, host_flags, done, float8)
+            return Landing(samples, hosts, host_flags, done, loaded.encoding)
         if lease is None:
             hosts = [tensor.to("cpu") for tensor in tensors]
         else:
             hosts = [lease.take(tensor.shape, tensor.dtype).copy_(tensor) for tensor in tensors]
-        return Landing(samples, hosts, flags.to("cpu"), None, float8)
+        return Landing(samples, hosts, flags.to("cpu"), None, loaded.encoding)
 
 
 def extract_isolating(
-    loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None, float8: bool = False
+    loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None
 ) -> tuple[list[tuple[Sample, States]], list[tuple[Sample, str]]]:
     """For a batch that keeps failing: bisect it so that only the samples that fail on their own
     are given up. Returns (sample, states) for those that work and (sample, error) for the rest.
     Samples whose states are not finite are given up as soon as they are found, and the rest run
     without them; a device failure is raised (no sample is to blame)."""
     try:
-        return list(zip(samples, extract_samples(loaded, samples, lease=lease, float8=float8))), []
+        return list(zip(samples, extract_samples(loaded, samples, lease=lease))), []
     except NonFiniteStates as exc:
         given_up = exc.failed
     except Exception as exc:
@@ -291,40 +285,35 @@ def extract_isolating(
     if given_up is not None:
         named = {sample.index for sample, _ in given_up}
         rest = [sample for sample in samples if sample.index not in named]
-        good, bad = extract_isolating(loaded, rest, lease=lease, float8=float8) if rest else ([], [])
+        good, bad = extract_isolating(loaded, rest, lease=lease) if rest else ([], [])
         return good, given_up + bad
     half = len(samples) // 2
     # The first half's states stay in their leased buffers while the second half runs.
-    good_a, bad_a = extract_isolating(loaded, samples[:half], lease=lease, float8=float8)
-    good_b, bad_b = extract_isolating(loaded, samples[half:], lease=lease, float8=float8)
+    good_a, bad_a = extract_isolating(loaded, samples[:half], lease=lease)
+    good_b, bad_b = extract_isolating(loaded, samples[half:], lease=lease)
     return good_a + good_b, bad_a + bad_b
 
 
-def extract_samples(
-    loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None, float8: bool = False
-) -> list[States]:
-    """Hidden states [T, k, H] per sample (`Float8States` with `float8`), in the order given;
-    splits the batch on OOM. Launched and waited for at once (`launch_samples`)."""
-    return launch_samples(loaded, samples, lease=lease, float8=float8).wait()
+def extract_samples(loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None) -> list[States]:
+    """Hidden states [T, k, H] per sample, as the job's encoding hands them over (float8's
+    `Float8States`), in the order given; splits the batch on OOM. Launched and waited for at once
+    (`launch_samples`)."""
+    return launch_samples(loaded, samples, lease=lease).wait()
 
 
-def launch_samples(
-    loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None, float8: bool = False
-) -> InFlight:
+def launch_samples(loaded: LoadedModel, samples: list[Sample], *, lease: StagingLease | None = None) -> InFlight:
     """Queue the batch's forward and its copy to the host (`InFlight.wait` for the states),
     splitting it on OOM: an out-of-memory error is raised when memory is asked for, while the
     forward is queued, so the halves are launched here too."""
     mark = lease.mark() if lease is not None else 0
-    return InFlight(loaded, _launch_parts(loaded, samples, lease, float8), lease, mark)
+    return InFlight(loaded, _launch_parts(loaded, samples, lease), lease, mark)
 
 
-def _launch_parts(
-    loaded: LoadedModel, samples: list[Sample], lease: StagingLease | None, float8: bool
-) -> list[Landing]:
+def _launch_parts(loaded: LoadedModel, samples: list[Sample], lease: StagingLease | None) -> list[Landing]:
     mark = lease.mark() if lease is not None else 0
     try:
         try:
-            return [_launch(loaded, samples, lease, float8)]
+            return [_launch(loaded, samples, lease)]
         except torch.OutOfMemoryError as exc:
             if len(samples) == 1:
                 raise
@@ -339,8 +328,8 @@ def _launch_parts(
         half = len(samples) // 2
         log.warning("batch_split_on_oom", samples=len(samples), halves=[half, len(samples) - half])
         # The first half's states stay in their leased buffers while the second half runs.
-        first = _launch_parts(loaded, samples[:half], lease, float8)
-        return first + _launch_parts(loaded, samples[half:], lease, float8)
+        first = _launch_parts(loaded, samples[:half], lease)
+        return first + _launch_parts(loaded, samples[half:], lease)
     except BaseException as exc:
         # Whoever catches this (a retry, a bisection) must not find the failed forward's
         # tensors still held by its frames.

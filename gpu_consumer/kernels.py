@@ -27,7 +27,7 @@ import structlog
 from torch import nn
 
 from hsx.errors import HsxError
-from hsx.gpu_consumer.model import decoder_layers
+from hsx.gpu_consumer.trunk import decoder_layers
 from hsx.wire.schemas import Kernels
 
 log = structlog.get_logger("hsx.gpu_consumer.kernels")

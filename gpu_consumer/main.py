@@ -28,9 +28,13 @@ from hsx.gpu_consumer.model import LoadedModel, load_model, usable_device
 from hsx.gpu_consumer.scheduler import pull_loop
 from hsx.gpu_consumer.service import SERVICE, BatchWorker
 from hsx.gpu_consumer.writer import remove_orphaned_temp_files
+from hsx.job import JobSpec, Layer
 from hsx.model.layers import resolve_layers
 from hsx.model.modelinfo import load_model_info
+from hsx.storage import encodings
+from hsx.storage.encodings import Encoding
 from hsx.storage.fsutil import make_private_dirs
+from hsx.storage.layout import SampleFiles
 from hsx.storage.spool import plan_folder, remove_plan_folder, remove_stale_plans, warn_spool_room
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
@@ -63,13 +67,20 @@ class ModelKey:
 
     model: str
     revision: str  # as the spec records it: "local" for a folder
-    layers: tuple[schemas.Layer, ...]
-    dtype: str
+    layers: tuple[Layer, ...]
+    encoding: Encoding  # its compute dtype, and what its forward hands over (extract.py)
     trust_remote_code: bool
 
     @classmethod
-    def of(cls, spec: schemas.JobSpec) -> "ModelKey":
-        return cls(spec.model, spec.model_revision, tuple(spec.layers), spec.dtype, spec.trust_remote_code)
+    def of(cls, files: SampleFiles) -> "ModelKey":
+        spec = files.spec
+        return cls(spec.model, spec.model_revision, tuple(spec.layers), files.encoding, spec.trust_remote_code)
+
+    def __str__(self) -> str:
+        return (
+            f"ModelKey(model={self.model!r}, revision={self.revision!r}, layers={self.layers!r}, "
+            f"dtype={self.encoding.stored!r}, trust_remote_code={self.trust_remote_code!r})"
+        )
 
 
 def _load_ready(key: ModelKey, *, device: str, compile_layers: bool) -> LoadedModel:
@@ -77,7 +88,7 @@ def _load_ready(key: ModelKey, *, device: str, compile_layers: bool) -> LoadedMo
     loaded = load_model(
         key.model,
         layers=list(key.layers),
-        dtype=key.dtype,
+        encoding=key.encoding,
         device=device,
         trust_remote_code=key.trust_remote_code,
         revision=None if key.revision == "local" else key.revision,
@@ -91,7 +102,9 @@ def load_expected(expected: ExpectedModel, *, device: str, compile_layers: bool)
     """The model `hsx up` expects the job to name, its layers resolved as the producer resolves them."""
     info = load_model_info(expected.model, trust_remote_code=expected.trust_remote_code)
     layers = resolve_layers(expected.layers, info.num_layers, model=expected.model)
-    key = ModelKey(expected.model, info.revision, tuple(layers), expected.dtype, expected.trust_remote_code)
+    # The dtype hsx up expects the spec to name, looked up before there is a spec.
+    encoding = encodings.of_spec(expected.dtype)
+    key = ModelKey(expected.model, info.revision, tuple(layers), encoding, expected.trust_remote_code)
     return key, _load_ready(key, device=device, compile_layers=compile_layers)
 
 
@@ -108,10 +121,11 @@ async def load_early(
 
 
 async def model_for(
-    spec: schemas.JobSpec, early: asyncio.Future | None, forwards: DeviceThread, *, device: str, compile_layers: bool
+    files: SampleFiles, early: asyncio.Future | None, forwards: DeviceThread, *, device: str, compile_layers: bool
 ) -> LoadedModel:
-    """The spec's model: the one loaded before the spec was read if it is that one, else loaded now."""
-    wanted = ModelKey.of(spec)
+    """The model the spec's files are made with: the one loaded before the spec was read if it is
+    that one, else loaded now."""
+    spec, wanted = files.spec, ModelKey.of(files)
     if early is not None:
         spec_read = time.monotonic()
         try:
@@ -171,6 +185,37 @@ async def run(cfg: ConsumerConfig) -> int:
         return await _run(cfg, device, health)
 
 
+def _checked_kernels(cfg: ConsumerConfig, loaded: LoadedModel) -> schemas.Kernels:
+    """The kernels the loaded model runs (gpu_consumer/kernels.py); refused in one line when they
+    are the slow ones and --allow-slow-kernels was not given."""
+    kernels = kernel_report(
+        loaded.model,
+        compiled=compiling.compiled(loaded.model),
+        compile_error=compiling.fallback_reason(loaded.model),
+    )
+    check_kernels(kernels, loaded.device.type, allow_slow=cfg.allow_slow_kernels)
+    return kernels
+
+
+def _log_ready(cfg: ConsumerConfig, spec: JobSpec, loaded: LoadedModel, kernels: schemas.Kernels) -> None:
+    log.info(
+        "consumer_ready",
+        model=spec.model,
+        layers=spec.layers,
+        dtype=spec.dtype,
+        device=str(loaded.device),
+        # Which GPU cuda:0 is: hsx up shows each consumer its own alone.
+        cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        attention=loaded.attention,
+        compile_layers=kernels.compiled,
+        kernels=report_fields(kernels),
+        torch_threads=torch.get_num_threads(),
+        node=cfg.node,
+        spool=str(cfg.spool),
+        until_done=cfg.until_done,
+    )
+
+
 async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int:
     started_at = time.time()
     make_private_dirs(cfg.spool)
@@ -196,7 +241,9 @@ async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int
             return STOPPED  # a signal came before the job's spec
         js, spec, stopping = session.js, session.spec, session.stopping
         health.watch_stop(stopping)
-        warn_spool_room(cfg.spool, spec, high_water=cfg.spool_high_water_bytes)
+        # The job's files, its encoding looked up once: the model is loaded for it.
+        files = SampleFiles.of(spec)
+        warn_spool_room(cfg.spool, files, high_water=cfg.spool_high_water_bytes)
         events = EventPublisher(session.nc, js, cfg.job)
         worker: BatchWorker | None = None
         kernels: schemas.Kernels | None = None  # known once the model is loaded
@@ -222,14 +269,9 @@ async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int
             watching(watch),
             heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state),
         ):
-            loaded = await model_for(spec, early, forwards, device=cfg.device, compile_layers=compile_layers)
-            kernels = kernel_report(
-                loaded.model,
-                compiled=compiling.compiled(loaded.model),
-                compile_error=compiling.fallback_reason(loaded.model),
-            )
+            loaded = await model_for(files, early, forwards, device=cfg.device, compile_layers=compile_layers)
             # Refused here, before any batch is taken: the goodbye leaves no live worker.
-            check_kernels(kernels, loaded.device.type, allow_slow=cfg.allow_slow_kernels)
+            kernels = _checked_kernels(cfg, loaded)
             # After the load, which may convert a checkpoint's dtype on the CPU with every core.
             limit_host_threads(device)
             folder = plan_folder(cfg.spool, spec.job, spec.plan_tag)
@@ -239,22 +281,7 @@ async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int
             if await watch.check():
                 return JOB_FAILED  # deleted while the model loaded (JobLost on leaving `watching`)
             await asyncio.to_thread(remove_stale_plans, cfg.spool, spec)
-            log.info(
-                "consumer_ready",
-                model=spec.model,
-                layers=spec.layers,
-                dtype=spec.dtype,
-                device=str(loaded.device),
-                # Which GPU cuda:0 is: hsx up shows each consumer its own alone.
-                cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                attention=loaded.attention,
-                compile_layers=kernels.compiled,
-                kernels=report_fields(kernels),
-                torch_threads=torch.get_num_threads(),
-                node=cfg.node,
-                spool=str(cfg.spool),
-                until_done=cfg.until_done,
-            )
+            _log_ready(cfg, spec, loaded, kernels)
             durable = await topology.ensure_gpu_consumer(js, cfg.job, ack_wait_s=cfg.ack_wait_s)
             sub = await js.pull_subscribe_bind(durable=durable, stream=topology.BATCHES_STREAM)
             worker = BatchWorker(cfg, js, events, spec, loaded, stopping, watch=watch, forwards=forwards)

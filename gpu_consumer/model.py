@@ -20,14 +20,14 @@ import torch
 from torch import nn
 
 from hsx.errors import HsxError
+from hsx.gpu_consumer.compiling import compile_decoder_layers
+from hsx.gpu_consumer.kernels import bind_fla_conv
 from hsx.gpu_consumer.staging import HostStaging
 from hsx.gpu_consumer.trunk import LoadReport, decoder_stack, load_trunk, peak_host_rss_bytes
-from hsx.gpu_consumer.trunk import decoder_layers as decoder_layers  # kept importable from here
+from hsx.job import FINAL, Layer
 from hsx.logs import route_transformers_logging
 from hsx.model.devices import visible_text
-from hsx.model.layers import FINAL
-from hsx.storage import encodings
-from hsx.wire.schemas import Layer
+from hsx.storage.encodings import Encoding
 
 log = structlog.get_logger("hsx.gpu_consumer.model")
 
@@ -95,6 +95,9 @@ class LoadedModel:
     dtype: torch.dtype  # compute dtype
     pad_token_id: int
     attention: str
+    # The job's encoding, which the model was loaded for: its compute dtype is `dtype`, and the
+    # forward hands its states over as it makes them on the device (`on_device`, extract.py).
+    encoding: Encoding
     staging: HostStaging | None = None  # pinned host buffers, on CUDA devices
     load_report: LoadReport | None = None  # what load_model loaded (hsx.gpu_consumer.trunk)
 
@@ -149,18 +152,18 @@ def load_model(
     path: str,
     *,
     layers: list[Layer],
-    dtype: str,
+    encoding: Encoding,
     device: str,
     trust_remote_code: bool = False,
     revision: str | None = None,
     compile_layers: bool = False,
 ) -> LoadedModel:
     """The trunk of the model at `path` that `layers` runs (hsx.gpu_consumer.trunk), its weights
-    loaded straight onto `device`. `revision`: the cache snapshot the producer resolved (pinned so
+    loaded straight onto `device` in `encoding`'s compute dtype. `revision`: the cache snapshot the producer resolved (pinned so
     that every consumer loads the weights the job spec names, even if the cache's `main` moves);
     None for a local folder."""
     route_transformers_logging()
-    compute_dtype = getattr(torch, encodings.of_spec(dtype).compute)
+    compute_dtype = getattr(torch, encoding.compute)
     target = usable_device(device)
     attention = choose_attention(target, compute_dtype)
     model, report = load_trunk(
@@ -176,12 +179,8 @@ def load_model(
         "model_loaded", model=path, device=str(target), **report.fields(), host_peak_rss_bytes=peak_host_rss_bytes()
     )
     if target.type == "cuda":
-        from hsx.gpu_consumer.kernels import bind_fla_conv  # it imports this module
-
         bind_fla_conv(model)  # fla's causal conv where causal-conv1d is missing
     if compile_layers:
-        from hsx.gpu_consumer.compiling import compile_decoder_layers  # it imports this module
-
         compile_decoder_layers(model)
     config = model.config.get_text_config()
     pad = getattr(config, "pad_token_id", None)
@@ -192,6 +191,7 @@ def load_model(
         dtype=compute_dtype,
         pad_token_id=int(pad) if isinstance(pad, int) and 0 <= pad < config.vocab_size else 0,
         attention=str(getattr(model.config, "_attn_implementation", "unknown")),
+        encoding=encoding,
         staging=HostStaging() if target.type == "cuda" else None,
         load_report=report,
     )

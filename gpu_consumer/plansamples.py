@@ -18,6 +18,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.storage.sampledigest import DIGEST_BYTES, sample_digest
 from hsx.storage.tokens import digests_object_name
 from hsx.wire import schemas, topology
@@ -26,7 +27,7 @@ from hsx.wire import schemas, topology
 _READ_S = 10.0
 
 
-def batch_placed(spec: schemas.JobSpec, batch: schemas.BatchDescriptor) -> bool:
+def batch_placed(spec: JobSpec, batch: schemas.BatchDescriptor) -> bool:
     """Whether `batch` lies inside `spec`'s plan: every sample index below its total, and a batch
     id of the plan's form one of its batches (a re-queued sample's batch or a poisoned batch's
     retry has an id of another form, and samples of the plan)."""
@@ -40,11 +41,11 @@ class PlanSamplesUnavailable(HsxError):
 
 
 class PlanSamples:
-    def __init__(self, js: JetStreamContext, spec: Callable[[], schemas.JobSpec]) -> None:
+    def __init__(self, js: JetStreamContext, spec: Callable[[], JobSpec]) -> None:
         self.js, self.spec = js, spec  # `spec()`: the job's spec as last read (a plan in rounds grows)
         self._digests = b""  # as last read: every sample's, in index order
 
-    async def _read(self, spec: schemas.JobSpec) -> bytes:
+    async def _read(self, spec: JobSpec) -> bytes:
         name = digests_object_name(spec.job)
         buffer = io.BytesIO()
         try:

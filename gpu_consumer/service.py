@@ -42,8 +42,9 @@ from hsx.gpu_consumer.plansamples import PlanSamples, PlanSamplesUnavailable, ba
 from hsx.gpu_consumer.staging import StagingLease
 from hsx.gpu_consumer.stall import STAGES, ForwardPace, ReleasedBatch, Stall
 from hsx.gpu_consumer.writer import write_sample_file
-from hsx.storage import encodings
+from hsx.job import JobSpec
 from hsx.storage.fsutil import fsync_dir
+from hsx.storage.layout import SampleFiles
 from hsx.storage.spool import SpoolMeter, plan_folder, spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher, WorkerState
@@ -103,7 +104,7 @@ class BatchWorker:
         cfg: ConsumerConfig,
         js: JetStreamContext,
         events: EventPublisher,
-        spec: schemas.JobSpec,
+        spec: JobSpec,
         loaded: LoadedModel,
         stopping: asyncio.Event,
         *,
@@ -115,6 +116,9 @@ class BatchWorker:
         self.events = events
         self.spec = spec
         self.loaded = loaded
+        # The files the spec makes, in the encoding the model was loaded for: the spec's
+        # (gpu_consumer/main.py loads the model for the spec it serves).
+        self.files = SampleFiles(spec, loaded.encoding)
         self.stopping = stopping
         # Whether the job is still the one this worker started for (None: not watched, in tests).
         self.watch = watch
@@ -163,7 +167,7 @@ class BatchWorker:
             replaced = None
         ready = write_sample_file(
             spool=self.cfg.spool,
-            spec=self.spec,
+            files=self.files,
             node=self.cfg.node,
             batch_id=batch_id,
             sample=sample,
@@ -466,13 +470,13 @@ class BatchWorker:
         return False
 
     async def _launch_and_land(
-        self, samples: list[schemas.Sample], lease: StagingLease | None, float8: bool, launched: asyncio.Event | None
+        self, samples: list[schemas.Sample], lease: StagingLease | None, launched: asyncio.Event | None
     ) -> list:
         """The batch's forward queued on the forwards thread, then its copy to the host waited for
         on the landing thread (not at all when it is there already: off CUDA)."""
 
         def launch() -> InFlight:
-            return launch_samples(self.loaded, samples, lease=lease, float8=float8)
+            return launch_samples(self.loaded, samples, lease=lease)
 
         with self.busy.running():
             inflight: InFlight = await self.forwards.run(compiling.eager_on_failure, self.loaded.model, launch)
@@ -507,7 +511,6 @@ class BatchWorker:
         self._in_hand[id(taken)] = batch.batch_id
         log_ = log.bind(batch=batch.batch_id, attempt=attempt)
         started = time.perf_counter()
-        float8 = encodings.of_spec(self.spec.dtype).quantized_on_device  # before the copy to the host
 
         def forward(work: Awaitable) -> Awaitable:
             return self._watched(
@@ -520,7 +523,7 @@ class BatchWorker:
             )
 
         try:
-            outputs = await forward(self._launch_and_land(batch.samples, lease, float8, launched))
+            outputs = await forward(self._launch_and_land(batch.samples, lease, launched))
             return Computed(taken, batch, attempt, started, list(zip(batch.samples, outputs)))
         except ReleasedBatch:
             return None
@@ -540,7 +543,7 @@ class BatchWorker:
         try:
             with self.busy.running():
                 extracted, failed = await forward(
-                    self.forwards.run(extract_isolating, self.loaded, batch.samples, lease=lease, float8=float8)
+                    self.forwards.run(extract_isolating, self.loaded, batch.samples, lease=lease)
                 )
         except ReleasedBatch:
             return None
@@ -694,7 +697,7 @@ class BatchWorker:
         # Only the plan's own batches count toward it; a re-queued sample's batch, a poisoned
         # batch's retry, a dead letter's half, or one with samples outside the plan (a descriptor
         # published by hand) is set aside, so batches_done never passes batches_total.
-        def in_plan(spec: schemas.JobSpec) -> bool:
+        def in_plan(spec: JobSpec) -> bool:
             return spec.is_plan_batch(batch.batch_id) and all(0 <= f.sample_index < spec.total_samples for f in files)
 
         # The spec as it is now: a plan published in rounds grows (its next round is recorded
@@ -789,7 +792,7 @@ async def _ends_within(running: asyncio.Future, seconds: float) -> bool:
     return bool(done)
 
 
-def _full_batch_bytes(spec: schemas.JobSpec, loaded: LoadedModel) -> int:
+def _full_batch_bytes(spec: JobSpec, loaded: LoadedModel) -> int:
     """About the most a batch adds to the spool: the token budget's states at the compute dtype
     (float8 files are smaller). 0 when the model does not say its hidden size."""
     try:

@@ -26,9 +26,8 @@ import torch
 from torch import nn
 
 from hsx.errors import HsxError
-from hsx.model.layers import FINAL
+from hsx.job import FINAL, Layer
 from hsx.model.modelinfo import remote_code_refused
-from hsx.wire.schemas import Layer
 
 log = structlog.get_logger("hsx.gpu_consumer.trunk")
 

@@ -5,12 +5,11 @@ from pathlib import Path
 
 import torch
 
-from hsx.storage import encodings, samplefile
-from hsx.storage.encodings.float8 import Float8States
-from hsx.storage.layout import sample_key, sample_metadata
+from hsx.storage import samplefile
+from hsx.storage.layout import SampleFiles, sample_key
 from hsx.storage.sampledigest import sample_digest
 from hsx.storage.spool import spool_file
-from hsx.wire.schemas import FileReady, JobSpec, Sample
+from hsx.wire.schemas import FileReady, Sample
 
 # hsx.storage.fsutil.atomic_write writes `.<name>.<hex>.tmp` next to the file, then renames it.
 _TEMP_NAME = re.compile(r"^\..+\.safetensors\.[0-9a-f]+\.tmp$")
@@ -37,41 +36,26 @@ def remove_orphaned_temp_files(folder: Path, *, older_than: float) -> int:
 def write_sample_file(
     *,
     spool: Path,
-    spec: JobSpec,
+    files: SampleFiles,
     node: str,
     batch_id: str,
     sample: Sample,
-    hidden_states: torch.Tensor | Float8States,
+    hidden_states,
     sync_dir: bool = True,
 ) -> FileReady:
     """Write the sample's file into the spool (fsynced, renamed into place) and describe it.
     `sync_dir=False`: the caller fsyncs the file's folder (`hsx.storage.fsutil.fsync_dir`) once for all
-    the files it writes there, before it announces any of them. The job's encoding makes the
-    file's tensors here, in the caller's writer thread (compression included): a float8 job's
-    states come quantized from the forward (`Float8States`, gpu_consumer/extract.py) or are
-    quantized here."""
-    encoding = encodings.of_spec(spec.dtype)
-    if isinstance(hidden_states, Float8States) and not encoding.quantized_on_device:
-        raise ValueError(f"float8 states given for a job stored as {spec.dtype}")
-    shape = tuple(hidden_states.values.shape if isinstance(hidden_states, Float8States) else hidden_states.shape)
-    tensors = encoding.encode(hidden_states)
+    the files it writes there, before it announces any of them. `hidden_states` [T, k, H] are as
+    the job's encoding handed them over on the device (gpu_consumer/extract.py; float8's come
+    quantized), or as computed; the encoding makes the file's tensors from them here, in the
+    caller's writer thread (compression included)."""
+    spec = files.spec
+    tensors = files.encoding.encode(hidden_states)
     tensors["input_ids"] = torch.tensor(sample.input_ids, dtype=torch.int64)
     mask = sample.mask()  # from loss_spans, or from the per-token list of older descriptors
     if mask is not None:
         tensors["loss_mask"] = torch.tensor(mask, dtype=torch.uint8)
-    metadata = sample_metadata(
-        job=spec.job,
-        sample_index=sample.index,
-        source_id=sample.source_id,
-        model=spec.model,
-        model_revision=spec.model_revision,
-        layers=spec.layers,
-        dtype=spec.dtype,
-        num_tokens=len(sample.input_ids),
-        plan=spec.plan_tag,
-        layer_preset=spec.layer_preset,
-    )
-    metadata.update(encoding.file_metadata(*shape))
+    metadata = files.metadata(sample_index=sample.index, source_id=sample.source_id, shape=tuple(hidden_states.shape))
     path = spool_file(spool, spec.job, spec.plan_tag, sample.index)
     size, digest = samplefile.write(path, tensors, metadata, sync_dir=sync_dir)
     return FileReady(

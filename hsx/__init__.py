@@ -2,7 +2,8 @@
 
 The core, in rooms (docs/architecture/index.md, "Layout"): `hsx.wire` (messages, topology, progress),
 `hsx.storage` (the output format, destinations, index, the trainers' reader), `hsx.model`
-(layers, model configs, devices) and `hsx.config` (where settings come from). The services
+(layers, model configs, devices) and `hsx.config` (where settings come from), over the base
+modules (`hsx.job`: the job's own types; `hsx.errors`, `hsx.logs`, ...). The services
 `hsx.producer`, `hsx.gpu_consumer`, `hsx.uploader`, `hsx.monitor` and the command line
 `hsx.commands` are installed under this namespace from the top-level folders of those names.
 """

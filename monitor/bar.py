@@ -9,6 +9,7 @@ import threading
 from typing import TextIO
 
 from hsx.monitor.report import Reading, live_workers_by_service, percent_uploaded, silent_count
+from hsx.wire.statusview import human_duration
 
 _BAR_CELLS = 20
 _SERVICE_SHORT = {"gpu_consumer": "gpu", "uploader": "up", "producer": "prod"}
@@ -27,19 +28,6 @@ def _size(value: int) -> str:
         if value >= size:
             return f"{value / size:.1f} {unit}"
     return f"{value} B"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    if minutes:
-        return f"{minutes}m{secs:02d}s"
-    return f"{secs}s"
 
 
 def _cells(fraction: float) -> str:
@@ -64,7 +52,7 @@ def render_bar(reading: Reading, *, job: str, width: int = 200) -> str:
         return _fit(
             [
                 f"{job} done: {view.samples_uploaded}/{view.total_samples} samples"
-                + (f" in {_duration(view.elapsed_s)}" if view.elapsed_s is not None else ""),
+                + (f" in {human_duration(view.elapsed_s)}" if view.elapsed_s is not None else ""),
                 f"{_count(view.tokens_uploaded)} tokens",
                 _size(view.bytes_uploaded),
                 f"{view.batches_done} batches",
@@ -85,7 +73,7 @@ def render_bar(reading: Reading, *, job: str, width: int = 200) -> str:
     silent = silent_count(reading)
     parts = [
         f"{job} {_cells(percent / 100)} {percent:5.1f}% {view.samples_uploaded}/{view.total_samples}",
-        f"ETA {_duration(reading.eta_s)}",
+        f"ETA {human_duration(reading.eta_s)}",
         f"{_count(reading.tokens_per_s)} tok/s",
     ]
     if view.failed:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from hsx.exitcodes import DONE, JOB_FAILED, STOPPED
+from hsx.job import JobSpec
 from hsx.logs import configure_logging
 from hsx.monitor.bar import TerminalBar, render_bar
 from hsx.monitor.config import MonitorConfig
@@ -39,7 +40,6 @@ from hsx.monitor.report import (
     take_reading,
 )
 from hsx.storage.index import build_job_index
-from hsx.wire import schemas
 from hsx.wire.counts import marker_times
 from hsx.wire.statusview import status_view
 from hsx.wire.tracker import ProgressTracker
@@ -91,7 +91,7 @@ async def run(cfg: MonitorConfig) -> int:
             server.server_close()
 
 
-async def _write_index(js, spec: schemas.JobSpec) -> None:
+async def _write_index(js, spec: JobSpec) -> None:
     """A job without its index is still whole (readers list it instead), so a failure here is a
     warning naming the command that redoes it, not the monitor's failure."""
     try:
@@ -121,107 +121,19 @@ async def _follow(
         watch = JobWatch(kv, spec, stopping)
         tracker = ProgressTracker(js, cfg.job, plan=spec.plan_tag, heartbeats=True)
         await tracker.start()
-        started = saved = time.monotonic()
-        token_rate, sample_rate = RateWindow(), RateWindow()
+        readings = _Readings(cfg, tracker, bar, collector, page=page, maker=maker)
+        reported = _Reported(cfg)
         summarised = False
-        reported_silent: set[str] = set()
-        reported_stalled: set[tuple[str, str]] = set()  # (instance, batch)
-        refusal: str | None = None  # the destination's refusal last logged
         try:
             while not stopping.is_set():
                 if await watch.check():
                     break
                 spec = watch.current  # NATS reconnecting: the last spec read
-                try:
-                    await tracker.refresh_queues()
-                    await tracker.refresh_counts()
-                    if time.monotonic() - saved >= CHECKPOINT_EVERY_S:
-                        await tracker.save_checkpoint()
-                        saved = time.monotonic()
-                except Exception as exc:  # NATS reconnecting: report on the next tick
-                    log.warning("queue_state_unavailable", error=str(exc) or type(exc).__name__)
-                if spec.published and tracker.counts.samples_uploaded == spec.total_samples and not summarised:
-                    # The counts are read at once, the sums as their markers arrive: the summary
-                    # waits until the sums hold every marker there is.
-                    await tracker.wait_sums_current(timeout=SUMS_AT_END_WAIT_S)
-                view = status_view(
-                    spec,
-                    tracker.fold,
-                    tracker.queues,
-                    tracker.counts,
-                    job=cfg.job,
-                    live_s=cfg.silent_after_s,
-                    sums_complete=tracker.sums_caught_up,
-                )
-                if tracker.sums_caught_up:  # not while catching up from a checkpoint: no rate spike
-                    token_rate.add(view.tokens_written)
-                sample_rate.add(view.samples_uploaded)
-                now = time.time()
-                heartbeats = tracker.fold.heartbeats
-                reading = take_reading(
-                    view,
-                    heartbeats,
-                    now=now,
-                    silent_after_s=cfg.silent_after_s,
-                    tokens_per_s=token_rate.per_second(),
-                    samples_per_s=sample_rate.per_second(),
-                )
-                if collector is not None:
-                    collector.update(reading)
-                if maker is not None:
-                    try:
-                        page.publish(cfg.job, *await maker.make(spec, tracker))
-                    except Exception as exc:  # NATS reconnecting: the page keeps its last reading
-                        log.warning("page_not_updated", error=str(exc) or type(exc).__name__)
-                if bar is not None:
-                    bar.draw(render_bar(reading, job=cfg.job, width=shutil.get_terminal_size().columns))
-                else:
-                    log.info("progress", **progress_line(reading))
-                for degraded in degraded_workers(
-                    heartbeats, now=now, silent_after_s=cfg.silent_after_s, done=view.done
-                ):
-                    log.warning("worker_degraded", **degraded)
-                silent = silent_workers(heartbeats, now=now, silent_after_s=cfg.silent_after_s, done=view.done)
-                for worker in silent:
-                    if worker["instance"] not in reported_silent:
-                        log.warning("consumer_silent", **worker)
-                        reported_silent.add(worker["instance"])
-                # A worker that beats again and then falls silent is reported again.
-                reported_silent &= {worker["instance"] for worker in silent}
-                stalled = stalled_workers(heartbeats, now=now, silent_after_s=cfg.silent_after_s)
-                for worker in stalled:
-                    if (worker["instance"], worker["batch"]) not in reported_stalled:
-                        log.warning("consumer_stalled", **worker)
-                        reported_stalled.add((worker["instance"], worker["batch"]))
-                reported_stalled &= {(worker["instance"], worker["batch"]) for worker in stalled}
-                # A refusal, not an uploader retrying (`destination_error` says that too): that
-                # is a `worker_degraded` warning, and not the job's failure.
-                refused = view.destination_refusals[0].reason if view.destination_refusals else None
-                if refused != refusal:
-                    if refused:
-                        log.error(
-                            "destination_failed",
-                            dest=view.dest,
-                            reason=refused,
-                            uploaders=len(view.destination_refusals),
-                        )
-                    else:
-                        log.info("destination_recovered", dest=view.dest)
-                    refusal = refused
+                view, reading = await readings.take(spec, summarised=summarised)
+                reported.log(view, tracker.fold.heartbeats)
                 if view.done and not summarised:
-                    elapsed_s = None
-                    try:
-                        first, last = await marker_times(js, cfg.job, spec.plan_tag)
-                        if first is not None and last is not None:
-                            elapsed_s = max(0.0, last - first)
-                    except Exception as exc:  # the summary says the monitored time instead
-                        log.warning("job_times_unavailable", error=str(exc) or type(exc).__name__)
-                    log.info(
-                        "job_summary",
-                        **summary_line(reading, monitored_s=time.monotonic() - started, elapsed_s=elapsed_s),
-                    )
+                    await _summarise(js, spec, reading, monitored_s=time.monotonic() - readings.started)
                     summarised = True
-                    await _write_index(js, spec)
                     if cfg.until_done:
                         return DONE
                 if view.failed and cfg.until_done:
@@ -247,3 +159,126 @@ async def _follow(
         watch.raise_if_lost()
         # Stopped by a signal: without --until-done a monitor that saw the job done says so.
         return DONE if summarised else STOPPED
+
+
+class _Readings:
+    """One reading per interval: the tracker refreshed (its checkpoint saved every
+    CHECKPOINT_EVERY_S), the job's status view and the reading with its rates, shown on the bar,
+    as a `progress` log line, as metrics and on the page (--http)."""
+
+    def __init__(
+        self,
+        cfg: MonitorConfig,
+        tracker: ProgressTracker,
+        bar: TerminalBar | None,
+        collector: JobCollector | None,
+        *,
+        page: "WebServer | None",
+        maker: PageMaker | None,
+    ) -> None:
+        self.cfg, self.tracker, self.bar, self.collector = cfg, tracker, bar, collector
+        self.page, self.maker = page, maker
+        self.started = self.saved = time.monotonic()
+        self.token_rate, self.sample_rate = RateWindow(), RateWindow()
+
+    async def take(self, spec: JobSpec, *, summarised: bool):
+        cfg, tracker = self.cfg, self.tracker
+        try:
+            await tracker.refresh_queues()
+            await tracker.refresh_counts()
+            if time.monotonic() - self.saved >= CHECKPOINT_EVERY_S:
+                await tracker.save_checkpoint()
+                self.saved = time.monotonic()
+        except Exception as exc:  # NATS reconnecting: report on the next tick
+            log.warning("queue_state_unavailable", error=str(exc) or type(exc).__name__)
+        if spec.published and tracker.counts.samples_uploaded == spec.total_samples and not summarised:
+            # The counts are read at once, the sums as their markers arrive: the summary
+            # waits until the sums hold every marker there is.
+            await tracker.wait_sums_current(timeout=SUMS_AT_END_WAIT_S)
+        view = status_view(
+            spec,
+            tracker.fold,
+            tracker.queues,
+            tracker.counts,
+            job=cfg.job,
+            live_s=cfg.silent_after_s,
+            sums_complete=tracker.sums_caught_up,
+        )
+        if tracker.sums_caught_up:  # not while catching up from a checkpoint: no rate spike
+            self.token_rate.add(view.tokens_written)
+        self.sample_rate.add(view.samples_uploaded)
+        reading = take_reading(
+            view,
+            tracker.fold.heartbeats,
+            now=time.time(),
+            silent_after_s=cfg.silent_after_s,
+            tokens_per_s=self.token_rate.per_second(),
+            samples_per_s=self.sample_rate.per_second(),
+        )
+        if self.collector is not None:
+            self.collector.update(reading)
+        if self.maker is not None:
+            try:
+                self.page.publish(cfg.job, *await self.maker.make(spec, tracker))
+            except Exception as exc:  # NATS reconnecting: the page keeps its last reading
+                log.warning("page_not_updated", error=str(exc) or type(exc).__name__)
+        if self.bar is not None:
+            self.bar.draw(render_bar(reading, job=cfg.job, width=shutil.get_terminal_size().columns))
+        else:
+            log.info("progress", **progress_line(reading))
+        return view, reading
+
+
+class _Reported:
+    """The workers' troubles, each logged once while it lasts: a degraded worker every reading,
+    a silent or stalled one when it becomes so (again after it recovered), the destination's
+    refusal when it starts and when it clears."""
+
+    def __init__(self, cfg: MonitorConfig) -> None:
+        self.cfg = cfg
+        self.silent: set[str] = set()
+        self.stalled: set[tuple[str, str]] = set()  # (instance, batch)
+        self.refusal: str | None = None  # the destination's refusal last logged
+
+    def log(self, view, heartbeats) -> None:
+        now, silent_after_s = time.time(), self.cfg.silent_after_s
+        for degraded in degraded_workers(heartbeats, now=now, silent_after_s=silent_after_s, done=view.done):
+            log.warning("worker_degraded", **degraded)
+        silent = silent_workers(heartbeats, now=now, silent_after_s=silent_after_s, done=view.done)
+        for worker in silent:
+            if worker["instance"] not in self.silent:
+                log.warning("consumer_silent", **worker)
+                self.silent.add(worker["instance"])
+        # A worker that beats again and then falls silent is reported again.
+        self.silent &= {worker["instance"] for worker in silent}
+        stalled = stalled_workers(heartbeats, now=now, silent_after_s=silent_after_s)
+        for worker in stalled:
+            if (worker["instance"], worker["batch"]) not in self.stalled:
+                log.warning("consumer_stalled", **worker)
+                self.stalled.add((worker["instance"], worker["batch"]))
+        self.stalled &= {(worker["instance"], worker["batch"]) for worker in stalled}
+        # A refusal, not an uploader retrying (`destination_error` says that too): that is a
+        # `worker_degraded` warning, and not the job's failure.
+        refused = view.destination_refusals[0].reason if view.destination_refusals else None
+        if refused != self.refusal:
+            if refused:
+                log.error(
+                    "destination_failed", dest=view.dest, reason=refused, uploaders=len(view.destination_refusals)
+                )
+            else:
+                log.info("destination_recovered", dest=view.dest)
+            self.refusal = refused
+
+
+async def _summarise(js, spec: JobSpec, reading, *, monitored_s: float) -> None:
+    """`job_summary`, with the time from the job's first `written` to its last `uploaded` marker
+    where they are read; then the job's index written."""
+    elapsed_s = None
+    try:
+        first, last = await marker_times(js, spec.job, spec.plan_tag)
+        if first is not None and last is not None:
+            elapsed_s = max(0.0, last - first)
+    except Exception as exc:  # the summary says the monitored time instead
+        log.warning("job_times_unavailable", error=str(exc) or type(exc).__name__)
+    log.info("job_summary", **summary_line(reading, monitored_s=monitored_s, elapsed_s=elapsed_s))
+    await _write_index(js, spec)

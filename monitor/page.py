@@ -12,6 +12,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from hsx.job import JobSpec
 from hsx.monitor.report import SILENT, Reading, percent_uploaded
 from hsx.wire import schemas
 from hsx.wire.statusview import DONE, FAILED, GONE, STALLED, WAITING
@@ -198,7 +199,7 @@ def projected_bytes(view) -> int | None:
 def page_data(
     reading: Reading,
     *,
-    spec: schemas.JobSpec,
+    spec: JobSpec,
     heartbeats: dict[str, schemas.Heartbeat],
     rates: Rates,
     history: RateHistory,

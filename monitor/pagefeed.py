@@ -17,12 +17,12 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from hsx.job import JobSpec
 from hsx.logs import get_logger
 from hsx.monitor.page import DestinationRoom, RateHistory, Rates, page_data
 from hsx.monitor.rates import RateWindow
 from hsx.monitor.report import take_reading
 from hsx.storage.location import spec_location
-from hsx.wire import schemas
 from hsx.wire.counts import marker_times
 from hsx.wire.jobs import job_names, read_job_spec, waiting_files
 from hsx.wire.statusview import StatusView, status_view
@@ -72,7 +72,7 @@ class PageMaker:
         self._jobs: list[str] = []
         self._room: DestinationRoom | None = None
 
-    async def make(self, spec: schemas.JobSpec, tracker: ProgressTracker) -> tuple[dict, bytes]:
+    async def make(self, spec: JobSpec, tracker: ProgressTracker) -> tuple[dict, bytes]:
         """(the page's data, the status JSON), from what `tracker` holds now."""
         if spec.plan_tag != self._plan:  # a job produced again under its name: another plan's times
             self._plan, self.started_at, self.last_uploaded_at, self._ended = spec.plan_tag, None, None, False
@@ -148,7 +148,7 @@ class JobFollower:
         self,
         js: JetStreamContext,
         kv: KeyValue,
-        spec: schemas.JobSpec,
+        spec: JobSpec,
         *,
         interval_s: float,
         silent_after_s: float,

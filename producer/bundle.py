@@ -19,6 +19,7 @@ import structlog
 from nats.js import JetStreamContext
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec, plan_batch_id
 from hsx.packing import PlannedBatch
 from hsx.storage.destinations import error_line, store_errors
 from hsx.storage.index import INDEX_FILE
@@ -38,7 +39,7 @@ REPORT_FILE = "report.json"
 REPLACED_FILES = (INDEX_FILE, PLAN_FILE, TOKENS_FILE, REPORT_FILE)
 
 
-def plan_document(spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_batch_size: int | None) -> dict:
+def plan_document(spec: JobSpec, batches: list[PlannedBatch], *, max_batch_size: int | None) -> dict:
     return {
         "format": PLAN_FORMAT,
         "job": spec.job,
@@ -48,7 +49,7 @@ def plan_document(spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_bat
         "total_samples": spec.total_samples,
         "batches": [
             {
-                "batch_id": schemas.plan_batch_id(spec.job, spec.plan_fingerprint, seq),
+                "batch_id": plan_batch_id(spec.job, spec.plan_fingerprint, seq),
                 "padded_len": batch.padded_len,
                 "sample_indices": list(batch.sample_indices),
             }
@@ -58,7 +59,7 @@ def plan_document(spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_bat
 
 
 async def _bundle_files(
-    js: JetStreamContext, spec: schemas.JobSpec, batches: list[PlannedBatch], max_batch_size: int | None, folder: Path
+    js: JetStreamContext, spec: JobSpec, batches: list[PlannedBatch], max_batch_size: int | None, folder: Path
 ) -> dict[str, Path]:
     """Every bundle file, as a file in `folder`: the stored objects are copied there from the
     object store (streamed; the samples object of a large job is gigabytes)."""
@@ -102,7 +103,7 @@ def _put_missing(location: Location, job: str, files: dict[str, Path]) -> tuple[
 
 
 async def write_bundle(
-    js: JetStreamContext, spec: schemas.JobSpec, batches: list[PlannedBatch], *, max_batch_size: int | None
+    js: JetStreamContext, spec: JobSpec, batches: list[PlannedBatch], *, max_batch_size: int | None
 ) -> None:
     with tempfile.TemporaryDirectory(prefix="hsx-bundle-") as folder:
         files = await _bundle_files(js, spec, batches, max_batch_size, Path(folder))
@@ -124,7 +125,7 @@ async def write_bundle(
     )
 
 
-def claim_folder(spec: schemas.JobSpec) -> None:
+def claim_folder(spec: JobSpec) -> None:
     """Put `spec` as the bundle's job.json unless it is there already: before the first descriptor."""
     data = schemas.encode(spec)
     key = bundle_key(spec.job, SPEC_FILE)

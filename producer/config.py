@@ -11,7 +11,6 @@ from hsx.errors import HsxError
 from hsx.model.layers import LayerRequest, parse_layers
 from hsx.producer.conventions import HSX, ChatConvention, parse_chat_as
 from hsx.storage import destinations, encodings
-from hsx.storage.layout import stored_dtype
 from hsx.storage.location import Location
 from hsx.wire.natsconn import NatsSettings
 from hsx.wire.topology import job_name
@@ -63,6 +62,12 @@ def parse_chat_field(text: str) -> str:
     if not name or name in ("input_ids", "loss_mask", "id"):
         raise HsxError(f"--chat-field must name the column of the conversations, got {text!r}")
     return name
+
+
+def stored_dtype(name: str) -> str:
+    """--dtype's value as the job spec and the files name it: its encoding's stored name (the
+    encoding itself is looked up from the spec, hsx/storage/layout.py `SampleFiles`)."""
+    return encodings.by_name(name).stored
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,8 +7,9 @@ against what the job needs (`free_space`, `check_free_space`). It writes nothing
 
 A compressed encoding's files are sized exactly but for their states, whose compressed size
 is bounded (incompressible states); given the ratio producer/measure.py measured on a sample
-of the job's own states, `estimated_bytes` scales the states by it, the rest of each file kept
-exact. The free space is checked against the bound, the safe side.
+of the job's own states, `estimated_bytes` takes each file as far under its bound as its
+encoding says (`Encoding.under_bound`), the rest of each file kept exact. Nothing here knows
+which encoding the job's is: its files (hsx/storage/layout.py `SampleFiles`) say. The free space is checked against the bound, the safe side.
 
 `hsx produce --dry-run` prints the estimate (`format_estimate`); a real run refuses a local
 destination too small for the job with `check_free_space`. docs/operations/planning.md, "The dry
@@ -27,14 +28,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.packing import PlannedBatch
 from hsx.producer.bundle import PLAN_FILE, REPORT_FILE, SPEC_FILE, plan_document
 from hsx.producer.measure import Measured
-from hsx.storage import encodings, samplefile
-from hsx.storage.encodings.compressed import CompressedEncoding, compressed_bound
+from hsx.storage import samplefile
 from hsx.storage.fsutil import free_bytes, human_bytes
 from hsx.storage.index import INDEX_FILE, make_index
-from hsx.storage.layout import TOKENS_FILE, sample_metadata, sample_tensor_shapes
+from hsx.storage.layout import TOKENS_FILE, SampleFiles
 from hsx.storage.location import Location
 from hsx.storage.tokens import SampleTable, write_tokens
 from hsx.wire import schemas
@@ -42,9 +43,9 @@ from hsx.wire import schemas
 IGNORE_FREE_SPACE_FLAG = "--ignore-free-space"
 
 
-def sample_file_sizes(rows: SampleTable, spec: schemas.JobSpec, *, first_index: int = 0) -> np.ndarray:
-    """Each sample's file size (int64, by sample index), as the consumer's writer will make it;
-    `rows` are the job's samples from `first_index` on (a round of them).
+def sample_file_sizes(rows: SampleTable, files: SampleFiles, *, first_index: int = 0) -> np.ndarray:
+    """Each sample's file size (int64, by sample index), as the consumer's writer will make the
+    job's `files`; `rows` are the job's samples from `first_index` on (a round of them).
 
     A header's length depends on the sample only through its token count, whether it has a loss
     mask, the number of digits of its index and the JSON-encoded length of its source id (every
@@ -69,27 +70,14 @@ def sample_file_sizes(rows: SampleTable, spec: schemas.JobSpec, *, first_index: 
     else:
         distinct, inverse = np.unique(np.stack(columns, axis=1), axis=0, return_inverse=True)
     sizes = np.empty(len(distinct), dtype=np.int64)
+    shape = (len(files.spec.layers), files.spec.hidden_size)
     for k, (tokens, has_mask, digit_count, source_length) in enumerate(distinct.tolist()):
-        metadata = sample_metadata(
-            job=spec.job,
+        metadata = files.metadata(
             sample_index=10 ** (digit_count - 1),
             source_id="x" * (source_length - 2),  # its JSON form: the quotes and this many bytes
-            model=spec.model,
-            model_revision=spec.model_revision,
-            layers=spec.layers,
-            dtype=spec.dtype,
-            num_tokens=tokens,
-            plan=spec.plan_tag,
-            layer_preset=spec.layer_preset,
+            shape=(tokens, *shape),
         )
-        metadata.update(encodings.of_spec(spec.dtype).file_metadata(tokens, len(spec.layers), spec.hidden_size))
-        shapes = sample_tensor_shapes(
-            dtype=spec.dtype,
-            num_tokens=tokens,
-            num_layers=len(spec.layers),
-            hidden_size=spec.hidden_size,
-            has_mask=bool(has_mask),
-        )
+        shapes = files.tensor_shapes(num_tokens=tokens, has_mask=bool(has_mask))
         sizes[k] = samplefile.file_size(shapes, metadata)
     return sizes[inverse.reshape(-1)]
 
@@ -108,17 +96,16 @@ def _json_lengths(names: pa.Array) -> np.ndarray:
     return lengths
 
 
-def estimated_bytes(spec: schemas.JobSpec, rows: SampleTable, *, bound: int, ratio: float) -> int:
-    """A compressed job's sample files, `bound` bytes at most (`sample_file_sizes`' sum), with its
-    states at `ratio` of their uncompressed bytes: each file's bound on its compressed states is
-    replaced by its states' bytes x `ratio`; headers and other tensors stay as sized."""
-    encoding = encodings.of_spec(spec.dtype)
-    assert isinstance(encoding, CompressedEncoding), spec.dtype
+def estimated_bytes(files: SampleFiles, rows: SampleTable, *, bound: int, ratio: float) -> int:
+    """A job's sample files, `bound` bytes at most (`sample_file_sizes`' sum), with its states at
+    `ratio` of their bytes (a compressed encoding's, measured): each file is taken to be as far
+    under its bound as its encoding says such states put it (`Encoding.under_bound`; nothing for
+    an exact size); headers and other tensors stay as sized."""
+    layers, hidden = len(files.spec.layers), files.spec.hidden_size
     lengths, counts = np.unique(rows.lengths, return_counts=True)
     saved = 0.0
     for tokens, count in zip(lengths.tolist(), counts.tolist()):
-        states = encoding.states_bytes(tokens, len(spec.layers), spec.hidden_size)
-        saved += count * (compressed_bound(states) - ratio * states)
+        saved += count * files.encoding.under_bound(tokens, layers, hidden, ratio=ratio)
     return round(bound - saved)
 
 
@@ -139,7 +126,7 @@ class _Counter(io.RawIOBase):
 
 
 def bundle_sizes(
-    spec: schemas.JobSpec,
+    spec: JobSpec,
     rows: SampleTable,
     batches: list[PlannedBatch],
     *,
@@ -277,7 +264,7 @@ def largest_batch(batches: list[PlannedBatch], rows: SampleTable, file_sizes: np
 
 
 def estimate_job(
-    spec: schemas.JobSpec,
+    files: SampleFiles,
     rows: SampleTable,
     batches: list[PlannedBatch],
     *,
@@ -290,16 +277,17 @@ def estimate_job(
     measured: Measured | None = None,
     not_measured: str | None = None,
 ) -> JobEstimate:
-    """`measured`: how a compressed job's states compress (producer/measure.py), or None with
-    the reason in `not_measured`."""
-    sizes = sample_file_sizes(rows, spec)
+    """The job whose files are `files` sized; `measured`: how a compressed job's states compress
+    (producer/measure.py), or None with the reason in `not_measured`."""
+    spec = files.spec
+    sizes = sample_file_sizes(rows, files)
     total = int(sizes.sum())
-    exact = encodings.of_spec(spec.dtype).exact_size
+    exact = files.encoding.exact_size
     if exact or measured is None:
         measured = None
         guess = total
     else:
-        guess = estimated_bytes(spec, rows, bound=total, ratio=measured.ratio)
+        guess = estimated_bytes(files, rows, bound=total, ratio=measured.ratio)
     bundle = bundle_sizes(spec, rows, batches, max_batch_size=max_batch_size, report=report, file_sizes=sizes)
     bundle_total = sum(bundle.values())
     return JobEstimate(

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hsx.storage.layout import SampleFiles
 from hsx.storage.tokens import SampleTable
-from hsx.wire import schemas
 
 NO_MEASURE = "none"  # --estimate-device none: the bound alone
 SAMPLE_TOKENS = 2048  # the most tokens measured: seconds of a forward on a CPU for a small model
@@ -38,8 +38,8 @@ class NotMeasured(Exception):
     """Why the states were not measured, in one line."""
 
 
-# (the job's spec, its samples, the device) -> Measured, or NotMeasured.
-Measure = Callable[[schemas.JobSpec, SampleTable, str], Measured]
+# (the job's files, its samples, the device) -> Measured, or NotMeasured.
+Measure = Callable[[SampleFiles, SampleTable, str], Measured]
 
 
 def pick_samples(lengths: np.ndarray, *, tokens: int = SAMPLE_TOKENS, seed: int = SEED) -> np.ndarray:

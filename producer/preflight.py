@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.storage.destinations import Destination, probe
 from hsx.storage.expected import read_metadata
 from hsx.storage.index import BUNDLE_SPEC_KEY, HEADER_PROBE_BYTES, bundle_spec
@@ -134,7 +135,7 @@ def check_folder(
     *,
     plan: str,
     total_samples: int,
-    known: schemas.JobSpec | None,
+    known: JobSpec | None,
     replace: bool,
 ) -> FolderOwner | None:
     """Refuse, in one line, a job folder that holds another plan's files, unless `replace` (the

@@ -3,50 +3,17 @@ the next is read and tokenized, so the first batches go out after one round of t
 after all of it (914,000 chat rows take minutes on a small machine: docs/performance/index.md).
 
 `RoundReader` runs the reading (producer/inputs.py, `tokenized_rows` with `on_round`) on a thread
-and hands the rounds to the event loop in order; `round_fingerprint` names a plan published in
-rounds. A plan of several rounds is fixed before its samples are all known, so its fingerprint
-cannot hash them as `plan_fingerprint` does: it hashes the settings, the dataset's bytes (its
-sha256) and the round size instead, which make the same samples and the same batches again.
-The publishing itself, and what a refusal found in a later round does, is producer/main.py's.
+and hands the rounds to the event loop in order; without --round-rows its one round is the whole
+dataset. How a plan of rounds is named is producer/planning.py's; the publishing itself, and what
+a refusal found in a later round does, producer/publishing.py's.
 """
 
 import asyncio
 import dataclasses
-import hashlib
 import threading
-
-import msgspec
 
 from hsx.producer.config import ProducerConfig
 from hsx.producer.inputs import Inputs, Round, RoundsCancelled, tokenized_rows
-from hsx.wire.schemas import Layer
-
-
-def round_fingerprint(
-    cfg: ProducerConfig, layers: list[Layer], *, model_revision: str, dataset_digest: str, round_rows: int
-) -> str:
-    """sha256 over everything that decides a round plan's samples and batches: the model and its
-    revision (its tokenizer), the layers and dtype, the batch settings, every setting that decides
-    which rows become which samples, the dataset's digest and the round size."""
-    settings = [
-        "rounds.v1",
-        cfg.model,
-        model_revision,
-        layers,
-        cfg.dtype,
-        cfg.token_budget,
-        cfg.max_batch_size,
-        cfg.max_seq_len,
-        cfg.on_long,
-        str(cfg.chat_as),
-        cfg.chat_field,
-        cfg.on_bad_row,
-        None if cfg.max_bad_rows is None else str(cfg.max_bad_rows),
-        cfg.on_empty_mask,
-        dataset_digest,
-        round_rows,
-    ]
-    return hashlib.sha256(msgspec.json.encode(settings)).hexdigest()
 
 
 def read_inputs(cfg: ProducerConfig, info, *, on_round=None, cancelled=None) -> Inputs:
@@ -109,4 +76,4 @@ class RoundReader:
             self._task.result().samples.close()
 
 
-__all__ = ["RoundReader", "RoundsCancelled", "read_inputs", "round_fingerprint"]
+__all__ = ["RoundReader", "RoundsCancelled", "read_inputs"]

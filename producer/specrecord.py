@@ -12,6 +12,7 @@ import nats.js.errors
 from nats.js.kv import KeyValue
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.wire import schemas
 from hsx.wire.jobs import decode_job_spec
 from hsx.wire.natsconn import OUTAGE_RETRY_S, through_outage
@@ -25,7 +26,7 @@ class SpecRecord:
     """`spec` and `revision`: what this run last read or wrote (None and None: no job of the
     name existed when it read)."""
 
-    def __init__(self, kv: KeyValue, job: str, spec: schemas.JobSpec | None, revision: int | None) -> None:
+    def __init__(self, kv: KeyValue, job: str, spec: JobSpec | None, revision: int | None) -> None:
         self.kv, self.job, self.spec, self.revision = kv, job, spec, revision
 
     @classmethod
@@ -41,7 +42,7 @@ class SpecRecord:
             return cls(kv, job, None, None)
         return cls(kv, job, decode_job_spec(entry.value, job=job), entry.revision)
 
-    async def write(self, spec: schemas.JobSpec, *, give_up_after_s: float = OUTAGE_RETRY_S) -> None:
+    async def write(self, spec: JobSpec, *, give_up_after_s: float = OUTAGE_RETRY_S) -> None:
         """Record `spec` over the revision last read or written; SpecChanged when the key moved on;
         through an outage of up to `give_up_after_s` (then NATS's error)."""
         payload = schemas.encode(spec)

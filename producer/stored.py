@@ -19,6 +19,7 @@ from nats.js.api import ObjectMeta, ObjectMetaOptions
 from nats.js.object_store import OBJ_DEFAULT_CHUNK_SIZE
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.storage.tokens import (  # noqa: F401  (re-exported: the producer's and its tests' names for them)
     SampleTable,
     digests_object_name,
@@ -29,7 +30,7 @@ from hsx.storage.tokens import (  # noqa: F401  (re-exported: the producer's and
     tokens_object_name,
     write_tokens,
 )
-from hsx.wire import schemas, topology
+from hsx.wire import topology
 from hsx.wire.natsconn import through_outage
 
 # The job's samples as planned and published, `table[i]` sample i (hsx.storage.tokens.load_table).
@@ -82,7 +83,7 @@ async def store_report(js: JetStreamContext, job: str, report: dict, *, max_payl
     return name
 
 
-async def load_report(js: JetStreamContext, job: str, *, spec: schemas.JobSpec | None = None) -> dict:
+async def load_report(js: JetStreamContext, job: str, *, spec: JobSpec | None = None) -> dict:
     """The job's input report (see the module docstring)."""
     spec = await spec_of(js, job, spec)
     if not spec.report_object:

@@ -27,6 +27,7 @@ from test_cli_errors import _produce_args, _state, _write_jsonl, assert_one_line
 from test_inputs import CHATML, CONVERSATIONS, make_chat_model, published_samples, stored_report
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.producer import chat_pool
 from hsx.producer.chat import ChatTokenizer
 from hsx.producer.chat_pool import tokenize_chats
@@ -257,11 +258,10 @@ def test_a_rerun_counts_bad_rows_against_rows_read_not_samples(tmp_path):
     """Under `--chat-as speculators` a row makes several samples: the re-run's cap is checked
     against the rows the job read (1 bad of 4 is 25%), not samples plus bad rows (1 of 10)."""
     from hsx.producer.config import ProducerConfig, parse_max_bad_rows
-    from hsx.producer.main import _check_same_inputs
-    from hsx.wire import schemas
+    from hsx.producer.rerun import check_same_inputs as _check_same_inputs
     from hsx.wire.natsconn import NatsSettings
 
-    existing = schemas.JobSpec(
+    existing = JobSpec(
         job="j",
         model="m",
         model_revision="",

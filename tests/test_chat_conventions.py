@@ -19,6 +19,7 @@ from dataclasses import replace
 import pytest
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.producer import conventions
 from hsx.producer.conventions import ChatConvention, parse_chat_as
 
@@ -407,23 +408,21 @@ def _turn_rows(tokenizer, messages, max_length):
 def test_the_job_spec_records_the_convention(cli):
     import msgspec
 
-    from hsx.wire import schemas
-
     shown = cli("config", "show", "--json", "produce", "--chat-as", "specforge:qwen3-instruct")
     assert shown.returncode == 0, shown.stderr
     assert "specforge:qwen3-instruct" in shown.stdout
     refused = cli("config", "show", "produce", "--chat-as", "specforge:gpt-oss")
     assert refused.returncode != 0 and "openai-harmony" in refused.stderr
     # A spec written before --chat-as existed reads as hsx's convention.
-    spec = schemas.JobSpec(
+    spec = JobSpec(
         job="j", model="m", model_revision="", layers=[1], dtype="bfloat16", dest="file:///d", token_budget=64,
         max_seq_len=16, dataset="d", plan_fingerprint="f" * 64, total_samples=1, total_tokens=1, total_batches=1,
         created_at=0.0, chat_convention="specforge:qwen",
     )  # fmt: skip
     old = msgspec.json.decode(msgspec.json.encode(spec).replace(b',"chat_convention":"specforge:qwen"', b""))
     assert "chat_convention" not in old
-    assert msgspec.json.decode(msgspec.json.encode(old), type=schemas.JobSpec).chat_convention == "hsx"
-    assert msgspec.json.decode(msgspec.json.encode(spec), type=schemas.JobSpec).chat_convention == "specforge:qwen"
+    assert msgspec.json.decode(msgspec.json.encode(old), type=JobSpec).chat_convention == "hsx"
+    assert msgspec.json.decode(msgspec.json.encode(spec), type=JobSpec).chat_convention == "specforge:qwen"
 
 
 def test_export_says_in_one_line_when_the_masks_are_not_the_trainers():

@@ -20,6 +20,7 @@ from hsx.gpu_consumer.extract import extract_samples
 from hsx.gpu_consumer.kernels import kernel_report
 from hsx.gpu_consumer.main import ModelKey, _load_ready
 from hsx.gpu_consumer.model import load_model
+from hsx.storage import encodings
 from hsx.wire import schemas
 
 LAYERS = (1, 3)
@@ -32,7 +33,7 @@ def _no_compiler(graph, example_inputs):
 def test_a_failing_compile_falls_back_to_eager_in_one_line_and_the_report_says_so(tiny_model, monkeypatch):
     monkeypatch.setattr(compiling, "backend", _no_compiler)
     path = tiny_model("qwen3")
-    key = ModelKey(str(path), "local", LAYERS, "float32", False)
+    key = ModelKey(str(path), "local", LAYERS, encodings.of_spec("float32"), False)
     with structlog.testing.capture_logs() as logs:
         loaded = _load_ready(key, device="cpu", compile_layers=True)
     warnings = [entry for entry in logs if entry["log_level"] in ("warning", "error")]
@@ -47,7 +48,7 @@ def test_a_failing_compile_falls_back_to_eager_in_one_line_and_the_report_says_s
     # Eager from then on: the states of a plain eager model, bit for bit (the same modules on the
     # same batches in one process: every sum in the same order, no tolerance to derive).
     samples = [schemas.Sample(index=i, source_id=str(i), input_ids=list(range(3, 3 + n))) for i, n in enumerate((9, 4))]
-    eager = load_model(str(path), layers=list(LAYERS), dtype="float32", device="cpu")
+    eager = load_model(str(path), layers=list(LAYERS), encoding=encodings.of_spec("float32"), device="cpu")
     for got, expected in zip(extract_samples(loaded, samples), extract_samples(eager, samples)):
         assert torch.equal(got, expected)
 
@@ -55,7 +56,7 @@ def test_a_failing_compile_falls_back_to_eager_in_one_line_and_the_report_says_s
 def test_a_compile_that_works_is_kept(tiny_model, monkeypatch):
     """The seam's plain backend (dynamo's graph run as traced): nothing falls back."""
     monkeypatch.setattr(compiling, "backend", "eager")
-    key = ModelKey(str(tiny_model("qwen3")), "local", LAYERS, "float32", False)
+    key = ModelKey(str(tiny_model("qwen3")), "local", LAYERS, encodings.of_spec("float32"), False)
     with structlog.testing.capture_logs() as logs:
         loaded = _load_ready(key, device="cpu", compile_layers=True)
     assert compiling.compiled(loaded.model) and compiling.fallback_reason(loaded.model) == ""
@@ -96,7 +97,9 @@ def test_a_batch_that_fails_compiling_later_runs_eagerly(tiny_model, monkeypatch
     forward turns compiling off and runs again eagerly, in one log line; other failures are the
     forward's own and are raised."""
     path = tiny_model("qwen3")
-    loaded = load_model(str(path), layers=list(LAYERS), dtype="float32", device="cpu", compile_layers=True)
+    loaded = load_model(
+        str(path), layers=list(LAYERS), encoding=encodings.of_spec("float32"), device="cpu", compile_layers=True
+    )
     monkeypatch.setattr(compiling, "backend", _no_compiler)
     compiling.compile_decoder_layers(loaded.model)  # compiled again, with the failing backend
     samples = [schemas.Sample(index=0, source_id="0", input_ids=list(range(3, 14)))]

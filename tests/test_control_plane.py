@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_fidelity import _spec as fidelity_spec
 
+from hsx.job import JobSpec
 from hsx.storage import samplefile
 from hsx.storage.destinations import VerificationError
 from hsx.storage.destinations.file import FileDestination, FolderSync
@@ -22,7 +23,7 @@ from hsx.wire.jetstream import publish_all
 from hsx.wire.natsconn import NatsSettings, connect
 
 
-def _spec(job: str) -> schemas.JobSpec:
+def _spec(job: str) -> JobSpec:
     return fidelity_spec(job, Path("m"), [1], "float32", [])
 
 

@@ -25,6 +25,7 @@ from test_e2e_s3 import (
 )
 
 from hsx.exitcodes import JOB_FAILED, STOPPED
+from hsx.storage.layout import SampleFiles
 from hsx.wire import schemas, topology
 from hsx.wire.events import HEARTBEAT_CLOCK_SKEW_S, heard_heartbeat
 from hsx.wire.jobs import live_workers
@@ -342,7 +343,7 @@ def test_a_crafted_descriptor_never_replaces_a_stored_sample_and_a_replaced_file
     fake_spool = tmp_path / "forged"
     ready = write_sample_file(
         spool=fake_spool,
-        spec=spec,
+        files=SampleFiles.of(spec),
         node="n",
         batch_id="forged",
         sample=forged,

@@ -14,6 +14,7 @@ import pytest
 
 from hsx.commands.dead import retry_dead
 from hsx.commands.embedded import start_nats_server
+from hsx.job import JobSpec
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings
@@ -87,7 +88,7 @@ async def _record_spec(url: str, job: str, *, samples: int) -> None:
     nc = await nats.connect(url)
     try:
         kv = await nc.jetstream().key_value(topology.JOBS_BUCKET)
-        spec = schemas.JobSpec(
+        spec = JobSpec(
             job=job,
             model="m",
             model_revision="r",

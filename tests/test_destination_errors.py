@@ -43,6 +43,7 @@ from test_e2e_s3 import (
 )
 
 from hsx.exitcodes import JOB_FAILED
+from hsx.job import JobSpec
 from hsx.storage.destinations.file import FileDestination
 from hsx.storage.destinations.s3 import S3Destination
 from hsx.wire import schemas
@@ -238,7 +239,7 @@ def test_retry_delays_of_many_uploads_failing_together_are_spread():
 
 
 def test_a_refusal_fails_the_job_only_while_a_live_uploader_says_so():
-    spec = schemas.JobSpec(
+    spec = JobSpec(
         job="j",
         model="m",
         model_revision="r",

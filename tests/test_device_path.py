@@ -10,6 +10,7 @@ same on a GPU):
 
 import asyncio
 import contextvars
+import dataclasses
 import threading
 
 import torch
@@ -22,7 +23,9 @@ from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.service import BatchWorker
 from hsx.gpu_consumer.staging import HostStaging
 from hsx.gpu_consumer.writer import write_sample_file
+from hsx.storage import encodings
 from hsx.storage.encodings.float8 import FLOAT8, Float8States, quantize_float8
+from hsx.storage.layout import SampleFiles
 from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
@@ -75,21 +78,32 @@ def test_float8_files_from_the_forward_are_the_files_the_writer_made(tiny_model,
     written from states quantized in the forward are byte for byte those written from its
     bfloat16 states quantized by the writer as before."""
     path = tiny_model("qwen3")
-    loaded = load_model(str(path), layers=LAYERS, dtype=FLOAT8, device="cpu")
+    loaded = load_model(str(path), layers=LAYERS, encoding=encodings.of_spec(FLOAT8), device="cpu")
     assert loaded.dtype == torch.bfloat16
     samples = _samples([5, 17, 30, 9])
     spec = _spec("f8", path, LAYERS, FLOAT8, samples)
     staging = HostStaging(pin=False)
     lease = staging.lease()
-    quantized = extract.extract_samples(loaded, samples, lease=lease, float8=True)
-    states = extract.extract_samples(loaded, samples)
+    quantized = extract.extract_samples(loaded, samples, lease=lease)
+    # The same forward, its states handed over as computed: what the writer quantized before.
+    states = extract.extract_samples(dataclasses.replace(loaded, encoding=encodings.by_name("bfloat16")), samples)
     assert all(isinstance(q, Float8States) for q in quantized)
     for sample, q, bf16 in zip(samples, quantized, states):
         ours = write_sample_file(
-            spool=tmp_path / "device", spec=spec, node="n", batch_id="b", sample=sample, hidden_states=q
+            spool=tmp_path / "device",
+            files=SampleFiles.of(spec),
+            node="n",
+            batch_id="b",
+            sample=sample,
+            hidden_states=q,
         )
         theirs = write_sample_file(
-            spool=tmp_path / "host", spec=spec, node="n", batch_id="b", sample=sample, hidden_states=bf16
+            spool=tmp_path / "host",
+            files=SampleFiles.of(spec),
+            node="n",
+            batch_id="b",
+            sample=sample,
+            hidden_states=bf16,
         )
         before_values, before_scale = _quantize_before(bf16)
         assert torch.equal(q.values.view(torch.uint8), before_values.view(torch.uint8))
@@ -177,7 +191,7 @@ def test_a_workers_forwards_all_run_on_its_device_thread(nats_server, tiny_model
     none is given, one of the worker's: every forward on it, none on the event loop's thread or
     asyncio's default pool."""
     path = tiny_model("qwen3")
-    loaded = load_model(str(path), layers=LAYERS, dtype="float32", device="cpu")
+    loaded = load_model(str(path), layers=LAYERS, encoding=encodings.of_spec("float32"), device="cpu")
     given = DeviceThread("cpu")
     try:
         for forwards, job in ((given, job_name), (None, f"{job_name}b")):

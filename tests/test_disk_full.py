@@ -21,11 +21,12 @@ from test_e2e_s3 import (
     write_dataset,
 )
 
+from hsx.job import JobSpec
+from hsx.storage import encodings
 from hsx.storage.encodings.float8 import FLOAT8
-from hsx.storage.layout import sample_metadata, sample_tensor_shapes
+from hsx.storage.layout import SampleFiles, sample_metadata, sample_tensor_shapes
 from hsx.storage.samplefile import file_size
 from hsx.storage.spool import batch_bytes
-from hsx.wire import schemas
 
 
 @pytest.fixture
@@ -90,7 +91,7 @@ def test_consumer_waits_out_a_full_spool_disk_and_recovers(
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", FLOAT8])
 def test_one_batch_of_spool_bytes_bounds_what_a_full_batch_writes(dtype):
-    spec = schemas.JobSpec(
+    spec = JobSpec(
         job="j",
         model="m",
         model_revision="r",
@@ -109,7 +110,9 @@ def test_one_batch_of_spool_bytes_bounds_what_a_full_batch_writes(dtype):
     )
 
     def files(count: int, tokens: int) -> int:
-        shapes = sample_tensor_shapes(dtype=dtype, num_tokens=tokens, num_layers=5, hidden_size=640, has_mask=True)
+        shapes = sample_tensor_shapes(
+            encoding=encodings.of_spec(dtype), num_tokens=tokens, num_layers=5, hidden_size=640, has_mask=True
+        )
         metadata = sample_metadata(
             job="j",
             sample_index=123456,
@@ -124,4 +127,5 @@ def test_one_batch_of_spool_bytes_bounds_what_a_full_batch_writes(dtype):
         return count * file_size(shapes, metadata)
 
     largest = max(files(1, 4096), files(256, 16))  # one long sample; the shortest samples, 256 files
-    assert largest <= batch_bytes(spec) <= 1.1 * largest, (largest, batch_bytes(spec))
+    need = batch_bytes(SampleFiles.of(spec))
+    assert largest <= need <= 1.1 * largest, (largest, need)

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from tolerance import assert_within, depth, error, float32_bound, reduction_length
 
-from hsx.model.layers import FINAL
+from hsx.job import FINAL
 from hsx.storage.layout import SHARD_SIZE, bundle_key, relative_sample_key
 from hsx.wire import schemas
 

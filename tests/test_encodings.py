@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from hsx.errors import HsxError
+from hsx.producer.config import stored_dtype
 from hsx.storage import encodings, samplefile
 from hsx.storage.encodings.float8 import Float8States
-from hsx.storage.layout import stored_dtype
 from hsx.storage.reader import dequantize, load_sample
 
 
@@ -42,11 +42,16 @@ def _shape(states):
     return tuple((states.values if isinstance(states, Float8States) else states).shape)
 
 
+def _scaled(encoding) -> bool:
+    """Whether the encoding's files hold float8's values and scales."""
+    return encodings.SCALE_TENSOR in encoding.file_tensors(1, 1, 1)
+
+
 def _bits(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-@pytest.mark.parametrize("name", [n for n, e in encodings.ENCODINGS.items() if not e.quantized_on_device])
+@pytest.mark.parametrize("name", [n for n, e in encodings.ENCODINGS.items() if not _scaled(e)])
 def test_each_unquantized_encoding_returns_the_states_bit_for_bit(name, tmp_path):
     encoding = encodings.by_name(name)
     states = _special(getattr(torch, encoding.compute))
@@ -57,7 +62,7 @@ def test_each_unquantized_encoding_returns_the_states_bit_for_bit(name, tmp_path
     assert _bits(dequantize(tensors, metadata)) == _bits(states)
 
 
-@pytest.mark.parametrize("name", [n for n, e in encodings.ENCODINGS.items() if e.quantized_on_device])
+@pytest.mark.parametrize("name", [n for n, e in encodings.ENCODINGS.items() if _scaled(e)])
 def test_each_float8_encoding_returns_its_values_and_scales_bit_for_bit(name, tmp_path):
     """e4m3 has NaN (no infinities) and subnormals; the values are laid down as bytes, the scales
     include a subnormal float32 and negative zero is among the values."""
@@ -113,7 +118,7 @@ def test_a_file_of_an_unknown_encoding_is_refused_in_one_line_naming_it(tmp_path
 def test_a_job_file_naming_another_or_an_unknown_encoding_is_not_the_jobs_sample(tmp_path):
     from hsx.storage.expected import ExpectedSamples, mismatches
 
-    expected = ExpectedSamples(job="job", dtype="bfloat16")
+    expected = ExpectedSamples(job="job", encoding=encodings.by_name("bfloat16"))
     for named, detail in (("bfloat16-lz9", "'bfloat16-lz9' is none this hsx knows"), ("float16", "'float16'")):
         path = tmp_path / f"{named}.safetensors"
         samplefile.write(

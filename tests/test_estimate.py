@@ -38,12 +38,12 @@ from hsx.commands import measure as measuring
 from hsx.gpu_consumer.extract import extract_samples
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.writer import write_sample_file
+from hsx.job import JobSpec
 from hsx.producer import estimate, measure
 from hsx.storage import encodings
-from hsx.storage.layout import BUNDLE_DIR
+from hsx.storage.layout import BUNDLE_DIR, SampleFiles
 from hsx.storage.location import Location
 from hsx.storage.tokens import SampleTableBuilder, TokenRow
-from hsx.wire import schemas
 
 HIDDEN = 64  # tests/conftest.py TINY
 
@@ -66,8 +66,8 @@ def _table(count: int):
     return builder.finish()
 
 
-def _spec(dtype: str, rows) -> schemas.JobSpec:
-    return schemas.JobSpec(
+def _spec(dtype: str, rows) -> JobSpec:
+    return JobSpec(
         job="sizes",
         model="/models/tiny",
         model_revision="0123abcd",
@@ -92,13 +92,18 @@ def test_each_estimated_file_size_is_the_written_size(dtype, tmp_path):
     """Exactly, or at most for an encoding whose size is a bound (compressed)."""
     rows = _table(12)
     spec = _spec(dtype, rows)
-    sizes = estimate.sample_file_sizes(rows, spec)
+    sizes = estimate.sample_file_sizes(rows, SampleFiles.of(spec))
     for i in range(len(rows)):
         states = torch.randn(int(rows.lengths[i]), len(spec.layers), HIDDEN)
         encoding = encodings.of_spec(dtype)
         states = states.to(getattr(torch, encoding.compute))
         ready = write_sample_file(
-            spool=tmp_path, spec=spec, node="n", batch_id="b", sample=rows.sample(i), hidden_states=states
+            spool=tmp_path,
+            files=SampleFiles.of(spec),
+            node="n",
+            batch_id="b",
+            sample=rows.sample(i),
+            hidden_states=states,
         )
         assert ready.size == (tmp_path / ready.spool_path).stat().st_size, i
         if encoding.exact_size:
@@ -136,19 +141,18 @@ def test_a_measured_estimate_is_within_5_percent_of_the_written_files(dtype, tin
     rows = builder.finish()
     model = str(tiny_model("qwen3"))
     spec = msgspec.structs.replace(_spec(dtype, rows), model=model, model_revision="local", layers=[1, 3])
-    measured = measuring.measure_states(spec, rows, device="cpu")
+    measured = measuring.measure_states(SampleFiles.of(spec), rows, device="cpu")
     assert measured.tokens <= measure.SAMPLE_TOKENS < rows.total_tokens / 2 and measured.samples < len(rows)
-    bound = int(estimate.sample_file_sizes(rows, spec).sum())
-    guess = estimate.estimated_bytes(spec, rows, bound=bound, ratio=measured.ratio)
+    bound = int(estimate.sample_file_sizes(rows, SampleFiles.of(spec)).sum())
+    guess = estimate.estimated_bytes(SampleFiles.of(spec), rows, bound=bound, ratio=measured.ratio)
 
-    encoding = encodings.of_spec(dtype)
-    loaded = load_model(model, layers=spec.layers, dtype=dtype, device="cpu")
+    loaded = load_model(model, layers=spec.layers, encoding=encodings.of_spec(dtype), device="cpu")
     written = 0
     for start in range(0, len(rows), 8):
         batch = [rows.sample(i) for i in range(start, min(start + 8, len(rows)))]
-        for sample, states in zip(batch, extract_samples(loaded, batch, float8=encoding.quantized_on_device)):
+        for sample, states in zip(batch, extract_samples(loaded, batch)):
             ready = write_sample_file(
-                spool=tmp_path, spec=spec, node="n", batch_id="b", sample=sample, hidden_states=states
+                spool=tmp_path, files=SampleFiles.of(spec), node="n", batch_id="b", sample=sample, hidden_states=states
             )
             written += ready.size
     rows.close()
@@ -161,7 +165,7 @@ def test_without_torch_the_states_are_not_measured(monkeypatch):
     rows = _table(3)
     monkeypatch.setitem(sys.modules, "torch", None)  # as on a producer-only install: find_spec gives None
     with pytest.raises(measuring.NotMeasured, match=r"^torch is not installed here \(a producer-only install"):
-        measuring.measure_states(_spec("bfloat16-zstd", rows), rows, device="cpu")
+        measuring.measure_states(SampleFiles.of(_spec("bfloat16-zstd", rows)), rows, device="cpu")
     rows.close()
 
 

@@ -25,7 +25,7 @@ from tolerance import U_BFLOAT16, assert_within, bfloat16_bound, depth, error, f
 
 from hsx.commands.embedded import build_tiny_model
 from hsx.exitcodes import JOB_FAILED
-from hsx.model.layers import FINAL
+from hsx.job import FINAL
 from hsx.storage.reader import HiddenStateDataset
 
 with warnings.catch_warnings():

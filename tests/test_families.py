@@ -45,8 +45,10 @@ from transformers import AutoModelForCausalLM
 
 from hsx.commands.embedded import build_tiny_model
 from hsx.gpu_consumer.extract import extract_samples
-from hsx.gpu_consumer.model import decoder_stack, load_model
-from hsx.model.layers import FINAL
+from hsx.gpu_consumer.model import load_model
+from hsx.gpu_consumer.trunk import decoder_stack
+from hsx.job import FINAL
+from hsx.storage import encodings
 from hsx.wire.schemas import Sample
 
 VOCAB = 512
@@ -229,7 +231,7 @@ def test_family_matches_transformers_per_sample_and_stops_early(name, family_mod
 
     # 1. Every selected state of a padded batch equals the sample run alone, whichever batch the
     # sample is in (COMPOSITIONS) and whatever the thread count (torch_threads).
-    loaded = load_model(str(path), layers=SELECTED, dtype="float32", device="cpu")
+    loaded = load_model(str(path), layers=SELECTED, encoding=encodings.of_spec("float32"), device="cpu")
     assert loaded.attention == ("eager" if name == "gemma2" else "sdpa")
     worst, used, mistakes = 0.0, 0.0, float("inf")
     for composition, groups in COMPOSITIONS.items():
@@ -268,7 +270,7 @@ def test_family_matches_transformers_per_sample_and_stops_early(name, family_mod
     # 2. Stopping after a middle layer: the model holds layers 0..STOP_AFTER alone, no final norm
     # and no lm_head, and every module it holds runs.
     loaded.tap.remove()
-    early = load_model(str(path), layers=[STOP_AFTER], dtype="float32", device="cpu")
+    early = load_model(str(path), layers=[STOP_AFTER], encoding=encodings.of_spec("float32"), device="cpu")
     assert list(_watched(early.model)) == [f"layer{i}" for i in range(STOP_AFTER + 1)]
     assert early.load_report.layers_loaded == STOP_AFTER + 1 and early.load_report.layers_total == NUM_LAYERS
     calls.clear()

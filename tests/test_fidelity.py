@@ -35,9 +35,11 @@ from transformers import AutoModelForCausalLM
 from hsx.gpu_consumer.extract import extract_samples
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.writer import write_sample_file
-from hsx.storage.layout import LAYER_CONVENTION, sample_key
+from hsx.job import JobSpec
+from hsx.storage import encodings
+from hsx.storage.layout import LAYER_CONVENTION, SampleFiles, sample_key
 from hsx.storage.spool import spool_file
-from hsx.wire.schemas import FileReady, JobSpec, Sample
+from hsx.wire.schemas import FileReady, Sample
 
 FAMILIES = ["qwen3", "llama"]
 NUM_LAYERS = 6  # tests/conftest.py TINY
@@ -126,7 +128,9 @@ def _extract_and_write(
 ):
     """The samples' files, written from one batch (or from the batches `groups` names), and
     their FileReady events in the samples' order."""
-    loaded = load_model(str(model_path), layers=layers, dtype=dtype, device="cpu", compile_layers=compile_layers)
+    loaded = load_model(
+        str(model_path), layers=layers, encoding=encodings.of_spec(dtype), device="cpu", compile_layers=compile_layers
+    )
     hidden = {}
     for group in groups or [list(range(len(samples)))]:
         batch = [samples[i] for i in group]
@@ -135,7 +139,12 @@ def _extract_and_write(
     spool = tmp_path / "spool"
     ready = [
         write_sample_file(
-            spool=spool, spec=spec, node="node-a", batch_id="batch-0", sample=s, hidden_states=hidden[s.index]
+            spool=spool,
+            files=SampleFiles.of(spec),
+            node="node-a",
+            batch_id="batch-0",
+            sample=s,
+            hidden_states=hidden[s.index],
         )
         for s in samples
     ]
@@ -272,7 +281,7 @@ def test_last_layer_is_raw_output_not_post_norm(family, tiny_model, reference_mo
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_only_the_layers_up_to_the_deepest_selected_are_loaded_and_run(family, tiny_model):
-    loaded = load_model(str(tiny_model(family)), layers=[1], dtype="float32", device="cpu")
+    loaded = load_model(str(tiny_model(family)), layers=[1], encoding=encodings.of_spec("float32"), device="cpu")
     model = loaded.model
     # What the forward never runs is not loaded: layers 2.., the final norm, the lm_head.
     assert len(model.model.layers) == 2 and isinstance(model.model.norm, torch.nn.Identity)

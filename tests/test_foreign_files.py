@@ -34,8 +34,9 @@ from test_verify import restored, verify_in_process
 from hsx.errors import HsxError
 from hsx.exitcodes import JOB_FAILED
 from hsx.gpu_consumer.writer import write_sample_file
+from hsx.job import JobSpec
 from hsx.logs import configure_logging
-from hsx.storage.layout import sample_key
+from hsx.storage.layout import SampleFiles, sample_key
 from hsx.storage.reader import HiddenStateDataset, pack_collate, pad_collate, prefetched
 from hsx.wire import schemas
 
@@ -143,7 +144,7 @@ def _dataset_error(url: str, position: int, **options) -> str:
 def _foreign_file(tmp_path: Path, index: int) -> bytes:
     """Sample `index` of another job, made by the consumer's own writer: another model width
     (32), other layers (0, 2), 40 tokens; its checksum is sound."""
-    other = schemas.JobSpec(
+    other = JobSpec(
         job="someone-elses-job", model="elsewhere/other-model", model_revision="main", layers=[0, 2],
         dtype="float32", dest=str(tmp_path), token_budget=64, max_seq_len=64, dataset="other.jsonl",
         plan_fingerprint="f" * 64, total_samples=100, total_tokens=4000, total_batches=10, created_at=0.0,
@@ -151,7 +152,12 @@ def _foreign_file(tmp_path: Path, index: int) -> bytes:
     sample = schemas.Sample(index=index, source_id="x", input_ids=list(range(40)))
     spool = tmp_path / "foreign-spool"
     ready = write_sample_file(
-        spool=spool, spec=other, node="n", batch_id="b", sample=sample, hidden_states=torch.randn(40, 2, 32)
+        spool=spool,
+        files=SampleFiles.of(other),
+        node="n",
+        batch_id="b",
+        sample=sample,
+        hidden_states=torch.randn(40, 2, 32),
     )
     return (spool / ready.spool_path).read_bytes()
 

@@ -31,8 +31,10 @@ from tolerance import assert_within, float32_states_bound
 import hsx.gpu_consumer.extract as extract
 from devkit.faults import NonFiniteFault
 from hsx.gpu_consumer.config import ConsumerConfig
-from hsx.gpu_consumer.model import decoder_layers, load_model
+from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.service import BatchWorker
+from hsx.gpu_consumer.trunk import decoder_layers
+from hsx.storage import encodings
 from hsx.storage.encodings.float8 import FLOAT8
 from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
@@ -79,7 +81,7 @@ class _Uncollected:
 
 
 def test_each_oom_retry_starts_with_nothing_of_the_failed_forward_alive(tiny_model, monkeypatch):
-    loaded = load_model(str(tiny_model("qwen3")), layers=LAYERS, dtype="float32", device="cpu")
+    loaded = load_model(str(tiny_model("qwen3")), layers=LAYERS, encoding=encodings.of_spec("float32"), device="cpu")
     failed: list[weakref.ref] = []  # tensors of the forwards that ran out of memory
     alive_at_start: list[int] = []  # how many of them each forward found still alive
 
@@ -120,7 +122,7 @@ def test_a_failed_stage_is_not_kept_alive_by_its_task(tiny_model):
     watcher's frame, which held the task, which holds the exception. Without the cycle collector
     the failed forward's frames (and their device tensors) would live on."""
     model = tiny_model("qwen3")
-    loaded = load_model(str(model), layers=LAYERS, dtype="float32", device="cpu")
+    loaded = load_model(str(model), layers=LAYERS, encoding=encodings.of_spec("float32"), device="cpu")
     samples = _samples(2)
     spec = _spec("tcycle", model, LAYERS, "float32", samples)
     batch = schemas.BatchDescriptor(job="tcycle", batch_id="tcycle-0", padded_len=13, samples=samples)
@@ -207,7 +209,7 @@ def test_a_device_error_ends_the_consumer_and_leaves_the_batch_unacked(
 
 
 async def _compute_and_finish(url: str, model: Path, job: str, spool: Path, dtype: str, bad: NonFiniteFault):
-    loaded = load_model(str(model), layers=LAYERS, dtype=dtype, device="cpu")
+    loaded = load_model(str(model), layers=LAYERS, encoding=encodings.of_spec(dtype), device="cpu")
     handle = decoder_layers(loaded.model)[0].register_forward_hook(bad.hook)
     samples = _samples(4, first=0, seed=3)
     spec = _spec(job, model, LAYERS, dtype, samples)

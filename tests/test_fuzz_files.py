@@ -27,10 +27,11 @@ from hsx.commands.export import _Failed
 from hsx.commands.export import _read as export_read
 from hsx.commands.verify import check_sample
 from hsx.gpu_consumer.writer import write_sample_file
+from hsx.job import JobSpec
 from hsx.storage import encodings
 from hsx.storage.destinations.file import FileDestination
 from hsx.storage.expected import ExpectedSamples, ids_digest, mismatches, read_header
-from hsx.storage.layout import relative_sample_key
+from hsx.storage.layout import SampleFiles, relative_sample_key
 from hsx.storage.reader import BadSampleFile, _read_checked, load_sample
 from hsx.storage.sampledigest import sample_digest
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
@@ -42,8 +43,8 @@ SAMPLE = schemas.Sample(index=2, source_id="row-2", input_ids=[5, 7, 11, 13], lo
 LAYERS, HIDDEN = [1, 3], 8
 
 
-def _spec(dtype: str) -> schemas.JobSpec:
-    return schemas.JobSpec(
+def _spec(dtype: str) -> JobSpec:
+    return JobSpec(
         job=JOB,
         model="tiny/qwen3",
         model_revision="main",
@@ -138,7 +139,9 @@ def real_files(tmp_path_factory) -> dict[str, bytes]:
     for encoding in encodings.ENCODINGS.values():
         spec = _spec(encoding.stored)
         states = torch.randn(len(SAMPLE.input_ids), len(LAYERS), HIDDEN).to(getattr(torch, encoding.compute))
-        ready = write_sample_file(spool=spool, spec=spec, node="n", batch_id="b", sample=SAMPLE, hidden_states=states)
+        ready = write_sample_file(
+            spool=spool, files=SampleFiles.of(spec), node="n", batch_id="b", sample=SAMPLE, hidden_states=states
+        )
         files[encoding.name] = (spool / ready.spool_path).read_bytes()
     return files
 

@@ -28,10 +28,11 @@ from hsx.commands.dead import _describe, _payload_batch_id, _target
 from hsx.errors import HsxError
 from hsx.gpu_consumer.plansamples import PlanSamples, PlanSamplesUnavailable, batch_placed
 from hsx.gpu_consumer.writer import write_sample_file
+from hsx.job import JobSpec, plan_batch_id, plan_tag_of
 from hsx.monitor import report
 from hsx.storage.destinations.file import FileDestination
 from hsx.storage.expected import ExpectedSamples
-from hsx.storage.layout import sample_key
+from hsx.storage.layout import SampleFiles, sample_key
 from hsx.storage.location import spec_location
 from hsx.storage.sampledigest import sample_digest
 from hsx.storage.spool import batch_bytes, plan_folder, remove_stale_plans, spool_file
@@ -49,7 +50,7 @@ from hsx.wire.spec_changes import refused_change
 NODE = "node-1"
 INSTANCE = f"{NODE}-host-4242"
 FINGERPRINT = hashlib.sha256(b"the fuzzed plan").hexdigest()
-PLAN = schemas.plan_tag_of(FINGERPRINT)
+PLAN = plan_tag_of(FINGERPRINT)
 OTHER_PLAN = "0123456789ab"
 SAMPLES = [
     schemas.Sample(
@@ -64,8 +65,8 @@ SAMPLES = [
 SAMPLES[5] = schemas.Sample(index=5, source_id="row-5", input_ids=[3, 1, 4, 1, 5], loss_mask=[0, 1, 1, 0, 1])
 
 
-def _spec(job: str, dest: str) -> schemas.JobSpec:
-    return schemas.JobSpec(
+def _spec(job: str, dest: str) -> JobSpec:
+    return JobSpec(
         job=job,
         model="tiny/qwen3",
         model_revision="main",
@@ -93,7 +94,7 @@ def _batches(job: str) -> list[schemas.BatchDescriptor]:
     return [
         schemas.BatchDescriptor(
             job=job,
-            batch_id=schemas.plan_batch_id(job, FINGERPRINT, seq),
+            batch_id=plan_batch_id(job, FINGERPRINT, seq),
             padded_len=max(len(s.input_ids) for s in SAMPLES[2 * seq : 2 * seq + 2]),
             samples=SAMPLES[2 * seq : 2 * seq + 2],
             plan=PLAN,
@@ -121,7 +122,7 @@ def loop():
     loop.close()
 
 
-def _descriptor_outcome(data: bytes, spec: schemas.JobSpec, plan_samples: PlanSamples, loop) -> tuple[str, object]:
+def _descriptor_outcome(data: bytes, spec: JobSpec, plan_samples: PlanSamples, loop) -> tuple[str, object]:
     """A descriptor through the consumer's checks, in their order (gpu_consumer/service.py
     `_compute_batch`, `_in_plan`)."""
     try:
@@ -166,7 +167,7 @@ def forged_descriptor(draw, job: str) -> bytes:
         samples = samples[:1]
     batch_id = draw(
         st.one_of(
-            st.builds(lambda seq: schemas.plan_batch_id(job, FINGERPRINT, seq), st.integers(0, 5)),
+            st.builds(lambda seq: plan_batch_id(job, FINGERPRINT, seq), st.integers(0, 5)),
             st.just(f"{job}-redo-2-77"),
         )
     )
@@ -257,7 +258,7 @@ def test_a_fuzzed_file_event_moves_nothing_but_its_own_plans_files(tmp_path, job
     for sample in SAMPLES[:5]:
         states = torch.randn(len(sample.input_ids), 2, 4).to(torch.bfloat16)
         events[sample.index] = write_sample_file(
-            spool=spool, spec=spec, node=NODE, batch_id="b", sample=sample, hidden_states=states
+            spool=spool, files=SampleFiles.of(spec), node=NODE, batch_id="b", sample=sample, hidden_states=states
         )
     # Samples 0 and 1 are stored; 2 and 3 wait in the spool; 4's file lies outside the spool, and
     # its spool path is a link planted to it; 5 is nowhere.
@@ -363,8 +364,10 @@ def test_a_fuzzed_job_spec_is_refused_in_one_line_or_names_only_its_own_paths(tm
             assert path.is_absolute() and ".." not in path.parts and "\x00" not in location.path, location
         assert plan_folder(spool, spec.job, spec.plan_tag).parent == spool / job_name
         _only((HsxError,), ExpectedSamples.of_spec, spec, where="fuzz")
-        _only((HsxError,), batch_bytes, spec)
-        spec.is_plan_batch(schemas.plan_batch_id(job_name, FINGERPRINT, 1))
+        files = _only((HsxError,), SampleFiles.of, spec)
+        if files is not None:
+            batch_bytes(files)
+        spec.is_plan_batch(plan_batch_id(job_name, FINGERPRINT, 1))
         change = refused_change(held, spec)
         if change is None:  # adopted: nothing a worker checks moved
             assert (spec.dest, spec.layers, spec.dtype, spec.sample_digests) == (
@@ -418,7 +421,7 @@ def _subject_variants(subject: str) -> st.SearchStrategy[str]:
 def test_a_fuzzed_marker_is_read_only_as_what_its_subject_names(kind, job_name, record_property):
     written = schemas.BatchWritten(
         job=job_name,
-        batch_id=schemas.plan_batch_id(job_name, FINGERPRINT, 1),
+        batch_id=plan_batch_id(job_name, FINGERPRINT, 1),
         consumer=INSTANCE,
         node=NODE,
         sample_indices=[2, 3],
@@ -495,7 +498,7 @@ def test_a_fuzzed_heartbeat_is_heard_only_as_its_own_workers_within_the_clock_sk
         state="working",
         detail="",
         sent_at=1765000100.5,
-        last_batch=schemas.plan_batch_id(job_name, FINGERPRINT, 0),
+        last_batch=plan_batch_id(job_name, FINGERPRINT, 0),
         spool_files=3,
         spool_bytes=12288,
         spool="/var/spool/hsx",

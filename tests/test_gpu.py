@@ -21,6 +21,8 @@ from tolerance import assert_within, bfloat16_bound, depth, float32_bound, float
 from devkit.faults import oom_above
 from hsx.gpu_consumer.extract import extract_samples
 from hsx.gpu_consumer.model import load_model
+from hsx.storage import encodings
+from hsx.storage.layout import SampleFiles
 from hsx.wire.schemas import Sample
 
 pytestmark = pytest.mark.gpu
@@ -41,7 +43,9 @@ def test_cuda_extraction_matches_transformers_per_sample(tiny_model, dtype, comp
 
     path = tiny_model("qwen3")
     layers = [4, 0, 2]
-    loaded = load_model(str(path), layers=layers, dtype=dtype, device="cuda:0", compile_layers=compile_layers)
+    loaded = load_model(
+        str(path), layers=layers, encoding=encodings.of_spec(dtype), device="cuda:0", compile_layers=compile_layers
+    )
     samples = _samples([7, 33, 64, 130])
     outputs = extract_samples(loaded, samples)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda:0").eval()
@@ -68,7 +72,7 @@ def test_pinned_staging_survives_oom_splits_and_isolation(tiny_model, monkeypatc
     import hsx.gpu_consumer.extract as extract
 
     path = tiny_model("qwen3")
-    loaded = load_model(str(path), layers=[1, 3], dtype="float32", device="cuda:0")
+    loaded = load_model(str(path), layers=[1, 3], encoding=encodings.of_spec("float32"), device="cuda:0")
     assert loaded.staging is not None and loaded.staging.pin
     samples = _samples([5, 9, 14, 20, 26, 31, 40, 50])
     whole = extract_samples(loaded, samples)  # no lease: copies of its own
@@ -91,9 +95,9 @@ def test_each_oom_retry_starts_at_the_device_memory_held_before_the_failed_forwa
     more than 2 samples (after allocating 64 MiB that only its frame holds); when each retry of a
     half begins, torch.cuda.memory_allocated() is back at what it was before the batch."""
     import hsx.gpu_consumer.extract as extract
-    from hsx.gpu_consumer.model import decoder_layers
+    from hsx.gpu_consumer.trunk import decoder_layers
 
-    loaded = load_model(str(tiny_model("qwen3")), layers=[1, 3], dtype="float32", device="cuda:0")
+    loaded = load_model(str(tiny_model("qwen3")), layers=[1, 3], encoding=encodings.of_spec("float32"), device="cuda:0")
     samples = _samples([40] * 8)
     extract_samples(loaded, samples[:2])  # cuBLAS workspace and the like, allocated once
     torch.cuda.synchronize()
@@ -240,7 +244,7 @@ def test_device_enumeration_sees_the_real_gpus(tiny_model):
     with pytest.raises(HsxError, match=f"no GPU {count}: {visible}"):
         node_devices(f"cuda:{count}", None)
     with pytest.raises(HsxError, match=f"no GPU {count}: {visible}"):
-        load_model(str(tiny_model("qwen3")), layers=[1], dtype="float32", device=f"cuda:{count}")
+        load_model(str(tiny_model("qwen3")), layers=[1], encoding=encodings.of_spec("float32"), device=f"cuda:{count}")
     probe = "from hsx.model.devices import node_devices; print(node_devices('cuda', None))"
     for hidden, expected in ((str(count - 1), "['cuda:0']"), ("", None)):
         result = subprocess.run(
@@ -312,7 +316,7 @@ def test_a_hybrid_models_kernels_on_cuda(tmp_path, hsx, nats_server, job_name):
     from hsx.gpu_consumer.kernels import kernel_report
 
     path = build_tiny_model(tmp_path / "qwen3_5", seed=7, **FAMILIES["qwen3_5_text"].config)
-    loaded = load_model(str(path), layers=[0, 2], dtype="bfloat16", device="cuda:0")
+    loaded = load_model(str(path), layers=[0, 2], encoding=encodings.of_spec("bfloat16"), device="cuda:0")
     report = kernel_report(loaded.model, compiled=False)
     has_fla = importlib.util.find_spec("fla") is not None
     has_conv = importlib.util.find_spec("causal_conv1d") is not None
@@ -351,7 +355,7 @@ def test_float8_quantized_on_the_gpu_stores_the_bytes_the_host_made(tiny_model, 
     same bytes, and the same files (tests/test_device_path.py checks the CPU side)."""
     from test_fidelity import _spec
 
-    import hsx.gpu_consumer.extract as extract
+    import hsx.storage.encodings.float8 as float8
     from hsx.gpu_consumer.writer import write_sample_file
     from hsx.storage.encodings.float8 import FLOAT8, Float8States, quantize_float8
 
@@ -362,14 +366,14 @@ def test_float8_quantized_on_the_gpu_stores_the_bytes_the_host_made(tiny_model, 
         stacked.append(batch.cpu())
         return quantize_float8(batch)
 
-    monkeypatch.setattr(extract, "quantize_float8", recording)
+    monkeypatch.setattr(float8, "quantize_float8", recording)
     path = tiny_model("qwen3")
     layers = [1, 3, 4]
-    loaded = load_model(str(path), layers=layers, dtype=FLOAT8, device="cuda:0")
+    loaded = load_model(str(path), layers=layers, encoding=encodings.of_spec(FLOAT8), device="cuda:0")
     samples = _samples([7, 33, 64, 130, 3])
     spec = _spec("f8", path, layers, FLOAT8, samples)
     lease = loaded.staging.lease()
-    on_device = extract_samples(loaded, samples, lease=lease, float8=True)
+    on_device = extract_samples(loaded, samples, lease=lease)
     [batch] = stacked
     for row, (sample, quantized) in enumerate(zip(samples, on_device)):
         bf16 = batch[row, : len(sample.input_ids)]
@@ -378,10 +382,15 @@ def test_float8_quantized_on_the_gpu_stores_the_bytes_the_host_made(tiny_model, 
         assert torch.equal(quantized.values.view(torch.uint8), values.view(torch.uint8)), sample.index
         assert torch.equal(quantized.scale.view(torch.int32), scale.view(torch.int32)), sample.index
         ours = write_sample_file(
-            spool=tmp_path / "d", spec=spec, node="n", batch_id="b", sample=sample, hidden_states=quantized
+            spool=tmp_path / "d",
+            files=SampleFiles.of(spec),
+            node="n",
+            batch_id="b",
+            sample=sample,
+            hidden_states=quantized,
         )
         theirs = write_sample_file(
-            spool=tmp_path / "h", spec=spec, node="n", batch_id="b", sample=sample, hidden_states=bf16
+            spool=tmp_path / "h", files=SampleFiles.of(spec), node="n", batch_id="b", sample=sample, hidden_states=bf16
         )
         assert (ours.digest, ours.size) == (theirs.digest, theirs.size), sample.index
     lease.release()
@@ -440,9 +449,9 @@ def test_the_copy_to_the_host_is_queued_on_its_own_stream_after_the_forward(tiny
     pinned leased buffers, done at an event; the compute stream meanwhile reuses no memory the
     copy still reads (record_stream): NaN-filled tensors asked for there do not reach the states."""
     import hsx.gpu_consumer.extract as extract
-    from hsx.gpu_consumer.model import decoder_layers
+    from hsx.gpu_consumer.trunk import decoder_layers
 
-    loaded = load_model(str(tiny_model("qwen3")), layers=[1, 3], dtype="float32", device="cuda:0")
+    loaded = load_model(str(tiny_model("qwen3")), layers=[1, 3], encoding=encodings.of_spec("float32"), device="cuda:0")
     samples = _samples([7, 33, 64])
     expected = extract_samples(loaded, samples)
     handle = decoder_layers(loaded.model)[2].register_forward_hook(lambda *_: torch.cuda._sleep(int(5e8)))
@@ -469,9 +478,11 @@ def test_non_finite_flags_come_back_with_the_states_on_cuda(tiny_model, monkeypa
     wait names the sample and gives its lease's buffers back."""
     import hsx.gpu_consumer.extract as extract
     from devkit.faults import NonFiniteFault
-    from hsx.gpu_consumer.model import decoder_layers
+    from hsx.gpu_consumer.trunk import decoder_layers
 
-    loaded = load_model(str(tiny_model("qwen3")), layers=[1, 3], dtype="bfloat16", device="cuda:0")
+    loaded = load_model(
+        str(tiny_model("qwen3")), layers=[1, 3], encoding=encodings.of_spec("bfloat16"), device="cuda:0"
+    )
     bad = NonFiniteFault(1, "inf")
     monkeypatch.setattr(extract, "before_forward", bad.before_forward)
     handle = decoder_layers(loaded.model)[0].register_forward_hook(bad.hook)
@@ -514,7 +525,7 @@ def test_flas_causal_conv_computes_what_transformers_torch_conv_does(tmp_path, d
     if fla_causal_conv1d() is None:
         pytest.skip("fla-core is not installed here")
     path = build_tiny_model(tmp_path / "qwen3_5", seed=7, **FAMILIES["qwen3_5_text"].config)
-    loaded = load_model(str(path), layers=[0, 2], dtype=dtype, device="cuda:0")
+    loaded = load_model(str(path), layers=[0, 2], encoding=encodings.of_spec(dtype), device="cuda:0")
     modeling = sys.modules[type(linear_attention_layers(loaded.model)[0]).__module__]
     try:
         report = kernel_report(loaded.model, compiled=False)

@@ -37,6 +37,7 @@ from test_e2e_s3 import LAYERS, logs_of, read_dir_objects, start_monitor, wait_u
 from test_exhausted import FAST, _batch_of, _block_sample_path
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.storage.reader import HiddenStateDataset, JobStream
 from hsx.storage.streambatches import LandingBatcher, deal, shuffled_batches, split_to_rounds
 from hsx.wire import schemas, topology
@@ -337,7 +338,7 @@ def _settings_of(server: str | NatsSettings) -> NatsSettings:
     return server if isinstance(server, NatsSettings) else NatsSettings(url=server)
 
 
-async def _land(nc, spec: schemas.JobSpec, indices) -> int:
+async def _land(nc, spec: JobSpec, indices) -> int:
     """`uploaded` markers of `indices` as the uploader stores them (no files), once each; the
     stream sequence of the job's last marker once the stream holds them all."""
     js, job, indices = nc.jetstream(), spec.job, list(indices)
@@ -361,17 +362,17 @@ async def _land(nc, spec: schemas.JobSpec, indices) -> int:
 
 def _fake_job(
     server: str | NatsSettings, job: str, count: int, *, landed=None, published: bool = True
-) -> tuple[schemas.JobSpec, int]:
+) -> tuple[JobSpec, int]:
     """A job's spec of `count` samples and the `uploaded` markers of `landed` (default: all) as the
     uploader stores them (no files): the spec and the stream sequence of the last marker. Not
     `published`: the producer has not recorded the whole plan yet, so the job is not over."""
 
-    async def make() -> tuple[schemas.JobSpec, int]:
+    async def make() -> tuple[JobSpec, int]:
         nc = await connect(_settings_of(server), name="test-fake-job")
         try:
             js = nc.jetstream()
             kv = await topology.ensure_topology(js)
-            spec = schemas.JobSpec(
+            spec = JobSpec(
                 job=job,
                 model="m",
                 model_revision="r",
@@ -396,7 +397,7 @@ def _fake_job(
     return asyncio.run(make())
 
 
-def _finish_fake_job(server: str | NatsSettings, spec: schemas.JobSpec, indices) -> int:
+def _finish_fake_job(server: str | NatsSettings, spec: JobSpec, indices) -> int:
     """Land the markers of `indices`, then record the plan published: the job is done once all
     landed. The stream sequence of the last marker."""
 
@@ -434,7 +435,7 @@ def _marker_sequences(server: str | NatsSettings, job: str) -> list[int]:
     return asyncio.run(read())
 
 
-def _end_record(spec: schemas.JobSpec, stream: str, **fields) -> schemas.EpochEndRecord:
+def _end_record(spec: JobSpec, stream: str, **fields) -> schemas.EpochEndRecord:
     """An epoch-end record of `stream` of the job, every field public: what anyone can write."""
     given = {"job": spec.job, "plan": spec.plan_tag, "stream": stream, "created_at": spec.created_at}
     return schemas.EpochEndRecord(**{**given, "total_samples": spec.total_samples, **fields})
@@ -455,7 +456,7 @@ def _publish_records(server: str | NatsSettings, *records: schemas.EpochEndRecor
     asyncio.run(publish())
 
 
-def _records_on(server: str | NatsSettings, spec: schemas.JobSpec, stream: str) -> list[schemas.EpochEndRecord]:
+def _records_on(server: str | NatsSettings, spec: JobSpec, stream: str) -> list[schemas.EpochEndRecord]:
     """Every record on `stream`'s subject, in order."""
 
     async def read() -> list[schemas.EpochEndRecord]:
@@ -479,7 +480,7 @@ def _records_on(server: str | NatsSettings, spec: schemas.JobSpec, stream: str) 
 class _Following:
     """A `LandingFeed` of the job (no end known), iterated on a thread of its own."""
 
-    def __init__(self, server: str | NatsSettings, spec: schemas.JobSpec, name: str) -> None:
+    def __init__(self, server: str | NatsSettings, spec: JobSpec, name: str) -> None:
         settings = _settings_of(server)
         self.feed = LandingFeed(
             settings, spec.job, name=name, plan=spec.plan_tag, created_at=spec.created_at, check_s=0.2

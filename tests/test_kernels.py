@@ -33,6 +33,7 @@ from hsx.gpu_consumer.kernels import (
     plain_function,
 )
 from hsx.gpu_consumer.model import load_model
+from hsx.storage import encodings
 from hsx.wire import schemas
 
 HYBRIDS = ["qwen3_5_text", "qwen3_next"]
@@ -47,7 +48,7 @@ def loaded(tmp_path_factory):
         if name not in models:
             path = build_tiny_model(root / name, seed=7, **FAMILIES[name].config)
             # Layer 2: the trunk holds layers 0-2, two of them linear attention (HYBRID_LAYER_TYPES).
-            models[name] = load_model(str(path), layers=[2], dtype="float32", device="cpu")
+            models[name] = load_model(str(path), layers=[2], encoding=encodings.of_spec("float32"), device="cpu")
         return models[name]
 
     return get

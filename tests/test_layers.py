@@ -20,10 +20,13 @@ from hsx.errors import HsxError
 from hsx.gpu_consumer.extract import extract_samples
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.writer import write_sample_file
-from hsx.model.layers import FINAL, parse_layers, resolve_layers
+from hsx.job import FINAL, JobSpec
+from hsx.model.layers import parse_layers, resolve_layers
+from hsx.storage import encodings
 from hsx.storage.encodings.float8 import FLOAT8, dequantize_float8
+from hsx.storage.layout import SampleFiles
 from hsx.storage.spool import spool_file
-from hsx.wire.schemas import JobSpec, Sample
+from hsx.wire.schemas import Sample
 
 
 def test_negative_indices_and_final_resolve_in_the_order_given():
@@ -65,7 +68,7 @@ def _reference(path):
 
 def test_final_selector_is_the_post_norm_state_and_the_lm_head_is_not_loaded(tiny_model):
     path = tiny_model("qwen3")
-    loaded = load_model(str(path), layers=[FINAL, 2], dtype="float32", device="cpu")
+    loaded = load_model(str(path), layers=[FINAL, 2], encoding=encodings.of_spec("float32"), device="cpu")
     # `final` needs every layer and the norm; nothing needs the lm_head.
     assert loaded.model.get_output_embeddings() is None
     assert len(loaded.model.model.layers) == loaded.model.config.num_hidden_layers
@@ -108,19 +111,25 @@ def test_float8_files_are_smaller_and_dequantize_close_to_float32(tiny_model, tm
     path = tiny_model("llama")
     layers = [0, 3, 5]
     samples = _samples([64, 17], seed=5)
-    reference = extract_samples(load_model(str(path), layers=layers, dtype="float32", device="cpu"), samples)
-    loaded = load_model(str(path), layers=layers, dtype=FLOAT8, device="cpu")
+    reference = extract_samples(
+        load_model(str(path), layers=layers, encoding=encodings.of_spec("float32"), device="cpu"), samples
+    )
+    loaded = load_model(str(path), layers=layers, encoding=encodings.of_spec(FLOAT8), device="cpu")
     sizes = {}
     for dtype, spool, model in [
         (FLOAT8, tmp_path / "f8", loaded),
-        ("bfloat16", tmp_path / "bf16", load_model(str(path), layers=layers, dtype="bfloat16", device="cpu")),
+        (
+            "bfloat16",
+            tmp_path / "bf16",
+            load_model(str(path), layers=layers, encoding=encodings.of_spec("bfloat16"), device="cpu"),
+        ),
     ]:
         outputs = extract_samples(model, samples)
         sizes[dtype] = 0
         for sample, hidden in zip(samples, outputs):
             ready = write_sample_file(
                 spool=spool,
-                spec=_spec(path, layers, dtype),
+                files=SampleFiles.of(_spec(path, layers, dtype)),
                 node="n",
                 batch_id="b",
                 sample=sample,

@@ -2,13 +2,16 @@
 import in every module, at the top or inside a function, is checked against the rooms it may
 reach. commands -> services -> core; the core never imports a service or a command; a service
 never imports another service; nothing in the product imports devkit/; and every module is
-imported by its installed name (`hsx.producer`, not the folder name `producer`).
+imported by its installed name (`hsx.producer`, not the folder name `producer`). Between files
+too, no import circle (devkit/house.py draws the graph of files, imports inside functions
+included).
 
 Also: the uploader's service module, `hsx upload --help` and `hsx monitor --help` do not import
 torch (an uploader or monitor node installs no torch; `pip install -e .` without the `gpu` extra).
 """
 
 import ast
+import re
 import subprocess
 import sys
 from graphlib import TopologicalSorter
@@ -16,18 +19,18 @@ from pathlib import Path
 
 import pytest
 
+from devkit import house
+from devkit.house import FOLDERS, SERVICES, imports_of
+
 REPO = Path(__file__).resolve().parent.parent
-SERVICES = ("producer", "gpu_consumer", "uploader", "monitor")
-# Each top-level folder of the product and the name it is installed under (pyproject.toml).
-FOLDERS = {"hsx": "hsx", **{folder: f"hsx.{folder}" for folder in (*SERVICES, "commands")}}
 
 # Each room of the core and the rooms it may import (besides itself and the standard library).
 CORE = {
-    "hsx.base": set(),  # hsx/__init__.py, hsx/errors.py, hsx/logs.py
+    "hsx.base": set(),  # hsx/__init__.py, hsx/errors.py, hsx/logs.py, hsx/job.py, ...
     "hsx.config": {"hsx.base"},  # below the others: a config class anywhere declares its flags with it
     "hsx.wire": {"hsx.base", "hsx.config"},
     "hsx.storage": {"hsx.base", "hsx.config", "hsx.wire"},
-    "hsx.model": {"hsx.base", "hsx.config", "hsx.wire"},  # the job spec's types (Layer)
+    "hsx.model": {"hsx.base", "hsx.config"},  # the job's own types (Layer) are the base's: hsx/job.py
 }
 BY_FOLDER_NAME = "a folder name (not installed)"
 
@@ -63,26 +66,11 @@ def may_import(room: str) -> set[str]:
 
 def module_name(path: Path) -> str:
     """The installed name of a source file: producer/main.py -> hsx.producer.main."""
-    folder, *rest = path.relative_to(REPO).with_suffix("").parts
-    parts = [*FOLDERS[folder].split("."), *rest]
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def imports_of(path: Path) -> list[tuple[int, str]]:
-    """(line, module) of every import; `from hsx.wire import schemas` is hsx.wire.schemas."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level:
-            raise AssertionError(f"{path}:{node.lineno}: relative import; the rule is read from absolute names")
-    return found
+    return house.module_name(path, REPO)
 
 
 def product_modules() -> list[Path]:
-    return sorted(p for top in FOLDERS for p in (REPO / top).rglob("*.py"))
+    return house.product_modules(REPO)
 
 
 def violations(paths: list[Path]) -> list[str]:
@@ -140,6 +128,61 @@ def test_a_circle_and_an_upward_arrow_are_caught():
         drawn({"hsx.wire": {"hsx.storage"}, "hsx.storage": {"hsx.wire"}})
     with pytest.raises(AssertionError, match="arrows pointing up: .'hsx.wire -> producer'"):
         drawn({"hsx.wire": {"producer"}, "producer": set()})
+
+
+def test_no_import_circle_between_files():
+    graph = house.file_graph(REPO)
+    assert len(graph) > 60
+    assert house.circles(graph) == []
+
+
+def test_a_circle_between_files_is_caught_through_an_import_inside_a_function(tmp_path):
+    """A circle that an import inside a function hides from Python is still one; a name from a
+    package's __init__.py is that file's, and a submodule's import of its package is no circle."""
+    fake = tmp_path / "repo"
+    (fake / "hsx" / "pkg").mkdir(parents=True)
+    (fake / "producer").mkdir()
+    (fake / "hsx" / "a.py").write_text("from hsx.b import thing\n")
+    (fake / "hsx" / "b.py").write_text("def f():\n    from hsx.c import other\n")
+    (fake / "hsx" / "c.py").write_text("import hsx.a\n")
+    (fake / "hsx" / "pkg" / "__init__.py").write_text("from hsx.pkg.part import PART\n")
+    (fake / "hsx" / "pkg" / "part.py").write_text("PART = 1\n")
+    (fake / "producer" / "main.py").write_text("from hsx.pkg import PART\nfrom hsx.producer import main\n")
+    graph = house.file_graph(fake)
+    assert graph["hsx.producer.main"] == {"hsx.pkg"}
+    assert house.circles(graph) == [["hsx.a", "hsx.b", "hsx.c"]]
+
+
+def test_no_function_of_the_product_is_over_100_lines():
+    """Each function, method and nested function, from its `def` to its last line."""
+    found = [f"{f.file}:{f.line} {f.name} ({f.lines} lines)" for f in house.long_functions(REPO)]
+    assert found == []
+
+
+def test_a_long_function_is_found_nested_or_in_a_class(tmp_path):
+    fake = tmp_path / "repo"
+    (fake / "monitor").mkdir(parents=True)
+
+    def body(indent: str) -> str:
+        return "".join(f"{indent}x{i} = {i}\n" for i in range(100))
+
+    nested = "class Loop:\n    def run(self):\n        def inner():\n" + body(" " * 12) + "        return inner\n"
+    (fake / "monitor" / "long.py").write_text(
+        nested + "\n\ndef short():\n    return 1\n\n\ndef long():\n" + body("    ") + "    return x0\n"
+    )
+    found = {(f.name, f.lines) for f in house.long_functions(fake)}
+    assert found == {("Loop.run", 103), ("Loop.run.inner", 101), ("long", 102)}
+
+
+def test_the_producer_package_names_its_modules_and_no_other():
+    """producer/__init__.py's "Modules" paragraph names each module and subpackage of the
+    producer (in backticks, a subpackage with its slash), and nothing that is not one."""
+    folder = REPO / "producer"
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
+    listed = re.findall(r"`([a-z_]+/?)`", doc[doc.index("Modules") :])
+    present = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    present |= {f"{p.name}/" for p in folder.iterdir() if (p / "__init__.py").exists()}
+    assert sorted(listed) == sorted(present)
 
 
 def test_the_rule_catches_each_kind_of_violation(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hsx.job import JobSpec
 from hsx.monitor.bar import TerminalBar, render_bar
 from hsx.monitor.metrics import JobCollector
 from hsx.monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS, progress_line, silent_workers, take_reading
@@ -21,7 +22,7 @@ NOW = 1_000_000.0
 
 
 def _spec(total=4, tokens=40, batches=2):
-    return schemas.JobSpec(
+    return JobSpec(
         job="j",
         model="m",
         model_revision="r",

@@ -38,6 +38,7 @@ from hsx.commands.configs import NatsConfigConfig
 from hsx.commands.embedded import start_nats_server
 from hsx.commands.natsconfig import AUTH_FILE, env_file, write_nats_config
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.storage.reader import JobStream
 from hsx.wire import permissions, schemas, topology
 from hsx.wire.denials import PermissionDenied
@@ -330,7 +331,7 @@ def _job_messages(settings: NatsSettings, job: str) -> dict[str, dict[str, int]]
     return asyncio.run(read())
 
 
-def _store_one_of_each(settings: NatsSettings, spec: schemas.JobSpec) -> None:
+def _store_one_of_each(settings: NatsSettings, spec: JobSpec) -> None:
     """Beside the job's markers, a message on every other kind of subject a role may publish: a
     `written` marker, a re-queue, a heartbeat of each service, the checkpoint, an epoch end, a
     dead letter of each kind, a file event and a batch (nothing consumes this job)."""

@@ -31,6 +31,7 @@ from test_producer_checks import _produce_args, assert_nothing_written, log_even
 
 from hsx.errors import HsxError
 from hsx.exitcodes import STOPPED
+from hsx.job import JobSpec
 from hsx.storage import samplefile
 from hsx.storage.destinations.file import FileDestination
 from hsx.storage.layout import bundle_key, sample_key
@@ -193,7 +194,7 @@ def test_whose_folder_is_it(tmp_path):
     from hsx.producer.preflight import check_folder
 
     dest, job, out = Location.parse(tmp_path / "out"), "j", tmp_path / "out"
-    spec = schemas.JobSpec(
+    spec = JobSpec(
         job=job,
         model="m",
         model_revision="",

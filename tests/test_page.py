@@ -7,6 +7,7 @@ still decode. The page in a browser is tests/test_web.py."""
 import msgspec
 import pytest
 
+from hsx.job import JobSpec
 from hsx.monitor.page import HISTORY_POINTS, RateHistory, node_rows, worker_rows
 from hsx.monitor.report import take_reading
 from hsx.wire import schemas
@@ -87,7 +88,7 @@ def test_each_node_shows_its_newest_free_disk_and_the_high_water_mark():
             beat("b-1", "uploader", "b", "idle", 1),
         )
     }
-    spec = schemas.JobSpec(
+    spec = JobSpec(
         job="j", model="m", model_revision="", layers=[1], dtype="bfloat16", dest="file:///tmp/x",
         token_budget=8, max_seq_len=8, dataset="d", plan_fingerprint="a" * 64, total_samples=4,
         total_tokens=16, total_batches=1, created_at=NOW, published=True,

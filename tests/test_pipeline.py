@@ -27,6 +27,7 @@ from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.scheduler import DEPTH, pull_loop
 from hsx.gpu_consumer.service import BatchWorker
 from hsx.gpu_consumer.staging import HostStaging, StagingLease
+from hsx.storage import encodings
 from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
@@ -106,7 +107,7 @@ def check_pipeline(nats_server, tiny_model, job_name, tmp_path, monkeypatch, *, 
     monkeypatch.setattr(service, "publish_all", announcing)
 
     async def run() -> tuple[BatchWorker, object]:
-        loaded = load_model(str(path), layers=LAYERS, dtype="float32", device=device)
+        loaded = load_model(str(path), layers=LAYERS, encoding=encodings.of_spec("float32"), device=device)
         staging = CountingStaging()
         loaded = dataclasses.replace(loaded, staging=staging)
         nc = await connect(NatsSettings(url=nats_server.url), name="test-pipeline")
@@ -187,7 +188,7 @@ def check_pipeline(nats_server, tiny_model, job_name, tmp_path, monkeypatch, *, 
             assert at[("forward", k + DEPTH)] > at[("ack", k)], (k, steps)
     staging = worker.loaded.staging
     assert staging.most == DEPTH and staging.live == 0 and staging.leased_bytes == 0, (staging.most, staging.live)
-    eager = load_model(str(path), layers=LAYERS, dtype="float32", device=device)
+    eager = load_model(str(path), layers=LAYERS, encoding=encodings.of_spec("float32"), device=device)
     for sample in (s for batch in batches for s in batch):
         stored = load_file(spool_file(tmp_path / "spool", job_name, spec.plan_tag, sample.index))["hidden_states"]
         alone = extract.extract_samples(eager, [sample])[0]
@@ -208,7 +209,7 @@ def test_a_redelivered_batch_runs_alone(nats_server, tiny_model, job_name, tmp_p
     )
 
     async def run() -> int:
-        loaded = load_model(str(path), layers=LAYERS, dtype="float32", device="cpu")
+        loaded = load_model(str(path), layers=LAYERS, encoding=encodings.of_spec("float32"), device="cpu")
         nc = await connect(NatsSettings(url=nats_server.url), name="test-pipeline-alone")
         js = nc.jetstream()
         await topology.ensure_topology(js)

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from hsx.errors import HsxError
-from hsx.model.layers import FINAL, Preset, parse_layers, preset_layers, resolve_layers
+from hsx.job import FINAL
+from hsx.model.layers import Preset, parse_layers, preset_layers, resolve_layers
 
 DEPTHS = (8, 12, 28, 36, 64)
 

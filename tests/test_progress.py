@@ -11,6 +11,7 @@ import nats
 import pytest
 
 from hsx.commands.status import read_status
+from hsx.job import JobSpec
 from hsx.monitor.rates import RateWindow, eta_seconds
 from hsx.wire import schemas, topology
 from hsx.wire.counts import ProgressCounts, QueueState, count_stored
@@ -25,7 +26,7 @@ PLAN = "abcdefabcdef"
 
 
 def _spec(total=4, batches=2, job="j"):
-    return schemas.JobSpec(
+    return JobSpec(
         job=job,
         model="m",
         model_revision="r",

@@ -11,6 +11,7 @@ import msgspec
 import nats
 import pytest
 
+from hsx.job import JobSpec
 from hsx.producer.stored import store_tokenized
 from hsx.storage.destinations.file import FileDestination
 from hsx.storage.layout import sample_key
@@ -30,8 +31,8 @@ ROWS = [
 ]
 
 
-def _spec(job: str, *, tokenized_object: str) -> schemas.JobSpec:
-    return schemas.JobSpec(
+def _spec(job: str, *, tokenized_object: str) -> JobSpec:
+    return JobSpec(
         job=job,
         model="m",
         model_revision="r",
@@ -83,7 +84,7 @@ async def _stored(js, stream: str, subject: str) -> list[bytes]:
 async def _run(
     url: str,
     tmp_path,
-    spec: schemas.JobSpec,
+    spec: JobSpec,
     rounds: list[list[schemas.FileReady]],
     *,
     store_samples: bool,

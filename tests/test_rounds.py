@@ -1,4 +1,4 @@
-"""A plan published in rounds (--round-rows; producer/rounds.py, producer/main.py `_publish_rounds`).
+"""A plan published in rounds (--round-rows; producer/rounds.py, producer/publishing.py `Publisher`).
 
 - Read in rounds, a dataset gives exactly the samples, report entries and counts it gives read
   whole (chat rows among token rows, bad rows, cut rows, empty masks set aside), and each round
@@ -46,6 +46,7 @@ from test_producer_checks import log_events_of
 
 from hsx.commands.embedded import start_nats_server
 from hsx.exitcodes import JOB_FAILED
+from hsx.job import JobSpec
 from hsx.packing import plan_in_rounds
 from hsx.producer import estimate
 from hsx.producer.config import BadRowCap
@@ -192,7 +193,7 @@ def _produce_args(job: str, model: Path, data: Path, out: Path, *extra: str) -> 
     ]
 
 
-def _spec(nats_url: str, job: str) -> schemas.JobSpec:
+def _spec(nats_url: str, job: str) -> JobSpec:
     async def read():
         nc = await nats.connect(nats_url)
         try:

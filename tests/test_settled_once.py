@@ -41,6 +41,7 @@ from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.scheduler import pull_loop
 from hsx.gpu_consumer.service import BatchWorker
+from hsx.storage import encodings
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.natsconn import NatsSettings, connect
@@ -234,7 +235,7 @@ async def _held_while_waiting(url: str, model_path, job: str, spool) -> tuple[li
         ack_wait_s=ack_wait,
     )
     stopping = asyncio.Event()
-    loaded = load_model(str(model_path), layers=[1, 3], dtype="float32", device="cpu")
+    loaded = load_model(str(model_path), layers=[1, 3], encoding=encodings.of_spec("float32"), device="cpu")
     worker = BatchWorker(cfg, js, EventPublisher(nc, js, job), spec, loaded, stopping)
     # The first batch's files are written slowly (a slow disk): the descriptor fetched ahead, a
     # redelivery, waits for it, for several ack waits.

@@ -31,6 +31,8 @@ from test_e2e_s3 import check_ok, logs_of, read_dir_objects, sample_objects, sta
 from test_inputs import assistant_spans
 from tolerance import assert_rejects_mistakes, assert_within, depth, float32_bound, reduction_length
 
+from hsx.storage import encodings
+
 LAYERS = [1, 15, 29]  # SmolLM2-135M has 30 decoder layers; 29 is the last (stored pre-norm)
 NUM_LAYERS = 30
 # Float32 on both sides, but hsx runs padded batches (in the pipeline: in a consumer process with
@@ -236,14 +238,14 @@ def test_smollm2_states_hold_in_other_batches_and_thread_counts(smollm2, referen
 
     from hsx.gpu_consumer.extract import extract_samples
     from hsx.gpu_consumer.model import load_model
-    from hsx.model.layers import FINAL
+    from hsx.job import FINAL
     from hsx.wire.schemas import Sample
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2, local_files_only=True)
     rendered = [tokenizer.apply_chat_template(c, tokenize=True, return_dict=True) for c in CONVERSATIONS]
     samples = [Sample(index=i, source_id=f"conv-{i}", input_ids=list(r["input_ids"])) for i, r in enumerate(rendered)]
     layers = [0, *LAYERS, FINAL]
-    loaded = load_model(str(smollm2), layers=layers, dtype="float32", device="cpu")
+    loaded = load_model(str(smollm2), layers=layers, encoding=encodings.of_spec("float32"), device="cpu")
     worst: dict[str, float] = {}
     mistakes: dict[str, float] = {}
     for composition, groups in COMPOSITIONS.items():

@@ -6,10 +6,10 @@ fixed until the rule says otherwise (the test walks the struct's own fields)."""
 import msgspec
 import pytest
 
-from hsx.wire import schemas
+from hsx.job import JobSpec
 from hsx.wire.spec_changes import refused_change
 
-HELD = schemas.JobSpec(
+HELD = JobSpec(
     job="j",
     model="m",
     model_revision="r",
@@ -51,11 +51,11 @@ def _other(value):
     raise AssertionError(type(value))
 
 
-def _with(spec: schemas.JobSpec, **changes) -> schemas.JobSpec:
+def _with(spec: JobSpec, **changes) -> JobSpec:
     return msgspec.structs.replace(spec, **changes)
 
 
-FIELDS = schemas.JobSpec.__struct_fields__
+FIELDS = JobSpec.__struct_fields__
 WHILE_PUBLISHING = {
     "published",
     "round_starts",

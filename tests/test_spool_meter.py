@@ -15,6 +15,7 @@ from test_e2e_s3 import logs_of, produce, write_dataset
 from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.service import BatchWorker
+from hsx.storage import encodings
 from hsx.storage.spool import spool_usage
 from hsx.wire import topology
 from hsx.wire.events import EventPublisher
@@ -51,7 +52,7 @@ def test_the_spool_count_matches_a_directory_walk_after_uploads(
         nc = await connect(NatsSettings(url=nats_server.url), name="test-spool-meter")
         js = nc.jetstream()
         spec = await read_job_spec(await topology.ensure_topology(js), job)
-        loaded = load_model(spec.model, layers=spec.layers, dtype=spec.dtype, device="cpu")
+        loaded = load_model(spec.model, layers=spec.layers, encoding=encodings.of_spec(spec.dtype), device="cpu")
         cfg = ConsumerConfig(
             nats=NatsSettings(url=nats_server.url),
             job=job,

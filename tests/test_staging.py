@@ -29,6 +29,7 @@ from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.service import BatchWorker
 from hsx.gpu_consumer.staging import HostStaging, block_bytes
+from hsx.storage import encodings
 from hsx.storage.spool import spool_file
 from hsx.wire import schemas, topology
 from hsx.wire.events import EventPublisher
@@ -74,7 +75,9 @@ def with_staging(loaded):
 async def _overlap(url: str, model_path: Path, job: str, spool: Path, device: str, case: dict) -> dict:
     """Batch N computed, N's finish started with its writes held open, N+1 computed, N's writes
     let go, N+1 finished. Returns what the checks need."""
-    loaded = with_staging(load_model(str(model_path), layers=LAYERS, dtype="float32", device=device))
+    loaded = with_staging(
+        load_model(str(model_path), layers=LAYERS, encoding=encodings.of_spec("float32"), device=device)
+    )
     first = _samples(0, [20, 28], seed=1)
     second = _samples(SECOND, case["lengths"], seed=2, poison=case["poison"])
     spec = _spec(job, model_path, LAYERS, "float32", first + second)
@@ -221,7 +224,9 @@ def test_a_failed_forward_gives_its_buffers_back_and_the_lease_keeps_only_writte
     then its second half failed: that buffer goes back to the pool at once; bisection then keeps
     one buffer per forward that worked, each holding exactly its samples' states."""
     monkeypatch.setattr(extract, "before_forward", oom_above(OOM_ABOVE))
-    loaded = with_staging(load_model(str(tiny_model("qwen3")), layers=LAYERS, dtype="float32", device="cpu"))
+    loaded = with_staging(
+        load_model(str(tiny_model("qwen3")), layers=LAYERS, encoding=encodings.of_spec("float32"), device="cpu")
+    )
     samples = _samples(10, CASES["oom_poison_last_delivery"]["lengths"], seed=2)
     lease = loaded.staging.lease()
     with pytest.raises(torch.OutOfMemoryError):

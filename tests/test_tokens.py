@@ -26,8 +26,10 @@ import pytest
 import torch
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.producer.inputs import tokenized_rows
 from hsx.producer.sources import read_source
+from hsx.storage.layout import SampleFiles
 from hsx.storage.tokens import TokenRow, load_samples, loss_spans, read_tokens, tokens_object_name, write_tokens
 from hsx.wire import schemas
 
@@ -101,7 +103,7 @@ def _rows(count: int, seed: int) -> list[dict]:
 @pytest.mark.parametrize("form", ["parquet", "jsonl"])
 def test_the_plan_fingerprint_is_the_old_formula(form, tiny_model, tmp_path):
     from hsx.producer.config import ProducerConfig
-    from hsx.producer.main import plan_fingerprint
+    from hsx.producer.planning import plan_fingerprint
     from hsx.wire.natsconn import NatsSettings
 
     rows = _rows(20000, seed=3)  # several record batches and chunks
@@ -189,7 +191,7 @@ def test_loss_spans_round_trip_and_old_messages_still_read():
 def test_files_from_spans_and_from_the_list_are_identical(tmp_path):
     from hsx.gpu_consumer.writer import write_sample_file
 
-    spec = schemas.JobSpec(
+    spec = JobSpec(
         job="j",
         model="m",
         model_revision="r",
@@ -215,7 +217,12 @@ def test_files_from_spans_and_from_the_list_are_identical(tmp_path):
         ),
     }.items():
         ready = write_sample_file(
-            spool=tmp_path / form, spec=spec, node="n", batch_id="b", sample=sample, hidden_states=hidden
+            spool=tmp_path / form,
+            files=SampleFiles.of(spec),
+            node="n",
+            batch_id="b",
+            sample=sample,
+            hidden_states=hidden,
         )
         files[form] = (tmp_path / form / ready.spool_path).read_bytes()
     assert files["list"] == files["spans"]
@@ -236,7 +243,7 @@ def test_load_samples_reads_a_few_by_index(nats_server, tmp_path):
             store = await topology.ensure_datasets_store(js)
             job = f"tokens-{random.randrange(1 << 30)}"
             await store.put(tokens_object_name(job), OLD_OBJECT.read_bytes())
-            spec = schemas.JobSpec(
+            spec = JobSpec(
                 job=job,
                 model="m",
                 model_revision="r",

@@ -25,9 +25,11 @@ from test_families import FAMILIES
 from transformers import AutoModelForCausalLM
 
 from hsx.errors import HsxError
-from hsx.gpu_consumer.model import decoder_stack, load_model
-from hsx.model.layers import FINAL
+from hsx.gpu_consumer.model import load_model
+from hsx.gpu_consumer.trunk import decoder_stack
+from hsx.job import FINAL
 from hsx.model.modelinfo import remote_code_refused
+from hsx.storage import encodings
 
 NUM_LAYERS = 6  # tests/conftest.py TINY
 
@@ -56,7 +58,7 @@ def test_the_model_holds_what_the_layers_run_and_computes_what_transformers_does
     layers, depth, norm, tiny_model, torch_threads
 ):
     path = tiny_model("qwen3")
-    loaded = load_model(str(path), layers=layers, dtype="float32", device="cpu")
+    loaded = load_model(str(path), layers=layers, encoding=encodings.of_spec("float32"), device="cpu")
     stack = decoder_stack(loaded.model)
     assert len(stack.layers) == depth
     assert isinstance(stack.norm, torch.nn.Identity) is not norm
@@ -77,7 +79,9 @@ def test_the_model_holds_what_the_layers_run_and_computes_what_transformers_does
 
 def test_a_layer_past_the_model_is_refused_in_one_line(tiny_model):
     with pytest.raises(HsxError) as caught:
-        load_model(str(tiny_model("qwen3")), layers=[1, NUM_LAYERS], dtype="float32", device="cpu")
+        load_model(
+            str(tiny_model("qwen3")), layers=[1, NUM_LAYERS], encoding=encodings.of_spec("float32"), device="cpu"
+        )
     assert str(caught.value) == f"layer {NUM_LAYERS} does not exist: the model has {NUM_LAYERS} decoder layers"
 
 
@@ -103,7 +107,7 @@ def test_a_vision_language_qwen3_5_checkpoint_loads_only_its_text_trunk(layers, 
     assert any(key.startswith("model.language_model.layers.") for key in stored)
     assert any(key.startswith("model.visual.") for key in stored)
 
-    loaded = load_model(str(path), layers=layers, dtype="float32", device="cpu")
+    loaded = load_model(str(path), layers=layers, encoding=encodings.of_spec("float32"), device="cpu")
     assert type(loaded.model).__name__ == "Qwen3_5ForCausalLM"
     names = [name for name, _ in loaded.model.named_parameters()]
     assert not any("visual" in name for name in names) and "lm_head.weight" not in names
@@ -156,10 +160,12 @@ def test_a_model_with_its_own_code_loads_its_trunk_only_when_trusted(tiny_model,
     (folder / "modeling_remote.py").write_text(MODELING)
 
     with pytest.raises(HsxError) as caught:
-        load_model(str(folder), layers=[1], dtype="float32", device="cpu")
+        load_model(str(folder), layers=[1], encoding=encodings.of_spec("float32"), device="cpu")
     assert str(caught.value) == str(remote_code_refused(str(folder)))
 
-    loaded = load_model(str(folder), layers=[1], dtype="float32", device="cpu", trust_remote_code=True)
+    loaded = load_model(
+        str(folder), layers=[1], encoding=encodings.of_spec("float32"), device="cpu", trust_remote_code=True
+    )
     assert type(loaded.model).__name__ == "RemoteForCausalLM"
     assert len(decoder_stack(loaded.model).layers) == 2 and loaded.model.get_output_embeddings() is None
     ids = _ids()
@@ -176,12 +182,12 @@ def test_a_weight_missing_from_the_checkpoint_is_refused_where_the_trunk_needs_i
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
     # Layers 0-2 do not need it: it is never looked for.
-    loaded = load_model(str(folder), layers=[2], dtype="float32", device="cpu")
+    loaded = load_model(str(folder), layers=[2], encoding=encodings.of_spec("float32"), device="cpu")
     ids = _ids()
     assert torch.equal(_tapped(loaded, ids)[0], _reference_states(source, ids)[3])
     # Layer 3 does: its states would come from a random weight.
     with pytest.raises(HsxError) as caught:
-        load_model(str(folder), layers=[3], dtype="float32", device="cpu")
+        load_model(str(folder), layers=[3], encoding=encodings.of_spec("float32"), device="cpu")
     assert str(caught.value) == (
         f"model {folder}: the checkpoint lacks 1 weight(s) the forward needs (model.layers.3.mlp.down_proj.weight)"
     )

@@ -15,6 +15,7 @@ from conftest import clean_environ
 from safetensors import safe_open
 
 from hsx.exitcodes import STOPPED
+from hsx.job import JobSpec
 
 SMALL = ["--samples", "24", "--layers", "1,3", "--token-budget", "1024", "--max-seq-len", "256"]
 
@@ -139,13 +140,13 @@ def test_a_model_loaded_early_is_kept_only_for_the_spec_it_serves(tiny_model):
     from hsx.gpu_consumer.device_thread import DeviceThread
     from hsx.gpu_consumer.main import load_expected, model_for
     from hsx.model.layers import parse_layers
-    from hsx.wire import schemas
+    from hsx.storage.layout import SampleFiles
 
     model = str(tiny_model())
     expected = ExpectedModel(model=model, layers=parse_layers("1,-1"), dtype="float32")
 
-    def spec(layers: list[int]) -> schemas.JobSpec:
-        return schemas.JobSpec(
+    def spec(layers: list[int]) -> JobSpec:
+        return JobSpec(
             **dict(job="j", model=model, model_revision="local", layers=layers, dtype="float32", dest="file:///x"),
             **dict(token_budget=64, max_seq_len=64, dataset="d", plan_fingerprint="f" * 64),
             **dict(total_samples=1, total_tokens=1, total_batches=1, created_at=0.0),
@@ -155,7 +156,7 @@ def test_a_model_loaded_early_is_kept_only_for_the_spec_it_serves(tiny_model):
         forwards = DeviceThread("cpu")
         early = asyncio.ensure_future(forwards.run(load_expected, expected, device="cpu", compile_layers=False))
         _, early_model = await asyncio.shield(early)
-        loaded = await model_for(spec(layers), early, forwards, device="cpu", compile_layers=False)
+        loaded = await model_for(SampleFiles.of(spec(layers)), early, forwards, device="cpu", compile_layers=False)
         forwards.close()
         return loaded, early_model
 

@@ -46,7 +46,7 @@ import math
 
 import torch
 
-from hsx.model.layers import FINAL
+from hsx.job import FINAL
 
 U_FLOAT32 = 2.0**-24
 U_BFLOAT16 = 2.0**-8

@@ -18,6 +18,7 @@ import structlog
 from nats.js import JetStreamContext
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.storage.tokens import SampleTable, load_table, spec_of
 from hsx.wire import schemas
 
@@ -40,7 +41,7 @@ class StoredSamples:
         self.job = job
         self._lock = asyncio.Lock()  # concurrent losses wait for one load, not one each
         self._table: SampleTable | None = None
-        self._spec: schemas.JobSpec | None = None
+        self._spec: JobSpec | None = None
         # Why the stored samples cannot be read (none stored, object missing or corrupt): kept,
         # since downloading the whole object again for every lost file cannot change the answer.
         self._unreadable = ""
@@ -62,7 +63,7 @@ class StoredSamples:
             )
         return await asyncio.to_thread(table.sample, index)
 
-    async def _load(self, js: JetStreamContext, index: int) -> tuple[SampleTable, schemas.JobSpec]:
+    async def _load(self, js: JetStreamContext, index: int) -> tuple[SampleTable, JobSpec]:
         async with self._lock:
             if self._unreadable:
                 raise SampleNotFound(f"sample {index}: {self._unreadable}")

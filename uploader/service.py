@@ -19,6 +19,7 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
+from hsx.job import JobSpec
 from hsx.storage.destinations import Destination
 from hsx.storage.layout import sample_key
 from hsx.storage.samplefile import SampleFileCorrupt, checked_digest
@@ -73,7 +74,7 @@ class FileMover:
         cfg: UploaderConfig,
         dest: Destination,
         events: EventPublisher,
-        spec: schemas.JobSpec,
+        spec: JobSpec,
         *,
         watch: JobWatch | None = None,
     ) -> None:
@@ -268,29 +269,7 @@ class FileMover:
                 await self._destination_accepts()
             if self.job_lost:
                 return
-            # The object is stored and verified: a NATS outage from here on is waited out rather
-            # than left to the ack wait (reporting twice is harmless: progress counts samples).
-            uploaded = schemas.FileUploaded(
-                job=ready.job,
-                node=ready.node,
-                uploader=self.cfg.instance,
-                sample_index=ready.sample_index,
-                key=ready.key,
-                size=ready.size,
-                tokens=ready.num_tokens,
-                already_present=already,
-                attempt=msg.metadata.num_delivered,
-                plan=ready.plan,
-                digest=ready.digest,
-                sample_digest=ready.sample_digest,
-            )
-            # The sample's marker (stored once): what `hsx status` counts and the index is built from.
-            await through_outage(
-                lambda: self._report_uploaded(uploaded, ready), what="report_uploaded", stopping=stopping
-            )
-            await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
-            self.rate.add(1)
-            log.debug("file_uploaded", key=ready.key, bytes=ready.size, already_present=already)
+            await self._report_and_ack(msg, ready, already=already, stopping=stopping)
         finally:
             if failing:
                 self.retrying -= 1
@@ -304,6 +283,32 @@ class FileMover:
                     self._unreachable_since = None
             taken.release()
             self.inflight -= 1
+
+    async def _report_and_ack(
+        self, msg: Msg, ready: schemas.FileReady, *, already: bool, stopping: asyncio.Event
+    ) -> None:
+        """The object is stored and verified: its `uploaded` marker, then the ack. A NATS outage
+        from here on is waited out rather than left to the ack wait (reporting twice is harmless:
+        progress counts samples)."""
+        uploaded = schemas.FileUploaded(
+            job=ready.job,
+            node=ready.node,
+            uploader=self.cfg.instance,
+            sample_index=ready.sample_index,
+            key=ready.key,
+            size=ready.size,
+            tokens=ready.num_tokens,
+            already_present=already,
+            attempt=msg.metadata.num_delivered,
+            plan=ready.plan,
+            digest=ready.digest,
+            sample_digest=ready.sample_digest,
+        )
+        # The sample's marker (stored once): what `hsx status` counts and the index is built from.
+        await through_outage(lambda: self._report_uploaded(uploaded, ready), what="report_uploaded", stopping=stopping)
+        await through_outage(msg.ack_sync, what="ack_file", stopping=stopping)
+        self.rate.add(1)
+        log.debug("file_uploaded", key=ready.key, bytes=ready.size, already_present=already)
 
     async def _not_this_plan(self, msg: Msg, ready: schemas.FileReady, stopping: asyncio.Event) -> None:
         """An event of another plan than this uploader's. While this uploader's job is current, it
@@ -328,7 +333,7 @@ class FileMover:
         each round before its batches go out); one outside the whole plan is removed unhandled."""
         index = ready.sample_index
 
-        def covers(spec: schemas.JobSpec) -> bool:
+        def covers(spec: JobSpec) -> bool:
             return 0 <= index < spec.total_samples
 
         placed = covers(self.spec) if self.watch is None else await self.watch.placed(covers)

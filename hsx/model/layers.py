@@ -1,31 +1,75 @@
 """Layer selection: `parse_layers` reads `--layers` (0-based decoder layer indices, negative ones
-counted from the end, `final`, or one of the trainer presets in `PRESETS`), `preset_layers` gives
-a preset's ids for a model's depth, and `resolve_layers` checks the selection against the model.
+counted from the end, `final`, or one of the trainers' presets, `PRESET_FAMILIES`: a preset is
+its function and its line there), `Preset.layers` gives a preset's ids for a model's depth, and
+`resolve_layers` checks the selection against the model: the job's `Layer`s, resolved once by the
+producer and recorded in its spec (with the preset's name, `layer_preset`), which is what every
+reader, the trainers' formats included, reads.
 
 What an id and a preset mean: docs/reference/data.md, "Layers for a trainer"; notes in
 docs/architecture/storage.md.
 """
 
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
 
 from hsx.errors import HsxError
-from hsx.wire.schemas import FINAL, Layer
+from hsx.job import FINAL, Layer
 
-PRESETS = ("dflash:N", "eagle3", "speculators")
-_DFLASH = re.compile(r"dflash:(\d+)")
+_COUNT = re.compile(r"\d+")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PresetFamily:
+    """A trainer's layers, as `--layers` names them: `name` alone (`eagle3`), or `name:N` when the
+    trainer's layers depend on a count (`dflash:N`, N the draft's layers); `layers` gives them, as
+    hsx ids, for a model of `num_layers` decoder layers (and N)."""
+
+    name: str
+    layers: Callable[..., list[Layer]]  # (num_layers) or (num_layers, count)
+    takes_count: bool = False
+
+    def spelled(self) -> str:
+        return f"{self.name}:N" if self.takes_count else self.name
+
+
+def _dflash(num_layers: int, draft_layers: int) -> list[Layer]:
+    # SpecForge's build_target_layer_ids: spread from 1 to num_layers - 3, one in the middle alone.
+    if draft_layers == 1:
+        return [num_layers // 2]
+    span = num_layers - 4  # from 1 to num_layers - 3
+    return [round(1 + i * span / (draft_layers - 1)) for i in range(draft_layers)]
+
+
+# The presets, by name; adding one is its function and its line here. In --layers' help order.
+PRESET_FAMILIES: dict[str, PresetFamily] = {
+    family.name: family
+    for family in (
+        PresetFamily(name="dflash", layers=_dflash, takes_count=True),
+        PresetFamily(name="eagle3", layers=lambda n: [1, n // 2 - 1, n - 4, FINAL]),
+        PresetFamily(name="speculators", layers=lambda n: [1, n // 2 - 1, n - 4, n - 1]),
+    )
+}
+PRESETS = tuple(family.spelled() for family in PRESET_FAMILIES.values())
 
 
 class Preset(msgspec.Struct, frozen=True):
     """A trainer's preset as the user named it (`dflash:5`, `eagle3`, `speculators`): its layers
-    are known once the model's depth is (`resolve_layers`)."""
+    are known once the model's depth is (`layers`, `resolve_layers`)."""
 
     name: str
 
     def __str__(self) -> str:
         return self.name
+
+    def layers(self, num_layers: int) -> list[Layer]:
+        """The layers (hsx ids) this preset names on a model with `num_layers` decoder layers."""
+        family, _, count = self.name.partition(":")
+        preset = PRESET_FAMILIES[family]
+        return preset.layers(num_layers, int(count)) if preset.takes_count else preset.layers(num_layers)
 
 
 # What --layers asks for: a preset, or layer indices as given (negative ones count from the end).
@@ -33,15 +77,30 @@ class Preset(msgspec.Struct, frozen=True):
 LayerRequest = Preset | tuple[int | Literal["final"], ...]
 
 
+def _preset(given: str) -> Preset | None:
+    """The preset `given` names (one of PRESET_FAMILIES, its count given where it takes one), None
+    when it names none; a one-line error for a preset's name spelled without its count or with one
+    it does not take."""
+    text = given.lower()
+    name, colon, count = text.partition(":")
+    family = PRESET_FAMILIES.get(name)
+    if family is None:
+        return None
+    if family.takes_count != bool(colon) or (colon and not _COUNT.fullmatch(count)):
+        raise HsxError(
+            f"--layers {given!r}: the {family.name} preset is {family.spelled()}"
+            + (", N the draft's layer count" if family.takes_count else "")
+        )
+    if colon and int(count) == 0:
+        raise HsxError(f"--layers {text}: give the draft's layer count, e.g. {family.name}:5")
+    return Preset(text)
+
+
 def parse_layers(text: str) -> LayerRequest:
     """Layer indices and `final`, or one preset (kept as its name until the model's depth is known)."""
-    preset = text.strip().lower()
-    if preset in ("eagle3", "speculators") or _DFLASH.fullmatch(preset):
-        if preset.startswith("dflash:") and int(preset.removeprefix("dflash:")) == 0:
-            raise HsxError("--layers dflash:0: give the draft's layer count, e.g. dflash:5")
-        return Preset(preset)
-    if preset.startswith("dflash"):
-        raise HsxError(f"--layers {text.strip()!r}: the DFlash preset is dflash:N, N the draft's layer count")
+    preset = _preset(text.strip())
+    if preset is not None:
+        return preset
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise HsxError("--layers is empty: give 0-based decoder layer indices, e.g. --layers 1,3,5 (or 'final')")
@@ -67,24 +126,14 @@ def preset_of(request: LayerRequest) -> str | None:
 
 def preset_layers(preset: str, num_layers: int) -> list[Layer]:
     """The layers (hsx ids) preset `preset` names on a model with `num_layers` decoder layers."""
-    if match := _DFLASH.fullmatch(preset):
-        draft_layers = int(match.group(1))
-        if draft_layers == 1:
-            return [num_layers // 2]
-        span = num_layers - 4  # from 1 to num_layers - 3
-        return [round(1 + i * span / (draft_layers - 1)) for i in range(draft_layers)]
-    if preset == "eagle3":
-        return [1, num_layers // 2 - 1, num_layers - 4, FINAL]
-    if preset == "speculators":
-        return [1, num_layers // 2 - 1, num_layers - 4, num_layers - 1]
-    raise AssertionError(preset)
+    return Preset(preset).layers(num_layers)
 
 
 def resolve_layers(request: LayerRequest, num_layers: int, *, model: str) -> list[Layer]:
     """The job's layers: a preset expanded, negative indices counted from the end, each checked
     against the model's depth and for duplicates; a one-line error naming the model otherwise."""
     if isinstance(request, Preset):
-        expanded = preset_layers(request.name, num_layers)
+        expanded = request.layers(num_layers)
         if len(set(expanded)) != len(expanded) or any(isinstance(i, int) and i < 0 for i in expanded):
             raise HsxError(
                 f"--layers {request}: model {model} has {num_layers} decoder layers, too few for this preset "

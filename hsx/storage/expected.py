@@ -18,13 +18,14 @@ import numpy as np
 import pyarrow as pa
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec, Layer
 from hsx.logs import get_logger
 from hsx.storage import encodings
 from hsx.storage.destinations import Destination
-from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE
+from hsx.storage.encodings import Encoding
+from hsx.storage.layout import BUNDLE_DIR, TOKENS_FILE, SampleFiles
 from hsx.storage.samplefile import SampleFileCorrupt, json_or, parse_header
 from hsx.storage.tokens import SampleTable, record_batches
-from hsx.wire import schemas
 
 log = get_logger("hsx.expected")
 
@@ -71,20 +72,20 @@ class ExpectedSamples:
     plan: str | None = None
     model: str | None = None
     model_revision: str | None = None
-    layers: list[schemas.Layer] | None = None
-    dtype: str | None = None
+    layers: list[Layer] | None = None
+    encoding: Encoding | None = None  # the job's, its `stored` name the spec's dtype
     hidden_size: int = 0  # 0: not known (a job from before the spec recorded it)
     total: int | None = None
     lengths: np.ndarray | None = None  # int64 [total]: sample i's token count
     digests: np.ndarray | None = None  # uint8 [total, 16]: ids_digest of sample i's input ids
 
     @classmethod
-    def of_spec(cls, spec: schemas.JobSpec, *, where: str) -> ExpectedSamples:
+    def of_spec(cls, spec: JobSpec, *, where: str) -> ExpectedSamples:
         """The job-wide expectations of a spec, its values checked (`where` names it in errors)."""
         for name in ("total_samples", "hidden_size", "num_layers"):
             if getattr(spec, name) < 0:
                 raise HsxError(f"{where}: {name} is {getattr(spec, name)}, not a count")
-        encodings.of_spec(spec.dtype, where=where)
+        files = SampleFiles.of(spec, where=where)
         if not spec.layers:
             raise HsxError(f"{where}: the job names no layers")
         return cls(
@@ -93,10 +94,15 @@ class ExpectedSamples:
             model=spec.model,
             model_revision=spec.model_revision,
             layers=list(spec.layers),
-            dtype=spec.dtype,
+            encoding=files.encoding,
             hidden_size=spec.hidden_size,
             total=spec.total_samples,
         )
+
+    @classmethod
+    def of_bundle(cls, spec: JobSpec, url: str) -> ExpectedSamples:
+        """`of_spec` for the spec of the bundle in the job folder at `url`."""
+        return cls.of_spec(spec, where=f"{url}/{BUNDLE_SPEC_KEY}")
 
     def with_lengths(self, lengths: Sequence[int] | np.ndarray) -> ExpectedSamples:
         return dataclasses.replace(self, lengths=np.asarray(lengths, dtype=np.int64))
@@ -116,13 +122,14 @@ class ExpectedSamples:
         return self.digests[index].tobytes()
 
 
-def load_expected(folder: Destination, url: str, spec: schemas.JobSpec, *, input_ids: bool = True) -> ExpectedSamples:
-    """The expectations of the job whose folder is `folder` (at `url`, for errors) and whose
-    bundle spec is `spec`: with `input_ids`, each sample's token count and ids digest from the
-    bundle's tokens.arrow, whose row count must be the spec's total_samples (one-line HsxError
-    otherwise); without, the spec's alone (no download)."""
+def load_expected(
+    folder: Destination, url: str, expected: ExpectedSamples, *, input_ids: bool = True
+) -> ExpectedSamples:
+    """The expectations of the job whose folder is `folder` (at `url`, for errors), `expected`
+    its bundle spec's (`ExpectedSamples.of_bundle`): with `input_ids`, each sample's token count
+    and ids digest from the bundle's tokens.arrow, whose row count must be the spec's
+    total_samples (one-line HsxError otherwise); without, the spec's alone (no download)."""
     spec_key = f"{url}/{BUNDLE_SPEC_KEY}"
-    expected = ExpectedSamples.of_spec(spec, where=spec_key)
     if not input_ids:
         return expected
     what = f"{url}/{BUNDLE_TOKENS_KEY}"
@@ -150,11 +157,10 @@ def load_expected(folder: Destination, url: str, spec: schemas.JobSpec, *, input
         stream.close()
 
 
-def expected_of_table(spec: schemas.JobSpec, table: SampleTable, url: str) -> ExpectedSamples:
+def expected_of_table(expected: ExpectedSamples, table: SampleTable, url: str) -> ExpectedSamples:
     """As `load_expected`, from the bundle's tokenized samples already read into `table` (export
     to speculators needs the table itself: the tokens file is downloaded once)."""
     spec_key = f"{url}/{BUNDLE_SPEC_KEY}"
-    expected = ExpectedSamples.of_spec(spec, where=spec_key)
     runs = ((offsets, tokens) for _first, offsets, tokens, _masks in table.runs())
     return _with_input_ids(expected, runs, claimed_by=spec_key)
 
@@ -220,6 +226,17 @@ def _shape(entry: object, rank: int) -> list[int] | None:
     return None
 
 
+class _Findings:
+    """What disagrees so far, check -> detail: each check's first finding, in the order checked."""
+
+    def __init__(self) -> None:
+        self.failed: dict[str, str] = {}
+
+    def expect(self, check: str, good: bool, detail: str) -> None:
+        if not good and check not in self.failed:
+            self.failed[check] = detail
+
+
 def mismatches(
     data: bytes | memoryview,
     expected: ExpectedSamples,
@@ -239,12 +256,32 @@ def mismatches(
     metadata = header.get("__metadata__", {})
     if expected.total is not None and not 0 <= index < expected.total:
         return {"sample_index": f"sample {index} is past the plan's {expected.total} samples"}
-    failed: dict[str, str] = {}
+    found = _Findings()
+    _check_identity(found, metadata, expected, index)
+    tokens = _check_input_ids(
+        found, header, memoryview(data)[start:], expected, index, input_ids=input_ids, header_only=header_only
+    )
+    found.expect(
+        "num_tokens",
+        tokens is not None and metadata.get("num_tokens") == str(tokens),
+        f"metadata num_tokens {metadata.get('num_tokens')!r}, the sample has {tokens} tokens",
+    )
+    _check_states(found, header, metadata, expected, tokens=tokens, hidden_size=hidden_size)
+    mask = header.get("loss_mask")
+    if mask is not None:
+        mask_shape = _shape(mask, 1)
+        found.expect(
+            "loss_mask",
+            mask_shape is not None and (tokens is None or mask_shape[0] == tokens),
+            f"loss_mask shape {mask.get('shape') if isinstance(mask, dict) else mask}, expected [{tokens}]",
+        )
+    return found.failed
 
-    def expect(check: str, good: bool, detail: str) -> None:
-        if not good and check not in failed:
-            failed[check] = detail
 
+def _check_identity(found: _Findings, metadata: dict, expected: ExpectedSamples, index: int) -> None:
+    """Whose sample the metadata says the file is: the job, its plan, the sample, the model, the
+    layers and the dtype."""
+    expect = found.expect
     expect("job", metadata.get("job") == expected.job, f"metadata job is {metadata.get('job')!r}, not {expected.job!r}")
     if expected.plan is not None:
         plan = metadata.get("plan")
@@ -260,55 +297,76 @@ def mismatches(
         f"metadata sample_index is {metadata.get('sample_index')!r}, the key is sample {index}'s",
     )
     if expected.model is not None:
-        found = (metadata.get("model"), metadata.get("model_revision"))
+        model = (metadata.get("model"), metadata.get("model_revision"))
         expect(
             "model",
-            found == (expected.model, expected.model_revision),
-            f"metadata model {found[0]!r} at {found[1]!r}, the job's is {expected.model!r} at {expected.model_revision!r}",
+            model == (expected.model, expected.model_revision),
+            f"metadata model {model[0]!r} at {model[1]!r}, the job's is {expected.model!r} at {expected.model_revision!r}",
         )
     if expected.layers is not None:
         layers = json_or(metadata.get("layers", "null"), metadata.get("layers"))
         expect("layers", layers == expected.layers, f"metadata layers {layers!r}, the job has {expected.layers}")
-    if expected.dtype is not None:
+    if expected.encoding is not None:
         expect(
             "dtype",
-            metadata.get("dtype") == expected.dtype,
-            f"metadata dtype {metadata.get('dtype')!r}, the job has {expected.dtype!r}",
+            metadata.get("dtype") == expected.encoding.stored,
+            f"metadata dtype {metadata.get('dtype')!r}, the job has {expected.encoding.stored!r}",
         )
 
+
+def _check_input_ids(
+    found: _Findings,
+    header: dict,
+    body: memoryview,
+    expected: ExpectedSamples,
+    index: int,
+    *,
+    input_ids: Sequence[int] | None,
+    header_only: bool,
+) -> int | None:
+    """The file's input ids against the sample's (their count, and their digest from the bytes
+    in `body`, the data section, unless `header_only`); the sample's token count, the file's when
+    the job's is not known, None when neither is."""
     ids = header.get("input_ids")
     ids_shape = _shape(ids, 1)
-    expect(
+    found.expect(
         "input_ids",
         ids_shape is not None and ids.get("dtype") == "I64",
         "no input_ids tensor" if ids is None else f"input_ids {_describe(ids)}, expected I64 [T]",
     )
     want_tokens = len(input_ids) if input_ids is not None else expected.tokens(index)
     want_digest = ids_digest(input_ids) if input_ids is not None else expected.ids_digest(index)
-    if "input_ids" not in failed and want_tokens is not None:
-        expect(
+    if "input_ids" not in found.failed and want_tokens is not None:
+        found.expect(
             "input_ids",
             ids_shape[0] == want_tokens,
             f"{ids_shape[0]} input ids, the job's sample {index} has {want_tokens} tokens",
         )
-    if "input_ids" not in failed and want_digest is not None and not header_only:
+    if "input_ids" not in found.failed and want_digest is not None and not header_only:
         low, high = ids.get("data_offsets", (0, -1))
-        body = memoryview(data)[start:]
         sound = 0 <= low <= high <= len(body) and (high - low) % 8 == 0
-        expect(
+        found.expect(
             "input_ids",
             sound and ids_digest(np.frombuffer(body[low:high], dtype="<i8")) == want_digest,
             f"input_ids differ from the job's tokenized sample {index}",
         )
-    tokens = want_tokens if want_tokens is not None else (ids_shape[0] if ids_shape is not None else None)
-    expect(
-        "num_tokens",
-        tokens is not None and metadata.get("num_tokens") == str(tokens),
-        f"metadata num_tokens {metadata.get('num_tokens')!r}, the sample has {tokens} tokens",
-    )
+    return want_tokens if want_tokens is not None else (ids_shape[0] if ids_shape is not None else None)
 
-    # The job's encoding when the bundle says it, else the one the file names (or is inferred).
-    encoding = encodings.of_spec(expected.dtype) if expected.dtype is not None else None
+
+def _check_states(
+    found: _Findings,
+    header: dict,
+    metadata: dict,
+    expected: ExpectedSamples,
+    *,
+    tokens: int | None,
+    hidden_size: int | None,
+) -> None:
+    """The hidden states as the file's encoding holds them: the job's encoding when the bundle
+    says it, else the one the file names (or is inferred); their shape [T, k, H] and dtype, and
+    what else the encoding's header must hold."""
+    expect = found.expect
+    encoding = expected.encoding
     try:
         named = encodings.of_file(metadata, header)
     except encodings.UnknownEncoding as exc:
@@ -320,7 +378,7 @@ def mismatches(
             expect(
                 "encoding",
                 named is encoding,
-                f"metadata encoding {named.name!r}, the job stores {expected.dtype!r}",
+                f"metadata encoding {named.name!r}, the job stores {encoding.stored!r}",
             )
     hidden = encoding.header_states(header, metadata) if encoding is not None else header.get("hidden_states")
     width = hidden_size if hidden_size is not None else (expected.hidden_size or None)
@@ -337,25 +395,16 @@ def mismatches(
         )
         want = f"[{tokens if tokens is not None else 'T'}, {layers_count or 'k'}, {width or 'H'}]"
         expect("hidden_states", shape_ok, f"hidden_states shape {hidden.get('shape')}, expected {want}")
-        if expected.dtype is not None:
+        if expected.encoding is not None:
             stored = encoding.header_dtype()
             expect(
                 "hidden_states",
                 hidden.get("dtype") == stored,
                 f"hidden_states dtype {hidden.get('dtype')}, the job stores {stored}",
             )
-    if encoding is not None and (expected.dtype is not None or "dtype" in metadata):
+    if encoding is not None and (expected.encoding is not None or "dtype" in metadata):
         for check, detail in encoding.header_problems(header, hidden).items():
             expect(check, False, detail)
-    mask = header.get("loss_mask")
-    if mask is not None:
-        mask_shape = _shape(mask, 1)
-        expect(
-            "loss_mask",
-            mask_shape is not None and (tokens is None or mask_shape[0] == tokens),
-            f"loss_mask shape {mask.get('shape') if isinstance(mask, dict) else mask}, expected [{tokens}]",
-        )
-    return failed
 
 
 def describe(failed: dict[str, str]) -> str:

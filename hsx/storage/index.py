@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.logs import get_logger
 from hsx.storage.destinations import Destination, error_line, store_errors
 from hsx.storage.expected import (
@@ -164,7 +165,7 @@ def make_index(
     return StoredIndex(job=job, plan=plan, total_samples=total_samples, source=source, table=table)
 
 
-def bundle_spec(folder: Destination) -> schemas.JobSpec | None:
+def bundle_spec(folder: Destination) -> JobSpec | None:
     """The job spec the producer put into the bundle; None for a job from before bundles."""
     try:
         data = folder.read_bytes(BUNDLE_SPEC_KEY)
@@ -178,7 +179,7 @@ def bundle_spec(folder: Destination) -> schemas.JobSpec | None:
         raise HsxError(f"{folder.url}/{BUNDLE_SPEC_KEY}: the bundle's job spec does not decode ({exc})") from None
 
 
-def read_index(folder: Destination, job: str, *, spec: schemas.JobSpec | None = None) -> tuple[StoredIndex | None, str]:
+def read_index(folder: Destination, job: str, *, spec: JobSpec | None = None) -> tuple[StoredIndex | None, str]:
     """(the index, "") when the job folder holds a complete one for `spec` (by default the
     bundle's job.json; a job without a bundle is taken at the index's word); else (None, why)."""
     if spec is None:
@@ -204,7 +205,7 @@ def read_index(folder: Destination, job: str, *, spec: schemas.JobSpec | None = 
 
 
 def stored_samples(
-    folder: Destination, job: str, *, spec: schemas.JobSpec | None = None
+    folder: Destination, job: str, *, spec: JobSpec | None = None
 ) -> tuple[list[int], StoredIndex | None, str]:
     """The job's stored sample indices in order, from its complete index (returned too), else from
     a listing of its folder, with why the index was not used. With a spec, only the plan's
@@ -229,7 +230,7 @@ def write_index(folder: Destination, index: StoredIndex) -> int:
     return len(data)
 
 
-async def index_from_events(js, spec: schemas.JobSpec, *, timeout_s: float = 600.0) -> StoredIndex:
+async def index_from_events(js, spec: JobSpec, *, timeout_s: float = 600.0) -> StoredIndex:
     """The index compacted from the job's `uploaded` markers (this plan's, within the plan's
     samples), then the later uploads that replaced a marker's object (`replaced` reports), the
     newest standing, as the last put does."""
@@ -298,7 +299,7 @@ def _header_entry(folder: Destination, key: str, index: int, expected: ExpectedS
 
 
 def index_from_destination(
-    folder: Destination, spec: schemas.JobSpec, *, expected: ExpectedSamples | None = None, workers: int = 32
+    folder: Destination, spec: JobSpec, *, expected: ExpectedSamples | None = None, workers: int = 32
 ) -> tuple[StoredIndex, list[str]]:
     """The index made by listing the job folder and reading each sample file's header, checked
     against `expected` (by default the spec's own values; hsx.storage.expected); also the files
@@ -349,7 +350,7 @@ def _destination_errors(where: str) -> Iterator[None]:
         raise HsxError(f"{where}: {error_line(exc)}") from exc
 
 
-async def build_job_index(js, spec: schemas.JobSpec) -> StoredIndex:
+async def build_job_index(js, spec: JobSpec) -> StoredIndex:
     """`hsx index build` and the monitor at the job's end: compact the events, write the index."""
     started = time.monotonic()
     index = await index_from_events(js, spec)
@@ -382,7 +383,7 @@ def rebuild_job_index(folder_url: Location, *, workers: int = 32) -> StoredIndex
             raise HsxError(f"{folder_url}: its bundle is job {spec.job}'s, not {job}'s")
         # The bundle's claims are checked (total_samples against its tokens file) before the
         # listing is bounded by them; each header is then checked against its sample.
-        expected = load_expected(folder, str(folder_url), spec)
+        expected = load_expected(folder, str(folder_url), ExpectedSamples.of_bundle(spec, str(folder_url)))
         index, left_out = index_from_destination(folder, spec, expected=expected, workers=workers)
         written = write_index(folder, index)
     log.info(

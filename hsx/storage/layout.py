@@ -8,13 +8,22 @@ Tensors: `hidden_states` [T, k, H] (k selected layers in the order given), `inpu
 `loss_mask` [T] when known; how the hidden states are held (dtype, float8 scales, compression)
 is the job's encoding's (hsx/storage/encodings/), named in the file's metadata. Metadata makes
 the file self-describing.
+
+`SampleFiles` is a job's files as its spec makes them, the spec's `dtype` looked up in the
+encodings' registry here, once: the consumer's writer makes files with it, the producer sizes
+them with it (producer/estimate.py), and the readers check files against it
+(hsx/storage/expected.py).
 """
+
+from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
+from hsx.job import JobSpec, Layer
 from hsx.storage import encodings
-from hsx.wire.schemas import Layer
+from hsx.storage.encodings import Encoding
 
 FORMAT_VERSION = "2"  # 2: `checksum` is the sha256 of the data section (hsx.storage.samplefile)
 SHARD_SIZE = 1000
@@ -24,21 +33,16 @@ LAYER_CONVENTION = "decoder_layer_output"
 
 
 def sample_tensor_shapes(
-    *, dtype: str, num_tokens: int, num_layers: int, hidden_size: int, has_mask: bool
+    *, encoding: Encoding, num_tokens: int, num_layers: int, hidden_size: int, has_mask: bool
 ) -> dict[str, tuple[str, list[int]]]:
     """The tensors of a sample file as name -> (torch dtype name, shape): what the consumer's
     writer (gpu_consumer/writer.py) makes, for sizing files without making them. For an encoding
     whose size is not exact (compressed), the hidden states' entry is its bound."""
-    shapes = encodings.of_spec(dtype).file_tensors(num_tokens, num_layers, hidden_size)
+    shapes = encoding.file_tensors(num_tokens, num_layers, hidden_size)
     shapes["input_ids"] = ("int64", [num_tokens])
     if has_mask:
         shapes["loss_mask"] = ("uint8", [num_tokens])
     return shapes
-
-
-def stored_dtype(name: str) -> str:
-    """The --dtype choice as the job spec and the files name it."""
-    return encodings.by_name(name).stored
 
 
 def sample_key(job: str, sample_index: int) -> str:
@@ -105,3 +109,48 @@ def sample_metadata(
         "dtype": dtype,
         "num_tokens": str(num_tokens),
     }
+
+
+@dataclass(frozen=True)
+class SampleFiles:
+    """A job's sample files as its spec makes them: the encoding of their states (the spec's
+    `dtype`, looked up once: `of`), and the tensors and metadata each file holds."""
+
+    spec: JobSpec
+    encoding: Encoding
+
+    @classmethod
+    def of(cls, spec: JobSpec, *, where: str = "") -> SampleFiles:
+        """The spec's files; HsxError (prefixed with `where`) for a dtype this hsx has no encoding of."""
+        return cls(spec, encodings.of_spec(spec.dtype, where=where))
+
+    def metadata(self, *, sample_index: int, source_id: str, shape: tuple[int, int, int]) -> dict[str, str]:
+        """The metadata of the file of a sample whose states are [T, k, H] `shape`: every file's
+        (`sample_metadata`) and its encoding's; the writer adds `checksum`."""
+        spec = self.spec
+        metadata = sample_metadata(
+            job=spec.job,
+            sample_index=sample_index,
+            source_id=source_id,
+            model=spec.model,
+            model_revision=spec.model_revision,
+            layers=spec.layers,
+            dtype=spec.dtype,
+            num_tokens=shape[0],
+            plan=spec.plan_tag,
+            layer_preset=spec.layer_preset,
+        )
+        metadata.update(self.encoding.file_metadata(*shape))
+        return metadata
+
+    def tensor_shapes(self, *, num_tokens: int, has_mask: bool) -> dict[str, tuple[str, list[int]]]:
+        """The tensors of a sample's file (`sample_tensor_shapes`), the job's states bounded where
+        their size is not exact."""
+        spec = self.spec
+        return sample_tensor_shapes(
+            encoding=self.encoding,
+            num_tokens=num_tokens,
+            num_layers=len(spec.layers),
+            hidden_size=spec.hidden_size,
+            has_mask=has_mask,
+        )

@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load as _load_safetensors
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.logs import get_logger
 from hsx.packing import plan_batches, shuffled_epoch
 from hsx.storage import encodings
@@ -49,7 +50,6 @@ from hsx.storage.location import Location, open_destination
 from hsx.storage.sampledigest import file_digest
 from hsx.storage.samplefile import SampleFileCorrupt
 from hsx.storage.streambatches import LandingBatcher, check_rank, deal, shuffled_batches
-from hsx.wire import schemas
 from hsx.wire.landed import EpochEnd, Landed, LandingFeed, read_job_spec_waiting
 
 log = get_logger("hsx.data")
@@ -143,7 +143,9 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             self.expected = ExpectedSamples(job=self.job)
         else:
             # Before the listing: the listing is bounded by total_samples, which this checks.
-            self.expected = load_expected(folder, self.url, spec, input_ids=check_input_ids)
+            self.expected = load_expected(
+                folder, self.url, ExpectedSamples.of_bundle(spec, self.url), input_ids=check_input_ids
+            )
         self.sample_indices, index, why_not = stored_samples(folder, self.job, spec=spec)
         self.sample_tokens: list[int] | None = None
         if index is not None:
@@ -608,7 +610,7 @@ class JobStream(torch.utils.data.IterableDataset):
         self.first_epoch: EpochEnd | None = None
         self.missing: list[int] = []
         self.missing_count = 0
-        self._spec: schemas.JobSpec | None = None
+        self._spec: JobSpec | None = None
         # The first epoch's samples in landing order (index, tokens), once this process has read
         # them all: later epochs draw from them without replaying the markers.
         self._first_epoch_samples: tuple[np.ndarray, np.ndarray] | None = None
@@ -618,7 +620,7 @@ class JobStream(torch.utils.data.IterableDataset):
         if epoch != self.epoch:
             self.epoch, self.taken, self._resume = epoch, 0, 0
 
-    def job_spec(self) -> schemas.JobSpec:
+    def job_spec(self) -> JobSpec:
         """The job's spec (its layers, hidden size, dtype, ...), waiting for the producer to
         record it: what a trainer sizes its model from before the first batch."""
         return read_job_spec_waiting(self.nats, self.job, name=self.name)

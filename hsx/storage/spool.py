@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.logs import get_logger
 from hsx.storage.fsutil import free_bytes, human_bytes
-from hsx.storage.layout import relative_sample_key, sample_tensor_shapes
+from hsx.storage.layout import SampleFiles, relative_sample_key
 from hsx.storage.samplefile import file_size
-from hsx.wire.schemas import JobSpec
 
 log = get_logger("hsx.spool")
 
@@ -35,29 +35,25 @@ _PLAN_FOLDER = re.compile(r"^[0-9a-f]{12}$")
 _HEADER_BYTES_PER_TOKEN = 64
 
 
-def batch_bytes(spec: JobSpec) -> int:
-    """The most one batch of the job adds to a spool: its token budget of sample files at the
-    job's dtype (the tensors laid out as the writer lays them out, and a header per short file);
-    0 for a job from before its spec recorded the hidden size."""
+def batch_bytes(files: SampleFiles) -> int:
+    """The most one batch of the job adds to a spool: its token budget of sample files in the
+    job's encoding (the tensors laid out as the writer lays them out, and a header per short
+    file); 0 for a job from before its spec recorded the hidden size."""
+    spec = files.spec
     if not spec.hidden_size:
         return 0
-    shapes = sample_tensor_shapes(
-        dtype=spec.dtype,
-        num_tokens=spec.token_budget,
-        num_layers=len(spec.layers),
-        hidden_size=spec.hidden_size,
-        has_mask=True,
-    )
+    shapes = files.tensor_shapes(num_tokens=spec.token_budget, has_mask=True)
     return file_size(shapes, {}) + spec.token_budget * _HEADER_BYTES_PER_TOKEN
 
 
-def warn_spool_room(spool: Path, spec: JobSpec, *, high_water: int) -> None:
+def warn_spool_room(spool: Path, files: SampleFiles, *, high_water: int) -> None:
     """Warn, before the consumer takes a batch, when its spool's disk cannot hold one batch of the
     job, counting this job's files there as room (its uploaders free it), or when the high-water
     mark is above that room: either way the disk fills before the consumer pauses, and each write
     then waits, retried, until something frees space (not refused: a spool full of other files at
     start is a state the consumer recovers from, tests/test_disk_full.py)."""
-    need = batch_bytes(spec)
+    spec = files.spec
+    need = batch_bytes(files)
     _, held = spool_usage(spool, spec.job, spec.plan_tag)
     room = free_bytes(spool) + held
     if need and room < need:

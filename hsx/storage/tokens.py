@@ -25,6 +25,7 @@ import pyarrow as pa
 from nats.js import JetStreamContext
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.wire import schemas, topology
 from hsx.wire.jobs import read_job_spec
 from hsx.wire.topology import (  # noqa: F401 (their names where the samples are)
@@ -595,7 +596,7 @@ def read_tokens(source, *, what: str) -> SampleTable:
 # ---------------------------------------------------------------- a job's stored samples
 
 
-async def spec_of(js: JetStreamContext, job: str, spec: schemas.JobSpec | None) -> schemas.JobSpec:
+async def spec_of(js: JetStreamContext, job: str, spec: JobSpec | None) -> JobSpec:
     if spec is not None:
         return spec
     found = await read_job_spec(await topology.require_jobs_bucket(js, job), job)
@@ -621,14 +622,14 @@ async def download(js: JetStreamContext, name: str, into, *, job: str | None = N
     into.seek(0)
 
 
-async def _stored_object(js: JetStreamContext, job: str, spec: schemas.JobSpec | None):
+async def _stored_object(js: JetStreamContext, job: str, spec: JobSpec | None):
     spec = await spec_of(js, job, spec)
     if not spec.tokenized_object:
         raise HsxError(f"job {job} has no stored tokenized samples (it was produced by an older hsx)")
     return spec, f"object {spec.tokenized_object} in object store bucket {topology.DATASETS_BUCKET}"
 
 
-async def load_table(js: JetStreamContext, job: str, *, spec: schemas.JobSpec | None = None) -> SampleTable:
+async def load_table(js: JetStreamContext, job: str, *, spec: JobSpec | None = None) -> SampleTable:
     """The job's samples exactly as planned and published (sample i at index i), in bounded
     memory: the object is downloaded to a temp file and read record batch by record batch, in a
     thread: at hundreds of millions of tokens that is long work, and the caller's heartbeats and
@@ -646,7 +647,7 @@ async def load_table(js: JetStreamContext, job: str, *, spec: schemas.JobSpec | 
 
 
 async def load_samples(
-    js: JetStreamContext, job: str, indices: Iterable[int], *, spec: schemas.JobSpec | None = None
+    js: JetStreamContext, job: str, indices: Iterable[int], *, spec: JobSpec | None = None
 ) -> list[schemas.Sample]:
     """A few of the job's samples by index, as they go on the wire (in the order asked), read
     from the stored object one record batch at a time: memory for one batch, not the job."""

@@ -1,2 +1,3 @@
-"""The wire contract: messages, headers, the JetStream topology and connection, the job's spec and
-stored samples, progress events and their counting, and the workers' shared start-up and shutdown."""
+"""The wire contract: messages, headers, the JetStream topology and connection, the job's spec
+(hsx/job.py) as the KV bucket holds it, read and checked, the stored samples, progress events
+and their counting, and the workers' shared start-up and shutdown."""

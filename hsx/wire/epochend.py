@@ -39,6 +39,7 @@ import nats.js.errors
 import numpy as np
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.logs import get_logger
 from hsx.wire import schemas, topology
 from hsx.wire.counts import last_sequence
@@ -105,7 +106,7 @@ class EpochEndAgreement:
     `holding_at()` is how far the reading may go meanwhile; `record(view, delivered)` appends this
     rank's own reading of the end. NATS errors propagate (the caller reads again later)."""
 
-    def __init__(self, js, spec: schemas.JobSpec, *, stream: str, markers: str) -> None:
+    def __init__(self, js, spec: JobSpec, *, stream: str, markers: str) -> None:
         self.js, self.spec, self.stream, self.markers = js, spec, stream, markers
         self.subject = topology.epoch_end_subject(spec.job, spec.plan_tag, stream)
         self.landed = LandedAt(spec.total_samples)

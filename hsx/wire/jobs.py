@@ -20,6 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from hsx.errors import HsxError
+from hsx.job import FINAL, STORED_DTYPE_FORM, JobSpec
 from hsx.logs import get_logger
 from hsx.wire import schemas, topology
 from hsx.wire.events import heard_heartbeat
@@ -28,7 +29,7 @@ from hsx.wire.natsconn import NATS_OUTAGE_ERRORS, through_outage
 log = get_logger("hsx.jobs")
 
 
-async def read_job_spec(kv: KeyValue, job: str) -> schemas.JobSpec | None:
+async def read_job_spec(kv: KeyValue, job: str) -> JobSpec | None:
     try:
         entry = await kv.get(job)
     except nats.js.errors.KeyNotFoundError:
@@ -36,7 +37,7 @@ async def read_job_spec(kv: KeyValue, job: str) -> schemas.JobSpec | None:
     return decode_job_spec(entry.value, job=job)
 
 
-def decode_job_spec(data: bytes, *, job: str) -> schemas.JobSpec:
+def decode_job_spec(data: bytes, *, job: str) -> JobSpec:
     """The spec stored under key `job`, checked (its fields' own checks are schemas'): one line
     naming the job and the field when it is not a spec the producer could have written."""
     try:
@@ -76,14 +77,14 @@ def _dest_form(dest: str) -> bool:
     return split.path.startswith("/")
 
 
-def _spec_problem(spec: schemas.JobSpec, key: str) -> str:
+def _spec_problem(spec: JobSpec, key: str) -> str:
     if spec.job != key:
         return f"`job` is {spec.job!r}, not its key"
-    if not re.fullmatch(schemas.STORED_DTYPE_FORM, spec.dtype):
+    if not re.fullmatch(STORED_DTYPE_FORM, spec.dtype):
         return f"`dtype` {spec.dtype!r} is not an encoding's name"
     if not _dest_form(spec.dest):
         return f"`dest` {spec.dest!r} is not a destination URL (scheme://bucket/prefix or file:///absolute/dir)"
-    layers = [layer for layer in spec.layers if layer != schemas.FINAL]
+    layers = [layer for layer in spec.layers if layer != FINAL]
     if len(set(spec.layers)) != len(spec.layers):
         return f"`layers` {spec.layers} names a layer twice"
     if spec.num_layers and any(layer >= spec.num_layers for layer in layers):
@@ -98,7 +99,7 @@ def _spec_problem(spec: schemas.JobSpec, key: str) -> str:
     return ""
 
 
-async def require_job_spec(kv: KeyValue, job: str) -> schemas.JobSpec:
+async def require_job_spec(kv: KeyValue, job: str) -> JobSpec:
     spec = await read_job_spec(kv, job)
     if spec is None:
         near = near_job(job, await job_names(kv))
@@ -113,9 +114,7 @@ def near_job(job: str, names: list[str]) -> str | None:
     return near[0] if near else None
 
 
-async def wait_for_job_spec(
-    kv: KeyValue, job: str, stopping: asyncio.Event, *, poll_s: float = 2.0
-) -> schemas.JobSpec | None:
+async def wait_for_job_spec(kv: KeyValue, job: str, stopping: asyncio.Event, *, poll_s: float = 2.0) -> JobSpec | None:
     """The job's spec once the producer has recorded it; None if asked to stop first."""
     announced = False
     while not stopping.is_set():
@@ -164,7 +163,7 @@ async def wait_for_job(
     given_wait_s: float | None = None,  # the --wait-for-job the error names (wait_s is what is left of it)
     poll_s: float = 0.5,  # a KV read: cheap, and a worker started beside its producer starts sooner
     report_every_s: float = WAIT_REPORT_S,
-) -> schemas.JobSpec | None:
+) -> JobSpec | None:
     """The job's spec once the producer has recorded it; None if asked to stop first. While it
     waits it says so at once and every `report_every_s` (`waiting_for_job_spec`, with the jobs
     that exist: a typo in --job shows); past `wait_s` (None: no bound) it gives up with one line

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, Header, StatusCode
 
 from hsx.errors import HsxError
+from hsx.job import JobSpec
 from hsx.logs import get_logger
 from hsx.wire import denials, schemas, topology
 from hsx.wire.epochend import EpochEnd, EpochEndAgreement, LandedAt
@@ -101,7 +102,7 @@ class LandingFeed:
         self.settings, self.job, self.name, self.plan, self.end = settings, job, name, plan, end
         self.created_at = created_at
         self.check_s = check_s
-        self.spec: schemas.JobSpec | None = None
+        self.spec: JobSpec | None = None
         self.spec_ready = threading.Event()
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_markers // _CHUNK))
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -130,7 +131,7 @@ class LandingFeed:
         """Markers fetched from the server so far (at most a queue and a fetch ahead of the trainer)."""
         return 0 if self._markers is None else self._markers.fetched
 
-    def wait_for_spec(self) -> schemas.JobSpec:
+    def wait_for_spec(self) -> JobSpec:
         """The job's spec, once the feed has read it (it waits for the producer to record it)."""
         while not self.spec_ready.wait(timeout=0.5):
             if not self._thread.is_alive():
@@ -311,10 +312,10 @@ class LandingFeed:
             return None
 
 
-def read_job_spec_waiting(settings: NatsSettings, job: str, *, name: str, poll_s: float = CHECK_S) -> schemas.JobSpec:
+def read_job_spec_waiting(settings: NatsSettings, job: str, *, name: str, poll_s: float = CHECK_S) -> JobSpec:
     """The job's spec, once the producer has recorded it (waiting for it as the feed does)."""
 
-    async def read() -> schemas.JobSpec:
+    async def read() -> JobSpec:
         nc = await connect(settings, name=f"hsx-stream-{name}")
         try:
             never = asyncio.Event()

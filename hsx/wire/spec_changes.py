@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hsx.wire.schemas import JobSpec
+from hsx.job import JobSpec
 
 _GROWING = ("total_samples", "total_tokens", "total_batches")
 _COUNTS = ("rows_read", "rows_bad", "samples_truncated", "samples_skipped", "samples_empty_mask")

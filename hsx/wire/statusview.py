@@ -7,9 +7,11 @@ not alive and not silent.
 """
 
 import time
+from dataclasses import dataclass
 
 import msgspec
 
+from hsx.job import JobSpec, Layer
 from hsx.wire import schemas, topology
 from hsx.wire.counts import ProgressCounts, QueueState
 from hsx.wire.fold import ProgressFold
@@ -92,7 +94,7 @@ class StatusView(msgspec.Struct, frozen=True, kw_only=True):
     samples_per_s: float | None = None  # samples uploaded per second, over a recent window
     eta_s: float | None = None  # seconds to done at samples_per_s; None while no rate is known
     model: str = ""
-    layers: list[schemas.Layer] = []
+    layers: list[Layer] = []
     started_at: float | None = None  # the job's first `written` marker (server time)
     finished_at: float | None = None  # once done: its last `uploaded` marker
     elapsed_s: float | None = None  # from started_at to finished_at (done) or to now
@@ -181,8 +183,85 @@ def job_state(
     return STALLED, None if newest is None else round(max(0.0, now - newest), 1)
 
 
+def human_duration(seconds: float | None) -> str:
+    """A duration as `hsx status` and the monitor's bar show it: 1h05m, 3m07s, 42s; "?" unknown."""
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    done: bool
+    failed: bool
+    reason: str | None  # why it failed
+    refusals: list  # the destination's refusals the live uploaders report
+
+
+def _verdict(
+    spec: JobSpec | None,
+    fold: ProgressFold,
+    queues: QueueState,
+    counts: ProgressCounts,
+    *,
+    job: str,
+    now: float,
+    live_s: float,
+) -> _Verdict:
+    """Whether the job is done, or failed and why: done once every planned sample of this plan
+    has its `uploaded` marker and nothing is left in flight (a batch redelivered after a crash
+    may still be queued although its samples were already uploaded); failed when it cannot finish
+    by itself (every missing sample dead, the producer stopped, the destination refusing)."""
+    total = spec.total_samples if spec else 0
+    uploaded = counts.samples_uploaded
+    drained = queues.batches_queued == 0 and queues.files_queued == 0
+    done = spec is not None and spec.published and uploaded == total and drained
+    dead_samples = set(counts.dead_unfinished)
+    # Nothing is queued anywhere and every missing sample is dead: the job cannot finish by itself.
+    failed = (
+        spec is not None
+        and spec.published
+        and not done
+        and drained
+        and 0 < total - uploaded == sum(1 for i in dead_samples if 0 <= i < total)
+    )
+    reason = (
+        f"{len(dead_samples)} samples dead-lettered and nothing else left to run (hsx dead list --job {job})"
+        if failed
+        else None
+    )
+    if spec is not None and spec.stopped and not spec.published and drained:
+        # The producer stopped before publishing the whole plan (a refusal in a later round,
+        # producer/publishing.py) and what it published has run: the job cannot finish by itself.
+        failed = True
+        reason = f"the producer stopped before publishing the whole plan: {spec.stopped}"
+    # A refusing destination (a missing bucket, bad credentials, a denied permission) is a failure
+    # for as long as it lasts: nothing is uploaded until someone fixes it, then it clears by itself.
+    refusals = [] if done else destination_refusals(fold.heartbeats, now=now, live_s=live_s)
+    # One worker's word alone does not fail a job while other workers make progress (a heartbeat
+    # may come from anyone who can publish on the job's subjects): a refusal is the job's failure
+    # once the job's uploaders hold files they have not stored (JetStream's count, not a
+    # heartbeat's), every live uploader says the destination refuses and no live consumer is
+    # working; until then it is shown.
+    live = live_heartbeats(fold.heartbeats, now=now, live_s=live_s)
+    outvoted = any(
+        (beat.service == "uploader" and beat.state != "refused")
+        or (beat.service == "gpu_consumer" and beat.state == "working")
+        for beat in live
+    )
+    if refusals and queues.files_in_hand and not outvoted:
+        failed = True
+        reason = f"the destination refuses uploads: {refusals[0].reason}"
+    return _Verdict(done=done, failed=failed, reason=reason, refusals=refusals)
+
+
 def status_view(
-    spec: schemas.JobSpec | None,
+    spec: JobSpec | None,
     fold: ProgressFold,
     queues: QueueState,
     counts: ProgressCounts,
@@ -203,47 +282,9 @@ def status_view(
     now = time.time() if now is None else now
     total = spec.total_samples if spec else 0
     uploaded = counts.samples_uploaded
-    # Done: every planned sample of this plan has its `uploaded` marker, and nothing is left in
-    # flight (a batch redelivered after a crash may still be queued although its samples were
-    # already uploaded).
-    drained = queues.batches_queued == 0 and queues.files_queued == 0
-    done = spec is not None and spec.published and uploaded == total and drained
+    verdict = _verdict(spec, fold, queues, counts, job=job, now=now, live_s=live_s)
+    done, failed, failure_reason, refusals = verdict.done, verdict.failed, verdict.reason, verdict.refusals
     dead_samples = set(counts.dead_unfinished)
-    # Nothing is queued anywhere and every missing sample is dead: the job cannot finish by itself.
-    failed = (
-        spec is not None
-        and spec.published
-        and not done
-        and drained
-        and 0 < total - uploaded == sum(1 for i in dead_samples if 0 <= i < total)
-    )
-    failure_reason = (
-        f"{len(dead_samples)} samples dead-lettered and nothing else left to run (hsx dead list --job {job})"
-        if failed
-        else None
-    )
-    if spec is not None and spec.stopped and not spec.published and drained:
-        # The producer stopped before publishing the whole plan (producer/main.py, rounds) and
-        # what it published has run: the job cannot finish by itself.
-        failed = True
-        failure_reason = f"the producer stopped before publishing the whole plan: {spec.stopped}"
-    # A refusing destination (a missing bucket, bad credentials, a denied permission) is a failure
-    # for as long as it lasts: nothing is uploaded until someone fixes it, then it clears by itself.
-    refusals = [] if done else destination_refusals(fold.heartbeats, now=now, live_s=live_s)
-    # One worker's word alone does not fail a job while other workers make progress (a heartbeat
-    # may come from anyone who can publish on the job's subjects): a refusal is the job's failure
-    # once the job's uploaders hold files they have not stored (JetStream's count, not a
-    # heartbeat's), every live uploader says the destination refuses and no live consumer is
-    # working; until then it is shown.
-    live = live_heartbeats(fold.heartbeats, now=now, live_s=live_s)
-    outvoted = any(
-        (beat.service == "uploader" and beat.state != "refused")
-        or (beat.service == "gpu_consumer" and beat.state == "working")
-        for beat in live
-    )
-    if refusals and queues.files_in_hand and not outvoted:
-        failed = True
-        failure_reason = f"the destination refuses uploads: {refusals[0].reason}"
     destination_error = refusals[0].reason if refusals else None
     if destination_error is None and not done:
         destination_error = destination_trouble(fold.heartbeats, now=now, live_s=live_s)

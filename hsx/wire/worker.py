@@ -24,8 +24,9 @@ from hsx.config.fields import option
 from hsx.config.values import positive_float
 from hsx.errors import JobFailed
 from hsx.exitcodes import DONE, JOB_FAILED, STOPPED, ExitCode
+from hsx.job import JobSpec
 from hsx.logs import get_logger
-from hsx.wire import schemas, topology
+from hsx.wire import topology
 from hsx.wire.events import (
     EventPublisher,
     WorkerState,
@@ -148,7 +149,7 @@ class JobLost(JobFailed):
     """The job this worker served was deleted, or its name now carries another plan."""
 
 
-def _identity(spec: schemas.JobSpec) -> tuple:
+def _identity(spec: JobSpec) -> tuple:
     # What makes a job the one a worker started for. `published` and the counters change while
     # it runs; a job deleted and produced again gets a new created_at even with the same plan.
     return spec.plan_fingerprint, spec.dest, spec.created_at
@@ -162,7 +163,7 @@ class JobWatch:
     A message of another plan (JobSpec.owns) asks for a check at once: a worker that is still
     current takes such a message for a stray of an earlier job of the name; a lost one hands it back."""
 
-    def __init__(self, kv: KeyValue, spec: schemas.JobSpec, stopping: asyncio.Event, *, every_s: float = 5.0) -> None:
+    def __init__(self, kv: KeyValue, spec: JobSpec, stopping: asyncio.Event, *, every_s: float = 5.0) -> None:
         self.kv, self.spec, self.stopping, self.every_s = kv, spec, stopping, every_s
         self.lost = ""
         self.current = spec  # the spec as last adopted (its `published` flag changes while it runs)
@@ -191,7 +192,7 @@ class JobWatch:
             self.stopping.set()
         return self.lost
 
-    def _adopt(self, read: schemas.JobSpec) -> None:
+    def _adopt(self, read: JobSpec) -> None:
         """The spec read again, when it moved only as the producer moves it (hsx/wire/spec_changes.py);
         otherwise the spec held stays, and one warning line per refused change says which field."""
         refused = refused_change(self.current, read)
@@ -202,7 +203,7 @@ class JobWatch:
             self._refused = refused
             log.warning("job_spec_change_refused", field=refused.field, change=refused.describe())
 
-    async def current_for(self, covers: Callable[[schemas.JobSpec], bool]) -> schemas.JobSpec:
+    async def current_for(self, covers: Callable[[JobSpec], bool]) -> JobSpec:
         """The spec as last read, or, when it does not `covers` a message and the plan is still
         being published (in rounds: it grows, each round recorded before its batches go out),
         as read again now."""
@@ -211,7 +212,7 @@ class JobWatch:
         await self.check()
         return self.current
 
-    async def placed(self, covers: Callable[[schemas.JobSpec], bool]) -> bool | None:
+    async def placed(self, covers: Callable[[JobSpec], bool]) -> bool | None:
         """Whether the job's plan covers a message (`covers(spec)`): True when the spec as last read,
         or as read again now, does; None when it does not and the plan is still being published
         (a round is recorded before its batches go out, so this is not a message of the plan yet:
@@ -251,7 +252,7 @@ class Session:
     nc: Client
     js: JetStreamContext
     kv: KeyValue
-    spec: schemas.JobSpec
+    spec: JobSpec
     stopping: StopEvent
 
 

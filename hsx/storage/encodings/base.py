@@ -1,9 +1,13 @@
 """What an encoding is: one way of storing a sample's hidden states [T, k, H] in its file, named
-by `--dtype`. An encoding owns the dtype the forward runs in, the tensors and metadata it writes
-(`encode`), how they become the stored states again (`decode`) and their real values (`values`),
-what a header of its files must hold (`header_states`, `header_problems`), the size of those
-tensors (exact, or a bound when `exact_size` is False) and the tolerance `hsx verify --recompute`
-allows. The registry of encodings is hsx/storage/encodings/__init__.py.
+by `--dtype`. An encoding owns the dtype the forward runs in, what it does to a batch's states on
+the device before they cross to the host (`on_device`, `landed`: float8 quantizes there, the others
+pass them on), the tensors and metadata it writes (`encode`), how they become the stored states
+again (`decode`) and their real values (`values`), what a header of its files must hold
+(`header_states`, `header_problems`), the size of those tensors (exact, or a bound when
+`exact_size` is False, with how far under it a measured ratio puts a file: `under_bound`) and the
+tolerance `hsx verify --recompute` allows. The registry of encodings is
+hsx/storage/encodings/__init__.py; a job's encoding is looked up there once, from its spec
+(hsx/storage/layout.py `SampleFiles`), and handed on as this object.
 
 No torch at import: the producer, uploader and monitor name encodings and check headers without
 it; encode and decode import it when they run.
@@ -11,6 +15,7 @@ it; encode and decode import it when they run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,11 +52,27 @@ class Encoding:
     tolerance: Tolerance
     help: str  # for --dtype's help, beside the name ("" when the name says it)
     exact_size: bool = True  # False: `file_tensors` is a bound (compressed encodings)
-    quantized_on_device: bool = False  # the forward hands over Float8States (gpu_consumer/extract.py)
+
+    def on_device(self, states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What of a batch's states [B, P, k, H] (in the compute dtype, on the device where the
+        forward made them) crosses to the host: the states themselves, or what the encoding makes
+        of them there (gpu_consumer/extract.py copies these tensors)."""
+        return (states,)
+
+    def landed(self, hosts: Sequence[torch.Tensor], row: int, length: int) -> Any:
+        """One sample's states, as `encode` takes them, from the host copies of `on_device`'s
+        tensors: batch row `row`, its first `length` tokens (a view)."""
+        return hosts[0][row, :length]
 
     def file_tensors(self, tokens: int, layers: int, hidden: int) -> TensorShapes:
         """The hidden-state tensors of a file of [tokens, layers, hidden] states, exactly or at most."""
         raise NotImplementedError
+
+    def under_bound(self, tokens: int, layers: int, hidden: int, *, ratio: float) -> float:
+        """How many bytes a file of [tokens, layers, hidden] states is expected to be under its size
+        from `file_tensors` when its states take `ratio` of their bytes (producer/measure.py
+        measures it): 0 where that size is exact."""
+        return 0.0
 
     def file_metadata(self, tokens: int, layers: int, hidden: int) -> dict[str, str]:
         """The metadata its files carry besides hsx.storage.layout.sample_metadata's."""

@@ -121,6 +121,16 @@ class CompressedEncoding(Encoding):
         dtype, shape = self._stored(tokens, layers, hidden)
         return math.prod(shape) * samplefile.element_size(dtype)
 
+    def on_device(self, states):
+        return self.inner.on_device(states)
+
+    def landed(self, hosts, row: int, length: int):
+        return self.inner.landed(hosts, row, length)
+
+    def under_bound(self, tokens: int, layers: int, hidden: int, *, ratio: float) -> float:
+        states = self.states_bytes(tokens, layers, hidden)
+        return compressed_bound(states) - ratio * states
+
     def file_tensors(self, tokens: int, layers: int, hidden: int) -> TensorShapes:
         shapes = self.inner.file_tensors(tokens, layers, hidden)
         del shapes[HIDDEN]

@@ -1,6 +1,6 @@
 """float8: e4m3 values with one float32 scale per token and layer, quantized where the states
-were computed (gpu_consumer/extract.py quantizes a whole batch on the device before the copy to
-the host). In the file: `hidden_states` [T, k, H] float8 e4m3 and `hidden_states_scale` [T, k]
+were computed (`on_device`: the consumer's forward quantizes a whole batch on the device before
+the copy to the host, gpu_consumer/extract.py; `encode` quantizes states given as computed). In the file: `hidden_states` [T, k, H] float8 e4m3 and `hidden_states_scale` [T, k]
 float32; value = hidden_states.float() * hidden_states_scale[..., None]. The forward runs in
 bfloat16."""
 
@@ -25,6 +25,11 @@ class Float8States(NamedTuple):
 
     values: torch.Tensor  # float8 e4m3 [T, k, H]
     scale: torch.Tensor  # float32 [T, k]
+
+    @property
+    def shape(self) -> torch.Size:
+        """[T, k, H], as of the states they hold."""
+        return self.values.shape
 
 
 def quantize_float8(hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +56,14 @@ def dequantize_float8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 
 @dataclass(frozen=True, kw_only=True)
 class Float8Encoding(Encoding):
+    def on_device(self, states):
+        # [B, P, k, H] e4m3 and [B, P, k] float32 scales cross to the host: half of bfloat16's bytes.
+        return quantize_float8(states)
+
+    def landed(self, hosts, row: int, length: int) -> Float8States:
+        values, scale = hosts
+        return Float8States(values[row, :length], scale[row, :length])
+
     def file_tensors(self, tokens: int, layers: int, hidden: int) -> TensorShapes:
         return {HIDDEN: ("float8_e4m3fn", [tokens, layers, hidden]), SCALE_TENSOR: ("float32", [tokens, layers])}
 
@@ -94,5 +107,4 @@ FLOAT8_E4M3 = Float8Encoding(
     compute="bfloat16",
     tolerance=Tolerance(measure="relative_error", limit=8e-2),
     help="e4m3 with a per-token scale",
-    quantized_on_device=True,
 )

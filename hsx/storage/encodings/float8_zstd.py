@@ -12,5 +12,4 @@ FLOAT8_ZSTD = CompressedEncoding(
     tolerance=FLOAT8_E4M3.tolerance,
     help="float8 with its values compressed losslessly",
     inner=FLOAT8_E4M3,
-    quantized_on_device=True,
 )

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from hsx.errors import HsxError
-from hsx.storage import encodings
+from hsx.storage.encodings import Encoding
 from hsx.storage.trainers.base import Sample, TrainerFormat
 from hsx.storage.trainers.specforge_dflash import SPECFORGE_DFLASH
 from hsx.storage.trainers.specforge_eagle3 import SPECFORGE_EAGLE3
@@ -55,14 +55,14 @@ def by_name(name: str) -> TrainerFormat:
     return fmt
 
 
-def export_dtype(requested: str, stored: str) -> str:
+def export_dtype(requested: str, encoding: Encoding) -> str:
     """The exported hidden states' dtype: `auto` is the dtype the job's forward ran in (its
     encoding's compute dtype): the job's own for bfloat16, float16 and float32, bfloat16 for float8
     (what the trainers train in; its rounding, 2^-9, is far below float8's own, and float32 would
     be four times the job's size) and for compressed bfloat16."""
     if requested != "auto":
         return requested
-    return encodings.of_spec(stored).compute
+    return encoding.compute
 
 
 def write_atomically(path: Path, data: bytes) -> None:

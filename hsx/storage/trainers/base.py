@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from hsx.job import JobSpec
+
 if TYPE_CHECKING:
     import torch
 
     from hsx.storage.tokens import SampleTable
-    from hsx.wire import schemas
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +53,7 @@ class TrainerFormat(ABC):
             _check_pieces(cls)
 
     @abstractmethod
-    def trainer_layer_ids(self, spec: schemas.JobSpec) -> dict[str, list[int]]:
+    def trainer_layer_ids(self, spec: JobSpec) -> dict[str, list[int]]:
         """What the trainer's config must name for this export (its own convention), or a
         one-line HsxError saying which `--layers` would make this format."""
 

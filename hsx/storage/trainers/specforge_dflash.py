@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hsx.errors import HsxError
+from hsx.job import FINAL, JobSpec
 from hsx.storage.trainers.base import Sample
 from hsx.storage.trainers.specforge import SpecForgeFormat
-from hsx.wire import schemas
-from hsx.wire.schemas import FINAL
 
 if TYPE_CHECKING:
     import torch
@@ -25,7 +24,7 @@ def has_adjacent_supervised(loss_mask: torch.Tensor) -> bool:
 class SpecForgeDFlash(SpecForgeFormat):
     name = "specforge-dflash"
 
-    def trainer_layer_ids(self, spec: schemas.JobSpec) -> dict[str, list[int]]:
+    def trainer_layer_ids(self, spec: JobSpec) -> dict[str, list[int]]:
         layers = list(spec.layers)
         if FINAL in layers:
             raise HsxError(

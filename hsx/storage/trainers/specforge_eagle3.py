@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hsx.errors import HsxError
+from hsx.job import FINAL, JobSpec
 from hsx.storage.trainers.base import Sample
 from hsx.storage.trainers.specforge import SpecForgeFormat
-from hsx.wire import schemas
-from hsx.wire.schemas import FINAL
 
 if TYPE_CHECKING:
     import torch
@@ -19,7 +18,7 @@ if TYPE_CHECKING:
 class SpecForgeEagle3(SpecForgeFormat):
     name = "specforge-eagle3"
 
-    def trainer_layer_ids(self, spec: schemas.JobSpec) -> dict[str, list[int]]:
+    def trainer_layer_ids(self, spec: JobSpec) -> dict[str, list[int]]:
         layers = list(spec.layers)
         ints = [layer for layer in layers if layer != FINAL]
         if len(ints) != 3 or layers[-1] != FINAL or len(layers) != 4:

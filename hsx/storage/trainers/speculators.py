@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hsx.errors import HsxError
+from hsx.job import FINAL, JobSpec
 from hsx.storage.trainers.base import Sample, TrainerFormat, masked_otherwise
-from hsx.wire import schemas
-from hsx.wire.schemas import FINAL
 
 if TYPE_CHECKING:
     import torch
@@ -24,11 +23,8 @@ class Speculators(TrainerFormat):
     name = "speculators"
     reads_tokens = True  # its table comes from the job's tokenized samples: a rerun reads no file it wrote
 
-    def trainer_layer_ids(self, spec: schemas.JobSpec) -> dict[str, list[int]]:
-        layers = list(spec.layers)
-        last = spec.num_layers - 1 if spec.num_layers else None
-        if spec.layer_preset == "speculators" and last is None:
-            last = layers[-1]
+    def trainer_layer_ids(self, spec: JobSpec) -> dict[str, list[int]]:
+        layers, last = list(spec.layers), spec.last_decoder_layer
         if FINAL in layers or len(layers) < 2 or last is None or layers[-1] != last:
             raise HsxError(
                 f"job {spec.job} has layers {layers}: speculators reads its layers then the last decoder "
