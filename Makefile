@@ -5,7 +5,10 @@
 #             devkit/docs.py checks that the command reference is what the flags declare, and that
 #             every page reads in one sitting (15,000 characters, 30 words a sentence; 200,000 in all)
 # make reference: docs/reference/commands.md and hsx-*.md written again from the flags' declarations
-# make test:  setup + lint + docs + the whole pytest suite, on TEST_WORKERS pytest-xdist workers (default 2)
+# make test:  setup + lint + docs + the pytest suite but its fault tests, on TEST_WORKERS pytest-xdist
+#             workers (default 2)
+# make fault-test: after setup, the tests marked `faults` (tests/conftest.py FAULT_FILES): real
+#             processes and servers killed, stopped or starved mid-job; .ci/run calls it after make test
 # make compose-test: after setup, `docker compose up` of compose.yaml for real (its own dockerd, stand-in
 #             images where no registry is reachable; needs root; tests/compose/run.py); compose-test-clean
 #             deletes its image cache (/var/lib/hsx-compose-test)
@@ -22,7 +25,7 @@ TEST_WORKERS ?= 2
 DEVICE_PYTHON ?= 3.12
 BUNDLE ?= .whl
 
-.PHONY: setup run test lint docs reference clean device-bundle compose-test compose-test-clean slurm-test
+.PHONY: setup run test fault-test lint docs reference clean device-bundle compose-test compose-test-clean slurm-test
 
 setup: $(STAMP)
 
@@ -60,7 +63,10 @@ reference: setup
 	$(PY) -m devkit.docs write
 
 test: setup lint docs
-	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m 'not faults' $(PYTEST_ARGS)
+
+fault-test: setup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m faults $(PYTEST_ARGS)
 
 # Not in `make test`: it starts a Docker engine and builds images (6 min from nothing, 4 cached).
 compose-test: setup

@@ -277,6 +277,7 @@ def test_metrics_and_json_lines_agree_with_status_and_a_terminal_gets_the_bar(
     assert (summaries[0]["samples"], summaries[0]["bytes"]) == (24, final["bytes_uploaded"])
 
 
+@pytest.mark.faults
 def test_a_consumer_killed_mid_run_is_named_with_its_node_and_last_batch(
     tmp_path,
     hsx,

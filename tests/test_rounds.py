@@ -390,6 +390,7 @@ def test_workers_started_while_a_first_run_publishes_its_rounds_serve_the_job_to
     assert view["done"] and view["samples_uploaded"] == 40 and view["samples_outside_plan"] == 0
 
 
+@pytest.mark.faults
 def test_a_rerun_after_a_kill_between_rounds_keeps_the_recorded_rounds_and_ends_done(
     tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server, held_producer
 ):
@@ -430,6 +431,7 @@ def test_a_rerun_after_a_kill_between_rounds_keeps_the_recorded_rounds_and_ends_
     assert view["batches_done"] == view["batches_total"] == _spec(nats_server.url, job_name).total_batches
 
 
+@pytest.mark.faults
 def test_a_nats_restart_between_rounds_is_ridden_out_by_the_producer(tmp_path, tiny_model, job_name, held_producer):
     """NATS killed while the producer is between rounds and back 8 s later: the producer waits it
     out as the workers do and publishes the whole plan once; no traceback (issue 35, item 2)."""
@@ -481,6 +483,7 @@ def _wait_for_round(nats_url: str, job: str, rounds: int) -> bool:
     return asyncio.run(read())
 
 
+@pytest.mark.faults
 def test_a_producer_dead_between_rounds_resumes_without_publishing_twice(
     tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
 ):

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import clean_environ
 from safetensors import safe_open
 
@@ -88,6 +89,7 @@ def test_up_runs_the_embedded_demo_then_resumes_without_redoing(tmp_path):
     assert _outputs(workdir) == files
 
 
+@pytest.mark.faults
 def test_sigterm_stops_everything_exits_75_and_a_rerun_completes(tmp_path):
     workdir = tmp_path / "work"
     # The batch the consumer fetched ahead is handed back (a nak) as it stops, but the embedded
@@ -167,6 +169,7 @@ def test_a_model_loaded_early_is_kept_only_for_the_spec_it_serves(tiny_model):
     assert other is not early_model and other.tap.layers == [1]
 
 
+@pytest.mark.faults
 def test_ctrl_c_in_a_terminal_leaves_a_readable_screen_saying_where_it_stopped(tmp_path):
     """`hsx up` in a pseudo-terminal (the progress bar drawn), Ctrl-C typed once the job runs: the
     screen, as a terminal emulator (pyte) shows it, has no log line written over the bar, the
