@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import nats
+import pytest
 from test_cli_errors import assert_one_line_error
 
 from hsx.wire import schemas, topology
@@ -37,6 +38,7 @@ async def _read_dead(url: str, job: str) -> tuple[list[schemas.DeadLetter], int]
     return letters, sum((info.state.subjects or {}).values())
 
 
+@pytest.mark.faults
 def test_undecodable_descriptor_is_dead_lettered_and_the_job_completes(
     hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
 ):

@@ -40,6 +40,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
+@pytest.mark.faults
 def test_consumer_waits_out_a_full_spool_disk_and_recovers(
     hsx, hsx_service, tiny_model, job_name, tmp_path, small_disk
 ):

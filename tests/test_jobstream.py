@@ -216,6 +216,7 @@ def _trainers_left_nothing_behind(nats_url: str, *, stopped: list[str], killed: 
         assert len(left.get(f"hsx stream {name}: reads the markers, acks nothing", [])) <= 1, left
 
 
+@pytest.mark.faults
 def test_a_trainer_killed_mid_epoch_resumes_from_its_state_exactly_once(
     tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
 ):
@@ -260,6 +261,7 @@ def test_a_trainer_killed_mid_epoch_resumes_from_its_state_exactly_once(
     assert len([k for k in read_dir_objects(out) if k.endswith(".safetensors")]) == len(rows)
 
 
+@pytest.mark.faults
 def test_a_dead_lettered_batch_ends_the_epoch_with_its_samples_reported(
     tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
 ):

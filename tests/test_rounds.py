@@ -546,6 +546,7 @@ def test_a_small_dataset_is_one_plan_whatever_the_round_size(
     assert spec.published and spec.round_starts == [] and spec.tokenized_object
 
 
+@pytest.mark.faults
 def test_a_spool_file_lost_before_the_plan_is_published_waits_for_the_stored_samples(
     tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
 ):

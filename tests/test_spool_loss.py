@@ -3,6 +3,7 @@
 ends with every sample in the destination exactly once and correct. The events name their samples
 (no tokens): the uploader takes the lost samples' tokens from the job's stored samples."""
 
+import pytest
 from test_e2e_s3 import (
     Reference,
     check_final_status,
@@ -20,6 +21,7 @@ from test_headers import stored
 from hsx.wire import schemas, topology
 
 
+@pytest.mark.faults
 def test_lost_and_corrupted_spool_files_are_extracted_again(
     hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
 ):

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import nats
+import pytest
 from conftest import REPO, _free_port
 from test_chaos import log_events
 from test_e2e_s3 import check_ok, logs_of, produce, status, write_dataset
@@ -74,6 +75,7 @@ def _produce(hsx, tmp_path: Path, tiny_model, job: str, *, count: int, dest: str
     )
 
 
+@pytest.mark.faults
 def test_waiting_then_running_then_stalled_then_done_and_no_ghosts(
     tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name
 ):
@@ -183,6 +185,7 @@ def test_waiting_then_running_then_stalled_then_done_and_no_ghosts(
     assert status(hsx, job, None)["state"] == "done"
 
 
+@pytest.mark.faults
 def test_an_unreachable_endpoint_is_shown_in_status(tmp_path, hsx, hsx_service, tiny_model, job_name, s3_env):
     bucket, env = s3_env
     job = job_name

@@ -213,6 +213,7 @@ def _answers(url: str) -> bool:
         return False
 
 
+@pytest.mark.faults
 @pytest.mark.timeout(600)  # the first run on a machine installs chromium (apt-get)
 def test_a_stalled_job_and_a_failed_one_each_say_so_and_why(tmp_path, hsx, hsx_service, browser, tiny_model):
     stalled, failed = f"stall{time.time_ns() % 10**8}", f"fail{time.time_ns() % 10**8}"
