@@ -42,7 +42,7 @@ from hsx.monitor.report import (
 from hsx.storage.index import build_job_index
 from hsx.wire.counts import marker_times
 from hsx.wire.statusview import status_view
-from hsx.wire.tracker import ProgressTracker
+from hsx.wire.tracker import READING_WAIT_S, ProgressTracker
 from hsx.wire.worker import JobWatch, job_session
 
 if TYPE_CHECKING:
@@ -180,12 +180,12 @@ class _Readings:
         self.page, self.maker = page, maker
         self.started = self.saved = time.monotonic()
         self.token_rate, self.sample_rate = RateWindow(), RateWindow()
+        self.as_of: float | None = None  # of the newest complete reading (ProgressTracker.refresh)
 
     async def take(self, spec: JobSpec, *, summarised: bool):
         cfg, tracker = self.cfg, self.tracker
         try:
-            await tracker.refresh_queues()
-            await tracker.refresh_counts()
+            self.as_of = await tracker.refresh(wait_s=READING_WAIT_S) or self.as_of
             if time.monotonic() - self.saved >= CHECKPOINT_EVERY_S:
                 await tracker.save_checkpoint()
                 self.saved = time.monotonic()
@@ -203,6 +203,7 @@ class _Readings:
             job=cfg.job,
             live_s=cfg.silent_after_s,
             sums_complete=tracker.sums_caught_up,
+            as_of=self.as_of,
         )
         if tracker.sums_caught_up:  # not while catching up from a checkpoint: no rate spike
             self.token_rate.add(view.tokens_written)
@@ -219,7 +220,7 @@ class _Readings:
             self.collector.update(reading)
         if self.maker is not None:
             try:
-                self.page.publish(cfg.job, *await self.maker.make(spec, tracker))
+                self.page.publish(cfg.job, *await self.maker.make(spec, tracker, as_of=view.as_of))
             except Exception as exc:  # NATS reconnecting: the page keeps its last reading
                 log.warning("page_not_updated", error=str(exc) or type(exc).__name__)
         if self.bar is not None:

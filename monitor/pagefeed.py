@@ -26,7 +26,7 @@ from hsx.storage.location import spec_location
 from hsx.wire.counts import marker_times
 from hsx.wire.jobs import job_names, read_job_spec, waiting_files
 from hsx.wire.statusview import StatusView, status_view
-from hsx.wire.tracker import ProgressTracker
+from hsx.wire.tracker import READING_WAIT_S, ProgressTracker
 
 log = get_logger("hsx.monitor")
 
@@ -72,8 +72,9 @@ class PageMaker:
         self._jobs: list[str] = []
         self._room: DestinationRoom | None = None
 
-    async def make(self, spec: JobSpec, tracker: ProgressTracker) -> tuple[dict, bytes]:
-        """(the page's data, the status JSON), from what `tracker` holds now."""
+    async def make(self, spec: JobSpec, tracker: ProgressTracker, *, as_of: float) -> tuple[dict, bytes]:
+        """(the page's data, the status JSON), from what `tracker` holds now, which holds everything
+        stored before `as_of` (ProgressTracker.refresh)."""
         if spec.plan_tag != self._plan:  # a job produced again under its name: another plan's times
             self._plan, self.started_at, self.last_uploaded_at, self._ended = spec.plan_tag, None, None, False
         fold, counts = tracker.fold, tracker.counts
@@ -111,6 +112,7 @@ class PageMaker:
             samples_per_s=rates.samples_uploaded if self.started_at is not None else None,
             started_at=self.started_at,
             last_uploaded_at=self.last_uploaded_at,
+            as_of=as_of,
         )
         self.history.add(
             view.as_of, rates.samples_written, rates.samples_uploaded, rates.tokens_written, rates.tokens_uploaded
@@ -159,6 +161,7 @@ class JobFollower:
         self.tracker = ProgressTracker(js, spec.job, plan=spec.plan_tag, heartbeats=True)
         self._stopping = asyncio.Event()
         self.task: asyncio.Task | None = None
+        self.as_of: float | None = None  # of the newest complete reading
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._run())
@@ -183,9 +186,8 @@ class JobFollower:
                         log.info("page_job_gone", job=job)
                         return
                     self.spec = spec
-                    await self.tracker.refresh_queues()
-                    await self.tracker.refresh_counts()
-                    page, status = await self.maker.make(spec, self.tracker)
+                    self.as_of = await self.tracker.refresh(wait_s=READING_WAIT_S) or self.as_of or time.time()
+                    page, status = await self.maker.make(spec, self.tracker, as_of=self.as_of)
                     self.publish(job, page, status)
                 except Exception as exc:  # NATS reconnecting: the next tick tries again
                     log.warning("page_reading_unavailable", job=job, error=str(exc) or type(exc).__name__)

@@ -273,12 +273,14 @@ def status_view(
     samples_per_s: float | None = None,
     started_at: float | None = None,
     last_uploaded_at: float | None = None,
+    as_of: float | None = None,
 ) -> StatusView:
     """The reading of the job from what was counted and folded. Heartbeats older than `live_s` at `now` (default: the time now) are not taken as the word of a
     live worker. `sums_complete`: the fold has read every marker there was when it started.
     `samples_per_s`: the upload rate the caller measured over a recent window (the ETA's);
     `started_at`, `last_uploaded_at`: the times of the job's first `written` and last `uploaded`
-    markers, when known (the elapsed time and the average rate)."""
+    markers, when known (the elapsed time and the average rate). `as_of`: the moment the reading
+    holds everything stored before (default: the time now)."""
     now = time.time() if now is None else now
     total = spec.total_samples if spec else 0
     uploaded = counts.samples_uploaded
@@ -337,7 +339,7 @@ def status_view(
         failure_reason=failure_reason,
         destination_error=destination_error,
         destination_refusals=refusals,
-        as_of=time.time(),
+        as_of=time.time() if as_of is None else as_of,
         state=state,
         no_worker_alive_s=no_worker_alive_s,
         workers_alive=alive,

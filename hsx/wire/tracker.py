@@ -78,6 +78,11 @@ async def _stream_exists(js: JetStreamContext, stream: str) -> bool:
     return True
 
 
+# How long a reading waits for the sums to fold the markers stored before it began: they arrive
+# in well under a second on a live monitor; a monitor further behind keeps its older time.
+READING_WAIT_S = 1.0
+
+
 class ProgressTracker:
     """Follows a job: its sums from the checkpoint on, its dead letters, optionally its heartbeats;
     `refresh_counts` and `refresh_queues` read JetStream's counts and queue state."""
@@ -199,18 +204,38 @@ class ProgressTracker:
         for replay in replays:
             await replay.caught_up.wait()
 
+    async def refresh(self, *, wait_s: float) -> float | None:
+        """The queues and counts read again, and the sums given up to `wait_s` to hold every marker
+        stored before the call: returns that moment (time.time()), as of which the whole reading is
+        complete (a reading stamped later than what it holds would put `hsx status` ahead of it),
+        or None when the sums are further behind."""
+        moment = time.time()
+        newest = await self._newest_markers()
+        await self.refresh_queues()
+        await self.refresh_counts()
+        deadline = time.monotonic() + wait_s
+        while not (newest[0] <= self.fold.written_seq and newest[1] <= self.fold.uploaded_seq):
+            if time.monotonic() > deadline:
+                return None
+            await asyncio.sleep(0.05)
+        return moment
+
+    async def _newest_markers(self) -> list[int]:
+        """The stream sequences of the newest `written` and `uploaded` markers stored now."""
+        return await asyncio.gather(
+            *(
+                last_sequence(
+                    self.js, topology.EVENTS_STREAM, topology.markers_all(self.job, kind, self.plan or "none")
+                )
+                for kind in ("written", "uploaded")
+            )
+        )
+
     async def wait_sums_current(self, *, timeout: float) -> bool:
         """Until the sums hold every marker stored so far (False if that takes over `timeout`)."""
         deadline = time.monotonic() + timeout
         while True:
-            newest = await asyncio.gather(
-                *(
-                    last_sequence(
-                        self.js, topology.EVENTS_STREAM, topology.markers_all(self.job, kind, self.plan or "none")
-                    )
-                    for kind in ("written", "uploaded")
-                )
-            )
+            newest = await self._newest_markers()
             if newest[0] <= self.fold.written_seq and newest[1] <= self.fold.uploaded_seq:
                 return True
             if time.monotonic() > deadline:
