@@ -8,7 +8,8 @@
 # make test:  setup + lint + docs + the pytest suite but its fault tests, on TEST_WORKERS pytest-xdist
 #             workers (default 2)
 # make fault-test: after setup, the tests marked `faults` (tests/conftest.py FAULT_FILES): real
-#             processes and servers killed, stopped or starved mid-job; .ci/run calls it after make test
+#             faults run end to end: processes killed or starved, servers down, messages forged;
+#             .ci/run calls it after make test
 # make compose-test: after setup, `docker compose up` of compose.yaml for real (its own dockerd, stand-in
 #             images where no registry is reachable; needs root; tests/compose/run.py); compose-test-clean
 #             deletes its image cache (/var/lib/hsx-compose-test)

@@ -54,15 +54,17 @@ TINY = {
 }
 
 
-# The files whose every test kills, stops or starves real processes and servers mid-job (each
-# a row of docs/reliability's fault tables). They carry the `faults` marker: `make fault-test`
-# runs them, `make test` the rest, so that each stays under 15 minutes on CI's 2 cores; .ci/run
-# calls both. A single such test in another file is marked where it is defined.
+# The files whose every test is a fault run end to end (a row of docs/reliability's fault
+# tables): real processes killed, stopped or starved, servers down, messages forged. They carry
+# the `faults` marker: `make fault-test` runs them, `make test` the rest, so that each stays
+# under 15 minutes on CI's 2 cores; .ci/run calls both. Such a test in another file is marked
+# where it is defined.
 FAULT_FILES = frozenset(
     {
         "test_chaos",
         "test_clean_edges",
         "test_cluster",
+        "test_crafted",
         "test_crash_recovery",
         "test_destination_errors",
         "test_exhausted",

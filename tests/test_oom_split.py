@@ -4,6 +4,7 @@ sample's states are still exactly right."""
 
 from pathlib import Path
 
+import pytest
 from test_e2e_s3 import (
     Reference,
     check_final_status,
@@ -17,6 +18,7 @@ from test_e2e_s3 import (
 )
 
 
+@pytest.mark.faults
 def test_an_oom_batch_is_split_and_nothing_is_redelivered(hsx, hsx_service, tiny_model, job_name, tmp_path):
     rows = write_dataset(tmp_path / "data.jsonl", 16, min_len=10, max_len=60, seed=11)
     out = tmp_path / "out"

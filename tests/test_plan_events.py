@@ -133,6 +133,7 @@ def _logged(proc, event: str) -> list[dict]:
     return [r for r in (json.loads(line) for line in lines if line.startswith("{")) if r.get("event") == event]
 
 
+@pytest.mark.faults
 def test_a_descriptor_with_extra_samples_is_refused_and_does_not_count_toward_done(
     hsx, hsx_service, nats_server, tiny_model, job_name, tmp_path
 ):

@@ -291,6 +291,7 @@ def test_an_unpublished_job_is_replaced_by_a_rerun_unless_work_on_it_exists(
     assert state(url, job_name)["queued"] == after["queued"]
 
 
+@pytest.mark.faults
 def test_a_rerun_after_the_duplicate_window_publishes_only_what_is_neither_queued_nor_done(
     tmp_path,
     hsx,

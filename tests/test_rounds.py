@@ -255,6 +255,7 @@ def test_workers_started_first_finish_a_job_published_in_rounds(
         worker.terminate()
 
 
+@pytest.mark.faults
 def test_a_refusal_in_a_later_round_stops_the_job_named_and_failed(
     tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
 ):
