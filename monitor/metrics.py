@@ -36,7 +36,7 @@ _GAUGES = (
     ("hsx_batches_pending", "Batch descriptors still in the work queue (JetStream)", "batches_queued"),
     ("hsx_files_pending", "File-ready events waiting for an uploader (JetStream)", "files_waiting_upload"),
     ("hsx_dead_letters", "Dead letters stored for the job (JetStream)", "dead_letters"),
-    ("hsx_progress_timestamp_seconds", "Unix time of the reading these values come from", "as_of"),
+    ("hsx_progress_timestamp_seconds", "Unix time before which the reading holds every marker", "as_of"),
 )
 
 
