@@ -187,6 +187,7 @@ def _json_logs():
 # ---------------------------------------------------------------- item 1: stale and foreign files
 
 
+@pytest.mark.faults
 def test_a_reused_name_reads_only_this_plans_samples(reused, tmp_path):
     """The reproduction: export wrote 19 of "10" samples with the old job's token ids, and
     HiddenStateDataset said 24. Now both take samples 0..9 of this plan, each with its own row."""

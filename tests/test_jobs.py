@@ -17,6 +17,7 @@ from pathlib import Path
 
 import nats
 import nats.js.errors
+import pytest
 from test_chaos import sigkill, wait_for
 from test_cli_errors import assert_one_line_error
 from test_e2e_s3 import check_ok, write_dataset
@@ -88,6 +89,7 @@ def listed(hsx, job: str) -> dict | None:
     return next((row for row in jobs if row["job"] == job), None)
 
 
+@pytest.mark.faults
 def test_jobs_list_and_delete_free_the_name_for_another_dataset(
     tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name
 ):

@@ -32,6 +32,7 @@ def _cli(*args, env, timeout=120, log=None):
     )
 
 
+@pytest.mark.faults
 def test_wrong_password_is_refused_without_showing_it(password_server, tmp_path, tiny_model, job_name):
     write_dataset(tmp_path / "d.jsonl", 4, min_len=4, max_len=16, seed=1)
     wrong = "wrong-" + PASSWORD[::-1]

@@ -158,6 +158,7 @@ def _run_to_done(hsx_service, job: str, spool: Path) -> None:
         assert worker.wait(timeout=60) == STOPPED, logs_of(worker)
 
 
+@pytest.mark.faults
 def test_replace_output_takes_the_folder_and_every_sample_file_ends_with_the_new_plan(
     tmp_path, hsx, hsx_service, nats_server, tiny_model, job_name
 ):

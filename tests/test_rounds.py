@@ -225,6 +225,7 @@ def _workers(hsx_service, job: str, spool: Path, *extra: str) -> list[subprocess
     return [consumer, uploader]
 
 
+@pytest.mark.faults
 def test_workers_started_first_finish_a_job_published_in_rounds(
     tmp_path, hsx, hsx_service, tiny_model, job_name, nats_server
 ):
