@@ -964,6 +964,21 @@ def _wait_for_quiet(args, pids: list[int]) -> float | None:
     return None
 
 
+def _start_monitor(args, server, job: str, env: dict, err: Path, *extra: str):
+    """`hsx monitor --format json` of `job` as a child, and the thread reading its lines."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hsx.cli", "monitor", "--nats", server.url, "--job", job, "--format", "json", *extra],
+        cwd=args.child_cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=open(err, "w"),
+        text=True,
+    )
+    reader = MonitorReader(proc)
+    reader.start()
+    return proc, reader
+
+
 def run_step(args, rate: int, *, server, probe: Probe, model: Path, workdir: Path, env: dict, step: int) -> dict:
     job = f"cap{step}-{rate}"
     gpus = max(1, math.ceil(rate / args.gpu_rate))
@@ -1012,16 +1027,7 @@ def run_step(args, rate: int, *, server, probe: Probe, model: Path, workdir: Pat
     plan = probe.call(_plan_of(probe.js, job))
     probe.call(_pause(probe.js, probe.nc, job, 86400.0))
 
-    monitor = subprocess.Popen(
-        [sys.executable, "-m", "hsx.cli", "monitor", "--nats", server.url, "--job", job, "--format", "json"],
-        cwd=args.child_cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=open(stepdir / "monitor.err", "w"),
-        text=True,
-    )
-    reader = MonitorReader(monitor)
-    reader.start()
+    monitor, reader = _start_monitor(args, server, job, env, stepdir / "monitor.err")
     sims = []
     for k in range(args.sim_procs):
         share = nodes[k :: args.sim_procs]
@@ -1234,17 +1240,7 @@ def cold_fold(args, server, probe: Probe, job: str, env: dict, stepdir: Path) ->
     how fast it catches up is the most it folds (one process, one core at most)."""
     probe.call(_drop_checkpoint(probe.js, job))
     began = time.time()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hsx.cli", "monitor", "--nats", server.url, "--job", job, "--format", "json"]
-        + ["--interval", "0.5"],
-        cwd=args.child_cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=open(stepdir / "cold-monitor.err", "w"),
-        text=True,
-    )
-    reader = MonitorReader(proc)
-    reader.start()
+    proc, reader = _start_monitor(args, server, job, env, stepdir / "cold-monitor.err", "--interval", "0.5")
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
