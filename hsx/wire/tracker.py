@@ -214,11 +214,15 @@ class ProgressTracker:
         await self.refresh_queues()
         await self.refresh_counts()
         deadline = time.monotonic() + wait_s
-        while not (newest[0] <= self.fold.written_seq and newest[1] <= self.fold.uploaded_seq):
+        while not self._sums_hold(newest):
             if time.monotonic() > deadline:
                 return None
             await asyncio.sleep(0.05)
         return moment
+
+    def _sums_hold(self, newest: list[int]) -> bool:
+        """Whether the sums have folded the `written` and `uploaded` markers up to `newest`."""
+        return newest[0] <= self.fold.written_seq and newest[1] <= self.fold.uploaded_seq
 
     async def _newest_markers(self) -> list[int]:
         """The stream sequences of the newest `written` and `uploaded` markers stored now."""
@@ -236,7 +240,7 @@ class ProgressTracker:
         deadline = time.monotonic() + timeout
         while True:
             newest = await self._newest_markers()
-            if newest[0] <= self.fold.written_seq and newest[1] <= self.fold.uploaded_seq:
+            if self._sums_hold(newest):
                 return True
             if time.monotonic() > deadline:
                 log.warning(
