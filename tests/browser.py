@@ -118,6 +118,9 @@ class Browser(threading.Thread):
         self.join(timeout=30)
 
 
-# The page's numbers: each [data-field] element's exact value (data-value), by field.
-READ_FIELDS = """() => Object.fromEntries(
-  [...document.querySelectorAll('[data-field]')].map(el => [el.dataset.field, el.dataset.value]))"""
+# The page's numbers: each [data-field] element's exact value (data-value), by field, and "as_of"
+# the time of the reading they come from. One evaluation, so one draw: a draw between two reads
+# would pair one reading's numbers with the next one's time.
+READ_FIELDS = """() => Object.assign(Object.fromEntries(
+  [...document.querySelectorAll('[data-field]')].map(el => [el.dataset.field, el.dataset.value])),
+  {as_of: document.body.dataset.asOf || '0'})"""

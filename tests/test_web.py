@@ -71,7 +71,7 @@ def wait_for(condition, *, timeout: float, what: str, procs=(), period: float = 
 def shown(browser: Browser) -> dict:
     """The page's numbers now, with the time of the reading they come from."""
     fields = browser.evaluate(READ_FIELDS)
-    fields["as_of"] = float(browser.evaluate("() => document.body.dataset.asOf || '0'"))
+    fields["as_of"] = float(fields["as_of"])
     return fields
 
 
