@@ -722,7 +722,7 @@ class BatchWorker:
         )
 
     def heartbeat_state(self) -> WorkerState:
-        files, used = self.spool_meter.usage()
+        (files, used), measured_at = self.spool_meter.usage(), self.spool_meter.walked_at
         stall = self.stall
         if stall is not None:  # whatever the other stage says: this worker's batch is hung
             running = stall.running_s()
@@ -731,6 +731,7 @@ class BatchWorker:
                 last_batch=stall.batch_id,
                 spool_files=files,
                 spool_bytes=used,
+                spool_measured_at=measured_at,
                 stalled_s=round(running, 1),
                 detail=f"{STAGES[stall.stage].name} of batch {stall.batch_id} running {running:.0f} s, bound "
                 f"{stall.bound_s:.0f} s; batch released to other consumers",
@@ -742,6 +743,7 @@ class BatchWorker:
             last_batch=self.last_batch,
             spool_files=files,
             spool_bytes=used,
+            spool_measured_at=measured_at,
             load=self.load(),
         )
 

@@ -94,16 +94,22 @@ def worker_states(
 
 
 def spool_by_node(heartbeats: dict[str, schemas.Heartbeat]) -> dict[str, tuple[int, int]]:
-    """Per node, the spool usage in the most recent heartbeat that measured it. Every worker of a
-    node reads the same spool, so the newest measurement wins; a node whose workers have all
-    stopped keeps its last value (files still waiting there are exactly what an operator must see)."""
+    """Per node, the spool usage of the newest measurement among its workers' heartbeats. Every
+    worker of a node reads the same spool, so the newest measurement wins, not the newest beat (a
+    consumer's count is as of its last walk, which may precede an uploader's deletions reported in
+    an earlier beat); a node whose workers have all stopped keeps its last value (files still
+    waiting there are exactly what an operator must see)."""
     newest: dict[str, schemas.Heartbeat] = {}
     for beat in heartbeats.values():
         if beat.spool_bytes < 0:  # a producer, or a worker from before heartbeats carried it
             continue
-        if beat.node not in newest or beat.sent_at > newest[beat.node].sent_at:
+        if beat.node not in newest or _measured_at(beat) > _measured_at(newest[beat.node]):
             newest[beat.node] = beat
     return {node: (beat.spool_files, beat.spool_bytes) for node, beat in sorted(newest.items())}
+
+
+def _measured_at(beat: schemas.Heartbeat) -> float:
+    return beat.spool_measured_at or beat.sent_at  # 0: a sender from before the field
 
 
 def silent_workers(

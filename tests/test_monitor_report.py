@@ -12,7 +12,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from hsx.job import JobSpec
 from hsx.monitor.bar import TerminalBar, render_bar
 from hsx.monitor.metrics import JobCollector
-from hsx.monitor.report import PROGRESS_FIELDS, SUMMARY_FIELDS, progress_line, silent_workers, take_reading
+from hsx.monitor.report import (
+    PROGRESS_FIELDS,
+    SUMMARY_FIELDS,
+    progress_line,
+    silent_workers,
+    spool_by_node,
+    take_reading,
+)
 from hsx.wire import schemas
 from hsx.wire.counts import ProgressCounts, QueueState
 from hsx.wire.fold import ProgressFold
@@ -140,6 +147,20 @@ def test_progress_line_has_every_documented_field_and_the_reading_in_it():
     assert line["workers_by_service"] == {"gpu_consumer": 2, "uploader": 1}
     # ETA: the slower of writing 20 tokens at 10/s (2 s) and uploading 3 samples at 0.5/s (6 s).
     assert line["eta_s"] == 6.0 and line["done"] is False
+
+
+def test_a_nodes_spool_is_its_newest_measurement_not_its_newest_beat():
+    # The uploader measured the drained spool after the consumer's last walk; the consumer's beat,
+    # sent later, still carries the count of that walk: the node shows the uploader's 0.
+    walk, drained = NOW - 3.0, NOW - 1.0
+    beats = {
+        "gpu-a": _beat("gpu-a", spool_files=24, spool_bytes=24_000, spool_measured_at=walk, age=0.2),
+        "up-a": _beat("up-a", service="uploader", spool_files=0, spool_bytes=0, spool_measured_at=drained, age=1.0),
+    }
+    assert spool_by_node(beats) == {"n1": (0, 0)}
+    # A sender from before the field (0): its send time stands for the measurement.
+    beats["gpu-a"] = _beat("gpu-a", spool_files=24, spool_bytes=24_000, age=0.2)
+    assert spool_by_node(beats) == {"n1": (24, 24_000)}
 
 
 def test_eta_is_unknown_without_a_rate_and_zero_when_done():

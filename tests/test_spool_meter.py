@@ -16,7 +16,7 @@ from hsx.gpu_consumer.config import ConsumerConfig
 from hsx.gpu_consumer.model import load_model
 from hsx.gpu_consumer.service import BatchWorker
 from hsx.storage import encodings
-from hsx.storage.spool import spool_usage
+from hsx.storage.spool import SpoolMeter, spool_usage
 from hsx.wire import topology
 from hsx.wire.events import EventPublisher
 from hsx.wire.jobs import read_job_spec
@@ -111,3 +111,18 @@ def test_the_spool_count_matches_a_directory_walk_after_uploads(
     result = asyncio.run(run())
     assert result["end"] == result["walked"] == (0, 0), result
     print(f"\nSPOOL_METER {result}")
+
+
+def test_the_meter_says_when_its_count_of_other_processes_files_was_taken(tmp_path):
+    # The heartbeat's spool_measured_at: a node's figure is its newest measurement, so the meter's
+    # must be when its walk began, not when a beat read it.
+    folder = tmp_path / "plan"
+    (folder / "00000").mkdir(parents=True)
+    (folder / "00000" / "1.safetensors").write_bytes(b"x" * 10)
+    meter = SpoolMeter(folder)
+    before = time.time()
+    meter.walk()
+    after = time.time()
+    assert before <= meter.walked_at <= after and meter.usage() == (1, 10)
+    meter.add(1, 5)  # its own write: counted at once, the walk's time unchanged
+    assert meter.usage() == (2, 15) and meter.walked_at <= after

@@ -176,6 +176,7 @@ class FileMover:
         return self.watch is not None and bool(self.watch.lost)
 
     def heartbeat_state(self) -> WorkerState:
+        measured_at = time.time()
         files, used = spool_usage(self.cfg.spool, self.cfg.job, self.plan)
         if self.refused:
             state, detail = "refused", self.refused
@@ -186,7 +187,9 @@ class FileMover:
         load = schemas.WorkerLoad(
             samples_per_s=round(self.rate.per_second(), 3), in_hand=self.inflight, spool_free=spool_free(self.cfg.spool)
         )
-        return WorkerState(state=state, detail=detail, spool_files=files, spool_bytes=used, load=load)
+        return WorkerState(
+            state=state, detail=detail, spool_files=files, spool_bytes=used, spool_measured_at=measured_at, load=load
+        )
 
     async def handle(self, msg: Msg, stopping: asyncio.Event) -> None:
         try:
@@ -480,6 +483,7 @@ class FileMover:
                 detail=report.detail,
                 spool_files=report.spool_files,
                 spool_bytes=report.spool_bytes,
+                spool_measured_at=report.spool_measured_at,
                 spool=str(self.cfg.spool),
                 load=report.load,
             )

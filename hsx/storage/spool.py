@@ -142,6 +142,9 @@ class SpoolMeter:
         self._walked = (0, 0)
         self._since: list[tuple[int, int, int]] = []  # (time recorded, files, bytes) written since the walk began
         self.walks = 0  # walks done (a test reads it: none on the hot path)
+        # When the last walk began (time.time()): what `usage()` says of the files this process
+        # did not write is as of then.
+        self.walked_at = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.walk()
@@ -172,7 +175,7 @@ class SpoolMeter:
         began_ns, began = time.time_ns(), time.monotonic()
         walked = _usage(self.folder, before_ns=began_ns)
         with self._lock:
-            self._walked = walked
+            self._walked, self.walked_at = walked, began_ns / 1e9
             self._since = [entry for entry in self._since if entry[0] >= began_ns]
             self.walks += 1
         return time.monotonic() - began

@@ -75,6 +75,7 @@ class EventPublisher:
         last_batch: str = "",
         spool_files: int = -1,
         spool_bytes: int = -1,
+        spool_measured_at: float = 0.0,
         stalled_s: float = 0.0,
         spool: str = "",
         kernels: schemas.Kernels | None = None,
@@ -90,6 +91,7 @@ class EventPublisher:
             last_batch=last_batch,
             spool_files=spool_files,
             spool_bytes=spool_bytes,
+            spool_measured_at=spool_measured_at,
             sent_at=time.time(),
             stalled_s=stalled_s,
             spool=spool,
@@ -182,6 +184,7 @@ class WorkerState:
     last_batch: str = ""
     spool_files: int = -1
     spool_bytes: int = -1
+    spool_measured_at: float = 0.0  # when the spool figures were measured (time.time()); 0: not said
     stalled_s: float = 0.0  # state "stalled": how long the forward of last_batch has run
     kernels: schemas.Kernels | None = None  # a GPU consumer's, once its model is loaded
     load: schemas.WorkerLoad | None = None  # how busy it is, what its node has left
@@ -212,6 +215,7 @@ async def heartbeat_loop(
                 last_batch=report.last_batch,
                 spool_files=report.spool_files,
                 spool_bytes=report.spool_bytes,
+                spool_measured_at=report.spool_measured_at,
                 stalled_s=report.stalled_s,
                 spool=spool,
                 kernels=report.kernels,
@@ -246,6 +250,7 @@ async def goodbye_heartbeat(
             last_batch=last.last_batch,
             spool_files=last.spool_files,
             spool_bytes=last.spool_bytes,
+            spool_measured_at=last.spool_measured_at,
             spool=spool,
             kernels=last.kernels,
             load=last.load,

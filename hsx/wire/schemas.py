@@ -222,6 +222,10 @@ class Heartbeat(_Wire, tag="heartbeat.v1"):
     # The job's finished files in this node's spool when the beat was sent; -1: not measured.
     spool_files: int = -1
     spool_bytes: int = -1
+    # When spool_files and spool_bytes were measured (time.time(); a consumer's count is its last
+    # walk of the spool plus its own writes since, so the walk's start); 0: not said (older
+    # senders), sent_at stands for it. A node's figure is the newest measurement of any of its workers.
+    spool_measured_at: Seconds = 0.0
     # With state "stalled": seconds the forward of `last_batch` has been running (past its bound).
     stalled_s: float = 0.0
     # The worker's spool directory on its node (absolute); "" for workers without one. `hsx jobs
