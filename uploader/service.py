@@ -45,6 +45,8 @@ SERVICE = topology.UPLOADER_SERVICE
 _STORED_SAMPLES_WAIT_S = 10.0
 # While uploads keep failing, how often one line says so (the first failure is said at once).
 UNREACHABLE_REPORT_S = 60.0
+# At most this often, a heartbeat as the uploads in hand run out (its spool measured then).
+DRAINED_BEAT_EVERY_S = 1.0
 
 
 class _PermanentFailure(Exception):
@@ -98,6 +100,7 @@ class FileMover:
         self.last_error = ""
         self.refused = ""  # why the destination refuses writes, while it does
         self._refused_since = 0.0
+        self._drained_beat_at = -DRAINED_BEAT_EVERY_S  # monotonic: the last beat sent on going idle
         self._accepting = asyncio.Event()  # set unless refused: what the held uploads wait for
         self._accepting.set()
         self._probing = False  # one held upload is trying the destination again
@@ -286,6 +289,16 @@ class FileMover:
                     self._unreachable_since = None
             taken.release()
             self.inflight -= 1
+        if not self.inflight and not stopping.is_set():
+            await self._beat_when_drained()
+
+    async def _beat_when_drained(self) -> None:
+        """A heartbeat as the last upload in hand ends (at most every DRAINED_BEAT_EVERY_S): the
+        node's spool figure is then the drained spool at once, not up to a heartbeat later, as at
+        a job's end."""
+        if time.monotonic() - self._drained_beat_at >= DRAINED_BEAT_EVERY_S:
+            self._drained_beat_at = time.monotonic()
+            await self._beat()
 
     async def _report_and_ack(
         self, msg: Msg, ready: schemas.FileReady, *, already: bool, stopping: asyncio.Event
