@@ -43,11 +43,11 @@ from hsx.errors import HsxError, JobFailed, Unavailable
 from hsx.exitcodes import BAD_INPUT, DONE, JOB_FAILED, STOPPED, of_child
 from hsx.gpu_consumer.config import ConsumerConfig, ExpectedModel
 from hsx.model.devices import auto_device, child_visible_devices, node_devices, node_gpus, torch_sees_cuda
-from hsx.monitor.config import MonitorConfig, http_url
+from hsx.monitor.config import MonitorConfig
 from hsx.producer.config import ProducerConfig
 from hsx.storage.location import Location
 from hsx.uploader.config import UploaderConfig
-from hsx.wire.health import parse_listen
+from hsx.wire.health import http_url, parse_listen
 from hsx.wire.natsconn import NatsSettings, redact_url
 
 log = structlog.get_logger("hsx.up")

@@ -13,11 +13,6 @@ from hsx.wire.topology import job_name
 HTTP_DEFAULT_ADDR = "127.0.0.1"
 
 
-def http_url(addr: str, port: int) -> str:
-    """The page's address as a browser takes it (an IPv6 address in brackets)."""
-    return f"http://[{addr}]:{port}/" if ":" in addr else f"http://{addr}:{port}/"
-
-
 # --format: auto is resolved by the entry point, from whether stdout is a terminal.
 MONITOR_FORMATS = ("auto", "bar", "json")
 

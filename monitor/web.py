@@ -24,8 +24,8 @@ from nats.js.kv import KeyValue
 
 from hsx.errors import HsxError
 from hsx.logs import get_logger
-from hsx.monitor.config import http_url
 from hsx.monitor.pagefeed import JobFollower
+from hsx.wire.health import http_url
 from hsx.wire.jobs import job_names, read_job_spec
 from hsx.wire.topology import job_name
 

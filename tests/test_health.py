@@ -5,6 +5,7 @@ consumer and uploader probed over HTTP from their start to their stop."""
 
 import json
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -13,8 +14,9 @@ import pytest
 from conftest import _free_port
 from test_e2e_s3 import logs_of, produce, write_dataset
 
+from hsx.errors import HsxError
 from hsx.exitcodes import BAD_INPUT, STOPPED
-from hsx.wire.health import Health, HealthServer, listen_address, parse_listen
+from hsx.wire.health import Health, HealthServer, http_url, listen_address, parse_listen
 
 
 def _get(url: str) -> tuple[int, dict]:
@@ -71,9 +73,30 @@ def test_health_port_values():
     parse = parse_listen("--health-port")
     assert listen_address(parse("9200"), "127.0.0.1") == ("127.0.0.1", 9200)
     assert listen_address(parse(" 0.0.0.0:9200 "), "127.0.0.1") == ("0.0.0.0", 9200)
-    for bad in ("0", "65536", "http", ":9200", "host:"):
-        with pytest.raises(Exception, match="--health-port"):
+    # An IPv6 address in brackets, as in a URL (a pod's address on an IPv6 cluster).
+    assert listen_address(parse("[::]:9200"), "127.0.0.1") == ("::", 9200)
+    assert listen_address(parse("[fd00::1]:9200"), "127.0.0.1") == ("fd00::1", 9200)
+    assert http_url("::1", 9200) == "http://[::1]:9200/" and http_url("10.0.0.1", 80) == "http://10.0.0.1:80/"
+    for bad in ("0", "65536", "http", ":9200", "host:", "[]:9200"):
+        with pytest.raises(HsxError, match="--health-port"):
             parse(bad)
+    for bad in ("::1:9200", "fd00::1:9200", "[::1:9200", "::1]:9200", "[host]:9200"):
+        with pytest.raises(HsxError, match="brackets|not an IPv6 address"):
+            parse(bad)
+
+
+def test_the_probes_answer_on_an_ipv6_address():
+    try:
+        socket.socket(socket.AF_INET6).close()
+    except OSError:
+        pytest.skip("no IPv6 on this machine")
+    health = Health(turn_bound_s=lambda: 10.0)
+    server = HealthServer(health, addr="::1", port=0)
+    try:
+        assert server.url.startswith("http://[::1]:")
+        assert _get(f"{server.url}/livez")[0] == 200
+    finally:
+        server.close()
 
 
 def _wait_for(what, predicate, procs, timeout: float = 120):

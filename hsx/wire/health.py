@@ -18,7 +18,9 @@ Each answer is a small JSON object saying why. Knows nothing of NATS, models or 
 
 import asyncio
 import contextlib
+import ipaddress
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,24 +35,38 @@ DEFAULT_ADDR = "127.0.0.1"
 
 
 def parse_listen(flag: str) -> Callable[[str], str]:
-    """`PORT` or `ADDR:PORT` (an IPv4 address or a host name), checked, as given."""
+    """`PORT` or `ADDR:PORT` (an IPv4 address, a host name, or an IPv6 address in brackets as in
+    a URL: `[::]:9200`), checked, as given."""
 
     def parse(text: str) -> str:
         text = text.strip()
         addr, colon, port = text.rpartition(":")
         if not port.isdigit() or not 0 < int(port) <= 65535:
             raise HsxError(f"{flag} {text!r}: expected PORT or ADDR:PORT with a port from 1 to 65535")
-        if colon and not addr:
+        if colon and not addr.strip("[]"):
             raise HsxError(f"{flag} {text!r}: the address before the port is empty")
+        if addr.startswith("[") and addr.endswith("]"):
+            try:
+                ipaddress.IPv6Address(addr[1:-1])
+            except ValueError:
+                raise HsxError(f"{flag} {text!r}: {addr} is not an IPv6 address") from None
+        elif ":" in addr or "[" in addr or "]" in addr:
+            raise HsxError(f"{flag} {text!r}: an IPv6 address goes in brackets, as in [::]:{port}")
         return text
 
     return parse
 
 
+def http_url(addr: str, port: int) -> str:
+    """The address as a browser takes it (an IPv6 address in brackets), ending in "/"."""
+    return f"http://[{addr}]:{port}/" if ":" in addr else f"http://{addr}:{port}/"
+
+
 def listen_address(listen: str, default_addr: str) -> tuple[str, int]:
-    """(address, port) of a `parse_listen` value; the address `default_addr` when it names none."""
+    """(address, port) of a `parse_listen` value, an IPv6 address without its brackets; the
+    address `default_addr` when it names none."""
     addr, _, port = listen.rpartition(":")
-    return (addr or default_addr), int(port)
+    return (addr.removeprefix("[").removesuffix("]") or default_addr), int(port)
 
 
 class Health:
@@ -121,18 +137,24 @@ def _handler(health: Health) -> type[BaseHTTPRequestHandler]:
     return Probe
 
 
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 class HealthServer:
     """`health` served on (addr, port) until `close()`; a port it cannot listen on is one HsxError."""
 
     def __init__(self, health: Health, *, addr: str, port: int, flag: str = "--health-port") -> None:
+        server_class = _IPv6Server if ":" in addr else ThreadingHTTPServer
         try:
-            self.server = ThreadingHTTPServer((addr, port), _handler(health))
+            self.server = server_class((addr, port), _handler(health))
         except OSError as exc:
-            raise HsxError(f"{flag}: cannot listen on {addr}:{port} ({exc.strerror or exc})") from None
+            raise HsxError(f"{flag}: cannot listen on {http_url(addr, port)} ({exc.strerror or exc})") from None
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name="hsx-health", daemon=True)
         self.thread.start()
-        self.url = f"http://{addr}:{self.server.server_address[1]}"  # port 0: the one the system gave
+        # Port 0: the one the system gave.
+        self.url = http_url(addr, self.server.server_address[1]).removesuffix("/")
         log.info("health_serving", readyz=f"{self.url}/readyz", livez=f"{self.url}/livez")
 
     def close(self) -> None:
