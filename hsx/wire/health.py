@@ -149,7 +149,8 @@ class HealthServer:
         try:
             self.server = server_class((addr, port), _handler(health))
         except OSError as exc:
-            raise HsxError(f"{flag}: cannot listen on {http_url(addr, port)} ({exc.strerror or exc})") from None
+            where = http_url(addr, port).removeprefix("http://").removesuffix("/")  # [::1]:9200
+            raise HsxError(f"{flag}: cannot listen on {where} ({exc.strerror or exc})") from None
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name="hsx-health", daemon=True)
         self.thread.start()
