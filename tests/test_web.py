@@ -194,10 +194,10 @@ def test_the_page_follows_a_running_job_and_agrees_with_status(
     # The node's spool, drained: the uploader measures it as its last upload ends, and a node
     # shows its newest measurement (within a reading or two of the end; the bound is NATS's).
     wait_for(
-        lambda: browser.evaluate(
-            f"() => document.querySelector('#nodes tr[data-node=\"{NODE}\"]')?.cells[1].textContent"
-        )
-        == "0",
+        lambda: (
+            browser.evaluate(f"() => document.querySelector('#nodes tr[data-node=\"{NODE}\"]')?.cells[1].textContent")
+            == "0"
+        ),
         timeout=30,
         what="the drained spool on the page",
         procs=procs,
