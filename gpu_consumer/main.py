@@ -267,7 +267,7 @@ async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int
         # starting; a load that fails ends with the goodbye, so it leaves no silent worker.
         async with (
             watching(watch),
-            heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state),
+            heartbeats(events, cfg, service=SERVICE, stopping=stopping, state=state) as beat_now,
         ):
             loaded = await model_for(files, early, forwards, device=cfg.device, compile_layers=compile_layers)
             # Refused here, before any batch is taken: the goodbye leaves no live worker.
@@ -295,6 +295,7 @@ async def _run(cfg: ConsumerConfig, device: torch.device, health: Health) -> int
             )
             health.stalled = lambda: _stalled(worker)
             health.ready()
+            beat_now()  # no longer starting, and its kernels: seen now, not a heartbeat later
             try:
                 async with until_done(end):
                     await pull_loop(worker, sub, cfg, stopping, health)

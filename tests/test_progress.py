@@ -15,7 +15,7 @@ from hsx.job import JobSpec
 from hsx.monitor.rates import RateWindow, eta_seconds
 from hsx.wire import schemas, topology
 from hsx.wire.counts import ProgressCounts, QueueState, count_stored
-from hsx.wire.events import EventPublisher
+from hsx.wire.events import EventPublisher, WorkerState, heartbeat_loop
 from hsx.wire.fold import ProgressFold
 from hsx.wire.jobs import last_heartbeats
 from hsx.wire.natsconn import NatsSettings
@@ -425,3 +425,50 @@ def test_streams_of_an_older_hsx_without_hsx_state_are_read_without_heartbeats_o
             await nc.drain()
 
     assert asyncio.run(run()) == (2, {}, [])
+
+
+def test_a_worker_beats_at_once_when_told_not_a_heartbeat_later(nats_server, job_name):
+    """`heartbeats()` yields a callable that sends the next beat now (the consumer calls it once
+    its model is loaded: the page then shows it ready with its kernels). Each wait below is far
+    under the 600 s interval, so only the wake can explain a second beat."""
+    interval_s, phase = 600.0, ["starting"]
+
+    def state() -> WorkerState:
+        return WorkerState(state=phase[0])
+
+    async def states(js) -> list[str]:
+        return [beat.state for beat in await last_heartbeats(js, job_name)]
+
+    async def until(js, expected: str) -> None:
+        deadline = time.monotonic() + 60
+        while await states(js) != [expected]:
+            assert time.monotonic() < deadline, await states(js)
+            await asyncio.sleep(0.05)
+
+    async def run() -> None:
+        nc, js, events, _spec = await _publisher(nats_server.url, job_name)
+        stopping, wake = asyncio.Event(), asyncio.Event()
+        loop = asyncio.create_task(
+            heartbeat_loop(
+                events,
+                service="gpu_consumer",
+                instance="w1",
+                node="n1",
+                interval_s=interval_s,
+                stopping=stopping,
+                state=state,
+                wake=wake,
+            )
+        )
+        try:
+            await until(js, "starting")
+            phase[0] = "idle"
+            wake.set()
+            await until(js, "idle")
+            stopping.set()
+            await asyncio.wait_for(loop, 60)  # the wait ends on stopping too, not after the interval
+        finally:
+            loop.cancel()
+            await nc.drain()
+
+    asyncio.run(run())

@@ -184,11 +184,17 @@ def test_the_page_follows_a_running_job_and_agrees_with_status(
     assert set(api_before) == set(printed) == set(api_after), sorted(set(api_before) ^ set(printed))
     differ = {key for key in printed if printed[key] not in (api_before[key], api_after[key])}
     assert differ <= OWN_WINDOW, {key: (api_before[key], printed[key], api_after[key]) for key in differ}
+
     # The workers' rows: a consumer on the CPU and an uploader, from node testnode, alive.
-    rows = browser.evaluate(
-        "() => [...document.querySelectorAll('#workers tbody tr')]"
-        ".map(r => [r.dataset.state, r.cells[1].textContent, r.cells[2].textContent])"
-    )
+    # The consumer beats once its model is loaded: shown past "starting", however short the job.
+    def rows_past_starting():
+        rows = browser.evaluate(
+            "() => [...document.querySelectorAll('#workers tbody tr')]"
+            ".map(r => [r.dataset.state, r.cells[1].textContent, r.cells[2].textContent])"
+        )
+        return rows if rows and all(state != "starting" for state, _, _ in rows) else None
+
+    rows = wait_for(rows_past_starting, timeout=30, what="the workers past starting on the page", procs=procs)
     assert sorted(device for _, _, device in rows) == ["cpu", "uploader"], rows
     assert all(node == NODE and state != "silent" for state, node, _ in rows), rows
     # The node's spool, drained: the uploader measures it as its last upload ends, and a node

@@ -200,10 +200,14 @@ async def heartbeat_loop(
     stopping: asyncio.Event,
     state: Callable[[], WorkerState],
     spool: str = "",
+    wake: asyncio.Event | None = None,
 ) -> None:
-    """Send `state()` as a heartbeat every `interval_s` until stopping. `state()` runs on a thread:
-    it measures the spool, a directory walk that must not hold up the event loop."""
+    """Send `state()` as a heartbeat every `interval_s` until stopping, and at once when `wake` is
+    set (a worker whose state changed: its model loaded). `state()` runs on a thread: it measures
+    the spool, a directory walk that must not hold up the event loop."""
+    wake = wake or asyncio.Event()
     while not stopping.is_set():
+        wake.clear()  # before the state is read: a change from here on gets a beat of its own
         try:
             report = await asyncio.to_thread(state)
             await events.heartbeat(
@@ -223,10 +227,12 @@ async def heartbeat_loop(
             )
         except Exception as exc:
             log.warning("heartbeat_failed", error=str(exc))
+        waits = [asyncio.ensure_future(stopping.wait()), asyncio.ensure_future(wake.wait())]
         try:
-            await asyncio.wait_for(stopping.wait(), timeout=interval_s)
-        except TimeoutError:
-            pass
+            await asyncio.wait(waits, timeout=interval_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in waits:
+                waiting.cancel()
 
 
 async def goodbye_heartbeat(

@@ -286,9 +286,10 @@ async def heartbeats(
     service: str,
     stopping: asyncio.Event,
     state: Callable[[], WorkerState],
-) -> AsyncIterator[None]:
-    """Beats `state()` while the block runs; on leaving it, however (a start that failed too), the
-    beats stop and the goodbye (`stopping`) is sent, so the worker's last word is that it is gone.
+) -> AsyncIterator[Callable[[], None]]:
+    """Beats `state()` while the block runs, and at once each time the callable it yields is
+    called (a change the monitor should see now); on leaving it, however (a start that failed
+    too), the beats stop and the goodbye (`stopping`) is sent, so the worker's last word is that it is gone.
     A second signal (hsx.wire.lifecycle) sends the goodbye before it ends the process. A worker
     refused before it exists (a device it cannot use) opens no block: it sends no heartbeat."""
 
@@ -298,6 +299,7 @@ async def heartbeats(
         )
         await events.nc.flush(timeout=1)
 
+    wake = asyncio.Event()
     beats = asyncio.create_task(
         heartbeat_loop(
             events,
@@ -308,12 +310,13 @@ async def heartbeats(
             stopping=stopping,
             state=state,
             spool=str(cfg.spool),
+            wake=wake,
         )
     )
     if isinstance(stopping, StopEvent):
         stopping.last_words = goodbye
     try:
-        yield
+        yield wake.set
     finally:
         beats.cancel()
         await asyncio.gather(beats, return_exceptions=True)
