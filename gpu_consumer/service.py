@@ -722,7 +722,7 @@ class BatchWorker:
         )
 
     def heartbeat_state(self) -> WorkerState:
-        (files, used), measured_at = self.spool_meter.usage(), self.spool_meter.walked_at
+        files, used, measured_at = self.spool_meter.measured()
         stall = self.stall
         if stall is not None:  # whatever the other stage says: this worker's batch is hung
             running = stall.running_s()

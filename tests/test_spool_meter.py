@@ -123,6 +123,7 @@ def test_the_meter_says_when_its_count_of_other_processes_files_was_taken(tmp_pa
     before = time.time()
     meter.walk()
     after = time.time()
-    assert before <= meter.walked_at <= after and meter.usage() == (1, 10)
+    files, used, walked_at = meter.measured()
+    assert before <= walked_at <= after and (files, used) == meter.usage() == (1, 10)
     meter.add(1, 5)  # its own write: counted at once, the walk's time unchanged
-    assert meter.usage() == (2, 15) and meter.walked_at <= after
+    assert meter.measured() == (2, 15, walked_at)

@@ -293,9 +293,9 @@ class FileMover:
             await self._beat_when_drained()
 
     async def _beat_when_drained(self) -> None:
-        """A heartbeat as the last upload in hand ends (at most every DRAINED_BEAT_EVERY_S): the
-        node's spool figure is then the drained spool at once, not up to a heartbeat later, as at
-        a job's end."""
+        """A heartbeat as the last upload in hand is stored (at most every DRAINED_BEAT_EVERY_S):
+        the node's spool figure is then the drained spool at once, not up to a heartbeat later, as
+        at a job's end."""
         if time.monotonic() - self._drained_beat_at >= DRAINED_BEAT_EVERY_S:
             self._drained_beat_at = time.monotonic()
             await self._beat()

@@ -163,12 +163,17 @@ class SpoolMeter:
             self._since.append((time.time_ns(), files, nbytes))
 
     def usage(self) -> tuple[int, int]:
+        files, total, _ = self.measured()
+        return files, total
+
+    def measured(self) -> tuple[int, int, float]:
+        """(files, bytes, `walked_at`), read together: the count and the time it is as of."""
         with self._lock:
-            files, total = self._walked
+            (files, total), walked_at = self._walked, self.walked_at
             for _, added_files, added_bytes in self._since:
                 files += added_files
                 total += added_bytes
-        return max(0, files), max(0, total)
+        return max(0, files), max(0, total), walked_at
 
     def walk(self) -> float:
         """Walk the folder now (off the hot path); returns how long it took."""
