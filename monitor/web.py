@@ -25,7 +25,7 @@ from nats.js.kv import KeyValue
 from hsx.errors import HsxError
 from hsx.logs import get_logger
 from hsx.monitor.pagefeed import JobFollower
-from hsx.wire.health import http_url
+from hsx.wire.health import host_port, http_url
 from hsx.wire.jobs import job_names, read_job_spec
 from hsx.wire.topology import job_name
 
@@ -104,7 +104,7 @@ class WebServer:
             await web.TCPSite(self.runner, addr, port).start()
         except OSError as exc:
             await self.runner.cleanup()
-            raise HsxError(f"--http {addr}:{port}: cannot listen ({exc.strerror or exc})") from None
+            raise HsxError(f"--http {host_port(addr, port)}: cannot listen ({exc.strerror or exc})") from None
         self.url = http_url(addr, port)
         self._janitor = asyncio.ensure_future(self._stop_idle_followers())
         return self.url

@@ -1,15 +1,22 @@
 """What the monitor's page shows, from its pure parts (monitor/page.py) and the heartbeat's `load`
 (hsx/wire/load.py, schemas.WorkerLoad): the rate history covers the whole job in bounded points,
 workers are marked silent and degraded and left out once gone, each node's free disk and
-high-water mark come from its newest measurement, and heartbeats from workers older than `load`
-still decode. The page in a browser is tests/test_web.py."""
+high-water mark come from its newest measurement, heartbeats from workers older than `load`
+still decode, and a port the page cannot listen on is one line naming it (an IPv6 address in
+brackets). The page in a browser is tests/test_web.py."""
+
+import asyncio
+import re
+import socket
 
 import msgspec
 import pytest
 
+from hsx.errors import HsxError
 from hsx.job import JobSpec
 from hsx.monitor.page import HISTORY_POINTS, RateHistory, node_rows, worker_rows
 from hsx.monitor.report import take_reading
+from hsx.monitor.web import WebServer
 from hsx.wire import schemas
 from hsx.wire.counts import ProgressCounts, QueueState
 from hsx.wire.fold import ProgressFold
@@ -126,3 +133,20 @@ def test_a_workers_rate_is_its_samples_over_the_last_minute():
     # Seen from 119 s: the additions at 60, 70, ..., 110 s are within the last 60 s, 6 of 5 samples.
     assert rate.per_second(now=start + 119) == pytest.approx(30 / 60)
     assert RecentRate().per_second() == 0.0
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1", "::1"])
+def test_a_page_port_it_cannot_listen_on_is_one_line_naming_it(addr):
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        taken = socket.socket(family)
+    except OSError:
+        pytest.skip(f"no {family.name} on this machine")
+    with taken:
+        taken.bind((addr, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        where = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+        server = WebServer(job="j", interval_s=1.0, silent_after_s=30.0)
+        with pytest.raises(HsxError, match=rf"^--http {re.escape(where)}: cannot listen"):
+            asyncio.run(server.start(addr, port))

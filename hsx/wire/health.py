@@ -57,9 +57,14 @@ def parse_listen(flag: str) -> Callable[[str], str]:
     return parse
 
 
+def host_port(addr: str, port: int) -> str:
+    """`ADDR:PORT` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+
+
 def http_url(addr: str, port: int) -> str:
-    """The address as a browser takes it (an IPv6 address in brackets), ending in "/"."""
-    return f"http://[{addr}]:{port}/" if ":" in addr else f"http://{addr}:{port}/"
+    """The address as a browser takes it, ending in "/"."""
+    return f"http://{host_port(addr, port)}/"
 
 
 def listen_address(listen: str, default_addr: str) -> tuple[str, int]:
@@ -149,8 +154,7 @@ class HealthServer:
         try:
             self.server = server_class((addr, port), _handler(health))
         except OSError as exc:
-            where = http_url(addr, port).removeprefix("http://").removesuffix("/")  # [::1]:9200
-            raise HsxError(f"{flag}: cannot listen on {where} ({exc.strerror or exc})") from None
+            raise HsxError(f"{flag}: cannot listen on {host_port(addr, port)} ({exc.strerror or exc})") from None
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name="hsx-health", daemon=True)
         self.thread.start()
