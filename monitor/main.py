@@ -180,12 +180,11 @@ class _Readings:
         self.page, self.maker = page, maker
         self.started = self.saved = time.monotonic()
         self.token_rate, self.sample_rate = RateWindow(), RateWindow()
-        self.as_of: float | None = None  # of the newest complete reading (ProgressTracker.refresh)
 
     async def take(self, spec: JobSpec, *, summarised: bool):
         cfg, tracker = self.cfg, self.tracker
         try:
-            self.as_of = await tracker.refresh(wait_s=READING_WAIT_S) or self.as_of
+            await tracker.refresh(wait_s=READING_WAIT_S)
             if time.monotonic() - self.saved >= CHECKPOINT_EVERY_S:
                 await tracker.save_checkpoint()
                 self.saved = time.monotonic()
@@ -203,7 +202,7 @@ class _Readings:
             job=cfg.job,
             live_s=cfg.silent_after_s,
             sums_complete=tracker.sums_caught_up,
-            as_of=self.as_of,
+            as_of=tracker.as_of,
         )
         if tracker.sums_caught_up:  # not while catching up from a checkpoint: no rate spike
             self.token_rate.add(view.tokens_written)

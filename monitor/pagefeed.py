@@ -161,7 +161,6 @@ class JobFollower:
         self.tracker = ProgressTracker(js, spec.job, plan=spec.plan_tag, heartbeats=True)
         self._stopping = asyncio.Event()
         self.task: asyncio.Task | None = None
-        self.as_of: float | None = None  # of the newest complete reading
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._run())
@@ -186,8 +185,8 @@ class JobFollower:
                         log.info("page_job_gone", job=job)
                         return
                     self.spec = spec
-                    self.as_of = await self.tracker.refresh(wait_s=READING_WAIT_S) or self.as_of or time.time()
-                    page, status = await self.maker.make(spec, self.tracker, as_of=self.as_of)
+                    as_of = await self.tracker.refresh(wait_s=READING_WAIT_S) or time.time()
+                    page, status = await self.maker.make(spec, self.tracker, as_of=as_of)
                     self.publish(job, page, status)
                 except Exception as exc:  # NATS reconnecting: the next tick tries again
                     log.warning("page_reading_unavailable", job=job, error=str(exc) or type(exc).__name__)

@@ -96,6 +96,9 @@ class ProgressTracker:
         self.fold = ProgressFold(job=job, plan=plan)
         self.queues = QueueState()
         self.counts = ProgressCounts()
+        # The moment (time.time()) before which the newest complete reading holds every marker
+        # (`refresh`); None before the first.
+        self.as_of: float | None = None
         self.heartbeats = heartbeats
         # Without `sums` only the dead letters (and heartbeats) are replayed: enough for whether
         # a job is over, which the counts and queues say, without replaying every marker.
@@ -206,9 +209,9 @@ class ProgressTracker:
 
     async def refresh(self, *, wait_s: float) -> float | None:
         """The queues and counts read again, and the sums given up to `wait_s` to hold every marker
-        stored before the call: returns that moment (time.time()), as of which the whole reading is
-        complete (a reading stamped later than what it holds would put `hsx status` ahead of it),
-        or None when the sums are further behind."""
+        stored before the call; returns `as_of`: that moment once they do (a reading stamped later
+        than what it holds would put `hsx status` ahead of it), the last complete reading's when
+        the sums are further behind."""
         moment = time.time()
         newest = await self._newest_markers()
         await self.refresh_queues()
@@ -216,8 +219,9 @@ class ProgressTracker:
         deadline = time.monotonic() + wait_s
         while not self._sums_hold(newest):
             if time.monotonic() > deadline:
-                return None
+                return self.as_of
             await asyncio.sleep(0.05)
+        self.as_of = moment
         return moment
 
     def _sums_hold(self, newest: list[int]) -> bool:
